@@ -1,0 +1,3 @@
+from bnaudit.cli import main
+
+main()

@@ -1,0 +1,696 @@
+"""Read checkpoints of every format and container without running their code.
+
+A reader turns one file into a `Checkpoint`: the chosen state dict as a mapping of
+names to lazy `TensorRef`s (nothing is read until a rule needs it), the container key
+it came from, the other candidate state dicts, and what the file says about the BN
+modules themselves when it holds them (eps, momentum).
+
+Formats are sniffed from the bytes, never from the extension:
+  safetensors   8-byte little-endian header length, then a JSON header; read by a
+                small validating reader of our own (torch-free, per-tensor reads, no
+                allocation of what a hostile header claims)
+  torch-zip     `torch.save` zip archive; `torch.load(weights_only=True, mmap=True)`
+  torch-legacy  pre-1.6 `torch.save` pickle stream; `torch.load(weights_only=True)`
+  torchscript   `torch.jit.save` archive; unpickled by a restricted unpickler that
+                builds inert records and never runs the archive's code
+"""
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import math
+import os
+import pickle
+import re
+import zipfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from bnaudit.errors import BnauditError
+
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar", ".safetensors")
+
+# Header size above which a safetensors file is refused before reading the header:
+# real headers are kilobytes to a few megabytes; a hostile one claims petabytes.
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor that is read only when `read()` is called.
+
+    `dtype` is the numpy-style name (`float32`, `bfloat16`, `int64`, ...) of the
+    stored type; `read()` returns a numpy array (bfloat16 widened to float32).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    _reader: Callable[[], np.ndarray] = field(repr=False, compare=False)
+
+    @property
+    def is_floating(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat"))
+
+    @property
+    def is_integer(self) -> bool:
+        return self.dtype.startswith(("int", "uint"))
+
+    def read(self) -> np.ndarray:
+        try:
+            return self._reader()
+        except BnauditError:
+            raise
+        except Exception as exc:  # a torn file or exotic storage: say which tensor
+            raise BnauditError(f"cannot read tensor '{self.name}': {exc}") from exc
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """What a pickled or scripted module says about one normalisation layer."""
+
+    class_name: str
+    eps: float | None
+    momentum: float | None  # None: cumulative average (momentum=None)
+    track_running_stats: bool | None = None
+    momentum_known: bool = True
+
+
+@dataclass
+class Checkpoint:
+    path: str
+    format: str
+    tensors: dict[str, TensorRef]
+    key: str | None = None
+    other_keys: list[str] = field(default_factory=list)
+    prefix: str = ""
+    is_ema: bool = False
+    modules: dict[str, ModuleInfo] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    holds_module: bool = False
+
+
+# ----------------------------------------------------------------------------- sniff
+
+
+def sniff_format(path: str) -> str:
+    """Return the format of `path` from its first bytes (see module docstring)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except IsADirectoryError:
+        raise BnauditError(f"{path}: is a directory") from None
+    except FileNotFoundError:
+        raise BnauditError(f"{path}: no such file") from None
+    except PermissionError:
+        raise BnauditError(f"{path}: permission denied") from None
+    except OSError as exc:
+        raise BnauditError(f"{path}: cannot open ({exc.strerror or exc})") from None
+    if not head:
+        raise BnauditError(f"{path}: empty file, not a checkpoint")
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+        return _sniff_zip(path)
+    if len(head) >= 9 and head[8:9] == b"{":
+        return "safetensors"
+    if head[:1] == b"\x80":
+        return "torch-legacy"
+    raise BnauditError(
+        f"{path}: not a checkpoint (neither torch.save, TorchScript nor safetensors)"
+    )
+
+
+def _sniff_zip(path: str) -> str:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise BnauditError(f"{path}: damaged zip archive ({exc})") from None
+    if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
+        return "torchscript"
+    if any(n.endswith("data.pkl") for n in names):
+        return "torch-zip"
+    raise BnauditError(f"{path}: zip archive without data.pkl, not a torch.save file")
+
+
+# ----------------------------------------------------------------------------- read
+
+
+def read_checkpoint(
+    path: str, key: str | None = None, trust_pickle: bool = False
+) -> Checkpoint:
+    """Open `path` read-only and return its (chosen) state dict as lazy tensors."""
+    fmt = sniff_format(path)
+    if fmt == "safetensors":
+        tensors, metadata = read_safetensors(path)
+        if key is not None:
+            raise BnauditError(f"{path}: --key does not apply to safetensors files")
+        ckpt = Checkpoint(path, fmt, tensors, metadata=metadata)
+        return _strip_wrapper_prefix(ckpt)
+    if fmt == "torchscript":
+        tensors, modules = read_torchscript(path)
+        if key is not None:
+            raise BnauditError(f"{path}: --key does not apply to TorchScript archives")
+        return Checkpoint(path, fmt, tensors, modules=modules, holds_module=True)
+    obj = load_torch_object(path, trust_pickle=trust_pickle, mmap=fmt == "torch-zip")
+    return checkpoint_from_object(path, fmt, obj, key)
+
+
+def checkpoint_from_object(path: str, fmt: str, obj: Any, key: str | None) -> Checkpoint:
+    """Find the state dict inside a loaded container and wrap it as a `Checkpoint`."""
+    candidates = find_state_dicts(obj)
+    if not candidates:
+        raise BnauditError(f"{path}: holds no state dict (no mapping of names to tensors)")
+    chosen = choose_state_dict(path, candidates, key)
+    source = candidates[chosen]
+    modules: dict[str, ModuleInfo] = {}
+    if _is_module(source):
+        modules = module_infos(source)
+        source = source.state_dict()
+    tensors = {name: _torch_ref(name, t) for name, t in source.items() if _is_tensor(t)}
+    ckpt = Checkpoint(
+        path,
+        fmt,
+        tensors,
+        key=None if chosen == "" else chosen,
+        other_keys=[k for k in candidates if k != chosen],
+        is_ema=_is_ema_key(chosen),
+        modules=modules,
+        holds_module=bool(modules) or _is_module(candidates[chosen]),
+    )
+    return _strip_wrapper_prefix(ckpt)
+
+
+# ----------------------------------------------------------------------------- containers
+
+# Subtrees that hold tensors but never the model's state dict.
+_SKIP_KEYS = {
+    "optimizer", "optimizers", "optimizer_states", "optimizer_state_dict", "optim",
+    "opt", "lr_scheduler", "lr_schedulers", "scheduler", "schedulers", "scaler",
+    "grad_scaler", "amp", "loops", "callbacks", "message_hub", "rng_state",
+}
+# Known state-dict keys, most likely first (torchvision, timm, Lightning, DeepSpeed, pycls, ...).
+_PREFERRED_KEYS = ("state_dict", "model", "model_state_dict", "module", "net", "model_state", "params")
+_EMA_RE = re.compile(r"(^|[_/])ema($|[_/])|_ema$|^ema_", re.IGNORECASE)
+
+
+def _is_ema_key(key: str) -> bool:
+    return bool(key) and bool(_EMA_RE.search(key))
+
+
+def _is_tensor(value: Any) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "dtype") and hasattr(value, "shape")
+
+
+def _is_module(value: Any) -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+    return isinstance(value, torch.nn.Module)
+
+
+def _is_tensor_mapping(value: Any) -> bool:
+    if not isinstance(value, Mapping) or not value:
+        return False
+    if not all(isinstance(k, str) for k in value):
+        return False
+    n_tensors = sum(1 for v in value.values() if _is_tensor(v))
+    return n_tensors > 0 and n_tensors * 2 >= len(value)
+
+
+def find_state_dicts(obj: Any, max_depth: int = 4) -> dict[str, Any]:
+    """Every state dict (or nn.Module) in a container, keyed by '/'-joined path.
+
+    The root itself has path "". Optimizer, scheduler and similar subtrees are
+    skipped; a state dict's own entries are not searched further.
+    """
+    found: dict[str, Any] = {}
+
+    def walk(value: Any, path: str, depth: int) -> None:
+        if _is_module(value) or _is_tensor_mapping(value):
+            found[path] = value
+            return
+        if depth >= max_depth or not isinstance(value, Mapping):
+            return
+        for k, v in value.items():
+            if not isinstance(k, str) or k.lower() in _SKIP_KEYS:
+                continue
+            walk(v, f"{path}/{k}" if path else k, depth + 1)
+
+    walk(obj, "", 0)
+    return found
+
+
+def choose_state_dict(path: str, candidates: dict[str, Any], key: str | None) -> str:
+    if key is not None:
+        if key in candidates:
+            return key
+        listed = ", ".join(repr(k) for k in candidates if k) or "only the root"
+        raise BnauditError(f"{path}: no state dict under key '{key}' (found: {listed})")
+    if "" in candidates:
+        return ""
+    non_ema = [k for k in candidates if not _is_ema_key(k)] or list(candidates)
+
+    def rank(k: str) -> tuple[int, int, int]:
+        parts = k.split("/")
+        known = min((_PREFERRED_KEYS.index(p) for p in parts if p in _PREFERRED_KEYS), default=99)
+        return (known, len(parts), -len(candidates[k]) if isinstance(candidates[k], Mapping) else 0)
+
+    return min(non_ema, key=rank)
+
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.")
+
+
+def _strip_wrapper_prefix(ckpt: Checkpoint) -> Checkpoint:
+    """Strip DDP / torch.compile / Lightning prefixes, only when every key has one."""
+    stripped = ""
+    names = list(ckpt.tensors)
+    changed = True
+    while names and changed:
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            if all(n.startswith(prefix) for n in names):
+                names = [n[len(prefix):] for n in names]
+                stripped += prefix
+                changed = True
+                break
+    if stripped:
+        cut = len(stripped)
+        ckpt.tensors = {
+            name[cut:]: TensorRef(name[cut:], ref.shape, ref.dtype, ref._reader)
+            for name, ref in ckpt.tensors.items()
+        }
+        ckpt.modules = {
+            name[cut:] if name.startswith(stripped) else name: info
+            for name, info in ckpt.modules.items()
+        }
+        ckpt.prefix = stripped
+    return ckpt
+
+
+# ----------------------------------------------------------------------------- torch.load
+
+
+# Plain-data globals that real checkpoints carry (torchvision/timm `args`, numpy
+# scalars and arrays). Each only rebuilds data; none calls anything it is handed.
+_PLAIN_GLOBALS = {
+    "argparse.Namespace",
+    "numpy.dtype",
+    "numpy.ndarray",
+    "numpy.core.multiarray.scalar",
+    "numpy._core.multiarray.scalar",
+    "numpy.core.multiarray._reconstruct",
+    "numpy._core.multiarray._reconstruct",
+    "builtins.set",
+    "builtins.frozenset",
+    "torch.torch_version.TorchVersion",
+}
+_NUMPY_DTYPE_RE = re.compile(r"^numpy\.dtypes\.\w+DType$")
+_NN_MODULE_PREFIXES = ("torch.nn.modules.", "torch.ao.nn.", "torch.nn.intrinsic.", "torch.nn.quantized.")
+
+
+def _resolve(name: str) -> Any:
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def allowed_global(name: str) -> Any | None:
+    """The object for an allow-listed global name, or None if it is not allowed.
+
+    torch.nn module classes are allowed (unpickling one only restores attributes);
+    they are imported from torch itself, never from the file.
+    """
+    if name in _PLAIN_GLOBALS or _NUMPY_DTYPE_RE.match(name):
+        try:
+            return _resolve(name)
+        except (ImportError, AttributeError):
+            return None
+    if name.startswith(_NN_MODULE_PREFIXES):
+        import torch
+
+        try:
+            obj = _resolve(name)
+        except (ImportError, AttributeError, ValueError):
+            return None
+        if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
+            return obj
+    return None
+
+
+def _refusal(path: str, unsafe: list[str]) -> BnauditError:
+    shown = ", ".join(unsafe[:8]) + (f" and {len(unsafe) - 8} more" if len(unsafe) > 8 else "")
+    return BnauditError(
+        f"{path}: refused to unpickle: it needs globals that could run code ({shown}); "
+        "if you trust this file, pass --trust-pickle; safer still, save a state dict "
+        "or a .safetensors file"
+    )
+
+
+def _base_allowlist() -> list[Any]:
+    import numpy
+
+    allowed = [o for o in (allowed_global(n) for n in sorted(_PLAIN_GLOBALS)) if o is not None]
+    # numpy.dtype's reduce rebuilds through these classes without naming them as globals
+    dtypes = getattr(numpy, "dtypes", None)
+    if dtypes is not None:
+        allowed += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")]
+    return allowed
+
+
+_MISSING_GLOBAL_RES = (re.compile(r"GLOBAL ([\w.]+)"), re.compile(r"got <class '([\w.]+)'>"))
+
+
+def load_torch_object(path: str, trust_pickle: bool = False, mmap: bool = True) -> Any:
+    """`torch.load` a torch.save file without running pickled code.
+
+    Only allow-listed globals are accepted; anything else is refused with the list of
+    globals the file would need. `trust_pickle=True` is the user's explicit opt-out.
+    """
+    import torch
+
+    if trust_pickle:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as exc:
+            raise BnauditError(f"{path}: cannot load: {_first_line(exc)}") from exc
+    allowed = _base_allowlist()
+    if mmap:
+        try:
+            needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception as exc:
+            raise BnauditError(f"{path}: damaged torch.save archive ({_first_line(exc)})") from exc
+        unsafe = [n for n in needed if allowed_global(n) is None]
+        if unsafe:
+            raise _refusal(path, unsafe)
+        allowed += [allowed_global(n) for n in needed]
+    # A legacy pickle cannot be scanned up front (and a zip one may name classes only
+    # while it is built): load, and let each refused global either join the allow
+    # list (an allow-listed name) or end the attempt with a refusal.
+    for _ in range(64):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError as exc:
+            text = str(exc)
+            missing = [m for rx in _MISSING_GLOBAL_RES for m in rx.findall(text)]
+            if not missing:
+                raise BnauditError(f"{path}: cannot unpickle safely ({_unpickling_reason(text)})") from None
+            extra = [allowed_global(n) for n in missing]
+            refused = [n for n, o in zip(missing, extra) if o is None or o in allowed]
+            if refused:
+                raise _refusal(path, refused) from None
+            allowed += extra
+        except BnauditError:
+            raise
+        except Exception as exc:
+            raise BnauditError(f"{path}: not a readable torch.save file ({_first_line(exc)})") from None
+    raise BnauditError(f"{path}: needs too many distinct classes to unpickle safely")
+
+
+def _unpickling_reason(text: str) -> str:
+    """The informative line of torch's long weights_only message."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in text.splitlines()]
+    for i, line in enumerate(lines):
+        if "WeightsUnpickler error" in line:
+            rest = line.split("WeightsUnpickler error:", 1)[-1].strip()
+            following = [x for x in lines[i + 1:] if x]
+            return rest or (following[0] if following else line)
+    return next((x for x in lines if x), "unknown reason")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return re.sub(r"\x1b\[[0-9;]*m", "", text[0]) if text else type(exc).__name__
+
+
+def _torch_ref(name: str, tensor: Any) -> TensorRef:
+    dtype = str(tensor.dtype).removeprefix("torch.")
+
+    def read() -> np.ndarray:
+        t = tensor.detach()
+        if t.dtype.is_floating_point and t.dtype.itemsize < 4:
+            t = t.float()  # bfloat16 has no numpy type; float16 widened alike
+        return t.cpu().numpy()
+
+    return TensorRef(name, tuple(int(s) for s in tensor.shape), dtype, read)
+
+
+def module_infos(model: Any) -> dict[str, ModuleInfo]:
+    """eps / momentum / tracking of every normalisation module of an nn.Module."""
+    infos: dict[str, ModuleInfo] = {}
+    for name, mod in model.named_modules():
+        if hasattr(mod, "running_mean") or hasattr(mod, "track_running_stats"):
+            eps = getattr(mod, "eps", None)
+            infos[name] = ModuleInfo(
+                class_name=type(mod).__name__,
+                eps=float(eps) if isinstance(eps, (int, float)) else None,
+                momentum=getattr(mod, "momentum", None),
+                track_running_stats=getattr(mod, "track_running_stats", None),
+                momentum_known=hasattr(mod, "momentum"),
+            )
+    return infos
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+_ST_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2), "I64": ("int64", 8), "I32": ("int32", 4),
+    "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1), "BOOL": ("bool", 1),
+    "U16": ("uint16", 2), "U32": ("uint32", 4), "U64": ("uint64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+}
+
+
+def read_safetensors(path: str) -> tuple[dict[str, TensorRef], dict[str, str]]:
+    """Validate a safetensors header and return lazy per-tensor readers.
+
+    Every claim of the header (header length, offsets, shapes, dtypes) is checked
+    against the file's real size before anything is allocated.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise BnauditError(f"{path}: truncated safetensors file")
+        n = int.from_bytes(head, "little")
+        if n > size - 8 or n > MAX_SAFETENSORS_HEADER:
+            raise BnauditError(
+                f"{path}: corrupt safetensors header (claims {n} bytes, file has {size})"
+            )
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BnauditError(f"{path}: corrupt safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise BnauditError(f"{path}: corrupt safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise BnauditError(f"{path}: corrupt safetensors metadata (not a JSON object)")
+    data_start = 8 + n
+    data_size = size - data_start
+    tensors: dict[str, TensorRef] = {}
+    for name, info in header.items():
+        try:
+            st_dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise BnauditError(f"{path}: corrupt safetensors entry '{name}'") from None
+        if st_dtype not in _ST_DTYPES:
+            raise BnauditError(f"{path}: tensor '{name}' has unknown dtype {st_dtype!r}")
+        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+            raise BnauditError(f"{path}: tensor '{name}' has an invalid shape {shape!r}")
+        dtype, itemsize = _ST_DTYPES[st_dtype]
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_size):
+            raise BnauditError(f"{path}: tensor '{name}' lies outside the file (offsets {begin}..{end})")
+        if math.prod(shape) * itemsize != end - begin:
+            raise BnauditError(f"{path}: tensor '{name}' has {end - begin} bytes for shape {shape}")
+        tensors[name] = TensorRef(
+            name, tuple(shape), dtype, _file_slice_reader(path, data_start + begin, end - begin, dtype, tuple(shape))
+        )
+    return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+def _file_slice_reader(path: str, offset: int, length: int, dtype: str, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
+    def read() -> np.ndarray:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            raw = f.read(length)
+        if len(raw) != length:
+            raise BnauditError(f"{path}: truncated tensor data")
+        return decode_array(raw, dtype, shape)
+
+    return read
+
+
+def decode_array(raw: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Little-endian bytes -> numpy array; bfloat16 widened exactly to float32."""
+    if dtype == "bfloat16":
+        bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(shape)
+    if dtype.startswith("float8"):
+        raise BnauditError(f"{dtype} tensors cannot be decoded without torch")
+    return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
+
+
+# ----------------------------------------------------------------------------- TorchScript
+
+_STORAGE_DTYPES = {
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+}
+
+
+class _ScriptObject:
+    """An inert stand-in for a `__torch__.*` class: it only keeps its attributes."""
+
+    qualname = "?"
+
+    def __setstate__(self, state: Any) -> None:
+        self.attrs = state if isinstance(state, dict) else {"__state__": state}
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    entry: str
+    dtype: str
+
+
+class _ScriptUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, archive: zipfile.ZipFile, root: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.archive, self.root = archive, root
+        self.classes: dict[str, type] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("__torch__"):
+            qual = f"{module}.{name}"
+            if qual not in self.classes:
+                self.classes[qual] = type(name, (_ScriptObject,), {"qualname": qual})
+            return self.classes[qual]
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return self._rebuild_tensor
+        if (module, name) == ("collections", "OrderedDict"):
+            from collections import OrderedDict
+
+            return OrderedDict
+        if module == "torch.jit._pickle" and name.startswith("build_"):
+            return lambda items: list(items)
+        if (module, name) == ("torch.jit._pickle", "restore_type_tag"):
+            return lambda value, _tag: value
+        raise pickle.UnpicklingError(f"refusing global {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> _StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        return _StorageRef(f"{self.root}/data/{pid[2]}", str(pid[1]))
+
+    def _rebuild_tensor(self, storage: _StorageRef, offset: int, size: tuple, stride: tuple, *_: Any) -> TensorRef:
+        archive = self.archive
+
+        def read() -> np.ndarray:
+            flat = decode_array(archive.read(storage.entry), storage.dtype, (-1,))
+            if math.prod(size) == 0:
+                return np.zeros(size, dtype=flat.dtype)
+            span = offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1
+            if offset < 0 or span > flat.size:
+                raise BnauditError(f"tensor view runs past its storage {storage.entry}")
+            return np.lib.stride_tricks.as_strided(
+                flat[offset:], shape=size, strides=[st * flat.itemsize for st in stride]
+            ).copy()
+
+        return TensorRef("", tuple(size), storage.dtype, read)
+
+
+def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleInfo]]:
+    """Tensors and BN module settings of a TorchScript archive, without loading it."""
+    try:
+        archive = zipfile.ZipFile(path)
+        entry = next(n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1)
+        root = entry.split("/")[0]
+        obj = _ScriptUnpickler(archive.read(entry), archive, root).load()
+    except (StopIteration, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError, TypeError, KeyError) as exc:
+        raise BnauditError(f"{path}: unreadable TorchScript archive ({_first_line(exc)})") from None
+    tensors: dict[str, TensorRef] = {}
+    modules: dict[str, ModuleInfo] = {}
+    constants = _ScriptConstants(archive, root)
+
+    def walk(node: Any, prefix: str, depth: int) -> None:
+        if depth > 200 or not isinstance(node, _ScriptObject):
+            return
+        attrs = {**constants.of(node.qualname), **getattr(node, "attrs", {})}
+        cls = node.qualname.rsplit(".", 1)[-1]
+        if "running_mean" in attrs or "track_running_stats" in attrs:
+            eps, momentum = attrs.get("eps"), attrs.get("momentum")
+            modules[prefix.rstrip(".")] = ModuleInfo(
+                cls,
+                float(eps) if isinstance(eps, (int, float)) else None,
+                float(momentum) if isinstance(momentum, (int, float)) else None,
+                attrs.get("track_running_stats"),
+                momentum_known="momentum" in attrs,
+            )
+        for name, value in attrs.items():
+            if isinstance(value, TensorRef):
+                full = prefix + name
+                tensors[full] = TensorRef(full, value.shape, value.dtype, value._reader)
+            elif isinstance(value, _ScriptObject):
+                walk(value, f"{prefix}{name}.", depth + 1)
+
+    walk(obj, "", 0)
+    return tensors, modules
+
+
+class _ScriptConstants:
+    """`Final` class constants (eps, momentum, ...) from an archive's code files.
+
+    TorchScript compiles BatchNorm's eps and momentum into its code as
+    `eps : Final[float] = 0.001`; the file is read as text, never executed.
+    """
+
+    _CLASS_RE = re.compile(r"^class (\w+)\(", re.MULTILINE)
+    _FINAL_RE = re.compile(r"^\s+(\w+) : Final\[\w+\] = (.+?)\s*$", re.MULTILINE)
+
+    def __init__(self, archive: zipfile.ZipFile, root: str) -> None:
+        self.archive, self.root = archive, root
+        self.cache: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def of(self, qualname: str) -> dict[str, Any]:
+        module, _, cls = qualname.rpartition(".")
+        if module not in self.cache:
+            entry = f"{self.root}/code/{module.replace('.', '/')}.py"
+            try:
+                source = self.archive.read(entry).decode("utf-8", "replace")
+            except KeyError:
+                source = ""
+            self.cache[module] = self._parse(source)
+        return self.cache[module].get(cls, {})
+
+    def _parse(self, source: str) -> dict[str, dict[str, Any]]:
+        classes: dict[str, dict[str, Any]] = {}
+        starts = [(m.start(), m.group(1)) for m in self._CLASS_RE.finditer(source)]
+        for i, (start, name) in enumerate(starts):
+            end = starts[i + 1][0] if i + 1 < len(starts) else len(source)
+            values: dict[str, Any] = {}
+            for key, literal in self._FINAL_RE.findall(source[start:end]):
+                values[key] = _literal(literal)
+            classes[name] = values
+        return classes
+
+
+def _literal(text: str) -> Any:
+    if text == "None":
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    try:
+        return float(text) if any(c in text for c in ".eE") or text in ("inf", "nan") else int(text)
+    except ValueError:
+        return text

@@ -1,0 +1,14 @@
+"""The one exception type users see as a message.
+
+Anything a user can cause (a bad path, an unreadable file, a bad option) raises
+`BnauditError`; `cli.main` turns it into one line on stderr and exit code 2.
+Everything else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+
+class BnauditError(Exception):
+    """A user-facing error: `str(err)` is the whole message, one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))

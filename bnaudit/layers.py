@@ -1,0 +1,190 @@
+"""Find BatchNorm layers in a state dict by what they hold, not by what they are called.
+
+A BN layer is a key prefix P whose `P.running_mean` and `P.running_var` are 1-D
+floating tensors of the same length C, with optional `P.weight` / `P.bias` (the
+affine gamma and beta, normally length C) and an optional integer
+`P.num_batches_tracked`. This finds nn.BatchNorm*d, SyncBatchNorm, FrozenBatchNorm
+(no counter), fused QAT `*.bn.*` sub-modules, quantized BN (`scale`, `zero_point`)
+and tracked InstanceNorm alike. Groups that only look similar are skipped:
+statistics of different lengths (e3nn), float64 normalisers with a `count`
+sibling (RL observation normalisers), and BatchRenorm's `running_std`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from bnaudit.checkpoint import Checkpoint, ModuleInfo, TensorRef
+
+DEFAULT_EPS = 1e-5
+DEFAULT_MOMENTUM = 0.1
+STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
+
+
+@dataclass(frozen=True)
+class BNLayer:
+    """One BN layer's buffers and parameters as float64/int numpy data.
+
+    `eps` and `momentum` are the module's own when the file holds modules, else the
+    assumed values (`settings_assumed` is then True). `momentum` None means a
+    cumulative average (PyTorch `momentum=None`).
+    """
+
+    name: str
+    kind: str
+    running_mean: np.ndarray
+    running_var: np.ndarray
+    weight: np.ndarray | None
+    bias: np.ndarray | None
+    num_batches_tracked: int | None
+    stats_dtype: str
+    eps: float
+    momentum: float | None
+    settings_assumed: bool
+
+    @property
+    def num_features(self) -> int:
+        return int(self.running_mean.shape[0])
+
+
+@dataclass(frozen=True)
+class IncompleteGroup:
+    """A prefix with some BN buffers but without running_mean or running_var."""
+
+    name: str
+    present: tuple[str, ...]
+    missing: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Discovery:
+    layers: list[BNLayer]
+    incomplete: list[IncompleteGroup]
+    # 1-D weight/bias pairs under BN-like names, listed only when the file holds
+    # no running statistics at all (parameters saved without buffers).
+    suspected_without_buffers: list[str]
+
+
+def _group(tensors: dict[str, TensorRef]) -> dict[str, dict[str, TensorRef]]:
+    groups: dict[str, dict[str, TensorRef]] = {}
+    for name, ref in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        groups.setdefault(prefix, {})[leaf] = ref
+    return groups
+
+
+def _is_stat_vector(ref: TensorRef | None) -> bool:
+    return ref is not None and ref.is_floating and len(ref.shape) == 1
+
+
+def _counter(ref: TensorRef | None) -> int | None:
+    if ref is None or not ref.is_integer or int(np.prod(ref.shape)) != 1:
+        return None
+    return int(ref.read().reshape(-1)[0])
+
+
+def _vector(ref: TensorRef | None) -> np.ndarray | None:
+    if ref is None or len(ref.shape) != 1 or not (ref.is_floating or ref.is_integer):
+        return None
+    return ref.read().astype(np.float64)
+
+
+def _kind(group: dict[str, TensorRef], module: ModuleInfo | None) -> str:
+    if module is not None:
+        return module.class_name
+    if "scale" in group and "zero_point" in group:
+        return "QuantizedBatchNorm"
+    if "num_batches_tracked" not in group:
+        return "BatchNorm (no counter)"
+    return "BatchNorm"
+
+
+_BN_LIKE = (
+    r"(^|[._])(bn|bn\d+|bn_\d+|batchnorm\w*|batch_norm\w*|norm_bn\w*)$",
+    r"(^|\.)downsample\.1$",
+    r"_bn\d*$",
+)
+
+
+def looks_like_bn_name(prefix: str) -> bool:
+    low = prefix.lower()
+    return any(re.search(p, low) for p in _BN_LIKE)
+
+
+def discover_layers(
+    ckpt: Checkpoint, eps: float | None = None, momentum: float | None = None,
+    momentum_given: bool = False,
+) -> Discovery:
+    """BN layers of a checkpoint in file order, reading only their tensors.
+
+    `eps` / `momentum` (from --eps/--momentum) override the assumed defaults; the
+    values a file's own modules carry win over both, since they are the truth.
+    """
+    layers: list[BNLayer] = []
+    incomplete: list[IncompleteGroup] = []
+    groups = _group(ckpt.tensors)
+    any_stats = False
+    for prefix, group in groups.items():
+        mean_ref, var_ref = group.get("running_mean"), group.get("running_var")
+        if mean_ref is not None or var_ref is not None:
+            any_stats = True
+        if mean_ref is not None and var_ref is not None:
+            if not (_is_stat_vector(mean_ref) and _is_stat_vector(var_ref)):
+                continue
+            if mean_ref.shape != var_ref.shape:
+                continue  # e3nn-style norms: not BN
+            if "count" in group and mean_ref.dtype == "float64":
+                continue  # RL observation normaliser
+            if "running_std" in group:
+                continue  # BatchRenorm
+            layers.append(_make_layer(prefix, group, ckpt.modules.get(prefix), eps, momentum, momentum_given))
+        elif (mean_ref is not None or var_ref is not None) and "running_std" not in group and "count" not in group:
+            present = tuple(k for k in STAT_NAMES if k in group)
+            missing = tuple(k for k in ("running_mean", "running_var") if k not in group)
+            incomplete.append(IncompleteGroup(prefix, present, missing))
+        elif "num_batches_tracked" in group and _counter(group["num_batches_tracked"]) is not None:
+            incomplete.append(IncompleteGroup(prefix, ("num_batches_tracked",), ("running_mean", "running_var")))
+    suspected: list[str] = []
+    if not any_stats:
+        for prefix, group in groups.items():
+            w, b = group.get("weight"), group.get("bias")
+            if (
+                w is not None and b is not None and len(w.shape) == 1 and w.shape == b.shape
+                and looks_like_bn_name(prefix)
+            ):
+                suspected.append(prefix)
+    return Discovery(layers, incomplete, suspected)
+
+
+def _make_layer(
+    prefix: str, group: dict[str, TensorRef], module: ModuleInfo | None,
+    eps: float | None, momentum: float | None, momentum_given: bool,
+) -> BNLayer:
+    mean = group["running_mean"].read().astype(np.float64)
+    var = group["running_var"].read().astype(np.float64)
+    weight = _vector(group.get("weight"))
+    bias = _vector(group.get("bias"))
+    if module is not None and module.eps is not None:
+        layer_eps, layer_momentum, assumed = module.eps, module.momentum, False
+        if not module.momentum_known:
+            layer_momentum = momentum if momentum_given else DEFAULT_MOMENTUM
+    else:
+        layer_eps = eps if eps is not None else DEFAULT_EPS
+        layer_momentum = momentum if momentum_given else DEFAULT_MOMENTUM
+        assumed = True
+    return BNLayer(
+        name=prefix,
+        kind=_kind(group, module),
+        running_mean=mean,
+        running_var=var,
+        weight=weight,
+        bias=bias,
+        num_batches_tracked=_counter(group.get("num_batches_tracked")),
+        stats_dtype=group["running_var"].dtype,
+        eps=float(layer_eps),
+        momentum=layer_momentum,
+        settings_assumed=assumed,
+    )
+

@@ -1,0 +1,380 @@
+"""The rule registry: stable codes, names, severities, explanations and checks.
+
+Definitions used by every rule (and printed by the report):
+
+  eval gain      g_c = |gamma_c| / sqrt(running_var_c + eps)   (gamma_c = 1 without affine)
+                 the factor by which eval mode multiplies a channel's deviation from
+                 running_mean; a dead channel (var ~ 0, gamma 1) at eps 1e-5 gets 316x.
+  initial weight w = (1 - momentum)^t after t = num_batches_tracked updates: the share
+                 the initial values (mean 0, var 1) still hold in the running buffers.
+  near-eps       running_var_c < near_eps_factor * eps.
+"""
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bnaudit.config import Config
+from bnaudit.layers import BNLayer, Discovery
+
+
+@dataclass(frozen=True)
+class Finding:
+    code: str
+    name: str
+    severity: str  # "error" | "warning" | "info"
+    layer: str | None  # None for file-level findings
+    message: str
+    channels: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class RuleContext:
+    discovery: Discovery
+    config: Config
+    is_ema: bool = False
+
+
+@dataclass(frozen=True)
+class Rule:
+    code: str
+    name: str
+    severity: str  # default severity; "error / warning" when it depends on the case
+    summary: str
+    explanation: str
+    fix: str
+    check: Callable[[RuleContext], Iterable[Finding]] = field(repr=False)
+
+    def finding(self, severity: str, layer: str | None, message: str, channels: Iterable[int] = ()) -> Finding:
+        return Finding(self.code, self.name, severity, layer, message, tuple(int(c) for c in channels))
+
+
+RULES: dict[str, Rule] = {}
+
+
+def rule(code: str, name: str, severity: str, summary: str, explanation: str, fix: str):
+    def register(check: Callable[[RuleContext], Iterable[Finding]]):
+        RULES[code] = Rule(code, name, severity, summary, explanation, fix, check)
+        return check
+
+    return register
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def eval_gain(layer: BNLayer) -> np.ndarray:
+    """g_c = |gamma_c| / sqrt(running_var_c + eps); NaN where var is non-finite or < 0."""
+    var = layer.running_var
+    gamma = layer.weight if layer.weight is not None and layer.weight.shape == var.shape else np.ones_like(var)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        gain = np.abs(gamma) / np.sqrt(var + layer.eps)
+    gain[~np.isfinite(var) | (var < 0)] = np.nan
+    return gain
+
+
+def near_eps_channels(layer: BNLayer, factor: float) -> np.ndarray:
+    """Indices of channels with 0 <= running_var < factor * eps."""
+    var = layer.running_var
+    with np.errstate(invalid="ignore"):
+        return np.flatnonzero(np.isfinite(var) & (var >= 0) & (var < factor * layer.eps))
+
+
+def initial_weight(momentum: float, updates: int) -> float:
+    """w = (1 - momentum)^t: the weight the initial 0/1 values keep after t updates."""
+    return float((1.0 - momentum) ** updates)
+
+
+def has_identity_stats(layer: BNLayer) -> bool:
+    return bool(np.all(layer.running_mean == 0.0) and np.all(layer.running_var == 1.0))
+
+
+def _has_initial_affine(layer: BNLayer) -> bool:
+    return (layer.weight is None or bool(np.all(layer.weight == 1.0))) and (
+        layer.bias is None or bool(np.all(layer.bias == 0.0))
+    )
+
+
+def _channel_list(channels: np.ndarray, limit: int = 8) -> str:
+    shown = ", ".join(str(int(c)) for c in channels[:limit])
+    return shown + (f", ... ({len(channels)} in all)" if len(channels) > limit else "")
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+@rule(
+    "BN001", "missing-buffers", "error / warning",
+    "A layer lacks running_mean or running_var, or the file holds BN parameters without any buffers.",
+    "Eval mode normalises with running_mean and running_var. A checkpoint saved without them "
+    "(parameters only, a filtered state dict, `strict=False` on load) gives every BN layer the "
+    "initial 0 and 1 when it is loaded, so eval mode computes (x - 0) / sqrt(1 + eps) instead of "
+    "(x - mu) / sqrt(var + eps). Error: a layer has some of its buffers but not both statistics. "
+    "Warning (suspected): the file has 1-D weight/bias pairs under batch-norm-like names "
+    "(bn, batchnorm, downsample.1, ...) and no running statistics at all; LayerNorm or GroupNorm "
+    "layers named that way are the innocent explanation.",
+    "Save `model.state_dict()` (it includes buffers), not `named_parameters()`; load with "
+    "strict=True; or re-estimate the statistics with `bnaudit recalibrate`.",
+)
+def _check_missing_buffers(ctx: RuleContext) -> Iterator[Finding]:
+    r = RULES["BN001"]
+    for group in ctx.discovery.incomplete:
+        yield r.finding(
+            "error", group.name,
+            f"has {', '.join(group.present)} but no {' or '.join(group.missing)}",
+        )
+    suspected = ctx.discovery.suspected_without_buffers
+    if suspected:
+        shown = ", ".join(suspected[:5]) + (f" and {len(suspected) - 5} more" if len(suspected) > 5 else "")
+        yield r.finding(
+            "warning", None,
+            f"{len(suspected)} batch-norm-like parameter group(s) ({shown}) and no running "
+            "statistics anywhere: parameters saved without buffers? (LayerNorm/GroupNorm named "
+            "this way would be innocent)",
+        )
+
+
+@rule(
+    "BN002", "initial-values", "error",
+    "running_mean is exactly 0 and running_var exactly 1 in every channel: statistics lost, reset or never loaded.",
+    "Training never leaves the statistics at exactly 0 and 1 in every channel, so these values mean the "
+    "buffers were reset (`reset_running_stats()`), never loaded, or never updated. Eval mode then "
+    "normalises with mean 0 and variance 1, whatever the data's real statistics. If weight and bias "
+    "are also at their initial 1 and 0 the whole layer is untrained. Exception: when no layer has a "
+    "counter and every layer has identity statistics with trained weights, the statistics were folded "
+    "into weight and bias (Caffe2/detectron2 FrozenBatchNorm): reported as info.",
+    "Reload the statistics from the original training checkpoint, or re-estimate them with "
+    "`bnaudit recalibrate` on representative data.",
+)
+def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
+    r = RULES["BN002"]
+    layers = ctx.discovery.layers
+    identity = [layer for layer in layers if has_identity_stats(layer)]
+    if not identity:
+        return
+    folded = (
+        len(identity) == len(layers)
+        and all(layer.num_batches_tracked is None for layer in layers)
+        and all(not _has_initial_affine(layer) for layer in layers)
+    )
+    if folded:
+        yield r.finding(
+            "info", None,
+            f"all {len(layers)} layers have identity statistics, trained weights and no counter: "
+            "statistics folded into weight/bias (FrozenBatchNorm, Caffe2/detectron2 style)",
+        )
+        return
+    for layer in identity:
+        if layer.weight is None and layer.bias is None:
+            message = "running_mean is 0 and running_var is 1 in every channel (no affine parameters)"
+        elif _has_initial_affine(layer):
+            message = "layer looks untrained: statistics 0/1 and weight 1, bias 0 as initialised"
+        else:
+            message = ("running_mean is 0 and running_var is 1 in every channel while weight/bias are "
+                       "trained: statistics lost, reset or never loaded")
+        if layer.num_batches_tracked:
+            message += f" (num_batches_tracked = {layer.num_batches_tracked})"
+        yield r.finding("error", layer.name, message)
+
+
+@rule(
+    "BN003", "immature-stats", "warning",
+    "After t = num_batches_tracked updates the initial values still weigh (1-momentum)^t above the threshold.",
+    "The running buffers start at mean 0 and variance 1 and move by new = (1-m)*old + m*batch. After t "
+    "updates the initial values keep the weight (1-m)^t: 0.9^3 = 72.9% after 3 updates at momentum "
+    "0.1, still 4.2% after 30. A short fine-tune leaves buffers that describe no data. Default "
+    "threshold 5% (`max-init-weight`). EMA copies are not checked (their counter means nothing).",
+    "Train longer, or re-estimate the statistics with `bnaudit recalibrate` (a few thousand samples suffice).",
+)
+def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
+    if ctx.is_ema:
+        return
+    r = RULES["BN003"]
+    for layer in ctx.discovery.layers:
+        t, m = layer.num_batches_tracked, layer.momentum
+        if t is None or t <= 0 or m is None or not 0.0 < m < 1.0 or has_identity_stats(layer):
+            continue
+        weight = initial_weight(m, t)
+        if weight > ctx.config.max_init_weight:
+            assumed = " (assumed)" if layer.settings_assumed else ""
+            yield r.finding(
+                "warning", layer.name,
+                f"initial values still weigh {weight * 100:.1f}% after {t} update(s) at momentum {m:g}{assumed}",
+            )
+
+
+@rule(
+    "BN004", "near-eps-variance", "warning / info",
+    "Channels with running_var < 10*eps: eval mode multiplies them by |gamma|/sqrt(var+eps).",
+    "A channel that died in training keeps a running variance near 0. In eval mode its deviation from "
+    "running_mean is multiplied by the eval gain |gamma| / sqrt(var + eps): 1/sqrt(1e-5) = 316x for "
+    "gamma 1 at eps 1e-5. Any input that moves that channel slightly is amplified hundreds of times "
+    "and the model turns brittle. Warning when some such channel's gain is >= 100 (`max-gain`); info "
+    "when a small |gamma| mutes all of them. Threshold factor 10 (`near-eps-factor`).",
+    "Prune the dead channels, or check the data that reaches the layer; `bnaudit gap` shows whether "
+    "eval mode suffers.",
+)
+def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
+    r = RULES["BN004"]
+    cfg = ctx.config
+    for layer in ctx.discovery.layers:
+        channels = near_eps_channels(layer, cfg.near_eps_factor)
+        if channels.size == 0:
+            continue
+        gains = eval_gain(layer)[channels]
+        worst = float(np.nanmax(gains)) if np.isfinite(gains).any() else 0.0
+        severity = "warning" if worst >= cfg.max_gain else "info"
+        order = channels[np.argsort(-np.nan_to_num(gains, nan=0.0), kind="stable")]
+        details = ", ".join(
+            f"ch {int(c)} (var {_fmt(layer.running_var[c])}, gain {eval_gain(layer)[c]:.1f})" for c in order[:5]
+        )
+        more = f" and {channels.size - 5} more" if channels.size > 5 else ""
+        tail = "" if severity == "warning" else f"; muted by small |gamma| (max gain {worst:.1f})"
+        yield r.finding(
+            severity, layer.name,
+            f"{channels.size} channel(s) with running_var < {cfg.near_eps_factor:g}*eps "
+            f"({_fmt(cfg.near_eps_factor * layer.eps)}): {details}{more}{tail}",
+            channels,
+        )
+
+
+@rule(
+    "BN005", "invalid-values", "error",
+    "NaN or Inf in a buffer or parameter, negative running_var or counter, or shapes that disagree.",
+    "A NaN or Inf in running_mean/running_var makes every eval-mode output of the channel NaN; a "
+    "negative variance makes sqrt(var + eps) NaN. These come from fp16 overflow, a diverged step or a "
+    "broken conversion. A weight or bias whose length differs from the statistics cannot belong to "
+    "the same layer: the state dict was assembled wrongly.",
+    "Go back to an earlier checkpoint, or re-estimate the statistics with `bnaudit recalibrate`; "
+    "for shape mismatches, check how the state dict was converted.",
+)
+def _check_invalid(ctx: RuleContext) -> Iterator[Finding]:
+    r = RULES["BN005"]
+    for layer in ctx.discovery.layers:
+        problems: list[str] = []
+        bad: set[int] = set()
+        c = layer.num_features
+        for label, values in (("running_mean", layer.running_mean), ("running_var", layer.running_var),
+                              ("weight", layer.weight), ("bias", layer.bias)):
+            if values is None:
+                continue
+            if values.shape != (c,):
+                problems.append(f"{label} has {values.size} values but the statistics have {c}")
+                continue
+            nan, inf = np.flatnonzero(np.isnan(values)), np.flatnonzero(np.isinf(values))
+            if nan.size or inf.size:
+                parts = [f"{nan.size} NaN" if nan.size else "", f"{inf.size} Inf" if inf.size else ""]
+                channels = np.union1d(nan, inf)
+                problems.append(f"{label} has {' and '.join(p for p in parts if p)} (channels {_channel_list(channels)})")
+                bad.update(channels.tolist())
+        with np.errstate(invalid="ignore"):
+            negative = np.flatnonzero(layer.running_var < 0)
+        if negative.size:
+            problems.append(f"running_var is negative in {negative.size} channel(s) ({_channel_list(negative)})")
+            bad.update(negative.tolist())
+        if layer.num_batches_tracked is not None and layer.num_batches_tracked < 0:
+            problems.append(f"num_batches_tracked is negative ({layer.num_batches_tracked})")
+        if problems:
+            yield r.finding("error", layer.name, "; ".join(problems), sorted(bad))
+
+
+@rule(
+    "BN008", "low-precision-buffers", "warning",
+    "running statistics stored in float16 or bfloat16.",
+    "float16 cannot hold a variance above 65504 (it becomes Inf) and resolves nothing below about "
+    "6e-8, so a near-eps variance underflows to 0; bfloat16 keeps only 8 bits of mantissa, so "
+    "statistics lose about 3 significant digits. BatchNorm buffers are tiny: keep them in float32 "
+    "even in a half-precision model.",
+    "Keep BN buffers in float32 when converting (e.g. `model.half()` then `bn.float()` for each BN), "
+    "or export with mixed precision that excludes normalisation layers.",
+)
+def _check_low_precision(ctx: RuleContext) -> Iterator[Finding]:
+    r = RULES["BN008"]
+    for layer in ctx.discovery.layers:
+        if layer.stats_dtype in ("float16", "bfloat16"):
+            yield r.finding("warning", layer.name, f"running statistics stored in {layer.stats_dtype}")
+
+
+@rule(
+    "BN009", "counter-zero", "info",
+    "num_batches_tracked is 0 but the statistics are not the initial values.",
+    "PyTorch increments num_batches_tracked on every training-mode forward, so 0 with real statistics "
+    "means the values were written some other way: converted weights (e.g. from Keras or ONNX) or "
+    "momentum 0. Usually legitimate; worth knowing when momentum=None (cumulative averaging divides "
+    "by the counter) or when the layer will be fine-tuned.",
+    "Nothing to fix if the weights were converted; otherwise check how the statistics were produced.",
+)
+def _check_counter_zero(ctx: RuleContext) -> Iterator[Finding]:
+    r = RULES["BN009"]
+    for layer in ctx.discovery.layers:
+        if layer.num_batches_tracked == 0 and not has_identity_stats(layer):
+            yield r.finding("info", layer.name, "num_batches_tracked is 0 but the statistics are not 0/1: converted weights or momentum 0")
+
+
+@rule(
+    "BN010", "uneven-counters", "info",
+    "num_batches_tracked differs between layers: part of the network was frozen or fine-tuned.",
+    "Every BN layer of a network trained end to end sees the same number of training-mode forwards. "
+    "Different counters mean some layers were frozen (norm_eval, FrozenBatchNorm, requires_grad off "
+    "with eval mode) or added and fine-tuned later; their statistics may describe different data.",
+    "Nothing to fix if the freezing was intended; otherwise recalibrate the layers that were frozen "
+    "on the data the model now sees.",
+)
+def _check_uneven_counters(ctx: RuleContext) -> Iterator[Finding]:
+    if ctx.is_ema:
+        return
+    groups: dict[int, list[str]] = {}
+    for layer in ctx.discovery.layers:
+        if layer.num_batches_tracked is not None:
+            groups.setdefault(layer.num_batches_tracked, []).append(layer.name)
+    if len(groups) < 2:
+        return
+    ordered = sorted(groups.items(), key=lambda kv: -len(kv[1]))
+    parts = [f"{t} in {len(names)} layer(s) ({_describe_names(names)})" for t, names in ordered[:6]]
+    more = f"; and {len(ordered) - 6} more values" if len(ordered) > 6 else ""
+    yield RULES["BN010"].finding("info", None, f"num_batches_tracked differs between layers: {'; '.join(parts)}{more}")
+
+
+def _describe_names(names: list[str]) -> str:
+    """A short description of a group of layer names: their top-level modules."""
+    tops: list[str] = []
+    for name in names:
+        top = name.split(".")[0] if "." in name else name
+        if top not in tops:
+            tops.append(top)
+    shown = ", ".join(f"{t}.*" if any(n.startswith(t + ".") for n in names) else t for t in tops[:4])
+    return shown + (", ..." if len(tops) > 4 else "")
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+def _selected(code: str, cfg: Config) -> bool:
+    if cfg.select and not any(code.startswith(s) for s in cfg.select):
+        return False
+    return not any(code.startswith(i) for i in cfg.ignore)
+
+
+def _ignored_for_layer(finding: Finding, cfg: Config) -> bool:
+    if finding.layer is None:
+        return False
+    return any(
+        fnmatch.fnmatchcase(finding.layer, pattern) and any(finding.code.startswith(c) for c in codes)
+        for pattern, codes in cfg.per_layer_ignores.items()
+    )
+
+
+def run_rules(ctx: RuleContext) -> list[Finding]:
+    """Every selected rule's findings, in rule order."""
+    findings: list[Finding] = []
+    for code, r in RULES.items():
+        if _selected(code, ctx.config):
+            findings.extend(f for f in r.check(ctx) if not _ignored_for_layer(f, ctx.config))
+    return findings

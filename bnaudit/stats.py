@@ -1,0 +1,109 @@
+"""Streaming per-channel statistics of BN inputs, exact in float64.
+
+For the values x_1..x_n that reach channel c of a BN layer (n = N*H*W per batch for a
+2-D map), bnaudit defines
+
+  mean       mu_c      = (1/n) * sum_i x_i
+  M2         M2_c      = sum_i (x_i - mu_c)^2
+  variance   var_c     = M2_c / (n - 1)     (unbiased: what PyTorch stores in running_var)
+  biased     var_b_c   = M2_c / n           (what training-mode forward normalises with)
+
+Batches are merged with Chan et al.'s parallel formulas
+  n = n_a + n_b,  d = mu_b - mu_a,  mu = mu_a + d * n_b / n,  M2 = M2_a + M2_b + d^2 n_a n_b / n
+so the result is the population statistic of all samples, independent of batch size,
+sample order and sharding (to float64 rounding), and never E[x^2] - E[x]^2.
+
+torch is imported inside functions: `bnaudit --help` and inspect of a safetensors file
+never load it.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class ChannelStats:
+    """count, mean and M2 per channel (float64 tensors on the device of the data)."""
+
+    count: int = 0
+    mean: Any = None  # torch.Tensor (C,) float64
+    m2: Any = None  # torch.Tensor (C,) float64
+
+    def update(self, x: Any) -> None:
+        """Merge a batch of shape (N, C, *) into the running statistics."""
+        import torch
+
+        if x.dim() < 2:
+            raise ValueError(f"BN input must have a channel dimension, got shape {tuple(x.shape)}")
+        dims = [0, *range(2, x.dim())]
+        n = x.numel() // x.shape[1]
+        if n == 0:
+            return
+        xd = x.detach().to(torch.float64)
+        batch_mean = xd.mean(dim=dims)
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        batch_m2 = (xd - batch_mean.view(shape)).square().sum(dim=dims)
+        self.merge(n, batch_mean, batch_m2)
+
+    def merge(self, n_b: int, mean_b: Any, m2_b: Any) -> None:
+        """Chan's merge of another (count, mean, M2) into this one."""
+        if n_b == 0:
+            return
+        if self.count == 0:
+            self.count, self.mean, self.m2 = n_b, mean_b.clone(), m2_b.clone()
+            return
+        n_a, n = self.count, self.count + n_b
+        delta = mean_b - self.mean
+        self.mean = self.mean + delta * (n_b / n)
+        self.m2 = self.m2 + m2_b + delta.square() * (n_a * n_b / n)
+        self.count = n
+
+    @property
+    def var(self) -> Any:
+        """Unbiased variance M2 / (n - 1); NaN where n < 2."""
+        import torch
+
+        if self.count < 2:
+            return torch.full_like(self.m2, float("nan"))
+        return self.m2 / (self.count - 1)
+
+    @property
+    def var_biased(self) -> Any:
+        return self.m2 / self.count
+
+
+def is_batchnorm(module: Any) -> bool:
+    """A module that normalises with running statistics: nn BatchNorm/SyncBatchNorm/
+    tracked InstanceNorm (any subclass of _NormBase) with track_running_stats."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return isinstance(module, _NormBase)
+
+
+def bn_modules(model: Any) -> dict[str, Any]:
+    """Name -> module of every _NormBase module, in registration (forward) order."""
+    return {name: m for name, m in model.named_modules() if is_batchnorm(m)}
+
+
+@contextlib.contextmanager
+def record_bn_inputs(modules: dict[str, Any]) -> Iterator[dict[str, ChannelStats]]:
+    """Accumulate the input statistics of each named module while the block runs.
+
+    Forward pre-hooks see exactly what the layer normalises; they are removed on
+    exit, also on error.
+    """
+    stats = {name: ChannelStats() for name in modules}
+    handles = []
+    for name, module in modules.items():
+        def hook(_module: Any, args: tuple, _name: str = name) -> None:
+            stats[_name].update(args[0])
+
+        handles.append(module.register_forward_pre_hook(hook))
+    try:
+        yield stats
+    finally:
+        for handle in handles:
+            handle.remove()
