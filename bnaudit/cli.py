@@ -14,8 +14,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from bnaudit import __version__
+from bnaudit import __version__, _fastcli
 from bnaudit.errors import BnauditError
+
+# typer would import pydantic to convert each option; plain ones do not need it.
+_fastcli.install()
 
 app = typer.Typer(
     name="bnaudit",

@@ -1,0 +1,129 @@
+"""Start-up: which heavy modules a command imports (never how long it takes).
+
+`bnaudit --help`, `bnaudit rules` and `bnaudit inspect` of a safetensors file run in
+pre-commit hooks on every commit: they must not import torch (seconds) nor, through
+typer's option conversion, pydantic. Each command runs in a fresh interpreter that
+reports afterwards which modules it loaded; the wall time is judged by benchmarks/run.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+from conftest import REPO, bn_entries, save_torch
+
+# Runs the CLI like `python -m bnaudit ARGS`, then prints the loaded heavy modules.
+PROBE = """
+import json, runpy, sys
+sys.argv = ["bnaudit", *json.loads(sys.argv[1])]
+code = 0
+try:
+    runpy.run_module("bnaudit", run_name="__main__")
+except SystemExit as exc:
+    code = exc.code
+sys.stdout.flush()
+loaded = {name: name in sys.modules for name in ("torch", "pydantic", "numpy")}
+print("PROBE" + json.dumps({"exit": code, "loaded": loaded}), file=sys.stderr)
+"""
+
+
+def run_probe(*args: str) -> tuple[int, dict[str, bool]]:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(list(args))],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("PROBE"))
+    report = json.loads(line.removeprefix("PROBE"))
+    return report["exit"], report["loaded"]
+
+
+@pytest.fixture
+def numpy_safetensors(tmp_path) -> str:
+    """A healthy BN layer written with safetensors' numpy API (no torch involved)."""
+    path = str(tmp_path / "model.safetensors")
+    save_file({
+        "bn.weight": np.ones(4, np.float32), "bn.bias": np.zeros(4, np.float32),
+        "bn.running_mean": np.array([0.1, -0.2, 0.3, 0.0], np.float32),
+        "bn.running_var": np.array([0.5, 1.5, 2.0, 0.8], np.float32),
+        "bn.num_batches_tracked": np.array(5000, np.int64),
+    }, path)
+    return path
+
+
+def test_help_imports_neither_torch_nor_pydantic():
+    code, loaded = run_probe("--help")
+    assert code == 0
+    assert not loaded["torch"] and not loaded["pydantic"]
+
+
+def test_inspect_safetensors_imports_neither_torch_nor_pydantic(numpy_safetensors):
+    code, loaded = run_probe("inspect", numpy_safetensors, "--format", "json", "--eps", "1e-5")
+    assert code == 0
+    assert loaded["numpy"]  # the audit really ran
+    assert not loaded["torch"] and not loaded["pydantic"]
+
+
+def test_inspect_torchscript_does_not_import_torch(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4)).eval()
+    path = str(tmp_path / "scripted.pt")
+    torch.jit.save(torch.jit.script(model), path)
+    code, loaded = run_probe("inspect", path, "--exit-zero")
+    assert code == 0
+    assert not loaded["torch"]
+
+
+def test_inspect_of_a_file_that_is_no_checkpoint_does_not_import_torch(tmp_path):
+    path = tmp_path / "notes.pt"
+    path.write_text("not a checkpoint\n")
+    code, loaded = run_probe("inspect", str(path))
+    assert code == 2
+    assert not loaded["torch"]
+
+
+def test_inspect_torch_save_file_does_import_torch(tmp_path):
+    # The probe's counterpart: a torch.save zip needs torch.load, and the probe sees it.
+    path = save_torch(bn_entries("bn"), tmp_path / "model.pt")
+    code, loaded = run_probe("inspect", path, "--exit-zero")
+    assert code == 0
+    assert loaded["torch"]
+
+
+def test_rules_command_does_not_import_torch():
+    from bnaudit.cli import app
+
+    if "rules" not in {c.name or c.callback.__name__ for c in app.registered_commands}:
+        pytest.skip("`bnaudit rules` does not exist on this branch yet")
+    code, loaded = run_probe("rules")
+    assert code == 0
+    assert not loaded["torch"]
+
+
+# --- the pydantic-free option conversion keeps typer's results and messages ------------
+
+
+@pytest.mark.parametrize("text", ["1e-3", "0.5", ".5", "2", "+3.0E+2", "7"])
+def test_float_options_are_parsed_like_python_float(cli, numpy_safetensors, text):
+    result = cli("inspect", numpy_safetensors, "--format", "json", "--eps", text)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["config"]["eps"] == float(text)
+
+
+def test_enum_option_value_selects_the_member(cli, numpy_safetensors):
+    result = cli("inspect", numpy_safetensors, "-f", "json", "--fail-on", "info")
+    assert json.loads(result.output)["config"]["fail-on"] == "info"
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--eps", "abc"), "Invalid value for '--eps': Input should be a valid number"),
+    (("--format", "JSON"), "'JSON' is not one of 'table', 'json'"),
+])
+def test_values_the_fast_path_declines_get_typers_own_error(cli, numpy_safetensors, args, message):
+    result = cli("inspect", numpy_safetensors, *args)
+    assert result.exit_code == 2
+    assert message in result.output
