@@ -1,0 +1,597 @@
+"""bnaudit's performance targets, measured side by side in one run.
+
+    python benchmarks/run.py            # full run (about 1 GiB of extra tensors, ~2.5 GB of disk)
+    python benchmarks/run.py --quick    # smaller inputs, fewer repeats
+    python benchmarks/run.py --only 1,2 # some targets only
+
+Every input is built here, in a temporary folder deleted at the end: a ResNet-50-shaped
+state dict (53 BN layers, 25.6 M parameters) with and without 1 GiB of other tensors,
+written as .safetensors and as a torch.save zip; a small ResNet for 32x32 inputs; a
+tensor file and synthetic image folders for gap and recalibrate.
+
+Each measurement is one fresh process: wall time from start to exit, peak RSS from
+`os.wait4` (the ru_maxrss of that one child; DataLoader workers are its children, so
+the largest of them counts if it is larger). The compared commands run interleaved
+(A B A B ...) after one warm-up run each, and each ratio is of the medians. Children run
+with bytecode caching on (PYTHONDONTWRITEBYTECODE removed, as for an installed package)
+and with this checkout first on PYTHONPATH. Each target prints one line:
+the measured ratio, the target, PASS/FAIL (SKIP with the reason when its command does
+not exist yet); INFO lines give context and judge nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+GiB = 1024**3
+MiB = 1024**2
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+@dataclass(frozen=True)
+class Run:
+    wall: float  # seconds
+    maxrss: int  # bytes
+    code: int
+    max_children: int  # most descendant processes seen at one time (0 unless watched)
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("NO_COLOR", "1")
+    env.update(extra or {})
+    return env
+
+
+def _descendants(pid: int) -> set[int]:
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{current}/task/{task}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except OSError:
+                continue
+            for kid in kids:
+                if kid not in found:
+                    found.add(kid)
+                    todo.append(kid)
+    return found
+
+
+def measure(cmd: Sequence[str], env: dict[str, str] | None = None, watch_children: bool = False,
+            cwd: str = REPO) -> Run:
+    """Run `cmd` once in a fresh process: wall time, peak RSS, exit code."""
+    with tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(list(cmd), stdout=subprocess.DEVNULL, stderr=err, env=env or child_env(), cwd=cwd)
+        most = 0
+        if watch_children:
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                most = max(most, len(_descendants(proc.pid)))
+                time.sleep(0.05)
+        else:
+            _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = code = os.waitstatus_to_exitcode(status)
+        if code not in (0, 1):  # 1: inspect found problems, which is fine here
+            err.seek(0)
+            tail = err.read().decode(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"command failed ({code}): {' '.join(cmd)}\n  " + "\n  ".join(tail))
+    return Run(wall, usage.ru_maxrss * 1024, code, most)
+
+
+def compare(commands: dict[str, Sequence[str]], repeats: int, env: dict[str, str] | None = None,
+            watch_children: bool = False, before_each: Callable[[], None] | None = None) -> dict[str, list[Run]]:
+    """One warm-up run each, then `repeats` interleaved rounds (A B C A B C ...)."""
+    runs: dict[str, list[Run]] = {name: [] for name in commands}
+    for round_ in range(repeats + 1):
+        for name, cmd in commands.items():
+            if before_each:
+                before_each()
+            run = measure(cmd, env, watch_children)
+            if round_:
+                runs[name].append(run)
+    return runs
+
+
+def median_wall(runs: list[Run]) -> float:
+    return statistics.median(r.wall for r in runs)
+
+
+def median_rss(runs: list[Run]) -> float:
+    return statistics.median(r.maxrss for r in runs)
+
+
+RESULTS: list[str] = []
+
+
+def line(target: str, what: str, ratio: float | None, limit: float | None, detail: str = "") -> None:
+    if ratio is None:
+        verdict = "INFO"
+        text = f"{target:>2}  {what:<58} {'':>7}  {'':<13} {verdict:<4}  {detail}"
+    else:
+        verdict = "INFO" if limit is None else ("PASS" if ratio <= limit else "FAIL")
+        goal = "" if limit is None else f"<= {limit:.2f}x"
+        text = f"{target:>2}  {what:<58} {ratio:6.2f}x  {goal:<13} {verdict:<4}  {detail}"
+    print(text, flush=True)
+    RESULTS.append(text)
+
+
+def skip(target: str, what: str, reason: str) -> None:
+    text = f"{target:>2}  {what:<58} {'':>7}  {'':<13} SKIP  {reason}"
+    print(text, flush=True)
+    RESULTS.append(text)
+
+
+def fmt_s(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def fmt_mb(size: float) -> str:
+    return f"{size / MiB:.0f} MiB"
+
+
+def command_exists(name: str) -> bool:
+    proc = subprocess.run([PY, "-m", "bnaudit", name, "--help"], capture_output=True, env=child_env(), cwd=REPO)
+    return proc.returncode == 0
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def resnet50_state_dict() -> dict:
+    """torchvision ResNet-50's state-dict names and shapes; BN stats look trained."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    state: dict[str, torch.Tensor] = {}
+
+    def conv(name: str, out_c: int, in_c: int, k: int) -> None:
+        state[f"{name}.weight"] = torch.randn(out_c, in_c, k, k, generator=g) * 0.05
+
+    def bn(name: str, c: int) -> None:
+        state[f"{name}.weight"] = 0.5 + torch.rand(c, generator=g)
+        state[f"{name}.bias"] = torch.randn(c, generator=g) * 0.1
+        state[f"{name}.running_mean"] = torch.randn(c, generator=g) * 0.2
+        state[f"{name}.running_var"] = 0.5 + torch.rand(c, generator=g)
+        state[f"{name}.num_batches_tracked"] = torch.tensor(100_000)
+
+    conv("conv1", 64, 3, 7)
+    bn("bn1", 64)
+    in_c = 64
+    for stage, (blocks, width) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512)), start=1):
+        for b in range(blocks):
+            p = f"layer{stage}.{b}"
+            conv(f"{p}.conv1", width, in_c, 1)
+            bn(f"{p}.bn1", width)
+            conv(f"{p}.conv2", width, width, 3)
+            bn(f"{p}.bn2", width)
+            conv(f"{p}.conv3", width * 4, width, 1)
+            bn(f"{p}.bn3", width * 4)
+            if b == 0:
+                conv(f"{p}.downsample.0", width * 4, in_c, 1)
+                bn(f"{p}.downsample.1", width * 4)
+            in_c = width * 4
+    state["fc.weight"] = torch.randn(1000, 2048, generator=g) * 0.01
+    state["fc.bias"] = torch.zeros(1000)
+    return state
+
+
+def with_extra_tensors(state: dict, total_bytes: int) -> dict:
+    """`state` plus `total_bytes` of float32 tensors that are not BN, placed after layer2
+    so BN tensors lie on both sides of them in the file."""
+    import torch
+
+    chunk = 64 * MiB
+    extra = {}
+    for i in range(max(1, total_bytes // chunk)):
+        extra[f"extra.tables.{i}.weight"] = torch.full((chunk // 4 // 1024, 1024), 0.001 * (i + 1))
+    out, placed = {}, False
+    for name, tensor in state.items():
+        if not placed and name.startswith("layer3."):
+            out.update(extra)
+            placed = True
+        out[name] = tensor
+    return out
+
+
+BENCH_MODEL = '''
+"""A small ResNet for 32x32 inputs: 3 stages x 2 basic blocks, 15 BN layers."""
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, in_c, out_c, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_c, out_c, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_c)
+        self.conv2 = nn.Conv2d(out_c, out_c, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_c)
+        self.down = None
+        if stride != 1 or in_c != out_c:
+            self.down = nn.Sequential(nn.Conv2d(in_c, out_c, 1, stride, bias=False), nn.BatchNorm2d(out_c))
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return torch.relu(y + (x if self.down is None else self.down(x)))
+
+
+def net():
+    layers = [nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU()]
+    in_c = 32
+    for out_c, stride in ((32, 1), (32, 1), (64, 2), (64, 1), (128, 2), (128, 1)):
+        layers.append(Block(in_c, out_c, stride))
+        in_c = out_c
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(in_c, 10)]
+    return nn.Sequential(*layers)
+'''
+
+# The plain-PyTorch references bnaudit is compared with: same model, checkpoint, data
+# file, batch size and (shuffled, seeded) batches.
+REF_COMMON = '''
+import sys, torch
+sys.path.insert(0, {folder!r})
+from bench_model import net
+from safetensors.torch import load_file
+model = net()
+model.load_state_dict(torch.load({ckpt!r}, map_location="cpu", weights_only=True))
+data = load_file({data!r})
+inputs, labels = data["inputs"], data["labels"]
+order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(0))
+batches = [(inputs[i], labels[i]) for i in order.split({batch})]
+'''
+REF_UPDATE_BN = REF_COMMON + '''
+from torch.optim.swa_utils import update_bn
+update_bn((x for x, _ in batches), model)
+torch.save(model.state_dict(), sys.argv[1])
+'''
+REF_EVAL = REF_COMMON + '''
+model.eval()
+correct = 0
+with torch.no_grad():
+    for x, y in batches:
+        correct += int((model(x).argmax(1) == y).sum())
+print(correct / len(inputs))
+'''
+
+
+def build_small_model(folder: str) -> str:
+    import torch
+
+    with open(os.path.join(folder, "bench_model.py"), "w") as f:
+        f.write(BENCH_MODEL)
+    sys.path.insert(0, folder)
+    from bench_model import net  # type: ignore[import-not-found]
+
+    model = net()
+    g = torch.Generator().manual_seed(1)
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean.copy_(torch.randn(module.num_features, generator=g) * 0.1)
+            module.running_var.copy_(0.5 + torch.rand(module.num_features, generator=g))
+            module.num_batches_tracked.fill_(1000)
+    path = os.path.join(folder, "small_resnet.pt")
+    torch.save(model.state_dict(), path)
+    return path
+
+
+def build_tensor_data(path: str, samples: int) -> str:
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(2)
+    save_file({"inputs": torch.randn(samples, 3, 32, 32, generator=g),
+               "labels": torch.randint(0, 10, (samples,), generator=g)}, path)
+    return path
+
+
+def build_image_folder(root: str, images: int, size: int = 64) -> str:
+    """ImageFolder layout, 10 classes, `images` JPEGs of size x size (decoded and resized
+    to 32 by the data pipeline)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 256, size=(16, size, size, 3), dtype=np.uint8)
+    for i in range(images):
+        folder = os.path.join(root, f"class_{i % 10}")
+        os.makedirs(folder, exist_ok=True)
+        pixels = np.roll(base[i % 16], shift=i, axis=1) // 2 + (i % 10) * 12
+        Image.fromarray(pixels.astype(np.uint8)).save(os.path.join(folder, f"{i:06d}.jpg"), quality=90)
+    return root
+
+
+def build(function: str, *args: object) -> object:
+    """Run a builder in a child process, so this process stays small: a child's peak RSS
+    starts from its parent's RSS at fork time (Linux keeps the high-water mark across
+    fork and exec), and would otherwise include every input built here."""
+    proc = subprocess.run([PY, os.path.abspath(__file__), "--build", function, json.dumps(args)],
+                          capture_output=True, text=True, env=child_env(), cwd=REPO)
+    if proc.returncode:
+        raise RuntimeError(f"building {function} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def build_resnet50_files(tmp: str, extra_bytes: int) -> dict:
+    import torch
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    state = resnet50_state_dict()
+    big = with_extra_tensors(state, extra_bytes)
+    files = {
+        "st_small": os.path.join(tmp, "resnet50.safetensors"),
+        "st_big": os.path.join(tmp, "resnet50_plus_extra.safetensors"),
+        "pt_small": os.path.join(tmp, "resnet50.pt"),
+        "pt_big": os.path.join(tmp, "resnet50_plus_extra.pt"),
+    }
+    save_file(state, files["st_small"])
+    save_file(big, files["st_big"])
+    torch.save(state, files["pt_small"])
+    torch.save(big, files["pt_big"])
+    return {"files": files, "bn_layers": sum(1 for k in state if k.endswith(".running_mean"))}
+
+
+def build_one_layer(path: str) -> str:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"bn.weight": np.ones(8, np.float32), "bn.bias": np.zeros(8, np.float32),
+               "bn.running_mean": np.zeros(8, np.float32) + 0.1,
+               "bn.running_var": np.ones(8, np.float32) * 0.7,
+               "bn.num_batches_tracked": np.array(1000, np.int64)}, path)
+    return path
+
+
+BUILDERS = {f.__name__: f for f in (build_resnet50_files, build_one_layer, build_small_model,
+                                    build_tensor_data, build_image_folder)}
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+def target_1_size_independence(tmp: str, extra_bytes: int, repeats: int) -> dict[str, str]:
+    built = build("build_resnet50_files", tmp, extra_bytes)
+    files, n_bn = built["files"], built["bn_layers"]
+    size = {k: os.path.getsize(v) for k, v in files.items()}
+    gib = extra_bytes / GiB
+    line("1", f"inputs: ResNet-50 state dict, {n_bn} BN layers", None, None,
+         f"{fmt_mb(size['st_small'])}; +{gib:g} GiB of other tensors: {fmt_mb(size['st_big'])}")
+
+    def inspect(path: str) -> list[str]:
+        return [PY, "-m", "bnaudit", "inspect", path, "--format", "json"]
+
+    for kind, label, naive in (
+        ("st", ".safetensors", "from safetensors.torch import load_file; import sys; load_file(sys.argv[1])"),
+        ("pt", "torch.save zip", "import sys, torch; torch.load(sys.argv[1], weights_only=True)"),
+    ):
+        runs = compare({
+            "small": inspect(files[f"{kind}_small"]),
+            "big": inspect(files[f"{kind}_big"]),
+            "naive": [PY, "-c", naive, files[f"{kind}_big"]],
+        }, repeats)
+        t_small, t_big, t_naive = (median_wall(runs[k]) for k in ("small", "big", "naive"))
+        m_small, m_big, m_naive = (median_rss(runs[k]) for k in ("small", "big", "naive"))
+        line("1", f"inspect {label}: +{gib:g} GiB vs without, wall time", t_big / t_small, 1.3,
+             f"{fmt_s(t_big)} vs {fmt_s(t_small)}")
+        line("1", f"inspect {label}: +{gib:g} GiB vs without, peak RSS", m_big / m_small, 1.3,
+             f"{fmt_mb(m_big)} vs {fmt_mb(m_small)}")
+        line("1", f"naive full load vs inspect ({label} +{gib:g} GiB)", None, None,
+             f"time {t_naive / t_big:.2f}x ({fmt_s(t_naive)}), peak RSS {m_naive / m_big:.2f}x ({fmt_mb(m_naive)})")
+    return files
+
+
+def target_2_startup(tmp: str, st_resnet: str | None, pt_resnet: str | None, repeats: int) -> None:
+    tiny = build("build_one_layer", os.path.join(tmp, "one_layer.safetensors"))
+    bn = [PY, "-m", "bnaudit"]
+    commands = {
+        "base": [PY, "-c", "import typer, rich"],
+        "help": bn + ["--help"],
+        "inspect_tiny": bn + ["inspect", tiny],
+    }
+    if st_resnet:
+        commands["inspect_resnet"] = bn + ["inspect", st_resnet]
+    has_rules = command_exists("rules")
+    if has_rules:
+        commands["rules"] = bn + ["rules"]
+    if pt_resnet:
+        commands["inspect_pt"] = bn + ["inspect", pt_resnet]
+    runs = compare(commands, repeats)
+    base = median_wall(runs["base"])
+    line("2", "reference: python -c 'import typer, rich'", None, None, fmt_s(base))
+
+    def report(key: str, what: str) -> None:
+        t = median_wall(runs[key])
+        line("2", what, t / base, 2.0, fmt_s(t))
+
+    report("help", "bnaudit --help vs import typer, rich")
+    if has_rules:
+        report("rules", "bnaudit rules vs import typer, rich")
+    else:
+        skip("2", "bnaudit rules vs import typer, rich", "no `bnaudit rules` command on this branch yet")
+    report("inspect_tiny", "bnaudit inspect .safetensors (1 BN layer) vs import typer, rich")
+    if st_resnet:
+        report("inspect_resnet", "bnaudit inspect .safetensors (ResNet-50) vs import typer, rich")
+    if pt_resnet:
+        t = median_wall(runs["inspect_pt"])
+        line("2", "bnaudit inspect torch.save zip (ResNet-50; needs torch)", t / base, None, fmt_s(t))
+
+
+@dataclass(frozen=True)
+class Workload:
+    folder: str
+    arch: str
+    ckpt: str
+    data: str
+    batch: int
+
+
+def bnaudit_gap(w: Workload, data: str | None = None, extra: Sequence[str] = ()) -> list[str]:
+    return [PY, "-m", "bnaudit", "gap", w.ckpt, "--arch", w.arch, "--data", data or w.data,
+            "--batch-size", str(w.batch), "--format", "json", *extra]
+
+
+def bnaudit_recal(w: Workload, output: str, data: str | None = None, extra: Sequence[str] = ()) -> list[str]:
+    return [PY, "-m", "bnaudit", "recalibrate", w.ckpt, "--arch", w.arch, "--data", data or w.data,
+            "--output", output, "--force", "--batch-size", str(w.batch), "--format", "json", *extra]
+
+
+def reference_script(w: Workload, name: str, template: str) -> str:
+    path = os.path.join(w.folder, name)
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(template.format(folder=w.folder, ckpt=w.ckpt, data=w.data, batch=w.batch)))
+    return path
+
+
+def target_3_recalibrate(w: Workload, repeats: int, samples: int) -> None:
+    what = "recalibrate --method exact vs torch.optim.swa_utils.update_bn"
+    if not command_exists("recalibrate"):
+        return skip("3", what, "no `bnaudit recalibrate` command on this branch yet")
+    ref = reference_script(w, "ref_update_bn.py", REF_UPDATE_BN)
+    out_ref, out_bn = os.path.join(w.folder, "ref_out.pt"), os.path.join(w.folder, "recal_out.pt")
+    runs = compare({
+        "update_bn": [PY, ref, out_ref],
+        "exact": bnaudit_recal(w, out_bn, extra=["--method", "exact"]),
+    }, repeats)
+    t_ref, t_exact = median_wall(runs["update_bn"]), median_wall(runs["exact"])
+    line("3", what, t_exact / t_ref, 1.10,
+         f"{fmt_s(t_exact)} vs {fmt_s(t_ref)}, {samples} samples, batch {w.batch}, whole processes")
+
+
+def target_4_gap(w: Workload, repeats: int, samples: int) -> None:
+    what = "gap vs one plain eval-mode pass"
+    if not command_exists("gap"):
+        return skip("4", what, "no `bnaudit gap` command on this branch yet")
+    ref = reference_script(w, "ref_eval.py", REF_EVAL)
+    runs = compare({"eval": [PY, ref], "gap": bnaudit_gap(w)}, repeats)
+    t_ref, t_gap = median_wall(runs["eval"]), median_wall(runs["gap"])
+    line("4", what, t_gap / t_ref, 2.2,
+         f"{fmt_s(t_gap)} vs {fmt_s(t_ref)}, {samples} samples, batch {w.batch}, whole processes")
+
+
+def target_5_memory(w: Workload, small: str, large: str, n_small: int, repeats: int) -> None:
+    for name, exists, build in (
+        ("gap", command_exists("gap"), lambda d: bnaudit_gap(w, d, ["--image-size", "32"])),
+        ("recalibrate", command_exists("recalibrate"),
+         lambda d: bnaudit_recal(w, os.path.join(w.folder, "mem_out.pt"), d, ["--image-size", "32"])),
+    ):
+        what = f"{name} peak RSS: {10 * n_small} vs {n_small} images"
+        if not exists:
+            skip("5", what, f"no `bnaudit {name}` command on this branch yet")
+            continue
+        runs = compare({"small": build(small), "large": build(large)}, repeats)
+        m_small, m_large = median_rss(runs["small"]), median_rss(runs["large"])
+        line("5", what, m_large / m_small, 1.2, f"{fmt_mb(m_large)} vs {fmt_mb(m_small)}")
+
+
+def target_6_workers(w: Workload, images: str, n_images: int, repeats: int) -> None:
+    what = "gap --workers 2 vs --workers 0 (JPEG decode + resize), wall"
+    if not command_exists("gap"):
+        return skip("6", what, "no `bnaudit gap` command on this branch yet")
+    # One intra-op thread per process, so that overlap (not extra threads for the
+    # convolutions) is what --workers can win on this 2-core machine.
+    env = child_env({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    runs = compare({
+        "w0": bnaudit_gap(w, images, ["--image-size", "32", "--workers", "0"]),
+        "w2": bnaudit_gap(w, images, ["--image-size", "32", "--workers", "2"]),
+    }, repeats, env=env, watch_children=True)
+    t0, t2 = median_wall(runs["w0"]), median_wall(runs["w2"])
+    kids0 = max(r.max_children for r in runs["w0"])
+    kids2 = min(r.max_children for r in runs["w2"])
+    line("6", "gap --workers 2: worker processes seen (min over runs)", None, None,
+         f"{kids2} with --workers 2, {kids0} with --workers 0")
+    ok_workers = kids2 >= 2 and kids0 == 0
+    ratio = t2 / t0
+    detail = f"{fmt_s(t2)} vs {fmt_s(t0)}, {n_images} images, OMP_NUM_THREADS=1"
+    if not ok_workers:
+        detail += "; FAIL: no DataLoader worker processes"
+        ratio = float("inf")
+    line("6", what, ratio, 0.90, detail)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller inputs and fewer repeats")
+    parser.add_argument("--repeats", type=int, help="measured rounds per comparison (default 5, quick 3)")
+    parser.add_argument("--only", help="comma list of targets to run, e.g. 1,2")
+    parser.add_argument("--tmp", help="folder for the temporary inputs (default: the system's)")
+    parser.add_argument("--build", nargs=2, metavar=("FUNCTION", "JSON_ARGS"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.build:  # a child started by build()
+        print(json.dumps(BUILDERS[args.build[0]](*json.loads(args.build[1]))))
+        return 0
+    only = {int(x) for x in args.only.split(",")} if args.only else {1, 2, 3, 4, 5, 6}
+    repeats = args.repeats or (3 if args.quick else 5)
+    extra_bytes = 256 * MiB if args.quick else GiB
+    samples = 1024 if args.quick else 4096
+    n_images = 200 if args.quick else 400
+
+    tmp = tempfile.mkdtemp(prefix="bnaudit-bench-", dir=args.tmp)
+    started = time.perf_counter()
+    print(f"bnaudit benchmarks ({'quick' if args.quick else 'full'}; {repeats} interleaved rounds after a "
+          f"warm-up; medians; {os.cpu_count()} CPUs)", flush=True)
+    print(f"{'#':>2}  {'comparison':<58} {'ratio':>7}  {'target':<13} {'':<4}  detail", flush=True)
+    try:
+        files: dict[str, str] = {}
+        if 1 in only:
+            files = target_1_size_independence(tmp, extra_bytes, repeats)
+        if 2 in only:
+            target_2_startup(tmp, files.get("st_small"), files.get("pt_small"), max(repeats * 3, 9))
+        for key in ("st_big", "pt_big"):  # free the disk before the data-heavy targets
+            if key in files:
+                os.remove(files[key])
+        if only & {3, 4, 5, 6}:
+            folder = os.path.join(tmp, "model")
+            os.makedirs(folder)
+            ckpt = build("build_small_model", folder)
+            data = build("build_tensor_data", os.path.join(folder, "data.safetensors"), samples)
+            w = Workload(folder, f"{os.path.join(folder, 'bench_model.py')}:net", ckpt, data, 64)
+            if 3 in only:
+                target_3_recalibrate(w, repeats, samples)
+            if 4 in only:
+                target_4_gap(w, repeats, samples)
+            if only & {5, 6}:
+                small = build("build_image_folder", os.path.join(tmp, "images_small"), n_images)
+                large = build("build_image_folder", os.path.join(tmp, "images_large"), n_images * 10)
+                if 5 in only:
+                    target_5_memory(w, small, large, n_images, repeats)
+                if 6 in only:
+                    target_6_workers(w, large, n_images * 10, repeats)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
+    return 1 if any(" FAIL " in r for r in RESULTS) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
