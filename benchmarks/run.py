@@ -81,11 +81,11 @@ def _descendants(pid: int) -> set[int]:
 
 
 def measure(cmd: Sequence[str], env: dict[str, str] | None = None, watch_children: bool = False,
-            cwd: str = REPO) -> Run:
+            cwd: str | None = None) -> Run:
     """Run `cmd` once in a fresh process: wall time, peak RSS, exit code."""
     with tempfile.TemporaryFile() as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(list(cmd), stdout=subprocess.DEVNULL, stderr=err, env=env or child_env(), cwd=cwd)
+        proc = subprocess.Popen(list(cmd), stdout=subprocess.DEVNULL, stderr=err, env=env or child_env(), cwd=cwd or REPO)
         most = 0
         if watch_children:
             while True:
@@ -244,9 +244,9 @@ class Block(nn.Module):
 
 
 def net():
-    layers = [nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU()]
-    in_c = 32
-    for out_c, stride in ((32, 1), (32, 1), (64, 2), (64, 1), (128, 2), (128, 1)):
+    layers = [nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU()]
+    in_c = 16
+    for out_c, stride in ((16, 1), (16, 1), (32, 2), (32, 1), (64, 2), (64, 1)):
         layers.append(Block(in_c, out_c, stride))
         in_c = out_c
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(in_c, 10)]
@@ -312,7 +312,7 @@ def build_tensor_data(path: str, samples: int) -> str:
     return path
 
 
-def build_image_folder(root: str, images: int, size: int = 64) -> str:
+def build_image_folder(root: str, images: int, size: int = 256) -> str:
     """ImageFolder layout, 10 classes, `images` JPEGs of size x size (decoded and resized
     to 32 by the data pipeline)."""
     import numpy as np
@@ -413,6 +413,7 @@ def target_2_startup(tmp: str, st_resnet: str | None, pt_resnet: str | None, rep
     bn = [PY, "-m", "bnaudit"]
     commands = {
         "base": [PY, "-c", "import typer, rich"],
+        "floor": [PY, "-c", "import typer, rich, numpy, rich.console, rich.table"],
         "help": bn + ["--help"],
         "inspect_tiny": bn + ["inspect", tiny],
     }
@@ -426,6 +427,9 @@ def target_2_startup(tmp: str, st_resnet: str | None, pt_resnet: str | None, rep
     runs = compare(commands, repeats)
     base = median_wall(runs["base"])
     line("2", "reference: python -c 'import typer, rich'", None, None, fmt_s(base))
+    floor = median_wall(runs["floor"])
+    line("2", "floor of a numpy + rich-table CLI: import those", floor / base, None,
+         f"{fmt_s(floor)}: python -c 'import typer, rich, numpy, rich.console, rich.table'")
 
     def report(key: str, what: str) -> None:
         t = median_wall(runs[key])
@@ -545,16 +549,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, help="measured rounds per comparison (default 5, quick 3)")
     parser.add_argument("--only", help="comma list of targets to run, e.g. 1,2")
     parser.add_argument("--tmp", help="folder for the temporary inputs (default: the system's)")
+    parser.add_argument("--repo", help="checkout whose bnaudit is measured (default: this one)")
     parser.add_argument("--build", nargs=2, metavar=("FUNCTION", "JSON_ARGS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    global REPO
+    REPO = os.path.abspath(args.repo) if args.repo else REPO
     if args.build:  # a child started by build()
         print(json.dumps(BUILDERS[args.build[0]](*json.loads(args.build[1]))))
         return 0
     only = {int(x) for x in args.only.split(",")} if args.only else {1, 2, 3, 4, 5, 6}
     repeats = args.repeats or (3 if args.quick else 5)
     extra_bytes = 256 * MiB if args.quick else GiB
-    samples = 1024 if args.quick else 4096
-    n_images = 200 if args.quick else 400
+    samples = 512 if args.quick else 2048
+    n_images = 100 if args.quick else 300
 
     tmp = tempfile.mkdtemp(prefix="bnaudit-bench-", dir=args.tmp)
     started = time.perf_counter()
