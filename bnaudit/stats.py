@@ -107,3 +107,33 @@ def record_bn_inputs(modules: dict[str, Any]) -> Iterator[dict[str, ChannelStats
     finally:
         for handle in handles:
             handle.remove()
+
+
+def all_gather_merge(stats: ChannelStats, num_channels: int, group: Any = None) -> ChannelStats:
+    """The exact population statistics of every rank's `stats`, identical on all ranks.
+
+    Each rank contributes its (count, mean, M2); they are all-gathered in float64 and
+    Chan-merged in rank order, so every rank computes the same numbers by the same
+    operations. Equal, to float64 rounding, to one process seeing all the samples
+    (unlike averaging per-rank variances, it includes the spread of the rank means).
+    A rank that saw nothing contributes count 0. Collective: every rank must call it,
+    in the same order. gloo needs CPU tensors, nccl CUDA ones.
+    """
+    import torch
+    import torch.distributed as dist
+
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    packed = torch.zeros(2 * num_channels + 1, dtype=torch.float64, device=device)
+    if stats.count:
+        # counts are integers below 2^53 in any realistic run: exact in float64
+        packed[0] = float(stats.count)
+        packed[1:num_channels + 1] = stats.mean.to(device)
+        packed[num_channels + 1:] = stats.m2.to(device)
+    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, packed, group=group)
+    merged = ChannelStats()
+    for part in gathered:
+        n = int(part[0].item())
+        merged.merge(n, part[1:num_channels + 1].cpu(), part[num_channels + 1:].cpu())
+    return merged

@@ -1,0 +1,658 @@
+"""Re-estimate BatchNorm running statistics on calibration data.
+
+For every BN layer with tracked statistics that is recalibrated, bnaudit observes the
+values x that reach each channel (n = N*H*W values per batch for a 2-D map) and
+stores, per channel:
+
+exact (default)
+    One pass; every recalibrated BN layer normalises by batch statistics (as in
+    training), everything else is in eval mode (Dropout off). Over ALL samples,
+    accumulated in float64 and merged with Chan's formulas (bnaudit.stats):
+        running_mean = mu      = (1/n) sum x
+        running_var  = s^2     = sum (x - mu)^2 / (n - 1)        (unbiased)
+    The population statistic: it includes the spread of the batch means (unlike an
+    average of per-batch variances), it is exact when the mean dwarfs the spread
+    (unlike E[x^2] - E[x]^2), and it does not depend on the order of the samples.
+
+sequential
+    Layer by layer in forward order: the statistics of layer k are measured with
+    every earlier BN layer already recalibrated and in eval mode, with the same
+    formulas. Afterwards the eval-mode input of every layer over the calibration set
+    has exactly the stored mean and unbiased variance; the result depends neither on
+    batch size, nor on order, nor on sharding. One pass per layer (each pass stops
+    after the layer being calibrated).
+
+cumulative
+    The arithmetic of `torch.optim.swa_utils.update_bn` (reset, momentum None): over
+    the B calls of the layer, with m_b and v_b the batch mean and unbiased batch
+    variance,
+        running_mean = (1/B) sum_b m_b,   running_var = (1/B) sum_b v_b
+    (misses the spread of the batch means), but with everything except BN in eval
+    mode, as in `exact`.
+
+In every method num_batches_tracked becomes the number of batches (forward passes)
+that reached the layer, summed over ranks. Layers left out by `include`/`exclude`
+keep their statistics and normalise with them (eval mode) during the passes.
+
+Under torch.distributed (torchrun) every rank feeds its own, disjoint, samples; the
+counts, means and squared deviations are all-gathered and Chan-merged exactly
+(`stats.all_gather_merge`), the batch counts summed, so every rank ends with the
+same statistics.
+
+Eager modules are observed with forward pre-hooks. TorchScript modules cannot take
+hooks; their BN calls are observed at the dispatcher (a TorchDispatchMode that
+recognises each layer's batch-norm op by its running_mean buffer), with the
+optimising executor off so that no BN op is fused away.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from bnaudit.errors import BnauditError
+from bnaudit.stats import ChannelStats
+
+METHODS = ("exact", "sequential", "cumulative")
+# Wu & Johnson (2021) find 10^3-10^4 samples enough for population statistics.
+MIN_SAMPLES = 1000
+MIN_VALUES_PER_CHANNEL = 1000
+
+
+@dataclass(frozen=True)
+class LayerCalibration:
+    """The measured and the stored statistics of one recalibrated layer (float64).
+
+    data_mean / data_var: population mean and unbiased variance of the values that
+    reached the layer during its calibration pass (all methods). new_mean / new_var:
+    what the method stores (equal to data_* for exact and sequential).
+    """
+
+    name: str
+    num_features: int
+    eps: float
+    count: int  # values per channel, all ranks
+    batches: int  # batches that reached the layer, all ranks: the new num_batches_tracked
+    calls_per_batch: int  # >1: the module runs several times per forward (pooled)
+    old_mean: np.ndarray
+    old_var: np.ndarray
+    old_num_batches_tracked: int | None
+    data_mean: np.ndarray
+    data_var: np.ndarray
+    new_mean: np.ndarray
+    new_var: np.ndarray
+    stats_dtype: str
+
+
+@dataclass(frozen=True)
+class SkippedLayer:
+    """A normalisation layer whose statistics were left as they are, and why."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Calibration:
+    method: str
+    samples: int
+    batches: int
+    batch_size: int | None  # the largest batch seen (the last one may differ)
+    world_size: int
+    layers: list[LayerCalibration]
+    skipped: list[SkippedLayer]
+    warnings: list[str] = field(default_factory=list)
+
+    def buffers(self) -> dict[str, Any]:
+        """State-dict entries (module-relative names) of the new statistics, as float64/int64 tensors."""
+        import torch
+
+        out: dict[str, Any] = {}
+        for layer in self.layers:
+            out[f"{layer.name}.running_mean"] = torch.from_numpy(layer.new_mean)
+            out[f"{layer.name}.running_var"] = torch.from_numpy(layer.new_var)
+            out[f"{layer.name}.num_batches_tracked"] = torch.tensor(layer.batches, dtype=torch.int64)
+        return out
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def _is_script(model: Any) -> bool:
+    import torch
+
+    return isinstance(model, torch.jit.ScriptModule)
+
+
+def classify_layers(model: Any) -> tuple[dict[str, Any], list[SkippedLayer]]:
+    """BN layers whose statistics can be re-estimated, and the others that are left alone.
+
+    Recalibrated: BatchNorm1d/2d/3d, SyncBatchNorm and subclasses (TorchScript: the
+    scripted versions) with tracked running statistics. Left alone and listed:
+    frozen BN (running statistics as buffers of a module without a training mode:
+    torchvision/detectron2 FrozenBatchNorm2d), tracked InstanceNorm (its running_var
+    is a mean of per-instance variances, a different quantity), and BN layers with
+    track_running_stats=False (no statistics to store).
+    """
+    from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+
+    targets: dict[str, Any] = {}
+    skipped: list[SkippedLayer] = []
+    script = _is_script(model)
+    for name, module in model.named_modules():
+        label = name or "(root)"
+        if script:
+            own = dict(module.named_buffers(recurse=False))
+            cls = getattr(module, "original_name", type(module).__name__)
+            if "running_mean" not in own or "running_var" not in own:
+                continue
+            if "InstanceNorm" in cls:
+                skipped.append(SkippedLayer(label, f"{cls}: not BatchNorm, left alone"))
+            elif "BatchNorm" in cls and "Frozen" not in cls and "num_batches_tracked" in own:
+                targets[name] = module
+            else:
+                skipped.append(SkippedLayer(label, f"{cls}: frozen statistics, left alone"))
+            continue
+        if isinstance(module, _BatchNorm):
+            if module.track_running_stats and module.running_mean is not None and module.running_var is not None:
+                targets[name] = module
+            else:
+                skipped.append(SkippedLayer(
+                    label, f"{type(module).__name__} with track_running_stats=False: no running statistics"))
+        elif isinstance(module, _NormBase):
+            if module.track_running_stats:
+                skipped.append(SkippedLayer(label, f"{type(module).__name__}: not BatchNorm, left alone"))
+        else:
+            own = dict(module.named_buffers(recurse=False))
+            if "running_mean" in own and "running_var" in own:
+                skipped.append(SkippedLayer(label, f"{type(module).__name__}: frozen statistics, left alone"))
+    return targets, skipped
+
+
+def select_layers(
+    targets: dict[str, Any], include: Iterable[str] = (), exclude: Iterable[str] = ()
+) -> tuple[dict[str, Any], list[SkippedLayer]]:
+    """Apply `--layers GLOB` (any may match; none given: all) and `--exclude GLOB`."""
+    include, exclude = tuple(include), tuple(exclude)
+    for pattern in include:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in targets):
+            shown = ", ".join(list(targets)[:6]) + (" ..." if len(targets) > 6 else "")
+            raise BnauditError(f"--layers {pattern!r} matches no BatchNorm layer (layers: {shown or 'none'})")
+    chosen: dict[str, Any] = {}
+    left: list[SkippedLayer] = []
+    for name, module in targets.items():
+        wanted = not include or any(fnmatch.fnmatchcase(name, p) for p in include)
+        if wanted and not any(fnmatch.fnmatchcase(name, p) for p in exclude):
+            chosen[name] = module
+        else:
+            left.append(SkippedLayer(name, "not selected (--layers/--exclude): statistics kept"))
+    return chosen, left
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def batch_len(batch: Any) -> int:
+    """Number of samples in a batch: a tensor's first dimension, else that of the
+    first tensor found in a tuple/list/dict batch."""
+    if hasattr(batch, "shape") and len(batch.shape) > 0:
+        return int(batch.shape[0])
+    if isinstance(batch, Mapping):
+        items = list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        items = list(batch)
+    else:
+        items = []
+    for item in items:
+        n = batch_len(item)
+        if n:
+            return n
+    return 0
+
+
+def _concat(a: Any, b: Any) -> Any:
+    """Join two batches of the same structure along the sample dimension."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return torch.cat([a, b.to(a.device)])
+    if isinstance(a, Mapping):
+        return {k: _concat(a[k], b[k]) for k in a}
+    if isinstance(a, tuple):
+        joined = [_concat(x, y) for x, y in zip(a, b)]
+        return type(a)(*joined) if hasattr(a, "_fields") else tuple(joined)
+    if isinstance(a, list):
+        if a and len(a) == len(b) and all(isinstance(x, torch.Tensor) for x in a):
+            return [_concat(x, y) for x, y in zip(a, b)]
+        return a + b  # a list of per-sample items (file names, strings)
+    return a
+
+
+def merge_trailing_singleton(batches: Iterable[Any]) -> Iterator[Any]:
+    """Yield the batches, with a last batch of one sample merged into the one before.
+
+    A batch of one sample cannot run BatchNorm1d in training mode (one value per
+    channel has no variance). Streams with two batches of lookahead.
+    """
+    held: list[Any] = []  # the last two batches, not yet yielded
+    for batch in batches:
+        held.append(batch)
+        if len(held) == 3:
+            yield held.pop(0)
+    if len(held) == 2 and batch_len(held[1]) == 1:
+        held = [_concat(held[0], held[1])]
+    yield from held
+
+
+def default_forward(model: Any, batch: Any, device: Any = None) -> Any:
+    """model(x) for a tensor batch, model(x) for (x, label, ...), model(**batch) for a dict."""
+    def move(x: Any) -> Any:
+        return x.to(device, non_blocking=True) if device is not None and hasattr(x, "to") else x
+
+    if isinstance(batch, Mapping):
+        return model(**{k: move(v) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        return model(move(batch[0]))
+    return model(move(batch))
+
+
+# ----------------------------------------------------------------------------- modes
+
+
+@contextlib.contextmanager
+def _regime(model: Any, batch_stat_layers: Iterable[Any]) -> Iterator[None]:
+    """Eval mode everywhere except `batch_stat_layers`, which normalise by batch
+    statistics without touching their buffers.
+
+    Eager BN: training=True with track_running_stats=False (PyTorch then passes no
+    buffers to the kernel and does not count the batch). TorchScript BN cannot change
+    that constant: its buffers are restored afterwards. Modes and buffers are restored
+    on exit, also after an error or Ctrl-C.
+    """
+    import torch
+
+    script = _is_script(model)
+    modes = [(m, m.training) for m in model.modules()]
+    layers = list(batch_stat_layers)
+    tracking = [(m, m.track_running_stats) for m in layers] if not script else []
+    saved = {n: b.detach().clone() for n, b in model.named_buffers()} if script and layers else {}
+    try:
+        model.eval()
+        for m in layers:
+            m.train()
+            if not script:
+                m.track_running_stats = False
+        yield
+    finally:
+        for m, track in tracking:
+            m.track_running_stats = track
+        if saved:
+            with torch.no_grad():
+                for n, b in model.named_buffers():
+                    if n in saved:
+                        b.copy_(saved[n])
+        for m, mode in modes:
+            m.training = mode
+
+
+# ----------------------------------------------------------------------------- observation
+
+
+class _StopForward(Exception):
+    """Raised from an observer to end a forward pass early (sequential method)."""
+
+
+_BN_OPS = {
+    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional", "cudnn_batch_norm", "miopen_batch_norm",
+    "_batch_norm_with_update", "_batch_norm_with_update_functional", "_batch_norm_no_update",
+    "batch_norm", "_batch_norm_impl_index",
+}
+
+
+@contextlib.contextmanager
+def _observe(model: Any, layers: dict[str, Any], callback: Callable[[str, Any], None]) -> Iterator[None]:
+    """Call `callback(name, input)` each time one of `layers` normalises an input."""
+    if not layers:
+        yield
+        return
+    if not _is_script(model):
+        handles = [
+            module.register_forward_pre_hook(lambda _m, args, _n=name: callback(_n, args[0]))
+            for name, module in layers.items()
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        return
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    by_buffer = {module.running_mean.data_ptr(): name for name, module in layers.items()}
+
+    class BatchNormCalls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if func.overloadpacket.__name__ in _BN_OPS and len(args) > 3 and isinstance(args[3], torch.Tensor):
+                name = by_buffer.get(args[3].data_ptr())
+                if name is not None:
+                    callback(name, args[0])
+            return func(*args, **(kwargs or {}))
+
+    # The optimising executor may fuse BN into other kernels, out of the dispatcher's sight.
+    with torch.jit.optimized_execution(False), BatchNormCalls():
+        yield
+
+
+@dataclass
+class _LayerRecord:
+    stats: ChannelStats = field(default_factory=ChannelStats)
+    mean_sum: Any = None  # cumulative: sum of batch means (float64)
+    var_sum: Any = None  # cumulative: sum of unbiased batch variances
+    calls: int = 0  # BN calls (cumulative's B)
+    batches: int = 0  # forwards that reached the layer
+    max_calls: int = 0
+
+
+@dataclass
+class _Pass:
+    records: dict[str, _LayerRecord]
+    samples: int = 0
+    batches: int = 0
+    max_batch: int = 0
+
+
+def _run_pass(
+    model: Any,
+    batches: Iterable[Any],
+    forward: Callable[[Any, Any], Any],
+    observed: dict[str, Any],
+    batch_stat_layers: Iterable[Any],
+    cumulative: bool = False,
+    stop_after: str | None = None,
+    autocast: Any = None,
+    progress: Callable[[int], None] | None = None,
+) -> _Pass:
+    """One pass over `batches` that records the inputs of `observed` layers."""
+    import torch
+
+    result = _Pass({name: _LayerRecord() for name in observed})
+    calls_now: dict[str, int] = {}
+    stopped: list[str] = []
+    expected = {name: _num_features(m) for name, m in observed.items()}
+
+    def on_input(name: str, x: Any) -> None:
+        if x.dim() < 2 or x.shape[1] != expected[name]:
+            raise BnauditError(
+                f"layer {name}: expects {expected[name]} channels in dimension 1, got input of shape {tuple(x.shape)}")
+        record = result.records[name]
+        batch = ChannelStats()
+        batch.update(x)
+        record.stats.merge(batch.count, batch.mean, batch.m2)
+        if cumulative:
+            var = batch.m2 / (batch.count - 1) if batch.count > 1 else torch.full_like(batch.m2, float("nan"))
+            record.mean_sum = batch.mean if record.mean_sum is None else record.mean_sum + batch.mean
+            record.var_sum = var if record.var_sum is None else record.var_sum + var
+        record.calls += 1
+        calls_now[name] = calls_now.get(name, 0) + 1
+        if name == stop_after:
+            stopped.append(name)
+            raise _StopForward
+
+    with _regime(model, batch_stat_layers), _observe(model, observed, on_input), torch.no_grad():
+        for index, batch in enumerate(merge_trailing_singleton(batches)):
+            calls_now.clear()
+            n = batch_len(batch)
+            try:
+                with autocast if autocast is not None else contextlib.nullcontext():
+                    forward(model, batch)
+            except Exception as exc:
+                # TorchScript re-raises an exception from the dispatcher as its own
+                # error: whether the pass stopped on purpose is known from `stopped`.
+                if stopped:
+                    stopped.clear()
+                elif isinstance(exc, ValueError) and "Expected more than 1 value per channel" in str(exc):
+                    raise BnauditError(
+                        f"batch {index}: {n} sample(s) give one value per channel, which a BatchNorm "
+                        "layer cannot normalise in training mode; use --batch-size 2 or more "
+                        "(or --method sequential)") from None
+                else:
+                    raise
+            for name, calls in calls_now.items():
+                record = result.records[name]
+                record.batches += 1
+                record.max_calls = max(record.max_calls, calls)
+            result.samples += n
+            result.batches += 1
+            result.max_batch = max(result.max_batch, n)
+            if progress is not None:
+                progress(n)
+    return result
+
+
+def _num_features(module: Any) -> int:
+    return int(module.running_mean.shape[0])
+
+
+# ----------------------------------------------------------------------------- distributed
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world size) when torch.distributed is initialised, else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _reduce_pass(result: _Pass, observed: dict[str, Any], cumulative: bool) -> _Pass:
+    """Combine every rank's pass exactly (collective; same layer order on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    from bnaudit.stats import all_gather_merge
+
+    if _distributed()[1] == 1:
+        return result
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    names = list(observed)
+    counts = torch.tensor(
+        [[result.samples, result.batches]] + [[result.records[n].batches, result.records[n].calls] for n in names],
+        dtype=torch.int64, device=device)
+    dist.all_reduce(counts)
+    maxima = torch.tensor([result.max_batch] + [result.records[n].max_calls for n in names],
+                          dtype=torch.int64, device=device)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    merged = _Pass({}, int(counts[0, 0]), int(counts[0, 1]), int(maxima[0]))
+    for i, name in enumerate(names):
+        record = result.records[name]
+        channels = _num_features(observed[name])
+        new = _LayerRecord(all_gather_merge(record.stats, channels),
+                           batches=int(counts[i + 1, 0]), calls=int(counts[i + 1, 1]), max_calls=int(maxima[i + 1]))
+        if cumulative:
+            sums = torch.zeros(2, channels, dtype=torch.float64, device=device)
+            if record.mean_sum is not None:
+                sums[0], sums[1] = record.mean_sum.to(device), record.var_sum.to(device)
+            dist.all_reduce(sums)
+            new.mean_sum, new.var_sum = sums[0].cpu(), sums[1].cpu()
+        merged.records[name] = new
+    return merged
+
+
+# ----------------------------------------------------------------------------- methods
+
+
+def _numpy(t: Any) -> np.ndarray:
+    return t.detach().to("cpu").double().numpy().copy()
+
+
+def _store(name: str, module: Any, mean: np.ndarray, var: np.ndarray, batches: int) -> None:
+    """Write float64 statistics into the module's buffers (in their dtype); refuse non-finite."""
+    import torch
+
+    rm, rv = module.running_mean, module.running_var
+    new_mean = torch.from_numpy(mean).to(rm.device, rm.dtype)
+    new_var = torch.from_numpy(var).to(rv.device, rv.dtype)
+    for what, value in (("running_mean", new_mean), ("running_var", new_var)):
+        bad = int((~torch.isfinite(value)).sum())
+        if bad:
+            raise BnauditError(
+                f"layer {name}: the new {what} is not finite in {bad} of {value.numel()} channel(s) "
+                f"(in {str(value.dtype).removeprefix('torch.')}); nothing written: check the data and the "
+                "model for NaN/Inf activations")
+    with torch.no_grad():
+        rm.copy_(new_mean)
+        rv.copy_(new_var)
+        if getattr(module, "num_batches_tracked", None) is not None:
+            module.num_batches_tracked.fill_(batches)
+
+
+def _finish_layer(name: str, module: Any, record: _LayerRecord, method: str, eps: float) -> LayerCalibration:
+    """Turn one layer's merged record into its new statistics (see module docstring)."""
+    stats = record.stats
+    if stats.count < 2:
+        raise BnauditError(
+            f"layer {name}: only {stats.count} value(s) per channel reached it; the variance needs at least 2")
+    data_mean, data_var = _numpy(stats.mean), _numpy(stats.var)
+    if method == "cumulative":
+        new_mean = _numpy(record.mean_sum) / record.calls
+        new_var = _numpy(record.var_sum) / record.calls
+    else:
+        new_mean, new_var = data_mean, data_var
+    nbt = getattr(module, "num_batches_tracked", None)
+    return LayerCalibration(
+        name=name,
+        num_features=_num_features(module),
+        eps=eps,
+        count=stats.count,
+        batches=record.batches,
+        calls_per_batch=record.max_calls,
+        old_mean=_numpy(module.running_mean),
+        old_var=_numpy(module.running_var),
+        old_num_batches_tracked=int(nbt.item()) if nbt is not None else None,
+        data_mean=data_mean,
+        data_var=data_var,
+        new_mean=new_mean,
+        new_var=new_var,
+        stats_dtype=str(module.running_var.dtype).removeprefix("torch."),
+    )
+
+
+def _eps(module: Any) -> float:
+    eps = getattr(module, "eps", None)
+    return float(eps) if isinstance(eps, (int, float)) else 1e-5
+
+
+def _forward_order(
+    model: Any, batches: Iterable[Any], forward: Callable[[Any, Any], Any], layers: dict[str, Any], autocast: Any
+) -> tuple[list[str], dict[str, int]]:
+    """`layers` in the order one eval-mode forward (first batch) first calls them, and
+    how often each is called in it. Layers that batch did not reach follow in
+    registration order."""
+    import torch
+
+    calls: dict[str, int] = {}
+
+    def count(name: str, _x: Any) -> None:
+        calls[name] = calls.get(name, 0) + 1
+
+    first = next(iter(merge_trailing_singleton(batches)), None)
+    if first is not None:
+        with _regime(model, ()), _observe(model, layers, count), torch.no_grad():
+            with autocast if autocast is not None else contextlib.nullcontext():
+                forward(model, first)
+    order = list(calls) + [name for name in layers if name not in calls]
+    return order, calls
+
+
+def recalibrate_module(
+    model: Any,
+    batches: Iterable[Any],
+    method: str = "exact",
+    include: Iterable[str] = (),
+    exclude: Iterable[str] = (),
+    forward: Callable[[Any, Any], Any] | None = None,
+    autocast: Any = None,
+    progress: Callable[[int], None] | None = None,
+) -> Calibration:
+    """Re-estimate the running statistics of `model`'s BN layers in place.
+
+    `batches`: an iterable of batches (tensors, tuples, dicts), on this rank only
+    under torch.distributed; `sequential` iterates it once per layer, so it must be
+    re-iterable (a list or a DataLoader, not a generator). `forward(model, batch)`
+    runs the model (default: `default_forward`). Only running_mean, running_var and
+    num_batches_tracked of recalibrated layers change; the model's modes are restored.
+    """
+    if method not in METHODS:
+        raise BnauditError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+    forward = forward or default_forward
+    if method == "sequential" and iter(batches) is batches:
+        raise BnauditError("the sequential method needs re-iterable batches (a list or DataLoader), not an iterator")
+    targets, skipped = classify_layers(model)
+    chosen, left = select_layers(targets, include, exclude)
+    skipped = left + skipped
+    rank, world = _distributed()
+    warnings: list[str] = []
+    samples = n_batches = max_batch = 0
+
+    if method in ("exact", "cumulative"):
+        result = _run_pass(model, batches, forward, chosen, chosen.values(), cumulative=method == "cumulative",
+                           autocast=autocast, progress=progress)
+        result = _reduce_pass(result, chosen, method == "cumulative")
+        samples, n_batches, max_batch = result.samples, result.batches, result.max_batch
+        calibrated = []
+        for name, module in chosen.items():
+            record = result.records[name]
+            if record.stats.count == 0:
+                skipped.append(SkippedLayer(name, "never reached by the data: statistics kept"))
+                continue
+            calibrated.append(_finish_layer(name, module, record, method, _eps(module)))
+        for layer in calibrated:  # all checked before any buffer changes
+            _store(layer.name, chosen[layer.name], layer.new_mean, layer.new_var, layer.batches)
+    else:
+        calibrated = []
+        order, calls = _forward_order(model, batches, forward, chosen, autocast)
+        for step, name in enumerate(order):
+            module = chosen[name]
+            # A pass stops at the layer's first call; a layer called several times per
+            # forward needs the whole forward, in which it and the layers not yet
+            # calibrated normalise by batch statistics.
+            pending = [chosen[n] for n in order[step:]]
+            result = _run_pass(model, batches, forward, {name: module}, pending,
+                               stop_after=name if calls.get(name, 1) == 1 else None,
+                               autocast=autocast, progress=progress)
+            result = _reduce_pass(result, {name: module}, False)
+            samples, n_batches, max_batch = result.samples, result.batches, result.max_batch
+            record = result.records[name]
+            if record.stats.count == 0:
+                skipped.append(SkippedLayer(name, "never reached by the data: statistics kept"))
+                continue
+            layer = _finish_layer(name, module, record, method, _eps(module))
+            _store(name, module, layer.new_mean, layer.new_var, layer.batches)
+            calibrated.append(layer)
+        calibrated.sort(key=lambda layer: list(chosen).index(layer.name))
+
+    if samples == 0:
+        raise BnauditError("the calibration data yielded no samples")
+    if samples < MIN_SAMPLES:
+        warnings.append(
+            f"only {samples} calibration samples: Wu & Johnson (2021) report 10^3-10^4 as enough for "
+            "population statistics")
+    few = [layer.name for layer in calibrated if layer.count < MIN_VALUES_PER_CHANNEL]
+    if few:
+        warnings.append(
+            f"fewer than {MIN_VALUES_PER_CHANNEL} values per channel reached {len(few)} layer(s) "
+            f"({', '.join(few[:5])}{' ...' if len(few) > 5 else ''}): their statistics are noisy")
+    for layer in calibrated:
+        if layer.calls_per_batch > 1:
+            warnings.append(
+                f"layer {layer.name} runs {layer.calls_per_batch} times per forward: its statistics pool "
+                "the inputs of every call (one set of buffers serves them all)")
+    return Calibration(method, samples, n_batches, max_batch or None, world, calibrated, skipped, warnings)
