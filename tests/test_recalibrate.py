@@ -12,6 +12,8 @@ from bnaudit.errors import BnauditError
 from bnaudit.recalibrate import merge_trailing_singleton, recalibrate_module
 
 torch.set_num_threads(1)
+# torch.jit.script/save/load warn that TorchScript is deprecated; it is still a format users ship
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 
 FOUR = torch.tensor([[2.0], [4.0], [6.0], [8.0]])
 
