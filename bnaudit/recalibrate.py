@@ -452,6 +452,30 @@ def _distributed() -> tuple[int, int]:
     return 0, 1
 
 
+@contextlib.contextmanager
+def _together() -> Iterator[None]:
+    """Under torch.distributed, a failure on one rank ends the work on every rank
+    (rather than leaving the others waiting in the next collective)."""
+    import torch
+    import torch.distributed as dist
+
+    if _distributed()[1] == 1:
+        yield
+        return
+    failure: BaseException | None = None
+    try:
+        yield
+    except Exception as exc:
+        failure = exc
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([int(failure is not None)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if failure is not None:
+        raise failure
+    if int(flag.item()):
+        raise BnauditError("another rank failed (its error is in that rank's output)")
+
+
 def _reduce_pass(result: _Pass, observed: dict[str, Any], cumulative: bool) -> _Pass:
     """Combine every rank's pass exactly (collective; same layer order on every rank)."""
     import torch
@@ -572,6 +596,21 @@ def _forward_order(
     return order, calls
 
 
+def _agree_order(order: list[str], calls: dict[str, int]) -> tuple[list[str], dict[str, int]]:
+    if _distributed()[1] > 1:
+        # every rank must calibrate the layers in the same order (one collective
+        # each): rank 0's order wins; a layer's call count is the largest any saw
+        import torch.distributed as dist
+
+        shared: list[Any] = [order, calls]
+        dist.broadcast_object_list(shared, src=0)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, calls)
+        order = shared[0]
+        calls = {name: max(c.get(name, 0) for c in gathered) for name in order}
+    return order, calls
+
+
 def recalibrate_module(
     model: Any,
     batches: Iterable[Any],
@@ -598,13 +637,14 @@ def recalibrate_module(
     targets, skipped = classify_layers(model)
     chosen, left = select_layers(targets, include, exclude)
     skipped = left + skipped
-    rank, world = _distributed()
+    world = _distributed()[1]
     warnings: list[str] = []
     samples = n_batches = max_batch = 0
 
     if method in ("exact", "cumulative"):
-        result = _run_pass(model, batches, forward, chosen, chosen.values(), cumulative=method == "cumulative",
-                           autocast=autocast, progress=progress)
+        with _together():
+            result = _run_pass(model, batches, forward, chosen, chosen.values(), cumulative=method == "cumulative",
+                               autocast=autocast, progress=progress)
         result = _reduce_pass(result, chosen, method == "cumulative")
         samples, n_batches, max_batch = result.samples, result.batches, result.max_batch
         calibrated = []
@@ -618,16 +658,19 @@ def recalibrate_module(
             _store(layer.name, chosen[layer.name], layer.new_mean, layer.new_var, layer.batches)
     else:
         calibrated = []
-        order, calls = _forward_order(model, batches, forward, chosen, autocast)
+        with _together():
+            order, calls = _forward_order(model, batches, forward, chosen, autocast)
+        order, calls = _agree_order(order, calls)
         for step, name in enumerate(order):
             module = chosen[name]
             # A pass stops at the layer's first call; a layer called several times per
             # forward needs the whole forward, in which it and the layers not yet
             # calibrated normalise by batch statistics.
             pending = [chosen[n] for n in order[step:]]
-            result = _run_pass(model, batches, forward, {name: module}, pending,
-                               stop_after=name if calls.get(name, 1) == 1 else None,
-                               autocast=autocast, progress=progress)
+            with _together():
+                result = _run_pass(model, batches, forward, {name: module}, pending,
+                                   stop_after=name if calls.get(name, 1) <= 1 else None,
+                                   autocast=autocast, progress=progress)
             result = _reduce_pass(result, {name: module}, False)
             samples, n_batches, max_batch = result.samples, result.batches, result.max_batch
             record = result.records[name]
