@@ -197,10 +197,12 @@ def select_layers(
 
 
 def batch_len(batch: Any) -> int:
-    """Number of samples in a batch: a tensor's first dimension, else that of the
-    first tensor found in a tuple/list/dict batch."""
+    """Number of samples in a batch: a tensor's first dimension, a `data.Batch`'s
+    size, else that of the first tensor found in a tuple/list/dict batch."""
     if hasattr(batch, "shape") and len(batch.shape) > 0:
         return int(batch.shape[0])
+    if isinstance(getattr(batch, "size", None), int):  # bnaudit.data.Batch
+        return batch.size
     if isinstance(batch, Mapping):
         items = list(batch.values())
     elif isinstance(batch, (list, tuple)):
@@ -215,21 +217,27 @@ def batch_len(batch: Any) -> int:
 
 
 def _concat(a: Any, b: Any) -> Any:
-    """Join two batches of the same structure along the sample dimension."""
+    """Join two batches of the same structure along the sample dimension (None: a
+    structure this does not know, left to its producer)."""
     import torch
 
     if isinstance(a, torch.Tensor):
         return torch.cat([a, b.to(a.device)])
     if isinstance(a, Mapping):
-        return {k: _concat(a[k], b[k]) for k in a}
+        joined = {k: _concat(a[k], b[k]) for k in a}
+        return None if any(v is None for v in joined.values()) else joined
     if isinstance(a, tuple):
         joined = [_concat(x, y) for x, y in zip(a, b)]
+        if any(j is None for j in joined):
+            return None
         return type(a)(*joined) if hasattr(a, "_fields") else tuple(joined)
     if isinstance(a, list):
         if a and len(a) == len(b) and all(isinstance(x, torch.Tensor) for x in a):
             return [_concat(x, y) for x, y in zip(a, b)]
         return a + b  # a list of per-sample items (file names, strings)
-    return a
+    if isinstance(a, (int, float, str, bytes)) or a is None:
+        return a  # a per-batch constant
+    return None
 
 
 def merge_trailing_singleton(batches: Iterable[Any]) -> Iterator[Any]:
@@ -244,7 +252,9 @@ def merge_trailing_singleton(batches: Iterable[Any]) -> Iterator[Any]:
         if len(held) == 3:
             yield held.pop(0)
     if len(held) == 2 and batch_len(held[1]) == 1:
-        held = [_concat(held[0], held[1])]
+        joined = _concat(held[0], held[1])
+        if joined is not None:
+            held = [joined]
     yield from held
 
 
@@ -377,7 +387,7 @@ def _run_pass(
     cumulative: bool = False,
     stop_after: str | None = None,
     autocast: Any = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[], None] | None = None,
 ) -> _Pass:
     """One pass over `batches` that records the inputs of `observed` layers."""
     import torch
@@ -432,7 +442,7 @@ def _run_pass(
             result.batches += 1
             result.max_batch = max(result.max_batch, n)
             if progress is not None:
-                progress(n)
+                progress()
     return result
 
 
@@ -619,15 +629,17 @@ def recalibrate_module(
     exclude: Iterable[str] = (),
     forward: Callable[[Any, Any], Any] | None = None,
     autocast: Any = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Calibration:
     """Re-estimate the running statistics of `model`'s BN layers in place.
 
     `batches`: an iterable of batches (tensors, tuples, dicts), on this rank only
     under torch.distributed; `sequential` iterates it once per layer, so it must be
     re-iterable (a list or a DataLoader, not a generator). `forward(model, batch)`
-    runs the model (default: `default_forward`). Only running_mean, running_var and
-    num_batches_tracked of recalibrated layers change; the model's modes are restored.
+    runs the model (default: `default_forward`). `progress(done, total)` is called
+    after every batch of every pass (total 0 when `batches` has no length). Only
+    running_mean, running_var and num_batches_tracked of recalibrated layers change;
+    the model's modes are restored.
     """
     if method not in METHODS:
         raise BnauditError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
@@ -639,12 +651,22 @@ def recalibrate_module(
     skipped = left + skipped
     world = _distributed()[1]
     warnings: list[str] = []
+    passes = len(chosen) if method == "sequential" else 1
+    planned = len(batches) * passes if hasattr(batches, "__len__") else 0
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, max(planned, done))
+
     samples = n_batches = max_batch = 0
 
     if method in ("exact", "cumulative"):
         with _together():
             result = _run_pass(model, batches, forward, chosen, chosen.values(), cumulative=method == "cumulative",
-                               autocast=autocast, progress=progress)
+                               autocast=autocast, progress=tick)
         result = _reduce_pass(result, chosen, method == "cumulative")
         samples, n_batches, max_batch = result.samples, result.batches, result.max_batch
         calibrated = []
@@ -670,7 +692,7 @@ def recalibrate_module(
             with _together():
                 result = _run_pass(model, batches, forward, {name: module}, pending,
                                    stop_after=name if calls.get(name, 1) <= 1 else None,
-                                   autocast=autocast, progress=progress)
+                                   autocast=autocast, progress=tick)
             result = _reduce_pass(result, {name: module}, False)
             samples, n_batches, max_batch = result.samples, result.batches, result.max_batch
             record = result.records[name]
@@ -699,3 +721,299 @@ def recalibrate_module(
                 f"layer {layer.name} runs {layer.calls_per_batch} times per forward: its statistics pool "
                 "the inputs of every call (one set of buffers serves them all)")
     return Calibration(method, samples, n_batches, max_batch or None, world, calibrated, skipped, warnings)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+@dataclass(frozen=True)
+class Drift:
+    """Running statistics (mu_r, var_r) against data statistics (mu_d, var_d), as
+    `bnaudit gap` defines drift:
+
+      mean_shift      mean over channels of |mu_d - mu_r| / sqrt(var_r + eps)
+      max_mean_shift  max over channels of the same
+      var_log_ratio   mean over channels of |log((var_d + eps) / (var_r + eps))|
+
+    None where a value is not finite (a NaN or negative running_var).
+    """
+
+    mean_shift: float | None
+    max_mean_shift: float | None
+    var_log_ratio: float | None
+
+
+def drift(data_mean: np.ndarray, data_var: np.ndarray, run_mean: np.ndarray, run_var: np.ndarray,
+          eps: float) -> Drift:
+    with np.errstate(all="ignore"):
+        shift = np.abs(data_mean - run_mean) / np.sqrt(run_var + eps)
+        log_ratio = np.abs(np.log((data_var + eps) / (run_var + eps)))
+
+    def finite(x: float) -> float | None:
+        return float(x) if np.isfinite(x) else None
+
+    return Drift(finite(shift.mean()), finite(shift.max()), finite(log_ratio.mean()))
+
+
+@dataclass(frozen=True)
+class LayerChange:
+    """One recalibrated layer: drift of the old and of the new (stored) statistics
+    against the calibration data's statistics `data_mean`, `data_var` (see
+    `LayerCalibration`)."""
+
+    name: str
+    channels: int
+    values: int
+    batches: int
+    before: Drift
+    after: Drift
+
+
+@dataclass
+class RecalibrationReport:
+    input: str
+    output: str
+    format: str
+    key: str | None
+    model: str
+    data: str
+    method: str
+    samples: int
+    batches: int
+    batch_size: int
+    seed: int
+    shuffle: bool
+    device: str
+    world_size: int
+    layers: list[LayerChange]
+    skipped: list[SkippedLayer]
+    warnings: list[str]
+    provenance: dict[str, Any]
+    eval_before: Any = None  # bnaudit.gap.GapReport with --eval-data
+    eval_after: Any = None
+
+
+def layer_changes(calibration: Calibration, model: Any) -> list[LayerChange]:
+    """Before/after drift of every recalibrated layer; `after` uses the statistics as
+    stored (in the buffers' dtype), read back from `model`."""
+    changes = []
+    for layer in calibration.layers:
+        module = model.get_submodule(layer.name) if layer.name else model
+        stored_mean, stored_var = _numpy(module.running_mean), _numpy(module.running_var)
+        changes.append(LayerChange(
+            name=layer.name,
+            channels=layer.num_features,
+            values=layer.count,
+            batches=layer.batches,
+            before=drift(layer.data_mean, layer.data_var, layer.old_mean, layer.old_var, layer.eps),
+            after=drift(layer.data_mean, layer.data_var, stored_mean, stored_var, layer.eps),
+        ))
+    return changes
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def shard_plan(plan: list[list[int]], batch_size: int, rank: int, world: int) -> list[list[int]]:
+    """This rank's batches: every `world`-th sample of the global order (no sample on
+    two ranks, none left out), cut into batches, a last batch of one sample merged."""
+    order = [index for batch in plan for index in batch]
+    mine = order[rank::world]
+    batches = [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
+    if len(batches) >= 2 and len(batches[-1]) == 1:
+        batches[-2].extend(batches.pop())
+    return batches
+
+
+@contextlib.contextmanager
+def process_group(device: Any) -> Iterator[tuple[int, int]]:
+    """Under torchrun (WORLD_SIZE > 1): join the process group (nccl for CUDA, gloo for
+    the CPU) for the block and yield (rank, world size); otherwise (0, 1)."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        yield 0, 1
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # the caller set it up
+        yield dist.get_rank(), dist.get_world_size()
+        return
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        yield dist.get_rank(), dist.get_world_size()
+    finally:
+        dist.destroy_process_group()
+
+
+def _device_for_rank(device: Any) -> Any:
+    """Under torchrun each rank takes its own GPU (LOCAL_RANK)."""
+    import os
+
+    import torch
+
+    if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % max(torch.cuda.device_count(), 1))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def run_recalibrate(
+    checkpoint: str,
+    output: str,
+    data: Any,
+    method: str = "exact",
+    arch: str | None = None,
+    arch_kwargs: Any = None,
+    key: str | None = None,
+    trust_pickle: bool = False,
+    forward: str | None = None,
+    device: str = "cpu",
+    amp: bool = False,
+    include: Iterable[str] = (),
+    exclude: Iterable[str] = (),
+    force: bool = False,
+    eval_data: Any = None,
+    config: Any = None,
+    progress: Callable[[int, int], None] | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> RecalibrationReport | None:
+    """Load the model, re-estimate its BN statistics on `data` (a `data.DataOptions`),
+    write `output` in the input's format, and report. Returns None on ranks other
+    than 0 under torchrun (rank 0 writes and reports).
+
+    >>> from bnaudit.data import DataOptions                              # doctest: +SKIP
+    >>> run_recalibrate("model.pt", "model.recal.pt", DataOptions(path="calib/"),
+    ...                 arch="mypkg.models:net").layers[0].after       # doctest: +SKIP
+    """
+    import datetime
+    import os
+
+    import torch
+
+    from bnaudit import __version__
+    from bnaudit.checkpoint import check_output, save_like
+    from bnaudit.data import make_loader
+    from bnaudit.models import forward as run_forward
+    from bnaudit.models import load_forward, load_runnable, resolve_device, to_device
+
+    warn = warn or (lambda _message: None)
+    if method not in METHODS:
+        raise BnauditError(f"unknown --method {method!r} (choose from {', '.join(METHODS)})")
+    check_output(output, checkpoint, force)
+    data.validate()
+    if eval_data is not None:
+        eval_data.validate()
+        if _same_data(data, eval_data):
+            raise BnauditError("--eval-data must be held-out data, not the calibration data (--data)")
+    target = resolve_device(device)
+    forward_fn = load_forward(forward)
+    with process_group(target) as (rank, world):
+        target = _device_for_rank(target)
+        autocast = None
+        if amp:
+            if target.type == "cuda":
+                autocast = torch.autocast("cuda", dtype=torch.float16)
+            elif rank == 0:
+                warn("--amp applies on CUDA only: ignored on the CPU")
+        runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
+        ckpt = runnable.checkpoint
+        # A layer whose buffers the file lacks cannot be written back without new keys.
+        absent = [name for name in classify_layers(runnable.module)[0]
+                  if f"{name}.running_mean" not in ckpt.tensors or f"{name}.running_var" not in ckpt.tensors]
+        stream = make_loader(_replace(data, pin_memory=target.type == "cuda"))
+        batches: Any = stream
+        if world > 1:
+            plan = shard_plan(stream.plan, data.batch_size, rank, world)
+            batches = _replace(stream, plan=plan) if plan else []
+        eval_before = None
+        model = runnable.module
+        if eval_data is not None and rank == 0:
+            eval_before = _measure(runnable, eval_data, target, forward_fn, config)
+        model.to(target)
+
+        def run(module: Any, batch: Any) -> Any:
+            inputs = batch.inputs if hasattr(batch, "inputs") else batch
+            return run_forward(module, to_device(inputs, target), forward_fn)
+
+        calibration = recalibrate_module(model, batches, method=method, include=include,
+                                         exclude=tuple(exclude) + tuple(absent), forward=run,
+                                         autocast=autocast, progress=progress)
+        skipped = [SkippedLayer(s.name, "its buffers are not in the checkpoint: left out (no new keys are written)")
+                   if s.name in absent else s for s in calibration.skipped]
+        if not calibration.layers:
+            raise BnauditError("no BatchNorm layer was recalibrated (see the skipped layers: "
+                               + "; ".join(f"{s.name}: {s.reason}" for s in skipped[:4]) + ")")
+        if rank != 0:
+            return None
+        updates = {name: value for name, value in calibration.buffers().items() if name in ckpt.tensors}
+        provenance = {
+            "method": method,
+            "samples": calibration.samples,
+            "batches": calibration.batches,
+            "batch_size": data.batch_size,
+            "seed": data.seed,
+            "shuffle": data.shuffle,
+            "data": stream.description,
+            "world_size": world,
+            "layers": len(calibration.layers),
+            "bnaudit_version": __version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
+        }
+        save_like(ckpt, updates, output, force=force, provenance=provenance, trust_pickle=trust_pickle)
+        eval_after = None
+        if eval_data is not None:
+            written = load_runnable(output, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
+            eval_after = _measure(written, eval_data, target, forward_fn, config)
+        return RecalibrationReport(
+            input=checkpoint,
+            output=output,
+            format=ckpt.format,
+            key=ckpt.key,
+            model=runnable.describe(),
+            data=stream.description,
+            method=method,
+            samples=calibration.samples,
+            batches=calibration.batches,
+            batch_size=data.batch_size,
+            seed=data.seed,
+            shuffle=data.shuffle,
+            device=str(target),
+            world_size=world,
+            layers=layer_changes(calibration, model),
+            skipped=skipped,
+            warnings=calibration.warnings,
+            provenance=provenance,
+            eval_before=eval_before,
+            eval_after=eval_after,
+        )
+
+
+def _replace(obj: Any, **changes: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
+def _same_data(a: Any, b: Any) -> bool:
+    import os
+
+    if a.path is not None and b.path is not None and os.path.exists(a.path) and os.path.exists(b.path):
+        return os.path.samefile(a.path, b.path)
+    return a.dataset is not None and a.dataset == b.dataset
+
+
+def _measure(runnable: Any, options: Any, device: Any, forward_fn: Any, config: Any) -> Any:
+    """The gap report of a model on held-out data (bnaudit.gap)."""
+    import dataclasses
+
+    from bnaudit.data import make_loader
+
+    try:
+        from bnaudit.gap import measure_gap
+    except ImportError:  # pragma: no cover - gap lands with its own branch
+        raise BnauditError("--eval-data needs the gap measurement (bnaudit.gap), not in this build") from None
+    stream = make_loader(dataclasses.replace(options, pin_memory=device.type == "cuda"))
+    return measure_gap(runnable, stream, device, forward_fn, config)
