@@ -245,3 +245,131 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
         line += f", {s['unreadable']} unreadable file(s)"
     worst = "error" if s["errors"] or s["unreadable"] else "warning" if s["warnings"] else "ok"
     console.print(Text(line, style=SEVERITY_STYLE[worst]))
+
+
+# ----------------------------------------------------------------------------- gap
+
+# The gap report itself (`GapReport`, `LayerDrift`) lives in bnaudit.gap with the
+# definitions of every number; these functions only render it.
+
+
+def gap_to_json(report: Any) -> dict:
+    """The `bnaudit gap --format json` document (accuracies as fractions, null without labels)."""
+    return {
+        "version": __version__,
+        "checkpoint": report.checkpoint,
+        "model": report.model,
+        "data": report.data,
+        "samples": report.samples,
+        "batch_size": report.batch_size,
+        "batches": report.batches,
+        "seed": report.seed,
+        "shuffle": report.shuffle,
+        "device": report.device,
+        "skipped": report.skipped,
+        "train_mode": {"accuracy": json_number(report.train_accuracy),
+                       "non_finite_outputs": report.non_finite.get("train_mode", 0)},
+        "eval_mode": {"accuracy": json_number(report.eval_accuracy),
+                      "non_finite_outputs": report.non_finite.get("eval_mode", 0)},
+        "gap": json_number(report.gap),
+        "agreement": json_number(report.agreement),
+        "divergence": json_number(report.divergence),
+        "divergence_kind": report.divergence_kind,
+        "layers": [{
+            "name": d.name,
+            "position": d.position,
+            "kind": d.kind,
+            "channels": d.channels,
+            "values": d.values,
+            "mean_shift": json_number(d.mean_shift),
+            "max_mean_shift": json_number(d.max_mean_shift),
+            "var_log_ratio": json_number(d.var_log_ratio),
+            "drift": json_number(d.drift),
+            "note": d.note,
+        } for d in report.layers],
+        "findings": [finding_to_json(f) for f in report.findings],
+        "diagnosis": list(report.diagnosis),
+    }
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.1f}%"
+
+
+def _f2(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
+
+
+def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
+    """Rich rendering: header, the two modes, per-layer drift (worst first), findings, diagnosis."""
+    from rich.table import Table
+    from rich.text import Text
+
+    title = Text(report.checkpoint, style="bold")
+    title.append(f"  ({report.model})", style="dim")
+    console.print(title)
+    console.print(Text(f"data: {report.data}", style="dim"))
+    order = f"shuffled with seed {report.seed}" if report.shuffle else "file order (--no-shuffle)"
+    skipped = f", {report.skipped} unreadable image(s) skipped" if report.skipped else ""
+    console.print(f"{report.samples} samples in {report.batches} batches of {report.batch_size} "
+                  f"({order}), device {report.device}{skipped}")
+    console.print()
+
+    modes = Table(show_edge=False, pad_edge=False, header_style="bold")
+    modes.add_column("mode")
+    modes.add_column("BatchNorm normalises with")
+    modes.add_column("accuracy", justify="right")
+    modes.add_row("train", "batch statistics", _percent(report.train_accuracy))
+    modes.add_row("eval", "running statistics", _percent(report.eval_accuracy))
+    console.print(modes)
+    parts = []
+    if report.gap is not None:
+        style = "bold red" if report.gap > 0.01 else "green"
+        parts.append(Text(f"gap {report.gap * 100:+.1f} points", style=style))
+    if report.agreement is not None:
+        parts.append(Text(f"agreement {_percent(report.agreement)}"))
+    if report.divergence is not None:
+        kind = "KL(eval || train)" if report.divergence_kind == "kl" else "relative L2"
+        parts.append(Text(f"divergence {report.divergence:.4g} ({kind})"))
+    if parts:
+        console.print(Text("  ·  ").join(parts))
+    console.print()
+
+    if report.layers and not quiet:
+        table = Table(title="per-layer drift: eval-mode inputs against running statistics, worst first",
+                      title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
+                      header_style="bold")
+        for col, justify in (("layer", "left"), ("#", "right"), ("kind", "left"), ("C", "right"),
+                             ("mean shift", "right"), ("max shift", "right"), ("var log-ratio", "right"),
+                             ("drift", "right")):
+            table.add_column(col, justify=justify, overflow="fold")
+        worst = report.layers[0] if report.layers and report.layers[0].drift is not None else None
+        for d in report.layers:
+            if d.drift is None:
+                style = "dim"
+            elif d is worst and d.large:
+                style = "bold red"
+            elif d.large:
+                style = "yellow"
+            else:
+                style = ""
+            table.add_row(d.name, str(d.position + 1), d.kind, str(d.channels), _f2(d.mean_shift),
+                          _f2(d.max_mean_shift), _f2(d.var_log_ratio),
+                          _f2(d.drift) if d.drift is not None else (d.note or "-"), style=style)
+        console.print(table)
+        console.print()
+
+    if report.findings:
+        findings = Table(title="inspect findings for this checkpoint", title_justify="left", title_style="bold",
+                         show_edge=False, pad_edge=False, header_style="bold")
+        for col in ("code", "severity", "layer", "message"):
+            findings.add_column(col, overflow="fold")
+        for f in report.findings:
+            findings.add_row(f"{f.code} {f.name}", Text(f.severity, style=SEVERITY_STYLE[f.severity]),
+                             f.layer or "-", f.message)
+        console.print(findings)
+        console.print()
+
+    console.print(Text("diagnosis", style="bold"))
+    for line in report.diagnosis:
+        console.print(Text("  - ") + Text(line))
