@@ -240,6 +240,85 @@ def gap(
     raise typer.Exit(code)
 
 
+# ----------------------------------------------------------------------------- recalibrate
+
+
+class Method(str, Enum):
+    exact = "exact"
+    sequential = "sequential"
+    cumulative = "cumulative"
+
+
+@app.command()
+def recalibrate(
+    checkpoint: Annotated[str, typer.Argument(help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Where to write the recalibrated checkpoint (same format as the input).")],
+    data: DataOpt = None,
+    dataset: DatasetOpt = None,
+    arch: ArchOpt = None,
+    arch_kwargs: ArchKwargsOpt = None,
+    key: KeyOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    forward: ForwardOpt = None,
+    method: Annotated[Method, typer.Option("--method", help="exact: population statistics in one pass; sequential: layer by layer, eval-mode self-consistent; cumulative: update_bn's average of batch statistics.")] = Method.exact,
+    layers: Annotated[Optional[list[str]], typer.Option("--layers", help="Recalibrate only BN layers matching this glob (repeatable).")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Leave BN layers matching this glob as they are (repeatable).")] = None,
+    eval_data: Annotated[Optional[str], typer.Option("--eval-data", help="Held-out data (same kinds as --data): the gap report of the old and the new checkpoint side by side.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --output if it exists.")] = False,
+    batch_size: BatchSizeOpt = 64,
+    num_samples: NumSamplesOpt = None,
+    seed: SeedOpt = 0,
+    no_shuffle: NoShuffleOpt = False,
+    device: DeviceOpt = "cpu",
+    amp: Annotated[bool, typer.Option("--amp", help="Autocast the forward to float16 on CUDA (statistics still accumulate in float64).")] = False,
+    workers: WorkersOpt = 0,
+    image_size: ImageSizeOpt = None,
+    grayscale: GrayscaleOpt = False,
+    mean: MeanOpt = None,
+    std: StdOpt = None,
+    skip_bad: SkipBadOpt = False,
+    output_format: Annotated[Format, typer.Option("--format", "-f", help="Report format.")] = Format.table,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no per-layer table.")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Re-estimate BatchNorm running statistics on data and write a new checkpoint safely."""
+    import dataclasses
+    import os
+    import signal
+
+    from bnaudit.recalibrate import run_recalibrate
+    from bnaudit.report import recalibrate_to_json, render_recalibrate
+
+    json_output = output_format is Format.json
+    rank = int(os.environ.get("RANK", "0"))
+
+    def warn(message: str) -> None:
+        typer.echo(f"bnaudit: warning: {message}", err=True)
+
+    def terminated(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt  # unwind like Ctrl-C: no temporary file stays behind
+
+    signal.signal(signal.SIGTERM, terminated)
+    with user_errors(debug, json_output and rank == 0):
+        options = data_options(data, dataset, batch_size, num_samples, seed, no_shuffle, workers,
+                               image_size, grayscale, mean, std, skip_bad)
+        held_out = None if eval_data is None else dataclasses.replace(options, path=eval_data, dataset=None)
+        with progress_bar(f"recalibrate ({method.value})", quiet or json_output or rank != 0) as update:
+            report = run_recalibrate(
+                checkpoint, output, options, method=method.value, arch=arch, arch_kwargs=arch_kwargs, key=key,
+                trust_pickle=trust_pickle, forward=forward, device=device, amp=amp, include=layers or (),
+                exclude=exclude or (), force=force, eval_data=held_out, progress=update, warn=warn)
+    if report is None:  # another rank than 0 under torchrun: rank 0 reports
+        raise typer.Exit(0)
+    for message in report.warnings:
+        warn(message)
+    if json_output:
+        typer.echo(json.dumps(recalibrate_to_json(report), indent=2, allow_nan=False))
+    else:
+        render_recalibrate(report, _console(), quiet=quiet)
+    raise typer.Exit(0)
+
+
 def main() -> None:
     app(prog_name="bnaudit")
 

@@ -373,3 +373,119 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     console.print(Text("diagnosis", style="bold"))
     for line in report.diagnosis:
         console.print(Text("  - ") + Text(line))
+
+
+# ----------------------------------------------------------------------------- recalibrate
+
+# The records (`RecalibrationReport`, `LayerChange`, `Drift`) live in bnaudit.recalibrate
+# with the definitions of every number; these functions only render them.
+
+
+def _drift_to_json(d: Any) -> dict:
+    return {"mean_shift": json_number(d.mean_shift), "max_mean_shift": json_number(d.max_mean_shift),
+            "var_log_ratio": json_number(d.var_log_ratio)}
+
+
+def recalibrate_to_json(report: Any) -> dict:
+    """The `bnaudit recalibrate --format json` document."""
+    evaluation = None
+    if report.eval_before is not None and report.eval_after is not None:
+        evaluation = {"before": gap_to_json(report.eval_before), "after": gap_to_json(report.eval_after)}
+    return {
+        "version": __version__,
+        "input": report.input,
+        "output": report.output,
+        "format": report.format,
+        "key": report.key,
+        "model": report.model,
+        "data": report.data,
+        "method": report.method,
+        "samples": report.samples,
+        "batches": report.batches,
+        "batch_size": report.batch_size,
+        "seed": report.seed,
+        "shuffle": report.shuffle,
+        "device": report.device,
+        "world_size": report.world_size,
+        "layers": [{
+            "name": c.name,
+            "channels": c.channels,
+            "values": c.values,
+            "batches": c.batches,
+            "before": _drift_to_json(c.before),
+            "after": _drift_to_json(c.after),
+        } for c in report.layers],
+        "skipped": [{"name": s.name, "reason": s.reason} for s in report.skipped],
+        "warnings": list(report.warnings),
+        "provenance": dict(report.provenance),
+        "eval": evaluation,
+    }
+
+
+def _arrow(before: float | None, after: float | None) -> Any:
+    from rich.text import Text
+
+    text = Text(_f2(before), style="yellow" if before is not None and before >= 0.5 else "")
+    text.append(" -> ", style="dim")
+    text.append(_f2(after), style="yellow" if after is not None and after >= 0.5 else "green")
+    return text
+
+
+def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
+    """Rich rendering: what was written, the per-layer before/after drift, skipped
+    layers, and with --eval-data the two gap reports side by side."""
+    from rich.table import Table
+    from rich.text import Text
+
+    title = Text(report.input, style="bold")
+    title.append(" -> ", style="dim")
+    title.append(report.output, style="bold green")
+    where = report.format + (f", key '{report.key}'" if report.key else "")
+    title.append(f"  ({where}; {report.model})", style="dim")
+    console.print(title)
+    console.print(Text(f"data: {report.data}", style="dim"))
+    order = f"shuffled with seed {report.seed}" if report.shuffle else "file order (--no-shuffle)"
+    ranks = f" on {report.world_size} ranks" if report.world_size > 1 else ""
+    console.print(f"method {report.method}: {report.samples} samples in {report.batches} batches of "
+                  f"{report.batch_size} ({order}), device {report.device}{ranks}")
+    console.print()
+
+    if not quiet:
+        table = Table(title="per-layer drift against the calibration data: old -> new statistics",
+                      title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
+                      header_style="bold")
+        for col, justify in (("layer", "left"), ("C", "right"), ("values/ch", "right"),
+                             ("mean shift", "right"), ("max shift", "right"), ("var log-ratio", "right")):
+            table.add_column(col, justify=justify, overflow="fold")
+        for c in report.layers:
+            table.add_row(c.name, str(c.channels), str(c.values),
+                          _arrow(c.before.mean_shift, c.after.mean_shift),
+                          _arrow(c.before.max_mean_shift, c.after.max_mean_shift),
+                          _arrow(c.before.var_log_ratio, c.after.var_log_ratio))
+        console.print(table)
+        console.print()
+    if report.skipped:
+        console.print(Text(f"{len(report.skipped)} layer(s) kept their statistics:", style="bold"))
+        for s in report.skipped:
+            console.print(Text(f"  {s.name}: {s.reason}", style="dim"))
+        console.print()
+
+    before, after = report.eval_before, report.eval_after
+    if before is not None and after is not None:
+        console.print(Text(f"held-out data: {after.data}", style="dim"))
+        table = Table(title="on held-out data: old -> new checkpoint",
+                      title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
+                      header_style="bold")
+        for col, justify in (("", "left"), ("old", "right"), ("new", "right")):
+            table.add_column(col, justify=justify)
+        table.add_row("eval-mode accuracy", _percent(before.eval_accuracy), _percent(after.eval_accuracy))
+        table.add_row("train-mode accuracy", _percent(before.train_accuracy), _percent(after.train_accuracy))
+        table.add_row("gap (points)", "-" if before.gap is None else f"{before.gap * 100:+.1f}",
+                      "-" if after.gap is None else f"{after.gap * 100:+.1f}")
+        table.add_row("agreement", _percent(before.agreement), _percent(after.agreement))
+        kind = "KL(eval || train)" if after.divergence_kind == "kl" else "relative L2"
+        table.add_row(f"divergence ({kind})", "-" if before.divergence is None else f"{before.divergence:.4g}",
+                      "-" if after.divergence is None else f"{after.divergence:.4g}")
+        console.print(table)
+        console.print()
+    console.print(Text(f"wrote {report.output}: {len(report.layers)} layer(s) recalibrated", style="green"))
