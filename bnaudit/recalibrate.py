@@ -797,8 +797,9 @@ def layer_changes(calibration: Calibration, model: Any) -> list[LayerChange]:
     """Before/after drift of every recalibrated layer; `after` uses the statistics as
     stored (in the buffers' dtype), read back from `model`."""
     changes = []
+    modules = dict(model.named_modules())  # get_submodule does not work on TorchScript
     for layer in calibration.layers:
-        module = model.get_submodule(layer.name) if layer.name else model
+        module = modules[layer.name]
         stored_mean, stored_var = _numpy(module.running_mean), _numpy(module.running_var)
         changes.append(LayerChange(
             name=layer.name,
@@ -904,6 +905,11 @@ def run_recalibrate(
         raise BnauditError(f"unknown --method {method!r} (choose from {', '.join(METHODS)})")
     check_output(output, checkpoint, force)
     data.validate()
+    if data.batch_size < 2 and method != "sequential":
+        raise BnauditError(
+            f"--batch-size {data.batch_size}: the {method} method normalises by batch statistics, which a batch of "
+            "one sample does not have (one value per channel in a BatchNorm1d layer); use --batch-size 2 or more, "
+            "or --method sequential")
     if eval_data is not None:
         eval_data.validate()
         if _same_data(data, eval_data):

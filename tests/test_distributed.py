@@ -137,3 +137,37 @@ def test_cumulative_averages_over_the_batches_of_all_ranks(ranks: dict) -> None:
     assert batches == 12
     assert abs(mean - same_batches["0"][0]).max() <= 1e-12 * abs(mean).max()
     assert abs(var - same_batches["0"][1]).max() <= 1e-12 * var.max()
+
+
+def test_torchrun_cli_writes_once_what_one_process_writes(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    ns = shared()
+    (tmp_path / "shared_model.py").write_text(SHARED)
+    save_file(ns["build"]().state_dict(), str(tmp_path / "model.safetensors"))
+    save_file({"inputs": ns["samples"]()}, str(tmp_path / "calib.safetensors"))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    common = ["recalibrate", "model.safetensors", "--arch", "shared_model.py:build", "--data", "calib.safetensors",
+              "--method", "sequential", "--batch-size", "16"]
+    ranks = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bnaudit",
+         *common, "-o", "ranks.safetensors", "--format", "json"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    one = subprocess.run([sys.executable, "-m", "bnaudit", *common, "-o", "one.safetensors"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    import json
+
+    doc = json.loads(ranks.stdout)  # rank 0 alone reports
+    assert doc["world_size"] == 2 and doc["samples"] == 90 and doc["provenance"]["world_size"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["calib.safetensors", "model.safetensors", "one.safetensors",
+                                            "ranks.safetensors", "shared_model.py"]
+    a, b = load_file(str(tmp_path / "ranks.safetensors")), load_file(str(tmp_path / "one.safetensors"))
+    for name in a:
+        if name.endswith("running_var"):
+            assert torch.allclose(a[name], b[name], rtol=1e-5), name
+        elif name.endswith("running_mean"):
+            assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-5), name
+        elif not name.endswith("num_batches_tracked"):
+            assert torch.equal(a[name], b[name]), name

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import copy
 import io
+import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from bnaudit.errors import BnauditError
 from bnaudit.recalibrate import merge_trailing_singleton, recalibrate_module
 
 torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
 # torch.jit.script/save/load warn that TorchScript is deprecated; it is still a format users ship
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 
@@ -335,3 +339,268 @@ def test_fewer_than_1000_samples_warns() -> None:
     result = recalibrate_module(nn.Sequential(nn.BatchNorm1d(1)), split(FOUR, 2))
     assert any("only 4 calibration samples" in w for w in result.warnings)
     assert any("fewer than 1000 values per channel" in w for w in result.warnings)
+
+
+# ----------------------------------------------------------------------------- the command
+
+MODEL_SOURCE = '''
+from torch import nn
+
+
+def tiny_net(classes=3, width=4):
+    return nn.Sequential(
+        nn.Conv2d(1, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+        nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(4 * width, 8, bias=False), nn.BatchNorm1d(8),
+        nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, classes),
+    )
+'''
+TINY_BN = ["1", "4", "9"]
+
+
+def make_images(n_per_class: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three classes of 6x6 images: a template per class plus noise, with a large offset."""
+    g = torch.Generator().manual_seed(seed)
+    templates = torch.rand(3, 1, 6, 6, generator=torch.Generator().manual_seed(99)) * 2
+    xs = [templates[c] + 0.4 * torch.randn(n_per_class, 1, 6, 6, generator=g) + 5.0 for c in range(3)]
+    ys = [torch.full((n_per_class,), c, dtype=torch.int64) for c in range(3)]
+    return torch.cat(xs), torch.cat(ys)
+
+
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    model.eval()
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).double().mean().item()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A trained tiny net (healthy and reset copies), calibration and held-out data."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("recal")
+    (root / "tinynet.py").write_text(MODEL_SOURCE)
+    ns: dict = {}
+    exec(MODEL_SOURCE, ns)  # noqa: S102 - the source above
+    torch.manual_seed(0)
+    model = ns["tiny_net"]()
+    x_train, y_train = make_images(60, seed=1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.03)
+    g = torch.Generator().manual_seed(2)
+    model.train()
+    for _ in range(80):
+        idx = torch.randperm(len(x_train), generator=g)[:32]
+        loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    healthy = {k: v.clone() for k, v in model.state_dict().items()}
+    reset = copy.deepcopy(model)
+    for name in TINY_BN:
+        reset.get_submodule(name).reset_running_stats()
+    save_file(reset.state_dict(), str(root / "reset.safetensors"), metadata={"origin": "test"})
+    torch.save({"state_dict": {f"model.{k}": v for k, v in reset.state_dict().items()}, "epoch": 7,
+                "optimizer": {"state": {}, "param_groups": [{"lr": 0.03}]}}, root / "reset.ckpt")
+    x_cal, y_cal = make_images(50, seed=3)
+    x_val, y_val = make_images(40, seed=4)
+    save_file({"inputs": x_cal, "labels": y_cal}, str(root / "calib.safetensors"))
+    save_file({"inputs": x_val, "labels": y_val}, str(root / "val.safetensors"))
+    return {"root": root, "arch": f"{root / 'tinynet.py'}:tiny_net", "ns": ns, "healthy": healthy,
+            "reset": reset.state_dict(), "x_cal": x_cal, "x_val": x_val, "y_val": y_val,
+            "healthy_acc": accuracy(model, x_val, y_val), "reset_acc": accuracy(reset, x_val, y_val)}
+
+
+def run_cli(*args: str):
+    from typer.testing import CliRunner
+
+    from bnaudit.cli import app
+
+    return CliRunner().invoke(app, ["recalibrate", *args], env={"COLUMNS": "120", "NO_COLOR": "1"})
+
+
+def load_into(world: dict, state: dict) -> nn.Module:
+    model = world["ns"]["tiny_net"]()
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def test_cli_writes_population_statistics_and_the_documented_json(world: dict) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    root = world["root"]
+    out = root / "exact.safetensors"
+    result = run_cli(str(root / "reset.safetensors"), "--arch", world["arch"], "--data", str(root / "calib.safetensors"),
+                     "--output", str(out), "--batch-size", "32", "--format", "json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert {"input", "output", "method", "samples", "batches", "batch_size", "layers", "eval"} <= set(doc)
+    assert (doc["method"], doc["samples"], doc["batches"], doc["batch_size"], doc["eval"]) == ("exact", 150, 5, 32, None)
+    assert [layer["name"] for layer in doc["layers"]] == TINY_BN
+    written = load_file(str(out))
+    # first BN layer: the input of layer 1 is conv0(x) whatever the mode and the batches
+    conv = load_into(world, world["reset"])[0].double()
+    with torch.no_grad():
+        values = conv(world["x_cal"].double()).transpose(0, 1).reshape(4, -1)
+    assert torch.allclose(written["1.running_mean"].double(), values.mean(1), rtol=0, atol=1e-5)
+    assert torch.allclose(written["1.running_var"].double(), values.var(1), rtol=1e-5)
+    assert written["1.num_batches_tracked"].item() == 5
+    # before: the reset statistics (0, 1) against that data, as gap defines drift
+    shift = (values.mean(1).abs() / (1 + 1e-5) ** 0.5).mean().item()
+    log_ratio = ((values.var(1) + 1e-5) / (1 + 1e-5)).log().abs().mean().item()
+    assert doc["layers"][0]["before"]["mean_shift"] == pytest.approx(shift, rel=1e-6)
+    assert doc["layers"][0]["before"]["var_log_ratio"] == pytest.approx(log_ratio, rel=1e-6)
+    assert doc["layers"][0]["after"]["mean_shift"] < 1e-6
+    # every other tensor is the input's, bit for bit
+    for name, tensor in world["reset"].items():
+        if not any(name.startswith(f"{n}.running") or name.startswith(f"{n}.num_batches") for n in TINY_BN):
+            assert torch.equal(written[name], tensor), name
+    with safe_open(str(out), "pt") as f:
+        metadata = f.metadata()
+    assert metadata["origin"] == "test"
+    provenance = json.loads(metadata["bnaudit"])
+    assert (provenance["method"], provenance["samples"], provenance["batch_size"]) == ("exact", 150, 32)
+    assert provenance["data"].startswith(str(root / "calib.safetensors"))
+    assert provenance == doc["provenance"]
+
+
+def test_cli_reset_model_recovers_its_healthy_accuracy_on_held_out_data(world: dict) -> None:
+    from safetensors.torch import load_file
+
+    root = world["root"]
+    out = root / "recovered.safetensors"
+    assert world["reset_acc"] < world["healthy_acc"] - 0.2  # the reset really hurts
+    result = run_cli(str(root / "reset.safetensors"), "--arch", world["arch"], "--data", str(root / "calib.safetensors"),
+                     "--eval-data", str(root / "val.safetensors"), "-o", str(out), "--format", "json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    new_acc = accuracy(load_into(world, load_file(str(out))), world["x_val"], world["y_val"])
+    assert doc["eval"]["before"]["eval_mode"]["accuracy"] == pytest.approx(world["reset_acc"])
+    assert doc["eval"]["after"]["eval_mode"]["accuracy"] == pytest.approx(new_acc)
+    assert new_acc >= world["healthy_acc"] - 0.03
+
+
+def test_cli_table_shows_before_after_and_held_out_side_by_side(world: dict) -> None:
+    root = world["root"]
+    out = root / "table.safetensors"
+    result = run_cli(str(root / "reset.safetensors"), "--arch", world["arch"], "--data", str(root / "calib.safetensors"),
+                     "--eval-data", str(root / "val.safetensors"), "-o", str(out), "--method", "sequential")
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert "method sequential: 150 samples in 3 batches of 64" in text
+    assert "old -> new statistics" in text and "eval-mode accuracy" in text
+    assert f"{world['reset_acc'] * 100:.1f}%" in text
+    assert f"wrote {out}: 3 layer(s) recalibrated" in text
+    assert "only 150 calibration samples" in result.stderr
+
+
+def test_cli_container_keeps_its_keys_prefix_and_other_entries(world: dict) -> None:
+    root = world["root"]
+    out = root / "out.ckpt"
+    result = run_cli(str(root / "reset.ckpt"), "--arch", world["arch"], "--data", str(root / "calib.safetensors"),
+                     "-o", str(out), "--layers", "1", "--layers", "4", "--exclude", "4")
+    assert result.exit_code == 0, result.output
+    before = torch.load(root / "reset.ckpt", weights_only=True)
+    after = torch.load(out, weights_only=True)
+    assert after["epoch"] == 7 and after["optimizer"] == before["optimizer"]
+    assert list(after["state_dict"]) == list(before["state_dict"])
+    changed = {k for k in before["state_dict"] if not torch.equal(before["state_dict"][k], after["state_dict"][k])}
+    assert changed == {"model.1.running_mean", "model.1.running_var", "model.1.num_batches_tracked"}
+
+
+def test_cli_torchscript_in_torchscript_out(world: dict, tmp_path: Path) -> None:
+    model = load_into(world, world["reset"])
+    src, out = tmp_path / "scripted.pt", tmp_path / "out.pt"
+    torch.jit.save(torch.jit.script(model), str(src))
+    result = run_cli(str(src), "--data", str(world["root"] / "calib.safetensors"), "-o", str(out),
+                     "--batch-size", "32", "--no-shuffle")
+    assert result.exit_code == 0, result.output
+    expected = copy.deepcopy(model)
+    x = world["x_cal"]
+    recalibrate_module(expected, [x[i:i + 32] for i in range(0, 150, 32)])
+    loaded = torch.jit.load(str(out))
+    buffers = dict(loaded.named_buffers())
+    for n in TINY_BN:
+        assert torch.allclose(buffers[f"{n}.running_var"], expected.get_submodule(n).running_var, rtol=1e-6)
+    assert accuracy(loaded, world["x_val"], world["y_val"]) == accuracy(expected, world["x_val"], world["y_val"])
+
+
+def test_cli_refuses_an_existing_output_without_force(world: dict, tmp_path: Path) -> None:
+    root = world["root"]
+    out = tmp_path / "taken.safetensors"
+    out.write_bytes(b"keep")
+    args = [str(root / "reset.safetensors"), "--arch", world["arch"], "--data", str(root / "calib.safetensors"),
+            "-o", str(out)]
+    result = run_cli(*args)
+    assert result.exit_code == 2 and out.read_bytes() == b"keep"
+    assert result.stderr.strip() == f"bnaudit: error: {out}: already exists (pass --force to overwrite)"
+    result = run_cli(*args, "--format", "json")
+    assert json.loads(result.stdout) == {"error": f"{out}: already exists (pass --force to overwrite)"}
+    assert run_cli(*args, "--force").exit_code == 0 and out.read_bytes()[:1] != b"k"
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--eval-data", "calib.safetensors"], "--eval-data must be held-out data"),
+    (["--method", "average"], "Invalid value for '--method'"),
+    (["--layers", "nothing*"], "--layers 'nothing*' matches no BatchNorm layer"),
+    (["--batch-size", "1"], "use --batch-size 2 or more"),
+])
+def test_cli_bad_requests_are_one_line_errors(world: dict, tmp_path: Path, extra: list[str], fragment: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(world["root"])
+    out = tmp_path / "never.safetensors"
+    result = run_cli("reset.safetensors", "--arch", world["arch"], "--data", "calib.safetensors", "-o", str(out), *extra)
+    assert result.exit_code == 2, result.output
+    assert fragment in result.stderr
+    assert not out.exists() and os.listdir(tmp_path) == []
+
+
+def test_python_m_bnaudit_recalibrate_end_to_end_and_ctrl_c_leaves_nothing(world: dict, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = world["root"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    base = [sys.executable, "-m", "bnaudit", "recalibrate", str(root / "reset.safetensors"), "--arch", world["arch"]]
+    proc = subprocess.run([*base, "--data", str(root / "calib.safetensors"), "-o", str(tmp_path / "a.safetensors")],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote" in proc.stdout and "bnaudit: warning: only 150 calibration samples" in proc.stderr
+    # a dataset that blocks: interrupt the run while it calibrates
+    (tmp_path / "slow_data.py").write_text(SLOW_DATASET.format(marker=str(tmp_path / "started")))
+    out = tmp_path / "b.safetensors"
+    proc = subprocess.Popen([*base, "--dataset", "slow_data:dataset", "-o", str(out)], cwd=tmp_path,
+                            env={**env, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in stderr
+    left = sorted(p for p in os.listdir(tmp_path) if p != "__pycache__")
+    assert left == ["a.safetensors", "slow_data.py", "started"]
+
+
+SLOW_DATASET = '''
+import time
+import torch
+
+
+class Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10000
+
+    def __getitem__(self, i):
+        open({marker!r}, "w").close()
+        time.sleep(0.01)
+        return torch.randn(1, 6, 6)
+
+
+def dataset():
+    return Slow()
+'''
