@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -279,7 +280,8 @@ def _regime(model: Any, batch_stat_layers: Iterable[Any]) -> Iterator[None]:
     statistics without touching their buffers.
 
     Eager BN: training=True with track_running_stats=False (PyTorch then passes no
-    buffers to the kernel and does not count the batch). TorchScript BN cannot change
+    buffers to the kernel and does not count the batch); SyncBatchNorm runs as plain
+    BN on its rank's batch. TorchScript BN cannot change
     that constant: its buffers are restored afterwards. Modes and buffers are restored
     on exit, also after an error or Ctrl-C.
     """
@@ -290,14 +292,23 @@ def _regime(model: Any, batch_stat_layers: Iterable[Any]) -> Iterator[None]:
     layers = list(batch_stat_layers)
     tracking = [(m, m.track_running_stats) for m in layers] if not script else []
     saved = {n: b.detach().clone() for n, b in model.named_buffers()} if script and layers else {}
+    patched = []
     try:
         model.eval()
         for m in layers:
             m.train()
             if not script:
                 m.track_running_stats = False
+            if isinstance(m, torch.nn.SyncBatchNorm):
+                # normalise by this rank's batch, as plain BN does: bnaudit merges the
+                # ranks' statistics exactly itself, and a per-forward collective would
+                # hang when ranks hold different numbers of batches (and gloo has none)
+                m.forward = types.MethodType(torch.nn.modules.batchnorm._BatchNorm.forward, m)
+                patched.append(m)
         yield
     finally:
+        for m in patched:
+            del m.forward
         for m, track in tracking:
             m.track_running_stats = track
         if saved:

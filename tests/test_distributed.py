@@ -16,7 +16,8 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
 
 # The model and data of both sides; the first BN sees the raw input, so its statistics
-# do not depend on any float32 computation that could vary with the batch.
+# do not depend on any float32 computation that could vary with the batch. The
+# SyncBatchNorm would need CUDA to sync under gloo: it runs per rank, as plain BN.
 SHARED = textwrap.dedent("""
     import torch
     from torch import nn
@@ -25,7 +26,7 @@ SHARED = textwrap.dedent("""
         torch.manual_seed(0)
         return nn.Sequential(
             nn.BatchNorm2d(2), nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-            nn.Flatten(), nn.Linear(4 * 25, 6), nn.BatchNorm1d(6), nn.Dropout(0.3), nn.Linear(6, 3),
+            nn.Flatten(), nn.Linear(4 * 25, 6), nn.SyncBatchNorm(6), nn.Dropout(0.3), nn.Linear(6, 3),
         )
 
     def samples():
