@@ -604,3 +604,19 @@ class Slow(torch.utils.data.Dataset):
 def dataset():
     return Slow()
 '''
+
+
+def test_cli_layer_whose_buffers_the_file_lacks_is_listed_and_no_key_is_added(world: dict, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    partial = {k: v for k, v in world["reset"].items() if not k.startswith("9.running") and k != "9.num_batches_tracked"}
+    save_file(partial, str(tmp_path / "partial.safetensors"))
+    out = tmp_path / "out.safetensors"
+    result = run_cli(str(tmp_path / "partial.safetensors"), "--arch", world["arch"], "--data",
+                     str(world["root"] / "calib.safetensors"), "-o", str(out), "--format", "json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert [layer["name"] for layer in doc["layers"]] == ["1", "4"]
+    assert {"name": "9", "reason": "its buffers are not in the checkpoint: left out (no new keys are written)"} \
+        in doc["skipped"]
+    assert set(load_file(str(out))) == set(partial)
