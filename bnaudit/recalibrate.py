@@ -407,13 +407,19 @@ def _run_pass(
     calls_now: dict[str, int] = {}
     stopped: list[str] = []
     expected = {name: _num_features(m) for name, m in observed.items()}
+    # One fixed shift per layer (its old running_mean): the sums then do not depend on
+    # which sample comes first, so any batching or sharding agrees to float64 rounding.
+    shifts = {}
+    for name, m in observed.items():
+        old = m.running_mean.detach().float()
+        shifts[name] = torch.where(torch.isfinite(old), old, torch.zeros_like(old))
 
     def on_input(name: str, x: Any) -> None:
         if x.dim() < 2 or x.shape[1] != expected[name]:
             raise BnauditError(
                 f"layer {name}: expects {expected[name]} channels in dimension 1, got input of shape {tuple(x.shape)}")
         record = result.records[name]
-        batch = ChannelStats()
+        batch = ChannelStats(shift=shifts[name])
         batch.update(x)
         record.stats.merge(batch.count, batch.mean, batch.m2)
         if cumulative:

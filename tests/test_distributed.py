@@ -109,8 +109,10 @@ def test_exact_first_layer_equals_one_process_on_the_same_samples(ranks: dict) -
     one = single("exact", ns["batches"](ns["samples"](), 16))  # other batching: the first layer does not care
     mean, var, count, _ = ranks["exact"]["layers"]["0"]
     assert count == one["0"][2] == 90 * 25
+    # float64 rounding, amplified by the conditioning of a mean of 100 over a spread of 3
+    # shifted by the fresh running_mean 0: (100 / 3)^2 * 1e-16 ~ 1e-13 per sum
     assert abs(mean - one["0"][0]).max() <= 1e-12 * abs(one["0"][0]).max()
-    assert abs(var - one["0"][1]).max() <= 1e-12 * one["0"][1].max()
+    assert abs(var - one["0"][1]).max() <= 1e-10 * one["0"][1].max()
     # deeper layers normalised by per-rank batches: equal to one process fed the same batches
     same_batches = single("exact", shard_batches())
     for name in ("2", "6"):
@@ -124,10 +126,10 @@ def test_sequential_equals_one_process_whatever_the_batches(ranks: dict) -> None
     for name, (mean, var, count, _) in ranks["sequential"]["layers"].items():
         ref_mean, ref_var, ref_count, _ = one[name]
         assert count == ref_count
-        # layer 0: float64 rounding; later layers: float32 eval-mode forwards of different
+        # layer 0: float64 rounding (see above); later layers: float32 eval-mode forwards of different
         # batches round differently (a wrong merge, e.g. averaging the ranks' variances,
         # would be off by ~1e-3 here)
-        tol = 1e-12 if name == "0" else 1e-5
+        tol = 1e-10 if name == "0" else 1e-5
         assert abs(var - ref_var).max() <= tol * ref_var.max(), name
         assert abs(mean - ref_mean).max() <= tol * (abs(ref_mean).max() + ref_var.max() ** 0.5), name
 
@@ -137,7 +139,7 @@ def test_cumulative_averages_over_the_batches_of_all_ranks(ranks: dict) -> None:
     mean, var, _, batches = ranks["cumulative"]["layers"]["0"]
     assert batches == 12
     assert abs(mean - same_batches["0"][0]).max() <= 1e-12 * abs(mean).max()
-    assert abs(var - same_batches["0"][1]).max() <= 1e-12 * var.max()
+    assert abs(var - same_batches["0"][1]).max() <= 1e-10 * var.max()
 
 
 def test_torchrun_cli_writes_once_what_one_process_writes(tmp_path: Path) -> None:
