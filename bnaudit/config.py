@@ -252,16 +252,19 @@ def read_config_file(path: str | os.PathLike) -> dict:
     return document
 
 
-def find_config_file(start: str | os.PathLike | None = None) -> Path | None:
-    """The nearest bnaudit.toml, or pyproject.toml with [tool.bnaudit], from `start` upward."""
+def find_config_file(start: str | os.PathLike | None = None) -> tuple[Path, dict] | None:
+    """The nearest bnaudit.toml, or pyproject.toml with [tool.bnaudit], from `start` (default:
+    the current directory) upward, with its raw key table; None when there is none."""
     folder = Path(start if start is not None else os.getcwd()).resolve()
     for directory in (folder, *folder.parents):
         dedicated = directory / CONFIG_FILE
         if dedicated.is_file():
-            return dedicated
+            return dedicated, read_config_file(dedicated)
         pyproject = directory / PYPROJECT
-        if pyproject.is_file() and _tool_table(pyproject, _read_toml(pyproject)) is not None:
-            return pyproject
+        if pyproject.is_file():
+            table = _tool_table(pyproject, _read_toml(pyproject))
+            if table is not None:
+                return pyproject, table
     return None
 
 
@@ -303,16 +306,15 @@ def load_config(
     a command-line select replaces the file's select and ignore; a command-line ignore
     adds to the file's ignore.
     """
-    values: dict[str, Any] = {}
-    source: Path | None = None
+    found: tuple[Path, dict] | None = None
     if config_file is not None:
-        source = Path(config_file)
-        if not source.is_file():
-            raise BnauditError(f"{source}: configuration file not found")
+        if not Path(config_file).is_file():
+            raise BnauditError(f"{config_file}: configuration file not found")
+        found = Path(config_file), read_config_file(config_file)
     elif not isolated:
-        source = find_config_file(start)
-    if source is not None:
-        values = parse_table(read_config_file(source), _where(source))
+        found = find_config_file(start)
+    source = found[0] if found else None
+    values = parse_table(found[1], _where(found[0])) if found else {}
 
     given = {option.removeprefix("--"): value for option, value in (overrides or {}).items() if value is not None}
     cli = {}

@@ -35,7 +35,7 @@ def test_nearest_pyproject_is_found_from_a_subfolder(tmp_path):
 def test_pyproject_without_tool_table_is_passed_over(tmp_path):
     dedicated = write(tmp_path / "outer" / "bnaudit.toml", "max-gain = 7\n")
     write(tmp_path / "outer" / "inner" / "pyproject.toml", "[tool.ruff]\nline-length = 100\n")
-    assert find_config_file(tmp_path / "outer" / "inner") == dedicated.resolve()
+    assert find_config_file(tmp_path / "outer" / "inner") == (dedicated.resolve(), {"max-gain": 7})
     assert load_config(start=tmp_path / "outer" / "inner").max_gain == 7.0
 
 
