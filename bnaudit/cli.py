@@ -108,7 +108,7 @@ def inspect(
     eps: Annotated[Optional[float], typer.Option(help="BN eps where the file holds no modules (default 1e-5).")] = None,
     momentum: Annotated[Optional[float], typer.Option(help="BN momentum where the file holds no modules (default 0.1).")] = None,
     trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help="Unpickle arbitrary classes: runs code from the file. Only for files you trust.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print findings and the summary only.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the summary line and errors.")] = False,
     debug: DebugOpt = False,
 ) -> None:
     """Audit every BatchNorm layer of checkpoints, without code or data."""
