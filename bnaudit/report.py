@@ -438,9 +438,9 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
     title = Text(report.input, style="bold")
     title.append(" -> ", style="dim")
     title.append(report.output, style="bold green")
-    where = report.format + (f", key '{report.key}'" if report.key else "")
-    title.append(f"  ({where}; {report.model})", style="dim")
+    title.append(f"  ({report.format}" + (f", key '{report.key}'" if report.key else "") + ")", style="dim")
     console.print(title)
+    console.print(Text(f"model: {report.model}", style="dim"))
     console.print(Text(f"data: {report.data}", style="dim"))
     order = f"shuffled with seed {report.seed}" if report.shuffle else "file order (--no-shuffle)"
     ranks = f" on {report.world_size} ranks" if report.world_size > 1 else ""
@@ -471,7 +471,7 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
     before, after = report.eval_before, report.eval_after
     if before is not None and after is not None:
         console.print(Text(f"held-out data: {after.data}", style="dim"))
-        table = Table(title="on held-out data: old -> new checkpoint",
+        table = Table(title="gap on the held-out data: old -> new checkpoint",
                       title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
                       header_style="bold")
         for col, justify in (("", "left"), ("old", "right"), ("new", "right")):
@@ -482,8 +482,8 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
                       "-" if after.gap is None else f"{after.gap * 100:+.1f}")
         table.add_row("agreement", _percent(before.agreement), _percent(after.agreement))
         kind = "KL(eval || train)" if after.divergence_kind == "kl" else "relative L2"
-        table.add_row(f"divergence ({kind})", "-" if before.divergence is None else f"{before.divergence:.4g}",
-                      "-" if after.divergence is None else f"{after.divergence:.4g}")
+        table.add_row(f"divergence ({kind})", "-" if before.divergence is None else f"{before.divergence:.3g}",
+                      "-" if after.divergence is None else f"{after.divergence:.3g}")
         console.print(table)
         console.print()
     console.print(Text(f"wrote {report.output}: {len(report.layers)} layer(s) recalibrated", style="green"))

@@ -620,3 +620,41 @@ def test_cli_layer_whose_buffers_the_file_lacks_is_listed_and_no_key_is_added(wo
     assert {"name": "9", "reason": "its buffers are not in the checkpoint: left out (no new keys are written)"} \
         in doc["skipped"]
     assert set(load_file(str(out))) == set(partial)
+
+
+# ----------------------------------------------------------------------------- the sample models
+
+SAMPLES = REPO / "sample_models"
+
+
+def digits_accuracy(state: dict, x: torch.Tensor, y: torch.Tensor) -> float:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("digits_net_reference", SAMPLES / "digits_net.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.digits_net()
+    model.load_state_dict(state)
+    return accuracy(model, x, y)
+
+
+@pytest.mark.parametrize("broken", ["reset_stats.pt", "immature.pt"])
+def test_real_broken_model_recovers_its_healthy_accuracy(broken: str, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    val = load_file(str(SAMPLES / "data" / "digits_val.safetensors"))
+    x, y = val["inputs"], val["labels"]
+    healthy = digits_accuracy(torch.load(SAMPLES / "healthy.pt", weights_only=True), x, y)
+    before = digits_accuracy(torch.load(SAMPLES / broken, weights_only=True), x, y)
+    assert before < healthy - 0.3  # the broken statistics really cost accuracy
+    out = tmp_path / "recalibrated.pt"
+    # calibration split and validation split are disjoint (sample_models/generate.py)
+    result = run_cli(str(SAMPLES / broken), "--arch", f"{SAMPLES / 'digits_net.py'}:digits_net",
+                     "--data", str(SAMPLES / "data" / "digits_calib.safetensors"),
+                     "--eval-data", str(SAMPLES / "data" / "digits_val.safetensors"), "-o", str(out), "--format", "json")
+    assert result.exit_code == 0, result.output
+    after = digits_accuracy(torch.load(out, weights_only=True), x, y)
+    assert after >= healthy - 0.01  # within 4 of 400 validation images of the healthy twin
+    doc = json.loads(result.stdout)
+    assert doc["eval"]["before"]["eval_mode"]["accuracy"] == pytest.approx(before)
+    assert doc["eval"]["after"]["eval_mode"]["accuracy"] == pytest.approx(after)
