@@ -171,6 +171,38 @@ def _g(x: float | None) -> str:
     return f"{x:.3g}" if math.isfinite(x) else str(x)
 
 
+def _layer_table(file: FileReport, console: Any) -> Any:
+    """One row per layer, with the most columns that fit the terminal: numbers are
+    never folded across lines, the least telling columns go first."""
+    from rich.table import Table
+    from rich.text import Text
+
+    c = ("C", lambda s: str(s.num_features))
+    batches = ("batches", lambda s: "-" if s.num_batches_tracked is None else str(s.num_batches_tracked))
+    mean = ("mean range", lambda s: f"[{_g(s.mean_min)}, {_g(s.mean_max)}]")
+    var = ("var min / med / max", lambda s: f"{_g(s.var_min)} / {_g(s.var_median)} / {_g(s.var_max)}")
+    var_min = ("var min", lambda s: _g(s.var_min))
+    near = ("near-eps", lambda s: str(s.near_eps_channels))
+    gain = ("max gain", lambda s: _g(s.max_eval_gain))
+    layouts = ([c, batches, mean, var, near, gain], [c, batches, var, near, gain], [c, var_min, near, gain])
+    longest = max(len(s.name) for s in file.layers)
+    statuses = {s.name: file.layer_status(s.name) for s in file.layers}
+    for columns in layouts:
+        cells = [[cell(s) for s in file.layers] for _, cell in columns]
+        needed = min(longest, 24) + max(6, *map(len, statuses.values())) + 3 * (len(columns) + 1)
+        needed += sum(max(len(header), *map(len, col)) for (header, _), col in zip(columns, cells))
+        if needed <= console.width:
+            break
+    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    table.add_column("layer", overflow="fold", min_width=min(longest, 24))
+    for header, _ in columns:
+        table.add_column(header, justify="right", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    for s in file.layers:
+        table.add_row(s.name, *(cell(s) for _, cell in columns), Text(statuses[s.name], style=SEVERITY_STYLE[statuses[s.name]]))
+    return table
+
+
 def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> None:
     from rich.table import Table
     from rich.text import Text
@@ -191,22 +223,7 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
             if file.settings:
                 console.print(Text(f"  {file.settings}", style="dim"))
             if file.layers:
-                table = Table(show_edge=False, pad_edge=False, header_style="bold")
-                for col, justify in (("layer", "left"), ("C", "right"), ("batches", "right"),
-                                     ("mean range", "right"), ("var min / median / max", "right"),
-                                     ("near-eps", "right"), ("max gain", "right"), ("status", "left")):
-                    table.add_column(col, justify=justify, overflow="fold")
-                for s in file.layers:
-                    status = file.layer_status(s.name)
-                    table.add_row(
-                        s.name, str(s.num_features),
-                        "-" if s.num_batches_tracked is None else str(s.num_batches_tracked),
-                        f"[{_g(s.mean_min)}, {_g(s.mean_max)}]",
-                        f"{_g(s.var_min)} / {_g(s.var_median)} / {_g(s.var_max)}",
-                        str(s.near_eps_channels), _g(s.max_eval_gain),
-                        Text(status, style=SEVERITY_STYLE[status]),
-                    )
-                console.print(table)
+                console.print(_layer_table(file, console))
             else:
                 console.print(Text("  no BatchNorm layers found", style="dim"))
         if file.findings:

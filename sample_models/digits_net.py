@@ -13,7 +13,7 @@ class DigitsNet(nn.Module):
     checkpoint audit meets (2-D maps and (N, C) features) plus a Dropout that must stay
     off while BN statistics are measured."""
 
-    def __init__(self, num_classes: int = 10, width: int = 16) -> None:
+    def __init__(self, num_classes: int = 10, width: int = 8, hidden: int = 32) -> None:
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(1, width, 3, padding=1, bias=False),
@@ -26,16 +26,16 @@ class DigitsNet(nn.Module):
         )
         self.head = nn.Sequential(
             nn.Flatten(),
-            nn.Linear(2 * width * 16, 64, bias=False),
-            nn.BatchNorm1d(64),
+            nn.Linear(2 * width * 16, hidden, bias=False),
+            nn.BatchNorm1d(hidden),
             nn.ReLU(),
             nn.Dropout(0.2),
-            nn.Linear(64, num_classes),
+            nn.Linear(hidden, num_classes),
         )
 
     def forward(self, x):
         return self.head(self.features(x))
 
 
-def digits_net(num_classes: int = 10, width: int = 16) -> DigitsNet:
-    return DigitsNet(num_classes=num_classes, width=width)
+def digits_net(num_classes: int = 10, width: int = 8, hidden: int = 32) -> DigitsNet:
+    return DigitsNet(num_classes=num_classes, width=width, hidden=hidden)

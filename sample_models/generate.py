@@ -1,0 +1,179 @@
+"""Regenerate the sample checkpoints and data in this folder.
+
+    pip install scikit-learn      # only this script needs it: the digits ship inside it
+    python sample_models/generate.py
+
+Trains sample_models/digits_net.py:digits_net on scikit-learn's bundled 8x8 digits
+(1797 images, nothing downloaded), then writes one healthy checkpoint and one
+checkpoint per failure that bnaudit's rules describe, each made the way it happens
+in real life. Deterministic: same seeds, same data split, same values.
+
+Data split (fixed permutation, seed 0): 1097 train / 300 calibration / 400 validation.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from digits_net import digits_net  # noqa: E402
+
+BATCH = 64
+
+
+def load_digits_split():
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)  # (N, 1, 8, 8) in [0, 1]
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    x, y = x[order], y[order]
+    return (x[:1097], y[:1097]), (x[1097:1397], y[1097:1397]), (x[1397:], y[1397:])
+
+
+def train(x, y, epochs: int = 12):
+    torch.manual_seed(0)
+    model = digits_net()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(1)
+    model.train()
+    for _ in range(epochs):
+        for idx in torch.randperm(len(y), generator=g).split(BATCH):
+            if len(idx) < 2:
+                continue
+            loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model
+
+
+def accuracy(model, x, y) -> float:
+    model.eval()
+    with torch.no_grad():
+        return float((model(x).argmax(1) == y).float().mean())
+
+
+def bn_train_only(model):
+    model.eval()
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.train()
+
+
+def state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def save_pt(sd, name: str) -> None:
+    torch.save(sd, os.path.join(HERE, name))
+
+
+def save_st(sd, name: str, metadata: dict[str, str] | None = None) -> None:
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(HERE, name), metadata=metadata)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images-per-class", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    (xt, yt), (xc, yc), (xv, yv) = load_digits_split()
+    model = train(xt, yt)
+    healthy = state(model)
+    print(f"healthy: eval accuracy {accuracy(model, xv, yv):.3f} on {len(yv)} validation images")
+
+    save_pt(healthy, "healthy.pt")
+    save_st(healthy, "healthy.safetensors", {"source": "bnaudit sample_models/generate.py"})
+
+    # BN002: statistics reset after training (what `strict=False` loading or a
+    # re-created BN layer leaves): weights trained, buffers 0/1, counter 0.
+    model.load_state_dict(healthy)
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.reset_running_stats()
+    print(f"reset_stats: eval accuracy {accuracy(model, xv, yv):.3f}")
+    save_pt(state(model), "reset_stats.pt")
+
+    # BN003: the reset model run through 3 training-mode batches: the initial values
+    # still weigh 0.9^3 = 72.9% in every buffer.
+    bn_train_only(model)
+    with torch.no_grad():
+        for idx in torch.arange(3 * BATCH).split(BATCH):
+            model(xt[idx])
+    print(f"immature: eval accuracy {accuracy(model, xv, yv):.3f}")
+    save_pt(state(model), "immature.pt")
+
+    # BN004: a channel that died in training: variance ~0, eval gain |gamma|/sqrt(var+eps).
+    dead = dict(healthy)
+    dead["features.4.running_var"] = healthy["features.4.running_var"].clone()
+    dead["features.4.running_var"][3] = 2e-7
+    dead["features.4.weight"] = healthy["features.4.weight"].clone()
+    dead["features.4.weight"][3] = 1.0
+    save_st(dead, "dead_channel.safetensors")
+
+    # BN005: a diverged fp16 step: Inf and NaN in the running variance.
+    broken = dict(healthy)
+    broken["head.2.running_var"] = healthy["head.2.running_var"].clone()
+    broken["head.2.running_var"][[0, 5]] = torch.tensor([float("nan"), float("inf")])
+    save_pt(broken, "nan_stats.pt")
+
+    # BN008: the whole model cast to half precision, buffers included.
+    save_st({k: v.half() if v.is_floating_point() else v for k, v in healthy.items()}, "fp16_buffers.safetensors")
+
+    # BN001: a filtered state dict that lost one layer's running_var.
+    missing = {k: v for k, v in healthy.items() if k != "features.1.running_var"}
+    save_pt(missing, "missing_var.pt")
+
+    # BN009: converted weights (e.g. from Keras): real statistics, counter 0.
+    converted = {k: (torch.zeros_like(v) if k.endswith("num_batches_tracked") else v) for k, v in healthy.items()}
+    save_st(converted, "converted.safetensors")
+
+    # BN010: backbone frozen (norm_eval) while the head kept training.
+    frozen = dict(healthy)
+    for k in ("features.1.num_batches_tracked", "features.4.num_batches_tracked"):
+        frozen[k] = healthy[k] // 2
+    save_pt(frozen, "partially_frozen.pt")
+
+    # A torchvision-reference-style container: model, EMA copy, optimizer, args.
+    container = {
+        "model": healthy,
+        "model_ema": {k: v.clone() for k, v in healthy.items()},
+        "optimizer": {"state": {}, "param_groups": [{"lr": 0.003}]},
+        "epoch": 12,
+        "args": argparse.Namespace(lr=0.003, batch_size=BATCH, epochs=12),
+    }
+    torch.save(container, os.path.join(HERE, "ema_container.pth"))
+
+    data_dir = os.path.join(HERE, "data")
+    os.makedirs(data_dir, exist_ok=True)
+    save_file({"inputs": xv.contiguous(), "labels": yv.contiguous()}, os.path.join(data_dir, "digits_val.safetensors"))
+    save_file({"inputs": xc.contiguous(), "labels": yc.contiguous()}, os.path.join(data_dir, "digits_calib.safetensors"))
+    write_image_folder(xv, yv, os.path.join(data_dir, "digits_images"), args.images_per_class)
+
+
+def write_image_folder(x, y, root: str, per_class: int) -> None:
+    """ImageFolder layout: root/<class>/<index>.png, 8-bit grayscale."""
+    from PIL import Image
+
+    counts = {c: 0 for c in range(10)}
+    for i in range(len(y)):
+        c = int(y[i])
+        if counts[c] >= per_class:
+            continue
+        folder = os.path.join(root, str(c))
+        os.makedirs(folder, exist_ok=True)
+        pixels = (x[i, 0].numpy() * 255).round().astype(np.uint8)
+        Image.fromarray(pixels, mode="L").save(os.path.join(folder, f"{i:04d}.png"), optimize=True)
+        counts[c] += 1
+
+
+if __name__ == "__main__":
+    main()

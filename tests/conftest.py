@@ -1,0 +1,61 @@
+"""Shared builders: small state dicts written in every format bnaudit reads."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLES = os.path.join(REPO, "sample_models")
+
+torch.set_num_threads(1)
+
+
+def bn_entries(prefix: str, channels: int = 4, *, mean=None, var=None, weight=None, bias=None,
+               counter: int | None = 100, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """The state-dict entries of one BN layer; defaults are trained-looking values."""
+    g = torch.Generator().manual_seed(len(prefix) * 7 + channels)
+    entries = {
+        f"{prefix}.weight": weight if weight is not None else 0.5 + torch.rand(channels, generator=g),
+        f"{prefix}.bias": bias if bias is not None else torch.randn(channels, generator=g) * 0.1,
+        f"{prefix}.running_mean": mean if mean is not None else torch.randn(channels, generator=g),
+        f"{prefix}.running_var": var if var is not None else 0.5 + torch.rand(channels, generator=g),
+    }
+    entries = {k: v.to(dtype) for k, v in entries.items()}
+    if counter is not None:
+        entries[f"{prefix}.num_batches_tracked"] = torch.tensor(counter)
+    return entries
+
+
+def save_torch(obj, path) -> str:
+    torch.save(obj, path)
+    return str(path)
+
+
+def save_safetensors(state: dict[str, torch.Tensor], path, metadata=None) -> str:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata=metadata)
+    return str(path)
+
+
+@pytest.fixture
+def cli():
+    """Invoke the typer app with a pinned terminal width; returns the click Result."""
+    from typer.testing import CliRunner
+
+    from bnaudit.cli import app
+
+    runner = CliRunner()
+
+    def invoke(*args: str, width: int = 120):
+        return runner.invoke(app, list(args), env={"COLUMNS": str(width), "NO_COLOR": "1"})
+
+    return invoke
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable
