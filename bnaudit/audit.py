@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from fnmatch import fnmatch
 from typing import Any
 
 from bnaudit.checkpoint import CHECKPOINT_SUFFIXES, Checkpoint, read_checkpoint
@@ -19,9 +18,9 @@ from bnaudit.report import FileReport, InspectReport, LayerSummary
 from bnaudit.rules import RuleContext, run_rules
 
 
-def expand_paths(paths: Iterable[str], exclude: Iterable[str] = ()) -> list[str]:
-    """Files to audit, in the order given; directories walked in sorted order."""
-    exclude = tuple(exclude)
+def expand_paths(paths: Iterable[str], config: Config | None = None) -> list[str]:
+    """Files to audit, in the order given; directories walked in sorted order; minus
+    the files `config.exclude` names (see `Config.excludes`)."""
     out: list[str] = []
     for path in paths:
         if os.path.isdir(path):
@@ -34,7 +33,7 @@ def expand_paths(paths: Iterable[str], exclude: Iterable[str] = ()) -> list[str]
             out += found
         else:
             out.append(path)
-    return [p for p in out if not any(fnmatch(p, pattern) for pattern in exclude)]
+    return [p for p in out if not (config and config.excludes(p))]
 
 
 def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | None = None) -> FileReport:
@@ -109,7 +108,7 @@ def inspect(
     files: list[FileReport] = []
     for path in [os.fspath(p) for p in paths]:
         try:
-            expanded = expand_paths([path], config.exclude)
+            expanded = expand_paths([path], config)
         except BnauditError as exc:
             files.append(FileReport(path, error=str(exc).removeprefix(f"{path}: ")))
             continue

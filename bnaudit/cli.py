@@ -32,6 +32,12 @@ class Format(str, Enum):
     json = "json"
 
 
+class InspectFormat(str, Enum):
+    table = "table"
+    json = "json"
+    sarif = "sarif"
+
+
 class Severity(str, Enum):
     error = "error"
     warning = "warning"
@@ -91,33 +97,43 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks instead
 @app.command()
 def inspect(
     paths: Annotated[list[str], typer.Argument(help="Checkpoint files or directories (searched for .pt .pth .ckpt .bin .tar .safetensors).")],
-    output_format: Annotated[Format, typer.Option("--format", "-f", help="Report format.")] = Format.table,
-    fail_on: Annotated[Severity, typer.Option(help="Exit 1 when a finding is at or above this severity.")] = Severity.warning,
+    output_format: Annotated[InspectFormat, typer.Option("--format", "-f", help="Report format (sarif: SARIF 2.1.0 for code scanning).")] = InspectFormat.table,
+    fail_on: Annotated[Optional[Severity], typer.Option(help="Exit 1 when a finding is at or above this severity (default: warning, or fail-on from the configuration).")] = None,
     exit_zero: Annotated[bool, typer.Option("--exit-zero", help="Exit 0 even when findings are at or above --fail-on.")] = False,
+    select: Annotated[Optional[list[str]], typer.Option(metavar="CODES", help="Run only these rules: codes or prefixes, comma-separated or repeated. Replaces the configuration's select and ignore.")] = None,
+    ignore: Annotated[Optional[list[str]], typer.Option(metavar="CODES", help="Do not report these rules (codes or prefixes); added to the configuration's ignore.")] = None,
+    config_file: Annotated[Optional[str], typer.Option("--config", metavar="PATH", help="Read this configuration file instead of the nearest bnaudit.toml / pyproject.toml [tool.bnaudit].")] = None,
+    isolated: Annotated[bool, typer.Option("--isolated", help="Read no configuration file.")] = False,
     key: Annotated[Optional[str], typer.Option(help="Container key of the state dict to audit (e.g. model_ema).")] = None,
     eps: Annotated[Optional[float], typer.Option(help="BN eps where the file holds no modules (default 1e-5).")] = None,
     momentum: Annotated[Optional[float], typer.Option(help="BN momentum where the file holds no modules (default 0.1).")] = None,
     trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help="Unpickle arbitrary classes: runs code from the file. Only for files you trust.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print findings and the summary only.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the summary line and errors.")] = False,
     debug: DebugOpt = False,
     arch: Annotated[Optional[str], typer.Option(help="MODULE:CALLABLE or path/to/file.py:CALLABLE building the model: exact BN001, BN006, BN007, BN011 and the real eps/momentum.")] = None,
     arch_kwargs: Annotated[Optional[str], typer.Option("--arch-kwargs", help='JSON object of keyword arguments for --arch, e.g. \'{"num_classes": 10}\'.')] = None,
 ) -> None:
     """Audit every BatchNorm layer of checkpoints, without code or data."""
     from bnaudit.audit import inspect as run_inspect
-    from bnaudit.config import Config
+    from bnaudit.config import load_config
     from bnaudit.report import inspect_to_json, render_inspect
 
-    json_output = output_format is Format.json
+    json_output = output_format is InspectFormat.json
     with user_errors(debug, json_output):
         if eps is not None and not eps > 0:
             raise BnauditError(f"--eps must be positive, got {eps}")
         if momentum is not None and not 0 <= momentum <= 1:
             raise BnauditError(f"--momentum must lie in [0, 1], got {momentum}")
-        config = Config(fail_on=fail_on.value, eps=eps, momentum=momentum)
+        overrides = {"--fail-on": fail_on.value if fail_on else None, "--eps": eps, "--momentum": momentum,
+                     "--select": _code_list(select), "--ignore": _code_list(ignore)}
+        config = load_config(overrides, config_file=config_file, isolated=isolated)
         report = run_inspect(paths, config, key=key, trust_pickle=trust_pickle, arch=arch, arch_kwargs=arch_kwargs)
     if json_output:
         typer.echo(json.dumps(inspect_to_json(report), indent=2, allow_nan=False))
+    elif output_format is InspectFormat.sarif:
+        from bnaudit.sarif import inspect_to_sarif
+
+        typer.echo(json.dumps(inspect_to_sarif(report), indent=2, allow_nan=False))
     else:
         render_inspect(report, _console(), quiet=quiet)
     for file in report.files:
@@ -125,6 +141,28 @@ def inspect(
             typer.echo(f"bnaudit: error: {file.path}: {file.error}", err=True)
     code = report.exit_code()
     raise typer.Exit(0 if exit_zero and code == 1 else code)
+
+
+def _code_list(values: list[str] | None) -> list[str] | None:
+    """`--select BN002,BN005 --select BN008` -> ["BN002", "BN005", "BN008"]."""
+    if values is None:
+        return None
+    return [code for value in values for code in value.split(",") if code.strip()]
+
+
+@app.command("rules")
+def rules_command(
+    code: Annotated[Optional[str], typer.Argument(help="A rule code, e.g. BN004: explain that rule.")] = None,
+    debug: DebugOpt = False,
+) -> None:
+    """List the rules, or explain one: what it detects, why it matters, how to fix and silence it."""
+    from bnaudit.docs import explain_rule, find_rule, render_rules
+
+    with user_errors(debug):
+        if code is not None:
+            typer.echo(explain_rule(find_rule(code)), nl=False)
+            return
+    render_rules(_console())
 
 
 # ----------------------------------------------------------------------------- gap
@@ -220,6 +258,7 @@ def gap(
     debug: DebugOpt = False,
 ) -> None:
     """Measure the train-mode vs eval-mode gap on data and find the BN layer responsible."""
+    from bnaudit.config import load_config
     from bnaudit.gap import run_gap
     from bnaudit.report import gap_to_json, render_gap
 
@@ -229,9 +268,12 @@ def gap(
             raise BnauditError(f"--max-gap is a fraction of samples in [-1, 1], got {max_gap}")
         options = data_options(data, dataset, batch_size, num_samples, seed, no_shuffle, workers,
                                image_size, grayscale, mean, std, skip_bad)
+        # The inspect findings shown with the gap follow the project's configuration too.
+        config = load_config()
         with progress_bar("gap", quiet or json_output) as update:
             report = run_gap(checkpoint, options, arch=arch, arch_kwargs=arch_kwargs, key=key,
-                             trust_pickle=trust_pickle, forward=forward, device=device, progress=update)
+                             trust_pickle=trust_pickle, forward=forward, device=device, config=config,
+                             progress=update)
         code = report.exit_code(max_gap)
     if json_output:
         typer.echo(json.dumps(gap_to_json(report), indent=2, allow_nan=False))

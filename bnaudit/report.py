@@ -209,23 +209,24 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
 
     for file in report.files:
         if file.error:
-            console.print(Text(f"{file.path}: error: {file.error}", style="bold red"))
+            console.print(Text(f"{file.path}: error: {file.error}", style="bold red"), soft_wrap=True)
             continue
-        if not quiet:
-            title = Text(file.path, style="bold")
-            where = f"{file.format}" + (f", key '{file.key}'" if file.key else "")
-            if file.prefix:
-                where += f", prefix '{file.prefix}' stripped"
-            title.append(f"  ({where})", style="dim")
-            console.print(title)
-            if file.other_keys:
-                console.print(Text(f"  other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))
-            if file.settings:
-                console.print(Text(f"  {file.settings}", style="dim"))
-            if file.layers:
-                console.print(_layer_table(file, console))
-            else:
-                console.print(Text("  no BatchNorm layers found", style="dim"))
+        if quiet:
+            continue
+        title = Text(file.path, style="bold")
+        where = f"{file.format}" + (f", key '{file.key}'" if file.key else "")
+        if file.prefix:
+            where += f", prefix '{file.prefix}' stripped"
+        title.append(f"  ({where})", style="dim")
+        console.print(title)
+        if file.other_keys:
+            console.print(Text(f"  other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))
+        if file.settings:
+            console.print(Text(f"  {file.settings}", style="dim"))
+        if file.layers:
+            console.print(_layer_table(file, console))
+        else:
+            console.print(Text("  no BatchNorm layers found", style="dim"))
         if file.findings:
             findings = Table(show_edge=False, pad_edge=False, header_style="bold")
             for col in ("code", "severity", "layer", "message"):
@@ -233,18 +234,15 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
             for f in file.findings:
                 findings.add_row(f"{f.code} {f.name}", Text(f.severity, style=SEVERITY_STYLE[f.severity]),
                                  f.layer or "-", f.message)
-            if quiet:
-                console.print(Text(file.path, style="bold"))
             console.print(findings)
-        if not quiet:
-            console.print()
+        console.print()
     s = report.summary()
     line = (f"{s['files']} file(s), {s['layers']} BN layer(s): {s['errors']} error(s), "
             f"{s['warnings']} warning(s), {s['infos']} info(s)")
     if s["unreadable"]:
         line += f", {s['unreadable']} unreadable file(s)"
     worst = "error" if s["errors"] or s["unreadable"] else "warning" if s["warnings"] else "ok"
-    console.print(Text(line, style=SEVERITY_STYLE[worst]))
+    console.print(Text(line, style=SEVERITY_STYLE[worst]), soft_wrap=True)
 
 
 # ----------------------------------------------------------------------------- gap

@@ -50,6 +50,7 @@ class Rule:
     explanation: str
     fix: str
     check: Callable[[RuleContext], Iterable[Finding]] = field(repr=False)
+    settings: tuple[str, ...] = ()  # configuration keys (config.KEYS) that tune the rule
 
     def finding(self, severity: str, layer: str | None, message: str, channels: Iterable[int] = ()) -> Finding:
         return Finding(self.code, self.name, severity, layer, message, tuple(int(c) for c in channels))
@@ -58,9 +59,10 @@ class Rule:
 RULES: dict[str, Rule] = {}
 
 
-def rule(code: str, name: str, severity: str, summary: str, explanation: str, fix: str):
+def rule(code: str, name: str, severity: str, summary: str, explanation: str, fix: str,
+         settings: tuple[str, ...] = ()):
     def register(check: Callable[[RuleContext], Iterable[Finding]]):
-        RULES[code] = Rule(code, name, severity, summary, explanation, fix, check)
+        RULES[code] = Rule(code, name, severity, summary, explanation, fix, check, settings)
         return check
 
     return register
@@ -209,6 +211,7 @@ def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
     "0.1, still 4.2% after 30. A short fine-tune leaves buffers that describe no data. Default "
     "threshold 5% (`max-init-weight`). EMA copies are not checked (their counter means nothing).",
     "Train longer, or re-estimate the statistics with `bnaudit recalibrate` (a few thousand samples suffice).",
+    settings=("max-init-weight", "momentum"),
 )
 def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
     if ctx.is_ema:
@@ -237,6 +240,7 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
     "when a small |gamma| mutes all of them. Threshold factor 10 (`near-eps-factor`).",
     "Prune the dead channels, or check the data that reaches the layer; `bnaudit gap` shows whether "
     "eval mode suffers.",
+    settings=("near-eps-factor", "max-gain", "eps"),
 )
 def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN004"]
@@ -337,7 +341,7 @@ RETAINED_FRACTION_MOMENTUM = 0.5
 
 
 @rule(
-    "BN007", "stats-update-config", "info / warning",
+    "BN007", "stats-update-config", "warning / info",
     "momentum 0 (buffers never update), None (cumulative average) or above 0.5 (a Keras/ONNX retained fraction?).",
     "PyTorch updates running statistics by new = (1 - m) * old + m * batch. With m = 0 training never "
     "changes them (the counter still counts), so they stay whatever was loaded; with m = None they "

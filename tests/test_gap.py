@@ -413,6 +413,16 @@ def test_cli_table_prints_batches_and_diagnosis(world):
     assert result.stderr == ""  # no progress bar outside a terminal
 
 
+def test_cli_findings_follow_the_project_configuration(world, tmp_path, monkeypatch):
+    (tmp_path / "bnaudit.toml").write_text('ignore = ["BN002"]\n')
+    monkeypatch.chdir(tmp_path)
+    result = _cli(str(world["root"] / "reset.safetensors"), "--arch", world["arch"],
+                  "--data", str(world["root"] / "val.safetensors"), "--format", "json")
+    doc = json.loads(result.stdout)
+    assert result.exit_code == 0 and doc["findings"] == []
+    assert doc["gap"] > 0.05  # the measurement itself does not depend on the configuration
+
+
 def test_cli_max_gap_sets_exit_code(world):
     base = [str(world["root"] / "reset.safetensors"), "--arch", world["arch"],
             "--data", str(world["root"] / "val.safetensors"), "--batch-size", "16"]
