@@ -258,6 +258,7 @@ def gap(
     debug: DebugOpt = False,
 ) -> None:
     """Measure the train-mode vs eval-mode gap on data and find the BN layer responsible."""
+    from bnaudit.config import load_config
     from bnaudit.gap import run_gap
     from bnaudit.report import gap_to_json, render_gap
 
@@ -267,9 +268,12 @@ def gap(
             raise BnauditError(f"--max-gap is a fraction of samples in [-1, 1], got {max_gap}")
         options = data_options(data, dataset, batch_size, num_samples, seed, no_shuffle, workers,
                                image_size, grayscale, mean, std, skip_bad)
+        # The inspect findings shown with the gap follow the project's configuration too.
+        config = load_config()
         with progress_bar("gap", quiet or json_output) as update:
             report = run_gap(checkpoint, options, arch=arch, arch_kwargs=arch_kwargs, key=key,
-                             trust_pickle=trust_pickle, forward=forward, device=device, progress=update)
+                             trust_pickle=trust_pickle, forward=forward, device=device, config=config,
+                             progress=update)
         code = report.exit_code(max_gap)
     if json_output:
         typer.echo(json.dumps(gap_to_json(report), indent=2, allow_nan=False))

@@ -418,9 +418,15 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
     if immature:
         lines.append(f"Immature statistics (BN003) in {_names(immature)}: the initial values still weigh in. "
                      "Recalibrate with `bnaudit recalibrate`.")
+    dead = by_code.get("BN004", [])
+    dead_layers = [f.layer for f in dead if f.layer]
     if large and not reset and not immature:
         first = large[0]
-        if first.position == ordered[0].position:
+        if first.name in dead_layers:
+            lines.append(f"Drift starts at {first.name}, where BN004 found channels with a running variance near eps: "
+                         "the data reaching them still varies, so eval mode multiplies it by their eval gain. "
+                         "Recalibrate the statistics on representative data (or prune the channels).")
+        elif first.position == ordered[0].position:
             holds = " while batch statistics keep the accuracy" if eval_loses else ""
             lines.append(f"Drift is large from the first BN layer on ({first.name}: mean shift {first.mean_shift:.2f}, "
                          f"variance log-ratio {first.var_log_ratio:.2f}){holds}: the stored statistics do not describe "
@@ -430,10 +436,9 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
             lines.append(f"Drift starts at {first.name} (BN layer {first.position + 1}; the {len(before)} layer(s) before "
                          f"it match the data): a domain shift that shows from this depth on, or layers before it changed "
                          "after its statistics were recorded. Recalibrate on data of the target domain (AdaBN-style).")
-    dead = by_code.get("BN004", [])
-    if dead:
-        lines.append(f"Dead channels (BN004) in {_names([f.layer for f in dead if f.layer])}: running variance near eps, "
-                     "so eval mode amplifies any input they receive; see the findings below.")
+    if dead_layers and not (large and large[0].name in dead_layers):
+        lines.append(f"Dead channels (BN004) in {_names(dead_layers)}: running variance near eps, so eval mode "
+                     "amplifies any input they receive; see the findings.")
     if "BN005" in by_code:
         lines.append("Invalid values in the statistics (BN005): eval-mode outputs of those channels are NaN or Inf.")
     if report.non_finite.get("eval_mode"):
@@ -441,19 +446,19 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
     if "BN006" in by_code:
         lines.append("Some BatchNorm layers keep no running statistics (BN006): they use batch statistics in eval "
                      "mode too, so both modes depend on the batch there.")
-    if eval_wins:
+    if not report.shuffle:
+        lines.append("--no-shuffle: if the data is sorted by class, each batch holds one class and train-mode numbers "
+                     "mean nothing; run without --no-shuffle for a fair reference.")
+    elif eval_wins:
         lines.append(f"Batch statistics are noisy at batch size {report.batch_size}: the train-mode numbers depend on "
                      "the batch size; the stored statistics are fine. A larger --batch-size narrows this.")
     elif report.batch_size < SMALL_BATCH:
         lines.append(f"Batch size {report.batch_size} is small: batch statistics are noisy, so train-mode numbers are "
                      "a weak reference.")
-    if not report.shuffle:
-        lines.append("--no-shuffle: if the data is sorted by class, each batch holds one class and train-mode numbers "
-                     "mean nothing.")
     if scripted:
         lines.append("Per-layer drift needs hooks, which TorchScript modules do not run: pass --arch with the "
                      "state dict to see it.")
-    if not eval_loses and not eval_wins and not large and not reset and not immature and not dead:
+    if not eval_loses and not eval_wins and not large and not reset and not immature and not dead_layers:
         lines.append("The stored statistics describe this data: nothing to fix.")
     return lines
 

@@ -97,6 +97,7 @@ def import_callable(spec: str, option: str = "--arch") -> Callable[..., Any]:
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)
+    importlib.invalidate_caches()  # files written since the last import must be found
     if where.endswith(".py") or "/" in where or os.sep in where:
         module = _import_file(where, option)
     else:

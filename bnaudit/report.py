@@ -307,7 +307,7 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     title.append(f"  ({report.model})", style="dim")
     console.print(title)
     console.print(Text(f"data: {report.data}", style="dim"))
-    order = f"shuffled with seed {report.seed}" if report.shuffle else "file order (--no-shuffle)"
+    order = f"shuffled with seed {report.seed}" if report.shuffle else "file order, --no-shuffle"
     skipped = f", {report.skipped} unreadable image(s) skipped" if report.skipped else ""
     console.print(f"{report.samples} samples in {report.batches} batches of {report.batch_size} "
                   f"({order}), device {report.device}{skipped}")
@@ -369,8 +369,13 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
         console.print()
 
     console.print(Text("diagnosis", style="bold"))
+    # A grid keeps wrapped lines indented under their bullet.
+    bullets = Table.grid(padding=(0, 1))
+    bullets.add_column(width=3, justify="right")
+    bullets.add_column()
     for line in report.diagnosis:
-        console.print(Text("  - ") + Text(line))
+        bullets.add_row("-", Text(line))
+    console.print(bullets)
 
 
 # ----------------------------------------------------------------------------- recalibrate

@@ -341,7 +341,7 @@ RETAINED_FRACTION_MOMENTUM = 0.5
 
 
 @rule(
-    "BN007", "stats-update-config", "info / warning",
+    "BN007", "stats-update-config", "warning / info",
     "momentum 0 (buffers never update), None (cumulative average) or above 0.5 (a Keras/ONNX retained fraction?).",
     "PyTorch updates running statistics by new = (1 - m) * old + m * batch. With m = 0 training never "
     "changes them (the counter still counts), so they stay whatever was loaded; with m = None they "

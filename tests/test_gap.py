@@ -338,6 +338,35 @@ def test_drift_that_starts_at_a_later_layer_is_named(world):
     assert any(line.startswith("Drift starts at features.4") for line in report.diagnosis)
 
 
+def _variant(world, tmp_path, name: str, edit) -> str:
+    state = {k: v.clone() for k, v in world["healthy"].items()}
+    edit(state)
+    save_file(state, tmp_path / name)
+    return str(tmp_path / name)
+
+
+def test_dead_channel_where_drift_starts_is_blamed(world, tmp_path):
+    def kill_channel(state):
+        state["features.4.running_var"][1] = 1e-7
+
+    path = _variant(world, tmp_path, "dead.safetensors", kill_channel)
+    report = run_gap(path, DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32), arch=world["arch"])
+    assert [f.layer for f in report.findings if f.code == "BN004"] == ["features.4"]
+    assert any(line.startswith("Drift starts at features.4, where BN004") for line in report.diagnosis)
+
+
+def test_drift_from_the_first_layer_on_is_called_stale_statistics(world, tmp_path):
+    def scale_first(state):
+        state["features.1.running_var"] *= 8.0  # the counter stays high: no BN003
+
+    path = _variant(world, tmp_path, "stale.safetensors", scale_first)
+    report = run_gap(path, DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32), arch=world["arch"])
+    assert "BN003" not in {f.code for f in report.findings}
+    first = next(d for d in report.layers if d.name == "features.1")
+    assert first.var_log_ratio == pytest.approx(math.log(8.0), abs=0.3)  # var_data ~ var_run / 8
+    assert any(line.startswith("Drift is large from the first BN layer on (features.1") for line in report.diagnosis)
+
+
 def test_healthy_model_needs_nothing(world):
     report = _gap(world, batch_size=32)
     assert abs(report.gap) <= 0.01
@@ -382,6 +411,16 @@ def test_cli_table_prints_batches_and_diagnosis(world):
     assert "120 samples in 8 batches of 16" in result.stdout
     assert "BN002" in result.stdout and "diagnosis" in result.stdout
     assert result.stderr == ""  # no progress bar outside a terminal
+
+
+def test_cli_findings_follow_the_project_configuration(world, tmp_path, monkeypatch):
+    (tmp_path / "bnaudit.toml").write_text('ignore = ["BN002"]\n')
+    monkeypatch.chdir(tmp_path)
+    result = _cli(str(world["root"] / "reset.safetensors"), "--arch", world["arch"],
+                  "--data", str(world["root"] / "val.safetensors"), "--format", "json")
+    doc = json.loads(result.stdout)
+    assert result.exit_code == 0 and doc["findings"] == []
+    assert doc["gap"] > 0.05  # the measurement itself does not depend on the configuration
 
 
 def test_cli_max_gap_sets_exit_code(world):
