@@ -907,7 +907,6 @@ def run_recalibrate(
     ...                 arch="mypkg.models:net").layers[0].after       # doctest: +SKIP
     """
     import datetime
-    import os
 
     import torch
 
