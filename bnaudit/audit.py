@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from fnmatch import fnmatch
+from typing import Any
 
-from bnaudit.checkpoint import CHECKPOINT_SUFFIXES, read_checkpoint
+from bnaudit.checkpoint import CHECKPOINT_SUFFIXES, Checkpoint, read_checkpoint
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
-from bnaudit.layers import DEFAULT_EPS, DEFAULT_MOMENTUM, discover_layers
+from bnaudit.layers import DEFAULT_EPS, DEFAULT_MOMENTUM, ModuleFacts, discover_layers, facts_from_module_infos
 from bnaudit.report import FileReport, InspectReport, LayerSummary
 from bnaudit.rules import RuleContext, run_rules
 
 
-def expand_paths(paths: Iterable[str], exclude: Iterable[str] = ()) -> list[str]:
-    """Files to audit, in the order given; directories walked in sorted order."""
-    exclude = tuple(exclude)
+def expand_paths(paths: Iterable[str], config: Config | None = None) -> list[str]:
+    """Files to audit, in the order given; directories walked in sorted order; minus
+    the files `config.exclude` names (see `Config.excludes`)."""
     out: list[str] = []
     for path in paths:
         if os.path.isdir(path):
@@ -33,20 +33,16 @@ def expand_paths(paths: Iterable[str], exclude: Iterable[str] = ()) -> list[str]
             out += found
         else:
             out.append(path)
-    return [p for p in out if not any(fnmatch(p, pattern) for pattern in exclude)]
+    return [p for p in out if not (config and config.excludes(p))]
 
 
-def audit_file(path: str, config: Config, key: str | None = None, trust_pickle: bool = False) -> FileReport:
-    """Audit one checkpoint; a user-caused problem becomes `FileReport.error`."""
-    report = FileReport(path)
-    try:
-        ckpt = read_checkpoint(path, key=key, trust_pickle=trust_pickle)
-        discovery = discover_layers(ckpt, eps=config.eps, momentum=config.momentum,
-                                    momentum_given=config.momentum is not None)
-        findings = run_rules(RuleContext(discovery, config, is_ema=ckpt.is_ema))
-    except BnauditError as exc:
-        report.error = str(exc).removeprefix(f"{path}: ")
-        return report
+def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | None = None) -> FileReport:
+    """Audit an opened checkpoint; `module` (when the model is known) makes BN001 exact and
+    enables the module-only rules. Raises BnauditError for unreadable tensors."""
+    discovery = discover_layers(ckpt, eps=config.eps, momentum=config.momentum,
+                                momentum_given=config.momentum is not None)
+    findings = run_rules(RuleContext(discovery, config, is_ema=ckpt.is_ema, module=module))
+    report = FileReport(ckpt.path)
     report.format, report.key, report.other_keys = ckpt.format, ckpt.key, ckpt.other_keys
     report.prefix, report.is_ema = ckpt.prefix, ckpt.is_ema
     report.layers = [LayerSummary.of(layer, config.near_eps_factor) for layer in discovery.layers]
@@ -60,26 +56,61 @@ def audit_file(path: str, config: Config, key: str | None = None, trust_pickle: 
     return report
 
 
+def audit_file(
+    path: str, config: Config, key: str | None = None, trust_pickle: bool = False, model: Any = None,
+) -> FileReport:
+    """Audit one checkpoint; a user-caused problem becomes `FileReport.error`.
+
+    `model` (an nn.Module built from --arch, possibly on the meta device) is compared
+    with the checkpoint key by key; a file that holds its own modules (TorchScript, a
+    pickled nn.Module) speaks for itself.
+    """
+    try:
+        ckpt = read_checkpoint(path, key=key, trust_pickle=trust_pickle)
+        module = None
+        if model is not None:
+            from bnaudit.models import match_checkpoint
+
+            ckpt, module = match_checkpoint(ckpt, model)
+        elif ckpt.holds_module and ckpt.modules:
+            module = facts_from_module_infos(ckpt.modules)
+        return audit_checkpoint(ckpt, config, module)
+    except BnauditError as exc:
+        return FileReport(path, error=str(exc).removeprefix(f"{path}: "))
+
+
 def inspect(
     paths: str | os.PathLike | Iterable[str | os.PathLike],
     config: Config | None = None,
     key: str | None = None,
     trust_pickle: bool = False,
+    arch: str | None = None,
+    arch_kwargs: str | dict | None = None,
 ) -> InspectReport:
     """Audit checkpoints (files or directories) and return the report.
+
+    `arch` (MODULE:CALLABLE, with `arch_kwargs` JSON) names the model: BN001 becomes
+    exact and BN006 / BN007 / BN011 apply; its real eps and momentum replace the defaults.
 
     >>> report = inspect("sample_models/")      # doctest: +SKIP
     >>> report.exit_code(), report.summary()    # doctest: +SKIP
     """
     config = config or Config()
+    model = None
+    if arch is not None:
+        from bnaudit.models import build_arch
+
+        model = build_arch(arch, arch_kwargs, meta=True)  # names, shapes, settings: no weights needed
+    elif arch_kwargs is not None:
+        raise BnauditError("--arch-kwargs needs --arch")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files: list[FileReport] = []
     for path in [os.fspath(p) for p in paths]:
         try:
-            expanded = expand_paths([path], config.exclude)
+            expanded = expand_paths([path], config)
         except BnauditError as exc:
             files.append(FileReport(path, error=str(exc).removeprefix(f"{path}: ")))
             continue
-        files += [audit_file(p, config, key=key, trust_pickle=trust_pickle) for p in expanded]
+        files += [audit_file(p, config, key=key, trust_pickle=trust_pickle, model=model) for p in expanded]
     return InspectReport(files, config)

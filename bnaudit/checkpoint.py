@@ -694,3 +694,312 @@ def _literal(text: str) -> Any:
         return float(text) if any(c in text for c in ".eE") or text in ("inf", "nan") else int(text)
     except ValueError:
         return text
+
+
+# ----------------------------------------------------------------------------- write
+
+# The only tensors bnaudit ever writes: the running statistics of a BN layer.
+WRITABLE_LEAVES = ("running_mean", "running_var", "num_batches_tracked")
+_AT_FDCWD, _AT_EMPTY_PATH = -100, 0x1000
+
+
+def save_like(
+    ckpt: Checkpoint,
+    updates: Mapping[str, Any],
+    output: str,
+    force: bool = False,
+    provenance: Mapping[str, Any] | None = None,
+    trust_pickle: bool = False,
+) -> None:
+    """Write `ckpt`'s file again, in its own format, to `output`, with `updates` applied.
+
+    `updates` maps names of the chosen state dict (as `ckpt.tensors` names them, the
+    wrapper prefix stripped) to new values for `running_mean`, `running_var` and
+    `num_batches_tracked` buffers; each is cast to the stored dtype and must keep the
+    stored shape. Everything else stays as it is:
+
+      safetensors   the header with `__metadata__` kept plus a `bnaudit` entry (the
+                    provenance as JSON); the data section copied byte for byte, then
+                    only the updated tensors' bytes overwritten in place
+      torch-zip/legacy  the whole container reloaded (same allow-list as reading) and
+                    saved in the same serialization; only the selected state dict's
+                    entries replaced; no new keys
+      torchscript   the archive loaded, buffers set, saved with its extra files
+
+    Written atomically (see `atomic_write`); the input is never opened for writing.
+    Non-finite statistics are refused, naming the layer.
+    """
+    check_output(output, ckpt.path, force)
+    prepared = _prepare_updates(ckpt, updates)
+    if ckpt.format == "safetensors":
+        def write(f: Any) -> None:
+            _write_safetensors_like(ckpt, prepared, provenance, f)
+    elif ckpt.format in ("torch-zip", "torch-legacy"):
+        obj = load_torch_object(ckpt.path, trust_pickle=trust_pickle, mmap=ckpt.format == "torch-zip")
+        _apply_to_container(ckpt, obj, prepared)
+
+        def write(f: Any) -> None:
+            import torch
+
+            torch.save(obj, f, _use_new_zipfile_serialization=ckpt.format == "torch-zip")
+    elif ckpt.format == "torchscript":
+        module, extra = _load_script_for_rewrite(ckpt.path)
+        buffers = dict(module.named_buffers())
+        for name, value in prepared.items():
+            buffers[name].copy_(value)
+
+        def write(f: Any) -> None:
+            import torch
+
+            torch.jit.save(module, f, _extra_files=extra)
+    else:  # pragma: no cover - read_checkpoint knows no other format
+        raise BnauditError(f"{ckpt.path}: cannot write format {ckpt.format}")
+    atomic_write(output, write, force=force)
+
+
+def _prepare_updates(ckpt: Checkpoint, updates: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate `updates` against the checkpoint and cast them to the stored dtypes."""
+    import torch
+
+    prepared: dict[str, Any] = {}
+    for name, value in updates.items():
+        layer, _, leaf = name.rpartition(".")
+        if leaf not in WRITABLE_LEAVES:
+            raise ValueError(f"save_like only writes {', '.join(WRITABLE_LEAVES)}, not {name!r}")
+        ref = ckpt.tensors.get(name)
+        if ref is None:
+            raise ValueError(f"{name!r} is not a tensor of {ckpt.path}")
+        dtype = getattr(torch, ref.dtype)
+        tensor = torch.as_tensor(value).detach().to("cpu")
+        if tuple(tensor.shape) != ref.shape:
+            if leaf == "num_batches_tracked" and tensor.numel() == 1 == math.prod(ref.shape):
+                tensor = tensor.reshape(ref.shape)
+            else:
+                raise ValueError(f"{name!r}: new shape {tuple(tensor.shape)} differs from stored {ref.shape}")
+        cast = tensor.to(dtype)
+        if cast.is_floating_point() and not bool(torch.isfinite(cast).all()):
+            bad = int((~torch.isfinite(cast)).sum())
+            raise BnauditError(
+                f"layer {layer}: refusing to write a non-finite {leaf} ({bad} of {cast.numel()} channel(s) "
+                f"NaN or Inf in {ref.dtype})")
+        prepared[name] = cast.contiguous()
+    return prepared
+
+
+def _write_safetensors_like(ckpt: Checkpoint, prepared: dict[str, Any], provenance: Mapping[str, Any] | None,
+                            f: Any) -> None:
+    import sys
+
+    import torch
+
+    if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian
+        raise BnauditError("writing safetensors needs a little-endian machine")
+    with open(ckpt.path, "rb") as src:
+        n = int.from_bytes(src.read(8), "little")
+        header = json.loads(src.read(n))
+        metadata = dict(header.pop("__metadata__", None) or {})
+        if provenance is not None:
+            metadata["bnaudit"] = json.dumps(dict(provenance), sort_keys=True)
+        new_header = {"__metadata__": metadata, **header} if metadata else header
+        raw = json.dumps(new_header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned, as safetensors does
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        data_start = f.tell()
+        while chunk := src.read(16 * 1024 * 1024):
+            f.write(chunk)
+    for name, tensor in prepared.items():
+        begin, end = header[ckpt.prefix + name]["data_offsets"]
+        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        if len(data) != end - begin:  # pragma: no cover - _prepare_updates checked shape and dtype
+            raise ValueError(f"{name}: {len(data)} bytes for a slot of {end - begin}")
+        f.seek(data_start + begin)
+        f.write(data)
+    f.seek(0, os.SEEK_END)
+
+
+def _apply_to_container(ckpt: Checkpoint, obj: Any, prepared: dict[str, Any]) -> None:
+    """Replace the updated entries of the state dict at `ckpt.key` inside `obj`."""
+    import torch
+
+    target = obj
+    for part in ckpt.key.split("/") if ckpt.key else []:
+        target = target[part]
+    if isinstance(target, torch.nn.Module):
+        with torch.no_grad():
+            for name, value in prepared.items():
+                target.get_buffer(ckpt.prefix + name).copy_(value)
+        return
+    for name, value in prepared.items():
+        full = ckpt.prefix + name
+        old = target[full]
+        # a new tensor rather than an in-place copy: storage shared with other
+        # entries (an EMA copy, a tied buffer) must not change with it
+        target[full] = value.to(old.device)
+
+
+def _load_script_for_rewrite(path: str) -> tuple[Any, dict[str, bytes]]:
+    """A TorchScript archive as a module, with its extra files (kept on save)."""
+    import torch
+
+    with zipfile.ZipFile(path) as archive:
+        names = [n.split("/extra/", 1)[1] for n in archive.namelist()
+                 if "/extra/" in n and n.count("/") >= 2 and not n.endswith("/")]
+    extra = {name: b"" for name in names}
+    try:
+        module = torch.jit.load(path, map_location="cpu", _extra_files=extra)
+    except Exception as exc:
+        raise BnauditError(f"{path}: cannot load TorchScript archive ({_first_line(exc)})") from None
+    return module, extra
+
+
+def check_output(output: str, source: str | None = None, force: bool = False) -> None:
+    """Refuse, before any work, an output that is the input, a folder, in a missing
+    folder, or that exists (without `force`)."""
+    directory = os.path.dirname(os.path.abspath(output))
+    if source is not None and os.path.exists(output) and os.path.exists(source) and os.path.samefile(output, source):
+        raise BnauditError(f"{output}: is the input checkpoint; write the new one to another file")
+    if os.path.isdir(output):
+        raise BnauditError(f"{output}: is a directory")
+    if not os.path.isdir(directory):
+        raise BnauditError(f"{output}: folder {directory} does not exist")
+    if os.path.lexists(output) and not force:
+        raise BnauditError(f"{output}: already exists (pass --force to overwrite)")
+
+
+def atomic_write(output: str, write: Callable[[Any], None], force: bool = False) -> None:
+    """Create `output` from `write(fileobj)` all at once, or not at all.
+
+    The bytes go to an unnamed file (O_TMPFILE) in the target folder, are flushed and
+    fsynced, and only then get a name: linked to `output` directly (which fails if
+    it exists: no race with another writer), or, with `force`, linked to a
+    temporary name and renamed over `output`. A crash, Ctrl-C or kill at any point
+    before leaves no file behind. Where O_TMPFILE is unavailable a hidden temporary
+    file `.NAME.bnaudit-PID.tmp` is used and removed on any error or Ctrl-C.
+    """
+    output = os.fspath(output)
+    check_output(output, force=force)
+    directory = os.path.dirname(os.path.abspath(output))
+    base = os.path.basename(output)
+    try:
+        fd = _open_unnamed(directory)
+        if fd is not None:
+            with os.fdopen(fd, "w+b") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+                if not _name_unnamed(f.fileno(), output, directory, base, force):
+                    # no way to give the unnamed file a name here: copy it into a named one
+                    f.seek(0)
+                    _write_named(output, directory, base, force, lambda g: _copy_file(f, g))
+        else:
+            _write_named(output, directory, base, force, write)
+        _fsync_dir(directory)
+    except FileExistsError:
+        raise BnauditError(f"{output}: already exists (pass --force to overwrite)") from None
+    except OSError as exc:
+        raise BnauditError(f"cannot write {output}: {exc.strerror or exc}") from None
+
+
+def _copy_file(src: Any, dst: Any) -> None:
+    import shutil
+
+    shutil.copyfileobj(src, dst, 16 * 1024 * 1024)
+
+
+def _open_unnamed(directory: str) -> int | None:
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None:
+        return None
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        return os.open(directory, flag | os.O_RDWR, 0o666 & ~umask)
+    except OSError as exc:
+        import errno
+
+        if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+            return None  # the filesystem does not support it
+        raise
+
+
+def _link_fd(fd: int, target: str) -> bool:
+    """Give the unnamed file `fd` the name `target`; FileExistsError if it exists,
+    False if this system offers no way to do it."""
+    import ctypes
+    import errno
+
+    try:
+        os.link(f"/proc/self/fd/{fd}", target, follow_symlinks=True)
+        return True
+    except FileExistsError:
+        raise
+    except OSError:
+        pass  # e.g. EXDEV where /proc is not the host's: try linkat(AT_EMPTY_PATH)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        result = libc.linkat(fd, b"", _AT_FDCWD, os.fsencode(target), _AT_EMPTY_PATH)
+    except (OSError, AttributeError):
+        return False
+    if result == 0:
+        return True
+    if ctypes.get_errno() == errno.EEXIST:
+        raise FileExistsError(errno.EEXIST, "File exists", target)
+    return False
+
+
+def _name_unnamed(fd: int, output: str, directory: str, base: str, force: bool) -> bool:
+    if not force:
+        return _link_fd(fd, output)
+    temp = os.path.join(directory, f".{base}.bnaudit-{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    if not _link_fd(fd, temp):
+        return False
+    try:
+        os.replace(temp, output)
+    except BaseException:
+        _unlink_quietly(temp)
+        raise
+    return True
+
+
+def _write_named(output: str, directory: str, base: str, force: bool, write: Callable[[Any], None]) -> None:
+    import tempfile
+
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{base}.bnaudit-{os.getpid()}-", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temp, 0o666 & ~umask)
+        with os.fdopen(fd, "w+b") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if force:
+            os.replace(temp, output)
+        else:
+            os.link(temp, output)  # fails if output appeared meanwhile
+            os.unlink(temp)
+    except BaseException:
+        _unlink_quietly(temp)
+        raise
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make the new name itself durable (POSIX: fsync the folder)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

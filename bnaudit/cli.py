@@ -35,6 +35,12 @@ class Format(str, Enum):
     json = "json"
 
 
+class InspectFormat(str, Enum):
+    table = "table"
+    json = "json"
+    sarif = "sarif"
+
+
 class Severity(str, Enum):
     error = "error"
     warning = "warning"
@@ -94,31 +100,43 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks instead
 @app.command()
 def inspect(
     paths: Annotated[list[str], typer.Argument(help="Checkpoint files or directories (searched for .pt .pth .ckpt .bin .tar .safetensors).")],
-    output_format: Annotated[Format, typer.Option("--format", "-f", help="Report format.")] = Format.table,
-    fail_on: Annotated[Severity, typer.Option(help="Exit 1 when a finding is at or above this severity.")] = Severity.warning,
+    output_format: Annotated[InspectFormat, typer.Option("--format", "-f", help="Report format (sarif: SARIF 2.1.0 for code scanning).")] = InspectFormat.table,
+    fail_on: Annotated[Optional[Severity], typer.Option(help="Exit 1 when a finding is at or above this severity (default: warning, or fail-on from the configuration).")] = None,
     exit_zero: Annotated[bool, typer.Option("--exit-zero", help="Exit 0 even when findings are at or above --fail-on.")] = False,
+    select: Annotated[Optional[list[str]], typer.Option(metavar="CODES", help="Run only these rules: codes or prefixes, comma-separated or repeated. Replaces the configuration's select and ignore.")] = None,
+    ignore: Annotated[Optional[list[str]], typer.Option(metavar="CODES", help="Do not report these rules (codes or prefixes); added to the configuration's ignore.")] = None,
+    config_file: Annotated[Optional[str], typer.Option("--config", metavar="PATH", help="Read this configuration file instead of the nearest bnaudit.toml / pyproject.toml [tool.bnaudit].")] = None,
+    isolated: Annotated[bool, typer.Option("--isolated", help="Read no configuration file.")] = False,
     key: Annotated[Optional[str], typer.Option(help="Container key of the state dict to audit (e.g. model_ema).")] = None,
     eps: Annotated[Optional[float], typer.Option(help="BN eps where the file holds no modules (default 1e-5).")] = None,
     momentum: Annotated[Optional[float], typer.Option(help="BN momentum where the file holds no modules (default 0.1).")] = None,
     trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help="Unpickle arbitrary classes: runs code from the file. Only for files you trust.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print findings and the summary only.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the summary line and errors.")] = False,
     debug: DebugOpt = False,
+    arch: Annotated[Optional[str], typer.Option(help="MODULE:CALLABLE or path/to/file.py:CALLABLE building the model: exact BN001, BN006, BN007, BN011 and the real eps/momentum.")] = None,
+    arch_kwargs: Annotated[Optional[str], typer.Option("--arch-kwargs", help='JSON object of keyword arguments for --arch, e.g. \'{"num_classes": 10}\'.')] = None,
 ) -> None:
     """Audit every BatchNorm layer of checkpoints, without code or data."""
     from bnaudit.audit import inspect as run_inspect
-    from bnaudit.config import Config
+    from bnaudit.config import load_config
     from bnaudit.report import inspect_to_json, render_inspect
 
-    json_output = output_format is Format.json
+    json_output = output_format is InspectFormat.json
     with user_errors(debug, json_output):
         if eps is not None and not eps > 0:
             raise BnauditError(f"--eps must be positive, got {eps}")
         if momentum is not None and not 0 <= momentum <= 1:
             raise BnauditError(f"--momentum must lie in [0, 1], got {momentum}")
-        config = Config(fail_on=fail_on.value, eps=eps, momentum=momentum)
-        report = run_inspect(paths, config, key=key, trust_pickle=trust_pickle)
+        overrides = {"--fail-on": fail_on.value if fail_on else None, "--eps": eps, "--momentum": momentum,
+                     "--select": _code_list(select), "--ignore": _code_list(ignore)}
+        config = load_config(overrides, config_file=config_file, isolated=isolated)
+        report = run_inspect(paths, config, key=key, trust_pickle=trust_pickle, arch=arch, arch_kwargs=arch_kwargs)
     if json_output:
         typer.echo(json.dumps(inspect_to_json(report), indent=2, allow_nan=False))
+    elif output_format is InspectFormat.sarif:
+        from bnaudit.sarif import inspect_to_sarif
+
+        typer.echo(json.dumps(inspect_to_sarif(report), indent=2, allow_nan=False))
     else:
         render_inspect(report, _console(), quiet=quiet)
     for file in report.files:
@@ -126,6 +144,224 @@ def inspect(
             typer.echo(f"bnaudit: error: {file.path}: {file.error}", err=True)
     code = report.exit_code()
     raise typer.Exit(0 if exit_zero and code == 1 else code)
+
+
+def _code_list(values: list[str] | None) -> list[str] | None:
+    """`--select BN002,BN005 --select BN008` -> ["BN002", "BN005", "BN008"]."""
+    if values is None:
+        return None
+    return [code for value in values for code in value.split(",") if code.strip()]
+
+
+@app.command("rules")
+def rules_command(
+    code: Annotated[Optional[str], typer.Argument(help="A rule code, e.g. BN004: explain that rule.")] = None,
+    debug: DebugOpt = False,
+) -> None:
+    """List the rules, or explain one: what it detects, why it matters, how to fix and silence it."""
+    from bnaudit.docs import explain_rule, find_rule, render_rules
+
+    with user_errors(debug):
+        if code is not None:
+            typer.echo(explain_rule(find_rule(code)), nl=False)
+            return
+    render_rules(_console())
+
+
+# ----------------------------------------------------------------------------- gap
+# Options shared by the commands that run a model on data (gap, recalibrate).
+
+ArchOpt = Annotated[Optional[str], typer.Option(
+    "--arch", help="MODULE:CALLABLE or path/to/file.py:CALLABLE that builds the model (imported with the current directory on sys.path).")]
+ArchKwargsOpt = Annotated[Optional[str], typer.Option(
+    "--arch-kwargs", help='JSON object of keyword arguments for --arch, e.g. \'{"num_classes": 10}\'.')]
+KeyOpt = Annotated[Optional[str], typer.Option("--key", help="Container key of the state dict to load (e.g. model_ema).")]
+TrustPickleOpt = Annotated[bool, typer.Option(
+    "--trust-pickle", help="Unpickle arbitrary classes (a pickled model of your own): runs code from the file. Only for files you trust.")]
+ForwardOpt = Annotated[Optional[str], typer.Option(
+    "--forward", help="MODULE:CALLABLE fn(model, batch) -> logits, for models that take something else than a tensor, tuple or dict.")]
+DataOpt = Annotated[Optional[str], typer.Option(
+    "--data", help="An ImageFolder (one subfolder per class), a .safetensors/.pt file with 'inputs' (and 'labels'), or a folder of such shards.")]
+DatasetOpt = Annotated[Optional[str], typer.Option("--dataset", help="MODULE:CALLABLE returning a map-style torch Dataset (instead of --data).")]
+BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help="Samples per batch (train-mode results depend on it).")]
+NumSamplesOpt = Annotated[Optional[int], typer.Option("--num-samples", help="Use at most this many samples (default: all).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the shuffled sample order.")]
+NoShuffleOpt = Annotated[bool, typer.Option("--no-shuffle", help="Keep file order (a class-sorted folder then gives one-class batches).")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")]
+WorkersOpt = Annotated[int, typer.Option("--workers", help="DataLoader worker processes for reading and decoding.")]
+ImageSizeOpt = Annotated[Optional[int], typer.Option("--image-size", help="Images: resize the shorter side to N, then center-crop N x N.")]
+GrayscaleOpt = Annotated[bool, typer.Option("--grayscale", help="Images: one channel (default RGB).")]
+MeanOpt = Annotated[Optional[str], typer.Option("--mean", help="Images: per-channel mean to subtract, comma list (values in [0, 1] scale).")]
+StdOpt = Annotated[Optional[str], typer.Option("--std", help="Images: per-channel std to divide by, comma list.")]
+SkipBadOpt = Annotated[bool, typer.Option("--skip-bad", help="Images: count and skip unreadable files instead of stopping.")]
+
+
+def data_options(
+    data: str | None, dataset: str | None, batch_size: int, num_samples: int | None, seed: int, no_shuffle: bool,
+    workers: int, image_size: int | None, grayscale: bool, mean: str | None, std: str | None, skip_bad: bool,
+):
+    """The CLI's data options as a `bnaudit.data.DataOptions` (validated)."""
+    from bnaudit.data import DataOptions, parse_float_list
+
+    options = DataOptions(
+        path=data, dataset=dataset, batch_size=batch_size, num_samples=num_samples, seed=seed,
+        shuffle=not no_shuffle, workers=workers, image_size=image_size, grayscale=grayscale,
+        mean=parse_float_list(mean, "--mean"), std=parse_float_list(std, "--std"), skip_bad=skip_bad,
+    )
+    options.validate()
+    return options
+
+
+@contextlib.contextmanager
+def progress_bar(description: str, quiet: bool) -> Iterator[Optional[object]]:
+    """A rich progress bar on stderr, or None when quiet or stderr is not a terminal.
+
+    Yields a callback `update(done, total)`.
+    """
+    console = _console(stderr=True)
+    if quiet or not console.is_terminal:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+@app.command()
+def gap(
+    checkpoint: Annotated[str, typer.Argument(help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module.")],
+    data: DataOpt = None,
+    dataset: DatasetOpt = None,
+    arch: ArchOpt = None,
+    arch_kwargs: ArchKwargsOpt = None,
+    key: KeyOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    forward: ForwardOpt = None,
+    batch_size: BatchSizeOpt = 64,
+    num_samples: NumSamplesOpt = None,
+    seed: SeedOpt = 0,
+    no_shuffle: NoShuffleOpt = False,
+    device: DeviceOpt = "cpu",
+    workers: WorkersOpt = 0,
+    image_size: ImageSizeOpt = None,
+    grayscale: GrayscaleOpt = False,
+    mean: MeanOpt = None,
+    std: StdOpt = None,
+    skip_bad: SkipBadOpt = False,
+    max_gap: Annotated[Optional[float], typer.Option("--max-gap", help="Exit 1 when the gap (train-mode minus eval-mode accuracy, a fraction) exceeds this.")] = None,
+    output_format: Annotated[Format, typer.Option("--format", "-f", help="Report format.")] = Format.table,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no per-layer table.")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Measure the train-mode vs eval-mode gap on data and find the BN layer responsible."""
+    from bnaudit.config import load_config
+    from bnaudit.gap import run_gap
+    from bnaudit.report import gap_to_json, render_gap
+
+    json_output = output_format is Format.json
+    with user_errors(debug, json_output):
+        if max_gap is not None and not -1 <= max_gap <= 1:
+            raise BnauditError(f"--max-gap is a fraction of samples in [-1, 1], got {max_gap}")
+        options = data_options(data, dataset, batch_size, num_samples, seed, no_shuffle, workers,
+                               image_size, grayscale, mean, std, skip_bad)
+        # The inspect findings shown with the gap follow the project's configuration too.
+        config = load_config()
+        with progress_bar("gap", quiet or json_output) as update:
+            report = run_gap(checkpoint, options, arch=arch, arch_kwargs=arch_kwargs, key=key,
+                             trust_pickle=trust_pickle, forward=forward, device=device, config=config,
+                             progress=update)
+        code = report.exit_code(max_gap)
+    if json_output:
+        typer.echo(json.dumps(gap_to_json(report), indent=2, allow_nan=False))
+    else:
+        render_gap(report, _console(), quiet=quiet)
+    raise typer.Exit(code)
+
+
+# ----------------------------------------------------------------------------- recalibrate
+
+
+class Method(str, Enum):
+    exact = "exact"
+    sequential = "sequential"
+    cumulative = "cumulative"
+
+
+@app.command()
+def recalibrate(
+    checkpoint: Annotated[str, typer.Argument(help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Where to write the recalibrated checkpoint (same format as the input).")],
+    data: DataOpt = None,
+    dataset: DatasetOpt = None,
+    arch: ArchOpt = None,
+    arch_kwargs: ArchKwargsOpt = None,
+    key: KeyOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    forward: ForwardOpt = None,
+    method: Annotated[Method, typer.Option("--method", help="exact: population statistics in one pass; sequential: layer by layer, eval-mode self-consistent; cumulative: update_bn's average of batch statistics.")] = Method.exact,
+    layers: Annotated[Optional[list[str]], typer.Option("--layers", help="Recalibrate only BN layers matching this glob (repeatable).")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Leave BN layers matching this glob as they are (repeatable).")] = None,
+    eval_data: Annotated[Optional[str], typer.Option("--eval-data", help="Held-out data (same kinds as --data): the gap report of the old and the new checkpoint side by side.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --output if it exists.")] = False,
+    batch_size: BatchSizeOpt = 64,
+    num_samples: NumSamplesOpt = None,
+    seed: SeedOpt = 0,
+    no_shuffle: NoShuffleOpt = False,
+    device: DeviceOpt = "cpu",
+    amp: Annotated[bool, typer.Option("--amp", help="Autocast the forward to float16 on CUDA (statistics still accumulate in float64).")] = False,
+    workers: WorkersOpt = 0,
+    image_size: ImageSizeOpt = None,
+    grayscale: GrayscaleOpt = False,
+    mean: MeanOpt = None,
+    std: StdOpt = None,
+    skip_bad: SkipBadOpt = False,
+    output_format: Annotated[Format, typer.Option("--format", "-f", help="Report format.")] = Format.table,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no per-layer table.")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Re-estimate BatchNorm running statistics on data and write a new checkpoint safely."""
+    import dataclasses
+    import os
+    import signal
+
+    from bnaudit.recalibrate import run_recalibrate
+    from bnaudit.report import recalibrate_to_json, render_recalibrate
+
+    json_output = output_format is Format.json
+    rank = int(os.environ.get("RANK", "0"))
+
+    def warn(message: str) -> None:
+        typer.echo(f"bnaudit: warning: {message}", err=True)
+
+    def terminated(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt  # unwind like Ctrl-C: no temporary file stays behind
+
+    signal.signal(signal.SIGTERM, terminated)
+    with user_errors(debug, json_output and rank == 0):
+        options = data_options(data, dataset, batch_size, num_samples, seed, no_shuffle, workers,
+                               image_size, grayscale, mean, std, skip_bad)
+        held_out = None if eval_data is None else dataclasses.replace(options, path=eval_data, dataset=None)
+        with progress_bar(f"recalibrate ({method.value})", quiet or json_output or rank != 0) as update:
+            report = run_recalibrate(
+                checkpoint, output, options, method=method.value, arch=arch, arch_kwargs=arch_kwargs, key=key,
+                trust_pickle=trust_pickle, forward=forward, device=device, amp=amp, include=layers or (),
+                exclude=exclude or (), force=force, eval_data=held_out, progress=update, warn=warn)
+    if report is None:  # another rank than 0 under torchrun: rank 0 reports
+        raise typer.Exit(0)
+    for message in report.warnings:
+        warn(message)
+    if json_output:
+        typer.echo(json.dumps(recalibrate_to_json(report), indent=2, allow_nan=False))
+    else:
+        render_recalibrate(report, _console(), quiet=quiet)
+    raise typer.Exit(0)
 
 
 def main() -> None:

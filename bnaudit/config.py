@@ -1,9 +1,37 @@
-"""Thresholds and switches of an audit, with their defaults in one place."""
+"""Thresholds and switches of an audit: defaults, `[tool.bnaudit]` discovery, CLI overrides.
+
+Precedence, lowest first: the defaults of `Config`, the nearest configuration file, the
+command line. The configuration file is found as ruff finds its own, from the current
+directory upward; in each folder
+
+  bnaudit.toml     keys at the top level; wins when both files are in the same folder
+                   (a dedicated file is the more specific statement, as ruff.toml beats
+                   pyproject.toml)
+  pyproject.toml   keys under `[tool.bnaudit]`; a pyproject.toml without that table is
+                   passed over and the search goes on upward
+
+and the first folder holding either ends the search. `--config PATH` names a file
+instead (a file called pyproject.toml is read at `[tool.bnaudit]`, any other at the top
+level); `--isolated` reads none. Every key and value is checked: an unknown key or a bad
+value is a `BnauditError` that names the key and the file.
+"""
 from __future__ import annotations
 
+import difflib
+import math
+import os
+import tomllib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from bnaudit.errors import BnauditError
 
 SEVERITIES = ("info", "warning", "error")
+CONFIG_FILE = "bnaudit.toml"
+PYPROJECT = "pyproject.toml"
 
 
 def severity_rank(severity: str) -> int:
@@ -18,6 +46,10 @@ class Config:
     max_gain         BN004 is a warning when some such channel's eval gain >= max_gain
     max_init_weight  BN003 fires when (1 - momentum)^num_batches_tracked > max_init_weight
     eps, momentum    used where the file holds no modules (None: PyTorch's 1e-5, 0.1)
+    select, ignore   rule-code prefixes: run only the selected rules, minus the ignored
+    per_layer_ignores  layer-name glob -> rule-code prefixes not reported for those layers
+    exclude          file globs not audited (see `Config.excludes`)
+    source           the configuration file these settings came from (None: none)
     """
 
     fail_on: str = "warning"
@@ -30,6 +62,7 @@ class Config:
     ignore: tuple[str, ...] = ()
     per_layer_ignores: dict[str, tuple[str, ...]] = field(default_factory=dict)
     exclude: tuple[str, ...] = ()
+    source: str | None = field(default=None, compare=False)
 
     def as_dict(self) -> dict:
         return {
@@ -44,3 +77,257 @@ class Config:
             "per-layer-ignores": {k: list(v) for k, v in self.per_layer_ignores.items()},
             "exclude": list(self.exclude),
         }
+
+    @property
+    def root(self) -> str:
+        """The folder `exclude` globs are relative to: the configuration file's, else the cwd."""
+        return os.path.dirname(os.path.abspath(self.source)) if self.source else os.getcwd()
+
+    def excludes(self, path: str) -> bool:
+        """Whether `exclude` removes `path` from an audit.
+
+        A glob matches the path relative to `root` (`*` also crosses `/`, as in fnmatch),
+        and a glob without `/` also matches any single component of it, so `runs` or
+        `*.tmp.pt` exclude those names in every folder. Files named on the command line
+        are excluded too, so a pre-commit hook, which names every staged file, honours it.
+        """
+        if not self.exclude:
+            return False
+        absolute = os.path.abspath(path)
+        relative = os.path.relpath(absolute, self.root)
+        if relative == ".." or relative.startswith(".." + os.sep):
+            relative = absolute
+        posix = PurePosixPath(*Path(relative).parts).as_posix()
+        parts = posix.split("/")
+        for pattern in self.exclude:
+            if fnmatchcase(posix, pattern):
+                return True
+            if "/" not in pattern and any(fnmatchcase(part, pattern) for part in parts):
+                return True
+        return False
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+@dataclass(frozen=True)
+class Key:
+    """One configuration key: its TOML name, the Config field it sets, its parser.
+
+    `parse(value)` returns the field's value or raises ValueError with the problem;
+    `doc` is the one line the README's configuration reference shows.
+    """
+
+    name: str
+    field: str
+    parse: Callable[[Any], Any]
+    doc: str
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _positive(value: Any) -> float:
+    number = _number(value)
+    if number <= 0:
+        raise ValueError(f"expected a positive number, got {value!r}")
+    return number
+
+
+def _open_fraction(value: Any) -> float:
+    number = _number(value)
+    if not 0 < number < 1:
+        raise ValueError(f"expected a number between 0 and 1 (exclusive), got {value!r}")
+    return number
+
+
+def _momentum(value: Any) -> float:
+    number = _number(value)
+    if not 0 <= number <= 1:
+        raise ValueError(f"expected a number in [0, 1], got {value!r}")
+    return number
+
+
+def _severity(value: Any) -> str:
+    if value not in SEVERITIES:
+        raise ValueError(f"expected one of {', '.join(SEVERITIES[::-1])}, got {value!r}")
+    return value
+
+
+def _strings(value: Any, what: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a list of {what}, got {value!r}")
+    return tuple(value)
+
+
+def rule_codes(value: Any) -> tuple[str, ...]:
+    """A list of rule codes or code prefixes ("BN004", "BN00", "BN"), upper-cased.
+
+    A prefix must select at least one registered rule, so a typo cannot silently
+    select or ignore nothing.
+    """
+    from bnaudit.rules import RULES  # here: rules imports this module
+
+    codes = tuple(code.strip().upper() for code in _strings(value, "rule codes"))
+    for code in codes:
+        if not code or not any(known.startswith(code) for known in RULES):
+            raise ValueError(f"unknown rule code {code!r} (known: {', '.join(RULES)})")
+    return codes
+
+
+def _per_layer_ignores(value: Any) -> dict[str, tuple[str, ...]]:
+    if not isinstance(value, dict):
+        raise ValueError(f'expected a table of layer globs to rule codes, e.g. {{"backbone.*" = ["BN003"]}}, got {value!r}')
+    parsed: dict[str, tuple[str, ...]] = {}
+    for pattern, codes in value.items():
+        try:
+            parsed[pattern] = rule_codes(codes)
+        except ValueError as exc:
+            raise ValueError(f"{pattern!r}: {exc}") from None
+    return parsed
+
+
+def _globs(value: Any) -> tuple[str, ...]:
+    return _strings(value, "file globs")
+
+
+KEYS: dict[str, Key] = {k.name: k for k in (
+    Key("fail-on", "fail_on", _severity,
+        'exit 1 when a finding is at or above this severity: "error", "warning" or "info"'),
+    Key("near-eps-factor", "near_eps_factor", _positive,
+        "BN004: a channel is near-eps when running_var < near-eps-factor * eps"),
+    Key("max-gain", "max_gain", _positive,
+        "BN004: warning (not info) when a near-eps channel's eval gain |gamma|/sqrt(var+eps) reaches this"),
+    Key("max-init-weight", "max_init_weight", _open_fraction,
+        "BN003: fires when the initial values still weigh (1-momentum)^t above this fraction"),
+    Key("eps", "eps", _positive,
+        "BN eps where the file holds no modules (a state dict does not store it; default 1e-5)"),
+    Key("momentum", "momentum", _momentum,
+        "BN momentum where the file holds no modules (default 0.1; a Keras port: 0.01)"),
+    Key("select", "select", rule_codes,
+        'run only these rules (codes or prefixes, e.g. ["BN002", "BN005"]); empty: all'),
+    Key("ignore", "ignore", rule_codes,
+        "never report these rules"),
+    Key("per-layer-ignores", "per_layer_ignores", _per_layer_ignores,
+        'layer-name glob -> rules not reported for matching layers, e.g. {"backbone.*" = ["BN003"]}'),
+    Key("exclude", "exclude", _globs,
+        'file globs not audited, relative to the configuration file, e.g. ["runs/*", "*.tmp.pt"]'),
+)}
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise BnauditError(f"{path}: invalid TOML: {exc}") from None
+    except OSError as exc:
+        raise BnauditError(f"{path}: cannot read configuration: {exc.strerror or exc}") from None
+
+
+def _tool_table(path: Path, document: dict) -> dict | None:
+    table = document.get("tool", {}).get("bnaudit") if isinstance(document.get("tool"), dict) else None
+    if table is not None and not isinstance(table, dict):
+        raise BnauditError(f"{path}: [tool.bnaudit] must be a table")
+    return table
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """The raw key table of one configuration file (see the module docstring)."""
+    path = Path(path)
+    document = _read_toml(path)
+    if path.name == PYPROJECT:
+        table = _tool_table(path, document)
+        if table is None:
+            raise BnauditError(f"{path}: no [tool.bnaudit] table")
+        return table
+    return document
+
+
+def find_config_file(start: str | os.PathLike | None = None) -> tuple[Path, dict] | None:
+    """The nearest bnaudit.toml, or pyproject.toml with [tool.bnaudit], from `start` (default:
+    the current directory) upward, with its raw key table; None when there is none."""
+    folder = Path(start if start is not None else os.getcwd()).resolve()
+    for directory in (folder, *folder.parents):
+        dedicated = directory / CONFIG_FILE
+        if dedicated.is_file():
+            return dedicated, read_config_file(dedicated)
+        pyproject = directory / PYPROJECT
+        if pyproject.is_file():
+            table = _tool_table(pyproject, _read_toml(pyproject))
+            if table is not None:
+                return pyproject, table
+    return None
+
+
+def _where(path: Path) -> str:
+    return f"{path} [tool.bnaudit]" if path.name == PYPROJECT else str(path)
+
+
+def parse_table(table: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Check every key and value of a configuration table; Config field -> value."""
+    values: dict[str, Any] = {}
+    for name, value in table.items():
+        key = KEYS.get(name)
+        if key is None:
+            raise BnauditError(f"{where}: unknown key {name!r}{_suggestion(name)} (keys: {', '.join(KEYS)})")
+        try:
+            values[key.field] = key.parse(value)
+        except ValueError as exc:
+            raise BnauditError(f"{where}: {name}: {exc}") from None
+    return values
+
+
+def _suggestion(name: str) -> str:
+    if name == "tool":
+        return " (bnaudit.toml holds the keys at its top level, without [tool.bnaudit])"
+    close = difflib.get_close_matches(name.replace("_", "-"), KEYS, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def load_config(
+    overrides: Mapping[str, Any] | None = None,
+    config_file: str | os.PathLike | None = None,
+    start: str | os.PathLike | None = None,
+    isolated: bool = False,
+) -> Config:
+    """The effective Config: defaults < configuration file < `overrides` (the command line).
+
+    `overrides` maps option names ("--fail-on", "--select", ...; the TOML key with two
+    dashes) to values, None meaning not given. `select` and `ignore` combine as in ruff:
+    a command-line select replaces the file's select and ignore; a command-line ignore
+    adds to the file's ignore.
+    """
+    found: tuple[Path, dict] | None = None
+    if config_file is not None:
+        if not Path(config_file).is_file():
+            raise BnauditError(f"{config_file}: configuration file not found")
+        found = Path(config_file), read_config_file(config_file)
+    elif not isolated:
+        found = find_config_file(start)
+    source = found[0] if found else None
+    values = parse_table(found[1], _where(found[0])) if found else {}
+
+    given = {option.removeprefix("--"): value for option, value in (overrides or {}).items() if value is not None}
+    cli = {}
+    for name, value in given.items():
+        if name not in KEYS:
+            raise ValueError(f"not a configuration option: --{name}")  # a bug in the caller
+        try:
+            cli[KEYS[name].field] = KEYS[name].parse(value)
+        except ValueError as exc:
+            raise BnauditError(f"--{name}: {exc}") from None
+    if "select" in cli:
+        values["ignore"] = ()
+    if "ignore" in cli:
+        cli["ignore"] = values.get("ignore", ()) + cli["ignore"]
+    values.update(cli)
+    return Config(**values, source=str(source) if source is not None else None)

@@ -59,6 +59,36 @@ class IncompleteGroup:
 
 
 @dataclass(frozen=True)
+class ModuleFacts:
+    """What the model's modules say that a state dict cannot.
+
+    Available when a module is: `--arch`, a TorchScript archive, a pickled nn.Module.
+
+    norms        every normalisation module that holds or could hold running statistics
+                 (its class, eps, momentum, track_running_stats), by state-dict prefix
+    batch_norms  the names among `norms` that normalise over the batch (BatchNorm*d,
+                 SyncBatchNorm, ...), as opposed to InstanceNorm
+    missing      state keys of the model absent from the checkpoint
+    unexpected   checkpoint keys the model does not have
+    mismatched   (key, checkpoint shape, model shape) where both hold a key with different shapes
+    """
+
+    norms: dict[str, ModuleInfo]
+    batch_norms: frozenset[str] = frozenset()
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    mismatched: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
+
+
+def facts_from_module_infos(modules: dict[str, ModuleInfo]) -> ModuleFacts:
+    """ModuleFacts of a file that holds its own modules (nothing can be missing)."""
+    return ModuleFacts(
+        norms=dict(modules),
+        batch_norms=frozenset(n for n, info in modules.items() if "BatchNorm" in info.class_name),
+    )
+
+
+@dataclass(frozen=True)
 class Discovery:
     layers: list[BNLayer]
     incomplete: list[IncompleteGroup]

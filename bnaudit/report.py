@@ -216,23 +216,24 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
 
     for file in report.files:
         if file.error:
-            console.print(Text(f"{file.path}: error: {file.error}", style="bold red"))
+            console.print(Text(f"{file.path}: error: {file.error}", style="bold red"), soft_wrap=True)
             continue
-        if not quiet:
-            title = Text(file.path, style="bold")
-            where = f"{file.format}" + (f", key '{file.key}'" if file.key else "")
-            if file.prefix:
-                where += f", prefix '{file.prefix}' stripped"
-            title.append(f"  ({where})", style="dim")
-            console.print(title)
-            if file.other_keys:
-                console.print(Text(f"  other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))
-            if file.settings:
-                console.print(Text(f"  {file.settings}", style="dim"))
-            if file.layers:
-                console.print(_layer_table(file, console))
-            else:
-                console.print(Text("  no BatchNorm layers found", style="dim"))
+        if quiet:
+            continue
+        title = Text(file.path, style="bold")
+        where = f"{file.format}" + (f", key '{file.key}'" if file.key else "")
+        if file.prefix:
+            where += f", prefix '{file.prefix}' stripped"
+        title.append(f"  ({where})", style="dim")
+        console.print(title)
+        if file.other_keys:
+            console.print(Text(f"  other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))
+        if file.settings:
+            console.print(Text(f"  {file.settings}", style="dim"))
+        if file.layers:
+            console.print(_layer_table(file, console))
+        else:
+            console.print(Text("  no BatchNorm layers found", style="dim"))
         if file.findings:
             findings = Table(show_edge=False, pad_edge=False, header_style="bold")
             for col in ("code", "severity", "layer", "message"):
@@ -240,15 +241,261 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
             for f in file.findings:
                 findings.add_row(f"{f.code} {f.name}", Text(f.severity, style=SEVERITY_STYLE[f.severity]),
                                  f.layer or "-", f.message)
-            if quiet:
-                console.print(Text(file.path, style="bold"))
             console.print(findings)
-        if not quiet:
-            console.print()
+        console.print()
     s = report.summary()
     line = (f"{s['files']} file(s), {s['layers']} BN layer(s): {s['errors']} error(s), "
             f"{s['warnings']} warning(s), {s['infos']} info(s)")
     if s["unreadable"]:
         line += f", {s['unreadable']} unreadable file(s)"
     worst = "error" if s["errors"] or s["unreadable"] else "warning" if s["warnings"] else "ok"
-    console.print(Text(line, style=SEVERITY_STYLE[worst]))
+    console.print(Text(line, style=SEVERITY_STYLE[worst]), soft_wrap=True)
+
+
+# ----------------------------------------------------------------------------- gap
+
+# The gap report itself (`GapReport`, `LayerDrift`) lives in bnaudit.gap with the
+# definitions of every number; these functions only render it.
+
+
+def gap_to_json(report: Any) -> dict:
+    """The `bnaudit gap --format json` document (accuracies as fractions, null without labels)."""
+    return {
+        "version": __version__,
+        "checkpoint": report.checkpoint,
+        "model": report.model,
+        "data": report.data,
+        "samples": report.samples,
+        "batch_size": report.batch_size,
+        "batches": report.batches,
+        "seed": report.seed,
+        "shuffle": report.shuffle,
+        "device": report.device,
+        "skipped": report.skipped,
+        "train_mode": {"accuracy": json_number(report.train_accuracy),
+                       "non_finite_outputs": report.non_finite.get("train_mode", 0)},
+        "eval_mode": {"accuracy": json_number(report.eval_accuracy),
+                      "non_finite_outputs": report.non_finite.get("eval_mode", 0)},
+        "gap": json_number(report.gap),
+        "agreement": json_number(report.agreement),
+        "divergence": json_number(report.divergence),
+        "divergence_kind": report.divergence_kind,
+        "layers": [{
+            "name": d.name,
+            "position": d.position,
+            "kind": d.kind,
+            "channels": d.channels,
+            "values": d.values,
+            "mean_shift": json_number(d.mean_shift),
+            "max_mean_shift": json_number(d.max_mean_shift),
+            "var_log_ratio": json_number(d.var_log_ratio),
+            "drift": json_number(d.drift),
+            "note": d.note,
+        } for d in report.layers],
+        "findings": [finding_to_json(f) for f in report.findings],
+        "diagnosis": list(report.diagnosis),
+    }
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.1f}%"
+
+
+def _f2(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
+
+
+def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
+    """Rich rendering: header, the two modes, per-layer drift (worst first), findings, diagnosis."""
+    from rich.table import Table
+    from rich.text import Text
+
+    title = Text(report.checkpoint, style="bold")
+    title.append(f"  ({report.model})", style="dim")
+    console.print(title)
+    console.print(Text(f"data: {report.data}", style="dim"))
+    order = f"shuffled with seed {report.seed}" if report.shuffle else "file order, --no-shuffle"
+    skipped = f", {report.skipped} unreadable image(s) skipped" if report.skipped else ""
+    console.print(f"{report.samples} samples in {report.batches} batches of {report.batch_size} "
+                  f"({order}), device {report.device}{skipped}")
+    console.print()
+
+    modes = Table(show_edge=False, pad_edge=False, header_style="bold")
+    modes.add_column("mode")
+    modes.add_column("BatchNorm normalises with")
+    modes.add_column("accuracy", justify="right")
+    modes.add_row("train", "batch statistics", _percent(report.train_accuracy))
+    modes.add_row("eval", "running statistics", _percent(report.eval_accuracy))
+    console.print(modes)
+    parts = []
+    if report.gap is not None:
+        style = "bold red" if report.gap > 0.01 else "green"
+        parts.append(Text(f"gap {report.gap * 100:+.1f} points", style=style))
+    if report.agreement is not None:
+        parts.append(Text(f"agreement {_percent(report.agreement)}"))
+    if report.divergence is not None:
+        kind = "KL(eval || train)" if report.divergence_kind == "kl" else "relative L2"
+        parts.append(Text(f"divergence {report.divergence:.4g} ({kind})"))
+    if parts:
+        console.print(Text("  ·  ").join(parts))
+    console.print()
+
+    if report.layers and not quiet:
+        table = Table(title="per-layer drift: eval-mode inputs against running statistics, worst first",
+                      title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
+                      header_style="bold")
+        for col, justify in (("layer", "left"), ("#", "right"), ("kind", "left"), ("C", "right"),
+                             ("mean shift", "right"), ("max shift", "right"), ("var log-ratio", "right"),
+                             ("drift", "right")):
+            table.add_column(col, justify=justify, overflow="fold")
+        worst = report.layers[0] if report.layers and report.layers[0].drift is not None else None
+        for d in report.layers:
+            if d.drift is None:
+                style = "dim"
+            elif d is worst and d.large:
+                style = "bold red"
+            elif d.large:
+                style = "yellow"
+            else:
+                style = ""
+            table.add_row(d.name, str(d.position + 1), d.kind, str(d.channels), _f2(d.mean_shift),
+                          _f2(d.max_mean_shift), _f2(d.var_log_ratio),
+                          _f2(d.drift) if d.drift is not None else (d.note or "-"), style=style)
+        console.print(table)
+        console.print()
+
+    if report.findings:
+        findings = Table(title="inspect findings for this checkpoint", title_justify="left", title_style="bold",
+                         show_edge=False, pad_edge=False, header_style="bold")
+        for col in ("code", "severity", "layer", "message"):
+            findings.add_column(col, overflow="fold")
+        for f in report.findings:
+            findings.add_row(f"{f.code} {f.name}", Text(f.severity, style=SEVERITY_STYLE[f.severity]),
+                             f.layer or "-", f.message)
+        console.print(findings)
+        console.print()
+
+    console.print(Text("diagnosis", style="bold"))
+    # A grid keeps wrapped lines indented under their bullet.
+    bullets = Table.grid(padding=(0, 1))
+    bullets.add_column(width=3, justify="right")
+    bullets.add_column()
+    for line in report.diagnosis:
+        bullets.add_row("-", Text(line))
+    console.print(bullets)
+
+
+# ----------------------------------------------------------------------------- recalibrate
+
+# The records (`RecalibrationReport`, `LayerChange`, `Drift`) live in bnaudit.recalibrate
+# with the definitions of every number; these functions only render them.
+
+
+def _drift_to_json(d: Any) -> dict:
+    return {"mean_shift": json_number(d.mean_shift), "max_mean_shift": json_number(d.max_mean_shift),
+            "var_log_ratio": json_number(d.var_log_ratio)}
+
+
+def recalibrate_to_json(report: Any) -> dict:
+    """The `bnaudit recalibrate --format json` document."""
+    evaluation = None
+    if report.eval_before is not None and report.eval_after is not None:
+        evaluation = {"before": gap_to_json(report.eval_before), "after": gap_to_json(report.eval_after)}
+    return {
+        "version": __version__,
+        "input": report.input,
+        "output": report.output,
+        "format": report.format,
+        "key": report.key,
+        "model": report.model,
+        "data": report.data,
+        "method": report.method,
+        "samples": report.samples,
+        "batches": report.batches,
+        "batch_size": report.batch_size,
+        "seed": report.seed,
+        "shuffle": report.shuffle,
+        "device": report.device,
+        "world_size": report.world_size,
+        "layers": [{
+            "name": c.name,
+            "channels": c.channels,
+            "values": c.values,
+            "batches": c.batches,
+            "before": _drift_to_json(c.before),
+            "after": _drift_to_json(c.after),
+        } for c in report.layers],
+        "skipped": [{"name": s.name, "reason": s.reason} for s in report.skipped],
+        "warnings": list(report.warnings),
+        "provenance": dict(report.provenance),
+        "eval": evaluation,
+    }
+
+
+def _arrow(before: float | None, after: float | None) -> Any:
+    from rich.text import Text
+
+    text = Text(_f2(before), style="yellow" if before is not None and before >= 0.5 else "")
+    text.append(" -> ", style="dim")
+    text.append(_f2(after), style="yellow" if after is not None and after >= 0.5 else "green")
+    return text
+
+
+def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
+    """Rich rendering: what was written, the per-layer before/after drift, skipped
+    layers, and with --eval-data the two gap reports side by side."""
+    from rich.table import Table
+    from rich.text import Text
+
+    title = Text(report.input, style="bold")
+    title.append(" -> ", style="dim")
+    title.append(report.output, style="bold green")
+    title.append(f"  ({report.format}" + (f", key '{report.key}'" if report.key else "") + ")", style="dim")
+    console.print(title)
+    console.print(Text(f"model: {report.model}", style="dim"))
+    console.print(Text(f"data: {report.data}", style="dim"))
+    order = f"shuffled with seed {report.seed}" if report.shuffle else "file order (--no-shuffle)"
+    ranks = f" on {report.world_size} ranks" if report.world_size > 1 else ""
+    console.print(f"method {report.method}: {report.samples} samples in {report.batches} batches of "
+                  f"{report.batch_size} ({order}), device {report.device}{ranks}")
+    console.print()
+
+    if not quiet:
+        table = Table(title="per-layer drift against the calibration data: old -> new statistics",
+                      title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
+                      header_style="bold")
+        for col, justify in (("layer", "left"), ("C", "right"), ("values/ch", "right"),
+                             ("mean shift", "right"), ("max shift", "right"), ("var log-ratio", "right")):
+            table.add_column(col, justify=justify, overflow="fold")
+        for c in report.layers:
+            table.add_row(c.name, str(c.channels), str(c.values),
+                          _arrow(c.before.mean_shift, c.after.mean_shift),
+                          _arrow(c.before.max_mean_shift, c.after.max_mean_shift),
+                          _arrow(c.before.var_log_ratio, c.after.var_log_ratio))
+        console.print(table)
+        console.print()
+    if report.skipped:
+        console.print(Text(f"{len(report.skipped)} layer(s) kept their statistics:", style="bold"))
+        for s in report.skipped:
+            console.print(Text(f"  {s.name}: {s.reason}", style="dim"))
+        console.print()
+
+    before, after = report.eval_before, report.eval_after
+    if before is not None and after is not None:
+        console.print(Text(f"held-out data: {after.data}", style="dim"))
+        table = Table(title="gap on the held-out data: old -> new checkpoint",
+                      title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
+                      header_style="bold")
+        for col, justify in (("", "left"), ("old", "right"), ("new", "right")):
+            table.add_column(col, justify=justify)
+        table.add_row("eval-mode accuracy", _percent(before.eval_accuracy), _percent(after.eval_accuracy))
+        table.add_row("train-mode accuracy", _percent(before.train_accuracy), _percent(after.train_accuracy))
+        table.add_row("gap (points)", "-" if before.gap is None else f"{before.gap * 100:+.1f}",
+                      "-" if after.gap is None else f"{after.gap * 100:+.1f}")
+        table.add_row("agreement", _percent(before.agreement), _percent(after.agreement))
+        kind = "KL(eval || train)" if after.divergence_kind == "kl" else "relative L2"
+        table.add_row(f"divergence ({kind})", "-" if before.divergence is None else f"{before.divergence:.3g}",
+                      "-" if after.divergence is None else f"{after.divergence:.3g}")
+        console.print(table)
+        console.print()
+    console.print(Text(f"wrote {report.output}: {len(report.layers)} layer(s) recalibrated", style="green"))

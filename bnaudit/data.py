@@ -1,0 +1,675 @@
+"""Datasets for gap and recalibrate: image folders, tensor files, custom datasets -> batches.
+
+`--data PATH` is one of
+  an ImageFolder     one subfolder per class (class index = sorted subfolder order), PNG, JPEG,
+                     BMP or WebP read with Pillow, values scaled to [0, 1]; `--image-size N`
+                     resizes the shorter side to N and center-crops N x N, `--grayscale` gives
+                     one channel (default RGB), `--mean`/`--std` normalise (x - mean) / std
+  a tensor file      `.safetensors`, or `.pt` loaded with weights_only, holding `inputs`
+                     (N, ...) and optionally `labels` (N,) integer class indices
+  a folder of shards such tensor files, concatenated in sorted name order
+or `--dataset MODULE:CALLABLE` returns a map-style torch Dataset.
+
+Items are `input` or `(input, label)` where the label is an int (or 0-d integer tensor);
+a dict item's "label" / "labels" entry is the label and the rest is the input. An input is
+a tensor, a tuple of tensors (the model's positional arguments) or a dict (keyword
+arguments). Samples are drawn in an order shuffled by `--seed` (or file order with
+`--no-shuffle`), capped by `--num-samples`, cut into batches of `--batch-size`; a last
+batch of one sample joins the previous batch (training-mode BatchNorm cannot normalise
+one sample of a (N, C) input). Loading runs in `--workers` DataLoader processes.
+
+Every problem with the data ends in a `BnauditError` naming the file or the batch. Errors
+found in worker processes travel back as marker objects, never as exceptions, so the
+message stays one line.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from bnaudit.errors import BnauditError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
+LABEL_KEYS = ("label", "labels")
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """How to read and batch the data (the CLI's data options, with their defaults)."""
+
+    path: str | None = None
+    dataset: str | None = None
+    batch_size: int = 64
+    num_samples: int | None = None
+    seed: int = 0
+    shuffle: bool = True
+    workers: int = 0
+    image_size: int | None = None
+    grayscale: bool = False
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    skip_bad: bool = False
+    pin_memory: bool = False
+
+    def validate(self) -> None:
+        if (self.path is None) == (self.dataset is None):
+            raise BnauditError("give exactly one of --data PATH and --dataset MODULE:CALLABLE")
+        if self.batch_size < 1:
+            raise BnauditError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if self.num_samples is not None and self.num_samples < 1:
+            raise BnauditError(f"--num-samples must be at least 1, got {self.num_samples}")
+        if self.workers < 0:
+            raise BnauditError(f"--workers must be 0 or more, got {self.workers}")
+        if self.image_size is not None and self.image_size < 1:
+            raise BnauditError(f"--image-size must be at least 1, got {self.image_size}")
+        if self.std is not None and any(s == 0 or not math.isfinite(s) for s in self.std):
+            raise BnauditError("--std values must be finite and non-zero")
+        if self.mean is not None and any(not math.isfinite(m) for m in self.mean):
+            raise BnauditError("--mean values must be finite")
+
+
+def parse_float_list(text: str | None, option: str) -> tuple[float, ...] | None:
+    """'0.485,0.456,0.406' -> (0.485, 0.456, 0.406)."""
+    if text is None:
+        return None
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise BnauditError(f"{option} must be a comma-separated list of numbers, got '{text}'") from None
+    return values
+
+
+# ----------------------------------------------------------------------------- items
+
+
+@dataclass(frozen=True)
+class _BadItem:
+    """An item that could not be read; crosses worker processes as data."""
+
+    message: str
+    skippable: bool = False
+
+
+@dataclass(frozen=True)
+class _Item:
+    input: Any
+    label: Any
+    origin: str
+
+
+def _is_label(value: Any) -> bool:
+    import torch
+
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, np.integer)):
+        return True
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point \
+        and not value.dtype.is_complex and value.dtype != torch.bool
+
+
+def split_item(item: Any) -> tuple[Any, Any]:
+    """(input, label or None) of one dataset item (see the module docstring)."""
+    if isinstance(item, (tuple, list)) and len(item) == 2 and _is_label(item[1]):
+        return item[0], item[1]
+    if isinstance(item, Mapping):
+        keys = [k for k in LABEL_KEYS if k in item]
+        if keys:
+            return {k: v for k, v in item.items() if k not in LABEL_KEYS}, item[keys[0]]
+    return item, None
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+class _Source:
+    """A map-style dataset whose `load(i)` returns (input, label or None)."""
+
+    kind = "?"
+    description = "?"
+    has_labels: bool | None = None
+    is_images = False
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def load(self, index: int) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def origin(self, index: int) -> str:
+        return f"item {index}"
+
+
+class ImageFolderSource(_Source):
+    kind = "image-folder"
+    is_images = True
+
+    def __init__(self, root: str, options: DataOptions) -> None:
+        self.root = root
+        self.classes = sorted(
+            d for d in os.listdir(root) if not d.startswith(".") and os.path.isdir(os.path.join(root, d))
+        )
+        self.files: list[tuple[str, int]] = []
+        for index, name in enumerate(self.classes):
+            for folder, dirs, files in os.walk(os.path.join(root, name), followlinks=True):
+                dirs.sort()
+                self.files += [
+                    (os.path.join(folder, f), index) for f in sorted(files) if f.lower().endswith(IMAGE_SUFFIXES)
+                ]
+        if not self.files:
+            raise BnauditError(
+                f"{root}: no images ({' '.join(IMAGE_SUFFIXES)}) in its {len(self.classes)} class folder(s)"
+            )
+        channels = 1 if options.grayscale else 3
+        for option, values in (("--mean", options.mean), ("--std", options.std)):
+            if values is not None and len(values) not in (1, channels):
+                raise BnauditError(
+                    f"{option} has {len(values)} values, the images have {channels} channel(s)"
+                    + ("" if options.grayscale else " (RGB; --grayscale gives 1)")
+                )
+        self.image_size = options.image_size
+        self.grayscale = options.grayscale
+        self.mean = None if options.mean is None else np.asarray(options.mean, dtype=np.float32)
+        self.std = None if options.std is None else np.asarray(options.std, dtype=np.float32)
+        self.has_labels = True
+        self.description = f"{root} (image folder: {len(self.files)} images, {len(self.classes)} classes)"
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def origin(self, index: int) -> str:
+        return self.files[index][0]
+
+    def load(self, index: int) -> tuple[Any, Any]:
+        import torch
+        from PIL import Image
+
+        path, label = self.files[index]
+        with Image.open(path) as image:
+            image = image.convert("L" if self.grayscale else "RGB")
+            if self.image_size is not None:
+                image = resize_center_crop(image, self.image_size)
+            array = np.asarray(image, dtype=np.float32) / 255.0
+        array = array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
+        if self.mean is not None:
+            array = array - self.mean.reshape(-1, 1, 1)
+        if self.std is not None:
+            array = array / self.std.reshape(-1, 1, 1)
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)), label
+
+
+def resize_center_crop(image: Any, size: int) -> Any:
+    """Resize so the shorter side is `size` (bilinear), then crop the central size x size."""
+    from PIL import Image
+
+    width, height = image.size
+    scale = size / min(width, height)
+    new_w, new_h = max(size, round(width * scale)), max(size, round(height * scale))
+    if (new_w, new_h) != (width, height):
+        image = image.resize((new_w, new_h), Image.BILINEAR)
+    left, top = (new_w - size) // 2, (new_h - size) // 2
+    return image.crop((left, top, left + size, top + size))
+
+
+@dataclass
+class _Shard:
+    path: str
+    inputs: Any  # numpy memmap or torch tensor, indexed by sample
+    labels: Any  # numpy array or torch tensor, or None
+    length: int
+
+
+class TensorSource(_Source):
+    """One tensor file or a folder of shards, concatenated in sorted order."""
+
+    def __init__(self, paths: list[str], description: str, kind: str) -> None:
+        self.kind = kind
+        self.shards = [_open_shard(p) for p in paths]
+        first = self.shards[0]
+        sample_shape = tuple(first.inputs.shape[1:])
+        for shard in self.shards[1:]:
+            if tuple(shard.inputs.shape[1:]) != sample_shape:
+                raise BnauditError(
+                    f"{shard.path}: inputs of shape {list(shard.inputs.shape[1:])} per sample, but "
+                    f"{first.path} has {list(sample_shape)}"
+                )
+            if (shard.labels is None) != (first.labels is None):
+                with_labels = shard.path if shard.labels is not None else first.path
+                without = first.path if shard.labels is not None else shard.path
+                raise BnauditError(f"{without}: has no labels, but {with_labels} has: all shards or none")
+        self.starts = [0]
+        for shard in self.shards:
+            self.starts.append(self.starts[-1] + shard.length)
+        self.has_labels = first.labels is not None
+        self.description = f"{description} ({self.starts[-1]} samples, inputs {list(sample_shape)} per sample" + (
+            ", labelled)" if self.has_labels else ", no labels)"
+        )
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def _locate(self, index: int) -> tuple[_Shard, int]:
+        k = bisect.bisect_right(self.starts, index) - 1
+        return self.shards[k], index - self.starts[k]
+
+    def origin(self, index: int) -> str:
+        shard, local = self._locate(index)
+        return f"{shard.path}[{local}]"
+
+    def load(self, index: int) -> tuple[Any, Any]:
+        import torch
+
+        shard, local = self._locate(index)
+        value = shard.inputs[local]
+        sample = torch.from_numpy(np.array(value)) if isinstance(value, np.ndarray) else value.clone()
+        label = None if shard.labels is None else int(shard.labels[local])
+        return sample, label
+
+
+def _open_shard(path: str) -> _Shard:
+    from bnaudit.checkpoint import sniff_format
+
+    fmt = sniff_format(path)
+    if fmt == "safetensors":
+        tensors = _open_safetensors(path)
+    elif fmt in ("torch-zip", "torch-legacy"):
+        tensors = _open_torch_tensors(path, fmt)
+    else:
+        raise BnauditError(f"{path}: a TorchScript archive, not a tensor file with 'inputs'")
+    if "inputs" not in tensors:
+        found = ", ".join(repr(k) for k in list(tensors)[:8]) or "nothing"
+        raise BnauditError(f"{path}: holds no 'inputs' tensor (found {found})")
+    inputs, labels = tensors["inputs"], tensors.get("labels")
+    if len(inputs.shape) < 1 or inputs.shape[0] == 0:
+        raise BnauditError(f"{path}: 'inputs' holds no samples (shape {list(inputs.shape)})")
+    if labels is not None:
+        if len(labels.shape) != 1:
+            raise BnauditError(f"{path}: 'labels' must be one class index per sample, got shape {list(labels.shape)}")
+        if not _integer_dtype(labels.dtype):
+            raise BnauditError(f"{path}: 'labels' must hold integer class indices, got {labels.dtype}")
+        if labels.shape[0] != inputs.shape[0]:
+            raise BnauditError(
+                f"{path}: 'inputs' has {inputs.shape[0]} samples but 'labels' has {labels.shape[0]}"
+            )
+    return _Shard(path, inputs, labels, int(inputs.shape[0]))
+
+
+def _integer_dtype(dtype: Any) -> bool:
+    text = str(dtype).removeprefix("torch.")
+    return text.startswith(("int", "uint"))
+
+
+def _open_safetensors(path: str) -> dict[str, Any]:
+    """Memory-mapped views of a safetensors file's tensors (validated by our reader)."""
+    from bnaudit.checkpoint import read_safetensors
+
+    refs, _ = read_safetensors(path)  # validates every header claim against the file
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    out: dict[str, Any] = {}
+    for name, ref in refs.items():
+        begin = header[name]["data_offsets"][0]
+        if ref.dtype in ("bfloat16",) or ref.dtype.startswith("float8"):
+            out[name] = _torch_from_ref(ref)
+        elif math.prod(ref.shape) == 0:
+            out[name] = np.zeros(ref.shape, dtype=ref.dtype)
+        else:
+            out[name] = np.memmap(path, dtype=np.dtype(ref.dtype).newbyteorder("<"), mode="r",
+                                  offset=8 + n + begin, shape=ref.shape)
+    return out
+
+
+def _torch_from_ref(ref: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(np.array(ref.read(), copy=True))
+
+
+def _open_torch_tensors(path: str, fmt: str) -> dict[str, Any]:
+    import torch
+
+    from bnaudit.checkpoint import load_torch_object
+
+    obj = load_torch_object(path, trust_pickle=False, mmap=fmt == "torch-zip")
+    if not isinstance(obj, Mapping):
+        raise BnauditError(f"{path}: holds a {type(obj).__name__}, not a dict with 'inputs' (and 'labels')")
+    return {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+
+
+class CustomSource(_Source):
+    kind = "dataset"
+
+    def __init__(self, spec: str) -> None:
+        from bnaudit.models import import_callable
+
+        factory = import_callable(spec, "--dataset")
+        try:
+            dataset = factory()
+        except Exception as exc:
+            raise BnauditError(f"--dataset {spec}: calling it failed: {type(exc).__name__}: {exc}") from None
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise BnauditError(
+                f"--dataset {spec} returned {type(dataset).__name__}: need a map-style Dataset "
+                "(with __len__ and __getitem__)"
+            )
+        self.dataset = dataset
+        self.spec = spec
+        try:
+            n = len(dataset)
+        except Exception as exc:
+            raise BnauditError(f"--dataset {spec}: len() failed: {type(exc).__name__}: {exc}") from None
+        if n == 0:
+            raise BnauditError(f"--dataset {spec}: the dataset is empty")
+        self.length = n
+        try:
+            _, label = split_item(dataset[0])
+        except Exception as exc:
+            raise BnauditError(f"--dataset {spec}: reading item 0 failed: {type(exc).__name__}: {exc}") from None
+        self.has_labels = label is not None
+        self.description = f"--dataset {spec} ({n} samples" + (", labelled)" if self.has_labels else ", no labels)")
+
+    def __len__(self) -> int:
+        return self.length
+
+    def load(self, index: int) -> tuple[Any, Any]:
+        return split_item(self.dataset[index])
+
+
+def open_source(options: DataOptions) -> _Source:
+    """The dataset that `--data` / `--dataset` names (validated, nothing decoded yet)."""
+    options.validate()
+    if options.dataset is not None:
+        source: _Source = CustomSource(options.dataset)
+    else:
+        path = options.path
+        assert path is not None
+        if not os.path.exists(path):
+            raise BnauditError(f"{path}: no such file or folder")
+        if os.path.isdir(path):
+            source = _open_folder(path, options)
+        else:
+            source = TensorSource([path], path, "tensor-file")
+    if not source.is_images and (
+        options.image_size is not None or options.grayscale or options.mean is not None or options.std is not None
+    ):
+        raise BnauditError("--image-size, --grayscale, --mean and --std apply to image folders only")
+    return source
+
+
+def _open_folder(path: str, options: DataOptions) -> _Source:
+    try:
+        entries = sorted(e for e in os.listdir(path) if not e.startswith("."))
+    except PermissionError:
+        raise BnauditError(f"{path}: permission denied") from None
+    if not entries:
+        raise BnauditError(f"{path}: empty folder")
+    subfolders = [e for e in entries if os.path.isdir(os.path.join(path, e))]
+    shards = [os.path.join(path, e) for e in entries
+              if e.lower().endswith(TENSOR_SUFFIXES) and os.path.isfile(os.path.join(path, e))]
+    if subfolders:
+        return ImageFolderSource(path, options)
+    if shards:
+        return TensorSource(shards, f"{path} ({len(shards)} shards)" if len(shards) > 1 else path, "tensor-shards")
+    if any(e.lower().endswith(IMAGE_SUFFIXES) for e in entries):
+        raise BnauditError(
+            f"{path}: images must lie in one subfolder per class (ImageFolder layout: {path}/<class>/*.png)"
+        )
+    raise BnauditError(
+        f"{path}: no class subfolders with images and no tensor files ({' '.join(TENSOR_SUFFIXES)})"
+    )
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+def batch_indices(
+    n: int, batch_size: int, num_samples: int | None = None, shuffle: bool = True, seed: int = 0
+) -> list[list[int]]:
+    """Sample indices per batch: a permutation fixed by `seed` (or 0..n-1), capped at
+    `num_samples`, cut into batches; a last batch of one sample joins the previous one."""
+    import torch
+
+    if shuffle:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    else:
+        order = list(range(n))
+    if num_samples is not None:
+        order = order[:num_samples]
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    if len(batches) >= 2 and len(batches[-1]) == 1:
+        last = batches.pop()
+        batches[-1].extend(last)
+    return batches
+
+
+@dataclass
+class Batch:
+    """One batch: `inputs` (tensor, tuple or dict, collated), `labels` (int64 tensor or
+    None), `size` samples, `origins` naming each sample (file, shard[index] or item i)."""
+
+    index: int
+    inputs: Any
+    labels: Any
+    size: int
+    origins: list[str] = field(default_factory=list)
+    skipped: int = 0
+
+
+@dataclass(frozen=True)
+class _BadBatch:
+    message: str
+
+
+class _ItemDataset:
+    """Wraps a source so that every failure becomes a _BadItem (data, not an exception)."""
+
+    def __init__(self, source: _Source) -> None:
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> _Item | _BadItem:
+        origin = self.source.origin(index)
+        try:
+            value, label = self.source.load(index)
+        except BnauditError as exc:
+            return _BadItem(str(exc), skippable=self.source.is_images)
+        except Exception as exc:  # a decoder or user code failing on this item
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            what = "cannot read image" if self.source.is_images else "reading it failed"
+            return _BadItem(f"{origin}: {what} ({type(exc).__name__}: {reason})", skippable=self.source.is_images)
+        return _Item(value, label, origin)
+
+
+class _Collate:
+    """Items -> one batch (or a _BadBatch saying what is wrong); runs in the workers."""
+
+    def __init__(self, skip_bad: bool) -> None:
+        self.skip_bad = skip_bad
+
+    def __call__(self, items: list[Any]) -> tuple[Any, ...] | _BadBatch:
+        import torch
+        from torch.utils.data import default_collate
+
+        good: list[_Item] = []
+        skipped = 0
+        for item in items:
+            if isinstance(item, _BadItem):
+                if self.skip_bad and item.skippable:
+                    skipped += 1
+                    continue
+                return _BadBatch(item.message + ("" if not item.skippable else " (--skip-bad skips such files)"))
+            good.append(item)
+        if not good:
+            return (None, None, [], skipped)
+        with_labels = [item.label is not None for item in good]
+        if any(with_labels) and not all(with_labels):
+            i = with_labels.index(not with_labels[0])
+            return _BadBatch(f"{good[0].origin} and {good[i].origin} differ: one has a label, the other not")
+        shape_error = _shape_clash(good)
+        if shape_error:
+            return _BadBatch(shape_error)
+        try:
+            inputs = default_collate([item.input for item in good])
+        except Exception as exc:
+            return _BadBatch(f"cannot stack the samples into a batch ({' '.join(str(exc).split())})")
+        labels = None
+        if with_labels[0]:
+            try:
+                labels = torch.as_tensor([int(item.label) for item in good], dtype=torch.int64)
+            except (TypeError, ValueError) as exc:
+                return _BadBatch(f"labels must be integer class indices ({exc})")
+        bad = _first_non_finite(inputs, good)
+        if bad is not None:
+            return _BadBatch(f"NaN or Inf in the inputs (first in {bad})")
+        return (inputs, labels, [item.origin for item in good], skipped)
+
+
+def _shape_clash(items: list[_Item]) -> str | None:
+    import torch
+
+    first = items[0]
+    if not isinstance(first.input, torch.Tensor):
+        return None
+    for item in items[1:]:
+        if isinstance(item.input, torch.Tensor) and item.input.shape != first.input.shape:
+            hint = " (pass --image-size to resize images)" if first.origin.lower().endswith(IMAGE_SUFFIXES) else ""
+            return (f"samples differ in shape: {first.origin} is {list(first.input.shape)}, "
+                    f"{item.origin} is {list(item.input.shape)}{hint}")
+    return None
+
+
+def _tensors(value: Any) -> Iterator[Any]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _first_non_finite(inputs: Any, items: list[_Item]) -> str | None:
+    import torch
+
+    for tensor in _tensors(inputs):
+        if not (tensor.dtype.is_floating_point or tensor.dtype.is_complex) or tensor.numel() == 0:
+            continue
+        finite = torch.isfinite(tensor)
+        if bool(finite.all()):
+            continue
+        if tensor.dim() >= 1 and tensor.shape[0] == len(items):
+            per_sample = finite.reshape(len(items), -1).all(dim=1)
+            return items[int((~per_sample).nonzero()[0, 0])].origin
+        return "the batch"
+    return None
+
+
+@dataclass
+class BatchStream:
+    """The batches of one pass over the data: iterate once, in a fixed order.
+
+    `batches` is the planned number of batches; `skipped` counts the images skipped
+    with --skip-bad once the stream has been iterated.
+    """
+
+    source: _Source
+    options: DataOptions
+    plan: list[list[int]]
+    skipped: int = 0
+
+    @property
+    def description(self) -> str:
+        return self.source.description
+
+    @property
+    def has_labels(self) -> bool | None:
+        return self.source.has_labels
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(b) for b in self.plan)
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.plan)
+
+    @property
+    def batch_size(self) -> int:
+        return self.options.batch_size
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __iter__(self) -> Iterator[Batch]:
+        from torch.utils.data import DataLoader
+
+        loader = DataLoader(
+            _ItemDataset(self.source),
+            batch_sampler=self.plan,
+            collate_fn=_Collate(self.options.skip_bad),
+            num_workers=self.options.workers,
+            pin_memory=self.options.pin_memory,
+        )
+        self.skipped = 0
+        held: Batch | None = None
+        emitted = 0
+        for number, raw in enumerate(loader):
+            if isinstance(raw, _BadBatch):
+                raise BnauditError(f"batch {number}: {raw.message}")
+            inputs, labels, origins, skipped = raw
+            self.skipped += skipped
+            if not origins:
+                continue
+            batch = Batch(emitted, inputs, labels, len(origins), origins, skipped)
+            if held is None:
+                held = batch
+            elif held.size < 2 or batch.size < 2:
+                # Only --skip-bad can shrink a batch to one sample: join it to a neighbour.
+                held = _join(held, batch)
+            else:
+                yield held
+                emitted += 1
+                batch.index = emitted
+                held = batch
+        if held is None:
+            raise BnauditError(f"{self.description}: every image was unreadable and skipped")
+        yield held
+
+
+def _join(a: Batch, b: Batch) -> Batch:
+    return Batch(a.index, _cat(a.inputs, b.inputs), None if a.labels is None else _cat(a.labels, b.labels),
+                 a.size + b.size, a.origins + b.origins, a.skipped + b.skipped)
+
+
+def _cat(a: Any, b: Any) -> Any:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return torch.cat([a, b])
+    if isinstance(a, Mapping):
+        return {k: _cat(a[k], b[k]) for k in a}
+    if isinstance(a, (tuple, list)):
+        return type(a)(_cat(x, y) for x, y in zip(a, b))
+    return a
+
+
+def make_loader(options: DataOptions) -> BatchStream:
+    """The batch stream that the data options describe (nothing is decoded until it is
+    iterated; iterate it once and reuse each batch for every pass that needs it)."""
+    source = open_source(options)
+    plan = batch_indices(len(source), options.batch_size, options.num_samples, options.shuffle, options.seed)
+    return BatchStream(source, options, plan)

@@ -1,0 +1,154 @@
+"""Rule and configuration documentation, generated from one source.
+
+`bnaudit rules`, the SARIF rule descriptors and the README's rule and configuration
+tables are all built here from `rules.RULES` and `config.KEYS`, so none of them can
+say something the code does not do. `tools/update_readme.py` rewrites the README's
+generated blocks and `tests/test_rules_doc.py` fails when they drift.
+"""
+from __future__ import annotations
+
+import re
+import textwrap
+from typing import Any
+
+from bnaudit.config import KEYS, SEVERITIES, Config
+from bnaudit.errors import BnauditError
+from bnaudit.layers import DEFAULT_EPS, DEFAULT_MOMENTUM
+from bnaudit.rules import RULES, Rule
+
+WIDTH = 88
+
+
+def find_rule(code: str) -> Rule:
+    rule = RULES.get(code.strip().upper())
+    if rule is None:
+        raise BnauditError(f"unknown rule {code!r} (known: {', '.join(RULES)})")
+    return rule
+
+
+def worst_severity(rule: Rule) -> str:
+    """The highest severity a rule can report ("error / warning" -> "error")."""
+    return max((s.strip() for s in rule.severity.split("/")), key=SEVERITIES.index)
+
+
+def default_value(key: str) -> Any:
+    """The default of a configuration key; eps and momentum show PyTorch's defaults."""
+    if key == "eps":
+        return DEFAULT_EPS
+    if key == "momentum":
+        return DEFAULT_MOMENTUM
+    value = getattr(Config(), KEYS[key].field)
+    return list(value) if isinstance(value, tuple) else value
+
+
+def toml_value(value: Any) -> str:
+    """A value written as TOML."""
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, float):
+        return f"{value:g}" if "e" in f"{value:g}" else repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f'"{k}" = {toml_value(v)}' for k, v in value.items()) + "}"
+    return str(value)
+
+
+def silence_lines(rule: Rule) -> list[str]:
+    """Every way to stop a rule from reporting or from failing a run."""
+    code = rule.code
+    lines = [
+        f"for one run: bnaudit inspect --ignore {code} ...",
+        f'for the project: ignore = ["{code}"] under [tool.bnaudit] in pyproject.toml (or in bnaudit.toml)',
+        f'for some layers: per-layer-ignores = {{"backbone.*" = ["{code}"]}} (globs on layer names; '
+        "file-level findings have no layer and are not matched)",
+    ]
+    if rule.settings:
+        tuned = ", ".join(f"{key} = {toml_value(default_value(key))}" for key in rule.settings)
+        lines.append(f"tune it instead (defaults shown): {tuned}")
+    worst = worst_severity(rule)
+    if worst == "info":
+        lines.append('info findings fail a run only with fail-on = "info"')
+    elif worst == "warning":
+        lines.append('report it without failing: fail-on = "error" (or --fail-on error)')
+    return lines
+
+
+def explain_rule(rule: Rule, markdown: bool = False) -> str:
+    """What a rule detects, why it matters, how to fix it, how to silence it."""
+    sections = [
+        ("What it detects", [rule.summary]),
+        ("Why it matters", [rule.explanation]),
+        ("How to fix it", [rule.fix]),
+        ("How to silence it", silence_lines(rule)),
+    ]
+    if markdown:
+        out = [f"**{rule.code} {rule.name}** (default severity: {rule.severity})", ""]
+        for title, paragraphs in sections:
+            out.append(f"**{title}**")
+            out.append("")
+            if title == "How to silence it":
+                out += [f"- {line}" for line in paragraphs]
+            else:
+                out += paragraphs
+            out.append("")
+        return "\n".join(out).rstrip() + "\n"
+    out = [f"{rule.code} {rule.name}", f"default severity: {rule.severity}", ""]
+    for title, paragraphs in sections:
+        out.append(title)
+        bullet = title == "How to silence it"
+        for paragraph in paragraphs:
+            out += textwrap.wrap(paragraph, WIDTH, initial_indent="  - " if bullet else "  ",
+                                 subsequent_indent="    " if bullet else "  ", break_on_hyphens=False)
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def rules_table_markdown() -> str:
+    rows = ["| code | name | severity | fires when |", "| --- | --- | --- | --- |"]
+    rows += [f"| {r.code} | {r.name} | {r.severity} | {_cell(r.summary)} |" for r in RULES.values()]
+    return "\n".join(rows) + "\n"
+
+
+def config_table_markdown() -> str:
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{k.name}` | `{_cell(toml_value(default_value(k.name)))}` | {_cell(k.doc)} |" for k in KEYS.values()]
+    return "\n".join(rows) + "\n"
+
+
+GENERATED = {"rules-table": rules_table_markdown, "config-table": config_table_markdown}
+
+
+def _block(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(<!-- begin {name}\b[^\n]*-->\n)(.*?)(<!-- end {name} -->)", re.DOTALL)
+
+
+def generated_blocks(text: str) -> dict[str, str]:
+    """The current content of each generated block found in `text`."""
+    return {name: m.group(2) for name in GENERATED if (m := _block(name).search(text))}
+
+
+def update_generated(text: str) -> str:
+    """`text` with every generated block rewritten from the sources."""
+    for name, build in GENERATED.items():
+        text = _block(name).sub(lambda m, build=build: m.group(1) + build() + m.group(3), text)
+    return text
+
+
+def render_rules(console: Any) -> None:
+    """`bnaudit rules`: one row per rule."""
+    from rich.table import Table
+
+    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    table.add_column("code", no_wrap=True)
+    table.add_column("name", no_wrap=True)
+    table.add_column("severity", no_wrap=True)
+    table.add_column("fires when", overflow="fold")
+    for rule in RULES.values():
+        table.add_row(rule.code, rule.name, rule.severity, rule.summary)
+    console.print(table)
+    console.print(f"bnaudit rules CODE explains a rule ({len(RULES)} rules).")

@@ -1,0 +1,507 @@
+"""`gap`: what switching BatchNorm to its stored statistics costs, and which layer is to blame.
+
+Every batch is read and decoded once and goes through the model twice:
+
+  train mode   every BN layer normalises with the statistics of the batch (training mode
+               for BN modules only; the buffers are restored afterwards, so the model is
+               unchanged whichever pass runs first)
+  eval mode    every module in eval mode: BN normalises with running_mean / running_var
+
+Dropout and every other mode-dependent module stay in eval mode in both, so the
+difference is BatchNorm's alone. Definitions (N samples, y_t / y_e their outputs):
+
+  accuracy      top-1: fraction of samples whose argmax equals the label (None without labels)
+  gap           train-mode accuracy - eval-mode accuracy (positive: eval mode loses accuracy)
+  agreement     fraction of samples whose argmax is the same in both modes
+  divergence    classifier outputs (N, K), K >= 2: mean over samples of
+                  KL(p_e || p_t) = sum_k p_e,k (log p_e,k - log p_t,k),  p = softmax(y)
+                other outputs ("relative_l2"): mean over samples of ||y_e - y_t|| / ||y_e||
+
+Per-layer drift compares the data that reaches each BN layer in eval mode (exact
+per-channel mean mu_d and unbiased variance var_d over all samples, float64, merged
+with `bnaudit.stats.ChannelStats`) with its running statistics mu_r, var_r:
+
+  mean_shift      mean over channels of |mu_d - mu_r| / sqrt(var_r + eps)
+  max_mean_shift  max over channels of the same
+  var_log_ratio   mean over channels of |log((var_d + eps) / (var_r + eps))|
+  drift           mean_shift + var_log_ratio (the ranking key: both are 0 when the stored
+                  statistics describe the data; a shift of one running std and a variance
+                  off by a factor e weigh alike)
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from bnaudit.config import Config
+from bnaudit.errors import BnauditError
+from bnaudit.report import FileReport
+
+# mean_shift or var_log_ratio at or above this: the layer's stored statistics do not
+# describe the data (half a running std off, or a variance off by a factor 1.65).
+DRIFT_LARGE = 0.5
+# An accuracy difference (or disagreement) of at least one point is worth explaining.
+GAP_NOTABLE = 0.01
+# Below this many samples per batch, batch statistics are noisy (Wu & Johnson 2021).
+SMALL_BATCH = 16
+
+
+@dataclass(frozen=True)
+class LayerDrift:
+    """Drift of one BN layer (see the module docstring); None where not measurable.
+
+    `position` is the layer's place in registration order (0 = first BN layer);
+    `values` the number of values per channel that reached it in eval mode.
+    """
+
+    name: str
+    position: int
+    kind: str
+    channels: int
+    values: int
+    mean_shift: float | None
+    max_mean_shift: float | None
+    var_log_ratio: float | None
+    note: str | None = None
+
+    @property
+    def drift(self) -> float | None:
+        if self.mean_shift is None or self.var_log_ratio is None:
+            return None
+        return self.mean_shift + self.var_log_ratio
+
+    @property
+    def large(self) -> bool:
+        return any(v is not None and v >= DRIFT_LARGE for v in (self.mean_shift, self.var_log_ratio))
+
+
+@dataclass
+class GapReport:
+    """The result of `measure_gap`; `layers` ranked by drift, worst first."""
+
+    checkpoint: str
+    model: str
+    data: str
+    samples: int
+    batch_size: int
+    batches: int
+    seed: int
+    shuffle: bool
+    device: str
+    train_accuracy: float | None
+    eval_accuracy: float | None
+    gap: float | None
+    agreement: float | None
+    divergence: float | None
+    divergence_kind: str
+    layers: list[LayerDrift]
+    inspection: FileReport
+    diagnosis: list[str] = field(default_factory=list)
+    skipped: int = 0
+    non_finite: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def findings(self) -> list:
+        return self.inspection.findings
+
+    def exit_code(self, max_gap: float | None = None) -> int:
+        """1 when `max_gap` is given and the gap exceeds it, else 0."""
+        if max_gap is None:
+            return 0
+        if self.gap is None:
+            raise BnauditError("--max-gap needs labelled data (the gap is an accuracy difference)")
+        return 1 if self.gap > max_gap else 0
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+@dataclass
+class _Totals:
+    samples: int = 0
+    labelled: int = 0
+    correct_train: int = 0
+    correct_eval: int = 0
+    agree: int = 0
+    divergence_sum: float = 0.0
+    classifier: bool | None = None
+    non_finite_train: int = 0
+    non_finite_eval: int = 0
+
+
+def measure_gap(
+    runnable: Any,
+    stream: Any,
+    device: Any = "cpu",
+    forward_fn: Callable[[Any, Any], Any] | None = None,
+    config: Config | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    train_first: bool = True,
+) -> GapReport:
+    """Run every batch of `stream` through `runnable.module` in both modes (see module doc).
+
+    `runnable` is a `bnaudit.models.RunnableModel`, `stream` a `bnaudit.data.BatchStream`.
+    `train_first` only chooses which pass runs first on each batch: the result is the
+    same either way, because the train-mode pass restores the buffers it changes.
+    """
+    import torch
+
+    from bnaudit.audit import audit_checkpoint
+    from bnaudit.models import eval_mode, norm_modules, resolve_device
+    from bnaudit.stats import ChannelStats, record_bn_inputs
+
+    device = resolve_device(device) if isinstance(device, str) else device
+    if stream.batch_size < 2:
+        raise BnauditError("--batch-size must be at least 2: train-mode BatchNorm normalises by batch statistics")
+    if stream.num_samples < 2:
+        raise BnauditError("gap needs at least 2 samples")
+    config = config or Config()
+    inspection = audit_checkpoint(runnable.checkpoint, config, runnable.facts)
+    model = runnable.module
+    model.to(device)
+    norms = norm_modules(model)
+    # Hooks cannot be attached inside a TorchScript module: no per-layer drift there.
+    hooked = {} if runnable.scripted else norms
+    accumulated = {name: ChannelStats() for name in hooked}
+    totals = _Totals()
+    batches = 0
+    with eval_mode(model), torch.no_grad():
+        for batch in stream:
+            inputs = _to_device(batch.inputs, device)
+            labels = None if batch.labels is None else batch.labels.to(device)
+
+            def run_train() -> Any:
+                return _run(model, inputs, forward_fn, batch.index, norms, train=True)
+
+            def run_eval() -> Any:
+                with record_bn_inputs(hooked) as stats:
+                    out = _run(model, inputs, forward_fn, batch.index, norms, train=False)
+                for name, s in stats.items():
+                    accumulated[name].merge(s.count, s.mean, s.m2)
+                return out
+
+            if train_first:
+                out_train = run_train()
+                out_eval = run_eval()
+            else:
+                out_eval = run_eval()
+                out_train = run_train()
+            _compare(out_train, out_eval, labels, batch, totals)
+            batches += 1
+            if progress is not None:
+                progress(batches, stream.num_batches)
+    layers = _drift(norms, accumulated, hooked)
+    report = GapReport(
+        checkpoint=runnable.checkpoint.path,
+        model=runnable.describe(),
+        data=stream.description,
+        samples=totals.samples,
+        batch_size=stream.batch_size,
+        batches=batches,
+        seed=stream.options.seed,
+        shuffle=stream.options.shuffle,
+        device=str(device),
+        train_accuracy=totals.correct_train / totals.labelled if totals.labelled else None,
+        eval_accuracy=totals.correct_eval / totals.labelled if totals.labelled else None,
+        gap=(totals.correct_train - totals.correct_eval) / totals.labelled if totals.labelled else None,
+        agreement=totals.agree / totals.samples if totals.classifier and totals.samples else None,
+        divergence=totals.divergence_sum / totals.samples if totals.samples else None,
+        divergence_kind="kl" if totals.classifier else "relative_l2",
+        layers=layers,
+        inspection=inspection,
+        skipped=stream.skipped,
+        non_finite={"train_mode": totals.non_finite_train, "eval_mode": totals.non_finite_eval},
+    )
+    report.diagnosis = diagnose(report, scripted=runnable.scripted)
+    return report
+
+
+def _to_device(value: Any, device: Any) -> Any:
+    from bnaudit.models import to_device
+
+    return to_device(value, device)
+
+
+def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict, train: bool) -> Any:
+    """One forward in the requested mode; a failure names the layer and the shape it got."""
+    from bnaudit.models import batch_stats_mode, forward, output_tensor
+
+    def call() -> Any:
+        if train:
+            with batch_stats_mode(model, norms):
+                return forward(model, inputs, forward_fn)
+        return forward(model, inputs, forward_fn)
+
+    try:
+        output = call()
+    except BnauditError:
+        raise
+    except Exception as exc:
+        where = _locate_failure(model, call)
+        mode = "train mode (batch statistics)" if train else "eval mode"
+        raise BnauditError(f"batch {index}: the model rejects the batch in {mode}: {where}{_reason(exc)}") from None
+    return output_tensor(output)
+
+
+def _reason(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    # TorchScript errors carry the scripted code first and the message last.
+    text = lines[-1] if lines and "Traceback of TorchScript" in str(exc) else (lines[0] if lines else "")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _shapes(args: tuple) -> str:
+    import torch
+
+    shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
+    if not shapes:
+        return "no tensor"
+    return "shape " + ", ".join(str(s) for s in shapes)
+
+
+def _locate_failure(model: Any, call: Callable[[], Any]) -> str:
+    """Re-run a failed forward with hooks on every module; the innermost module entered
+    and not left is the one that failed. Empty for TorchScript (no hooks)."""
+    import torch
+
+    if isinstance(model, torch.jit.ScriptModule):
+        return ""
+    stack: list[tuple[str, str, str]] = []
+    failed: list[tuple[str, str, str]] = []
+    handles = []
+    for name, module in model.named_modules():
+        def pre(mod: Any, args: tuple, _name: str = name) -> None:
+            stack.append((_name, type(mod).__name__, _shapes(args)))
+
+        def post(mod: Any, args: tuple, out: Any) -> None:
+            if stack:
+                stack.pop()
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    try:
+        call()
+    except Exception:
+        failed = list(stack)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not failed:
+        return ""
+    name, kind, shape = failed[-1]
+    return f"layer '{name or '(model)'}' ({kind}) got input {shape}: "
+
+
+def _compare(out_train: Any, out_eval: Any, labels: Any, batch: Any, totals: _Totals) -> None:
+    import torch
+
+    train = out_train.detach().to(torch.float64)
+    evals = out_eval.detach().to(torch.float64)
+    if train.shape != evals.shape or evals.dim() == 0 or evals.shape[0] != batch.size:
+        raise BnauditError(
+            f"batch {batch.index}: the model's output has shape {list(evals.shape)} for {batch.size} samples; "
+            "pass --forward MODULE:CALLABLE returning one row of logits per sample"
+        )
+    classifier = evals.dim() == 2 and evals.shape[1] >= 2
+    if totals.classifier is None:
+        totals.classifier = classifier
+    elif totals.classifier != classifier:
+        raise BnauditError(f"batch {batch.index}: the output shape changed to {list(evals.shape)}")
+    n = batch.size
+    totals.samples += n
+    totals.non_finite_train += int((~torch.isfinite(train.reshape(n, -1)).all(dim=1)).sum())
+    totals.non_finite_eval += int((~torch.isfinite(evals.reshape(n, -1)).all(dim=1)).sum())
+    if classifier:
+        pred_t, pred_e = train.argmax(dim=1), evals.argmax(dim=1)
+        totals.agree += int((pred_t == pred_e).sum())
+        logp_t, logp_e = torch.log_softmax(train, dim=1), torch.log_softmax(evals, dim=1)
+        kl = (logp_e.exp() * (logp_e - logp_t)).sum(dim=1)
+        totals.divergence_sum += float(kl.sum())
+        if labels is not None:
+            if int(labels.min()) < 0 or int(labels.max()) >= evals.shape[1]:
+                raise BnauditError(
+                    f"batch {batch.index}: labels range over {int(labels.min())}..{int(labels.max())} but the model "
+                    f"has {evals.shape[1]} outputs"
+                )
+            totals.labelled += n
+            totals.correct_train += int((pred_t == labels).sum())
+            totals.correct_eval += int((pred_e == labels).sum())
+    else:
+        diff = (evals - train).reshape(n, -1).norm(dim=1)
+        scale = evals.reshape(n, -1).norm(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
+        totals.divergence_sum += float((diff / scale).sum())
+
+
+def _drift(norms: dict[str, Any], accumulated: dict[str, Any], hooked: dict[str, Any]) -> list[LayerDrift]:
+    import torch
+
+    layers: list[LayerDrift] = []
+    for position, (name, module) in enumerate(norms.items()):
+        kind = getattr(module, "original_name", None) or type(module).__name__
+        channels = int(getattr(module, "num_features", 0) or 0)
+        mean_run, var_run = getattr(module, "running_mean", None), getattr(module, "running_var", None)
+        if name not in hooked:
+            layers.append(LayerDrift(name, position, kind, channels, 0, None, None, None, "not measured (TorchScript)"))
+            continue
+        stats = accumulated[name]
+        if mean_run is None or var_run is None:
+            layers.append(LayerDrift(name, position, kind, channels, stats.count, None, None, None,
+                                     "no running statistics (track_running_stats=False)"))
+            continue
+        if stats.count < 2:
+            layers.append(LayerDrift(name, position, kind, channels, stats.count, None, None, None,
+                                     "not reached by the data" if stats.count == 0 else "too few values"))
+            continue
+        eps = float(module.eps)
+        mu_r = mean_run.detach().to(torch.float64).to(stats.mean.device)
+        var_r = var_run.detach().to(torch.float64).to(stats.mean.device)
+        z = (stats.mean - mu_r).abs() / (var_r + eps).sqrt()
+        log_ratio = ((stats.var + eps) / (var_r + eps)).log().abs()
+        layers.append(LayerDrift(
+            name, position, kind, int(mu_r.numel()), stats.count,
+            _finite(z.mean()), _finite(z.max()), _finite(log_ratio.mean()),
+        ))
+    return sorted(layers, key=lambda d: (d.drift is None, -(d.drift or 0.0) if d.drift is not None else 0.0,
+                                         d.position))
+
+
+def _finite(value: Any) -> float | None:
+    x = float(value)
+    return x if math.isfinite(x) else None
+
+
+# ----------------------------------------------------------------------------- diagnosis
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.1f}%"
+
+
+def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
+    """Plain-word conclusions that follow from the numbers and the inspect findings."""
+    lines: list[str] = []
+    findings = report.inspection.findings
+    by_code: dict[str, list] = {}
+    for f in findings:
+        by_code.setdefault(f.code, []).append(f)
+    ordered = sorted((d for d in report.layers if d.drift is not None), key=lambda d: d.position)
+    large = [d for d in ordered if d.large]
+    gap, agreement = report.gap, report.agreement
+    eval_loses = gap > GAP_NOTABLE if gap is not None else (agreement is not None and agreement < 1 - GAP_NOTABLE)
+    eval_wins = gap is not None and gap < -GAP_NOTABLE
+
+    if gap is not None:
+        if eval_loses:
+            lines.append(f"Eval mode loses {gap * 100:.1f} accuracy points: {_pct(report.eval_accuracy)} with the stored "
+                         f"statistics against {_pct(report.train_accuracy)} with batch statistics.")
+        elif eval_wins:
+            lines.append(f"Eval mode is {-gap * 100:.1f} points better than batch statistics "
+                         f"({_pct(report.eval_accuracy)} against {_pct(report.train_accuracy)}).")
+        else:
+            lines.append(f"Eval mode and batch statistics give the same accuracy within {GAP_NOTABLE * 100:.0f} point "
+                         f"({_pct(report.eval_accuracy)} and {_pct(report.train_accuracy)}).")
+    elif agreement is not None:
+        lines.append(f"No labels: the two modes agree on {_pct(agreement)} of the predictions "
+                     f"(mean KL divergence {report.divergence:.3g}).")
+    else:
+        lines.append(f"No labels and no class scores: the outputs of the two modes differ by "
+                     f"{report.divergence:.3g} (mean relative L2 distance).")
+
+    reset = [f.layer for f in by_code.get("BN002", []) if f.layer]
+    if reset:
+        lines.append(f"{_sentence(_names(reset))} hold the initial statistics (mean 0, variance 1): reset or never loaded, "
+                     "so eval mode normalises with values that describe no data. Recalibrate: "
+                     "`bnaudit recalibrate` on a few thousand representative samples.")
+    immature = [f.layer for f in by_code.get("BN003", []) if f.layer]
+    if immature:
+        lines.append(f"Immature statistics (BN003) in {_names(immature)}: the initial values still weigh in. "
+                     "Recalibrate with `bnaudit recalibrate`.")
+    dead = by_code.get("BN004", [])
+    dead_layers = [f.layer for f in dead if f.layer]
+    if large and not reset and not immature:
+        first = large[0]
+        if first.name in dead_layers:
+            lines.append(f"Drift starts at {first.name}, where BN004 found channels with a running variance near eps: "
+                         "the data reaching them still varies, so eval mode multiplies it by their eval gain. "
+                         "Recalibrate the statistics on representative data (or prune the channels).")
+        elif first.position == ordered[0].position:
+            holds = " while batch statistics keep the accuracy" if eval_loses else ""
+            lines.append(f"Drift is large from the first BN layer on ({first.name}: mean shift {first.mean_shift:.2f}, "
+                         f"variance log-ratio {first.var_log_ratio:.2f}){holds}: the stored statistics do not describe "
+                         "this data (immature, or computed on other data). Recalibrate on representative data.")
+        else:
+            before = ordered[: ordered.index(first)]
+            lines.append(f"Drift starts at {first.name} (BN layer {first.position + 1}; the {len(before)} layer(s) before "
+                         f"it match the data): a domain shift that shows from this depth on, or layers before it changed "
+                         "after its statistics were recorded. Recalibrate on data of the target domain (AdaBN-style).")
+    if dead_layers and not (large and large[0].name in dead_layers):
+        lines.append(f"Dead channels (BN004) in {_names(dead_layers)}: running variance near eps, so eval mode "
+                     "amplifies any input they receive; see the findings.")
+    if "BN005" in by_code:
+        lines.append("Invalid values in the statistics (BN005): eval-mode outputs of those channels are NaN or Inf.")
+    if report.non_finite.get("eval_mode"):
+        lines.append(f"{report.non_finite['eval_mode']} sample(s) get NaN or Inf outputs in eval mode.")
+    if "BN006" in by_code:
+        lines.append("Some BatchNorm layers keep no running statistics (BN006): they use batch statistics in eval "
+                     "mode too, so both modes depend on the batch there.")
+    if not report.shuffle:
+        lines.append("--no-shuffle: if the data is sorted by class, each batch holds one class and train-mode numbers "
+                     "mean nothing; run without --no-shuffle for a fair reference.")
+    elif eval_wins:
+        lines.append(f"Batch statistics are noisy at batch size {report.batch_size}: the train-mode numbers depend on "
+                     "the batch size; the stored statistics are fine. A larger --batch-size narrows this.")
+    elif report.batch_size < SMALL_BATCH:
+        lines.append(f"Batch size {report.batch_size} is small: batch statistics are noisy, so train-mode numbers are "
+                     "a weak reference.")
+    if scripted:
+        lines.append("Per-layer drift needs hooks, which TorchScript modules do not run: pass --arch with the "
+                     "state dict to see it.")
+    if not eval_loses and not eval_wins and not large and not reset and not immature and not dead_layers:
+        lines.append("The stored statistics describe this data: nothing to fix.")
+    return lines
+
+
+def _names(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{'layer' if len(names) == 1 else 'layers'} {shown}{more}"
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def run_gap(
+    checkpoint: str,
+    data: Any,
+    arch: str | None = None,
+    arch_kwargs: Any = None,
+    key: str | None = None,
+    trust_pickle: bool = False,
+    forward: str | None = None,
+    device: str = "cpu",
+    config: Config | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> GapReport:
+    """Load the model and the data (`data`: a `bnaudit.data.DataOptions`) and measure.
+
+    >>> from bnaudit.data import DataOptions                         # doctest: +SKIP
+    >>> run_gap("model.pt", DataOptions(path="val.safetensors"),    # doctest: +SKIP
+    ...         arch="mypkg.models:net").gap
+    """
+    from bnaudit.data import make_loader
+    from bnaudit.models import load_forward, load_runnable, resolve_device
+
+    target = resolve_device(device)
+    data.validate()
+    if data.batch_size < 2:
+        raise BnauditError("--batch-size must be at least 2: train-mode BatchNorm normalises by batch statistics")
+    forward_fn = load_forward(forward)
+    runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
+    stream = make_loader(replace(data, pin_memory=target.type == "cuda"))
+    return measure_gap(runnable, stream, target, forward_fn, config, progress)

@@ -1,0 +1,518 @@
+"""Runnable models: a checkpoint plus the code that runs it.
+
+Three sources, tried in this order by `load_runnable`:
+
+  --arch MODULE:CALLABLE      (or path/to/file.py:CALLABLE) builds the module, called with no
+                              arguments or with --arch-kwargs (a JSON object); the checkpoint's
+                              state dict (any format and container `inspect` reads, wrapper
+                              prefixes stripped as inspect does) is compared key by key with the
+                              model's, as `load_state_dict(strict=True)` would, and loaded.
+  TorchScript archive         `torch.jit.load`: runs as it is, no --arch needed.
+  pickled nn.Module           a `torch.save(model)` file: loaded through the allow-list when it
+                              is built only from torch.nn classes; any other class is refused
+                              unless --trust-pickle (unpickling a class runs its code).
+
+Missing, unexpected and mismatched keys become findings (BN001 exact for BN statistics,
+BN011 for the rest); a shape mismatch makes the model unrunnable and is an error.
+
+The helpers used to run a model on data live here too: `forward` (tensors, tuples, dicts,
+or a --forward function), `output_tensor`, `batch_stats_mode` (BN layers normalise by batch
+statistics, everything else in eval mode, buffers and modes restored afterwards) and
+`resolve_device`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from bnaudit.checkpoint import (
+    Checkpoint,
+    TensorRef,
+    find_state_dicts,
+    choose_state_dict,
+    allowed_global,
+    load_torch_object,
+    module_infos,
+    read_checkpoint,
+    sniff_format,
+)
+from bnaudit.errors import BnauditError
+from bnaudit.layers import ModuleFacts, facts_from_module_infos
+
+
+@dataclass
+class RunnableModel:
+    """A module ready to run, and what loading it revealed.
+
+    module       the torch.nn.Module (or TorchScript ScriptModule), in eval mode, on the CPU
+    checkpoint   the checkpoint it was loaded from; `modules` holds the model's real eps and
+                 momentum, so layer discovery uses them instead of assumed defaults
+    facts        ModuleFacts for the rules (BN001 exact, BN006, BN007, BN011)
+    source       "arch", "torchscript" or "pickle"
+    arch         the --arch spec when source is "arch"
+    """
+
+    module: Any
+    checkpoint: Checkpoint
+    facts: ModuleFacts
+    source: str
+    arch: str | None = None
+
+    @property
+    def scripted(self) -> bool:
+        return self.source == "torchscript"
+
+    def describe(self) -> str:
+        if self.source == "arch":
+            return f"--arch {self.arch}"
+        return "TorchScript archive" if self.scripted else "pickled nn.Module"
+
+
+# ----------------------------------------------------------------------------- user code
+
+
+_FILE_MODULES: dict[str, Any] = {}
+
+
+def import_callable(spec: str, option: str = "--arch") -> Callable[..., Any]:
+    """`MODULE:CALLABLE` or `path/to/file.py:CALLABLE` -> the callable.
+
+    The current directory is put on sys.path first (as uvicorn and gunicorn do), so a
+    package in the working tree imports without installing it. CALLABLE may be dotted
+    (`pkg.mod:Class.factory`).
+    """
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise BnauditError(f"{option} must be MODULE:CALLABLE or path/to/file.py:CALLABLE, got {spec!r}")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    importlib.invalidate_caches()  # files written since the last import must be found
+    if where.endswith(".py") or "/" in where or os.sep in where:
+        module = _import_file(where, option)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as exc:
+            if exc.name and where.split(".")[0] == exc.name.split(".")[0]:
+                raise BnauditError(
+                    f"{option} {spec}: no module named '{exc.name}' (run from the folder that holds it, "
+                    "or give path/to/file.py:CALLABLE)"
+                ) from None
+            raise BnauditError(f"{option} {spec}: importing '{where}' failed: {_one_line(exc)}") from None
+        except Exception as exc:  # user code: any error while importing it is the user's
+            raise BnauditError(f"{option} {spec}: importing '{where}' failed: {_one_line(exc)}") from None
+    target: Any = module
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise BnauditError(f"{option} {spec}: '{where}' has no attribute '{attr}'") from None
+    if not callable(target):
+        raise BnauditError(f"{option} {spec}: '{attr}' is not callable")
+    return target
+
+
+def _import_file(path: str, option: str) -> Any:
+    full = os.path.abspath(path)
+    if full in _FILE_MODULES:
+        return _FILE_MODULES[full]
+    if not os.path.isfile(full):
+        raise BnauditError(f"{option}: no such file: {path}")
+    # A name of our own (not the file's stem) so that the file cannot shadow a real module.
+    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(full))[0])
+    name = f"bnaudit_user_{stem}_{hashlib.sha1(full.encode()).hexdigest()[:8]}"
+    spec = importlib.util.spec_from_file_location(name, full)
+    if spec is None or spec.loader is None:
+        raise BnauditError(f"{option}: cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    folder = os.path.dirname(full)
+    if folder not in sys.path:
+        sys.path.append(folder)  # sibling imports of the file; appended so it shadows nothing
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise BnauditError(f"{option}: importing {path} failed: {_one_line(exc)}") from None
+    _FILE_MODULES[full] = module
+    return module
+
+
+def parse_arch_kwargs(text: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """--arch-kwargs: a JSON object (or an already parsed mapping)."""
+    if text is None:
+        return {}
+    if isinstance(text, Mapping):
+        return dict(text)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BnauditError(f"--arch-kwargs is not valid JSON ({exc.msg} at column {exc.colno}): {text}") from None
+    if not isinstance(value, dict):
+        raise BnauditError(f"--arch-kwargs must be a JSON object like '{{\"num_classes\": 10}}', got {text}")
+    return value
+
+
+def build_arch(arch: str, arch_kwargs: str | Mapping[str, Any] | None = None, meta: bool = False) -> Any:
+    """Call the --arch callable and check that it returns an nn.Module.
+
+    `meta=True` builds on the meta device (no memory for weights): enough for the names,
+    shapes and settings `inspect` needs. A constructor that cannot run on meta is built
+    on the CPU instead.
+    """
+    import torch
+
+    factory = import_callable(arch)
+    kwargs = parse_arch_kwargs(arch_kwargs)
+    model = None
+    if meta:
+        try:
+            with torch.device("meta"):
+                model = factory(**kwargs)
+        except Exception:
+            model = None  # e.g. an init that reads values; fall back to a real build
+    if model is None:
+        try:
+            model = factory(**kwargs)
+        except Exception as exc:
+            shown = f" with {json.dumps(kwargs)}" if kwargs else ""
+            raise BnauditError(f"--arch {arch}: calling it{shown} failed: {_one_line(exc)}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise BnauditError(f"--arch {arch} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+# ----------------------------------------------------------------------------- matching
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in value.shape)
+
+
+def match_checkpoint(ckpt: Checkpoint, model: Any) -> tuple[Checkpoint, ModuleFacts]:
+    """Line up a checkpoint with a model's state dict and describe the differences.
+
+    inspect strips DDP / torch.compile / Lightning prefixes when every key has one; a
+    model whose own keys start with such a word (a wrapper with `self.model`) needs
+    part of it back, so the tail of the stripped prefix that matches the most model
+    keys is restored. Returns the checkpoint renamed to the model's names, with the
+    model's real module settings, and the ModuleFacts of the comparison.
+    """
+    model_state = {k: v for k, v in model.state_dict(keep_vars=True).items()}
+    stripped = ckpt.prefix
+    tails = [stripped[i:] for i in range(len(stripped) + 1) if i == 0 or stripped[i - 1] == "."]
+    best = max(
+        reversed(tails),  # ties go to the shortest tail (inspect's choice)
+        key=lambda tail: sum(1 for name in ckpt.tensors if tail + name in model_state),
+    )
+    tensors = {best + n: TensorRef(best + n, ref.shape, ref.dtype, ref._reader) for n, ref in ckpt.tensors.items()}
+    infos = module_infos(model)
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    batch_norms = frozenset(n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and n in infos)
+    missing = tuple(k for k in model_state if k not in tensors)
+    unexpected = tuple(k for k in tensors if k not in model_state)
+    mismatched = tuple(
+        (k, tensors[k].shape, _shape(v))
+        for k, v in model_state.items()
+        if k in tensors and tensors[k].shape != _shape(v)
+    )
+    matched = dataclasses.replace(ckpt, tensors=tensors, prefix=stripped[: len(stripped) - len(best)], modules=infos)
+    facts = ModuleFacts(infos, batch_norms, missing, unexpected, mismatched)
+    return matched, facts
+
+
+def check_fits(ckpt: Checkpoint, facts: ModuleFacts, arch: str) -> None:
+    """Refuse a checkpoint the model cannot run with (nothing in common, or a shape clash)."""
+    if facts.mismatched:
+        key, file_shape, model_shape = facts.mismatched[0]
+        more = f" (and {len(facts.mismatched) - 1} more)" if len(facts.mismatched) > 1 else ""
+        raise BnauditError(
+            f"{ckpt.path}: does not fit --arch {arch}: '{key}' has shape {list(file_shape)} in the checkpoint "
+            f"but {list(model_shape)} in the model{more}; check --arch and --arch-kwargs"
+        )
+    matched = len(ckpt.tensors) - len(facts.unexpected)
+    if ckpt.tensors and matched == 0 and facts.missing:
+        example = next(iter(ckpt.tensors))
+        raise BnauditError(
+            f"{ckpt.path}: does not fit --arch {arch}: none of its {len(ckpt.tensors)} keys (e.g. '{example}') "
+            f"is a key of the model (e.g. '{facts.missing[0]}')"
+        )
+
+
+def load_state(model: Any, ckpt: Checkpoint) -> None:
+    """Copy every checkpoint tensor the model has into it (dtype converted by copy_)."""
+    import numpy as np
+    import torch
+
+    state = {}
+    model_keys = set(model.state_dict().keys())
+    for name, ref in ckpt.tensors.items():
+        if name in model_keys:
+            # Readers may hand out read-only or memory-mapped arrays: copy once.
+            state[name] = torch.from_numpy(np.array(ref.read(), copy=True))
+    model.load_state_dict(state, strict=False)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_runnable(
+    checkpoint_path: str,
+    arch: str | None = None,
+    arch_kwargs: str | Mapping[str, Any] | None = None,
+    key: str | None = None,
+    trust_pickle: bool = False,
+) -> RunnableModel:
+    """A runnable model (in eval mode, on the CPU) from a checkpoint and optional --arch."""
+    if arch is None and arch_kwargs is not None:
+        raise BnauditError("--arch-kwargs needs --arch")
+    if arch is not None:
+        ckpt = read_checkpoint(checkpoint_path, key=key, trust_pickle=trust_pickle)
+        model = build_arch(arch, arch_kwargs)
+        ckpt, facts = match_checkpoint(ckpt, model)
+        check_fits(ckpt, facts, arch)
+        load_state(model, ckpt)
+        model.eval()
+        return RunnableModel(model, ckpt, facts, "arch", arch)
+    fmt = sniff_format(checkpoint_path)
+    if fmt == "torchscript":
+        return _load_torchscript(checkpoint_path, key)
+    if fmt == "safetensors":
+        raise BnauditError(
+            f"{checkpoint_path}: a safetensors file holds tensors, not a model: pass --arch MODULE:CALLABLE "
+            "(the function that builds the model)"
+        )
+    return _load_pickled_module(checkpoint_path, fmt, key, trust_pickle)
+
+
+def _load_torchscript(path: str, key: str | None) -> RunnableModel:
+    import torch
+
+    ckpt = read_checkpoint(path, key=key)
+    try:
+        module = torch.jit.load(path, map_location="cpu")
+    except Exception as exc:
+        raise BnauditError(f"{path}: cannot load TorchScript archive: {_one_line(exc)}") from None
+    module.eval()
+    return RunnableModel(module, ckpt, facts_from_module_infos(ckpt.modules), "torchscript")
+
+
+def _load_pickled_module(path: str, fmt: str, key: str | None, trust_pickle: bool) -> RunnableModel:
+    import torch
+
+    if not trust_pickle and fmt == "torch-zip":
+        # Name every class the file needs before anything is unpickled.
+        try:
+            needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception as exc:
+            raise BnauditError(f"{path}: damaged torch.save archive ({_one_line(exc)})") from None
+        unsafe = [n for n in needed if allowed_global(n) is None]
+        if unsafe:
+            shown = ", ".join(unsafe[:6]) + (f" and {len(unsafe) - 6} more" if len(unsafe) > 6 else "")
+            raise BnauditError(
+                f"{path}: refused to unpickle the model: it needs classes outside torch.nn ({shown}), and "
+                "unpickling a class runs code from the file. If you trust the file, pass --trust-pickle; "
+                "better, save model.state_dict() and pass --arch MODULE:CALLABLE to build the model"
+            )
+    if trust_pickle:
+        cwd = os.getcwd()
+        if cwd not in sys.path and "" not in sys.path:
+            sys.path.insert(0, cwd)  # the pickled classes are imported by module name
+    obj = load_torch_object(path, trust_pickle=trust_pickle, mmap=fmt == "torch-zip")
+    candidates = find_state_dicts(obj)
+    modules = {k: v for k, v in candidates.items() if isinstance(v, torch.nn.Module)}
+    if not modules:
+        raise BnauditError(
+            f"{path}: holds a state dict, not a model: pass --arch MODULE:CALLABLE (the function that "
+            "builds the model) to run it"
+        )
+    chosen = choose_state_dict(path, modules, key)
+    module = modules[chosen]
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    from bnaudit.checkpoint import _is_ema_key, _torch_ref
+
+    # The module's own names and settings are the truth for everything downstream.
+    tensors = {name: _torch_ref(name, t) for name, t in module.state_dict().items()}
+    infos = module_infos(module)
+    ckpt = Checkpoint(path, fmt, tensors, key=chosen or None, other_keys=[k for k in candidates if k != chosen],
+                      is_ema=_is_ema_key(chosen),
+                      modules=infos, holds_module=True)
+    facts = dataclasses.replace(
+        facts_from_module_infos(infos),
+        batch_norms=frozenset(n for n, m in module.named_modules() if isinstance(m, _BatchNorm) and n in infos),
+    )
+    module.eval()
+    return RunnableModel(module, ckpt, facts, "pickle")
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def resolve_device(name: str | None) -> Any:
+    """`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available) -> torch.device."""
+    import torch
+
+    name = (name or "cpu").strip().lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise BnauditError(f"--device must be cpu, cuda, cuda:N or auto, got '{name}'") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BnauditError("--device cuda: no CUDA device is available here (use --device cpu or auto)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise BnauditError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) present")
+    elif device.type != "cpu":
+        raise BnauditError(f"--device must be cpu, cuda, cuda:N or auto, got '{name}'")
+    return device
+
+
+def to_device(value: Any, device: Any) -> Any:
+    """Move tensors inside tensors / tuples / lists / dicts to `device`."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, Mapping):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_device(v, device) for v in value]
+    if isinstance(value, tuple):
+        return tuple(to_device(v, device) for v in value)
+    return value
+
+
+def load_forward(spec: str | None) -> Callable[[Any, Any], Any] | None:
+    """--forward MODULE:CALLABLE: a function fn(model, batch) -> logits."""
+    return None if spec is None else import_callable(spec, "--forward")
+
+
+def forward(model: Any, inputs: Any, forward_fn: Callable[[Any, Any], Any] | None = None) -> Any:
+    """Run the model on one batch of inputs.
+
+    A tensor is passed as `model(x)`, a tuple or list as `model(*xs)`, a dict as
+    `model(**d)`; with --forward, `forward_fn(model, inputs)` decides.
+    """
+    if forward_fn is not None:
+        return forward_fn(model, inputs)
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def output_tensor(output: Any) -> Any:
+    """The tensor of a model output: the tensor itself, `.logits` / `["logits"]` of a
+    model-output object or dict, else the first tensor of a tuple, list or dict."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, Mapping):
+        if isinstance(output.get("logits"), torch.Tensor):
+            return output["logits"]
+        values = list(output.values())
+    elif isinstance(output, (tuple, list)):
+        values = list(output)
+    else:
+        values = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value
+    raise BnauditError(
+        f"the model returned {type(output).__name__}, which holds no tensor; pass --forward MODULE:CALLABLE "
+        "returning the logits"
+    )
+
+
+_NORM_SCRIPT_NAMES = re.compile(r"(BatchNorm|InstanceNorm)\w*$")
+
+
+def norm_modules(model: Any) -> dict[str, Any]:
+    """Name -> module of every module that normalises with running or batch statistics
+    (torch's _NormBase: BatchNorm*, SyncBatchNorm, InstanceNorm*), in registration order;
+    in a TorchScript module, those whose original class has such a name."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, _NormBase):
+            found[name] = module
+        elif _is_script(module) and _NORM_SCRIPT_NAMES.match(getattr(module, "original_name", "")):
+            found[name] = module
+    return found
+
+
+def _is_script(module: Any) -> bool:
+    import torch
+
+    return isinstance(module, torch.jit.ScriptModule)
+
+
+@contextlib.contextmanager
+def eval_mode(model: Any) -> Iterator[Any]:
+    """Every module in eval mode; the previous modes restored on exit."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@contextlib.contextmanager
+def batch_stats_mode(model: Any, norms: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+    """BN layers normalise by batch statistics (training mode), everything else eval.
+
+    Dropout and other mode-dependent modules stay in eval mode, so a difference to
+    eval mode is BatchNorm's alone. The training-mode forward updates running_mean,
+    running_var and num_batches_tracked; they are snapshot on entry and copied back on
+    exit (also on error), so the model's buffers are bit-identical afterwards, and so
+    are all modules' modes. Yields the norm modules.
+    """
+    import torch
+
+    norms = norm_modules(model) if norms is None else norms
+    modes = [(m, m.training) for m in model.modules()]
+    saved = [
+        (buf, buf.detach().clone())
+        for m in norms.values()
+        for buf in (getattr(m, n, None) for n in ("running_mean", "running_var", "num_batches_tracked"))
+        if isinstance(buf, torch.Tensor)
+    ]
+    model.eval()
+    for m in norms.values():
+        m.train()
+    try:
+        yield norms
+    finally:
+        with torch.no_grad():
+            for buf, copy in saved:
+                buf.copy_(copy)
+        for m, training in modes:
+            m.training = training
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__

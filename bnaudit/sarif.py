@@ -1,0 +1,117 @@
+"""SARIF 2.1.0 rendering of an inspect report, in the subset GitHub code scanning reads.
+
+One run; `tool.driver` describes bnaudit and every registered rule (text from
+`bnaudit.docs`, the source `bnaudit rules` prints). Each finding becomes a result:
+
+  ruleId, ruleIndex   the rule code and its index in driver.rules
+  level               error -> "error", warning -> "warning", info -> "note"
+  message.text        "<layer>: <message>" (the message alone for file-level findings)
+  locations[0]        physicalLocation.artifactLocation: the checkpoint path relative to
+                      the base folder (the current directory), uriBaseId %SRCROOT%;
+                      logicalLocations: the layer name
+  partialFingerprints {"bnauditFinding/v1": sha256(code, path, layer)[:32]}
+
+A checkpoint is binary, so a result has no `region`: a line number would be invented,
+and the GitHub upload action computes line-hash fingerprints only for results with a
+line, so it does not read gigabyte checkpoints as text. Our own fingerprint keeps the
+findings of one rule in different layers of one file apart. Files that could not be read
+become error notifications of the invocation, whose `executionSuccessful` is then false.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from bnaudit import __version__
+from bnaudit.docs import explain_rule, worst_severity
+from bnaudit.report import InspectReport
+from bnaudit.rules import RULES, Finding
+
+SCHEMA_URI = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
+# The project's home page (the SARIF driver must name an absolute URI); the README's
+# pre-commit snippet names the same repository.
+INFORMATION_URI = "https://github.com/bnaudit/bnaudit"
+LEVELS = {"error": "error", "warning": "warning", "info": "note"}
+
+
+def _artifact_location(path: str, base: str) -> dict[str, str]:
+    absolute = os.path.abspath(path)
+    relative = os.path.relpath(absolute, base)
+    if relative == ".." or relative.startswith(".." + os.sep):
+        return {"uri": Path(absolute).as_uri()}
+    return {"uri": quote(Path(relative).as_posix(), safe="/"), "uriBaseId": "%SRCROOT%"}
+
+
+def _fingerprint(finding: Finding, uri: str) -> str:
+    key = "\0".join((finding.code, uri, finding.layer or ""))
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def rule_descriptor(code: str) -> dict[str, Any]:
+    rule = RULES[code]
+    return {
+        "id": rule.code,
+        "name": rule.name,
+        "shortDescription": {"text": rule.summary},
+        "fullDescription": {"text": rule.explanation},
+        "help": {"text": explain_rule(rule), "markdown": explain_rule(rule, markdown=True)},
+        "defaultConfiguration": {"level": LEVELS[worst_severity(rule)]},
+        "properties": {"tags": ["batchnorm", "pytorch", "checkpoint"]},
+    }
+
+
+def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str, Any]:
+    """The SARIF log of an inspect report; paths are made relative to `base` (default: cwd)."""
+    base = os.path.abspath(base or os.getcwd())
+    codes = list(RULES)
+    results = []
+    notifications = []
+    for file in report.files:
+        location = _artifact_location(file.path, base)
+        if file.error:
+            notifications.append({
+                "level": "error",
+                "message": {"text": f"{file.path}: {file.error}"},
+                "locations": [{"physicalLocation": {"artifactLocation": location}}],
+            })
+            continue
+        for finding in file.findings:
+            where: dict[str, Any] = {"physicalLocation": {"artifactLocation": location}}
+            if finding.layer is not None:
+                where["logicalLocations"] = [{"name": finding.layer, "fullyQualifiedName": finding.layer,
+                                              "kind": "module"}]
+            result: dict[str, Any] = {
+                "ruleId": finding.code,
+                "level": LEVELS[finding.severity],
+                "message": {"text": f"{finding.layer}: {finding.message}" if finding.layer else finding.message},
+                "locations": [where],
+                "partialFingerprints": {"bnauditFinding/v1": _fingerprint(finding, location["uri"])},
+            }
+            if finding.code in RULES:
+                result["ruleIndex"] = codes.index(finding.code)
+            if finding.channels:
+                result["properties"] = {"channels": list(finding.channels)}
+            results.append(result)
+    return {
+        "$schema": SCHEMA_URI,
+        "version": "2.1.0",
+        "runs": [{
+            "tool": {"driver": {
+                "name": "bnaudit",
+                "version": __version__,
+                "semanticVersion": __version__,
+                "informationUri": INFORMATION_URI,
+                "rules": [rule_descriptor(code) for code in codes],
+            }},
+            "invocations": [{
+                "executionSuccessful": not notifications,
+                "toolExecutionNotifications": notifications,
+            }],
+            "originalUriBaseIds": {"%SRCROOT%": {"uri": Path(base).as_uri().rstrip("/") + "/"}},
+            "results": results,
+            "properties": {"config": report.config.as_dict()},
+        }],
+    }

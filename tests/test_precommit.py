@@ -1,0 +1,139 @@
+"""The pre-commit hook for real: pre-commit clones a hook repository holding this repo's
+`.pre-commit-hooks.yaml`, `git commit` runs the hook on the staged checkpoints, a broken
+one blocks the commit with its findings printed, a healthy one goes through.
+
+The hook is `language: system`: it runs the `bnaudit` on PATH. Here that is a two-line
+shim running this checkout (`python -m bnaudit` with the repo on PYTHONPATH), the same
+code an installed bnaudit would be. pre-commit must build no environment and download
+nothing (no torch): the test checks that its cache holds no virtualenv.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, bn_entries, save_safetensors, save_torch
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+
+
+def healthy_state() -> dict[str, torch.Tensor]:
+    # counter 5000 at momentum 0.1: the initial values weigh 0.9^5000 ~ 0, no BN003.
+    return {**bn_entries("backbone.bn1", 8, counter=5000), **bn_entries("head.bn", 4, counter=5000)}
+
+
+def reset_state() -> dict[str, torch.Tensor]:
+    state = healthy_state()
+    state["head.bn.running_mean"] = torch.zeros(4)
+    state["head.bn.running_var"] = torch.ones(4)  # BN002: statistics reset, weights trained
+    return state
+
+
+@pytest.fixture
+def env(tmp_path):
+    """An environment whose `bnaudit` is this checkout, with git and pre-commit isolated."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "bnaudit"
+    shim.write_text(f'#!/bin/sh\nPYTHONPATH="{REPO}" exec "{sys.executable}" -m bnaudit "$@"\n')
+    shim.chmod(0o755)
+    (tmp_path / "gitconfig").write_text("")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "PRE_COMMIT"))}
+    environ.update({
+        "PATH": f"{bin_dir}{os.pathsep}{environ.get('PATH', '')}",
+        "PRE_COMMIT_HOME": str(tmp_path / "pre-commit-cache"),
+        "GIT_CONFIG_GLOBAL": str(tmp_path / "gitconfig"),
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com",
+        "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.com",
+        "COLUMNS": "120",
+    })
+    environ.pop("PYTHONPATH", None)
+    return environ
+
+
+def run(args: list[str], cwd, env) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def git(cwd, env, *args: str) -> subprocess.CompletedProcess:
+    proc = run(["git", *args], cwd, env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def commit_count(project, env) -> int:
+    return int(git(project, env, "rev-list", "--count", "HEAD").stdout)
+
+
+@pytest.fixture
+def project(tmp_path, env):
+    """A git repository whose .pre-commit-config.yaml uses this repo's hook, installed."""
+    hooks = tmp_path / "hook-repo"
+    hooks.mkdir()
+    shutil.copy(os.path.join(REPO, ".pre-commit-hooks.yaml"), hooks / ".pre-commit-hooks.yaml")
+    git(hooks, env, "init", "-q")
+    git(hooks, env, "add", ".pre-commit-hooks.yaml")
+    git(hooks, env, "commit", "-q", "-m", "hooks")
+    rev = git(hooks, env, "rev-parse", "HEAD").stdout.strip()
+
+    project = tmp_path / "project"
+    (project / "models").mkdir(parents=True)
+    git(project, env, "init", "-q")
+    (project / ".pre-commit-config.yaml").write_text(
+        f"repos:\n  - repo: {hooks}\n    rev: {rev}\n    hooks:\n      - id: bnaudit\n")
+    installed = run([sys.executable, "-m", "pre_commit", "install"], project, env)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    git(project, env, "add", ".pre-commit-config.yaml")
+    git(project, env, "commit", "-q", "-m", "pre-commit config")  # no checkpoint: hook skipped
+    return project
+
+
+def test_hook_blocks_a_broken_checkpoint_and_passes_healthy_ones(project, env, tmp_path):
+    save_safetensors(healthy_state(), project / "models" / "healthy.safetensors")
+    (project / "notes.txt").write_text("not a checkpoint: the hook's file pattern skips it\n")
+    git(project, env, "add", "-A")
+    ok = run(["git", "commit", "-m", "healthy"], project, env)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "bnaudit (BatchNorm statistics of checkpoints)...." in ok.stderr and "Passed" in ok.stderr
+    assert commit_count(project, env) == 2
+
+    save_torch(reset_state(), project / "models" / "finetuned.pt")
+    save_safetensors(healthy_state(), project / "models" / "other.SAFETENSORS")
+    git(project, env, "add", "-A")
+    blocked = run(["git", "commit", "-m", "broken"], project, env)
+    output = blocked.stdout + blocked.stderr
+    assert blocked.returncode != 0, output
+    assert "Failed" in output and "exit code: 1" in output
+    assert "models/finetuned.pt" in output and "BN002 initial-values" in output and "head.bn" in output
+    # both staged checkpoints (the suffix matched in any case) went to one bnaudit call
+    assert "2 file(s), 4 BN layer(s): 1 error(s), 0 warning(s), 0 info(s)" in output
+    assert commit_count(project, env) == 2  # the commit did not happen
+
+    # pre-commit cloned the hook repository and built no environment for it
+    cache = tmp_path / "pre-commit-cache"
+    assert cache.is_dir()
+    assert not [p for p in cache.rglob("*") if p.name.startswith("py_env") or p.name == "pyvenv.cfg"]
+
+
+def test_hook_honours_the_projects_configuration(project, env):
+    save_torch(reset_state(), project / "models" / "finetuned.pt")
+    (project / "pyproject.toml").write_text('[tool.bnaudit]\nper-layer-ignores = {"head.*" = ["BN002"]}\n')
+    git(project, env, "add", "-A")
+    ok = run(["git", "commit", "-m", "reset head, ignored by configuration"], project, env)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert commit_count(project, env) == 2
+
+    (project / "pyproject.toml").write_text('[tool.bnaudit]\nmax-gain = -1\n')
+    save_safetensors(healthy_state(), project / "models" / "healthy.safetensors")
+    git(project, env, "add", "-A")
+    bad = run(["git", "commit", "-m", "bad configuration"], project, env)
+    output = bad.stdout + bad.stderr
+    assert bad.returncode != 0
+    assert "pyproject.toml [tool.bnaudit]: max-gain: expected a positive number, got -1" in output
+    assert "exit code: 2" in output

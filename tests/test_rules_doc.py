@@ -1,0 +1,107 @@
+"""Rule documentation: `bnaudit rules`, `bnaudit rules CODE` and the README's rule and
+configuration tables all come from rules.RULES and config.KEYS and cannot drift."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from bnaudit.config import KEYS
+from bnaudit.docs import GENERATED, generated_blocks, update_generated
+from bnaudit.rules import RULES
+from conftest import REPO
+
+README = os.path.join(REPO, "README.md")
+
+
+def read_readme() -> str:
+    with open(README, encoding="utf-8") as fh:
+        return fh.read()
+
+
+def table_rows(markdown: str) -> list[list[str]]:
+    rows = []
+    for line in markdown.strip().splitlines()[2:]:
+        cells = re.split(r"(?<!\\)\|", line.strip())[1:-1]
+        rows.append([c.strip().replace("\\|", "|") for c in cells])
+    return rows
+
+
+def test_readme_generated_blocks_are_up_to_date():
+    text = read_readme()
+    assert set(generated_blocks(text)) == set(GENERATED), "a generated block is missing from README.md"
+    assert update_generated(text) == text, "README.md is stale: run python tools/update_readme.py"
+
+
+def test_readme_rule_table_lists_every_rule_as_registered():
+    rows = table_rows(generated_blocks(read_readme())["rules-table"])
+    assert rows == [[r.code, r.name, r.severity, r.summary] for r in RULES.values()]
+
+
+def test_readme_config_table_lists_every_key():
+    rows = table_rows(generated_blocks(read_readme())["config-table"])
+    assert [row[0] for row in rows] == [f"`{name}`" for name in KEYS]
+    defaults = {row[0].strip("`"): row[1] for row in rows}
+    assert defaults["fail-on"] == '`"warning"`' and defaults["max-gain"] == "`100.0`"
+    assert defaults["eps"] == "`1e-05`" and defaults["momentum"] == "`0.1`" and defaults["select"] == "`[]`"
+
+
+def test_update_script_rewrites_a_stale_block_and_check_mode_reports_it(tmp_path):
+    stale = read_readme().replace("| BN002 | initial-values |", "| BN002 | old-name |")
+    path = tmp_path / "README.md"
+    path.write_text(stale, encoding="utf-8")
+    script = os.path.join(REPO, "tools", "update_readme.py")
+    check = subprocess.run([sys.executable, script, "--check", "--readme", str(path)], capture_output=True, text=True)
+    assert check.returncode == 1 and "out of date" in check.stderr
+    fix = subprocess.run([sys.executable, script, "--readme", str(path)], capture_output=True, text=True)
+    assert fix.returncode == 0
+    assert path.read_text(encoding="utf-8") == read_readme()
+
+
+def test_rules_lists_code_name_severity_and_summary(cli):
+    result = cli("rules", width=400)
+    assert result.exit_code == 0
+    for rule in RULES.values():
+        (line,) = [line for line in result.stdout.splitlines() if line.startswith(rule.code)]
+        assert [c.strip() for c in line.split("│")] == [rule.code, rule.name, rule.severity, rule.summary]
+
+
+def test_rules_code_explains_what_why_fix_and_silence(cli):
+    result = cli("rules", "bn004", width=120)
+    assert result.exit_code == 0
+    out = result.stdout
+    flat = " ".join(out.split())
+    rule = RULES["BN004"]
+    assert out.startswith("BN004 near-eps-variance\ndefault severity: warning / info\n")
+    for title in ("What it detects", "Why it matters", "How to fix it", "How to silence it"):
+        assert f"\n{title}\n" in out
+    assert " ".join(rule.summary.split()) in flat and " ".join(rule.fix.split()) in flat
+    assert "|gamma| / sqrt(var + eps): 1/sqrt(1e-5) = 316x" in flat  # the arithmetic
+    assert "bnaudit inspect --ignore BN004" in flat
+    assert 'ignore = ["BN004"] under [tool.bnaudit]' in flat
+    assert 'per-layer-ignores = {"backbone.*" = ["BN004"]}' in flat
+    assert "near-eps-factor = 10.0, max-gain = 100.0, eps = 1e-05" in flat
+    assert 'fail-on = "error"' in flat
+
+
+def test_every_rule_has_an_explanation_and_names_real_settings(cli):
+    for rule in RULES.values():
+        assert set(rule.settings) <= set(KEYS), rule.code
+        out = " ".join(cli("rules", rule.code).stdout.split())
+        assert " ".join(rule.explanation.split()) in out
+        assert f"--ignore {rule.code}" in out
+
+
+def test_unknown_rule_is_one_line_and_exit_2(cli):
+    result = cli("rules", "BN999")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"bnaudit: error: unknown rule 'BN999' (known: {', '.join(RULES)})"
+
+
+def test_rules_command_does_not_import_torch():
+    code = ("import sys\nfrom bnaudit.cli import main\nsys.argv = ['bnaudit', 'rules', 'BN003']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "False"

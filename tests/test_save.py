@@ -1,0 +1,323 @@
+"""save_like: same format and container out, only the BN statistics changed, written atomically."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from bnaudit import checkpoint as ckpt_mod
+from bnaudit.checkpoint import atomic_write, read_checkpoint, save_like, sniff_format
+from bnaudit.errors import BnauditError
+
+torch.set_num_threads(1)
+# torch.jit.script/save/load warn that TorchScript is deprecated; it is still a format users ship
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def state_dict(prefix: str = "") -> "OrderedDict[str, torch.Tensor]":
+    g = torch.Generator().manual_seed(0)
+    sd = OrderedDict()
+    sd[prefix + "conv.weight"] = torch.randn(4, 2, 3, 3, generator=g)
+    sd[prefix + "bn.weight"] = torch.rand(4, generator=g)
+    sd[prefix + "bn.bias"] = torch.randn(4, generator=g)
+    sd[prefix + "bn.running_mean"] = torch.randn(4, generator=g)
+    sd[prefix + "bn.running_var"] = torch.rand(4, generator=g) + 0.5
+    sd[prefix + "bn.num_batches_tracked"] = torch.tensor(7)
+    sd[prefix + "bn2.running_mean"] = torch.randn(3, generator=g).to(torch.bfloat16)
+    sd[prefix + "bn2.running_var"] = (torch.rand(3, generator=g) + 0.5).to(torch.bfloat16)
+    sd[prefix + "bn2.num_batches_tracked"] = torch.tensor(2)
+    sd[prefix + "fc.weight"] = torch.randn(5, 4, generator=g).half()
+    return sd
+
+
+NEW = {
+    "bn.running_mean": torch.tensor([0.5, -1.25, 2.0, 3.0], dtype=torch.float64),
+    "bn.running_var": torch.tensor([1.5, 0.25, 4.0, 9.0], dtype=torch.float64),
+    "bn.num_batches_tracked": torch.tensor(11),
+    "bn2.running_var": torch.tensor([2.0, 3.0, 0.5], dtype=torch.float64),
+}
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+def test_safetensors_out_changes_only_the_updated_bytes_and_keeps_metadata(tmp_path: Path) -> None:
+    src, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    sd = state_dict("module.")
+    save_file(sd, str(src), metadata={"format": "pt", "origin": "unit test"})
+    digest = sha(src)
+    ckpt = read_checkpoint(str(src))
+    assert ckpt.prefix == "module."
+    save_like(ckpt, NEW, str(out), provenance={"method": "exact", "samples": 90})
+    assert sha(src) == digest  # the input is untouched
+
+    # the data section is the input's, with exactly the updated slices replaced
+    def sections(path: Path) -> tuple[dict, bytes]:
+        data = path.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        return json.loads(data[8:8 + n]), data[8 + n:]
+
+    header_in, data_in = sections(src)
+    header_out, data_out = sections(out)
+    expected = bytearray(data_in)
+    for name, value in NEW.items():
+        full = "module." + name
+        begin, end = header_in[full]["data_offsets"]
+        expected[begin:end] = raw(value.to(sd[full].dtype))
+    assert data_out == bytes(expected)
+    assert {k: v for k, v in header_out.items() if k != "__metadata__"} == \
+        {k: v for k, v in header_in.items() if k != "__metadata__"}
+
+    loaded = load_file(str(out))
+    assert list(loaded) == list(load_file(str(src)))
+    for name, tensor in sd.items():
+        short = name.removeprefix("module.")
+        want = NEW[short].to(tensor.dtype) if short in NEW else tensor
+        assert loaded[name].dtype == tensor.dtype and raw(loaded[name]) == raw(want), name
+    with safe_open(str(out), "pt") as f:
+        metadata = f.metadata()
+    assert metadata["format"] == "pt" and metadata["origin"] == "unit test"
+    assert json.loads(metadata["bnaudit"]) == {"method": "exact", "samples": 90}
+
+
+# ----------------------------------------------------------------------------- torch containers
+
+
+def test_container_keeps_every_other_key_and_only_the_chosen_state_dict_changes(tmp_path: Path) -> None:
+    src, out = tmp_path / "ckpt.pth", tmp_path / "out.pth"
+    model_sd, ema_sd = state_dict("module."), state_dict("module.")
+    optimizer = {"state": {0: {"momentum_buffer": torch.randn(4, 2, 3, 3)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    container = {"model": model_sd, "model_ema": ema_sd, "optimizer": optimizer, "epoch": 3,
+                 "args": argparse.Namespace(lr=0.1, arch="net")}
+    torch.save(container, src)
+    digest = sha(src)
+    ckpt = read_checkpoint(str(src))
+    assert (ckpt.key, ckpt.prefix) == ("model", "module.")
+    save_like(ckpt, NEW, str(out))
+    assert sha(src) == digest
+    assert sniff_format(str(out)) == "torch-zip"
+
+    loaded = torch.load(out, weights_only=False)
+    assert list(loaded) == list(container)
+    assert loaded["epoch"] == 3 and loaded["args"] == container["args"]
+    assert torch.equal(loaded["optimizer"]["state"][0]["momentum_buffer"], optimizer["state"][0]["momentum_buffer"])
+    assert loaded["optimizer"]["param_groups"] == optimizer["param_groups"]
+    for name, tensor in ema_sd.items():  # the EMA copy is a different state dict: untouched
+        assert raw(loaded["model_ema"][name]) == raw(tensor)
+    assert list(loaded["model"]) == list(model_sd)  # no new keys, same order
+    for name, tensor in model_sd.items():
+        short = name.removeprefix("module.")
+        want = NEW[short].to(tensor.dtype) if short in NEW else tensor
+        got = loaded["model"][name]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape and raw(got) == raw(want), name
+
+
+def test_the_key_chosen_by_the_user_is_the_one_written(tmp_path: Path) -> None:
+    src, out = tmp_path / "ckpt.pth", tmp_path / "out.pth"
+    torch.save({"state_dict": state_dict(), "state_dict_ema": state_dict()}, src)
+    ckpt = read_checkpoint(str(src), key="state_dict_ema")
+    save_like(ckpt, NEW, str(out))
+    loaded = torch.load(out, weights_only=True)
+    assert torch.equal(loaded["state_dict_ema"]["bn.running_var"], NEW["bn.running_var"].float())
+    assert torch.equal(loaded["state_dict"]["bn.running_var"], state_dict()["bn.running_var"])
+
+
+def test_bare_state_dict_still_loads_strictly_with_its_metadata(tmp_path: Path) -> None:
+    src, out = tmp_path / "sd.pt", tmp_path / "out.pt"
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4))
+    torch.save(model.state_dict(), src)
+    save_like(read_checkpoint(str(src)), {"1.running_var": torch.full((4,), 2.0)}, str(out))
+    loaded = torch.load(out, weights_only=True)
+    assert list(loaded) == list(model.state_dict())
+    assert loaded._metadata == model.state_dict()._metadata
+    fresh = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4))
+    fresh.load_state_dict(loaded, strict=True)
+    assert torch.equal(fresh[1].running_var, torch.full((4,), 2.0))
+
+
+def test_legacy_format_in_gives_legacy_format_out(tmp_path: Path) -> None:
+    src, out = tmp_path / "old.pt", tmp_path / "out.pt"
+    torch.save(state_dict(), src, _use_new_zipfile_serialization=False)
+    ckpt = read_checkpoint(str(src))
+    assert ckpt.format == "torch-legacy"
+    save_like(ckpt, NEW, str(out))
+    assert sniff_format(str(out)) == "torch-legacy"
+    assert torch.equal(torch.load(out, weights_only=True)["bn.running_mean"], NEW["bn.running_mean"].float())
+
+
+def test_pickled_module_gets_its_buffers_set(tmp_path: Path) -> None:
+    src, out = tmp_path / "whole.pt", tmp_path / "out.pt"
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4))
+    torch.save({"model": model, "epoch": 1}, src)
+    save_like(read_checkpoint(str(src)), {"1.running_mean": torch.arange(4.0)}, str(out))
+    loaded = torch.load(out, weights_only=False)
+    assert isinstance(loaded["model"], nn.Sequential) and loaded["epoch"] == 1
+    assert torch.equal(loaded["model"][1].running_mean, torch.arange(4.0))
+    assert torch.equal(loaded["model"][0].weight, model[0].weight)
+
+
+# ----------------------------------------------------------------------------- TorchScript
+
+
+def test_torchscript_in_gives_torchscript_out_with_extra_files(tmp_path: Path) -> None:
+    src, out = tmp_path / "net.pt", tmp_path / "out.pt"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    torch.jit.save(torch.jit.script(model), str(src), _extra_files={"notes.txt": b"keep me"})
+    ckpt = read_checkpoint(str(src))
+    assert ckpt.format == "torchscript"
+    save_like(ckpt, {"1.running_mean": torch.ones(4), "1.running_var": torch.full((4,), 4.0),
+                     "1.num_batches_tracked": torch.tensor(9)}, str(out))
+    assert sniff_format(str(out)) == "torchscript"
+    extra = {"notes.txt": b""}
+    loaded = torch.jit.load(str(out), _extra_files=extra)
+    assert extra["notes.txt"] == b"keep me"
+    buffers = dict(loaded.named_buffers())
+    assert torch.equal(buffers["1.running_var"], torch.full((4,), 4.0))
+    assert buffers["1.num_batches_tracked"].item() == 9
+    for name, p in model.named_parameters():
+        assert raw(dict(loaded.named_parameters())[name]) == raw(p.detach())
+    # it still runs, and computes with the new statistics
+    x = torch.randn(2, 2, 5, 5)
+    model[1].running_mean.fill_(1.0)
+    model[1].running_var.fill_(4.0)
+    assert torch.allclose(loaded(x), model(x))
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_non_finite_statistics_are_refused_naming_the_layer(tmp_path: Path) -> None:
+    src = tmp_path / "in.safetensors"
+    save_file(state_dict(), str(src))
+    with pytest.raises(BnauditError, match="layer bn: refusing to write a non-finite running_var"):
+        save_like(read_checkpoint(str(src)), {"bn.running_var": torch.tensor([1.0, float("nan"), 1.0, 1.0])},
+                  str(tmp_path / "out.safetensors"))
+    with pytest.raises(BnauditError, match="layer bn2: refusing to write a non-finite running_var"):
+        # finite in float64, infinite once cast to the stored bfloat16
+        save_like(read_checkpoint(str(src)), {"bn2.running_var": torch.tensor([1e39, 1.0, 1.0], dtype=torch.float64)},
+                  str(tmp_path / "out.safetensors"))
+    assert sorted(os.listdir(tmp_path)) == ["in.safetensors"]
+
+
+def test_only_running_statistics_may_be_written(tmp_path: Path) -> None:
+    src = tmp_path / "in.safetensors"
+    save_file(state_dict(), str(src))
+    with pytest.raises(ValueError, match="only writes"):
+        save_like(read_checkpoint(str(src)), {"bn.weight": torch.ones(4)}, str(tmp_path / "o.safetensors"))
+    with pytest.raises(ValueError, match="differs from stored"):
+        save_like(read_checkpoint(str(src)), {"bn.running_var": torch.ones(5)}, str(tmp_path / "o.safetensors"))
+
+
+def test_existing_output_is_refused_without_force_and_replaced_with_it(tmp_path: Path) -> None:
+    src, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(state_dict(), str(src))
+    out.write_bytes(b"precious")
+    with pytest.raises(BnauditError, match="already exists .*--force"):
+        save_like(read_checkpoint(str(src)), NEW, str(out))
+    assert out.read_bytes() == b"precious"
+    save_like(read_checkpoint(str(src)), NEW, str(out), force=True)
+    assert torch.equal(load_file(str(out))["bn.running_var"], NEW["bn.running_var"].float())
+    assert sorted(os.listdir(tmp_path)) == ["in.safetensors", "out.safetensors"]
+
+
+def test_the_input_is_never_the_output_even_with_force(tmp_path: Path) -> None:
+    src = tmp_path / "in.safetensors"
+    save_file(state_dict(), str(src))
+    digest = sha(src)
+    with pytest.raises(BnauditError, match="is the input checkpoint"):
+        save_like(read_checkpoint(str(src)), NEW, str(src), force=True)
+    assert sha(src) == digest
+
+
+def test_missing_folder_is_a_clear_error(tmp_path: Path) -> None:
+    src = tmp_path / "in.safetensors"
+    save_file(state_dict(), str(src))
+    with pytest.raises(BnauditError, match="does not exist"):
+        save_like(read_checkpoint(str(src)), NEW, str(tmp_path / "nowhere" / "out.safetensors"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_folder_is_a_clear_error(tmp_path: Path) -> None:
+    target = tmp_path / "ro"
+    target.mkdir()
+    target.chmod(0o500)
+    try:
+        with pytest.raises(BnauditError, match="cannot write"):
+            atomic_write(str(target / "out.bin"), lambda f: f.write(b"x"))
+    finally:
+        target.chmod(0o700)
+
+
+@pytest.mark.parametrize("mode", ["unnamed", "unnamed-copied", "named"])
+def test_interrupted_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    if mode == "named":
+        monkeypatch.setattr(ckpt_mod, "_open_unnamed", lambda _d: None)
+    if mode == "unnamed-copied":
+        monkeypatch.setattr(ckpt_mod, "_link_fd", lambda _fd, _t: False)
+
+    def half_then_ctrl_c(f) -> None:
+        f.write(b"x" * 1000)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(str(tmp_path / "out.bin"), half_then_ctrl_c)
+    assert os.listdir(tmp_path) == []
+    # and the same path completes normally, in each mode
+    atomic_write(str(tmp_path / "out.bin"), lambda f: f.write(b"whole"))
+    assert (tmp_path / "out.bin").read_bytes() == b"whole"
+    assert os.listdir(tmp_path) == ["out.bin"]
+    with pytest.raises(BnauditError, match="already exists"):
+        atomic_write(str(tmp_path / "out.bin"), lambda f: f.write(b"again"))
+    atomic_write(str(tmp_path / "out.bin"), lambda f: f.write(b"forced"), force=True)
+    assert (tmp_path / "out.bin").read_bytes() == b"forced" and os.listdir(tmp_path) == ["out.bin"]
+
+
+def test_killed_writer_leaves_no_file(tmp_path: Path) -> None:
+    out, started = tmp_path / "out" / "model.pt", tmp_path / "started"
+    out.parent.mkdir()
+    script = textwrap.dedent(f"""
+        import time
+        from bnaudit.checkpoint import atomic_write
+        def slow(f):
+            f.write(b"x" * 4096)
+            f.flush()
+            open({str(started)!r}, "w").close()
+            time.sleep(60)
+        atomic_write({str(out)!r}, slow)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert os.listdir(out.parent) == []
