@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Iterator
 from enum import Enum
@@ -91,10 +92,23 @@ def _fail(message: str, json_output: bool) -> None:
 def _console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    # markup and emoji off: names and messages come from untrusted files and are printed as
+    # they are ("bn[/x]" would otherwise crash the renderer); it also renders faster.
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, markup=False, emoji=False)
 
 
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")]
+
+
+def _no_blas_threads() -> None:
+    """Spare numpy's OpenBLAS its thread pool in commands that do no linear algebra.
+
+    OpenBLAS starts a thread per core when numpy is imported; on a busy or many-core
+    machine that costs as much as the rest of the numpy import, on every pre-commit run.
+    It only works before numpy is imported; a user's own setting wins.
+    """
+    if "numpy" not in sys.modules:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 @app.command()
@@ -117,6 +131,8 @@ def inspect(
     arch_kwargs: Annotated[Optional[str], typer.Option("--arch-kwargs", help='JSON object of keyword arguments for --arch, e.g. \'{"num_classes": 10}\'.')] = None,
 ) -> None:
     """Audit every BatchNorm layer of checkpoints, without code or data."""
+    if arch is None:  # with --arch, the user's model code runs here and keeps its BLAS threads
+        _no_blas_threads()
     from bnaudit.audit import inspect as run_inspect
     from bnaudit.config import load_config
     from bnaudit.report import inspect_to_json, render_inspect
@@ -159,6 +175,7 @@ def rules_command(
     debug: DebugOpt = False,
 ) -> None:
     """List the rules, or explain one: what it detects, why it matters, how to fix and silence it."""
+    _no_blas_threads()
     from bnaudit.docs import explain_rule, find_rule, render_rules
 
     with user_errors(debug):

@@ -127,3 +127,17 @@ def test_values_the_fast_path_declines_get_typers_own_error(cli, numpy_safetenso
     result = cli("inspect", numpy_safetensors, *args)
     assert result.exit_code == 2
     assert message in result.output
+
+
+# --- the console prints names from files verbatim (markup off is also the faster path) --
+
+
+def test_layer_names_that_look_like_markup_are_printed_verbatim(cli, tmp_path):
+    path = str(tmp_path / "odd.safetensors")
+    save_file({f"{p}.{leaf}": value for p in ("bn[/x]", "head[bold]:smile:")
+               for leaf, value in (("running_mean", np.zeros(2, np.float32) + 0.3),
+                                   ("running_var", np.ones(2, np.float32) * 0.6),
+                                   ("num_batches_tracked", np.array(9000, np.int64)))}, path)
+    result = cli("inspect", path, width=160)
+    assert result.exit_code == 0, result.output
+    assert "bn[/x]" in result.output and "head[bold]:smile:" in result.output
