@@ -48,6 +48,8 @@ class Run:
     maxrss: int  # bytes
     code: int
     max_children: int  # most descendant processes seen at one time (0 unless watched)
+    cpu: float  # user + system seconds of the process and the children it waited for
+    main_cpu: float  # of the process alone, last seen before it exited (0 unless watched)
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -80,19 +82,30 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def _own_cpu(pid: int) -> float | None:
+    """utime + stime of `pid` alone (not its children), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(cmd: Sequence[str], env: dict[str, str] | None = None, watch_children: bool = False,
             cwd: str | None = None) -> Run:
-    """Run `cmd` once in a fresh process: wall time, peak RSS, exit code."""
+    """Run `cmd` once in a fresh process: wall time, peak RSS, CPU time, exit code."""
     with tempfile.TemporaryFile() as err:
         start = time.perf_counter()
         proc = subprocess.Popen(list(cmd), stdout=subprocess.DEVNULL, stderr=err, env=env or child_env(), cwd=cwd or REPO)
-        most = 0
+        most, main_cpu = 0, 0.0
         if watch_children:
             while True:
                 pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
                 if pid:
                     break
                 most = max(most, len(_descendants(proc.pid)))
+                main_cpu = _own_cpu(proc.pid) or main_cpu
                 time.sleep(0.05)
         else:
             _, status, usage = os.wait4(proc.pid, 0)
@@ -102,7 +115,7 @@ def measure(cmd: Sequence[str], env: dict[str, str] | None = None, watch_childre
             err.seek(0)
             tail = err.read().decode(errors="replace").strip().splitlines()[-3:]
             raise RuntimeError(f"command failed ({code}): {' '.join(cmd)}\n  " + "\n  ".join(tail))
-    return Run(wall, usage.ru_maxrss * 1024, code, most)
+    return Run(wall, usage.ru_maxrss * 1024, code, most, usage.ru_utime + usage.ru_stime, main_cpu)
 
 
 def compare(commands: dict[str, Sequence[str]], repeats: int, env: dict[str, str] | None = None,
@@ -457,6 +470,12 @@ class Workload:
     batch: int
 
 
+# One intra-op thread in every compared torch process: on a few shared cores, OpenMP's
+# spinning threads make multi-threaded timings erratic (10x swings between runs), and both
+# sides of each comparison run alike.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 def bnaudit_gap(w: Workload, data: str | None = None, extra: Sequence[str] = ()) -> list[str]:
     return [PY, "-m", "bnaudit", "gap", w.ckpt, "--arch", w.arch, "--data", data or w.data,
             "--batch-size", str(w.batch), "--format", "json", *extra]
@@ -483,7 +502,7 @@ def target_3_recalibrate(w: Workload, repeats: int, samples: int) -> None:
     runs = compare({
         "update_bn": [PY, ref, out_ref],
         "exact": bnaudit_recal(w, out_bn, extra=["--method", "exact"]),
-    }, repeats)
+    }, repeats, env=child_env(ONE_THREAD))
     t_ref, t_exact = median_wall(runs["update_bn"]), median_wall(runs["exact"])
     line("3", what, t_exact / t_ref, 1.10,
          f"{fmt_s(t_exact)} vs {fmt_s(t_ref)}, {samples} samples, batch {w.batch}, whole processes")
@@ -494,7 +513,7 @@ def target_4_gap(w: Workload, repeats: int, samples: int) -> None:
     if not command_exists("gap"):
         return skip("4", what, "no `bnaudit gap` command on this branch yet")
     ref = reference_script(w, "ref_eval.py", REF_EVAL)
-    runs = compare({"eval": [PY, ref], "gap": bnaudit_gap(w)}, repeats)
+    runs = compare({"eval": [PY, ref], "gap": bnaudit_gap(w)}, repeats, env=child_env(ONE_THREAD))
     t_ref, t_gap = median_wall(runs["eval"]), median_wall(runs["gap"])
     line("4", what, t_gap / t_ref, 2.2,
          f"{fmt_s(t_gap)} vs {fmt_s(t_ref)}, {samples} samples, batch {w.batch}, whole processes")
@@ -510,7 +529,7 @@ def target_5_memory(w: Workload, small: str, large: str, n_small: int, repeats: 
         if not exists:
             skip("5", what, f"no `bnaudit {name}` command on this branch yet")
             continue
-        runs = compare({"small": build(small), "large": build(large)}, repeats)
+        runs = compare({"small": build(small), "large": build(large)}, repeats, env=child_env(ONE_THREAD))
         m_small, m_large = median_rss(runs["small"]), median_rss(runs["large"])
         line("5", what, m_large / m_small, 1.2, f"{fmt_mb(m_large)} vs {fmt_mb(m_small)}")
 
@@ -520,8 +539,8 @@ def target_6_workers(w: Workload, images: str, n_images: int, repeats: int) -> N
     if not command_exists("gap"):
         return skip("6", what, "no `bnaudit gap` command on this branch yet")
     # One intra-op thread per process, so that overlap (not extra threads for the
-    # convolutions) is what --workers can win on this 2-core machine.
-    env = child_env({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    # convolutions) is what --workers can win.
+    env = child_env(ONE_THREAD)
     runs = compare({
         "w0": bnaudit_gap(w, images, ["--image-size", "32", "--workers", "0"]),
         "w2": bnaudit_gap(w, images, ["--image-size", "32", "--workers", "2"]),
@@ -529,14 +548,17 @@ def target_6_workers(w: Workload, images: str, n_images: int, repeats: int) -> N
     t0, t2 = median_wall(runs["w0"]), median_wall(runs["w2"])
     kids0 = max(r.max_children for r in runs["w0"])
     kids2 = min(r.max_children for r in runs["w2"])
+    main0 = statistics.median(r.main_cpu for r in runs["w0"])
+    main2 = statistics.median(r.main_cpu for r in runs["w2"])
+    workers2 = statistics.median(r.cpu - r.main_cpu for r in runs["w2"])
     line("6", "gap --workers 2: worker processes seen (min over runs)", None, None,
          f"{kids2} with --workers 2, {kids0} with --workers 0")
-    ok_workers = kids2 >= 2 and kids0 == 0
-    ratio = t2 / t0
-    detail = f"{fmt_s(t2)} vs {fmt_s(t0)}, {n_images} images, OMP_NUM_THREADS=1"
-    if not ok_workers:
-        detail += "; FAIL: no DataLoader worker processes"
-        ratio = float("inf")
+    line("6", "gap CPU time: main process with --workers 2 vs 0", main2 / main0, None,
+         f"main {main2:.2f} s vs {main0:.2f} s; the workers used {workers2:.2f} s (decoding moved out of the forward's process)")
+    ratio = t2 / t0 if kids2 >= 2 and kids0 == 0 else float("inf")
+    detail = f"{fmt_s(t2)} vs {fmt_s(t0)}, {n_images} images, OMP_NUM_THREADS=1, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    if ratio == float("inf"):
+        detail += "; no DataLoader worker processes seen"
     line("6", what, ratio, 0.90, detail)
 
 
