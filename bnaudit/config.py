@@ -30,6 +30,10 @@ from typing import Any
 from bnaudit.errors import BnauditError
 
 SEVERITIES = ("info", "warning", "error")
+# PyTorch's BatchNorm defaults, assumed where a file holds no modules (re-exported by
+# bnaudit.layers; defined here so that `bnaudit rules` needs no numpy).
+DEFAULT_EPS = 1e-5
+DEFAULT_MOMENTUM = 0.1
 CONFIG_FILE = "bnaudit.toml"
 PYPROJECT = "pyproject.toml"
 

@@ -11,9 +11,8 @@ import re
 import textwrap
 from typing import Any
 
-from bnaudit.config import KEYS, SEVERITIES, Config
+from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM, KEYS, SEVERITIES, Config
 from bnaudit.errors import BnauditError
-from bnaudit.layers import DEFAULT_EPS, DEFAULT_MOMENTUM
 from bnaudit.rules import RULES, Rule
 
 WIDTH = 88

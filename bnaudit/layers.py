@@ -17,9 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bnaudit.checkpoint import Checkpoint, ModuleInfo, TensorRef
-
-DEFAULT_EPS = 1e-5
-DEFAULT_MOMENTUM = 0.1
+from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM  # noqa: F401 (re-exported)
 STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 
 

@@ -14,11 +14,14 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from bnaudit.config import Config
-from bnaudit.layers import BNLayer, Discovery, ModuleFacts
+
+if TYPE_CHECKING:  # `bnaudit rules` needs the registry only: numpy is imported where checks run
+    import numpy as np
+
+    from bnaudit.layers import BNLayer, Discovery, ModuleFacts
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,8 @@ def rule(code: str, name: str, severity: str, summary: str, explanation: str, fi
 
 def eval_gain(layer: BNLayer) -> np.ndarray:
     """g_c = |gamma_c| / sqrt(running_var_c + eps); NaN where var is non-finite or < 0."""
+    import numpy as np
+
     var = layer.running_var
     gamma = layer.weight if layer.weight is not None and layer.weight.shape == var.shape else np.ones_like(var)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -83,6 +88,8 @@ def eval_gain(layer: BNLayer) -> np.ndarray:
 
 def near_eps_channels(layer: BNLayer, factor: float) -> np.ndarray:
     """Indices of channels with 0 <= running_var < factor * eps."""
+    import numpy as np
+
     var = layer.running_var
     with np.errstate(invalid="ignore"):
         return np.flatnonzero(np.isfinite(var) & (var >= 0) & (var < factor * layer.eps))
@@ -94,10 +101,14 @@ def initial_weight(momentum: float, updates: int) -> float:
 
 
 def has_identity_stats(layer: BNLayer) -> bool:
+    import numpy as np
+
     return bool(np.all(layer.running_mean == 0.0) and np.all(layer.running_var == 1.0))
 
 
 def _has_initial_affine(layer: BNLayer) -> bool:
+    import numpy as np
+
     return (layer.weight is None or bool(np.all(layer.weight == 1.0))) and (
         layer.bias is None or bool(np.all(layer.bias == 0.0))
     )
@@ -243,6 +254,8 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
     settings=("near-eps-factor", "max-gain", "eps"),
 )
 def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
+    import numpy as np
+
     r = RULES["BN004"]
     cfg = ctx.config
     for layer in ctx.discovery.layers:
@@ -277,6 +290,8 @@ def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
     "for shape mismatches, check how the state dict was converted.",
 )
 def _check_invalid(ctx: RuleContext) -> Iterator[Finding]:
+    import numpy as np
+
     r = RULES["BN005"]
     for layer in ctx.discovery.layers:
         problems: list[str] = []

@@ -2,7 +2,7 @@
 
 `bnaudit --help`, `bnaudit rules` and `bnaudit inspect` of a safetensors file run in
 pre-commit hooks on every commit: they must not import torch (seconds) nor, through
-typer's option conversion, pydantic. Each command runs in a fresh interpreter that
+typer's option conversion, pydantic; `rules` (a listing) needs no numpy either. Each command runs in a fresh interpreter that
 reports afterwards which modules it loaded; the wall time is judged by benchmarks/run.py.
 """
 from __future__ import annotations
@@ -94,14 +94,15 @@ def test_inspect_torch_save_file_does_import_torch(tmp_path):
     assert loaded["torch"]
 
 
-def test_rules_command_does_not_import_torch():
+@pytest.mark.parametrize("args", [("rules",), ("rules", "BN004")])
+def test_rules_command_imports_neither_torch_nor_numpy(args):
     from bnaudit.cli import app
 
     if "rules" not in {c.name or c.callback.__name__ for c in app.registered_commands}:
         pytest.skip("`bnaudit rules` does not exist on this branch yet")
-    code, loaded = run_probe("rules")
+    code, loaded = run_probe(*args)
     assert code == 0
-    assert not loaded["torch"]
+    assert not loaded["torch"] and not loaded["numpy"] and not loaded["pydantic"]
 
 
 # --- the pydantic-free option conversion keeps typer's results and messages ------------
