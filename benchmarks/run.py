@@ -426,7 +426,10 @@ def target_2_startup(tmp: str, st_resnet: str | None, pt_resnet: str | None, rep
     bn = [PY, "-m", "bnaudit"]
     commands = {
         "base": [PY, "-c", "import typer, rich"],
-        "floor": [PY, "-c", "import typer, rich, numpy, rich.console, rich.table"],
+        # what any typer CLI that renders rich tables from numpy data pays before doing
+        # anything (with numpy's BLAS threads off, as bnaudit inspect and rules have them)
+        "floor": [PY, "-c", "import os; os.environ['OPENBLAS_NUM_THREADS'] = '1'; "
+                            "import typer, rich, numpy, rich.console, rich.table"],
         "help": bn + ["--help"],
         "inspect_tiny": bn + ["inspect", tiny],
     }
@@ -442,7 +445,7 @@ def target_2_startup(tmp: str, st_resnet: str | None, pt_resnet: str | None, rep
     line("2", "reference: python -c 'import typer, rich'", None, None, fmt_s(base))
     floor = median_wall(runs["floor"])
     line("2", "floor of a numpy + rich-table CLI: import those", floor / base, None,
-         f"{fmt_s(floor)}: python -c 'import typer, rich, numpy, rich.console, rich.table'")
+         f"{fmt_s(floor)}: import typer, rich, numpy, rich.console, rich.table (OPENBLAS_NUM_THREADS=1)")
 
     def report(key: str, what: str) -> None:
         t = median_wall(runs[key])
