@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from bnaudit.errors import BnauditError
-from bnaudit.stats import ChannelStats
+from bnaudit.stats import ChannelStats, Drift, drift
 
 METHODS = ("exact", "sequential", "cumulative")
 # Wu & Johnson (2021) find 10^3-10^4 samples enough for population statistics.
@@ -741,35 +741,6 @@ def recalibrate_module(
 
 
 # ----------------------------------------------------------------------------- report
-
-
-@dataclass(frozen=True)
-class Drift:
-    """Running statistics (mu_r, var_r) against data statistics (mu_d, var_d), as
-    `bnaudit gap` defines drift:
-
-      mean_shift      mean over channels of |mu_d - mu_r| / sqrt(var_r + eps)
-      max_mean_shift  max over channels of the same
-      var_log_ratio   mean over channels of |log((var_d + eps) / (var_r + eps))|
-
-    None where a value is not finite (a NaN or negative running_var).
-    """
-
-    mean_shift: float | None
-    max_mean_shift: float | None
-    var_log_ratio: float | None
-
-
-def drift(data_mean: np.ndarray, data_var: np.ndarray, run_mean: np.ndarray, run_var: np.ndarray,
-          eps: float) -> Drift:
-    with np.errstate(all="ignore"):
-        shift = np.abs(data_mean - run_mean) / np.sqrt(run_var + eps)
-        log_ratio = np.abs(np.log((data_var + eps) / (run_var + eps)))
-
-    def finite(x: float) -> float | None:
-        return float(x) if np.isfinite(x) else None
-
-    return Drift(finite(shift.mean()), finite(shift.max()), finite(log_ratio.mean()))
 
 
 @dataclass(frozen=True)

@@ -380,8 +380,8 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
 
 # ----------------------------------------------------------------------------- recalibrate
 
-# The records (`RecalibrationReport`, `LayerChange`, `Drift`) live in bnaudit.recalibrate
-# with the definitions of every number; these functions only render them.
+# The records (`RecalibrationReport`, `LayerChange`) live in bnaudit.recalibrate (`Drift` in
+# bnaudit.stats) with the definitions of every number; these functions only render them.
 
 
 def _drift_to_json(d: Any) -> dict:
