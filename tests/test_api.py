@@ -17,7 +17,7 @@ def test_public_names_resolve():
     from bnaudit.recalibrate import recalibrate_module, run_recalibrate
 
     assert bnaudit.inspect is inspect and bnaudit.measure_gap is run_gap
-    assert bnaudit.recalibrate is run_recalibrate and bnaudit.recalibrate_module is recalibrate_module
+    assert bnaudit.recalibrate_checkpoint is run_recalibrate and bnaudit.recalibrate_module is recalibrate_module
     with pytest.raises(AttributeError):
         bnaudit.no_such_name  # noqa: B018
 
