@@ -855,7 +855,9 @@ def _load_script_for_rewrite(path: str) -> tuple[Any, dict[str, bytes]]:
 
 def check_output(output: str, source: str | None = None, force: bool = False) -> None:
     """Refuse, before any work, an output that is the input, a folder, in a missing
-    folder, or that exists (without `force`)."""
+    or read-only folder, or that exists (without `force`)."""
+    if not output:
+        raise BnauditError("the output path is empty")
     directory = os.path.dirname(os.path.abspath(output))
     if source is not None and os.path.exists(output) and os.path.exists(source) and os.path.samefile(output, source):
         raise BnauditError(f"{output}: is the input checkpoint; write the new one to another file")
@@ -863,6 +865,10 @@ def check_output(output: str, source: str | None = None, force: bool = False) ->
         raise BnauditError(f"{output}: is a directory")
     if not os.path.isdir(directory):
         raise BnauditError(f"{output}: folder {directory} does not exist")
+    # access() also answers EROFS for root on a read-only mount: fail before the work,
+    # not after it (atomic_write still reports a refusal that comes later).
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise BnauditError(f"{output}: folder {directory} is not writable")
     if os.path.lexists(output) and not force:
         raise BnauditError(f"{output}: already exists (pass --force to overwrite)")
 

@@ -240,7 +240,14 @@ def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict, trai
         where = _locate_failure(model, call)
         mode = "train mode (batch statistics)" if train else "eval mode"
         raise BnauditError(f"batch {index}: the model rejects the batch in {mode}: {where}{_reason(exc)}") from None
-    return output_tensor(output)
+    try:
+        return output_tensor(output)
+    except BnauditError as exc:
+        if forward_fn is None:
+            raise BnauditError(f"batch {index}: {exc}") from None
+        raise BnauditError(
+            f"batch {index}: the --forward function returned {type(output).__name__}, which holds no tensor: "
+            "it must return the model's output (the logits, one row per sample)") from None
 
 
 def _reason(exc: BaseException) -> str:
