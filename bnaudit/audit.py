@@ -36,8 +36,14 @@ def expand_paths(paths: Iterable[str], exclude: Iterable[str] = ()) -> list[str]
     return [p for p in out if not any(fnmatch(p, pattern) for pattern in exclude)]
 
 
-def audit_file(path: str, config: Config, key: str | None = None, trust_pickle: bool = False) -> FileReport:
-    """Audit one checkpoint; a user-caused problem becomes `FileReport.error`."""
+def audit_file(
+    path: str, config: Config, key: str | None = None, trust_pickle: bool = False, debug: bool = False,
+) -> FileReport:
+    """Audit one checkpoint; a problem with it becomes `FileReport.error`.
+
+    An unexpected exception (a bug met on this file) is recorded the same way so
+    the other files are still audited; `debug=True` lets it propagate instead.
+    """
     report = FileReport(path)
     try:
         ckpt = read_checkpoint(path, key=key, trust_pickle=trust_pickle)
@@ -46,6 +52,11 @@ def audit_file(path: str, config: Config, key: str | None = None, trust_pickle: 
         findings = run_rules(RuleContext(discovery, config, is_ema=ckpt.is_ema))
     except BnauditError as exc:
         report.error = str(exc).removeprefix(f"{path}: ")
+        return report
+    except Exception as exc:
+        if debug:
+            raise
+        report.error = f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)"
         return report
     report.format, report.key, report.other_keys = ckpt.format, ckpt.key, ckpt.other_keys
     report.prefix, report.is_ema = ckpt.prefix, ckpt.is_ema
@@ -65,6 +76,7 @@ def inspect(
     config: Config | None = None,
     key: str | None = None,
     trust_pickle: bool = False,
+    debug: bool = False,
 ) -> InspectReport:
     """Audit checkpoints (files or directories) and return the report.
 
@@ -81,5 +93,5 @@ def inspect(
         except BnauditError as exc:
             files.append(FileReport(path, error=str(exc).removeprefix(f"{path}: ")))
             continue
-        files += [audit_file(p, config, key=key, trust_pickle=trust_pickle) for p in expanded]
+        files += [audit_file(p, config, key=key, trust_pickle=trust_pickle, debug=debug) for p in expanded]
     return InspectReport(files, config)

@@ -72,7 +72,9 @@ def user_errors(debug: bool, json_output: bool = False) -> Iterator[None]:
 
 
 def _fail(message: str, json_output: bool) -> None:
-    message = " ".join(message.split())
+    from bnaudit.report import printable
+
+    message = printable(" ".join(message.split()))  # paths and names come from outside
     if json_output:
         typer.echo(json.dumps({"error": message}))
     typer.echo(f"bnaudit: error: {message}", err=True)
@@ -104,7 +106,7 @@ def inspect(
     """Audit every BatchNorm layer of checkpoints, without code or data."""
     from bnaudit.audit import inspect as run_inspect
     from bnaudit.config import Config
-    from bnaudit.report import inspect_to_json, render_inspect
+    from bnaudit.report import inspect_to_json, printable, render_inspect
 
     json_output = output_format is Format.json
     with user_errors(debug, json_output):
@@ -113,14 +115,15 @@ def inspect(
         if momentum is not None and not 0 <= momentum <= 1:
             raise BnauditError(f"--momentum must lie in [0, 1], got {momentum}")
         config = Config(fail_on=fail_on.value, eps=eps, momentum=momentum)
-        report = run_inspect(paths, config, key=key, trust_pickle=trust_pickle)
-    if json_output:
-        typer.echo(json.dumps(inspect_to_json(report), indent=2, allow_nan=False))
-    else:
-        render_inspect(report, _console(), quiet=quiet)
+        report = run_inspect(paths, config, key=key, trust_pickle=trust_pickle, debug=debug)
+        # rendering stays inside the boundary: the values it prints come from the files
+        if json_output:
+            typer.echo(json.dumps(inspect_to_json(report), indent=2, allow_nan=False))
+        else:
+            render_inspect(report, _console(), quiet=quiet)
     for file in report.files:
         if file.error:
-            typer.echo(f"bnaudit: error: {file.path}: {file.error}", err=True)
+            typer.echo(f"bnaudit: error: {printable(file.path)}: {printable(file.error)}", err=True)
     code = report.exit_code()
     raise typer.Exit(0 if exit_zero and code == 1 else code)
 

@@ -14,6 +14,7 @@ still non-finite is written as null in JSON.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,6 +165,26 @@ def inspect_to_json(report: InspectReport) -> dict:
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan", "ok": "green"}
 
+# C0/C1 controls, DEL, and the bidi overrides that can reorder what a reader sees.
+_UNPRINTABLE_RE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """`text` with control characters written as escapes (ESC -> \\x1b).
+
+    Layer names, keys and messages come from the checkpoint: printed raw, an
+    escape sequence in a name could recolour, retitle or rewrite the terminal.
+    """
+    return _UNPRINTABLE_RE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                               else f"\\u{ord(m.group()):04x}", text)
+
+
+def _cell(text: str, style: str = "") -> Any:
+    """A table cell that shows `text` as is: plain strings would be parsed as rich markup."""
+    from rich.text import Text
+
+    return Text(printable(text), style=style)
+
 
 def _g(x: float | None) -> str:
     if x is None:
@@ -177,19 +198,19 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
 
     for file in report.files:
         if file.error:
-            console.print(Text(f"{file.path}: error: {file.error}", style="bold red"))
+            console.print(_cell(f"{file.path}: error: {file.error}", style="bold red"))
             continue
         if not quiet:
-            title = Text(file.path, style="bold")
+            title = _cell(file.path, style="bold")
             where = f"{file.format}" + (f", key '{file.key}'" if file.key else "")
             if file.prefix:
                 where += f", prefix '{file.prefix}' stripped"
-            title.append(f"  ({where})", style="dim")
+            title.append(printable(f"  ({where})"), style="dim")
             console.print(title)
             if file.other_keys:
-                console.print(Text(f"  other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))
+                console.print(_cell(f"  other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))
             if file.settings:
-                console.print(Text(f"  {file.settings}", style="dim"))
+                console.print(_cell(f"  {file.settings}", style="dim"))
             if file.layers:
                 table = Table(show_edge=False, pad_edge=False, header_style="bold")
                 for col, justify in (("layer", "left"), ("C", "right"), ("batches", "right"),
@@ -199,9 +220,9 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
                 for s in file.layers:
                     status = file.layer_status(s.name)
                     table.add_row(
-                        s.name, str(s.num_features),
+                        _cell(s.name), str(s.num_features),
                         "-" if s.num_batches_tracked is None else str(s.num_batches_tracked),
-                        f"[{_g(s.mean_min)}, {_g(s.mean_max)}]",
+                        _cell(f"[{_g(s.mean_min)}, {_g(s.mean_max)}]"),  # "[inf, inf]" would parse as markup
                         f"{_g(s.var_min)} / {_g(s.var_median)} / {_g(s.var_max)}",
                         str(s.near_eps_channels), _g(s.max_eval_gain),
                         Text(status, style=SEVERITY_STYLE[status]),
@@ -215,9 +236,9 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
                 findings.add_column(col, overflow="fold")
             for f in file.findings:
                 findings.add_row(f"{f.code} {f.name}", Text(f.severity, style=SEVERITY_STYLE[f.severity]),
-                                 f.layer or "-", f.message)
+                                 _cell(f.layer or "-"), _cell(f.message))
             if quiet:
-                console.print(Text(file.path, style="bold"))
+                console.print(_cell(file.path, style="bold"))
             console.print(findings)
         if not quiet:
             console.print()
