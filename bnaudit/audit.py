@@ -24,8 +24,10 @@ def expand_paths(paths: Iterable[str], exclude: Iterable[str] = ()) -> list[str]
     out: list[str] = []
     for path in paths:
         if os.path.isdir(path):
-            found = []
-            for root, dirs, files in os.walk(path):
+            found: list[str] = []
+            # A folder that cannot be listed is kept as an entry of its own, so it is
+            # reported (as unreadable) instead of silently contributing nothing.
+            for root, dirs, files in os.walk(path, onerror=lambda err: found.append(err.filename)):
                 dirs.sort()
                 found += [os.path.join(root, f) for f in sorted(files) if f.lower().endswith(CHECKPOINT_SUFFIXES)]
             if not found:

@@ -111,6 +111,8 @@ def sniff_format(path: str) -> str:
         with open(path, "rb") as f:
             head = f.read(16)
     except IsADirectoryError:
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise BnauditError(f"{path}: directory cannot be listed (permission denied)") from None
         raise BnauditError(f"{path}: is a directory") from None
     except FileNotFoundError:
         raise BnauditError(f"{path}: no such file") from None
