@@ -138,8 +138,10 @@ def _sniff_zip(path: str) -> str:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
             check_zip_sizes(path, archive)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
-        raise BnauditError(f"{path}: damaged zip archive ({exc})") from None
+    except BnauditError:
+        raise
+    except Exception as exc:  # zipfile parsing forged bytes: BadZipFile, NotImplementedError, struct.error, ...
+        raise BnauditError(f"{path}: damaged zip archive ({_first_line(exc)})") from None
     if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
         return "torchscript"
     if any(n.endswith("data.pkl") for n in names):
@@ -558,7 +560,9 @@ def check_legacy_claims(path: str) -> None:
     try:
         with open(path, "rb") as f:
             reader = _StrictReader(f, size)
-            if pickle._Unpickler(reader).load() != _LEGACY_MAGIC:  # magic: plain ints only
+            # Every pickle of the file goes through the scanner, the first one too:
+            # a plain pickle (not torch.save) puts its payload right there.
+            if _LegacyScanner(reader).load() != _LEGACY_MAGIC:
                 raise BnauditError(f"{path}: a pickle, but not one written by torch.save")
             for _ in range(2):  # protocol version, sys info
                 _LegacyScanner(reader).load()
@@ -878,7 +882,12 @@ def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleI
             elif isinstance(value, _ScriptObject):
                 walk(value, f"{prefix}{name}.", depth + 1)
 
-    walk(obj, "", 0)
+    try:
+        walk(obj, "", 0)
+    except BnauditError:
+        raise
+    except Exception as exc:  # a damaged code file (bad CRC) or a forged attribute
+        raise BnauditError(f"{path}: unreadable TorchScript archive ({_first_line(exc)})") from None
     return tensors, modules
 
 

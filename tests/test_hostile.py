@@ -143,6 +143,19 @@ def test_reduce_payload_is_refused_without_running(tmp_path, kind, legacy):
     assert marker.exists()
 
 
+@pytest.mark.parametrize("kind", ["os.system", "builtins.exec"])
+def test_plain_pickle_payload_is_refused_without_running(tmp_path, kind):
+    # Not torch.save at all: the payload sits in the file's first pickle.
+    marker = tmp_path / "marker"
+    evil, _ = payload(kind, marker)
+    path = tmp_path / "plain.pt"
+    path.write_bytes(pickle.dumps({"state_dict": {"w": 1}, "x": evil}, protocol=2))
+    assert_one_line_error(cli("inspect", str(path)), str(path), "not one written by torch.save")
+    assert not marker.exists()
+    pickle.loads(path.read_bytes())  # the payload is live
+    assert marker.exists()
+
+
 def test_trust_pickle_is_what_runs_the_payload(tmp_path):
     marker = tmp_path / "marker"
     path = tmp_path / "evil.pt"
