@@ -644,6 +644,22 @@ def test_legacy_string_claiming_gigabytes_is_refused(tmp_path):
     assert_one_line_error(result, str(path), "damaged torch.save file")
 
 
+def test_legacy_tar_polyglot_is_refused_before_torch_load(tmp_path, monkeypatch):
+    # torch's pre-0.4 tar loader trusts the sizes inside; a tar whose first member name
+    # starts like a pickle would be sniffed as legacy and handed to it.
+    import tarfile
+
+    path = tmp_path / "old.pt"
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as archive:
+        info = tarfile.TarInfo("\udc80\x02storages")  # surrogateescape: the raw byte 0x80
+        info.size = 4
+        archive.addfile(info, io.BytesIO(b"\0" * 4))
+    assert path.read_bytes()[:1] == b"\x80"
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load reached"))
+    (file,) = inspect(str(path)).files
+    assert "tar-format" in file.error
+
+
 @pytest.mark.parametrize(
     ("tensor", "words"),
     [
