@@ -406,20 +406,39 @@ def load_torch_object(path: str, trust_pickle: bool = False, mmap: bool = True) 
 
     Only allow-listed globals are accepted; anything else is refused with the list of
     globals the file would need. `trust_pickle=True` is the user's explicit opt-out.
+    `mmap` is True for the zip format and False for a legacy file (as sniffed), whose
+    storage claims are checked against the file size first.
     """
+    legacy = not mmap
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        # torch's C++ reader takes UTF-8 paths only; a file name that is not (bytes
+        # kept by surrogateescape) is read through an open file object, without mmap.
+        with open(path, "rb") as handle:
+            return _load_torch_object(path, handle, trust_pickle, mmap=False, legacy=legacy)
+    return _load_torch_object(path, path, trust_pickle, mmap, legacy)
+
+
+def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, legacy: bool) -> Any:
     import torch
+
+    def rewound() -> Any:
+        if not isinstance(source, str):
+            source.seek(0)
+        return source
 
     if trust_pickle:
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)
+            return torch.load(rewound(), map_location="cpu", weights_only=False)
         except Exception as exc:
             raise BnauditError(f"{path}: cannot load: {_first_line(exc)}") from exc
     allowed = _base_allowlist()
-    if not mmap:
+    if legacy:
         check_legacy_claims(path)
-    if mmap:
+    else:
         try:
-            needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            needed = torch.serialization.get_unsafe_globals_in_checkpoint(rewound())
         except Exception as exc:
             raise BnauditError(f"{path}: damaged torch.save archive ({_first_line(exc)})") from exc
         unsafe = [n for n in needed if allowed_global(n) is None]
@@ -432,7 +451,7 @@ def load_torch_object(path: str, trust_pickle: bool = False, mmap: bool = True) 
     for _ in range(64):
         try:
             with torch.serialization.safe_globals(allowed):
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+                return torch.load(rewound(), map_location="cpu", weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as exc:
             text = str(exc)
             if "persistent_load" in text:

@@ -165,8 +165,9 @@ def inspect_to_json(report: InspectReport) -> dict:
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan", "ok": "green"}
 
-# C0/C1 controls, DEL, and the bidi overrides that can reorder what a reader sees.
-_UNPRINTABLE_RE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+# C0/C1 controls, DEL, the bidi overrides that can reorder what a reader sees, and lone
+# surrogates (bytes of a non-UTF-8 file name, which a UTF-8 stdout refuses to encode).
+_UNPRINTABLE_RE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def printable(text: str) -> str:

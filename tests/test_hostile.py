@@ -373,6 +373,21 @@ def test_readable_files_are_still_audited_next_to_broken_ones(tmp_path):
     assert len(lines) == 2 and str(empty) in lines[0] and str(missing) in lines[1]
 
 
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_file_name_that_is_not_utf8_is_still_audited(tmp_path, legacy):
+    # A name with byte 0xff reaches Python as a surrogate escape; torch's reader takes UTF-8 only.
+    path = os.fsdecode(os.fsencode(str(tmp_path)) + b"/\xff\xfeckpt.pt")
+    state = bn_state(channels=2)
+    state["bn.running_var"] = torch.tensor([2.0, 1e-7])
+    torch.save(state, path, _use_new_zipfile_serialization=not legacy)
+    result = cli("inspect", "--format", "json", str(tmp_path))
+    assert result.exit_code == 1, result.stdout + result.stderr
+    (file,) = json.loads(result.stdout)["files"]
+    assert file["path"] == path and file["error"] is None
+    assert [f["channels"] for f in file["findings"] if f["code"] == "BN004"] == [[1]]
+    assert cli("inspect", str(tmp_path)).exit_code == 1  # the table prints the name too
+
+
 def test_internal_error_on_one_file_spares_the_others_and_debug_shows_it(tmp_path, monkeypatch):
     import bnaudit.audit as audit_module
 
