@@ -548,8 +548,10 @@ class _LegacyScanner(pickle._Unpickler):  # the pure-Python unpickler: its memo 
     def __init__(self, file: Any) -> None:
         super().__init__(file)
         self.claims: dict[str, int] = {}
+        self.globals: list[str] = []  # every global named, in order: a refusal names them
 
     def find_class(self, module: str, name: str) -> Any:
+        self.globals.append(f"{module}.{name}")
         if module == "torch" and name in _STORAGE_DTYPES:
             return _StorageType(_STORAGE_DTYPES[name])
         return _Inert
@@ -581,7 +583,13 @@ def check_legacy_claims(path: str) -> None:
             reader = _StrictReader(f, size)
             # Every pickle of the file goes through the scanner, the first one too:
             # a plain pickle (not torch.save) puts its payload right there.
-            if _LegacyScanner(reader).load() != _LEGACY_MAGIC:
+            first = _LegacyScanner(reader)
+            if first.load() != _LEGACY_MAGIC:
+                unsafe = list(dict.fromkeys(n for n in first.globals
+                                            if allowed_global(n) is None and n not in _torch_weights_only_globals()))
+                if unsafe:  # say what it would have run, and what to do instead
+                    refusal = str(_refusal(path, unsafe)).removeprefix(f"{path}: ")
+                    raise BnauditError(f"{path}: a pickle, but not one written by torch.save; {refusal}")
                 raise BnauditError(f"{path}: a pickle, but not one written by torch.save")
             for _ in range(2):  # protocol version, sys info
                 _LegacyScanner(reader).load()
@@ -601,6 +609,16 @@ def check_legacy_claims(path: str) -> None:
             f"{path}: storages claim {claimed} bytes but only {data_size} follow the header: "
             "truncated or forged file"
         )
+
+
+def _torch_weights_only_globals() -> set[str]:
+    """What torch.load(weights_only=True) rebuilds by itself (tensors, OrderedDict, ...)."""
+    try:
+        from torch._weights_only_unpickler import _get_allowed_globals
+
+        return set(_get_allowed_globals())
+    except Exception:  # a private API: without it, every name is listed
+        return set()
 
 
 def _unpickling_reason(text: str) -> str:

@@ -350,7 +350,7 @@ def _open_torch_tensors(path: str, fmt: str) -> dict[str, Any]:
         # The reader's advice (--trust-pickle) is about checkpoints: data files are always
         # read without running code, whatever the flags.
         raise BnauditError(
-            text.split(";", 1)[0] + "; data files are never unpickled beyond plain tensors (--trust-pickle applies "
+            text.split("; if you trust", 1)[0] + "; data files are never unpickled beyond plain tensors (--trust-pickle applies "
             "to the checkpoint only): save the inputs and labels with safetensors, or as a dict of tensors"
         ) from None
     if not isinstance(obj, Mapping):
