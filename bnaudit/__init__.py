@@ -3,26 +3,34 @@
 Public API (the CLI is a thin layer over it):
 
     bnaudit.inspect(paths, config=None, key=None, trust_pickle=False) -> InspectReport
+    bnaudit.measure_gap(checkpoint, DataOptions(path=...), arch=..., ...) -> GapReport
+    bnaudit.recalibrate_checkpoint(checkpoint, output, DataOptions(path=...), arch=...) -> RecalibrationReport
+    bnaudit.recalibrate_module(model, batches, method="exact") -> Calibration   (an nn.Module in place)
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "inspect", "Config", "BnauditError"]
+__all__ = ["__version__", "inspect", "measure_gap", "recalibrate_checkpoint", "recalibrate_module",
+           "Config", "DataOptions", "BnauditError"]
+
+# Lazy: `bnaudit --help` must not pay for numpy/torch imports it does not use.
+_LAZY = {
+    "inspect": ("bnaudit.audit", "inspect"),
+    "measure_gap": ("bnaudit.gap", "run_gap"),
+    # not `recalibrate`: importing the submodule bnaudit.recalibrate would shadow it
+    "recalibrate_checkpoint": ("bnaudit.recalibrate", "run_recalibrate"),
+    "recalibrate_module": ("bnaudit.recalibrate", "recalibrate_module"),
+    "Config": ("bnaudit.config", "Config"),
+    "DataOptions": ("bnaudit.data", "DataOptions"),
+    "BnauditError": ("bnaudit.errors", "BnauditError"),
+}
 
 
 def __getattr__(name: str):
-    # Lazy: `bnaudit --help` must not pay for numpy/torch imports it does not use.
-    if name == "inspect":
-        from bnaudit.audit import inspect
+    if name in _LAZY:
+        import importlib
 
-        return inspect
-    if name == "Config":
-        from bnaudit.config import Config
-
-        return Config
-    if name == "BnauditError":
-        from bnaudit.errors import BnauditError
-
-        return BnauditError
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'bnaudit' has no attribute {name!r}")

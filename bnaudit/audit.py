@@ -24,8 +24,10 @@ def expand_paths(paths: Iterable[str], config: Config | None = None) -> list[str
     out: list[str] = []
     for path in paths:
         if os.path.isdir(path):
-            found = []
-            for root, dirs, files in os.walk(path):
+            found: list[str] = []
+            # A folder that cannot be listed is kept as an entry of its own, so it is
+            # reported (as unreadable) instead of silently contributing nothing.
+            for root, dirs, files in os.walk(path, onerror=lambda err: found.append(err.filename)):
                 dirs.sort()
                 found += [os.path.join(root, f) for f in sorted(files) if f.lower().endswith(CHECKPOINT_SUFFIXES)]
             if not found:
@@ -58,12 +60,15 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
 
 def audit_file(
     path: str, config: Config, key: str | None = None, trust_pickle: bool = False, model: Any = None,
+    debug: bool = False,
 ) -> FileReport:
     """Audit one checkpoint; a user-caused problem becomes `FileReport.error`.
 
     `model` (an nn.Module built from --arch, possibly on the meta device) is compared
     with the checkpoint key by key; a file that holds its own modules (TorchScript, a
-    pickled nn.Module) speaks for itself.
+    pickled nn.Module) speaks for itself. An unexpected exception (a bug met on this
+    file) is recorded the same way so the other files are still audited; `debug=True`
+    lets it propagate instead.
     """
     try:
         ckpt = read_checkpoint(path, key=key, trust_pickle=trust_pickle)
@@ -77,6 +82,10 @@ def audit_file(
         return audit_checkpoint(ckpt, config, module)
     except BnauditError as exc:
         return FileReport(path, error=str(exc).removeprefix(f"{path}: "))
+    except Exception as exc:
+        if debug:
+            raise
+        return FileReport(path, error=f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)")
 
 
 def inspect(
@@ -86,6 +95,7 @@ def inspect(
     trust_pickle: bool = False,
     arch: str | None = None,
     arch_kwargs: str | dict | None = None,
+    debug: bool = False,
 ) -> InspectReport:
     """Audit checkpoints (files or directories) and return the report.
 
@@ -112,5 +122,6 @@ def inspect(
         except BnauditError as exc:
             files.append(FileReport(path, error=str(exc).removeprefix(f"{path}: ")))
             continue
-        files += [audit_file(p, config, key=key, trust_pickle=trust_pickle, model=model) for p in expanded]
+        files += [audit_file(p, config, key=key, trust_pickle=trust_pickle, model=model, debug=debug)
+                  for p in expanded]
     return InspectReport(files, config)

@@ -23,6 +23,7 @@ import math
 import os
 import pickle
 import re
+import stat
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -100,9 +101,18 @@ class Checkpoint:
 def sniff_format(path: str) -> str:
     """Return the format of `path` from its first bytes (see module docstring)."""
     try:
+        # stat first: open() on a FIFO blocks until a writer appears, and a device
+        # (/dev/zero, /dev/urandom) never ends; neither is a checkpoint.
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(path)
+        if not stat.S_ISREG(mode):
+            raise BnauditError(f"{path}: not a regular file (a pipe, socket or device)")
         with open(path, "rb") as f:
             head = f.read(16)
     except IsADirectoryError:
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise BnauditError(f"{path}: directory cannot be listed (permission denied)") from None
         raise BnauditError(f"{path}: is a directory") from None
     except FileNotFoundError:
         raise BnauditError(f"{path}: no such file") from None
@@ -127,13 +137,32 @@ def _sniff_zip(path: str) -> str:
     try:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise BnauditError(f"{path}: damaged zip archive ({exc})") from None
+            check_zip_sizes(path, archive)
+    except BnauditError:
+        raise
+    except Exception as exc:  # zipfile parsing forged bytes: BadZipFile, NotImplementedError, struct.error, ...
+        raise BnauditError(f"{path}: damaged zip archive ({_first_line(exc)})") from None
     if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
         return "torchscript"
     if any(n.endswith("data.pkl") for n in names):
         return "torch-zip"
     raise BnauditError(f"{path}: zip archive without data.pkl, not a torch.save file")
+
+
+def check_zip_sizes(path: str, archive: zipfile.ZipFile) -> None:
+    """Refuse an archive whose entries claim more bytes than the whole file holds.
+
+    torch.save and torch.jit.save store their records uncompressed, so a real
+    entry is never larger than the archive; a compressed entry that inflates past
+    it is a zip bomb, and reading it would allocate what it claims.
+    """
+    size = os.path.getsize(path)
+    for info in archive.infolist():
+        if info.file_size > size:
+            raise BnauditError(
+                f"{path}: zip entry '{info.filename}' claims {info.file_size} bytes, "
+                f"more than the whole file ({size}): refused"
+            )
 
 
 # ----------------------------------------------------------------------------- read
@@ -168,9 +197,12 @@ def checkpoint_from_object(path: str, fmt: str, obj: Any, key: str | None) -> Ch
     source = candidates[chosen]
     modules: dict[str, ModuleInfo] = {}
     if _is_module(source):
-        modules = module_infos(source)
-        source = source.state_dict()
-    tensors = {name: _torch_ref(name, t) for name, t in source.items() if _is_tensor(t)}
+        try:
+            modules = module_infos(source)
+            source = source.state_dict()
+        except Exception as exc:  # attributes come from the file: a forged module breaks here
+            raise BnauditError(f"{path}: malformed pickled module ({_first_line(exc)})") from None
+    tensors = {name: _torch_ref(name, t) for name, t in source.items() if isinstance(name, str) and _is_tensor(t)}
     ckpt = Checkpoint(
         path,
         fmt,
@@ -271,7 +303,11 @@ def _strip_wrapper_prefix(ckpt: Checkpoint) -> Checkpoint:
     stripped = ""
     names = list(ckpt.tensors)
     changed = True
-    while names and changed:
+    # Bounded: real files nest at most a few wrappers, and a forged name of
+    # thousands of "module." would otherwise cost quadratic time.
+    for _ in range(8):
+        if not (names and changed):
+            break
         changed = False
         for prefix in _WRAPPER_PREFIXES:
             if all(n.startswith(prefix) for n in names):
@@ -370,18 +406,39 @@ def load_torch_object(path: str, trust_pickle: bool = False, mmap: bool = True) 
 
     Only allow-listed globals are accepted; anything else is refused with the list of
     globals the file would need. `trust_pickle=True` is the user's explicit opt-out.
+    `mmap` is True for the zip format and False for a legacy file (as sniffed), whose
+    storage claims are checked against the file size first.
     """
+    legacy = not mmap
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        # torch's C++ reader takes UTF-8 paths only; a file name that is not (bytes
+        # kept by surrogateescape) is read through an open file object, without mmap.
+        with open(path, "rb") as handle:
+            return _load_torch_object(path, handle, trust_pickle, mmap=False, legacy=legacy)
+    return _load_torch_object(path, path, trust_pickle, mmap, legacy)
+
+
+def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, legacy: bool) -> Any:
     import torch
+
+    def rewound() -> Any:
+        if not isinstance(source, str):
+            source.seek(0)
+        return source
 
     if trust_pickle:
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)
+            return torch.load(rewound(), map_location="cpu", weights_only=False)
         except Exception as exc:
             raise BnauditError(f"{path}: cannot load: {_first_line(exc)}") from exc
     allowed = _base_allowlist()
-    if mmap:
+    if legacy:
+        check_legacy_claims(path)
+    else:
         try:
-            needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            needed = torch.serialization.get_unsafe_globals_in_checkpoint(rewound())
         except Exception as exc:
             raise BnauditError(f"{path}: damaged torch.save archive ({_first_line(exc)})") from exc
         unsafe = [n for n in needed if allowed_global(n) is None]
@@ -394,10 +451,18 @@ def load_torch_object(path: str, trust_pickle: bool = False, mmap: bool = True) 
     for _ in range(64):
         try:
             with torch.serialization.safe_globals(allowed):
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+                return torch.load(rewound(), map_location="cpu", weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as exc:
             text = str(exc)
-            missing = [m for rx in _MISSING_GLOBAL_RES for m in rx.findall(text)]
+            if "persistent_load" in text:
+                # torch < 1.6 pickled a whole model with its classes' source code:
+                # rebuilding it means running the file's pickle without limits.
+                raise BnauditError(
+                    f"{path}: a legacy (pre-1.6) whole-model pickle cannot be read without running "
+                    "its code; if you trust this file, pass --trust-pickle; safer still, save a "
+                    "state dict or a .safetensors file"
+                ) from None
+            missing = [m if "." in m else f"builtins.{m}" for rx in _MISSING_GLOBAL_RES for m in rx.findall(text)]
             if not missing:
                 raise BnauditError(f"{path}: cannot unpickle safely ({_unpickling_reason(text)})") from None
             extra = [allowed_global(n) for n in missing]
@@ -410,6 +475,150 @@ def load_torch_object(path: str, trust_pickle: bool = False, mmap: bool = True) 
         except Exception as exc:
             raise BnauditError(f"{path}: not a readable torch.save file ({_first_line(exc)})") from None
     raise BnauditError(f"{path}: needs too many distinct classes to unpickle safely")
+
+
+# torch.serialization.MAGIC_NUMBER: the first pickle of every legacy torch.save file.
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_STORAGE_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
+                     "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+class _Inert:
+    """Stands for every class a scanned pickle names: takes anything, does nothing."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Inert:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, item: Any) -> None:
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    dtype: str
+
+
+class _StrictReader:
+    """A file as a pickle reads it; asking for bytes past the end is a forged length.
+
+    pickle trusts the lengths in its opcodes and asks for that many bytes at once,
+    so a 2^32-byte string claimed by a tiny file would be allocated before the
+    short read is noticed.
+    """
+
+    def __init__(self, file: Any, size: int) -> None:
+        self.file, self.size = file, size
+
+    def read(self, n: int = -1) -> bytes:
+        remaining = self.size - self.file.tell()
+        if n is None or n < 0:
+            n = remaining
+        if n > remaining:
+            raise pickle.UnpicklingError(f"a record claims {n} bytes, only {remaining} remain")
+        return self.file.read(n)
+
+    def readinto(self, buffer: Any) -> int:
+        if len(buffer) > self.size - self.file.tell():
+            raise pickle.UnpicklingError("a record runs past the end of the file")
+        return self.file.readinto(buffer)
+
+    def readline(self) -> bytes:
+        return self.file.readline()
+
+
+class _LegacyScanner(pickle._Unpickler):  # the pure-Python unpickler: its memo is a dict
+    """Walks a legacy torch.save pickle with inert classes to collect its storage claims.
+
+    Nothing named in the file is imported or called: every global becomes `_Inert`
+    and every storage becomes a record of (key, bytes claimed).
+    """
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self.claims: dict[str, int] = {}
+        self.globals: list[str] = []  # every global named, in order: a refusal names them
+
+    def find_class(self, module: str, name: str) -> Any:
+        self.globals.append(f"{module}.{name}")
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _StorageType(_STORAGE_DTYPES[name])
+        return _Inert
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
+            storage_type, key, numel = pid[1], pid[2], pid[4]
+            itemsize = _STORAGE_ITEMSIZE.get(getattr(storage_type, "dtype", ""), 1)
+            if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
+                raise pickle.UnpicklingError(f"storage {key!r} has an invalid size {numel!r}")
+            self.claims[str(key)] = max(self.claims.get(str(key), 0), numel * itemsize)
+        return _Inert  # also stands for a class a ('module', ...) id names
+
+
+def check_legacy_claims(path: str) -> None:
+    """Refuse a legacy torch.save file whose storages claim more bytes than it holds.
+
+    torch's legacy loader allocates each storage at the size the pickle claims
+    before it reads the data, so the claims are checked against the file first:
+    the storages' bytes (plus an 8-byte length each) must fit after the pickles.
+    """
+    import tarfile
+
+    if tarfile.is_tarfile(path):  # torch < 0.4 tar format: read by a loader that trusts its sizes
+        raise BnauditError(f"{path}: tar-format torch.save file (PyTorch < 0.4) is not supported")
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            reader = _StrictReader(f, size)
+            # Every pickle of the file goes through the scanner, the first one too:
+            # a plain pickle (not torch.save) puts its payload right there.
+            first = _LegacyScanner(reader)
+            if first.load() != _LEGACY_MAGIC:
+                unsafe = list(dict.fromkeys(n for n in first.globals
+                                            if allowed_global(n) is None and n not in _torch_weights_only_globals()))
+                if unsafe:  # say what it would have run, and what to do instead
+                    refusal = str(_refusal(path, unsafe)).removeprefix(f"{path}: ")
+                    raise BnauditError(f"{path}: a pickle, but not one written by torch.save; {refusal}")
+                raise BnauditError(f"{path}: a pickle, but not one written by torch.save")
+            for _ in range(2):  # protocol version, sys info
+                _LegacyScanner(reader).load()
+            scanner = _LegacyScanner(reader)
+            scanner.load()
+            keys = _LegacyScanner(reader).load()
+            data_size = size - f.tell()
+    except BnauditError:
+        raise
+    except Exception as exc:  # any parse failure of forged bytes
+        raise BnauditError(f"{path}: damaged torch.save file ({_first_line(exc)})") from None
+    if not isinstance(keys, list):
+        raise BnauditError(f"{path}: damaged torch.save file (no storage list)")
+    claimed = sum(scanner.claims.values()) + 8 * len(scanner.claims)
+    if claimed > data_size:
+        raise BnauditError(
+            f"{path}: storages claim {claimed} bytes but only {data_size} follow the header: "
+            "truncated or forged file"
+        )
+
+
+def _torch_weights_only_globals() -> set[str]:
+    """What torch.load(weights_only=True) rebuilds by itself (tensors, OrderedDict, ...)."""
+    try:
+        from torch._weights_only_unpickler import _get_allowed_globals
+
+        return set(_get_allowed_globals())
+    except Exception:  # a private API: without it, every name is listed
+        return set()
 
 
 def _unpickling_reason(text: str) -> str:
@@ -445,15 +654,31 @@ def module_infos(model: Any) -> dict[str, ModuleInfo]:
     infos: dict[str, ModuleInfo] = {}
     for name, mod in model.named_modules():
         if hasattr(mod, "running_mean") or hasattr(mod, "track_running_stats"):
-            eps = getattr(mod, "eps", None)
+            momentum = getattr(mod, "momentum", None)
+            tracking = getattr(mod, "track_running_stats", None)
             infos[name] = ModuleInfo(
                 class_name=type(mod).__name__,
-                eps=float(eps) if isinstance(eps, (int, float)) else None,
-                momentum=getattr(mod, "momentum", None),
-                track_running_stats=getattr(mod, "track_running_stats", None),
-                momentum_known=hasattr(mod, "momentum"),
+                eps=_real(getattr(mod, "eps", None)),
+                momentum=_real(momentum),
+                track_running_stats=tracking if isinstance(tracking, bool) else None,
+                # a momentum that is neither a number nor None (cumulative) says nothing
+                momentum_known=hasattr(mod, "momentum") and (momentum is None or _real(momentum) is not None),
             )
     return infos
+
+
+def _real(value: Any) -> float | None:
+    """A module attribute as a float if it is a real number (not bool), else None.
+
+    The attributes of an unpickled or scripted module come from the file, so a
+    string, a tensor or a numpy scalar can stand where a float belongs.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return None
+    try:
+        return float(value)
+    except (OverflowError, ValueError):
+        return None
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -485,8 +710,8 @@ def read_safetensors(path: str) -> tuple[dict[str, TensorRef], dict[str, str]]:
             )
         try:
             header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BnauditError(f"{path}: corrupt safetensors header ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, 5000-digit ints, deep nesting
+            raise BnauditError(f"{path}: corrupt safetensors header ({_first_line(exc)})") from None
     if not isinstance(header, dict):
         raise BnauditError(f"{path}: corrupt safetensors header (not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
@@ -500,12 +725,12 @@ def read_safetensors(path: str) -> tuple[dict[str, TensorRef], dict[str, str]]:
             st_dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise BnauditError(f"{path}: corrupt safetensors entry '{name}'") from None
-        if st_dtype not in _ST_DTYPES:
-            raise BnauditError(f"{path}: tensor '{name}' has unknown dtype {st_dtype!r}")
-        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
-            raise BnauditError(f"{path}: tensor '{name}' has an invalid shape {shape!r}")
+        if not isinstance(st_dtype, str) or st_dtype not in _ST_DTYPES:
+            raise BnauditError(f"{path}: tensor '{name}' has unknown dtype {str(st_dtype)[:40]!r}")
+        if not (isinstance(shape, list) and all(_is_count(s) for s in shape)):
+            raise BnauditError(f"{path}: tensor '{name}' has an invalid shape {str(shape)[:80]}")
         dtype, itemsize = _ST_DTYPES[st_dtype]
-        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_size):
+        if not (_is_count(begin) and _is_count(end) and begin <= end <= data_size):
             raise BnauditError(f"{path}: tensor '{name}' lies outside the file (offsets {begin}..{end})")
         if math.prod(shape) * itemsize != end - begin:
             raise BnauditError(f"{path}: tensor '{name}' has {end - begin} bytes for shape {shape}")
@@ -513,6 +738,11 @@ def read_safetensors(path: str) -> tuple[dict[str, TensorRef], dict[str, str]]:
             name, tuple(shape), dtype, _file_slice_reader(path, data_start + begin, end - begin, dtype, tuple(shape))
         )
     return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+def _is_count(value: Any) -> bool:
+    """A non-negative JSON integer (True and False are ints to Python, not here)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _file_slice_reader(path: str, offset: int, length: int, dtype: str, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
@@ -562,7 +792,15 @@ class _StorageRef:
     dtype: str
 
 
-class _ScriptUnpickler(pickle.Unpickler):
+class _RefusedGlobal(pickle.UnpicklingError):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"refusing global {name}")
+        self.name = name
+
+
+# The pure-Python unpickler keeps its memo in a dict; the C one grows an array to
+# the largest memo index the file names (LONG_BINPUT 2^32-1 -> 32 GiB of pointers).
+class _ScriptUnpickler(pickle._Unpickler):
     def __init__(self, data: bytes, archive: zipfile.ZipFile, root: str) -> None:
         super().__init__(io.BytesIO(data))
         self.archive, self.root = archive, root
@@ -586,20 +824,34 @@ class _ScriptUnpickler(pickle.Unpickler):
             return lambda items: list(items)
         if (module, name) == ("torch.jit._pickle", "restore_type_tag"):
             return lambda value, _tag: value
-        raise pickle.UnpicklingError(f"refusing global {module}.{name}")
+        raise _RefusedGlobal(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> _StorageRef:
         if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"):
-            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
-        return _StorageRef(f"{self.root}/data/{pid[2]}", str(pid[1]))
+            raise pickle.UnpicklingError(f"unexpected persistent id {str(pid)[:80]}")
+        if pid[1] not in _STORAGE_DTYPES.values() or not isinstance(pid[2], str):
+            raise pickle.UnpicklingError(f"malformed storage record {str(pid)[:80]}")
+        return _StorageRef(f"{self.root}/data/{pid[2]}", pid[1])
 
     def _rebuild_tensor(self, storage: _StorageRef, offset: int, size: tuple, stride: tuple, *_: Any) -> TensorRef:
+        # Checked here because read() views the storage with as_strided, which
+        # trusts its strides: a negative or mismatched one would read memory
+        # outside the buffer.
+        if not (
+            isinstance(storage, _StorageRef) and _is_count(offset)
+            and isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride)
+            and all(_is_count(x) for x in size + stride)
+        ):
+            raise pickle.UnpicklingError("malformed tensor record")
         archive = self.archive
 
         def read() -> np.ndarray:
             flat = decode_array(archive.read(storage.entry), storage.dtype, (-1,))
-            if math.prod(size) == 0:
+            numel = math.prod(size)
+            if numel == 0:
                 return np.zeros(size, dtype=flat.dtype)
+            if numel > flat.size:  # only zero strides could do it: a copy would allocate the claim
+                raise BnauditError(f"tensor claims {numel} elements, its storage {storage.entry} holds {flat.size}")
             span = offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1
             if offset < 0 or span > flat.size:
                 raise BnauditError(f"tensor view runs past its storage {storage.entry}")
@@ -610,41 +862,69 @@ class _ScriptUnpickler(pickle.Unpickler):
         return TensorRef("", tuple(size), storage.dtype, read)
 
 
+_MAX_SCRIPT_VISITS = 100_000
+
+
 def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleInfo]]:
     """Tensors and BN module settings of a TorchScript archive, without loading it."""
     try:
         archive = zipfile.ZipFile(path)
+        check_zip_sizes(path, archive)
         entry = next(n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1)
         root = entry.split("/")[0]
         obj = _ScriptUnpickler(archive.read(entry), archive, root).load()
-    except (StopIteration, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError, TypeError, KeyError) as exc:
+    except BnauditError:
+        raise
+    except _RefusedGlobal as exc:
+        raise BnauditError(
+            f"{path}: refused to unpickle the TorchScript archive: it needs a global that could run "
+            f"code ({exc.name}); bnaudit never runs TorchScript to inspect it; a state dict or a "
+            ".safetensors file is the safe format"
+        ) from None
+    except Exception as exc:  # forged bytes fail anywhere in the pickle machine
         raise BnauditError(f"{path}: unreadable TorchScript archive ({_first_line(exc)})") from None
     tensors: dict[str, TensorRef] = {}
     modules: dict[str, ModuleInfo] = {}
     constants = _ScriptConstants(archive, root)
+    # A module may be shared (visited under each of its names, as state_dict does),
+    # but a forged archive can nest shared nodes so that the paths double per level.
+    budget = [_MAX_SCRIPT_VISITS]
 
     def walk(node: Any, prefix: str, depth: int) -> None:
         if depth > 200 or not isinstance(node, _ScriptObject):
             return
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise BnauditError(
+                f"{path}: TorchScript archive names more than {_MAX_SCRIPT_VISITS} modules (forged nesting?)"
+            )
         attrs = {**constants.of(node.qualname), **getattr(node, "attrs", {})}
         cls = node.qualname.rsplit(".", 1)[-1]
         if "running_mean" in attrs or "track_running_stats" in attrs:
             eps, momentum = attrs.get("eps"), attrs.get("momentum")
+            tracking = attrs.get("track_running_stats")
             modules[prefix.rstrip(".")] = ModuleInfo(
                 cls,
-                float(eps) if isinstance(eps, (int, float)) else None,
-                float(momentum) if isinstance(momentum, (int, float)) else None,
-                attrs.get("track_running_stats"),
-                momentum_known="momentum" in attrs,
+                _real(eps),
+                _real(momentum),
+                tracking if isinstance(tracking, bool) else None,
+                momentum_known="momentum" in attrs and (momentum is None or _real(momentum) is not None),
             )
         for name, value in attrs.items():
+            if not isinstance(name, str):
+                continue
             if isinstance(value, TensorRef):
                 full = prefix + name
                 tensors[full] = TensorRef(full, value.shape, value.dtype, value._reader)
             elif isinstance(value, _ScriptObject):
                 walk(value, f"{prefix}{name}.", depth + 1)
 
-    walk(obj, "", 0)
+    try:
+        walk(obj, "", 0)
+    except BnauditError:
+        raise
+    except Exception as exc:  # a damaged code file (bad CRC) or a forged attribute
+        raise BnauditError(f"{path}: unreadable TorchScript archive ({_first_line(exc)})") from None
     return tensors, modules
 
 
@@ -656,7 +936,9 @@ class _ScriptConstants:
     """
 
     _CLASS_RE = re.compile(r"^class (\w+)\(", re.MULTILINE)
-    _FINAL_RE = re.compile(r"^\s+(\w+) : Final\[\w+\] = (.+?)\s*$", re.MULTILINE)
+    # [ \t] rather than \s, greedy rather than lazy: the code files come from the
+    # archive, and \s+ spanning newlines backtracks quadratically on blank runs.
+    _FINAL_RE = re.compile(r"^[ \t]+(\w+) : Final\[\w+\] = (.+)$", re.MULTILINE)
 
     def __init__(self, archive: zipfile.ZipFile, root: str) -> None:
         self.archive, self.root = archive, root
@@ -680,7 +962,7 @@ class _ScriptConstants:
             end = starts[i + 1][0] if i + 1 < len(starts) else len(source)
             values: dict[str, Any] = {}
             for key, literal in self._FINAL_RE.findall(source[start:end]):
-                values[key] = _literal(literal)
+                values[key] = _literal(literal.strip())
             classes[name] = values
         return classes
 
@@ -855,7 +1137,9 @@ def _load_script_for_rewrite(path: str) -> tuple[Any, dict[str, bytes]]:
 
 def check_output(output: str, source: str | None = None, force: bool = False) -> None:
     """Refuse, before any work, an output that is the input, a folder, in a missing
-    folder, or that exists (without `force`)."""
+    or read-only folder, or that exists (without `force`)."""
+    if not output:
+        raise BnauditError("the output path is empty")
     directory = os.path.dirname(os.path.abspath(output))
     if source is not None and os.path.exists(output) and os.path.exists(source) and os.path.samefile(output, source):
         raise BnauditError(f"{output}: is the input checkpoint; write the new one to another file")
@@ -863,6 +1147,10 @@ def check_output(output: str, source: str | None = None, force: bool = False) ->
         raise BnauditError(f"{output}: is a directory")
     if not os.path.isdir(directory):
         raise BnauditError(f"{output}: folder {directory} does not exist")
+    # access() also answers EROFS for root on a read-only mount: fail before the work,
+    # not after it (atomic_write still reports a refusal that comes later).
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise BnauditError(f"{output}: folder {directory} is not writable")
     if os.path.lexists(output) and not force:
         raise BnauditError(f"{output}: already exists (pass --force to overwrite)")
 

@@ -82,7 +82,9 @@ def user_errors(debug: bool, json_output: bool = False) -> Iterator[None]:
 
 
 def _fail(message: str, json_output: bool) -> None:
-    message = " ".join(message.split())
+    from bnaudit.report import printable
+
+    message = printable(" ".join(message.split()))  # paths and names come from outside
     if json_output:
         typer.echo(json.dumps({"error": message}))
     typer.echo(f"bnaudit: error: {message}", err=True)
@@ -135,7 +137,7 @@ def inspect(
         _no_blas_threads()
     from bnaudit.audit import inspect as run_inspect
     from bnaudit.config import load_config
-    from bnaudit.report import inspect_to_json, render_inspect
+    from bnaudit.report import inspect_to_json, printable, render_inspect
 
     json_output = output_format is InspectFormat.json
     with user_errors(debug, json_output):
@@ -146,18 +148,20 @@ def inspect(
         overrides = {"--fail-on": fail_on.value if fail_on else None, "--eps": eps, "--momentum": momentum,
                      "--select": _code_list(select), "--ignore": _code_list(ignore)}
         config = load_config(overrides, config_file=config_file, isolated=isolated)
-        report = run_inspect(paths, config, key=key, trust_pickle=trust_pickle, arch=arch, arch_kwargs=arch_kwargs)
-    if json_output:
-        typer.echo(json.dumps(inspect_to_json(report), indent=2, allow_nan=False))
-    elif output_format is InspectFormat.sarif:
-        from bnaudit.sarif import inspect_to_sarif
+        report = run_inspect(paths, config, key=key, trust_pickle=trust_pickle, arch=arch, arch_kwargs=arch_kwargs,
+                             debug=debug)
+        # rendering stays inside the boundary: the values it prints come from the files
+        if json_output:
+            typer.echo(json.dumps(inspect_to_json(report), indent=2, allow_nan=False))
+        elif output_format is InspectFormat.sarif:
+            from bnaudit.sarif import inspect_to_sarif
 
-        typer.echo(json.dumps(inspect_to_sarif(report), indent=2, allow_nan=False))
-    else:
-        render_inspect(report, _console(), quiet=quiet)
+            typer.echo(json.dumps(inspect_to_sarif(report), indent=2, allow_nan=False))
+        else:
+            render_inspect(report, _console(), quiet=quiet)
     for file in report.files:
         if file.error:
-            typer.echo(f"bnaudit: error: {file.path}: {file.error}", err=True)
+            typer.echo(f"bnaudit: error: {printable(file.path)}: {printable(file.error)}", err=True)
     code = report.exit_code()
     raise typer.Exit(0 if exit_zero and code == 1 else code)
 

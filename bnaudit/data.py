@@ -66,6 +66,8 @@ class DataOptions:
             raise BnauditError(f"--batch-size must be at least 1, got {self.batch_size}")
         if self.num_samples is not None and self.num_samples < 1:
             raise BnauditError(f"--num-samples must be at least 1, got {self.num_samples}")
+        if not -(2**63) <= self.seed < 2**64:  # the range torch.Generator.manual_seed accepts
+            raise BnauditError(f"--seed must lie in [-2^63, 2^64), got {self.seed}")
         if self.workers < 0:
             raise BnauditError(f"--workers must be 0 or more, got {self.workers}")
         if self.image_size is not None and self.image_size < 1:
@@ -339,7 +341,18 @@ def _open_torch_tensors(path: str, fmt: str) -> dict[str, Any]:
 
     from bnaudit.checkpoint import load_torch_object
 
-    obj = load_torch_object(path, trust_pickle=False, mmap=fmt == "torch-zip")
+    try:
+        obj = load_torch_object(path, trust_pickle=False, mmap=fmt == "torch-zip")
+    except BnauditError as exc:
+        text = str(exc)
+        if "refused to unpickle" not in text:
+            raise
+        # The reader's advice (--trust-pickle) is about checkpoints: data files are always
+        # read without running code, whatever the flags.
+        raise BnauditError(
+            text.split("; if you trust", 1)[0] + "; data files are never unpickled beyond plain tensors (--trust-pickle applies "
+            "to the checkpoint only): save the inputs and labels with safetensors, or as a dict of tensors"
+        ) from None
     if not isinstance(obj, Mapping):
         raise BnauditError(f"{path}: holds a {type(obj).__name__}, not a dict with 'inputs' (and 'labels')")
     return {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
@@ -356,6 +369,10 @@ class CustomSource(_Source):
             dataset = factory()
         except Exception as exc:
             raise BnauditError(f"--dataset {spec}: calling it failed: {type(exc).__name__}: {exc}") from None
+        except SystemExit as exc:
+            from bnaudit.models import exit_message
+
+            raise BnauditError(f"--dataset {spec}: {exit_message(exc, 'calling it')}") from None
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise BnauditError(
                 f"--dataset {spec} returned {type(dataset).__name__}: need a map-style Dataset "

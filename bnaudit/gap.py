@@ -21,16 +21,13 @@ Per-layer drift compares the data that reaches each BN layer in eval mode (exact
 per-channel mean mu_d and unbiased variance var_d over all samples, float64, merged
 with `bnaudit.stats.ChannelStats`) with its running statistics mu_r, var_r:
 
-  mean_shift      mean over channels of |mu_d - mu_r| / sqrt(var_r + eps)
-  max_mean_shift  max over channels of the same
-  var_log_ratio   mean over channels of |log((var_d + eps) / (var_r + eps))|
+  mean_shift, max_mean_shift, var_log_ratio   as `bnaudit.stats.Drift` defines them
   drift           mean_shift + var_log_ratio (the ranking key: both are 0 when the stored
                   statistics describe the data; a shift of one running std and a variance
                   off by a factor e weigh alike)
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -38,6 +35,7 @@ from typing import Any
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.report import FileReport
+from bnaudit.stats import drift
 
 # mean_shift or var_log_ratio at or above this: the layer's stored statistics do not
 # describe the data (half a running std off, or a variance off by a factor 1.65).
@@ -242,7 +240,14 @@ def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict, trai
         where = _locate_failure(model, call)
         mode = "train mode (batch statistics)" if train else "eval mode"
         raise BnauditError(f"batch {index}: the model rejects the batch in {mode}: {where}{_reason(exc)}") from None
-    return output_tensor(output)
+    try:
+        return output_tensor(output)
+    except BnauditError as exc:
+        if forward_fn is None:
+            raise BnauditError(f"batch {index}: {exc}") from None
+        raise BnauditError(
+            f"batch {index}: the --forward function returned {type(output).__name__}, which holds no tensor: "
+            "it must return the model's output (the logits, one row per sample)") from None
 
 
 def _reason(exc: BaseException) -> str:
@@ -335,8 +340,6 @@ def _compare(out_train: Any, out_eval: Any, labels: Any, batch: Any, totals: _To
 
 
 def _drift(norms: dict[str, Any], accumulated: dict[str, Any], hooked: dict[str, Any]) -> list[LayerDrift]:
-    import torch
-
     layers: list[LayerDrift] = []
     for position, (name, module) in enumerate(norms.items()):
         kind = getattr(module, "original_name", None) or type(module).__name__
@@ -354,22 +357,12 @@ def _drift(norms: dict[str, Any], accumulated: dict[str, Any], hooked: dict[str,
             layers.append(LayerDrift(name, position, kind, channels, stats.count, None, None, None,
                                      "not reached by the data" if stats.count == 0 else "too few values"))
             continue
-        eps = float(module.eps)
-        mu_r = mean_run.detach().to(torch.float64).to(stats.mean.device)
-        var_r = var_run.detach().to(torch.float64).to(stats.mean.device)
-        z = (stats.mean - mu_r).abs() / (var_r + eps).sqrt()
-        log_ratio = ((stats.var + eps) / (var_r + eps)).log().abs()
-        layers.append(LayerDrift(
-            name, position, kind, int(mu_r.numel()), stats.count,
-            _finite(z.mean()), _finite(z.max()), _finite(log_ratio.mean()),
-        ))
+        d = drift(stats.mean.cpu(), stats.var.cpu(), mean_run.detach().double().cpu(), var_run.detach().double().cpu(),
+                  float(module.eps))
+        layers.append(LayerDrift(name, position, kind, int(mean_run.numel()), stats.count,
+                                 d.mean_shift, d.max_mean_shift, d.var_log_ratio))
     return sorted(layers, key=lambda d: (d.drift is None, -(d.drift or 0.0) if d.drift is not None else 0.0,
                                          d.position))
-
-
-def _finite(value: Any) -> float | None:
-    x = float(value)
-    return x if math.isfinite(x) else None
 
 
 # ----------------------------------------------------------------------------- diagnosis

@@ -11,6 +11,7 @@ sibling (RL observation normalisers), and BatchRenorm's `running_std`.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -108,7 +109,7 @@ def _is_stat_vector(ref: TensorRef | None) -> bool:
 
 
 def _counter(ref: TensorRef | None) -> int | None:
-    if ref is None or not ref.is_integer or int(np.prod(ref.shape)) != 1:
+    if ref is None or not ref.is_integer or math.prod(ref.shape) != 1:  # math.prod: no int64 wrap-around
         return None
     return int(ref.read().reshape(-1)[0])
 

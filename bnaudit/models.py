@@ -101,8 +101,10 @@ def import_callable(spec: str, option: str = "--arch") -> Callable[..., Any]:
     if where.endswith(".py") or "/" in where or os.sep in where:
         module = _import_file(where, option)
     else:
+        held = None
         try:
-            module = importlib.import_module(where)
+            with _held_stderr() as held:
+                module = importlib.import_module(where)
         except ModuleNotFoundError as exc:
             if exc.name and where.split(".")[0] == exc.name.split(".")[0]:
                 raise BnauditError(
@@ -112,6 +114,9 @@ def import_callable(spec: str, option: str = "--arch") -> Callable[..., Any]:
             raise BnauditError(f"{option} {spec}: importing '{where}' failed: {_one_line(exc)}") from None
         except Exception as exc:  # user code: any error while importing it is the user's
             raise BnauditError(f"{option} {spec}: importing '{where}' failed: {_one_line(exc)}") from None
+        except SystemExit as exc:
+            printed = held.getvalue() if held is not None else ""
+            raise BnauditError(f"{option} {spec}: {exit_message(exc, f'importing {where!r}', printed)}") from None
     target: Any = module
     for part in attr.split("."):
         try:
@@ -140,13 +145,49 @@ def _import_file(path: str, option: str) -> Any:
     if folder not in sys.path:
         sys.path.append(folder)  # sibling imports of the file; appended so it shadows nothing
     sys.modules[name] = module
+    held = None
     try:
-        spec.loader.exec_module(module)
+        with _held_stderr() as held:
+            spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
         raise BnauditError(f"{option}: importing {path} failed: {_one_line(exc)}") from None
+    except SystemExit as exc:
+        del sys.modules[name]
+        printed = held.getvalue() if held is not None else ""
+        raise BnauditError(f"{option}: {exit_message(exc, f'importing {path}', printed)}") from None
     _FILE_MODULES[full] = module
     return module
+
+
+def exit_message(exc: SystemExit, doing: str, printed: str = "") -> str:
+    """User code that calls sys.exit() (argparse at import time does) must not end
+    bnaudit with its own exit code: 1 would read as "findings", 0 as success."""
+    code = exc.code
+    shown = f": {code}" if isinstance(code, str) else f" with code {code}" if code not in (None, 0) else ""
+    last = [line.strip() for line in printed.splitlines() if line.strip()]
+    said = f" (it printed: {last[-1]})" if last else ""
+    hint = ("code that runs at import must not parse the command line or exit; guard it with "
+            "`if __name__ == \"__main__\":`") if doing.startswith("importing") else "it must return, not exit"
+    return f"{doing} ended in sys.exit(){shown}{said}: {hint}"
+
+
+@contextlib.contextmanager
+def _held_stderr() -> Iterator[Any]:
+    """Hold what user code prints to sys.stderr while it is imported: shown as it is when
+    the import returns or raises, folded into the one-line error when it exits."""
+    import io
+
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield held
+    except SystemExit:
+        raise
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise
+    sys.stderr.write(held.getvalue())
 
 
 def parse_arch_kwargs(text: str | Mapping[str, Any] | None) -> dict[str, Any]:
@@ -188,6 +229,8 @@ def build_arch(arch: str, arch_kwargs: str | Mapping[str, Any] | None = None, me
         except Exception as exc:
             shown = f" with {json.dumps(kwargs)}" if kwargs else ""
             raise BnauditError(f"--arch {arch}: calling it{shown} failed: {_one_line(exc)}") from None
+        except SystemExit as exc:
+            raise BnauditError(f"--arch {arch}: {exit_message(exc, 'calling it')}") from None
     if not isinstance(model, torch.nn.Module):
         raise BnauditError(f"--arch {arch} returned {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -324,7 +367,8 @@ def _load_pickled_module(path: str, fmt: str, key: str | None, trust_pickle: boo
             raise BnauditError(
                 f"{path}: refused to unpickle the model: it needs classes outside torch.nn ({shown}), and "
                 "unpickling a class runs code from the file. If you trust the file, pass --trust-pickle; "
-                "better, save model.state_dict() and pass --arch MODULE:CALLABLE to build the model"
+                "safer, save model.state_dict() (as .safetensors, the format that holds no code) and pass "
+                "--arch MODULE:CALLABLE to build the model"
             )
     if trust_pickle:
         cwd = os.getcwd()
@@ -374,7 +418,7 @@ def resolve_device(name: str | None) -> Any:
         raise BnauditError(f"--device must be cpu, cuda, cuda:N or auto, got '{name}'") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise BnauditError("--device cuda: no CUDA device is available here (use --device cpu or auto)")
+            raise BnauditError(f"--device {name}: no CUDA device is available here (use --device cpu or auto)")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise BnauditError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) present")
     elif device.type != "cpu":

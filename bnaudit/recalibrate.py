@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from bnaudit.errors import BnauditError
-from bnaudit.stats import ChannelStats
+from bnaudit.stats import ChannelStats, Drift, drift
 
 METHODS = ("exact", "sequential", "cumulative")
 # Wu & Johnson (2021) find 10^3-10^4 samples enough for population statistics.
@@ -449,8 +449,10 @@ def _run_pass(
                         f"batch {index}: {n} sample(s) give one value per channel, which a BatchNorm "
                         "layer cannot normalise in training mode; use --batch-size 2 or more "
                         "(or --method sequential)") from None
-                else:
+                elif isinstance(exc, BnauditError):
                     raise
+                else:
+                    raise _rejected(index, exc) from exc
             for name, calls in calls_now.items():
                 record = result.records[name]
                 record.batches += 1
@@ -461,6 +463,13 @@ def _run_pass(
             if progress is not None:
                 progress()
     return result
+
+
+def _rejected(index: int, exc: BaseException) -> BnauditError:
+    """The model (or --forward) fails on a batch: the user's to fix, in one line."""
+    from bnaudit.gap import _reason
+
+    return BnauditError(f"batch {index}: the model rejects the batch: {_reason(exc)}")
 
 
 def _num_features(module: Any) -> int:
@@ -618,7 +627,12 @@ def _forward_order(
     if first is not None:
         with _regime(model, ()), _observe(model, layers, count), torch.no_grad():
             with autocast if autocast is not None else contextlib.nullcontext():
-                forward(model, first)
+                try:
+                    forward(model, first)
+                except BnauditError:
+                    raise
+                except Exception as exc:
+                    raise _rejected(0, exc) from exc
     order = list(calls) + [name for name in layers if name not in calls]
     return order, calls
 
@@ -741,35 +755,6 @@ def recalibrate_module(
 
 
 # ----------------------------------------------------------------------------- report
-
-
-@dataclass(frozen=True)
-class Drift:
-    """Running statistics (mu_r, var_r) against data statistics (mu_d, var_d), as
-    `bnaudit gap` defines drift:
-
-      mean_shift      mean over channels of |mu_d - mu_r| / sqrt(var_r + eps)
-      max_mean_shift  max over channels of the same
-      var_log_ratio   mean over channels of |log((var_d + eps) / (var_r + eps))|
-
-    None where a value is not finite (a NaN or negative running_var).
-    """
-
-    mean_shift: float | None
-    max_mean_shift: float | None
-    var_log_ratio: float | None
-
-
-def drift(data_mean: np.ndarray, data_var: np.ndarray, run_mean: np.ndarray, run_var: np.ndarray,
-          eps: float) -> Drift:
-    with np.errstate(all="ignore"):
-        shift = np.abs(data_mean - run_mean) / np.sqrt(run_var + eps)
-        log_ratio = np.abs(np.log((data_var + eps) / (run_var + eps)))
-
-    def finite(x: float) -> float | None:
-        return float(x) if np.isfinite(x) else None
-
-    return Drift(finite(shift.mean()), finite(shift.max()), finite(log_ratio.mean()))
 
 
 @dataclass(frozen=True)
@@ -921,6 +906,9 @@ def run_recalibrate(
         raise BnauditError(f"unknown --method {method!r} (choose from {', '.join(METHODS)})")
     check_output(output, checkpoint, force)
     data.validate()
+    protect_inputs(output, [("--data", data.path), ("--eval-data", eval_data.path if eval_data is not None else None),
+                            *((option, _spec_file(spec)) for option, spec in
+                              (("--arch", arch), ("--dataset", data.dataset), ("--forward", forward)))])
     if data.batch_size < 2 and method != "sequential":
         raise BnauditError(
             f"--batch-size {data.batch_size}: the {method} method normalises by batch statistics, which a batch of "
@@ -966,8 +954,10 @@ def run_recalibrate(
         skipped = [SkippedLayer(s.name, "its buffers are not in the checkpoint: left out (no new keys are written)")
                    if s.name in absent else s for s in calibration.skipped]
         if not calibration.layers:
+            unreached = forward is not None and any(s.reason.startswith("never reached") for s in skipped)
             raise BnauditError("no BatchNorm layer was recalibrated (see the skipped layers: "
-                               + "; ".join(f"{s.name}: {s.reason}" for s in skipped[:4]) + ")")
+                               + "; ".join(f"{s.name}: {s.reason}" for s in skipped[:4]) + ")"
+                               + (f"; does --forward {forward} call the model on the batch?" if unreached else ""))
         if rank != 0:
             return None
         updates = {name: value for name, value in calibration.buffers().items() if name in ckpt.tensors}
@@ -1011,6 +1001,32 @@ def run_recalibrate(
             eval_before=eval_before,
             eval_after=eval_after,
         )
+
+
+def protect_inputs(output: str, inputs: Iterable[tuple[str, str | None]]) -> None:
+    """Refuse an output that would replace an input file (even with --force: the data,
+    held-out data or the model's source) or land inside a data folder (it would change
+    the data set the next run reads)."""
+    import os
+
+    landing = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(output))), os.path.basename(output))
+    for option, path in inputs:
+        if not path or not os.path.exists(path):
+            continue
+        if os.path.isdir(path):
+            root = os.path.realpath(path)
+            if os.path.commonpath([root, landing]) == root:
+                raise BnauditError(f"{output}: lies inside the {option} folder {path}; write the checkpoint elsewhere")
+        elif os.path.exists(output) and os.path.samefile(output, path):
+            raise BnauditError(f"{output}: is the {option} file; write the new checkpoint to another file")
+
+
+def _spec_file(spec: str | None) -> str | None:
+    """The file of a `path/to/file.py:CALLABLE` spec (None for MODULE:CALLABLE)."""
+    import os
+
+    where = (spec or "").rpartition(":")[0]
+    return where if where.endswith(".py") or "/" in where or os.sep in where else None
 
 
 def _replace(obj: Any, **changes: Any) -> Any:

@@ -14,6 +14,7 @@ still non-finite is written as null in JSON.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +172,27 @@ def inspect_to_json(report: InspectReport) -> dict:
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan", "ok": "green"}
 
+# C0/C1 controls, DEL, the bidi overrides that can reorder what a reader sees, and lone
+# surrogates (bytes of a non-UTF-8 file name, which a UTF-8 stdout refuses to encode).
+_UNPRINTABLE_RE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def printable(text: str) -> str:
+    """`text` with control characters written as escapes (ESC -> \\x1b).
+
+    Layer names, keys and messages come from the checkpoint: printed raw, an
+    escape sequence in a name could recolour, retitle or rewrite the terminal.
+    """
+    return _UNPRINTABLE_RE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                               else f"\\u{ord(m.group()):04x}", text)
+
+
+def _cell(text: str, style: str = "") -> Any:
+    """A table cell that shows `text` as is: plain strings would be parsed as rich markup."""
+    from rich.text import Text
+
+    return Text(printable(text), style=style)
+
 
 def _g(x: float | None) -> str:
     if x is None:
@@ -206,7 +228,9 @@ def _layer_table(file: FileReport, console: Any) -> Any:
         table.add_column(header, justify="right", no_wrap=True)
     table.add_column("status", no_wrap=True)
     for s in file.layers:
-        table.add_row(s.name, *(cell(s) for _, cell in columns), Text(statuses[s.name], style=SEVERITY_STYLE[statuses[s.name]]))
+        # _cell: names come from the file, and "[inf, inf]" would parse as rich markup
+        table.add_row(_cell(s.name), *(_cell(cell(s)) for _, cell in columns),
+                      Text(statuses[s.name], style=SEVERITY_STYLE[statuses[s.name]]))
     return table
 
 
@@ -216,20 +240,20 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
 
     for file in report.files:
         if file.error:
-            console.print(Text(f"{file.path}: error: {file.error}", style="bold red"), soft_wrap=True)
+            console.print(_cell(f"{file.path}: error: {file.error}", style="bold red"), soft_wrap=True)
             continue
         if quiet:
             continue
-        title = Text(file.path, style="bold")
+        title = _cell(file.path, style="bold")
         where = f"{file.format}" + (f", key '{file.key}'" if file.key else "")
         if file.prefix:
             where += f", prefix '{file.prefix}' stripped"
-        title.append(f"  ({where})", style="dim")
+        title.append(printable(f"  ({where})"), style="dim")
         console.print(title)
         if file.other_keys:
-            console.print(Text(f"  other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))
+            console.print(_cell(f"  other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))
         if file.settings:
-            console.print(Text(f"  {file.settings}", style="dim"))
+            console.print(_cell(f"  {file.settings}", style="dim"))
         if file.layers:
             console.print(_layer_table(file, console))
         else:
@@ -240,7 +264,7 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
                 findings.add_column(col, overflow="fold")
             for f in file.findings:
                 findings.add_row(f"{f.code} {f.name}", Text(f.severity, style=SEVERITY_STYLE[f.severity]),
-                                 f.layer or "-", f.message)
+                                 _cell(f.layer or "-"), _cell(f.message))
             console.print(findings)
         console.print()
     s = report.summary()
@@ -387,8 +411,8 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
 
 # ----------------------------------------------------------------------------- recalibrate
 
-# The records (`RecalibrationReport`, `LayerChange`, `Drift`) live in bnaudit.recalibrate
-# with the definitions of every number; these functions only render them.
+# The records (`RecalibrationReport`, `LayerChange`) live in bnaudit.recalibrate (`Drift` in
+# bnaudit.stats) with the definitions of every number; these functions only render them.
 
 
 def _drift_to_json(d: Any) -> dict:

@@ -101,9 +101,13 @@ def initial_weight(momentum: float, updates: int) -> float:
 
 
 def has_identity_stats(layer: BNLayer) -> bool:
+    """running_mean == 0 and running_var == 1 in every channel of a layer that has channels.
+
+    A 0-channel layer holds no statistics to lose: "every channel" must not be vacuous.
+    """
     import numpy as np
 
-    return bool(np.all(layer.running_mean == 0.0) and np.all(layer.running_var == 1.0))
+    return layer.num_features > 0 and bool(np.all(layer.running_mean == 0.0) and np.all(layer.running_var == 1.0))
 
 
 def _has_initial_affine(layer: BNLayer) -> bool:

@@ -24,6 +24,41 @@ from dataclasses import dataclass
 from typing import Any
 
 
+@dataclass(frozen=True)
+class Drift:
+    """How far running statistics (mu_r, var_r) are from the statistics of the data
+    that reaches the layer (mu_d, var_d: mean and unbiased variance, see above):
+
+      mean_shift      mean over channels of |mu_d - mu_r| / sqrt(var_r + eps)
+      max_mean_shift  max over channels of the same
+      var_log_ratio   mean over channels of |log((var_d + eps) / (var_r + eps))|
+
+    All three are 0 when the stored statistics describe the data exactly. None where
+    a value is not finite (a NaN or negative running_var). Used by gap (running
+    statistics against evaluation data) and recalibrate (old and new statistics
+    against calibration data).
+    """
+
+    mean_shift: float | None
+    max_mean_shift: float | None
+    var_log_ratio: float | None
+
+
+def drift(data_mean: Any, data_var: Any, run_mean: Any, run_var: Any, eps: float) -> Drift:
+    """`Drift` of per-channel arrays (numpy, or CPU tensors), computed in float64."""
+    import numpy as np
+
+    mu_d, var_d, mu_r, var_r = (np.asarray(a, dtype=np.float64) for a in (data_mean, data_var, run_mean, run_var))
+    with np.errstate(all="ignore"):
+        shift = np.abs(mu_d - mu_r) / np.sqrt(var_r + eps)
+        log_ratio = np.abs(np.log((var_d + eps) / (var_r + eps)))
+
+    def finite(x: float) -> float | None:
+        return float(x) if np.isfinite(x) else None
+
+    return Drift(finite(shift.mean()), finite(shift.max()), finite(log_ratio.mean()))
+
+
 @dataclass
 class ChannelStats:
     """count, mean and M2 per channel (float64 tensors on the device of the data).

@@ -1,0 +1,42 @@
+"""The notebook API: every public name resolves lazily and works without the CLI."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bnaudit
+from conftest import REPO, SAMPLES
+
+
+def test_public_names_resolve():
+    from bnaudit.audit import inspect
+    from bnaudit.gap import run_gap
+    from bnaudit.recalibrate import recalibrate_module, run_recalibrate
+
+    assert bnaudit.inspect is inspect and bnaudit.measure_gap is run_gap
+    assert bnaudit.recalibrate_checkpoint is run_recalibrate and bnaudit.recalibrate_module is recalibrate_module
+    with pytest.raises(AttributeError):
+        bnaudit.no_such_name  # noqa: B018
+
+
+def test_importing_bnaudit_imports_neither_torch_nor_numpy():
+    code = "import sys, bnaudit; print('torch' in sys.modules, 'numpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_recalibrate_module_on_the_seed_values():
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(1))
+    bnaudit.recalibrate_module(model, [torch.tensor([[2.0], [4.0]]), torch.tensor([[6.0], [8.0]])])
+    assert model[0].running_mean.item() == 5.0
+    assert model[0].running_var.item() == pytest.approx(20 / 3)
+
+
+def test_measure_gap_from_python(tmp_path):
+    report = bnaudit.measure_gap(f"{SAMPLES}/reset_stats.pt", bnaudit.DataOptions(path=f"{SAMPLES}/data/digits_val.safetensors"),
+                                 arch=f"{SAMPLES}/digits_net.py:digits_net")
+    assert report.samples == 400 and report.gap == pytest.approx(report.train_accuracy - report.eval_accuracy)
+    assert report.gap > 0.3  # reset statistics cost a large part of the accuracy
