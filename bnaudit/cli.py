@@ -115,7 +115,7 @@ def _no_blas_threads() -> None:
 
 @app.command()
 def inspect(
-    paths: Annotated[list[str], typer.Argument(help="Checkpoint files or directories (searched for .pt .pth .ckpt .bin .tar .safetensors).")],
+    paths: Annotated[list[str], typer.Argument(metavar="PATHS...", help="Checkpoint files or directories (searched for .pt .pth .ckpt .bin .tar .safetensors).")],
     output_format: Annotated[InspectFormat, typer.Option("--format", "-f", help="Report format (sarif: SARIF 2.1.0 for code scanning).")] = InspectFormat.table,
     fail_on: Annotated[Optional[Severity], typer.Option(help="Exit 1 when a finding is at or above this severity (default: warning, or fail-on from the configuration).")] = None,
     exit_zero: Annotated[bool, typer.Option("--exit-zero", help="Exit 0 even when findings are at or above --fail-on.")] = False,
@@ -123,14 +123,14 @@ def inspect(
     ignore: Annotated[Optional[list[str]], typer.Option(metavar="CODES", help="Do not report these rules (codes or prefixes); added to the configuration's ignore.")] = None,
     config_file: Annotated[Optional[str], typer.Option("--config", metavar="PATH", help="Read this configuration file instead of the nearest bnaudit.toml / pyproject.toml [tool.bnaudit].")] = None,
     isolated: Annotated[bool, typer.Option("--isolated", help="Read no configuration file.")] = False,
-    key: Annotated[Optional[str], typer.Option(help="Container key of the state dict to audit (e.g. model_ema).")] = None,
-    eps: Annotated[Optional[float], typer.Option(help="BN eps where the file holds no modules (default 1e-5).")] = None,
-    momentum: Annotated[Optional[float], typer.Option(help="BN momentum where the file holds no modules (default 0.1).")] = None,
+    key: Annotated[Optional[str], typer.Option(metavar="KEY", help="Container key of the state dict to audit (e.g. model_ema).")] = None,
+    eps: Annotated[Optional[float], typer.Option(metavar="EPS", help="BN eps where the file holds no modules (default 1e-5).")] = None,
+    momentum: Annotated[Optional[float], typer.Option(metavar="M", help="BN momentum where the file holds no modules (default 0.1).")] = None,
     trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help="Unpickle arbitrary classes: runs code from the file. Only for files you trust.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the summary line and errors.")] = False,
     debug: DebugOpt = False,
-    arch: Annotated[Optional[str], typer.Option(help="MODULE:CALLABLE or path/to/file.py:CALLABLE building the model: exact BN001, BN006, BN007, BN011 and the real eps/momentum.")] = None,
-    arch_kwargs: Annotated[Optional[str], typer.Option("--arch-kwargs", help='JSON object of keyword arguments for --arch, e.g. \'{"num_classes": 10}\'.')] = None,
+    arch: Annotated[Optional[str], typer.Option(metavar="MODULE:CALLABLE", help="MODULE:CALLABLE or path/to/file.py:CALLABLE building the model: exact BN001, BN006, BN007, BN011 and the real eps/momentum.")] = None,
+    arch_kwargs: Annotated[Optional[str], typer.Option("--arch-kwargs", metavar="JSON", help='JSON object of keyword arguments for --arch, e.g. \'{"num_classes": 10}\'.')] = None,
 ) -> None:
     """Audit every BatchNorm layer of checkpoints, without code or data."""
     if arch is None:  # with --arch, the user's model code runs here and keeps its BLAS threads
@@ -175,7 +175,7 @@ def _code_list(values: list[str] | None) -> list[str] | None:
 
 @app.command("rules")
 def rules_command(
-    code: Annotated[Optional[str], typer.Argument(help="A rule code, e.g. BN004: explain that rule.")] = None,
+    code: Annotated[Optional[str], typer.Argument(metavar="[CODE]", help="A rule code, e.g. BN004: explain that rule.")] = None,
     debug: DebugOpt = False,
 ) -> None:
     """List the rules, or explain one: what it detects, why it matters, how to fix and silence it."""
@@ -193,27 +193,27 @@ def rules_command(
 # Options shared by the commands that run a model on data (gap, recalibrate).
 
 ArchOpt = Annotated[Optional[str], typer.Option(
-    "--arch", help="MODULE:CALLABLE or path/to/file.py:CALLABLE that builds the model (imported with the current directory on sys.path).")]
+    "--arch", metavar="MODULE:CALLABLE", help="MODULE:CALLABLE or path/to/file.py:CALLABLE that builds the model (imported with the current directory on sys.path).")]
 ArchKwargsOpt = Annotated[Optional[str], typer.Option(
-    "--arch-kwargs", help='JSON object of keyword arguments for --arch, e.g. \'{"num_classes": 10}\'.')]
-KeyOpt = Annotated[Optional[str], typer.Option("--key", help="Container key of the state dict to load (e.g. model_ema).")]
+    "--arch-kwargs", metavar="JSON", help='JSON object of keyword arguments for --arch, e.g. \'{"num_classes": 10}\'.')]
+KeyOpt = Annotated[Optional[str], typer.Option("--key", metavar="KEY", help="Container key of the state dict to load (e.g. model_ema).")]
 TrustPickleOpt = Annotated[bool, typer.Option(
     "--trust-pickle", help="Unpickle arbitrary classes (a pickled model of your own): runs code from the file. Only for files you trust.")]
 ForwardOpt = Annotated[Optional[str], typer.Option(
-    "--forward", help="MODULE:CALLABLE fn(model, batch) -> logits, for models that take something else than a tensor, tuple or dict.")]
+    "--forward", metavar="MODULE:CALLABLE", help="MODULE:CALLABLE fn(model, batch) -> logits, for models that take something else than a tensor, tuple or dict.")]
 DataOpt = Annotated[Optional[str], typer.Option(
-    "--data", help="An ImageFolder (one subfolder per class), a .safetensors/.pt file with 'inputs' (and 'labels'), or a folder of such shards.")]
-DatasetOpt = Annotated[Optional[str], typer.Option("--dataset", help="MODULE:CALLABLE returning a map-style torch Dataset (instead of --data).")]
-BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help="Samples per batch (train-mode results depend on it).")]
-NumSamplesOpt = Annotated[Optional[int], typer.Option("--num-samples", help="Use at most this many samples (default: all).")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the shuffled sample order.")]
+    "--data", metavar="PATH", help="An ImageFolder (one subfolder per class), a .safetensors/.pt file with 'inputs' (and 'labels'), or a folder of such shards.")]
+DatasetOpt = Annotated[Optional[str], typer.Option("--dataset", metavar="MODULE:CALLABLE", help="MODULE:CALLABLE returning a map-style torch Dataset (instead of --data).")]
+BatchSizeOpt = Annotated[int, typer.Option("--batch-size", metavar="N", help="Samples per batch (train-mode results depend on it).")]
+NumSamplesOpt = Annotated[Optional[int], typer.Option("--num-samples", metavar="N", help="Use at most this many samples (default: all).")]
+SeedOpt = Annotated[int, typer.Option("--seed", metavar="SEED", help="Seed of the shuffled sample order.")]
 NoShuffleOpt = Annotated[bool, typer.Option("--no-shuffle", help="Keep file order (a class-sorted folder then gives one-class batches).")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")]
-WorkersOpt = Annotated[int, typer.Option("--workers", help="DataLoader worker processes for reading and decoding.")]
-ImageSizeOpt = Annotated[Optional[int], typer.Option("--image-size", help="Images: resize the shorter side to N, then center-crop N x N.")]
+DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu, cuda, cuda:N or auto.")]
+WorkersOpt = Annotated[int, typer.Option("--workers", metavar="N", help="DataLoader worker processes for reading and decoding.")]
+ImageSizeOpt = Annotated[Optional[int], typer.Option("--image-size", metavar="N", help="Images: resize the shorter side to N, then center-crop N x N.")]
 GrayscaleOpt = Annotated[bool, typer.Option("--grayscale", help="Images: one channel (default RGB).")]
-MeanOpt = Annotated[Optional[str], typer.Option("--mean", help="Images: per-channel mean to subtract, comma list (values in [0, 1] scale).")]
-StdOpt = Annotated[Optional[str], typer.Option("--std", help="Images: per-channel std to divide by, comma list.")]
+MeanOpt = Annotated[Optional[str], typer.Option("--mean", metavar="M1,M2,...", help="Images: per-channel mean to subtract, comma list (values in [0, 1] scale).")]
+StdOpt = Annotated[Optional[str], typer.Option("--std", metavar="S1,S2,...", help="Images: per-channel std to divide by, comma list.")]
 SkipBadOpt = Annotated[bool, typer.Option("--skip-bad", help="Images: count and skip unreadable files instead of stopping.")]
 
 
@@ -257,7 +257,7 @@ def progress_bar(description: str, quiet: bool) -> Iterator[Optional[object]]:
 
 @app.command()
 def gap(
-    checkpoint: Annotated[str, typer.Argument(help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module.")],
+    checkpoint: Annotated[str, typer.Argument(metavar="CHECKPOINT", help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module.")],
     data: DataOpt = None,
     dataset: DatasetOpt = None,
     arch: ArchOpt = None,
@@ -276,7 +276,7 @@ def gap(
     mean: MeanOpt = None,
     std: StdOpt = None,
     skip_bad: SkipBadOpt = False,
-    max_gap: Annotated[Optional[float], typer.Option("--max-gap", help="Exit 1 when the gap (train-mode minus eval-mode accuracy, a fraction) exceeds this.")] = None,
+    max_gap: Annotated[Optional[float], typer.Option("--max-gap", metavar="FRACTION", help="Exit 1 when the gap (train-mode minus eval-mode accuracy, a fraction) exceeds this.")] = None,
     output_format: Annotated[Format, typer.Option("--format", "-f", help="Report format.")] = Format.table,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no per-layer table.")] = False,
     debug: DebugOpt = False,
@@ -317,8 +317,8 @@ class Method(str, Enum):
 
 @app.command()
 def recalibrate(
-    checkpoint: Annotated[str, typer.Argument(help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module.")],
-    output: Annotated[str, typer.Option("--output", "-o", help="Where to write the recalibrated checkpoint (same format as the input).")],
+    checkpoint: Annotated[str, typer.Argument(metavar="CHECKPOINT", help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module.")],
+    output: Annotated[str, typer.Option("--output", "-o", metavar="PATH", help="Where to write the recalibrated checkpoint (same format as the input).")],
     data: DataOpt = None,
     dataset: DatasetOpt = None,
     arch: ArchOpt = None,
@@ -327,9 +327,9 @@ def recalibrate(
     trust_pickle: TrustPickleOpt = False,
     forward: ForwardOpt = None,
     method: Annotated[Method, typer.Option("--method", help="exact: population statistics in one pass; sequential: layer by layer, eval-mode self-consistent; cumulative: update_bn's average of batch statistics.")] = Method.exact,
-    layers: Annotated[Optional[list[str]], typer.Option("--layers", help="Recalibrate only BN layers matching this glob (repeatable).")] = None,
-    exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Leave BN layers matching this glob as they are (repeatable).")] = None,
-    eval_data: Annotated[Optional[str], typer.Option("--eval-data", help="Held-out data (same kinds as --data): the gap report of the old and the new checkpoint side by side.")] = None,
+    layers: Annotated[Optional[list[str]], typer.Option("--layers", metavar="GLOB", help="Recalibrate only BN layers matching this glob (repeatable).")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option("--exclude", metavar="GLOB", help="Leave BN layers matching this glob as they are (repeatable).")] = None,
+    eval_data: Annotated[Optional[str], typer.Option("--eval-data", metavar="PATH", help="Held-out data (same kinds as --data): the gap report of the old and the new checkpoint side by side.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --output if it exists.")] = False,
     batch_size: BatchSizeOpt = 64,
     num_samples: NumSamplesOpt = None,
