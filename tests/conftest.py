@@ -41,6 +41,19 @@ def save_safetensors(state: dict[str, torch.Tensor], path, metadata=None) -> str
     return str(path)
 
 
+def default_sigint() -> None:
+    """preexec_fn for children a test interrupts with SIGINT.
+
+    A process started with SIGINT ignored (a background job of a non-interactive
+    shell, as some CI runners start the suite) passes that on, and Python then
+    installs no KeyboardInterrupt handler: the child would never see the signal.
+    SIG_DFL survives exec, after which Python installs its own handler.
+    """
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture
 def cli():
     """Invoke the typer app with a pinned terminal width; returns the click Result."""

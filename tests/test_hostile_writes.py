@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from bnaudit import checkpoint as ckpt_mod
+from conftest import default_sigint
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
@@ -210,7 +211,8 @@ def test_recalibrate_stopped_while_calibrating_leaves_nothing(world: dict, tmp_p
     proc = subprocess.Popen(
         [sys.executable, "-m", "bnaudit", "recalibrate", str(world["checkpoints"]["zip"]), "--arch", world["arch"],
          "--dataset", "writes_net:blocking", "--no-shuffle", "--batch-size", "4", "-o", str(target / "out.ckpt")],
-        cwd=world["root"], env=cli_env(world), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=world["root"], env=cli_env(world), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=default_sigint)
     wait_for(marker, proc)
     check_ending(signum, *finish(proc, signum))
     assert os.listdir(target) == ["other.txt"]
@@ -267,7 +269,8 @@ def test_recalibrate_stopped_while_writing_leaves_no_partial_file(world: dict, t
     proc = subprocess.Popen(
         [sys.executable, "-c", SLOW_WRITER, str(marker), mode, "recalibrate", str(world["checkpoints"]["safetensors"]),
          "--arch", world["arch"], "--data", "data.safetensors", "-o", str(out), *(["--force"] if existing else [])],
-        cwd=world["root"], env=cli_env(world), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=world["root"], env=cli_env(world), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=default_sigint)
     wait_for(marker, proc)
     check_ending(signum, *finish(proc, signum))
     if existing:

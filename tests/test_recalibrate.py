@@ -13,6 +13,7 @@ from torch import nn
 
 from bnaudit.errors import BnauditError
 from bnaudit.recalibrate import merge_trailing_singleton, recalibrate_module
+from conftest import default_sigint
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -574,7 +575,7 @@ def test_python_m_bnaudit_recalibrate_end_to_end_and_ctrl_c_leaves_nothing(world
     out = tmp_path / "b.safetensors"
     proc = subprocess.Popen([*base, "--dataset", "slow_data:dataset", "-o", str(out)], cwd=tmp_path,
                             env={**env, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     deadline = time.monotonic() + 60
     while not (tmp_path / "started").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
