@@ -41,6 +41,21 @@ def save_safetensors(state: dict[str, torch.Tensor], path, metadata=None) -> str
     return str(path)
 
 
+def train_classifier(model, x, y, steps: int = 80, lr: float = 0.03, batch: int = 32, seed: int = 2):
+    """A few Adam steps on random mini-batches of (x, y): a small trained model for fixtures."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(steps):
+        idx = torch.randperm(len(x), generator=g)[:batch]
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    return model
+
+
 def default_sigint() -> None:
     """preexec_fn for children a test interrupts with SIGINT.
 

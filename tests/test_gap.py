@@ -21,6 +21,7 @@ from bnaudit.data import DataOptions, make_loader
 from bnaudit.errors import BnauditError
 from bnaudit.gap import measure_gap, run_gap
 from bnaudit.models import load_runnable
+from conftest import train_classifier
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -108,16 +109,7 @@ def world(tmp_path_factory):
     torch.manual_seed(0)
     model = ns["tiny_net"]()
     x_train, y_train = _make_data(60, seed=1)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.03)
-    model.train()
-    g = torch.Generator().manual_seed(2)
-    for _ in range(80):
-        idx = torch.randperm(len(x_train), generator=g)[:32]
-        loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
+    train_classifier(model, x_train, y_train)
     healthy = {k: v.clone() for k, v in model.state_dict().items()}
     save_file(healthy, root / "healthy.safetensors")
     reset = copy.deepcopy(model)

@@ -13,7 +13,7 @@ from torch import nn
 
 from bnaudit.errors import BnauditError
 from bnaudit.recalibrate import merge_trailing_singleton, recalibrate_module
-from conftest import default_sigint
+from conftest import default_sigint, train_classifier
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -386,16 +386,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     torch.manual_seed(0)
     model = ns["tiny_net"]()
     x_train, y_train = make_images(60, seed=1)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.03)
-    g = torch.Generator().manual_seed(2)
-    model.train()
-    for _ in range(80):
-        idx = torch.randperm(len(x_train), generator=g)[:32]
-        loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
+    train_classifier(model, x_train, y_train)
     healthy = {k: v.clone() for k, v in model.state_dict().items()}
     reset = copy.deepcopy(model)
     for name in TINY_BN:
