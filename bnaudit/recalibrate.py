@@ -42,7 +42,11 @@ same statistics.
 Eager modules are observed with forward pre-hooks. TorchScript modules cannot take
 hooks; their BN calls are observed at the dispatcher (a TorchDispatchMode that
 recognises each layer's batch-norm op by its running_mean buffer), with the
-optimising executor off so that no BN op is fused away.
+optimising executor off so that no BN op is fused away. A layer that is observed
+while it normalises by batch statistics (exact, cumulative, the layer being
+calibrated in sequential) measures its input once: it normalises with the float64
+batch statistics just measured (`_normalise`; eager layers through `_fuse`,
+TorchScript ones at the dispatcher) rather than computing them a second time.
 """
 from __future__ import annotations
 
