@@ -42,14 +42,18 @@ same statistics.
 Eager modules are observed with forward pre-hooks. TorchScript modules cannot take
 hooks; their BN calls are observed at the dispatcher (a TorchDispatchMode that
 recognises each layer's batch-norm op by its running_mean buffer), with the
-optimising executor off so that no BN op is fused away.
+optimising executor off so that no BN op is fused away. A layer that is observed
+while it normalises by batch statistics (exact, cumulative, the layer being
+calibrated in sequential) measures its input once: it normalises with the float64
+batch statistics just measured (`_normalise`; eager layers through `_fuse`,
+TorchScript ones at the dispatcher) rather than computing them a second time.
 """
 from __future__ import annotations
 
 import contextlib
 import fnmatch
 import types
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -336,16 +340,23 @@ _BN_OPS = {
 
 
 @contextlib.contextmanager
-def _observe(model: Any, layers: dict[str, Any], callback: Callable[[str, Any], None]) -> Iterator[None]:
-    """Call `callback(name, input)` each time one of `layers` normalises an input."""
+def _observe(model: Any, layers: dict[str, Any], callback: Callable[[str, Any], Any],
+             fused: Collection[str] = ()) -> Iterator[None]:
+    """Call `callback(name, input)` each time one of `layers` normalises an input.
+
+    TorchScript layers named in `fused` (normalising by batch statistics) take the
+    `ChannelStats` the callback returns as their batch statistics (`_normalise`)."""
     if not layers:
         yield
         return
     if not _is_script(model):
-        handles = [
-            module.register_forward_pre_hook(lambda _m, args, _n=name: callback(_n, args[0]))
-            for name, module in layers.items()
-        ]
+        def hook(name: str) -> Callable[[Any, tuple], None]:
+            def observe(_module: Any, args: tuple) -> None:
+                callback(name, args[0])  # returns None: a pre-hook's return value replaces the input
+
+            return observe
+
+        handles = [module.register_forward_pre_hook(hook(name)) for name, module in layers.items()]
         try:
             yield
         finally:
@@ -363,12 +374,85 @@ def _observe(model: Any, layers: dict[str, Any], callback: Callable[[str, Any], 
             if func.overloadpacket.__name__ in _BN_OPS and len(args) > 3 and isinstance(args[3], torch.Tensor):
                 name = by_buffer.get(args[3].data_ptr())
                 if name is not None:
-                    callback(name, args[0])
+                    batch = callback(name, args[0])
+                    # native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+                    if (name in fused and func is torch.ops.aten.native_batch_norm.default and len(args) == 8
+                            and args[5] is True and not kwargs):
+                        out = _normalise(args[0], batch, args[1], args[2], args[7], args[3].dtype)
+                        if out is not None:
+                            return out
             return func(*args, **(kwargs or {}))
 
     # The optimising executor may fuse BN into other kernels, out of the dispatcher's sight.
     with torch.jit.optimized_execution(False), BatchNormCalls():
         yield
+
+
+def _normalise(x: Any, batch: ChannelStats, weight: Any, bias: Any, eps: float, stats_dtype: Any) -> Any:
+    """Training-mode batch norm of `x` with the batch statistics already measured
+    (`batch`: exact float64 mean mu and M2 over the n = batch.count values per channel):
+
+        y = (x - mu) / sqrt(M2 / n + eps) * weight + bias
+
+    computed by the eval-form batch_norm with mu and the biased variance M2 / n
+    rounded to the statistics' dtype, so the statistics pass that training mode
+    would run is not run a second time. Equal to PyTorch's training-mode output up
+    to that rounding. Returns the eval op's output (a tensor, or for the
+    dispatcher the tuple of native_batch_norm), or None where the shortcut does not
+    apply and PyTorch's own training-mode forward must run: one value per channel
+    (PyTorch raises), reduced precision or mixed dtypes, a 0-channel input.
+    """
+    import torch
+
+    if (batch.count <= 1 or batch.mean is None or x.dtype != stats_dtype
+            or x.dtype not in (torch.float32, torch.float64)):
+        return None
+    mean = batch.mean.to(stats_dtype)
+    var = (batch.m2 / batch.count).to(stats_dtype)
+    return torch.ops.aten.native_batch_norm.default(x, weight, bias, mean, var, False, 0.0, eps)
+
+
+def _stock_forward(model: Any, module: Any) -> bool:
+    """An eager BN layer whose forward is PyTorch's own (`_fuse` reproduces it)."""
+    import torch
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    if _is_script(model) or not isinstance(module, _BatchNorm) or "forward" in vars(module):
+        return False
+    return type(module).forward is _BatchNorm.forward or isinstance(module, torch.nn.SyncBatchNorm)
+
+
+@contextlib.contextmanager
+def _fuse(layers: dict[str, Any], observe: Callable[[str, Any], ChannelStats]) -> Iterator[None]:
+    """While the block runs, each eager BN layer of `layers` (normalising by batch
+    statistics, see `_regime`) measures its input with `observe(name, x)` and
+    normalises it with that measurement (`_normalise`), instead of a forward
+    pre-hook followed by PyTorch's training-mode forward, which would compute the
+    batch statistics a second time. Where `_normalise` does not apply, PyTorch's
+    forward runs after the measurement. Instance forwards are restored on exit."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    def make(name: str, module: Any) -> Callable[[Any], Any]:
+        def forward(x: Any) -> Any:
+            batch = observe(name, x)
+            module._check_input_dim(x)
+            out = _normalise(x, batch, module.weight, module.bias, module.eps, module.running_mean.dtype)
+            return _BatchNorm.forward(module, x) if out is None else out[0]
+
+        return forward
+
+    # _regime may have set an instance forward (SyncBatchNorm): put back what was there
+    saved = [(m, vars(m).get("forward")) for m in layers.values()]
+    try:
+        for name, module in layers.items():
+            module.forward = make(name, module)
+        yield
+    finally:
+        for module, previous in saved:
+            if previous is None:
+                vars(module).pop("forward", None)
+            else:
+                module.forward = previous
 
 
 @dataclass
@@ -414,7 +498,7 @@ def _run_pass(
         old = m.running_mean.detach().float()
         shifts[name] = torch.where(torch.isfinite(old), old, torch.zeros_like(old))
 
-    def on_input(name: str, x: Any) -> None:
+    def on_input(name: str, x: Any) -> ChannelStats:
         if x.dim() < 2 or x.shape[1] != expected[name]:
             raise BnauditError(
                 f"layer {name}: expects {expected[name]} channels in dimension 1, got input of shape {tuple(x.shape)}")
@@ -431,8 +515,15 @@ def _run_pass(
         if name == stop_after:
             stopped.append(name)
             raise _StopForward
+        return batch
 
-    with _regime(model, batch_stat_layers), _observe(model, observed, on_input), torch.no_grad():
+    layers = list(batch_stat_layers)
+    # observed layers that normalise by batch statistics use the ones measured here
+    fused = {name: m for name, m in observed.items() if any(m is b for b in layers)}
+    eager = {name: m for name, m in fused.items() if _stock_forward(model, m)}
+    hooked = {name: m for name, m in observed.items() if name not in eager}
+    with (_regime(model, layers), _fuse(eager, on_input), _observe(model, hooked, on_input, fused),
+          torch.no_grad()):
         for index, batch in enumerate(merge_trailing_singleton(batches)):
             calls_now.clear()
             n = batch_len(batch)

@@ -59,14 +59,49 @@ def drift(data_mean: Any, data_var: Any, run_mean: Any, run_var: Any, eps: float
     return Drift(finite(shift.mean()), finite(shift.max()), finite(log_ratio.mean()))
 
 
+# float64 scratch per chunk on the CPU: small enough to stay in a core's L2 cache
+# through the four passes over it (copy, subtract, sum, square-and-sum), which makes
+# the whole update about twice as fast as on one batch-sized copy.
+CHUNK_BYTES = 1 << 19
+
+
+def shifted_sums(x: Any, shift: Any) -> tuple[Any, Any]:
+    """Per-channel float64 S1 = sum(d), S2 = sum(d^2) with d = x - shift over every
+    value of channel c in a batch x of shape (N, C, *); shift: (C,) float64 on x's device.
+
+    d is formed in float64 (exact for float32/float16 data; the subtraction is one
+    float64 rounding). On the CPU the samples are taken a few at a time into one
+    reused float64 buffer (CHUNK_BYTES); the chunk sums are added in float64, so the
+    result is the same sums to float64 rounding. On an accelerator: one chunk.
+    """
+    import torch
+
+    channels, samples = x.shape[1], x.shape[0]
+    dims = [0, *range(2, x.dim())]
+    shift = shift.view([1, -1] + [1] * (x.dim() - 2))
+    per_sample = max(x.numel() // max(samples, 1), 1)
+    step = samples if x.device.type != "cpu" else max(1, min(samples, CHUNK_BYTES // (8 * per_sample)))
+    buffer = torch.empty((step, *x.shape[1:]), dtype=torch.float64, device=x.device)
+    s1 = torch.zeros(channels, dtype=torch.float64, device=x.device)
+    s2 = torch.zeros(channels, dtype=torch.float64, device=x.device)
+    for start in range(0, samples, step):
+        part = x[start:start + step]
+        deviation = buffer[:part.shape[0]]
+        deviation.copy_(part)
+        deviation.sub_(shift)
+        s1 += deviation.sum(dim=dims)
+        s2 += deviation.square_().sum(dim=dims)
+    return s1, s2
+
+
 @dataclass
 class ChannelStats:
     """count, mean and M2 per channel (float64 tensors on the device of the data).
 
     A batch is summed around a per-channel `shift`: with d = x - shift in float64
     (exact for float32/float16 data), it contributes mean = shift + sum(d)/n and
-    M2 = sum(d^2) - sum(d)^2/n, every sum in float64. That reads the batch once into a
-    float64 copy and reduces it twice (no further temporaries), and is exact to float64
+    M2 = sum(d^2) - sum(d)^2/n, every sum in float64 (`shifted_sums`: cache-sized
+    float64 chunks on the CPU, no batch-sized temporaries), and is exact to float64
     rounding, amplified only by (mean - shift)^2 / variance. Unset, the shift is the
     first sample seen (well conditioned); pass a fixed one (e.g. the layer's
     running_mean) to make the sums independent of which sample comes first, so that
@@ -92,11 +127,7 @@ class ChannelStats:
             first = x.detach()[0].reshape(channels, -1)[:, 0].to(torch.float64)
             self.shift = torch.where(torch.isfinite(first), first, torch.zeros_like(first))
         shift = self.shift.to(x.device, torch.float64)
-        dims = [0, *range(2, x.dim())]
-        deviation = x.detach().to(torch.float64, copy=True)
-        deviation.sub_(shift.view([1, -1] + [1] * (x.dim() - 2)))
-        s1 = deviation.sum(dim=dims)
-        s2 = deviation.square_().sum(dim=dims)
+        s1, s2 = shifted_sums(x.detach(), shift)
         batch_mean = shift + s1 / n
         batch_m2 = (s2 - s1.square() / n).clamp_min(0.0)
         self.merge(n, batch_mean, batch_m2)
