@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from bnaudit.checkpoint import CHECKPOINT_SUFFIXES, Checkpoint, read_checkpoint
+from bnaudit.checkpoint import CHECKPOINT_SUFFIXES, Checkpoint, read_checkpoint, recalibration_record
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.layers import DEFAULT_EPS, DEFAULT_MOMENTUM, ModuleFacts, discover_layers, facts_from_module_infos
@@ -43,8 +43,14 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
     enables the module-only rules. Raises BnauditError for unreadable tensors."""
     discovery = discover_layers(ckpt, eps=config.eps, momentum=config.momentum,
                                 momentum_given=config.momentum is not None)
-    findings = run_rules(RuleContext(discovery, config, is_ema=ckpt.is_ema, module=module))
+    record = recalibration_record(ckpt.metadata)
+    names = record.get("recalibrated_layers") if record else None
+    recalibrated = frozenset(n for n in names if isinstance(n, str)) if isinstance(names, list) else frozenset()
+    findings = run_rules(RuleContext(discovery, config, is_ema=ckpt.is_ema, module=module, recalibrated=recalibrated))
     report = FileReport(ckpt.path)
+    if recalibrated:
+        report.provenance = (f"statistics of {len(recalibrated)} layer(s) re-estimated by bnaudit recalibrate "
+                             f"(method {record.get('method')}, {record.get('samples')} samples, {record.get('date')})")
     report.format, report.key, report.other_keys = ckpt.format, ckpt.key, ckpt.other_keys
     report.prefix, report.is_ema = ckpt.prefix, ckpt.is_ema
     report.layers = [LayerSummary.of(layer, config.near_eps_factor) for layer in discovery.layers]

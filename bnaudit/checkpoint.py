@@ -95,6 +95,19 @@ class Checkpoint:
     holds_module: bool = False
 
 
+def recalibration_record(metadata: Mapping[str, str]) -> dict[str, Any] | None:
+    """The `bnaudit` provenance entry `recalibrate` writes into safetensors metadata,
+    or None. Metadata is untrusted: anything but a JSON object is ignored."""
+    raw = metadata.get("bnaudit")
+    if not isinstance(raw, str) or len(raw) > 10_000_000:
+        return None
+    try:
+        record = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 # ----------------------------------------------------------------------------- sniff
 
 

@@ -1062,6 +1062,9 @@ def run_recalibrate(
             "data": stream.description,
             "world_size": world,
             "layers": len(calibration.layers),
+            # inspect reads this back: these layers hold population statistics, not an
+            # EMA, so their num_batches_tracked (= batches) says nothing about maturity
+            "recalibrated_layers": [layer.name for layer in calibration.layers],
             "bnaudit_version": __version__,
             "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
         }

@@ -84,6 +84,7 @@ class FileReport:
     prefix: str = ""
     is_ema: bool = False
     settings: str = ""
+    provenance: str = ""
     layers: list[LayerSummary] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     error: str | None = None
@@ -146,6 +147,7 @@ def inspect_to_json(report: InspectReport) -> dict:
             "other_keys": file.other_keys,
             "prefix": file.prefix or None,
             "settings": file.settings or None,
+            "provenance": file.provenance or None,
             "layers": [{
                 "name": s.name,
                 "kind": s.kind,
@@ -254,6 +256,8 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
             console.print(_cell(f"  other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))
         if file.settings:
             console.print(_cell(f"  {file.settings}", style="dim"))
+        if file.provenance:
+            console.print(_cell(f"  {file.provenance}", style="dim"))
         if file.layers:
             console.print(_layer_table(file, console))
         else:

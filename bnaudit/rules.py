@@ -42,6 +42,9 @@ class RuleContext:
     # Set when a module is available (--arch, TorchScript, pickled module): BN001 is
     # then exact, and BN006 / BN007 / BN011 can speak.
     module: ModuleFacts | None = None
+    # Layers whose statistics `bnaudit recalibrate` wrote (population statistics, not
+    # an EMA: their counter is the number of calibration batches).
+    recalibrated: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,9 @@ def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
     "The running buffers start at mean 0 and variance 1 and move by new = (1-m)*old + m*batch. After t "
     "updates the initial values keep the weight (1-m)^t: 0.9^3 = 72.9% after 3 updates at momentum "
     "0.1, still 4.2% after 30. A short fine-tune leaves buffers that describe no data. Default "
-    "threshold 5% (`max-init-weight`). EMA copies are not checked (their counter means nothing).",
+    "threshold 5% (`max-init-weight`). EMA copies are not checked (their counter means nothing), nor "
+    "layers that a safetensors file's provenance says `bnaudit recalibrate` wrote (population "
+    "statistics: their counter is the number of calibration batches).",
     "Train longer, or re-estimate the statistics with `bnaudit recalibrate` (a few thousand samples suffice).",
     settings=("max-init-weight", "momentum"),
 )
@@ -234,6 +239,8 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN003"]
     for layer in ctx.discovery.layers:
         t, m = layer.num_batches_tracked, layer.momentum
+        if layer.name in ctx.recalibrated:
+            continue
         if t is None or t <= 0 or m is None or not 0.0 < m < 1.0 or has_identity_stats(layer):
             continue
         weight = initial_weight(m, t)
@@ -429,7 +436,8 @@ def _check_counter_zero(ctx: RuleContext) -> Iterator[Finding]:
     "num_batches_tracked differs between layers: part of the network was frozen or fine-tuned.",
     "Every BN layer of a network trained end to end sees the same number of training-mode forwards. "
     "Different counters mean some layers were frozen (norm_eval, FrozenBatchNorm, requires_grad off "
-    "with eval mode) or added and fine-tuned later; their statistics may describe different data.",
+    "with eval mode) or added and fine-tuned later; their statistics may describe different data. "
+    "Layers a safetensors file's provenance says `bnaudit recalibrate` wrote are not counted.",
     "Nothing to fix if the freezing was intended; otherwise recalibrate the layers that were frozen "
     "on the data the model now sees.",
 )
@@ -438,7 +446,8 @@ def _check_uneven_counters(ctx: RuleContext) -> Iterator[Finding]:
         return
     groups: dict[int, list[str]] = {}
     for layer in ctx.discovery.layers:
-        if layer.num_batches_tracked is not None:
+        # a recalibrated layer's counter counts calibration batches, not training steps
+        if layer.num_batches_tracked is not None and layer.name not in ctx.recalibrated:
             groups.setdefault(layer.num_batches_tracked, []).append(layer.name)
     if len(groups) < 2:
         return

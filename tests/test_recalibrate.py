@@ -650,3 +650,47 @@ def test_real_broken_model_recovers_its_healthy_accuracy(broken: str, tmp_path: 
     doc = json.loads(result.stdout)
     assert doc["eval"]["before"]["eval_mode"]["accuracy"] == pytest.approx(before)
     assert doc["eval"]["after"]["eval_mode"]["accuracy"] == pytest.approx(after)
+
+
+def test_inspect_trusts_the_provenance_of_recalibrated_layers_only(tmp_path: Path) -> None:
+    """A recalibrated layer's counter is its number of calibration batches (5 here):
+    BN003's (1-m)^t premise does not apply to it, but still does to an excluded layer."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    from bnaudit import inspect
+    from bnaudit.checkpoint import read_checkpoint
+
+    immature = torch.load(SAMPLES / "immature.pt", weights_only=True)
+    source = tmp_path / "immature.safetensors"
+    save_file({k: v.contiguous() for k, v in immature.items()}, str(source))
+    out = tmp_path / "out.safetensors"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bnaudit", "recalibrate", str(source), "--arch", f"{SAMPLES}/digits_net.py:digits_net",
+         "--data", f"{SAMPLES}/data/digits_calib.safetensors", "--exclude", "head.2", "-o", str(out), "-q"],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(read_checkpoint(str(out)).metadata["bnaudit"])
+    assert record["recalibrated_layers"] == ["features.1", "features.4"] and record["batches"] == 5
+    (file,) = inspect(str(out)).files
+    assert [(f.code, f.layer) for f in file.findings] == [("BN003", "head.2")]  # 0.9^3: still immature
+    assert "re-estimated by bnaudit recalibrate (method exact, 300 samples" in file.provenance
+    before = inspect(str(source)).files[0]
+    assert sorted(f.layer for f in before.findings if f.code == "BN003") == ["features.1", "features.4", "head.2"]
+
+
+@pytest.mark.parametrize("entry", ["not json", "[1, 2]", '{"recalibrated_layers": "features.1"}',
+                                   '{"recalibrated_layers": [1, null]}', "{" * 100000])
+def test_forged_provenance_is_ignored(tmp_path: Path, entry: str) -> None:
+    from safetensors.torch import save_file
+
+    from bnaudit import inspect
+
+    immature = torch.load(SAMPLES / "immature.pt", weights_only=True)
+    path = tmp_path / "forged.safetensors"
+    save_file({k: v.contiguous() for k, v in immature.items()}, str(path), metadata={"bnaudit": entry})
+    (file,) = inspect(str(path)).files
+    assert file.error is None and file.provenance == ""
+    assert sorted(f.layer for f in file.findings if f.code == "BN003") == ["features.1", "features.4", "head.2"]
