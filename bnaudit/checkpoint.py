@@ -207,6 +207,12 @@ def checkpoint_from_object(path: str, fmt: str, obj: Any, key: str | None) -> Ch
     if not candidates:
         raise BnauditError(f"{path}: holds no state dict (no mapping of names to tensors)")
     chosen = choose_state_dict(path, candidates, key)
+    return _strip_wrapper_prefix(wrap_candidate(path, fmt, candidates, chosen))
+
+
+def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str) -> Checkpoint:
+    """A `Checkpoint` of `candidates[chosen]` (a state dict or an nn.Module, whose
+    module settings are kept), names as they are; the other candidates are listed."""
     source = candidates[chosen]
     modules: dict[str, ModuleInfo] = {}
     if _is_module(source):
@@ -216,7 +222,7 @@ def checkpoint_from_object(path: str, fmt: str, obj: Any, key: str | None) -> Ch
         except Exception as exc:  # attributes come from the file: a forged module breaks here
             raise BnauditError(f"{path}: malformed pickled module ({_first_line(exc)})") from None
     tensors = {name: _torch_ref(name, t) for name, t in source.items() if isinstance(name, str) and _is_tensor(t)}
-    ckpt = Checkpoint(
+    return Checkpoint(
         path,
         fmt,
         tensors,
@@ -226,7 +232,6 @@ def checkpoint_from_object(path: str, fmt: str, obj: Any, key: str | None) -> Ch
         modules=modules,
         holds_module=bool(modules) or _is_module(candidates[chosen]),
     )
-    return _strip_wrapper_prefix(ckpt)
 
 
 # ----------------------------------------------------------------------------- containers
@@ -391,12 +396,12 @@ def allowed_global(name: str) -> Any | None:
     return None
 
 
-def _refusal(path: str, unsafe: list[str]) -> BnauditError:
+def _refusal(path: str, unsafe: list[str], hint: str = "") -> BnauditError:
     shown = ", ".join(unsafe[:8]) + (f" and {len(unsafe) - 8} more" if len(unsafe) > 8 else "")
     return BnauditError(
         f"{path}: refused to unpickle: it needs globals that could run code ({shown}); "
         "if you trust this file, pass --trust-pickle; safer still, save a state dict "
-        "or a .safetensors file"
+        "or a .safetensors file" + (f"; {hint}" if hint else "")
     )
 
 
@@ -414,13 +419,14 @@ def _base_allowlist() -> list[Any]:
 _MISSING_GLOBAL_RES = (re.compile(r"GLOBAL ([\w.]+)"), re.compile(r"got <class '([\w.]+)'>"))
 
 
-def load_torch_object(path: str, trust_pickle: bool = False, mmap: bool = True) -> Any:
+def load_torch_object(path: str, trust_pickle: bool = False, mmap: bool = True, hint: str = "") -> Any:
     """`torch.load` a torch.save file without running pickled code.
 
     Only allow-listed globals are accepted; anything else is refused with the list of
     globals the file would need. `trust_pickle=True` is the user's explicit opt-out.
     `mmap` is True for the zip format and False for a legacy file (as sniffed), whose
-    storage claims are checked against the file size first.
+    storage claims are checked against the file size first. `hint` ends a refusal with
+    the caller's advice.
     """
     legacy = not mmap
     try:
@@ -429,11 +435,11 @@ def load_torch_object(path: str, trust_pickle: bool = False, mmap: bool = True) 
         # torch's C++ reader takes UTF-8 paths only; a file name that is not (bytes
         # kept by surrogateescape) is read through an open file object, without mmap.
         with open(path, "rb") as handle:
-            return _load_torch_object(path, handle, trust_pickle, mmap=False, legacy=legacy)
-    return _load_torch_object(path, path, trust_pickle, mmap, legacy)
+            return _load_torch_object(path, handle, trust_pickle, mmap=False, legacy=legacy, hint=hint)
+    return _load_torch_object(path, path, trust_pickle, mmap, legacy, hint)
 
 
-def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, legacy: bool) -> Any:
+def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, legacy: bool, hint: str = "") -> Any:
     import torch
 
     def rewound() -> Any:
@@ -456,7 +462,7 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
             raise BnauditError(f"{path}: damaged torch.save archive ({_first_line(exc)})") from exc
         unsafe = [n for n in needed if allowed_global(n) is None]
         if unsafe:
-            raise _refusal(path, unsafe)
+            raise _refusal(path, unsafe, hint)
         allowed += [allowed_global(n) for n in needed]
     # A legacy pickle cannot be scanned up front (and a zip one may name classes only
     # while it is built): load, and let each refused global either join the allow
@@ -481,7 +487,7 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
             extra = [allowed_global(n) for n in missing]
             refused = [n for n, o in zip(missing, extra) if o is None or o in allowed]
             if refused:
-                raise _refusal(path, refused) from None
+                raise _refusal(path, refused, hint) from None
             allowed += extra
         except BnauditError:
             raise

@@ -40,11 +40,11 @@ from bnaudit.checkpoint import (
     TensorRef,
     find_state_dicts,
     choose_state_dict,
-    allowed_global,
     load_torch_object,
     module_infos,
     read_checkpoint,
     sniff_format,
+    wrap_candidate,
 )
 from bnaudit.errors import BnauditError
 from bnaudit.layers import ModuleFacts, facts_from_module_infos
@@ -355,26 +355,13 @@ def _load_torchscript(path: str, key: str | None) -> RunnableModel:
 def _load_pickled_module(path: str, fmt: str, key: str | None, trust_pickle: bool) -> RunnableModel:
     import torch
 
-    if not trust_pickle and fmt == "torch-zip":
-        # Name every class the file needs before anything is unpickled.
-        try:
-            needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        except Exception as exc:
-            raise BnauditError(f"{path}: damaged torch.save archive ({_one_line(exc)})") from None
-        unsafe = [n for n in needed if allowed_global(n) is None]
-        if unsafe:
-            shown = ", ".join(unsafe[:6]) + (f" and {len(unsafe) - 6} more" if len(unsafe) > 6 else "")
-            raise BnauditError(
-                f"{path}: refused to unpickle the model: it needs classes outside torch.nn ({shown}), and "
-                "unpickling a class runs code from the file. If you trust the file, pass --trust-pickle; "
-                "safer, save model.state_dict() (as .safetensors, the format that holds no code) and pass "
-                "--arch MODULE:CALLABLE to build the model"
-            )
     if trust_pickle:
         cwd = os.getcwd()
         if cwd not in sys.path and "" not in sys.path:
             sys.path.insert(0, cwd)  # the pickled classes are imported by module name
-    obj = load_torch_object(path, trust_pickle=trust_pickle, mmap=fmt == "torch-zip")
+    obj = load_torch_object(path, trust_pickle=trust_pickle, mmap=fmt == "torch-zip", hint=(
+        "unpickling a class runs code from the file: save model.state_dict() (as .safetensors, the format "
+        "that holds no code) and pass --arch MODULE:CALLABLE to build the model"))
     candidates = find_state_dicts(obj)
     modules = {k: v for k, v in candidates.items() if isinstance(v, torch.nn.Module)}
     if not modules:
@@ -386,14 +373,9 @@ def _load_pickled_module(path: str, fmt: str, key: str | None, trust_pickle: boo
     module = modules[chosen]
     from torch.nn.modules.batchnorm import _BatchNorm
 
-    from bnaudit.checkpoint import _is_ema_key, _torch_ref
-
-    # The module's own names and settings are the truth for everything downstream.
-    tensors = {name: _torch_ref(name, t) for name, t in module.state_dict().items()}
-    infos = module_infos(module)
-    ckpt = Checkpoint(path, fmt, tensors, key=chosen or None, other_keys=[k for k in candidates if k != chosen],
-                      is_ema=_is_ema_key(chosen),
-                      modules=infos, holds_module=True)
+    # No prefix stripping: the module's own names and settings are the truth downstream.
+    ckpt = wrap_candidate(path, fmt, candidates, chosen)
+    infos = ckpt.modules
     facts = dataclasses.replace(
         facts_from_module_infos(infos),
         batch_norms=frozenset(n for n, m in module.named_modules() if isinstance(m, _BatchNorm) and n in infos),
