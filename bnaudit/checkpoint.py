@@ -16,20 +16,23 @@ Formats are sniffed from the bytes, never from the extension:
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import io
 import json
 import math
+import numbers
 import os
 import pickle
 import re
 import stat
+import struct
+import sys
 import zipfile
+from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from bnaudit.errors import BnauditError
 
@@ -42,16 +45,20 @@ MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
 
 @dataclass(frozen=True)
 class TensorRef:
-    """A tensor that is read only when `read()` is called.
+    """A tensor that is read only when `read()` or `to_torch()` is called.
 
-    `dtype` is the numpy-style name (`float32`, `bfloat16`, `int64`, ...) of the
-    stored type; `read()` returns a numpy array (bfloat16 widened to float32).
+    `dtype` is the torch-style name (`float32`, `bfloat16`, `int64`, ...) of the
+    stored type. `read()` returns the values as a flat row-major list of Python
+    numbers (floats exact: every stored float type widens exactly to a double), so
+    that inspecting a safetensors file needs neither torch nor numpy.
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: str
-    _reader: Callable[[], np.ndarray] = field(repr=False, compare=False)
+    _reader: Callable[[], list] = field(repr=False, compare=False)
+    # Builds the torch tensor directly (whole weights for --arch): None means from read().
+    _torch: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_floating(self) -> bool:
@@ -61,9 +68,24 @@ class TensorRef:
     def is_integer(self) -> bool:
         return self.dtype.startswith(("int", "uint"))
 
-    def read(self) -> np.ndarray:
+    def read(self) -> list:
+        return self._guarded(self._reader)
+
+    def to_torch(self) -> Any:
+        """The tensor with its stored dtype and shape; writing to it never reaches the file."""
+        if self._torch is not None:
+            return self._guarded(self._torch)
+        import torch
+
+        values = self.read()
+        return torch.tensor(values, dtype=getattr(torch, self.dtype)).reshape(self.shape)
+
+    def renamed(self, name: str) -> TensorRef:
+        return dataclasses.replace(self, name=name)
+
+    def _guarded(self, reader: Callable[[], Any]) -> Any:
         try:
-            return self._reader()
+            return reader()
         except BnauditError:
             raise
         except Exception as exc:  # a torn file or exotic storage: say which tensor
@@ -336,7 +358,7 @@ def _strip_wrapper_prefix(ckpt: Checkpoint) -> Checkpoint:
     if stripped:
         cut = len(stripped)
         ckpt.tensors = {
-            name[cut:]: TensorRef(name[cut:], ref.shape, ref.dtype, ref._reader)
+            name[cut:]: ref.renamed(name[cut:])
             for name, ref in ckpt.tensors.items()
         }
         ckpt.modules = {
@@ -405,15 +427,21 @@ def _refusal(path: str, unsafe: list[str], hint: str = "") -> BnauditError:
     )
 
 
-def _base_allowlist() -> list[Any]:
-    import numpy
-
-    allowed = [o for o in (allowed_global(n) for n in sorted(_PLAIN_GLOBALS)) if o is not None]
-    # numpy.dtype's reduce rebuilds through these classes without naming them as globals
-    dtypes = getattr(numpy, "dtypes", None)
-    if dtypes is not None:
-        allowed += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")]
+def _plain_allowlist(numpy_names: bool) -> list[Any]:
+    """The allowed objects of _PLAIN_GLOBALS, numpy's or the others: numpy is imported
+    only for a file that names it (it costs start-up time in every other run)."""
+    names = sorted(n for n in _PLAIN_GLOBALS if n.startswith("numpy.") == numpy_names)
+    allowed = [o for o in map(allowed_global, names) if o is not None]
+    if numpy_names and "numpy" in sys.modules:
+        # numpy.dtype's reduce rebuilds through these classes without naming them as globals
+        dtypes = getattr(sys.modules["numpy"], "dtypes", None)
+        if dtypes is not None:
+            allowed += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")]
     return allowed
+
+
+def _names_numpy(names: list[str]) -> bool:
+    return any(n.startswith("numpy.") for n in names)
 
 
 _MISSING_GLOBAL_RES = (re.compile(r"GLOBAL ([\w.]+)"), re.compile(r"got <class '([\w.]+)'>"))
@@ -452,7 +480,8 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
             return torch.load(rewound(), map_location="cpu", weights_only=False)
         except Exception as exc:
             raise BnauditError(f"{path}: cannot load: {_first_line(exc)}") from exc
-    allowed = _base_allowlist()
+    allowed = _plain_allowlist(numpy_names=False)
+    with_numpy = False
     if legacy:
         check_legacy_claims(path)
     else:
@@ -464,6 +493,8 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
         if unsafe:
             raise _refusal(path, unsafe, hint)
         allowed += [allowed_global(n) for n in needed]
+        if _names_numpy(needed):
+            allowed, with_numpy = allowed + _plain_allowlist(numpy_names=True), True
     # A legacy pickle cannot be scanned up front (and a zip one may name classes only
     # while it is built): load, and let each refused global either join the allow
     # list (an allow-listed name) or end the attempt with a refusal.
@@ -489,6 +520,8 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
             if refused:
                 raise _refusal(path, refused, hint) from None
             allowed += extra
+            if _names_numpy(missing) and not with_numpy:
+                allowed, with_numpy = allowed + _plain_allowlist(numpy_names=True), True
         except BnauditError:
             raise
         except Exception as exc:
@@ -659,13 +692,11 @@ def _first_line(exc: BaseException) -> str:
 def _torch_ref(name: str, tensor: Any) -> TensorRef:
     dtype = str(tensor.dtype).removeprefix("torch.")
 
-    def read() -> np.ndarray:
-        t = tensor.detach()
-        if t.dtype.is_floating_point and t.dtype.itemsize < 4:
-            t = t.float()  # bfloat16 has no numpy type; float16 widened alike
-        return t.cpu().numpy()
+    def read() -> list:
+        return tensor.detach().reshape(-1).tolist()  # Python floats: exact for every float dtype
 
-    return TensorRef(name, tuple(int(s) for s in tensor.shape), dtype, read)
+    # torch.load(mmap=True) maps the file privately: a write to the tensor stays in memory
+    return TensorRef(name, tuple(int(s) for s in tensor.shape), dtype, read, tensor.detach)
 
 
 def module_infos(model: Any) -> dict[str, ModuleInfo]:
@@ -692,7 +723,8 @@ def _real(value: Any) -> float | None:
     The attributes of an unpickled or scripted module come from the file, so a
     string, a tensor or a numpy scalar can stand where a float belongs.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    # numbers.Real: numpy registers its scalar types there, so they pass without importing numpy
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     try:
         return float(value)
@@ -753,9 +785,7 @@ def read_safetensors(path: str) -> tuple[dict[str, TensorRef], dict[str, str]]:
             raise BnauditError(f"{path}: tensor '{name}' lies outside the file (offsets {begin}..{end})")
         if math.prod(shape) * itemsize != end - begin:
             raise BnauditError(f"{path}: tensor '{name}' has {end - begin} bytes for shape {shape}")
-        tensors[name] = TensorRef(
-            name, tuple(shape), dtype, _file_slice_reader(path, data_start + begin, end - begin, dtype, tuple(shape))
-        )
+        tensors[name] = _file_slice_ref(path, name, data_start + begin, end - begin, dtype, tuple(shape))
     return tensors, {str(k): str(v) for k, v in metadata.items()}
 
 
@@ -764,26 +794,60 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _file_slice_reader(path: str, offset: int, length: int, dtype: str, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
-    def read() -> np.ndarray:
+def _file_slice_ref(path: str, name: str, offset: int, length: int, dtype: str, shape: tuple[int, ...]) -> TensorRef:
+    def raw() -> bytes:
         with open(path, "rb") as f:
             f.seek(offset)
-            raw = f.read(length)
-        if len(raw) != length:
+            data = f.read(length)
+        if len(data) != length:
             raise BnauditError(f"{path}: truncated tensor data")
-        return decode_array(raw, dtype, shape)
+        return data
 
-    return read
+    def to_torch() -> Any:
+        import torch
+
+        if length == 0:
+            return torch.empty(shape, dtype=getattr(torch, dtype))
+        # bytearray: torch.frombuffer shares the buffer, which must be writable and ours
+        return torch.frombuffer(bytearray(raw()), dtype=getattr(torch, dtype)).reshape(shape)
+
+    return TensorRef(name, shape, dtype, lambda: decode_values(raw(), dtype), to_torch)
 
 
-def decode_array(raw: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Little-endian bytes -> numpy array; bfloat16 widened exactly to float32."""
+def _typecode(codes: str, size: int) -> str:
+    """The array typecode of that item size: C's int widths are the platform's."""
+    return next(c for c in codes if array(c).itemsize == size)
+
+
+_ARRAY_CODES = {
+    "float64": "d", "float32": "f",
+    **{f"int{8 * n}": _typecode("bhilq", n) for n in (1, 2, 4, 8)},
+    **{f"uint{8 * n}": _typecode("BHILQ", n) for n in (1, 2, 4, 8)},
+}
+
+
+def decode_values(raw: bytes, dtype: str) -> list:
+    """Little-endian bytes of `dtype` -> flat list of Python numbers, exactly.
+
+    float16 through struct's IEEE half format; bfloat16 by placing its two bytes as
+    the high half of a float32 (which is what bfloat16 is).
+    """
+    if dtype == "bool":
+        return [b != 0 for b in raw]
+    if dtype == "float16":
+        return list(struct.unpack(f"<{len(raw) // 2}e", raw))
     if dtype == "bfloat16":
-        bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
-        return bits.view(np.float32).reshape(shape)
-    if dtype.startswith("float8"):
+        widened = bytearray(2 * len(raw))
+        widened[2::4], widened[3::4] = raw[0::2], raw[1::2]
+        raw, dtype = bytes(widened), "float32"
+    code = _ARRAY_CODES.get(dtype)
+    if code is None:
         raise BnauditError(f"{dtype} tensors cannot be decoded without torch")
-    return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
+    values = array(code)
+    values.frombytes(raw)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()
 
 
 # ----------------------------------------------------------------------------- TorchScript
@@ -864,19 +928,20 @@ class _ScriptUnpickler(pickle._Unpickler):
             raise pickle.UnpicklingError("malformed tensor record")
         archive = self.archive
 
-        def read() -> np.ndarray:
-            flat = decode_array(archive.read(storage.entry), storage.dtype, (-1,))
+        def read() -> list:
+            flat = decode_values(archive.read(storage.entry), storage.dtype)
             numel = math.prod(size)
             if numel == 0:
-                return np.zeros(size, dtype=flat.dtype)
-            if numel > flat.size:  # only zero strides could do it: a copy would allocate the claim
-                raise BnauditError(f"tensor claims {numel} elements, its storage {storage.entry} holds {flat.size}")
+                return []
+            if numel > len(flat):  # only zero strides could do it: a copy would allocate the claim
+                raise BnauditError(f"tensor claims {numel} elements, its storage {storage.entry} holds {len(flat)}")
             span = offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1
-            if offset < 0 or span > flat.size:
+            if offset < 0 or span > len(flat):
                 raise BnauditError(f"tensor view runs past its storage {storage.entry}")
-            return np.lib.stride_tricks.as_strided(
-                flat[offset:], shape=size, strides=[st * flat.itemsize for st in stride]
-            ).copy()
+            index = [offset]
+            for extent, step in zip(size, stride):  # row-major: the last dimension varies fastest
+                index = [base + i * step for base in index for i in range(extent)]
+            return [flat[i] for i in index]
 
         return TensorRef("", tuple(size), storage.dtype, read)
 
@@ -934,7 +999,7 @@ def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleI
                 continue
             if isinstance(value, TensorRef):
                 full = prefix + name
-                tensors[full] = TensorRef(full, value.shape, value.dtype, value._reader)
+                tensors[full] = value.renamed(full)
             elif isinstance(value, _ScriptObject):
                 walk(value, f"{prefix}{name}.", depth + 1)
 
@@ -1087,12 +1152,17 @@ def _prepare_updates(ckpt: Checkpoint, updates: Mapping[str, Any]) -> dict[str, 
     return prepared
 
 
+def tensor_bytes(tensor: Any) -> bytes:
+    """A tensor's bytes in memory order (little-endian here), without the numpy bridge
+    (which would import numpy: start-up time)."""
+    import ctypes
+
+    t = tensor.detach().cpu().contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
+
+
 def _write_safetensors_like(ckpt: Checkpoint, prepared: dict[str, Any], provenance: Mapping[str, Any] | None,
                             f: Any) -> None:
-    import sys
-
-    import torch
-
     if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian
         raise BnauditError("writing safetensors needs a little-endian machine")
     with open(ckpt.path, "rb") as src:
@@ -1111,7 +1181,7 @@ def _write_safetensors_like(ckpt: Checkpoint, prepared: dict[str, Any], provenan
             f.write(chunk)
     for name, tensor in prepared.items():
         begin, end = header[ckpt.prefix + name]["data_offsets"]
-        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        data = tensor_bytes(tensor)
         if len(data) != end - begin:  # pragma: no cover - _prepare_updates checked shape and dtype
             raise ValueError(f"{name}: {len(data)} bytes for a slot of {end - begin}")
         f.seek(data_start + begin)

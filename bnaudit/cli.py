@@ -102,17 +102,6 @@ def _console(stderr: bool = False):
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")]
 
 
-def _no_blas_threads() -> None:
-    """Spare numpy's OpenBLAS its thread pool in commands that do no linear algebra.
-
-    OpenBLAS starts a thread per core when numpy is imported; on a busy or many-core
-    machine that costs as much as the rest of the numpy import, on every pre-commit run.
-    It only works before numpy is imported; a user's own setting wins.
-    """
-    if "numpy" not in sys.modules:
-        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
-
 @app.command()
 def inspect(
     paths: Annotated[list[str], typer.Argument(metavar="PATHS...", help="Checkpoint files or directories (searched for .pt .pth .ckpt .bin .tar .safetensors).")],
@@ -133,8 +122,6 @@ def inspect(
     arch_kwargs: Annotated[Optional[str], typer.Option("--arch-kwargs", metavar="JSON", help='JSON object of keyword arguments for --arch, e.g. \'{"num_classes": 10}\'.')] = None,
 ) -> None:
     """Audit every BatchNorm layer of checkpoints, without code or data."""
-    if arch is None:  # with --arch, the user's model code runs here and keeps its BLAS threads
-        _no_blas_threads()
     from bnaudit.audit import inspect as run_inspect
     from bnaudit.config import load_config
     from bnaudit.report import inspect_to_json, printable, render_inspect
@@ -179,7 +166,6 @@ def rules_command(
     debug: DebugOpt = False,
 ) -> None:
     """List the rules, or explain one: what it detects, why it matters, how to fix and silence it."""
-    _no_blas_threads()
     from bnaudit.docs import explain_rule, find_rule, render_rules
 
     with user_errors(debug):
@@ -349,7 +335,6 @@ def recalibrate(
 ) -> None:
     """Re-estimate BatchNorm running statistics on data and write a new checkpoint safely."""
     import dataclasses
-    import os
     import signal
 
     from bnaudit.recalibrate import run_recalibrate

@@ -15,8 +15,6 @@ import math
 import re
 from dataclasses import dataclass
 
-import numpy as np
-
 from bnaudit.checkpoint import Checkpoint, ModuleInfo, TensorRef
 from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM  # noqa: F401 (re-exported)
 STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
@@ -24,7 +22,7 @@ STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 
 @dataclass(frozen=True)
 class BNLayer:
-    """One BN layer's buffers and parameters as float64/int numpy data.
+    """One BN layer's buffers and parameters as lists of Python floats (float64), one per channel.
 
     `eps` and `momentum` are the module's own when the file holds modules, else the
     assumed values (`settings_assumed` is then True). `momentum` None means a
@@ -33,10 +31,10 @@ class BNLayer:
 
     name: str
     kind: str
-    running_mean: np.ndarray
-    running_var: np.ndarray
-    weight: np.ndarray | None
-    bias: np.ndarray | None
+    running_mean: list[float]
+    running_var: list[float]
+    weight: list[float] | None
+    bias: list[float] | None
     num_batches_tracked: int | None
     stats_dtype: str
     eps: float
@@ -45,7 +43,7 @@ class BNLayer:
 
     @property
     def num_features(self) -> int:
-        return int(self.running_mean.shape[0])
+        return len(self.running_mean)
 
 
 @dataclass(frozen=True)
@@ -111,13 +109,18 @@ def _is_stat_vector(ref: TensorRef | None) -> bool:
 def _counter(ref: TensorRef | None) -> int | None:
     if ref is None or not ref.is_integer or math.prod(ref.shape) != 1:  # math.prod: no int64 wrap-around
         return None
-    return int(ref.read().reshape(-1)[0])
+    return int(ref.read()[0])
 
 
-def _vector(ref: TensorRef | None) -> np.ndarray | None:
+def _floats(ref: TensorRef) -> list[float]:
+    values = ref.read()
+    return values if ref.is_floating else [float(v) for v in values]
+
+
+def _vector(ref: TensorRef | None) -> list[float] | None:
     if ref is None or len(ref.shape) != 1 or not (ref.is_floating or ref.is_integer):
         return None
-    return ref.read().astype(np.float64)
+    return _floats(ref)
 
 
 def _kind(group: dict[str, TensorRef], module: ModuleInfo | None) -> str:
@@ -191,8 +194,8 @@ def _make_layer(
     prefix: str, group: dict[str, TensorRef], module: ModuleInfo | None,
     eps: float | None, momentum: float | None, momentum_given: bool,
 ) -> BNLayer:
-    mean = group["running_mean"].read().astype(np.float64)
-    var = group["running_var"].read().astype(np.float64)
+    mean = _floats(group["running_mean"])
+    var = _floats(group["running_var"])
     weight = _vector(group.get("weight"))
     bias = _vector(group.get("bias"))
     if module is not None and module.eps is not None:

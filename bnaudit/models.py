@@ -37,7 +37,6 @@ from typing import Any
 
 from bnaudit.checkpoint import (
     Checkpoint,
-    TensorRef,
     find_state_dicts,
     choose_state_dict,
     load_torch_object,
@@ -259,7 +258,7 @@ def match_checkpoint(ckpt: Checkpoint, model: Any) -> tuple[Checkpoint, ModuleFa
         reversed(tails),  # ties go to the shortest tail (inspect's choice)
         key=lambda tail: sum(1 for name in ckpt.tensors if tail + name in model_state),
     )
-    tensors = {best + n: TensorRef(best + n, ref.shape, ref.dtype, ref._reader) for n, ref in ckpt.tensors.items()}
+    tensors = {best + n: ref.renamed(best + n) for n, ref in ckpt.tensors.items()}
     infos = module_infos(model)
     from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -296,15 +295,11 @@ def check_fits(ckpt: Checkpoint, facts: ModuleFacts, arch: str) -> None:
 
 def load_state(model: Any, ckpt: Checkpoint) -> None:
     """Copy every checkpoint tensor the model has into it (dtype converted by copy_)."""
-    import numpy as np
-    import torch
-
     state = {}
     model_keys = set(model.state_dict().keys())
     for name, ref in ckpt.tensors.items():
         if name in model_keys:
-            # Readers may hand out read-only or memory-mapped arrays: copy once.
-            state[name] = torch.from_numpy(np.array(ref.read(), copy=True))
+            state[name] = ref.to_torch()
     model.load_state_dict(state, strict=False)
 
 

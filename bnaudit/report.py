@@ -18,8 +18,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from bnaudit import __version__
 from bnaudit.config import SEVERITIES, Config, severity_rank
 from bnaudit.layers import BNLayer
@@ -45,9 +43,9 @@ class LayerSummary:
 
     @classmethod
     def of(cls, layer: BNLayer, near_eps_factor: float) -> LayerSummary:
-        def stat(fn, values: np.ndarray) -> float | None:
-            finite = values[~np.isnan(values)]
-            return float(fn(finite)) if finite.size else None
+        def stat(fn, values: list[float]) -> float | None:
+            numbers = [v for v in values if not math.isnan(v)]
+            return float(fn(numbers)) if numbers else None
 
         gains = eval_gain(layer)
         return cls(
@@ -58,21 +56,21 @@ class LayerSummary:
             eps=layer.eps,
             momentum=layer.momentum,
             stats_dtype=layer.stats_dtype,
-            mean_min=stat(np.min, layer.running_mean),
-            mean_max=stat(np.max, layer.running_mean),
-            var_min=stat(np.min, layer.running_var),
+            mean_min=stat(min, layer.running_mean),
+            mean_max=stat(max, layer.running_mean),
+            var_min=stat(min, layer.running_var),
             var_median=stat(_median, layer.running_var),
-            var_max=stat(np.max, layer.running_var),
-            near_eps_channels=int(near_eps_channels(layer, near_eps_factor).size),
-            max_eval_gain=stat(np.max, gains),
+            var_max=stat(max, layer.running_var),
+            near_eps_channels=len(near_eps_channels(layer, near_eps_factor)),
+            max_eval_gain=stat(max, gains),
         )
 
 
-def _median(values: np.ndarray) -> float:
-    """np.median's value, without the numpy.ma import np.median costs (start-up time)."""
-    ordered = np.sort(values, axis=None)
-    half = ordered.size // 2
-    return float(ordered[half]) if ordered.size % 2 else float((ordered[half - 1] + ordered[half]) / 2)
+def _median(values: list[float]) -> float:
+    """The middle value, or the mean of the two middle ones (as numpy.median)."""
+    ordered = sorted(values)
+    half = len(ordered) // 2
+    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
 
 
 @dataclass

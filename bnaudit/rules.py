@@ -12,15 +12,14 @@ Definitions used by every rule (and printed by the report):
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from bnaudit.config import Config
 
-if TYPE_CHECKING:  # `bnaudit rules` needs the registry only: numpy is imported where checks run
-    import numpy as np
-
+if TYPE_CHECKING:
     from bnaudit.layers import BNLayer, Discovery, ModuleFacts
 
 
@@ -77,25 +76,30 @@ def rule(code: str, name: str, severity: str, summary: str, explanation: str, fi
 # ----------------------------------------------------------------------------- statistics
 
 
-def eval_gain(layer: BNLayer) -> np.ndarray:
+def eval_gain(layer: BNLayer) -> list[float]:
     """g_c = |gamma_c| / sqrt(running_var_c + eps); NaN where var is non-finite or < 0."""
-    import numpy as np
-
     var = layer.running_var
-    gamma = layer.weight if layer.weight is not None and layer.weight.shape == var.shape else np.ones_like(var)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        gain = np.abs(gamma) / np.sqrt(var + layer.eps)
-    gain[~np.isfinite(var) | (var < 0)] = np.nan
-    return gain
+    gamma = layer.weight if layer.weight is not None and len(layer.weight) == len(var) else [1.0] * len(var)
+    return [_gain(g, v, layer.eps) for g, v in zip(gamma, var)]
 
 
-def near_eps_channels(layer: BNLayer, factor: float) -> np.ndarray:
+def _gain(gamma: float, var: float, eps: float) -> float:
+    """|gamma| / sqrt(var + eps) in IEEE float64, as a vectorised library would give it
+    (x/0 = inf, 0/0 = NaN, sqrt of a negative = NaN), instead of Python's exceptions."""
+    if not math.isfinite(var) or var < 0:
+        return math.nan
+    denominator = var + eps
+    if denominator > 0:
+        return abs(gamma) / math.sqrt(denominator)
+    if denominator == 0:
+        return math.nan if gamma == 0 or math.isnan(gamma) else math.inf
+    return math.nan
+
+
+def near_eps_channels(layer: BNLayer, factor: float) -> list[int]:
     """Indices of channels with 0 <= running_var < factor * eps."""
-    import numpy as np
-
-    var = layer.running_var
-    with np.errstate(invalid="ignore"):
-        return np.flatnonzero(np.isfinite(var) & (var >= 0) & (var < factor * layer.eps))
+    limit = factor * layer.eps
+    return [c for c, v in enumerate(layer.running_var) if 0 <= v < limit]  # NaN compares False
 
 
 def initial_weight(momentum: float, updates: int) -> float:
@@ -108,20 +112,20 @@ def has_identity_stats(layer: BNLayer) -> bool:
 
     A 0-channel layer holds no statistics to lose: "every channel" must not be vacuous.
     """
-    import numpy as np
+    return layer.num_features > 0 and _all_equal(layer.running_mean, 0.0) and _all_equal(layer.running_var, 1.0)
 
-    return layer.num_features > 0 and bool(np.all(layer.running_mean == 0.0) and np.all(layer.running_var == 1.0))
+
+def _all_equal(values: list[float], value: float) -> bool:
+    return values.count(value) == len(values)  # count: == in C (NaN never equal, -0.0 == 0.0)
 
 
 def _has_initial_affine(layer: BNLayer) -> bool:
-    import numpy as np
-
-    return (layer.weight is None or bool(np.all(layer.weight == 1.0))) and (
-        layer.bias is None or bool(np.all(layer.bias == 0.0))
+    return (layer.weight is None or _all_equal(layer.weight, 1.0)) and (
+        layer.bias is None or _all_equal(layer.bias, 0.0)
     )
 
 
-def _channel_list(channels: np.ndarray, limit: int = 8) -> str:
+def _channel_list(channels: list[int], limit: int = 8) -> str:
     shown = ", ".join(str(int(c)) for c in channels[:limit])
     return shown + (f", ... ({len(channels)} in all)" if len(channels) > limit else "")
 
@@ -265,26 +269,26 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
     settings=("near-eps-factor", "max-gain", "eps"),
 )
 def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
-    import numpy as np
-
     r = RULES["BN004"]
     cfg = ctx.config
     for layer in ctx.discovery.layers:
         channels = near_eps_channels(layer, cfg.near_eps_factor)
-        if channels.size == 0:
+        if not channels:
             continue
-        gains = eval_gain(layer)[channels]
-        worst = float(np.nanmax(gains)) if np.isfinite(gains).any() else 0.0
+        all_gains = eval_gain(layer)
+        gains = {c: all_gains[c] for c in channels}
+        worst = max(g for g in gains.values() if not math.isnan(g)) if any(map(math.isfinite, gains.values())) else 0.0
         severity = "warning" if worst >= cfg.max_gain else "info"
-        order = channels[np.argsort(-np.nan_to_num(gains, nan=0.0), kind="stable")]
+        # worst first, NaN last; sorted is stable, so ties keep channel order
+        order = sorted(channels, key=lambda c: -(0.0 if math.isnan(gains[c]) else gains[c]))
         details = ", ".join(
-            f"ch {int(c)} (var {_fmt(layer.running_var[c])}, gain {eval_gain(layer)[c]:.1f})" for c in order[:5]
+            f"ch {c} (var {_fmt(layer.running_var[c])}, gain {gains[c]:.1f})" for c in order[:5]
         )
-        more = f" and {channels.size - 5} more" if channels.size > 5 else ""
+        more = f" and {len(channels) - 5} more" if len(channels) > 5 else ""
         tail = "" if severity == "warning" else f"; muted by small |gamma| (max gain {worst:.1f})"
         yield r.finding(
             severity, layer.name,
-            f"{channels.size} channel(s) with running_var < {cfg.near_eps_factor:g}*eps "
+            f"{len(channels)} channel(s) with running_var < {cfg.near_eps_factor:g}*eps "
             f"({_fmt(cfg.near_eps_factor * layer.eps)}): {details}{more}{tail}",
             channels,
         )
@@ -301,8 +305,6 @@ def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
     "for shape mismatches, check how the state dict was converted.",
 )
 def _check_invalid(ctx: RuleContext) -> Iterator[Finding]:
-    import numpy as np
-
     r = RULES["BN005"]
     for layer in ctx.discovery.layers:
         problems: list[str] = []
@@ -312,20 +314,20 @@ def _check_invalid(ctx: RuleContext) -> Iterator[Finding]:
                               ("weight", layer.weight), ("bias", layer.bias)):
             if values is None:
                 continue
-            if values.shape != (c,):
-                problems.append(f"{label} has {values.size} values but the statistics have {c}")
+            if len(values) != c:
+                problems.append(f"{label} has {len(values)} values but the statistics have {c}")
                 continue
-            nan, inf = np.flatnonzero(np.isnan(values)), np.flatnonzero(np.isinf(values))
-            if nan.size or inf.size:
-                parts = [f"{nan.size} NaN" if nan.size else "", f"{inf.size} Inf" if inf.size else ""]
-                channels = np.union1d(nan, inf)
+            channels = [i for i, v in enumerate(values) if not math.isfinite(v)]
+            if channels:
+                nan = sum(1 for i in channels if math.isnan(values[i]))
+                inf = len(channels) - nan
+                parts = [f"{nan} NaN" if nan else "", f"{inf} Inf" if inf else ""]
                 problems.append(f"{label} has {' and '.join(p for p in parts if p)} (channels {_channel_list(channels)})")
-                bad.update(channels.tolist())
-        with np.errstate(invalid="ignore"):
-            negative = np.flatnonzero(layer.running_var < 0)
-        if negative.size:
-            problems.append(f"running_var is negative in {negative.size} channel(s) ({_channel_list(negative)})")
-            bad.update(negative.tolist())
+                bad.update(channels)
+        negative = [i for i, v in enumerate(layer.running_var) if v < 0]
+        if negative:
+            problems.append(f"running_var is negative in {len(negative)} channel(s) ({_channel_list(negative)})")
+            bad.update(negative)
         if layer.num_batches_tracked is not None and layer.num_batches_tracked < 0:
             problems.append(f"num_batches_tracked is negative ({layer.num_batches_tracked})")
         if problems:

@@ -52,8 +52,10 @@ def test_every_format_yields_the_same_tensors(tmp_path, fmt):
     assert ckpt.format == fmt
     assert set(ckpt.tensors) == set(state)
     for name, tensor in state.items():
-        np.testing.assert_array_equal(ckpt.tensors[name].read(), tensor.numpy())
+        assert ckpt.tensors[name].read() == tensor.reshape(-1).tolist()
         assert ckpt.tensors[name].shape == tuple(tensor.shape)
+        loaded = ckpt.tensors[name].to_torch()
+        assert loaded.dtype == tensor.dtype and torch.equal(loaded, tensor)
 
 
 def test_torchscript_archive_read_without_loading_gives_real_eps_and_momentum(tmp_path, monkeypatch):
@@ -75,6 +77,57 @@ def test_bfloat16_safetensors_decoded_exactly_without_torch(tmp_path):
     ref = read_checkpoint(path).tensors["bn.running_var"]
     assert ref.dtype == "bfloat16"
     np.testing.assert_array_equal(ref.read(), values.float().numpy())
+
+
+SPECIALS = [0.0, -0.0, 1.0, -2.5, 65504.0, 1e-7, float("inf"), float("-inf"), float("nan"), 3.0e38, 1e-40]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32,
+                                   torch.uint64, torch.bool])
+def test_safetensors_values_decode_to_what_torch_holds(tmp_path, dtype):
+    """Every stored dtype, decoded without torch or numpy, equals torch's own reading
+    of the same bytes, value for value (NaN where torch has NaN; -0.0 kept)."""
+    if dtype.is_floating_point:
+        values = torch.tensor(SPECIALS, dtype=torch.float64).to(dtype)
+    elif dtype == torch.bool:
+        values = torch.tensor([True, False, True])
+    else:
+        info = torch.iinfo(dtype)
+        values = torch.tensor([info.min, info.max, 0, 1, 7], dtype=dtype)
+    path = save_safetensors({"t": values.reshape(-1, 1)}, tmp_path / "v.safetensors")
+    ref = read_checkpoint(path).tensors["t"]
+    got, want = ref.read(), values.tolist()
+    assert [type(v) for v in got] == [type(v) for v in want]
+    assert [repr(v) for v in got] == [repr(v) for v in want]  # repr: tells -0.0 and NaN apart
+    as_torch = ref.to_torch()
+    assert as_torch.dtype == dtype and as_torch.shape == (len(want), 1)
+    assert torch.equal(as_torch.isnan() if dtype.is_floating_point else as_torch,
+                       values.reshape(-1, 1).isnan() if dtype.is_floating_point else values.reshape(-1, 1))
+
+
+def test_torchscript_strided_views_read_in_row_major_order(tmp_path):
+    """Buffers that are views into a larger storage (offset, transposed, stepped) read
+    back as torch lays them out: the archive's own unpickler walks the strides."""
+    class Views(nn.Module):
+        def __init__(self):
+            super().__init__()
+            base = torch.arange(24, dtype=torch.float32)
+            self.register_buffer("stepped", base[3::5])
+            self.register_buffer("transposed", base.reshape(4, 6).t()[1:4])
+            self.register_buffer("empty", base[:0])
+
+        def forward(self, x):
+            return x + self.stepped.sum() + self.transposed.sum() + self.empty.sum()
+
+    module = Views()
+    path = tmp_path / "views.pt"
+    torch.jit.save(torch.jit.script(module), str(path))
+    tensors = read_checkpoint(str(path)).tensors
+    for name in ("stepped", "transposed", "empty"):
+        expected = getattr(module, name)
+        assert tensors[name].read() == expected.reshape(-1).tolist()
+        assert torch.equal(tensors[name].to_torch(), expected)
 
 
 def test_safetensors_metadata_kept(tmp_path):

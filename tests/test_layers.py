@@ -66,7 +66,7 @@ def test_look_alikes_are_skipped_without_crashing(tmp_path):
 def test_weight_length_disagreeing_with_statistics_is_still_a_layer(tmp_path):
     state = bn_entries("bn", 4, weight=torch.ones(3))
     found = discover(tmp_path, state)
-    assert len(found.layers) == 1 and found.layers[0].weight.shape == (3,)
+    assert len(found.layers) == 1 and found.layers[0].weight == [1.0, 1.0, 1.0]
 
 
 def test_incomplete_groups_and_parameters_without_buffers(tmp_path):
