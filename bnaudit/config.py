@@ -20,7 +20,6 @@ from __future__ import annotations
 import difflib
 import math
 import os
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -227,14 +226,21 @@ KEYS: dict[str, Key] = {k.name: k for k in (
 # ----------------------------------------------------------------------------- files
 
 
-def _read_toml(path: Path) -> dict:
+def _read_bytes(path: Path) -> bytes:
     try:
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as exc:
-        raise BnauditError(f"{path}: invalid TOML: {exc}") from None
+            return fh.read()
     except OSError as exc:
         raise BnauditError(f"{path}: cannot read configuration: {exc.strerror or exc}") from None
+
+
+def _read_toml(path: Path, raw: bytes | None = None) -> dict:
+    import tomllib  # here: its import costs 5 ms of every run, and most runs parse no TOML
+
+    try:
+        return tomllib.loads((_read_bytes(path) if raw is None else raw).decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise BnauditError(f"{path}: invalid TOML: {exc}") from None
 
 
 def _tool_table(path: Path, document: dict) -> dict | None:
@@ -266,7 +272,10 @@ def find_config_file(start: str | os.PathLike | None = None) -> tuple[Path, dict
             return dedicated, read_config_file(dedicated)
         pyproject = directory / PYPROJECT
         if pyproject.is_file():
-            table = _tool_table(pyproject, _read_toml(pyproject))
+            raw = _read_bytes(pyproject)
+            if b"bnaudit" not in raw:  # no [tool.bnaudit] possible: not ours to parse, or to judge
+                continue
+            table = _tool_table(pyproject, _read_toml(pyproject, raw))
             if table is not None:
                 return pyproject, table
     return None

@@ -44,7 +44,8 @@ class LayerSummary:
     @classmethod
     def of(cls, layer: BNLayer, near_eps_factor: float) -> LayerSummary:
         def stat(fn, values: list[float]) -> float | None:
-            numbers = [v for v in values if not math.isnan(v)]
+            total = sum(values)
+            numbers = values if total == total else [v for v in values if v == v]  # x != x: NaN
             return float(fn(numbers)) if numbers else None
 
         gains = eval_gain(layer)
@@ -203,9 +204,6 @@ def _g(x: float | None) -> str:
 def _layer_table(file: FileReport, console: Any) -> Any:
     """One row per layer, with the most columns that fit the terminal: numbers are
     never folded across lines, the least telling columns go first."""
-    from rich.table import Table
-    from rich.text import Text
-
     c = ("C", lambda s: str(s.num_features))
     batches = ("batches", lambda s: "-" if s.num_batches_tracked is None else str(s.num_batches_tracked))
     mean = ("mean range", lambda s: f"[{_g(s.mean_min)}, {_g(s.mean_max)}]")
@@ -222,20 +220,73 @@ def _layer_table(file: FileReport, console: Any) -> Any:
         needed += sum(max(len(header), *map(len, col)) for (header, _), col in zip(columns, cells))
         if needed <= console.width:
             break
+    headers = ["layer", *(header for header, _ in columns), "status"]
+    rows = [[printable(s.name), *(printable(cell(s)) for _, cell in columns), statuses[s.name]] for s in file.layers]
+    grid = _grid(headers, rows, console, min(longest, 24))
+    if grid is not None:
+        return grid
+    from rich.table import Table  # here: with its fractions and decimal, 5 ms of start-up
+    from rich.text import Text
+
     table = Table(show_edge=False, pad_edge=False, header_style="bold")
     table.add_column("layer", overflow="fold", min_width=min(longest, 24))
-    for header, _ in columns:
+    for header in headers[1:-1]:
         table.add_column(header, justify="right", no_wrap=True)
     table.add_column("status", no_wrap=True)
-    for s in file.layers:
-        # _cell: names come from the file, and "[inf, inf]" would parse as rich markup
-        table.add_row(_cell(s.name), *(_cell(cell(s)) for _, cell in columns),
-                      Text(statuses[s.name], style=SEVERITY_STYLE[statuses[s.name]]))
+    for row in rows:
+        # Text: "[inf, inf]" or a name from the file would otherwise parse as rich markup
+        table.add_row(*map(Text, row[:-1]), Text(row[-1], style=SEVERITY_STYLE[row[-1]]))
     return table
 
 
+def _grid(headers: list[str], rows: list[list[str]], console: Any, min_first: int) -> Any:
+    """The layer table exactly as the rich.Table of `_layer_table` draws it, as one Text.
+
+    rich measures and renders every cell on its own, about 70 us a cell: 38 ms for
+    ResNet-50's 53 rows, half of what a pre-commit run may take. The layer table is
+    a fixed grid (first column folded, numbers right-justified, status last), so it
+    is laid out here; tests/test_report.py compares both, styles included. None where
+    rich would have to shrink more than the first column (a very narrow terminal).
+    """
+    from rich.cells import cell_len
+    from rich.text import Text
+
+    widths = [max(cell_len(header), *(cell_len(row[i]) for row in rows)) for i, header in enumerate(headers)]
+    rest = sum(widths[1:]) + 3 * (len(headers) - 1)
+    first = min(widths[0], console.width - rest)
+    if first < max(min_first, cell_len(headers[0])):
+        return None
+    widths[0] = first
+    last = len(widths) - 1
+    out = Text()
+
+    # Segment for segment what rich emits: a header cell and the spaces beside its bars
+    # carry the header style, a body cell its own (status) style, the bars none.
+    def line(cells: list[str], bar: str, pad_style: str, styles: list[str]) -> None:
+        if len(out):
+            out.append("\n")
+        for i, (cell, width, style) in enumerate(zip(cells, widths, styles)):
+            if i:
+                out.append(" ", pad_style)
+                out.append(bar)
+                out.append(" ", pad_style)
+            pad = " " * (width - cell_len(cell))
+            out.append(pad + cell if 0 < i < last else cell + pad, style)
+
+    line(headers, "┃", "bold", ["bold"] * len(headers))
+    out.append("\n" + "╇".join("━" * (w + (1 if i in (0, last) else 2)) for i, w in enumerate(widths)))
+    plain = [""] * last
+    for row in rows:
+        name = [row[0]]
+        if cell_len(row[0]) > first:
+            name = [part.plain for part in Text(row[0]).wrap(console, first, overflow="fold")]
+        line([name[0], *row[1:]], "│", "", [*plain, SEVERITY_STYLE[row[-1]]])
+        for part in name[1:]:
+            line([part, *[""] * last], "│", "", [*plain, ""])
+    return out
+
+
 def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> None:
-    from rich.table import Table
     from rich.text import Text
 
     for file in report.files:
@@ -261,6 +312,8 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
         else:
             console.print(Text("  no BatchNorm layers found", style="dim"))
         if file.findings:
+            from rich.table import Table
+
             findings = Table(show_edge=False, pad_edge=False, header_style="bold")
             for col in ("code", "severity", "layer", "message"):
                 findings.add_column(col, overflow="fold")

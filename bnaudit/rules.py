@@ -76,11 +76,20 @@ def rule(code: str, name: str, severity: str, summary: str, explanation: str, fi
 # ----------------------------------------------------------------------------- statistics
 
 
+def all_finite(values: list[float]) -> bool:
+    """No NaN or Inf among the values: one C-speed sum (a sum that overflows only sends
+    the caller down its slower per-value path)."""
+    return math.isfinite(sum(values))
+
+
 def eval_gain(layer: BNLayer) -> list[float]:
     """g_c = |gamma_c| / sqrt(running_var_c + eps); NaN where var is non-finite or < 0."""
-    var = layer.running_var
+    var, eps = layer.running_var, layer.eps
     gamma = layer.weight if layer.weight is not None and len(layer.weight) == len(var) else [1.0] * len(var)
-    return [_gain(g, v, layer.eps) for g, v in zip(gamma, var)]
+    if eps > 0 and all_finite(var) and min(var, default=0.0) >= 0:  # every denominator > 0
+        sqrt = math.sqrt
+        return [abs(g) / sqrt(v + eps) for g, v in zip(gamma, var)]
+    return [_gain(g, v, eps) for g, v in zip(gamma, var)]
 
 
 def _gain(gamma: float, var: float, eps: float) -> float:
@@ -98,8 +107,10 @@ def _gain(gamma: float, var: float, eps: float) -> float:
 
 def near_eps_channels(layer: BNLayer, factor: float) -> list[int]:
     """Indices of channels with 0 <= running_var < factor * eps."""
-    limit = factor * layer.eps
-    return [c for c, v in enumerate(layer.running_var) if 0 <= v < limit]  # NaN compares False
+    limit, var = factor * layer.eps, layer.running_var
+    if all_finite(var) and min(var, default=limit) >= limit:  # the common case: none
+        return []
+    return [c for c, v in enumerate(var) if 0 <= v < limit]  # NaN compares False
 
 
 def initial_weight(momentum: float, updates: int) -> float:
@@ -317,14 +328,15 @@ def _check_invalid(ctx: RuleContext) -> Iterator[Finding]:
             if len(values) != c:
                 problems.append(f"{label} has {len(values)} values but the statistics have {c}")
                 continue
-            channels = [i for i, v in enumerate(values) if not math.isfinite(v)]
+            channels = [] if all_finite(values) else [i for i, v in enumerate(values) if not math.isfinite(v)]
             if channels:
                 nan = sum(1 for i in channels if math.isnan(values[i]))
                 inf = len(channels) - nan
                 parts = [f"{nan} NaN" if nan else "", f"{inf} Inf" if inf else ""]
                 problems.append(f"{label} has {' and '.join(p for p in parts if p)} (channels {_channel_list(channels)})")
                 bad.update(channels)
-        negative = [i for i, v in enumerate(layer.running_var) if v < 0]
+        var = layer.running_var
+        negative = [] if all_finite(var) and min(var, default=0.0) >= 0 else [i for i, v in enumerate(var) if v < 0]
         if negative:
             problems.append(f"running_var is negative in {len(negative)} channel(s) ({_channel_list(negative)})")
             bad.update(negative)

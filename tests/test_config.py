@@ -39,6 +39,20 @@ def test_pyproject_without_tool_table_is_passed_over(tmp_path):
     assert load_config(start=tmp_path / "outer" / "inner").max_gain == 7.0
 
 
+def test_pyproject_of_another_tool_is_not_judged_but_one_naming_bnaudit_is(tmp_path):
+    """A pyproject.toml that cannot hold [tool.bnaudit] is not parsed (its TOML is not ours
+    to judge, nor to pay for); one that mentions bnaudit is parsed, and its errors reported."""
+    dedicated = write(tmp_path / "outer" / "bnaudit.toml", "max-gain = 7\n")
+    inner = write(tmp_path / "outer" / "inner" / "pyproject.toml", "[tool.ruff\nline-length = \n")
+    assert find_config_file(tmp_path / "outer" / "inner") == (dedicated.resolve(), {"max-gain": 7})
+    write(inner, "[tool.bnaudit\nmax-gain = 3\n")
+    with pytest.raises(BnauditError, match=r"pyproject.toml: invalid TOML"):
+        find_config_file(tmp_path / "outer" / "inner")
+    inner.write_bytes(b"[tool.bnaudit]\nname = '\xff'\n")  # not UTF-8: one line, not a traceback
+    with pytest.raises(BnauditError, match=r"pyproject.toml: invalid TOML"):
+        find_config_file(tmp_path / "outer" / "inner")
+
+
 def test_nearest_file_wins_and_files_are_not_merged(tmp_path):
     write(tmp_path / "pyproject.toml", "[tool.bnaudit]\nmax-gain = 1\nnear-eps-factor = 3\n")
     write(tmp_path / "sub" / "pyproject.toml", "[tool.bnaudit]\nmax-gain = 2\n")
