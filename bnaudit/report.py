@@ -43,12 +43,8 @@ class LayerSummary:
 
     @classmethod
     def of(cls, layer: BNLayer, near_eps_factor: float) -> LayerSummary:
-        def stat(fn, values: list[float]) -> float | None:
-            total = sum(values)
-            numbers = values if total == total else [v for v in values if v == v]  # x != x: NaN
-            return float(fn(numbers)) if numbers else None
-
-        gains = eval_gain(layer)
+        mean, var, gains = map(_numbers, (layer.running_mean, layer.running_var, eval_gain(layer)))
+        ordered = sorted(var)
         return cls(
             name=layer.name,
             kind=layer.kind,
@@ -57,19 +53,24 @@ class LayerSummary:
             eps=layer.eps,
             momentum=layer.momentum,
             stats_dtype=layer.stats_dtype,
-            mean_min=stat(min, layer.running_mean),
-            mean_max=stat(max, layer.running_mean),
-            var_min=stat(min, layer.running_var),
-            var_median=stat(_median, layer.running_var),
-            var_max=stat(max, layer.running_var),
+            mean_min=min(mean, default=None),
+            mean_max=max(mean, default=None),
+            var_min=ordered[0] if ordered else None,
+            var_median=_median(ordered) if ordered else None,
+            var_max=ordered[-1] if ordered else None,
             near_eps_channels=len(near_eps_channels(layer, near_eps_factor)),
-            max_eval_gain=stat(max, gains),
+            max_eval_gain=max(gains, default=None),
         )
 
 
-def _median(values: list[float]) -> float:
-    """The middle value, or the mean of the two middle ones (as numpy.median)."""
-    ordered = sorted(values)
+def _numbers(values: list[float]) -> list[float]:
+    """The values without NaN (one C-speed sum tells whether there is any)."""
+    total = sum(values)
+    return values if total == total else [v for v in values if v == v]  # v != v: NaN
+
+
+def _median(ordered: list[float]) -> float:
+    """The middle value of sorted values, or the mean of the two middle ones (as numpy.median)."""
     half = len(ordered) // 2
     return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
 

@@ -146,3 +146,20 @@ def test_layer_names_that_look_like_markup_are_printed_verbatim(cli, tmp_path):
     result = cli("inspect", path, width=160)
     assert result.exit_code == 0, result.output
     assert "bn[/x]" in result.output and "head[bold]:smile:" in result.output
+
+
+# --- `main` builds only the command it runs; typer's whole group answers the same ------
+
+
+@pytest.mark.parametrize("args", [
+    ("inspect", "{st}", "--format", "json"), ("inspect", "{st}", "--bogus"), ("inspect",), ("inspect", "--help"),
+    ("rules", "BN004"), ("gap", "--help"), ("recalibrate", "{st}"), ("inspekt", "{st}"), ("--version",),
+])
+def test_main_answers_as_the_whole_typer_group(numpy_safetensors, args):
+    args = [a.format(st=numpy_safetensors) for a in args]
+    env = {**os.environ, "PYTHONPATH": REPO, "COLUMNS": "100"}
+    whole = "import sys; from bnaudit.cli import app; sys.argv[0] = 'bnaudit'; app(prog_name='bnaudit')"
+    runs = [subprocess.run([sys.executable, *launch, *args], capture_output=True, text=True, cwd=REPO, env=env,
+                           timeout=120) for launch in (["-m", "bnaudit"], ["-c", whole])]
+    assert (runs[0].returncode, runs[0].stdout, runs[0].stderr) == (runs[1].returncode, runs[1].stdout, runs[1].stderr)
+    assert runs[0].stdout or runs[0].stderr
