@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import io
 import json
 import math
 import numbers
 import os
-import pickle
 import re
 import stat
 import struct
@@ -215,6 +213,8 @@ def read_checkpoint(
         ckpt = Checkpoint(path, fmt, tensors, metadata=metadata)
         return _strip_wrapper_prefix(ckpt)
     if fmt == "torchscript":
+        from bnaudit.unpickle import read_torchscript
+
         tensors, modules = read_torchscript(path)
         if key is not None:
             raise BnauditError(f"{path}: --key does not apply to TorchScript archives")
@@ -468,6 +468,8 @@ def load_torch_object(path: str, trust_pickle: bool = False, mmap: bool = True, 
 
 
 def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, legacy: bool, hint: str = "") -> Any:
+    import pickle
+
     import torch
 
     def rewound() -> Any:
@@ -483,6 +485,8 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
     allowed = _plain_allowlist(numpy_names=False)
     with_numpy = False
     if legacy:
+        from bnaudit.unpickle import check_legacy_claims
+
         check_legacy_claims(path)
     else:
         try:
@@ -527,140 +531,6 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
         except Exception as exc:
             raise BnauditError(f"{path}: not a readable torch.save file ({_first_line(exc)})") from None
     raise BnauditError(f"{path}: needs too many distinct classes to unpickle safely")
-
-
-# torch.serialization.MAGIC_NUMBER: the first pickle of every legacy torch.save file.
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-_STORAGE_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
-                     "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
-
-
-class _Inert:
-    """Stands for every class a scanned pickle names: takes anything, does nothing."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> _Inert:
-        return object.__new__(cls)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-    def append(self, item: Any) -> None:
-        pass
-
-    def extend(self, items: Any) -> None:
-        pass
-
-
-@dataclass(frozen=True)
-class _StorageType:
-    dtype: str
-
-
-class _StrictReader:
-    """A file as a pickle reads it; asking for bytes past the end is a forged length.
-
-    pickle trusts the lengths in its opcodes and asks for that many bytes at once,
-    so a 2^32-byte string claimed by a tiny file would be allocated before the
-    short read is noticed.
-    """
-
-    def __init__(self, file: Any, size: int) -> None:
-        self.file, self.size = file, size
-
-    def read(self, n: int = -1) -> bytes:
-        remaining = self.size - self.file.tell()
-        if n is None or n < 0:
-            n = remaining
-        if n > remaining:
-            raise pickle.UnpicklingError(f"a record claims {n} bytes, only {remaining} remain")
-        return self.file.read(n)
-
-    def readinto(self, buffer: Any) -> int:
-        if len(buffer) > self.size - self.file.tell():
-            raise pickle.UnpicklingError("a record runs past the end of the file")
-        return self.file.readinto(buffer)
-
-    def readline(self) -> bytes:
-        return self.file.readline()
-
-
-class _LegacyScanner(pickle._Unpickler):  # the pure-Python unpickler: its memo is a dict
-    """Walks a legacy torch.save pickle with inert classes to collect its storage claims.
-
-    Nothing named in the file is imported or called: every global becomes `_Inert`
-    and every storage becomes a record of (key, bytes claimed).
-    """
-
-    def __init__(self, file: Any) -> None:
-        super().__init__(file)
-        self.claims: dict[str, int] = {}
-        self.globals: list[str] = []  # every global named, in order: a refusal names them
-
-    def find_class(self, module: str, name: str) -> Any:
-        self.globals.append(f"{module}.{name}")
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageType(_STORAGE_DTYPES[name])
-        return _Inert
-
-    def persistent_load(self, pid: Any) -> Any:
-        if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
-            storage_type, key, numel = pid[1], pid[2], pid[4]
-            itemsize = _STORAGE_ITEMSIZE.get(getattr(storage_type, "dtype", ""), 1)
-            if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
-                raise pickle.UnpicklingError(f"storage {key!r} has an invalid size {numel!r}")
-            self.claims[str(key)] = max(self.claims.get(str(key), 0), numel * itemsize)
-        return _Inert  # also stands for a class a ('module', ...) id names
-
-
-def check_legacy_claims(path: str) -> None:
-    """Refuse a legacy torch.save file whose storages claim more bytes than it holds.
-
-    torch's legacy loader allocates each storage at the size the pickle claims
-    before it reads the data, so the claims are checked against the file first:
-    the storages' bytes (plus an 8-byte length each) must fit after the pickles.
-    """
-    import tarfile
-
-    if tarfile.is_tarfile(path):  # torch < 0.4 tar format: read by a loader that trusts its sizes
-        raise BnauditError(f"{path}: tar-format torch.save file (PyTorch < 0.4) is not supported")
-    size = os.path.getsize(path)
-    try:
-        with open(path, "rb") as f:
-            reader = _StrictReader(f, size)
-            # Every pickle of the file goes through the scanner, the first one too:
-            # a plain pickle (not torch.save) puts its payload right there.
-            first = _LegacyScanner(reader)
-            if first.load() != _LEGACY_MAGIC:
-                unsafe = list(dict.fromkeys(n for n in first.globals
-                                            if allowed_global(n) is None and n not in _torch_weights_only_globals()))
-                if unsafe:  # say what it would have run, and what to do instead
-                    refusal = str(_refusal(path, unsafe)).removeprefix(f"{path}: ")
-                    raise BnauditError(f"{path}: a pickle, but not one written by torch.save; {refusal}")
-                raise BnauditError(f"{path}: a pickle, but not one written by torch.save")
-            for _ in range(2):  # protocol version, sys info
-                _LegacyScanner(reader).load()
-            scanner = _LegacyScanner(reader)
-            scanner.load()
-            keys = _LegacyScanner(reader).load()
-            data_size = size - f.tell()
-    except BnauditError:
-        raise
-    except Exception as exc:  # any parse failure of forged bytes
-        raise BnauditError(f"{path}: damaged torch.save file ({_first_line(exc)})") from None
-    if not isinstance(keys, list):
-        raise BnauditError(f"{path}: damaged torch.save file (no storage list)")
-    claimed = sum(scanner.claims.values()) + 8 * len(scanner.claims)
-    if claimed > data_size:
-        raise BnauditError(
-            f"{path}: storages claim {claimed} bytes but only {data_size} follow the header: "
-            "truncated or forged file"
-        )
 
 
 def _torch_weights_only_globals() -> set[str]:
@@ -868,218 +738,6 @@ def decode_values(raw: bytes, dtype: str) -> list:
     if sys.byteorder == "big":
         values.byteswap()
     return values.tolist()
-
-
-# ----------------------------------------------------------------------------- TorchScript
-
-_STORAGE_DTYPES = {
-    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-}
-
-
-class _ScriptObject:
-    """An inert stand-in for a `__torch__.*` class: it only keeps its attributes."""
-
-    qualname = "?"
-
-    def __setstate__(self, state: Any) -> None:
-        self.attrs = state if isinstance(state, dict) else {"__state__": state}
-
-
-@dataclass(frozen=True)
-class _StorageRef:
-    entry: str
-    dtype: str
-
-
-class _RefusedGlobal(pickle.UnpicklingError):
-    def __init__(self, name: str) -> None:
-        super().__init__(f"refusing global {name}")
-        self.name = name
-
-
-# The pure-Python unpickler keeps its memo in a dict; the C one grows an array to
-# the largest memo index the file names (LONG_BINPUT 2^32-1 -> 32 GiB of pointers).
-class _ScriptUnpickler(pickle._Unpickler):
-    def __init__(self, data: bytes, archive: zipfile.ZipFile, root: str) -> None:
-        super().__init__(io.BytesIO(data))
-        self.archive, self.root = archive, root
-        self.classes: dict[str, type] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("__torch__"):
-            qual = f"{module}.{name}"
-            if qual not in self.classes:
-                self.classes[qual] = type(name, (_ScriptObject,), {"qualname": qual})
-            return self.classes[qual]
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return self._rebuild_tensor
-        if (module, name) == ("collections", "OrderedDict"):
-            from collections import OrderedDict
-
-            return OrderedDict
-        if module == "torch.jit._pickle" and name.startswith("build_"):
-            return lambda items: list(items)
-        if (module, name) == ("torch.jit._pickle", "restore_type_tag"):
-            return lambda value, _tag: value
-        raise _RefusedGlobal(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> _StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"):
-            raise pickle.UnpicklingError(f"unexpected persistent id {str(pid)[:80]}")
-        if pid[1] not in _STORAGE_DTYPES.values() or not isinstance(pid[2], str):
-            raise pickle.UnpicklingError(f"malformed storage record {str(pid)[:80]}")
-        return _StorageRef(f"{self.root}/data/{pid[2]}", pid[1])
-
-    def _rebuild_tensor(self, storage: _StorageRef, offset: int, size: tuple, stride: tuple, *_: Any) -> TensorRef:
-        # Checked here because read() views the storage with as_strided, which
-        # trusts its strides: a negative or mismatched one would read memory
-        # outside the buffer.
-        if not (
-            isinstance(storage, _StorageRef) and _is_count(offset)
-            and isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride)
-            and all(_is_count(x) for x in size + stride)
-        ):
-            raise pickle.UnpicklingError("malformed tensor record")
-        archive = self.archive
-
-        def read() -> list:
-            flat = decode_values(archive.read(storage.entry), storage.dtype)
-            numel = math.prod(size)
-            if numel == 0:
-                return []
-            if numel > len(flat):  # only zero strides could do it: a copy would allocate the claim
-                raise BnauditError(f"tensor claims {numel} elements, its storage {storage.entry} holds {len(flat)}")
-            span = offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1
-            if offset < 0 or span > len(flat):
-                raise BnauditError(f"tensor view runs past its storage {storage.entry}")
-            index = [offset]
-            for extent, step in zip(size, stride):  # row-major: the last dimension varies fastest
-                index = [base + i * step for base in index for i in range(extent)]
-            return [flat[i] for i in index]
-
-        return TensorRef("", tuple(size), storage.dtype, read)
-
-
-_MAX_SCRIPT_VISITS = 100_000
-
-
-def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleInfo]]:
-    """Tensors and BN module settings of a TorchScript archive, without loading it."""
-    try:
-        archive = zipfile.ZipFile(path)
-        check_zip_sizes(path, archive)
-        entry = next(n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1)
-        root = entry.split("/")[0]
-        obj = _ScriptUnpickler(archive.read(entry), archive, root).load()
-    except BnauditError:
-        raise
-    except _RefusedGlobal as exc:
-        raise BnauditError(
-            f"{path}: refused to unpickle the TorchScript archive: it needs a global that could run "
-            f"code ({exc.name}); bnaudit never runs TorchScript to inspect it; a state dict or a "
-            ".safetensors file is the safe format"
-        ) from None
-    except Exception as exc:  # forged bytes fail anywhere in the pickle machine
-        raise BnauditError(f"{path}: unreadable TorchScript archive ({_first_line(exc)})") from None
-    tensors: dict[str, TensorRef] = {}
-    modules: dict[str, ModuleInfo] = {}
-    constants = _ScriptConstants(archive, root)
-    # A module may be shared (visited under each of its names, as state_dict does),
-    # but a forged archive can nest shared nodes so that the paths double per level.
-    budget = [_MAX_SCRIPT_VISITS]
-
-    def walk(node: Any, prefix: str, depth: int) -> None:
-        if depth > 200 or not isinstance(node, _ScriptObject):
-            return
-        budget[0] -= 1
-        if budget[0] < 0:
-            raise BnauditError(
-                f"{path}: TorchScript archive names more than {_MAX_SCRIPT_VISITS} modules (forged nesting?)"
-            )
-        attrs = {**constants.of(node.qualname), **getattr(node, "attrs", {})}
-        cls = node.qualname.rsplit(".", 1)[-1]
-        if "running_mean" in attrs or "track_running_stats" in attrs:
-            eps, momentum = attrs.get("eps"), attrs.get("momentum")
-            tracking = attrs.get("track_running_stats")
-            modules[prefix.rstrip(".")] = ModuleInfo(
-                cls,
-                _real(eps),
-                _real(momentum),
-                tracking if isinstance(tracking, bool) else None,
-                momentum_known="momentum" in attrs and (momentum is None or _real(momentum) is not None),
-            )
-        for name, value in attrs.items():
-            if not isinstance(name, str):
-                continue
-            if isinstance(value, TensorRef):
-                full = prefix + name
-                tensors[full] = value.renamed(full)
-            elif isinstance(value, _ScriptObject):
-                walk(value, f"{prefix}{name}.", depth + 1)
-
-    try:
-        walk(obj, "", 0)
-    except BnauditError:
-        raise
-    except Exception as exc:  # a damaged code file (bad CRC) or a forged attribute
-        raise BnauditError(f"{path}: unreadable TorchScript archive ({_first_line(exc)})") from None
-    return tensors, modules
-
-
-class _ScriptConstants:
-    """`Final` class constants (eps, momentum, ...) from an archive's code files.
-
-    TorchScript compiles BatchNorm's eps and momentum into its code as
-    `eps : Final[float] = 0.001`; the file is read as text, never executed.
-    """
-
-    _CLASS_RE = re.compile(r"^class (\w+)\(", re.MULTILINE)
-    # [ \t] rather than \s, greedy rather than lazy: the code files come from the
-    # archive, and \s+ spanning newlines backtracks quadratically on blank runs.
-    _FINAL_RE = re.compile(r"^[ \t]+(\w+) : Final\[\w+\] = (.+)$", re.MULTILINE)
-
-    def __init__(self, archive: zipfile.ZipFile, root: str) -> None:
-        self.archive, self.root = archive, root
-        self.cache: dict[str, dict[str, dict[str, Any]]] = {}
-
-    def of(self, qualname: str) -> dict[str, Any]:
-        module, _, cls = qualname.rpartition(".")
-        if module not in self.cache:
-            entry = f"{self.root}/code/{module.replace('.', '/')}.py"
-            try:
-                source = self.archive.read(entry).decode("utf-8", "replace")
-            except KeyError:
-                source = ""
-            self.cache[module] = self._parse(source)
-        return self.cache[module].get(cls, {})
-
-    def _parse(self, source: str) -> dict[str, dict[str, Any]]:
-        classes: dict[str, dict[str, Any]] = {}
-        starts = [(m.start(), m.group(1)) for m in self._CLASS_RE.finditer(source)]
-        for i, (start, name) in enumerate(starts):
-            end = starts[i + 1][0] if i + 1 < len(starts) else len(source)
-            values: dict[str, Any] = {}
-            for key, literal in self._FINAL_RE.findall(source[start:end]):
-                values[key] = _literal(literal.strip())
-            classes[name] = values
-        return classes
-
-
-def _literal(text: str) -> Any:
-    if text == "None":
-        return None
-    if text in ("True", "False"):
-        return text == "True"
-    try:
-        return float(text) if any(c in text for c in ".eE") or text in ("inf", "nan") else int(text)
-    except ValueError:
-        return text
 
 
 # ----------------------------------------------------------------------------- write
