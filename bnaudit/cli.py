@@ -239,8 +239,11 @@ def progress_bar(description: str, quiet: bool) -> Iterator[Optional[object]]:
 
     Yields a callback `update(done, total)`.
     """
+    if quiet:  # no console at all: rich costs an import that --format json and -q never use
+        yield None
+        return
     console = _console(stderr=True)
-    if quiet or not console.is_terminal:
+    if not console.is_terminal:
         yield None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
