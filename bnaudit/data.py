@@ -107,6 +107,16 @@ class _Item:
     origin: str
 
 
+@dataclass(frozen=True)
+class _Gathered:
+    """A whole batch read at once (tensor files): inputs (N, ...), int64 labels (N,)
+    or None, and the origin of each sample."""
+
+    inputs: Any
+    labels: Any
+    origins: list[str]
+
+
 def _is_label(value: Any) -> bool:
     import torch
 
@@ -275,6 +285,49 @@ class TensorSource(_Source):
         label = None if shard.labels is None else int(shard.labels[local])
         return sample, label
 
+    def load_batch(self, indices: list[int]) -> _Gathered | None:
+        """The samples `indices` read together, one gather per shard: the batch that
+        `load` of each sample and stacking would give (same values and dtypes, labels
+        as int64). None where labels would not all fit int64 (uint64): the per-sample
+        path then checks them one by one."""
+        import torch
+
+        if self.has_labels and not _fits_int64(self.shards[0].labels.dtype):
+            return None
+        groups: dict[int, list[tuple[int, int]]] = {}  # shard -> (position in the batch, row)
+        origins = []
+        for position, index in enumerate(indices):
+            k = bisect.bisect_right(self.starts, index) - 1
+            local = index - self.starts[k]
+            groups.setdefault(k, []).append((position, local))
+            origins.append(f"{self.shards[k].path}[{local}]")
+        inputs, labels, positions = [], [], []
+        for k, members in groups.items():
+            shard, rows = self.shards[k], [row for _, row in members]
+            inputs.append(_take(shard.inputs, rows))
+            if shard.labels is not None:
+                labels.append(_take(shard.labels, rows).to(torch.int64))
+            positions += [position for position, _ in members]
+        if len(groups) == 1:
+            return _Gathered(inputs[0], labels[0] if labels else None, origins)
+        # back into the batch's order
+        order = torch.empty(len(positions), dtype=torch.int64)
+        order[torch.as_tensor(positions)] = torch.arange(len(positions))
+        return _Gathered(torch.cat(inputs)[order], torch.cat(labels)[order] if labels else None, origins)
+
+
+def _fits_int64(dtype: Any) -> bool:
+    return str(dtype).removeprefix("torch.") != "uint64"
+
+
+def _take(values: Any, rows: list[int]) -> Any:
+    """values[rows] (a numpy memmap/array or a tensor) as a new tensor."""
+    import torch
+
+    if isinstance(values, torch.Tensor):
+        return values[torch.as_tensor(rows, dtype=torch.int64)]
+    return torch.from_numpy(np.ascontiguousarray(values[np.asarray(rows, dtype=np.int64)]))
+
 
 def _open_shard(path: str) -> _Shard:
     from bnaudit.checkpoint import sniff_format
@@ -331,6 +384,11 @@ def _open_safetensors(path: str) -> dict[str, Any]:
 
 
 def _torch_from_ref(ref: Any) -> Any:
+    to_torch = getattr(ref, "to_torch", None)
+    if to_torch is not None:
+        return to_torch()
+    # TEMPORARY (until TensorRef.to_torch lands from the checkpoint rewrite): read() still
+    # returns a shaped numpy array here. Remove this fallback with that merge.
     import torch
 
     return torch.from_numpy(np.array(ref.read(), copy=True))
@@ -507,6 +565,20 @@ class _ItemDataset:
             return _BadItem(f"{origin}: {what} ({type(exc).__name__}: {reason})", skippable=self.source.is_images)
         return _Item(value, label, origin)
 
+    def __getitems__(self, indices: list[int]) -> _Gathered | list[_Item | _BadItem]:
+        """A batch (DataLoader calls this instead of one __getitem__ per sample): one
+        gather where the source can (tensor files), else item by item. Any failure of
+        the gather falls back to the items, whose errors name the sample."""
+        gather = getattr(self.source, "load_batch", None)
+        if gather is not None:
+            try:
+                batch = gather(list(indices))
+            except Exception:
+                batch = None
+            if batch is not None:
+                return batch
+        return [self[index] for index in indices]
+
 
 class _Collate:
     """Items -> one batch (or a _BadBatch saying what is wrong); runs in the workers."""
@@ -514,10 +586,15 @@ class _Collate:
     def __init__(self, skip_bad: bool) -> None:
         self.skip_bad = skip_bad
 
-    def __call__(self, items: list[Any]) -> tuple[Any, ...] | _BadBatch:
+    def __call__(self, items: list[Any] | _Gathered) -> tuple[Any, ...] | _BadBatch:
         import torch
         from torch.utils.data import default_collate
 
+        if isinstance(items, _Gathered):
+            bad = _first_non_finite(items.inputs, items.origins)
+            if bad is not None:
+                return _BadBatch(f"NaN or Inf in the inputs (first in {bad})")
+            return (items.inputs, items.labels, items.origins, 0)
         good: list[_Item] = []
         skipped = 0
         for item in items:
@@ -546,7 +623,7 @@ class _Collate:
                 labels = torch.as_tensor([int(item.label) for item in good], dtype=torch.int64)
             except (TypeError, ValueError) as exc:
                 return _BadBatch(f"labels must be integer class indices ({exc})")
-        bad = _first_non_finite(inputs, good)
+        bad = _first_non_finite(inputs, [item.origin for item in good])
         if bad is not None:
             return _BadBatch(f"NaN or Inf in the inputs (first in {bad})")
         return (inputs, labels, [item.origin for item in good], skipped)
@@ -579,18 +656,24 @@ def _tensors(value: Any) -> Iterator[Any]:
             yield from _tensors(v)
 
 
-def _first_non_finite(inputs: Any, items: list[_Item]) -> str | None:
+def _first_non_finite(inputs: Any, origins: list[str]) -> str | None:
+    """The origin of the first sample holding a NaN or an infinity (None: all finite)."""
     import torch
 
     for tensor in _tensors(inputs):
         if not (tensor.dtype.is_floating_point or tensor.dtype.is_complex) or tensor.numel() == 0:
             continue
+        # A finite sum has no NaN or Inf among its terms (either would make it NaN or
+        # infinite): one reduction instead of a mask of the batch. An infinite sum of
+        # finite values (overflow) goes on to the elementwise test.
+        if bool(torch.isfinite(tensor.sum())):
+            continue
         finite = torch.isfinite(tensor)
         if bool(finite.all()):
             continue
-        if tensor.dim() >= 1 and tensor.shape[0] == len(items):
-            per_sample = finite.reshape(len(items), -1).all(dim=1)
-            return items[int((~per_sample).nonzero()[0, 0])].origin
+        if tensor.dim() >= 1 and tensor.shape[0] == len(origins):
+            per_sample = finite.reshape(len(origins), -1).all(dim=1)
+            return origins[int((~per_sample).nonzero()[0, 0])]
         return "the batch"
     return None
 

@@ -496,7 +496,8 @@ def _run_pass(
     shifts = {}
     for name, m in observed.items():
         old = m.running_mean.detach().float()
-        shifts[name] = torch.where(torch.isfinite(old), old, torch.zeros_like(old))
+        # float64 once here, not on every call (the value is the float32 one either way)
+        shifts[name] = torch.where(torch.isfinite(old), old, torch.zeros_like(old)).double()
 
     def on_input(name: str, x: Any) -> ChannelStats:
         if x.dim() < 2 or x.shape[1] != expected[name]:

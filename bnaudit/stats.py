@@ -65,33 +65,38 @@ def drift(data_mean: Any, data_var: Any, run_mean: Any, run_var: Any, eps: float
 CHUNK_BYTES = 1 << 19
 
 
-def shifted_sums(x: Any, shift: Any) -> tuple[Any, Any]:
+def shifted_sums(x: Any, shift: Any) -> Any:
     """Per-channel float64 S1 = sum(d), S2 = sum(d^2) with d = x - shift over every
     value of channel c in a batch x of shape (N, C, *); shift: (C,) float64 on x's device.
+    Returns the pair as the rows of one (2, C) tensor (`s1, s2 = shifted_sums(...)`).
 
     d is formed in float64 (exact for float32/float16 data; the subtraction is one
     float64 rounding). On the CPU the samples are taken a few at a time into one
     reused float64 buffer (CHUNK_BYTES); the chunk sums are added in float64, so the
     result is the same sums to float64 rounding. On an accelerator: one chunk.
+    Called for every BN input of every batch: few tensor operations per call.
     """
     import torch
 
-    channels, samples = x.shape[1], x.shape[0]
+    samples = x.shape[0]
     dims = [0, *range(2, x.dim())]
     shift = shift.view([1, -1] + [1] * (x.dim() - 2))
     per_sample = max(x.numel() // max(samples, 1), 1)
     step = samples if x.device.type != "cpu" else max(1, min(samples, CHUNK_BYTES // (8 * per_sample)))
+    if step >= samples:
+        deviation = x.to(torch.float64, copy=True).sub_(shift)
+        s1 = deviation.sum(dim=dims)
+        return torch.stack([s1, deviation.square_().sum(dim=dims)])
+    parts = x.split(step)
     buffer = torch.empty((step, *x.shape[1:]), dtype=torch.float64, device=x.device)
-    s1 = torch.zeros(channels, dtype=torch.float64, device=x.device)
-    s2 = torch.zeros(channels, dtype=torch.float64, device=x.device)
-    for start in range(0, samples, step):
-        part = x[start:start + step]
-        deviation = buffer[:part.shape[0]]
-        deviation.copy_(part)
-        deviation.sub_(shift)
-        s1 += deviation.sum(dim=dims)
-        s2 += deviation.square_().sum(dim=dims)
-    return s1, s2
+    sums = torch.empty((2, len(parts), x.shape[1]), dtype=torch.float64, device=x.device)
+    rows1, rows2 = sums[0].unbind(0), sums[1].unbind(0)
+    for i, part in enumerate(parts):
+        deviation = buffer if part.shape[0] == step else buffer[:part.shape[0]]
+        deviation.copy_(part).sub_(shift)
+        torch.sum(deviation, dim=dims, out=rows1[i])
+        torch.sum(deviation.square_(), dim=dims, out=rows2[i])
+    return sums.sum(dim=1)
 
 
 @dataclass
@@ -126,11 +131,14 @@ class ChannelStats:
         if self.shift is None:
             first = x.detach()[0].reshape(channels, -1)[:, 0].to(torch.float64)
             self.shift = torch.where(torch.isfinite(first), first, torch.zeros_like(first))
-        shift = self.shift.to(x.device, torch.float64)
+        shift = self.shift.to(x.device, torch.float64)  # no copy when it is already
         s1, s2 = shifted_sums(x.detach(), shift)
-        batch_mean = shift + s1 / n
-        batch_m2 = (s2 - s1.square() / n).clamp_min(0.0)
-        self.merge(n, batch_mean, batch_m2)
+        batch_mean = (s1 / n).add_(shift)  # shift + s1 / n
+        batch_m2 = s2.sub_(s1.square_().div_(n)).clamp_min_(0.0)  # s2 - s1^2 / n, s1 spent
+        if self.count == 0:  # fresh tensors: nothing to copy
+            self.count, self.mean, self.m2 = n, batch_mean, batch_m2
+        else:
+            self.merge(n, batch_mean, batch_m2)
 
     def merge(self, n_b: int, mean_b: Any, m2_b: Any) -> None:
         """Chan's merge of another (count, mean, M2) into this one."""
@@ -141,8 +149,9 @@ class ChannelStats:
             return
         n_a, n = self.count, self.count + n_b
         delta = mean_b - self.mean
-        self.mean = self.mean + delta * (n_b / n)
-        self.m2 = self.m2 + m2_b + delta.square() * (n_a * n_b / n)
+        # in place: this object owns mean and m2 (cloned at the first merge)
+        self.mean.add_(delta * (n_b / n))
+        self.m2.add_(m2_b).add_(delta.square_().mul_(n_a * n_b / n))
         self.count = n
 
     @property

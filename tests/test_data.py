@@ -156,6 +156,17 @@ def test_tensor_files_and_shards(tmp_path, kind):
     assert labels.dtype == torch.int64
 
 
+def test_bfloat16_tensor_file_values_and_shape(tmp_path):
+    # numpy has no bfloat16: this file's inputs are read through the checkpoint reader
+    # (values exact in bfloat16: multiples of 1/8 below 3)
+    x = (torch.arange(24, dtype=torch.float32).reshape(6, 2, 2) / 8).to(torch.bfloat16)
+    save_file({"inputs": x, "labels": torch.arange(6) % 2}, tmp_path / "bf.safetensors")
+    batches = list(make_loader(DataOptions(path=str(tmp_path / "bf.safetensors"), batch_size=3, shuffle=False)))
+    assert [tuple(b.inputs.shape) for b in batches] == [(3, 2, 2), (3, 2, 2)]
+    assert torch.equal(torch.cat([b.inputs for b in batches]).float(), x.float())
+    assert torch.cat([b.labels for b in batches]).tolist() == [0, 1, 0, 1, 0, 1]
+
+
 def test_unlabelled_tensor_file(tmp_path):
     x = torch.randn(5, 3)
     save_file({"inputs": x}, tmp_path / "x.safetensors")
@@ -196,6 +207,25 @@ def test_nan_in_a_batch_names_the_batch_and_sample(tmp_path):
     save_file({"inputs": x}, tmp_path / "x.safetensors")
     with pytest.raises(BnauditError, match=r"batch 2: NaN or Inf in the inputs \(first in .*x\.safetensors\[9\]\)"):
         list(make_loader(DataOptions(path=str(tmp_path / "x.safetensors"), batch_size=4, shuffle=False)))
+
+
+def test_nan_in_a_batch_that_spans_shards_names_the_shard_and_row(tmp_path):
+    (tmp_path / "s").mkdir()
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    b[2, 0] = float("nan")
+    save_file({"inputs": a}, tmp_path / "s" / "a.safetensors")
+    save_file({"inputs": b}, tmp_path / "s" / "b.safetensors")
+    # one shuffled batch of all 8 samples: rows of both shards, interleaved
+    with pytest.raises(BnauditError, match=r"batch 0: NaN or Inf in the inputs \(first in .*b\.safetensors\[2\]\)"):
+        list(make_loader(DataOptions(path=str(tmp_path / "s"), batch_size=8, seed=1)))
+
+
+def test_finite_values_whose_sum_overflows_are_not_called_infinite(tmp_path):
+    # float16 holds 60000, but the batch's sum (480000) does not: the inputs are still finite
+    x = torch.full((4, 2), 60000.0, dtype=torch.float16)
+    save_file({"inputs": x}, tmp_path / "big.safetensors")
+    batches = list(make_loader(DataOptions(path=str(tmp_path / "big.safetensors"), batch_size=4)))
+    assert torch.equal(batches[0].inputs, x)
 
 
 # ----------------------------------------------------------------------------- custom datasets

@@ -694,3 +694,25 @@ def test_forged_provenance_is_ignored(tmp_path: Path, entry: str) -> None:
     (file,) = inspect(str(path)).files
     assert file.error is None and file.provenance == ""
     assert sorted(f.layer for f in file.findings if f.code == "BN003") == ["features.1", "features.4", "head.2"]
+
+
+def test_cli_keeps_imported_objects_out_of_gc_walks_only_while_it_runs(world: dict, tmp_path: Path) -> None:
+    import gc
+
+    log = tmp_path / "freeze_counts.txt"
+    (tmp_path / "freeze_probe.py").write_text(
+        "import gc\n"
+        "def run(model, x):\n"
+        f"    with open({str(log)!r}, 'a') as f:\n"
+        "        f.write(f'{gc.get_freeze_count()}\\n')\n"
+        "    return model(x)\n")
+    root = world["root"]
+    assert gc.get_freeze_count() == 0
+    result = run_cli(str(root / "reset.safetensors"), "--arch", world["arch"], "--data", str(root / "calib.safetensors"),
+                     "--output", str(tmp_path / "out.safetensors"), "--batch-size", "50", "--format", "json",
+                     "--forward", f"{tmp_path / 'freeze_probe.py'}:run")
+    assert result.exit_code == 0, result.output
+    counts = [int(line) for line in log.read_text().split()]
+    # one forward per batch (150 samples / 50): torch and everything imported were frozen
+    assert len(counts) == 3 and min(counts) > 10_000
+    assert gc.get_freeze_count() == 0  # and given back to the collector afterwards
