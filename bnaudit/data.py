@@ -374,24 +374,13 @@ def _open_safetensors(path: str) -> dict[str, Any]:
     for name, ref in refs.items():
         begin = header[name]["data_offsets"][0]
         if ref.dtype in ("bfloat16",) or ref.dtype.startswith("float8"):
-            out[name] = _torch_from_ref(ref)
+            out[name] = ref.to_torch()  # numpy has no such dtype; kept as stored, as in a torch file
         elif math.prod(ref.shape) == 0:
             out[name] = np.zeros(ref.shape, dtype=ref.dtype)
         else:
             out[name] = np.memmap(path, dtype=np.dtype(ref.dtype).newbyteorder("<"), mode="r",
                                   offset=8 + n + begin, shape=ref.shape)
     return out
-
-
-def _torch_from_ref(ref: Any) -> Any:
-    to_torch = getattr(ref, "to_torch", None)
-    if to_torch is not None:
-        return to_torch()
-    # TEMPORARY (until TensorRef.to_torch lands from the checkpoint rewrite): read() still
-    # returns a shaped numpy array here. Remove this fallback with that merge.
-    import torch
-
-    return torch.from_numpy(np.array(ref.read(), copy=True))
 
 
 def _open_torch_tensors(path: str, fmt: str) -> dict[str, Any]:
