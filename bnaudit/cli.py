@@ -222,8 +222,8 @@ def data_options(
 
 @contextlib.contextmanager
 def frozen_imports() -> Iterator[None]:
-    """Import torch, and while the block runs keep every object alive so far out of the
-    cyclic garbage collector's walks.
+    """Import torch, then, while the block runs, leave every object alive at that point out
+    of the cyclic garbage collector's walks.
 
     gap and recalibrate allocate many short-lived objects per batch, and every so often
     that triggers a full collection, which walks every tracked object: torch's, typer's
