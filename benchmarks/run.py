@@ -520,13 +520,14 @@ def target_4_gap(w: Workload, repeats: int, samples: int) -> None:
          f"{fmt_s(t_gap)} vs {fmt_s(t_ref)}, {samples} samples, batch {w.batch}, whole processes")
 
 
-def target_5_memory(w: Workload, small: str, large: str, n_small: int, repeats: int) -> None:
+def target_5_memory(w: Workload, small: str, large: str, n_small: int, repeats: int, unit: str = "images",
+                    extra: Sequence[str] = ("--image-size", "32")) -> None:
     for name, exists, build in (
-        ("gap", command_exists("gap"), lambda d: bnaudit_gap(w, d, ["--image-size", "32"])),
+        ("gap", command_exists("gap"), lambda d: bnaudit_gap(w, d, extra)),
         ("recalibrate", command_exists("recalibrate"),
-         lambda d: bnaudit_recal(w, os.path.join(w.folder, "mem_out.pt"), d, ["--image-size", "32"])),
+         lambda d: bnaudit_recal(w, os.path.join(w.folder, "mem_out.pt"), d, extra)),
     ):
-        what = f"{name} peak RSS: {10 * n_small} vs {n_small} images"
+        what = f"{name} peak RSS: {10 * n_small} vs {n_small} {unit}"
         if not exists:
             skip("5", what, f"no `bnaudit {name}` command on this branch yet")
             continue
@@ -615,6 +616,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 large = build("build_image_folder", os.path.join(tmp, "images_large"), n_images * 10)
                 if 5 in only:
                     target_5_memory(w, small, large, n_images, repeats)
+                    # tensor files too (read batch by batch, not memory-mapped); one measured
+                    # round: peak RSS does not swing like wall time
+                    n_rows = 256 if args.quick else 512
+                    rows_small = build("build_tensor_data", os.path.join(folder, "rows_small.safetensors"), n_rows)
+                    rows_large = build("build_tensor_data", os.path.join(folder, "rows_large.safetensors"), 10 * n_rows)
+                    target_5_memory(w, rows_small, rows_large, n_rows, 1, "samples of a tensor file", ())
                 if 6 in only:
                     target_6_workers(w, large, n_images * 10, repeats)
     finally:

@@ -234,15 +234,7 @@ class _ScriptUnpickler(pickle._Unpickler):
         return _StorageRef(f"{self.root}/data/{pid[2]}", pid[1])
 
     def _rebuild_tensor(self, storage: _StorageRef, offset: int, size: tuple, stride: tuple, *_: Any) -> TensorRef:
-        # Checked here because read() views the storage with as_strided, which
-        # trusts its strides: a negative or mismatched one would read memory
-        # outside the buffer.
-        if not (
-            isinstance(storage, _StorageRef) and _is_count(offset)
-            and isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride)
-            and all(_is_count(x) for x in size + stride)
-        ):
-            raise pickle.UnpicklingError("malformed tensor record")
+        _check_record(storage, offset, size, stride)
         archive = self.archive
 
         def read() -> list:
@@ -261,6 +253,79 @@ class _ScriptUnpickler(pickle._Unpickler):
             return [flat[i] for i in index]
 
         return TensorRef("", tuple(size), storage.dtype, read)
+
+
+def _check_record(storage: Any, offset: Any, size: Any, stride: Any) -> None:
+    # Checked before anything is read: a negative or mismatched stride would read
+    # outside the storage.
+    if not (
+        isinstance(storage, _StorageRef) and _is_count(offset)
+        and isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride)
+        and all(_is_count(x) for x in size + stride)
+    ):
+        raise pickle.UnpicklingError("malformed tensor record")
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a tensor of a torch.save zip archive lies: `start`, the file offset of its
+    first element, when its storage is stored uncompressed and the tensor is laid out in
+    C order (so that row i is the bytes [start + i * row, start + (i + 1) * row)); None
+    otherwise."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int | None
+
+
+class _RecordUnpickler(_ScriptUnpickler):
+    """Reads a torch.save pickle to the storage records of its tensors, nothing more."""
+
+    def _rebuild_tensor(self, storage: _StorageRef, offset: int, size: tuple, stride: tuple, *_: Any) -> Any:
+        _check_record(storage, offset, size, stride)
+        return (storage, offset, size, stride)
+
+
+def stored_tensors(path: str) -> dict[str, StoredTensor]:
+    """The top-level tensors of a torch.save zip archive holding a dict, by key, with where
+    their bytes lie. Empty for anything else: the caller keeps torch.load's tensors."""
+    try:
+        archive = zipfile.ZipFile(path)
+        entry = next(n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1)
+        obj = _RecordUnpickler(archive.read(entry), archive, entry.split("/")[0]).load()
+    except Exception:  # torch.load has read the file: anything unusual here just means no locations
+        return {}
+    if not isinstance(obj, dict):
+        return {}
+    found = {}
+    for key, record in obj.items():
+        if isinstance(key, str) and isinstance(record, tuple) and len(record) == 4:
+            storage, offset, size, stride = record
+            found[key] = StoredTensor(storage.dtype, size, _c_order_start(archive, storage, offset, size, stride))
+    return found
+
+
+def _c_order_start(archive: zipfile.ZipFile, storage: _StorageRef, offset: int, size: tuple, stride: tuple) -> int | None:
+    expected, step = [], 1
+    for extent in reversed(size):
+        expected.insert(0, step)
+        step *= extent
+    if any(extent > 1 and st != want for extent, st, want in zip(size, stride, expected)):
+        return None
+    try:
+        info = archive.getinfo(storage.entry)
+        with open(archive.filename, "rb") as f:
+            f.seek(info.header_offset)
+            head = f.read(30)
+    except (KeyError, OSError, TypeError):
+        return None
+    if info.compress_type != zipfile.ZIP_STORED or head[:4] != b"PK\x03\x04":
+        return None
+    itemsize = _STORAGE_ITEMSIZE.get(storage.dtype, 0)
+    if itemsize == 0 or (offset + math.prod(size)) * itemsize > info.file_size:
+        return None
+    names, extra = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30], "little")
+    return info.header_offset + 30 + names + extra + offset * itemsize
 
 
 _MAX_SCRIPT_VISITS = 100_000

@@ -156,6 +156,64 @@ def test_tensor_files_and_shards(tmp_path, kind):
     assert labels.dtype == torch.int64
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "torch-zip", "torch-zip-view"])
+def test_tensor_file_batches_read_only_their_rows(tmp_path, monkeypatch, fmt):
+    """A data file is read batch by batch: each batch's rows and nothing else (a memory
+    map would leave every page read resident, so peak RSS would grow with the samples
+    streamed), from safetensors and torch.save zip files alike, a view into a larger
+    storage too. The values are the file's, in the shuffled order."""
+    import bnaudit.data as data
+
+    x = torch.arange(40 * 3 * 4, dtype=torch.float32).reshape(40, 3, 4)
+    y = torch.arange(40) % 3
+    path = tmp_path / "rows.data"
+    if fmt == "safetensors":
+        save_file({"inputs": x, "labels": y}, path)
+    else:  # the view: rows 5.. of a larger tensor, saved with its whole storage
+        padded = torch.cat([torch.full((5, 3, 4), -1.0), x])
+        torch.save({"inputs": padded[5:] if fmt == "torch-zip-view" else x, "labels": y}, path)
+    read: list[int] = []
+    real_open = open
+
+    class Counting:
+        def __init__(self, *args, **kwargs):
+            self.file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def seek(self, offset):
+            return self.file.seek(offset)
+
+        def readinto(self, buffer):
+            n = self.file.readinto(buffer)
+            read.append(n)
+            return n
+
+        def read(self, n=-1):
+            return self.file.read(n)
+
+    monkeypatch.setattr(data, "open", Counting, raising=False)
+    stream = make_loader(DataOptions(path=str(path), batch_size=8, seed=3))
+    batches = list(stream)
+    order = torch.cat([b.labels for b in batches])  # labels are row % 3: check rows via inputs
+    rows = torch.cat([b.inputs for b in batches])[:, 0, 0].long() // 12
+    assert sorted(rows.tolist()) == list(range(40)) and rows.tolist() != list(range(40))  # shuffled, each once
+    assert torch.equal(torch.cat([b.inputs for b in batches]), x[rows]) and torch.equal(order, y[rows])
+    assert sum(read) == x.numel() * 4  # every input byte read once, in reads of whole rows
+    assert all(n % (3 * 4 * 4) == 0 for n in read)
+
+
+def test_torch_file_inputs_not_in_row_order_are_still_read_right(tmp_path):
+    x = torch.arange(6 * 2 * 3, dtype=torch.float32).reshape(6, 3, 2).transpose(1, 2)  # not C order
+    torch.save({"inputs": x, "labels": torch.arange(6) % 2}, tmp_path / "t.pt")
+    batches = list(make_loader(DataOptions(path=str(tmp_path / "t.pt"), batch_size=3, shuffle=False)))
+    assert torch.equal(torch.cat([b.inputs for b in batches]), x)
+
+
 def test_bfloat16_tensor_file_values_and_shape(tmp_path):
     # numpy has no bfloat16: this file's inputs are read through the checkpoint reader
     # (values exact in bfloat16: multiples of 1/8 below 3)
