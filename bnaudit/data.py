@@ -764,7 +764,7 @@ class BatchStream:
         self.skipped = 0
         held: Batch | None = None
         emitted = 0
-        for number, raw in enumerate(loader):
+        for number, raw in enumerate(_surviving(loader)):
             if isinstance(raw, _BadBatch):
                 raise BnauditError(f"batch {number}: {raw.message}")
             inputs, labels, origins, skipped = raw
@@ -785,6 +785,24 @@ class BatchStream:
         if held is None:
             raise BnauditError(f"{self.description}: every image was unreadable and skipped")
         yield held
+
+
+def _surviving(loader: Any) -> Iterator[Any]:
+    """The loader's batches; a worker process that died (killed by the OS, as the
+    out-of-memory killer does) ends in one line instead of torch's RuntimeError."""
+    batches = iter(loader)
+    while True:
+        try:
+            raw = next(batches)
+        except StopIteration:
+            return
+        except RuntimeError as exc:
+            if not str(exc).startswith("DataLoader worker"):
+                raise
+            first = str(exc).strip().splitlines()[0].rstrip(". ")
+            raise BnauditError(f"a --workers process died ({first}); the machine may be out of memory: "
+                               "try fewer --workers or a smaller --batch-size") from None
+        yield raw
 
 
 def _join(a: Batch, b: Batch) -> Batch:

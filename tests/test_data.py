@@ -329,6 +329,11 @@ def failing():
     return Items(lambda i: 1 / 0 if i == 4 else X[i])
 
 
+def killed_worker():
+    import os, signal  # a worker the OS kills (the out-of-memory killer does this)
+    return Items(lambda i: os.kill(os.getpid(), signal.SIGKILL) if i == 4 else X[i])
+
+
 def not_a_dataset():
     return iter([1, 2])
 ''')
@@ -381,6 +386,13 @@ def test_order_is_fixed_by_seed_and_no_shuffle_keeps_file_order():
 @pytest.mark.parametrize("n, size, expected", [(9, 4, [4, 5]), (8, 4, [4, 4]), (1, 4, [1]), (5, 4, [5])])
 def test_a_last_batch_of_one_joins_the_previous(n, size, expected):
     assert [len(b) for b in batch_indices(n, size, shuffle=False)] == expected
+
+
+def test_a_killed_worker_is_one_clear_error(datasets_module):
+    stream = make_loader(DataOptions(dataset=f"{datasets_module}:killed_worker", batch_size=3, shuffle=False,
+                                     workers=1))
+    with pytest.raises(BnauditError, match=r"a --workers process died .*out of memory.*fewer --workers"):
+        list(stream)
 
 
 def test_workers_give_the_same_batches(tmp_path):
