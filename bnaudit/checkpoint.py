@@ -665,10 +665,11 @@ def _is_count(value: Any) -> bool:
 
 
 def _file_slice_ref(path: str, name: str, offset: int, length: int, dtype: str, shape: tuple[int, ...]) -> TensorRef:
-    def raw() -> bytes:
-        data = _read_range(path, offset, length)
-        if len(data) != length:
-            raise BnauditError(f"{path}: truncated tensor data")
+    def raw() -> bytearray:
+        data = bytearray(length)  # ours and writable: torch.frombuffer can share it, no copy
+        if length:
+            with open(path, "rb", buffering=0) as f:
+                read_into(f, offset, memoryview(data), path)
         return data
 
     def to_torch() -> Any:
@@ -676,32 +677,20 @@ def _file_slice_ref(path: str, name: str, offset: int, length: int, dtype: str, 
 
         if length == 0:
             return torch.empty(shape, dtype=getattr(torch, dtype))
-        # bytearray: torch.frombuffer shares the buffer, which must be writable and ours
-        return torch.frombuffer(bytearray(raw()), dtype=getattr(torch, dtype)).reshape(shape)
+        return torch.frombuffer(raw(), dtype=getattr(torch, dtype)).reshape(shape)
 
     return TensorRef(name, shape, dtype, lambda: decode_values(raw(), dtype), to_torch)
 
 
-def _read_range(path: str, offset: int, length: int) -> bytes:
-    """`length` bytes at `offset` (fewer at the end of the file). pread on a bare
-    descriptor: a ResNet-50 has 265 BN tensors, and a buffered file object per read
-    costs more than the read."""
-    if not hasattr(os, "pread"):  # Windows
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read(length)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        parts = []
-        while length > 0:  # a single pread returns at most about 2 GiB
-            part = os.pread(fd, length, offset)
-            if not part:
-                break
-            parts.append(part)
-            offset, length = offset + len(part), length - len(part)
-        return b"".join(parts)
-    finally:
-        os.close(fd)
+def read_into(f: Any, offset: int, target: memoryview, path: str) -> None:
+    """Fill `target` with the bytes of the unbuffered file `f` at `offset`: a single read
+    returns at most about 2 GiB, so loop; the file ending first is a truncated tensor."""
+    f.seek(offset)
+    while len(target):
+        n = f.readinto(target)
+        if not n:
+            raise BnauditError(f"{path}: truncated tensor data")
+        target = target[n:]
 
 
 def _typecode(codes: str, size: int) -> str:
@@ -716,7 +705,7 @@ _ARRAY_CODES = {
 }
 
 
-def decode_values(raw: bytes, dtype: str) -> list:
+def decode_values(raw: bytes | bytearray, dtype: str) -> list:
     """Little-endian bytes of `dtype` -> flat list of Python numbers, exactly.
 
     float16 through struct's IEEE half format; bfloat16 by placing its two bytes as

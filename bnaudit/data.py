@@ -350,6 +350,8 @@ class FileRows:
     def take(self, rows: list[int]) -> Any:
         import torch
 
+        from bnaudit.checkpoint import read_into
+
         size, dtype = self.row_bytes, getattr(torch, self.dtype)
         if size == 0 or not rows:
             return torch.empty((len(rows), *self.shape[1:]), dtype=dtype)
@@ -361,10 +363,7 @@ class FileRows:
                 end = start + 1
                 while end < len(rows) and rows[end] == rows[end - 1] + 1:
                     end += 1
-                f.seek(self.offset + rows[start] * size)
-                target = buffer[start * size:end * size]
-                if f.readinto(target) != len(target):
-                    raise BnauditError(f"{self.path}: truncated tensor data")
+                read_into(f, self.offset + rows[start] * size, buffer[start * size:end * size], self.path)
                 start = end
         return torch.frombuffer(data, dtype=dtype).reshape(len(rows), *self.shape[1:])  # shares `data`
 

@@ -163,11 +163,19 @@ def test_safetensors_reads_only_the_tensors_asked_for(tmp_path, monkeypatch):
             reads.append(len(data))
             return data
 
+        def readinto(self, buffer):
+            n = self.f.readinto(buffer)
+            reads.append(n)
+            return n
+
     monkeypatch.setattr("builtins.open", lambda p, mode="r", *a, **k: CountingFile(real_open(p, mode, *a, **k)) if str(p) == path else real_open(p, mode, *a, **k))
     report = audit.inspect(path)
     assert len(report.files[0].layers) == 1
     assert max(reads) < 256 * 256 * 4  # the big tensor was never read
     assert sum(reads) < 4096
+    bn_sizes = sorted(t.numel() * t.element_size() for k, t in state.items() if k.startswith("bn1."))
+    assert sorted(reads[-len(bn_sizes):]) == bn_sizes  # each BN tensor read once, whole
+    assert sum(reads[:-len(bn_sizes)]) < 1024  # before them: the format sniff and the header
 
 
 # ----------------------------------------------------------------------------- containers
