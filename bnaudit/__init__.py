@@ -16,13 +16,13 @@ __all__ = ["__version__", "inspect", "measure_gap", "recalibrate_checkpoint", "r
 
 # Lazy: `bnaudit --help` must not pay for numpy/torch imports it does not use.
 _LAZY = {
-    "inspect": ("bnaudit.audit", "inspect"),
-    "measure_gap": ("bnaudit.gap", "run_gap"),
+    "inspect": ("bnaudit.audit.audit", "inspect"),
+    "measure_gap": ("bnaudit.runtime.gap", "run_gap"),
     # not `recalibrate`: importing the submodule bnaudit.recalibrate would shadow it
-    "recalibrate_checkpoint": ("bnaudit.recalibrate", "run_recalibrate"),
-    "recalibrate_module": ("bnaudit.recalibrate", "recalibrate_module"),
+    "recalibrate_checkpoint": ("bnaudit.runtime.recalibrate.command", "run_recalibrate"),
+    "recalibrate_module": ("bnaudit.runtime.recalibrate.methods", "recalibrate_module"),
     "Config": ("bnaudit.config", "Config"),
-    "DataOptions": ("bnaudit.data", "DataOptions"),
+    "DataOptions": ("bnaudit.runtime.data", "DataOptions"),
     "BnauditError": ("bnaudit.errors", "BnauditError"),
 }
 

@@ -15,11 +15,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from bnaudit import __version__, _fastcli
+from bnaudit import __version__, fastcli
 from bnaudit.errors import BnauditError
 
 # typer would import pydantic to convert each option; plain ones do not need it.
-_fastcli.install()
+fastcli.install()
 
 _APP_SETTINGS = dict(
     name="bnaudit",
@@ -83,7 +83,7 @@ def user_errors(debug: bool, json_output: bool = False) -> Iterator[None]:
 
 
 def _fail(message: str, json_output: bool) -> None:
-    from bnaudit.report import printable
+    from bnaudit.text import printable
 
     message = printable(" ".join(message.split()))  # paths and names come from outside
     if json_output:
@@ -123,9 +123,11 @@ def inspect(
     arch_kwargs: Annotated[Optional[str], typer.Option("--arch-kwargs", metavar="JSON", help='JSON object of keyword arguments for --arch, e.g. \'{"num_classes": 10}\'.')] = None,
 ) -> None:
     """Audit every BatchNorm layer of checkpoints, without code or data."""
-    from bnaudit.audit import inspect as run_inspect
+    from bnaudit.audit.audit import inspect as run_inspect
     from bnaudit.config import load_config
-    from bnaudit.report import inspect_to_json, printable, render_inspect
+    from bnaudit.output.json import inspect_to_json
+    from bnaudit.output.table import render_inspect
+    from bnaudit.text import printable
 
     json_output = output_format is InspectFormat.json
     with user_errors(debug, json_output):
@@ -142,7 +144,7 @@ def inspect(
         if json_output:
             typer.echo(json.dumps(inspect_to_json(report), indent=2, allow_nan=False))
         elif output_format is InspectFormat.sarif:
-            from bnaudit.sarif import inspect_to_sarif
+            from bnaudit.output.sarif import inspect_to_sarif
 
             typer.echo(json.dumps(inspect_to_sarif(report), indent=2, allow_nan=False))
         else:
@@ -167,7 +169,8 @@ def rules_command(
     debug: DebugOpt = False,
 ) -> None:
     """List the rules, or explain one: what it detects, why it matters, how to fix and silence it."""
-    from bnaudit.docs import explain_rule, find_rule, render_rules
+    from bnaudit.audit.ruledocs import explain_rule, find_rule
+    from bnaudit.output.table import render_rules
 
     with user_errors(debug):
         if code is not None:
@@ -209,7 +212,7 @@ def data_options(
     workers: int, image_size: int | None, grayscale: bool, mean: str | None, std: str | None, skip_bad: bool,
 ):
     """The CLI's data options as a `bnaudit.data.DataOptions` (validated)."""
-    from bnaudit.data import DataOptions, parse_float_list
+    from bnaudit.runtime.data import DataOptions, parse_float_list
 
     options = DataOptions(
         path=data, dataset=dataset, batch_size=batch_size, num_samples=num_samples, seed=seed,
@@ -257,7 +260,13 @@ def progress_bar(description: str, quiet: bool) -> Iterator[Optional[object]]:
     if not console.is_terminal:
         yield None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
@@ -297,8 +306,9 @@ def gap(
 ) -> None:
     """Measure the train-mode vs eval-mode gap on data and find the BN layer responsible."""
     from bnaudit.config import load_config
-    from bnaudit.gap import run_gap
-    from bnaudit.report import gap_to_json, render_gap
+    from bnaudit.output.json import gap_to_json
+    from bnaudit.output.table import render_gap
+    from bnaudit.runtime.gap import run_gap
 
     json_output = output_format is Format.json
     with user_errors(debug, json_output):
@@ -365,8 +375,9 @@ def recalibrate(
     import dataclasses
     import signal
 
-    from bnaudit.recalibrate import run_recalibrate
-    from bnaudit.report import recalibrate_to_json, render_recalibrate
+    from bnaudit.output.json import recalibrate_to_json
+    from bnaudit.output.table import render_recalibrate
+    from bnaudit.runtime.recalibrate.command import run_recalibrate
 
     json_output = output_format is Format.json
     rank = int(os.environ.get("RANK", "0"))

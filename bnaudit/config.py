@@ -174,7 +174,7 @@ def rule_codes(value: Any) -> tuple[str, ...]:
     A prefix must select at least one registered rule, so a typo cannot silently
     select or ignore nothing.
     """
-    from bnaudit.rules import RULES  # here: rules imports this module
+    from bnaudit.audit.rules import RULES
 
     codes = tuple(code.strip().upper() for code in _strings(value, "rule codes"))
     for code in codes:

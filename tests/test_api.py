@@ -6,15 +6,16 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, SAMPLES
 
 import bnaudit
-from conftest import REPO, SAMPLES
 
 
 def test_public_names_resolve():
-    from bnaudit.audit import inspect
-    from bnaudit.gap import run_gap
-    from bnaudit.recalibrate import recalibrate_module, run_recalibrate
+    from bnaudit.audit.audit import inspect
+    from bnaudit.runtime.gap import run_gap
+    from bnaudit.runtime.recalibrate.command import run_recalibrate
+    from bnaudit.runtime.recalibrate.methods import recalibrate_module
 
     assert bnaudit.inspect is inspect and bnaudit.measure_gap is run_gap
     assert bnaudit.recalibrate_checkpoint is run_recalibrate and bnaudit.recalibrate_module is recalibrate_module

@@ -8,11 +8,12 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+from conftest import bn_entries, save_safetensors, save_torch
 from torch import nn
 
-from bnaudit.checkpoint import read_checkpoint, sniff_format
 from bnaudit.errors import BnauditError
-from conftest import bn_entries, save_safetensors, save_torch
+from bnaudit.formats.read import read_checkpoint
+from bnaudit.formats.sniff import sniff_format
 
 
 def small_state(prefix: str = "") -> dict[str, torch.Tensor]:
@@ -140,7 +141,7 @@ def test_safetensors_reads_only_the_tensors_asked_for(tmp_path, monkeypatch):
     state = small_state()
     state["big.weight"] = torch.randn(256, 256)
     path = save_safetensors(state, tmp_path / "m.safetensors")
-    from bnaudit import audit
+    from bnaudit.audit import audit
 
     reads: list[int] = []
     real_open = open

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, SAMPLES, bn_entries, save_safetensors, save_torch
 
 from bnaudit import __version__
-from conftest import REPO, SAMPLES, bn_entries, save_safetensors, save_torch
 
 
 @pytest.fixture

@@ -9,10 +9,10 @@ import os
 
 import pytest
 import torch
+from conftest import bn_entries, save_safetensors, save_torch
 
 from bnaudit.config import KEYS, Config, find_config_file, load_config
 from bnaudit.errors import BnauditError
-from conftest import bn_entries, save_safetensors, save_torch
 
 
 def write(path, text: str):

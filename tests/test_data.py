@@ -14,8 +14,13 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from bnaudit.cli import app
-from bnaudit.data import DataOptions, batch_indices, make_loader, parse_float_list
 from bnaudit.errors import BnauditError
+from bnaudit.runtime.data import (
+    DataOptions,
+    batch_indices,
+    make_loader,
+    parse_float_list,
+)
 
 torch.set_num_threads(1)
 
@@ -162,7 +167,7 @@ def test_tensor_file_batches_read_only_their_rows(tmp_path, monkeypatch, fmt):
     map would leave every page read resident, so peak RSS would grow with the samples
     streamed), from safetensors and torch.save zip files alike, a view into a larger
     storage too. The values are the file's, in the shuffled order."""
-    import bnaudit.data as data
+    import bnaudit.runtime.data as data
 
     x = torch.arange(40 * 3 * 4, dtype=torch.float32).reshape(40, 3, 4)
     y = torch.arange(40) % 3

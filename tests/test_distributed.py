@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bnaudit.recalibrate import recalibrate_module
+from bnaudit.runtime.recalibrate.methods import recalibrate_module
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ SHARED = textwrap.dedent("""
 WORKER = SHARED + textwrap.dedent("""
     import sys
     import torch.distributed as dist
-    from bnaudit.recalibrate import recalibrate_module
+    from bnaudit.runtime.recalibrate.methods import recalibrate_module
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

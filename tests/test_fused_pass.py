@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import bnaudit.stats as stats
+import bnaudit.runtime.stats as stats
 from bnaudit.errors import BnauditError
-from bnaudit.recalibrate import recalibrate_module
-from bnaudit.stats import shifted_sums
+from bnaudit.runtime.recalibrate.methods import recalibrate_module
+from bnaudit.runtime.stats import shifted_sums
 
 
 def split(x: torch.Tensor, batch_size: int) -> list[torch.Tensor]:

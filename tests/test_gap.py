@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import train_classifier
 from safetensors.torch import save_file
 from torch import nn
 from typer.testing import CliRunner
 
 from bnaudit.cli import app
-from bnaudit.data import DataOptions, make_loader
 from bnaudit.errors import BnauditError
-from bnaudit.gap import measure_gap, run_gap
-from bnaudit.models import load_runnable
-from conftest import train_classifier
+from bnaudit.runtime.data import DataOptions, make_loader
+from bnaudit.runtime.gap import measure_gap, run_gap
+from bnaudit.runtime.models import load_runnable
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]

@@ -24,11 +24,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from bnaudit.audit import audit_file, inspect
-from bnaudit.checkpoint import read_checkpoint, read_safetensors
+from bnaudit.audit.audit import inspect
 from bnaudit.cli import app
-from bnaudit.config import Config
 from bnaudit.errors import BnauditError
+from bnaudit.formats.read import read_checkpoint
+from bnaudit.formats.safetensors import read_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
@@ -389,7 +389,7 @@ def test_file_name_that_is_not_utf8_is_still_audited(tmp_path, legacy):
 
 
 def test_internal_error_on_one_file_spares_the_others_and_debug_shows_it(tmp_path, monkeypatch):
-    import bnaudit.audit as audit_module
+    import bnaudit.audit.audit as audit_module
 
     good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
     torch.save(bn_state(), good)
@@ -822,7 +822,7 @@ def test_torchscript_huge_memo_index_is_not_allocated(tmp_path):
     script = (
         "import resource, sys\n"
         "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
-        "from bnaudit.checkpoint import read_checkpoint\n"
+        "from bnaudit.formats.read import read_checkpoint\n"
         f"print(len(read_checkpoint({str(path)!r}).tensors))\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,

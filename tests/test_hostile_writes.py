@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from torch import nn
-
-from bnaudit import checkpoint as ckpt_mod
 from conftest import default_sigint
+from safetensors.torch import save_file
+
+from bnaudit.formats import atomic as atomic_mod
+from bnaudit.formats import write as ckpt_mod
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
@@ -224,7 +224,8 @@ SLOW_WRITER = textwrap.dedent('''
     import time
     from pathlib import Path
 
-    import bnaudit.checkpoint as checkpoint
+    import bnaudit.formats.atomic as atomic
+    import bnaudit.formats.write as checkpoint
 
     marker, mode = sys.argv[1], sys.argv[2]
     write = checkpoint._write_safetensors_like
@@ -239,7 +240,7 @@ SLOW_WRITER = textwrap.dedent('''
 
     checkpoint._write_safetensors_like = write_then_block
     if mode == "named":  # the fallback where O_TMPFILE is missing: a hidden temporary file
-        checkpoint._open_unnamed = lambda directory: None
+        atomic._open_unnamed = lambda directory: None
     from bnaudit.cli import main
 
     sys.argv = ["bnaudit", *sys.argv[3:]]
@@ -324,7 +325,7 @@ def test_full_disk_is_one_line_and_leaves_no_file_in_every_format(world: dict, t
 @pytest.fixture(params=["unnamed", "named"])
 def write_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "named":
-        monkeypatch.setattr(ckpt_mod, "_open_unnamed", lambda _directory: None)
+        monkeypatch.setattr(atomic_mod, "_open_unnamed", lambda _directory: None)
     return request.param
 
 
@@ -378,7 +379,7 @@ def test_read_only_folder_is_refused_before_the_work(world: dict, tmp_path: Path
     monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if os.fspath(path) == str(folder)
                         else real_access(path, mode, **kw))
     calls: list[int] = []
-    monkeypatch.setattr("bnaudit.models.load_runnable", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr("bnaudit.runtime.recalibrate.command.load_runnable", lambda *a, **k: calls.append(1))
     result = recalibrate_into(world, folder / "out.safetensors")
     assert one_line_error(result) == f"{folder / 'out.safetensors'}: folder {folder} is not writable"
     assert os.listdir(folder) == [] and calls == []

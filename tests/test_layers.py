@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from conftest import bn_entries, save_safetensors, save_torch
 from torch import nn
 
-from bnaudit.checkpoint import read_checkpoint
-from bnaudit.layers import discover_layers
-from conftest import bn_entries, save_safetensors, save_torch
+from bnaudit.audit.layers import discover_layers
+from bnaudit.formats.read import read_checkpoint
 
 
 def discover(tmp_path, state, name="m.pt"):

@@ -12,17 +12,12 @@ from safetensors.torch import save_file
 from torch import nn
 from typer.testing import CliRunner
 
-from bnaudit.audit import audit_checkpoint, inspect
+from bnaudit.audit.audit import audit_checkpoint, inspect
 from bnaudit.cli import app
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
-from bnaudit.models import (
-    batch_stats_mode,
-    forward,
-    load_runnable,
-    output_tensor,
-    resolve_device,
-)
+from bnaudit.runtime.models import forward, load_runnable, output_tensor, resolve_device
+from bnaudit.runtime.norms import batch_stats_mode
 
 torch.set_num_threads(1)
 

@@ -16,7 +16,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, bn_entries, save_safetensors, save_torch
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")

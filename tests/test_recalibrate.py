@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import default_sigint, train_classifier
 from torch import nn
 
 from bnaudit.errors import BnauditError
-from bnaudit.recalibrate import merge_trailing_singleton, recalibrate_module
-from conftest import default_sigint, train_classifier
+from bnaudit.runtime.norms import merge_trailing_singleton
+from bnaudit.runtime.recalibrate.methods import recalibrate_module
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -661,7 +662,7 @@ def test_inspect_trusts_the_provenance_of_recalibrated_layers_only(tmp_path: Pat
     from safetensors.torch import save_file
 
     from bnaudit import inspect
-    from bnaudit.checkpoint import read_checkpoint
+    from bnaudit.formats.read import read_checkpoint
 
     immature = torch.load(SAMPLES / "immature.pt", weights_only=True)
     source = tmp_path / "immature.safetensors"

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from bnaudit import report
+from bnaudit.output import grid as report
 
 NAMES = [
     "bn", "layer1.0.bn1", "x" * 23, "y" * 24, "z" * 25,
@@ -52,7 +52,7 @@ def cases():
 @pytest.mark.parametrize("width,terminal,headers,rows", list(cases()))
 def test_grid_output_equals_rich_tables(width, terminal, headers, rows):
     min_first = min(max(len(r[0]) for r in rows), 24)
-    grid = report._grid(headers, rows, console(width, terminal), min_first)
+    grid = report.layout_grid(headers, rows, console(width, terminal), min_first)
     if grid is None:  # declined: only where rich must shrink more than the layer column
         rest = sum(max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers) if i) + 3 * (len(headers) - 1)
         assert width - rest < max(min_first, len("layer"))
@@ -66,9 +66,9 @@ def test_grid_output_equals_rich_tables(width, terminal, headers, rows):
 
 
 def test_most_cases_take_the_grid_and_names_fold_in_it():
-    taken = [report._grid(h, r, console(w, t), min(max(len(x[0]) for x in r), 24)) is not None
+    taken = [report.layout_grid(h, r, console(w, t), min(max(len(x[0]) for x in r), 24)) is not None
              for w, t, h, r in cases()]
     assert sum(taken) >= len(taken) // 2
     rows = [["encoder.blocks.12.attention.output.norm_layer_with_a_long_name", "8", "1", "ok"]]
-    grid = report._grid(["layer", "C", "var", "status"], rows, console(45, False), 24)
+    grid = report.layout_grid(["layer", "C", "var", "status"], rows, console(45, False), 24)
     assert grid is not None and len(grid.plain.splitlines()) > 3  # the name took several lines

@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
+from conftest import bn_entries, save_safetensors, save_torch
 
 from bnaudit import inspect
+from bnaudit.audit.rules import RULES
 from bnaudit.config import Config
-from bnaudit.rules import RULES
-from conftest import bn_entries, save_safetensors, save_torch
 
 
 def findings(tmp_path, state, config=None, name="m.pt", **kw):

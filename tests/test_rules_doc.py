@@ -7,10 +7,11 @@ import re
 import subprocess
 import sys
 
-from bnaudit.config import KEYS
-from bnaudit.docs import GENERATED, generated_blocks, update_generated
-from bnaudit.rules import RULES
 from conftest import REPO
+
+from bnaudit.audit.ruledocs import GENERATED, generated_blocks, update_generated
+from bnaudit.audit.rules import RULES
+from bnaudit.config import KEYS
 
 README = os.path.join(REPO, "README.md")
 

@@ -15,13 +15,13 @@ from urllib.parse import urlparse
 import jsonschema
 import pytest
 import torch
+from conftest import bn_entries, save_safetensors, save_torch
 
 from bnaudit import __version__
-from bnaudit.audit import inspect
+from bnaudit.audit.audit import inspect
+from bnaudit.audit.rules import RULES
 from bnaudit.config import Config
-from bnaudit.rules import RULES
-from bnaudit.sarif import inspect_to_sarif
-from conftest import bn_entries, save_safetensors, save_torch
+from bnaudit.output.sarif import inspect_to_sarif
 
 SCHEMA_PATH = os.path.join(os.path.dirname(__file__), "data", "sarif-schema-2.1.0.json")
 

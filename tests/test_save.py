@@ -19,9 +19,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from bnaudit import checkpoint as ckpt_mod
-from bnaudit.checkpoint import atomic_write, read_checkpoint, save_like, sniff_format
 from bnaudit.errors import BnauditError
+from bnaudit.formats import atomic as ckpt_mod
+from bnaudit.formats.atomic import atomic_write
+from bnaudit.formats.read import read_checkpoint
+from bnaudit.formats.sniff import sniff_format
+from bnaudit.formats.write import save_like
 
 torch.set_num_threads(1)
 # torch.jit.script/save/load warn that TorchScript is deprecated; it is still a format users ship
@@ -301,7 +304,7 @@ def test_killed_writer_leaves_no_file(tmp_path: Path) -> None:
     out.parent.mkdir()
     script = textwrap.dedent(f"""
         import time
-        from bnaudit.checkpoint import atomic_write
+        from bnaudit.formats.atomic import atomic_write
         def slow(f):
             f.write(b"x" * 4096)
             f.flush()

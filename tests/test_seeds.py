@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
+from conftest import save_torch
 from torch import nn
 
 from bnaudit import inspect
-from bnaudit.stats import ChannelStats
-from conftest import save_torch
+from bnaudit.runtime.stats import ChannelStats
 
 
 def two_batch_layer() -> nn.BatchNorm1d:

@@ -15,9 +15,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import save_file
-
 from conftest import REPO, bn_entries, save_torch
+from safetensors.numpy import save_file
 
 # Runs the CLI like `python -m bnaudit ARGS`, then prints the loaded heavy modules.
 PROBE = """

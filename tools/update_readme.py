@@ -15,7 +15,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bnaudit.docs import GENERATED, generated_blocks, update_generated  # noqa: E402
+from bnaudit.audit.ruledocs import GENERATED, generated_blocks, update_generated
 
 
 def main(argv: list[str] | None = None) -> int:

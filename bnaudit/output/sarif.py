@@ -1,22 +1,4 @@
-"""SARIF 2.1.0 rendering of an inspect report, in the subset GitHub code scanning reads.
-
-One run; `tool.driver` describes bnaudit and every registered rule (text from
-`bnaudit.docs`, the source `bnaudit rules` prints). Each finding becomes a result:
-
-  ruleId, ruleIndex   the rule code and its index in driver.rules
-  level               error -> "error", warning -> "warning", info -> "note"
-  message.text        "<layer>: <message>" (the message alone for file-level findings)
-  locations[0]        physicalLocation.artifactLocation: the checkpoint path relative to
-                      the base folder (the current directory), uriBaseId %SRCROOT%;
-                      logicalLocations: the layer name
-  partialFingerprints {"bnauditFinding/v1": sha256(code, path, layer)[:32]}
-
-A checkpoint is binary, so a result has no `region`: a line number would be invented,
-and the GitHub upload action computes line-hash fingerprints only for results with a
-line, so it does not read gigabyte checkpoints as text. Our own fingerprint keeps the
-findings of one rule in different layers of one file apart. Files that could not be read
-become error notifications of the invocation, whose `executionSuccessful` is then false.
-"""
+"""TODO docstring. From: sarif"""
 from __future__ import annotations
 
 import hashlib
@@ -26,14 +8,18 @@ from typing import Any
 from urllib.parse import quote
 
 from bnaudit import __version__
-from bnaudit.docs import explain_rule, worst_severity
-from bnaudit.report import InspectReport
-from bnaudit.rules import RULES, Finding
+from bnaudit.audit.report import InspectReport
+from bnaudit.audit.ruledocs import explain_rule, worst_severity
+from bnaudit.audit.rules import RULES, Finding
 
 SCHEMA_URI = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
+
+
 # The project's home page (the SARIF driver must name an absolute URI); the README's
 # pre-commit snippet names the same repository.
 INFORMATION_URI = "https://github.com/bnaudit/bnaudit"
+
+
 LEVELS = {"error": "error", "warning": "warning", "info": "note"}
 
 

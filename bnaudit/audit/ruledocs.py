@@ -1,19 +1,13 @@
-"""Rule and configuration documentation, generated from one source.
-
-`bnaudit rules`, the SARIF rule descriptors and the README's rule and configuration
-tables are all built here from `rules.RULES` and `config.KEYS`, so none of them can
-say something the code does not do. `tools/update_readme.py` rewrites the README's
-generated blocks and `tests/test_rules_doc.py` fails when they drift.
-"""
+"""TODO docstring. From: docs"""
 from __future__ import annotations
 
 import re
 import textwrap
 from typing import Any
 
+from bnaudit.audit.rules import RULES, Rule
 from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM, KEYS, SEVERITIES, Config
 from bnaudit.errors import BnauditError
-from bnaudit.rules import RULES, Rule
 
 WIDTH = 88
 
@@ -136,18 +130,3 @@ def update_generated(text: str) -> str:
     for name, build in GENERATED.items():
         text = _block(name).sub(lambda m, build=build: m.group(1) + build() + m.group(3), text)
     return text
-
-
-def render_rules(console: Any) -> None:
-    """`bnaudit rules`: one row per rule."""
-    from rich.table import Table
-
-    table = Table(show_edge=False, pad_edge=False, header_style="bold")
-    table.add_column("code", no_wrap=True)
-    table.add_column("name", no_wrap=True)
-    table.add_column("severity", no_wrap=True)
-    table.add_column("fires when", overflow="fold")
-    for rule in RULES.values():
-        table.add_row(rule.code, rule.name, rule.severity, rule.summary)
-    console.print(table)
-    console.print(f"bnaudit rules CODE explains a rule ({len(RULES)} rules).")

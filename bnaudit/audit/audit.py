@@ -1,21 +1,18 @@
-"""`inspect`: path(s) -> checkpoint -> layers -> rules -> InspectReport.
-
-A directory expands to every file under it whose name ends in a checkpoint suffix;
-a file named explicitly is read whatever its name. One unreadable file becomes a
-FileReport with `error` set; the others are still audited.
-"""
+"""TODO docstring. From: audit"""
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
 from typing import Any
 
-from bnaudit.checkpoint import CHECKPOINT_SUFFIXES, Checkpoint, read_checkpoint, recalibration_record
-from bnaudit.config import Config
+from bnaudit.audit.layers import ModuleFacts, discover_layers, facts_from_module_infos
+from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
+from bnaudit.audit.rules import RuleContext, run_rules
+from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM, Config
 from bnaudit.errors import BnauditError
-from bnaudit.layers import DEFAULT_EPS, DEFAULT_MOMENTUM, ModuleFacts, discover_layers, facts_from_module_infos
-from bnaudit.report import FileReport, InspectReport, LayerSummary
-from bnaudit.rules import RuleContext, run_rules
+from bnaudit.formats.model import Checkpoint, recalibration_record
+from bnaudit.formats.read import read_checkpoint
+from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES
 
 
 def expand_paths(paths: Iterable[str], config: Config | None = None) -> list[str]:
@@ -80,7 +77,7 @@ def audit_file(
         ckpt = read_checkpoint(path, key=key, trust_pickle=trust_pickle)
         module = None
         if model is not None:
-            from bnaudit.models import match_checkpoint
+            from bnaudit.runtime.models import match_checkpoint
 
             ckpt, module = match_checkpoint(ckpt, model)
         elif ckpt.holds_module and ckpt.modules:
@@ -114,7 +111,7 @@ def inspect(
     config = config or Config()
     model = None
     if arch is not None:
-        from bnaudit.models import build_arch
+        from bnaudit.runtime.models import build_arch
 
         model = build_arch(arch, arch_kwargs, meta=True)  # names, shapes, settings: no weights needed
     elif arch_kwargs is not None:

@@ -1,47 +1,36 @@
-"""`gap`: what switching BatchNorm to its stored statistics costs, and which layer is to blame.
-
-Every batch is read and decoded once and goes through the model twice:
-
-  train mode   every BN layer normalises with the statistics of the batch (training mode
-               for BN modules only; the buffers are restored afterwards, so the model is
-               unchanged whichever pass runs first)
-  eval mode    every module in eval mode: BN normalises with running_mean / running_var
-
-Dropout and every other mode-dependent module stay in eval mode in both, so the
-difference is BatchNorm's alone. Definitions (N samples, y_t / y_e their outputs):
-
-  accuracy      top-1: fraction of samples whose argmax equals the label (None without labels)
-  gap           train-mode accuracy - eval-mode accuracy (positive: eval mode loses accuracy)
-  agreement     fraction of samples whose argmax is the same in both modes
-  divergence    classifier outputs (N, K), K >= 2: mean over samples of
-                  KL(p_e || p_t) = sum_k p_e,k (log p_e,k - log p_t,k),  p = softmax(y)
-                other outputs ("relative_l2"): mean over samples of ||y_e - y_t|| / ||y_e||
-
-Per-layer drift compares the data that reaches each BN layer in eval mode (exact
-per-channel mean mu_d and unbiased variance var_d over all samples, float64, merged
-with `bnaudit.stats.ChannelStats`) with its running statistics mu_r, var_r:
-
-  mean_shift, max_mean_shift, var_log_ratio   as `bnaudit.stats.Drift` defines them
-  drift           mean_shift + var_log_ratio (the ranking key: both are 0 when the stored
-                  statistics describe the data; a shift of one running std and a variance
-                  off by a factor e weigh alike)
-"""
+"""TODO docstring. From: gap"""
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from bnaudit.audit.audit import audit_checkpoint
+from bnaudit.audit.report import FileReport
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
-from bnaudit.report import FileReport
-from bnaudit.stats import drift
+from bnaudit.runtime.data import make_loader
+from bnaudit.runtime.models import (
+    forward,
+    load_forward,
+    load_runnable,
+    output_tensor,
+    resolve_device,
+    to_device,
+)
+from bnaudit.runtime.norms import batch_stats_mode, eval_mode, norm_modules
+from bnaudit.runtime.stats import ChannelStats, drift, record_bn_inputs
+from bnaudit.text import exception_line, name_list
 
 # mean_shift or var_log_ratio at or above this: the layer's stored statistics do not
 # describe the data (half a running std off, or a variance off by a factor 1.65).
 DRIFT_LARGE = 0.5
+
+
 # An accuracy difference (or disagreement) of at least one point is worth explaining.
 GAP_NOTABLE = 0.01
+
+
 # Below this many samples per batch, batch statistics are noisy (Wu & Johnson 2021).
 SMALL_BATCH = 16
 
@@ -113,9 +102,6 @@ class GapReport:
         return 1 if self.gap > max_gap else 0
 
 
-# ----------------------------------------------------------------------------- measurement
-
-
 @dataclass
 class _Totals:
     samples: int = 0
@@ -146,9 +132,7 @@ def measure_gap(
     """
     import torch
 
-    from bnaudit.audit import audit_checkpoint
-    from bnaudit.models import eval_mode, norm_modules, resolve_device
-    from bnaudit.stats import ChannelStats, record_bn_inputs
+    from bnaudit.runtime.models import resolve_device
 
     device = resolve_device(device) if isinstance(device, str) else device
     if stream.batch_size < 2:
@@ -217,14 +201,12 @@ def measure_gap(
 
 
 def _to_device(value: Any, device: Any) -> Any:
-    from bnaudit.models import to_device
 
     return to_device(value, device)
 
 
 def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict, train: bool) -> Any:
     """One forward in the requested mode; a failure names the layer and the shape it got."""
-    from bnaudit.models import batch_stats_mode, forward, output_tensor
 
     def call() -> Any:
         if train:
@@ -239,7 +221,7 @@ def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict, trai
     except Exception as exc:
         where = _locate_failure(model, call)
         mode = "train mode (batch statistics)" if train else "eval mode"
-        raise BnauditError(f"batch {index}: the model rejects the batch in {mode}: {where}{_reason(exc)}") from None
+        raise BnauditError(f"batch {index}: the model rejects the batch in {mode}: {where}{exception_line(exc)}") from None
     try:
         return output_tensor(output)
     except BnauditError as exc:
@@ -248,13 +230,6 @@ def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict, trai
         raise BnauditError(
             f"batch {index}: the --forward function returned {type(output).__name__}, which holds no tensor: "
             "it must return the model's output (the logits, one row per sample)") from None
-
-
-def _reason(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    # TorchScript errors carry the scripted code first and the message last.
-    text = lines[-1] if lines and "Traceback of TorchScript" in str(exc) else (lines[0] if lines else "")
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _shapes(args: tuple) -> str:
@@ -365,9 +340,6 @@ def _drift(norms: dict[str, Any], accumulated: dict[str, Any], hooked: dict[str,
                                          d.position))
 
 
-# ----------------------------------------------------------------------------- diagnosis
-
-
 def _pct(x: float) -> str:
     return f"{x * 100:.1f}%"
 
@@ -404,12 +376,12 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
 
     reset = [f.layer for f in by_code.get("BN002", []) if f.layer]
     if reset:
-        lines.append(f"{_sentence(_names(reset))} hold the initial statistics (mean 0, variance 1): reset or never loaded, "
+        lines.append(f"{_sentence(name_list(reset))} hold the initial statistics (mean 0, variance 1): reset or never loaded, "
                      "so eval mode normalises with values that describe no data. Recalibrate: "
                      "`bnaudit recalibrate` on a few thousand representative samples.")
     immature = [f.layer for f in by_code.get("BN003", []) if f.layer]
     if immature:
-        lines.append(f"Immature statistics (BN003) in {_names(immature)}: the initial values still weigh in. "
+        lines.append(f"Immature statistics (BN003) in {name_list(immature)}: the initial values still weigh in. "
                      "Recalibrate with `bnaudit recalibrate`.")
     dead = by_code.get("BN004", [])
     dead_layers = [f.layer for f in dead if f.layer]
@@ -430,7 +402,7 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
                          f"it match the data): a domain shift that shows from this depth on, or layers before it changed "
                          "after its statistics were recorded. Recalibrate on data of the target domain (AdaBN-style).")
     if dead_layers and not (large and large[0].name in dead_layers):
-        lines.append(f"Dead channels (BN004) in {_names(dead_layers)}: running variance near eps, so eval mode "
+        lines.append(f"Dead channels (BN004) in {name_list(dead_layers)}: running variance near eps, so eval mode "
                      "amplifies any input they receive; see the findings.")
     if "BN005" in by_code:
         lines.append("Invalid values in the statistics (BN005): eval-mode outputs of those channels are NaN or Inf.")
@@ -456,17 +428,8 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
     return lines
 
 
-def _names(names: list[str], limit: int = 3) -> str:
-    shown = ", ".join(names[:limit])
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return f"{'layer' if len(names) == 1 else 'layers'} {shown}{more}"
-
-
 def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
-
-
-# ----------------------------------------------------------------------------- entry point
 
 
 def run_gap(
@@ -487,8 +450,6 @@ def run_gap(
     >>> run_gap("model.pt", DataOptions(path="val.safetensors"),    # doctest: +SKIP
     ...         arch="mypkg.models:net").gap
     """
-    from bnaudit.data import make_loader
-    from bnaudit.models import load_forward, load_runnable, resolve_device
 
     target = resolve_device(device)
     data.validate()

@@ -1,14 +1,4 @@
-"""The rule registry: stable codes, names, severities, explanations and checks.
-
-Definitions used by every rule (and printed by the report):
-
-  eval gain      g_c = |gamma_c| / sqrt(running_var_c + eps)   (gamma_c = 1 without affine)
-                 the factor by which eval mode multiplies a channel's deviation from
-                 running_mean; a dead channel (var ~ 0, gamma 1) at eps 1e-5 gets 316x.
-  initial weight w = (1 - momentum)^t after t = num_batches_tracked updates: the share
-                 the initial values (mean 0, var 1) still hold in the running buffers.
-  near-eps       running_var_c < near_eps_factor * eps.
-"""
+"""TODO docstring. From: rules"""
 from __future__ import annotations
 
 import fnmatch
@@ -19,10 +9,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
 from bnaudit.config import Config
 
 if TYPE_CHECKING:
-    from bnaudit.layers import BNLayer, Discovery, ModuleFacts
+    from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
 
 
 @dataclass(frozen=True)
@@ -73,9 +64,6 @@ def rule(code: str, name: str, severity: str, summary: str, explanation: str, fi
         return check
 
     return register
-
-
-# ----------------------------------------------------------------------------- statistics
 
 
 def all_finite(values: list[float]) -> bool:
@@ -145,9 +133,6 @@ def _channel_list(channels: list[int], limit: int = 8) -> str:
 
 def _fmt(x: float) -> str:
     return f"{x:.3g}"
-
-
-# ----------------------------------------------------------------------------- rules
 
 
 @rule(
@@ -521,9 +506,6 @@ def _describe_names(names: list[str]) -> str:
             tops.append(top)
     shown = ", ".join(f"{t}.*" if any(n.startswith(t + ".") for n in names) else t for t in tops[:4])
     return shown + (", ..." if len(tops) > 4 else "")
-
-
-# ----------------------------------------------------------------------------- engine
 
 
 def _selected(code: str, cfg: Config) -> bool:

@@ -1,27 +1,4 @@
-"""Datasets for gap and recalibrate: image folders, tensor files, custom datasets -> batches.
-
-`--data PATH` is one of
-  an ImageFolder     one subfolder per class (class index = sorted subfolder order), PNG, JPEG,
-                     BMP or WebP read with Pillow, values scaled to [0, 1]; `--image-size N`
-                     resizes the shorter side to N and center-crops N x N, `--grayscale` gives
-                     one channel (default RGB), `--mean`/`--std` normalise (x - mean) / std
-  a tensor file      `.safetensors`, or `.pt` loaded with weights_only, holding `inputs`
-                     (N, ...) and optionally `labels` (N,) integer class indices
-  a folder of shards such tensor files, concatenated in sorted name order
-or `--dataset MODULE:CALLABLE` returns a map-style torch Dataset.
-
-Items are `input` or `(input, label)` where the label is an int (or 0-d integer tensor);
-a dict item's "label" / "labels" entry is the label and the rest is the input. An input is
-a tensor, a tuple of tensors (the model's positional arguments) or a dict (keyword
-arguments). Samples are drawn in an order shuffled by `--seed` (or file order with
-`--no-shuffle`), capped by `--num-samples`, cut into batches of `--batch-size`; a last
-batch of one sample joins the previous batch (training-mode BatchNorm cannot normalise
-one sample of a (N, C) input). Loading runs in `--workers` DataLoader processes.
-
-Every problem with the data ends in a `BnauditError` naming the file or the batch. Errors
-found in worker processes travel back as marker objects, never as exceptions, so the
-message stays one line.
-"""
+"""TODO docstring. From: data"""
 from __future__ import annotations
 
 import bisect
@@ -35,9 +12,18 @@ from typing import Any
 import numpy as np
 
 from bnaudit.errors import BnauditError
+from bnaudit.formats.allowlist import load_torch_object
+from bnaudit.formats.model import read_into
+from bnaudit.formats.safetensors import read_safetensors
+from bnaudit.formats.sniff import sniff_format
+from bnaudit.runtime.models import import_callable
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+
+
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
+
+
 LABEL_KEYS = ("label", "labels")
 
 
@@ -89,9 +75,6 @@ def parse_float_list(text: str | None, option: str) -> tuple[float, ...] | None:
     return values
 
 
-# ----------------------------------------------------------------------------- items
-
-
 @dataclass(frozen=True)
 class _BadItem:
     """An item that could not be read; crosses worker processes as data."""
@@ -137,9 +120,6 @@ def split_item(item: Any) -> tuple[Any, Any]:
         if keys:
             return {k: v for k, v in item.items() if k not in LABEL_KEYS}, item[keys[0]]
     return item, None
-
-
-# ----------------------------------------------------------------------------- sources
 
 
 class _Source:
@@ -350,7 +330,6 @@ class FileRows:
     def take(self, rows: list[int]) -> Any:
         import torch
 
-        from bnaudit.checkpoint import read_into
 
         size, dtype = self.row_bytes, getattr(torch, self.dtype)
         if size == 0 or not rows:
@@ -369,7 +348,6 @@ class FileRows:
 
 
 def _open_shard(path: str) -> _Shard:
-    from bnaudit.checkpoint import sniff_format
 
     fmt = sniff_format(path)
     if fmt == "safetensors":
@@ -404,7 +382,6 @@ def _integer_dtype(dtype: Any) -> bool:
 def _open_safetensors(path: str) -> dict[str, Any]:
     """A safetensors data file's tensors (validated by our reader): the inputs as FileRows,
     read batch by batch; the rest (labels: one integer a sample) read whole."""
-    from bnaudit.checkpoint import read_safetensors
 
     refs, _ = read_safetensors(path)  # validates every header claim against the file
     with open(path, "rb") as f:
@@ -422,7 +399,6 @@ def _open_safetensors(path: str) -> dict[str, Any]:
 def _open_torch_tensors(path: str, fmt: str) -> dict[str, Any]:
     import torch
 
-    from bnaudit.checkpoint import load_torch_object
 
     try:
         obj = load_torch_object(path, trust_pickle=False, mmap=fmt == "torch-zip")
@@ -443,7 +419,7 @@ def _open_torch_tensors(path: str, fmt: str) -> dict[str, Any]:
     if fmt == "torch-zip" and inputs is not None:
         # torch.load(mmap=True) maps the file, and every page of it that a batch touches
         # stays resident: read the inputs batch by batch instead, where they lie as plain rows
-        from bnaudit.unpickle import stored_tensors
+        from bnaudit.formats.torchscript import stored_tensors
 
         where = stored_tensors(path).get("inputs")
         if (where is not None and where.start is not None and where.shape == tuple(inputs.shape)
@@ -456,7 +432,6 @@ class CustomSource(_Source):
     kind = "dataset"
 
     def __init__(self, spec: str) -> None:
-        from bnaudit.models import import_callable
 
         factory = import_callable(spec, "--dataset")
         try:
@@ -464,7 +439,7 @@ class CustomSource(_Source):
         except Exception as exc:
             raise BnauditError(f"--dataset {spec}: calling it failed: {type(exc).__name__}: {exc}") from None
         except SystemExit as exc:
-            from bnaudit.models import exit_message
+            from bnaudit.runtime.models import exit_message
 
             raise BnauditError(f"--dataset {spec}: {exit_message(exc, 'calling it')}") from None
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
@@ -537,9 +512,6 @@ def _open_folder(path: str, options: DataOptions) -> _Source:
     raise BnauditError(
         f"{path}: no class subfolders with images and no tensor files ({' '.join(TENSOR_SUFFIXES)})"
     )
-
-
-# ----------------------------------------------------------------------------- batching
 
 
 def batch_indices(

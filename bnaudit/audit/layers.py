@@ -1,22 +1,13 @@
-"""Find BatchNorm layers in a state dict by what they hold, not by what they are called.
-
-A BN layer is a key prefix P whose `P.running_mean` and `P.running_var` are 1-D
-floating tensors of the same length C, with optional `P.weight` / `P.bias` (the
-affine gamma and beta, normally length C) and an optional integer
-`P.num_batches_tracked`. This finds nn.BatchNorm*d, SyncBatchNorm, FrozenBatchNorm
-(no counter), fused QAT `*.bn.*` sub-modules, quantized BN (`scale`, `zero_point`)
-and tracked InstanceNorm alike. Groups that only look similar are skipped:
-statistics of different lengths (e3nn), float64 normalisers with a `count`
-sibling (RL observation normalisers), and BatchRenorm's `running_std`.
-"""
+"""TODO docstring. From: layers"""
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass
 
-from bnaudit.checkpoint import Checkpoint, ModuleInfo, TensorRef
 from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM  # noqa: F401 (re-exported)
+from bnaudit.formats.model import Checkpoint, ModuleInfo, TensorRef
+
 STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 
 
@@ -219,4 +210,3 @@ def _make_layer(
         momentum=layer_momentum,
         settings_assumed=assumed,
     )
-

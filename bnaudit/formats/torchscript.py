@@ -1,180 +1,26 @@
-"""Restricted unpicklers for the formats torch itself would unpickle: nothing they read runs.
-
-  legacy torch.save   `check_legacy_claims` walks the pickles with inert classes to
-                      check the storage sizes they claim against the file, before
-                      torch.load allocates them
-  TorchScript         `read_torchscript` rebuilds the archive's module tree as inert
-                      records: tensors, eps and momentum, without torch.jit.load
-
-Kept apart from bnaudit.checkpoint because `pickle` is needed only for these formats:
-inspecting a safetensors file imports neither.
-"""
+"""TODO docstring. From: unpickle"""
 from __future__ import annotations
 
 import io
 import math
-import os
 import pickle
 import re
 import zipfile
 from dataclasses import dataclass
 from typing import Any
 
-from bnaudit.checkpoint import (
+from bnaudit.errors import BnauditError
+from bnaudit.formats.containers import real_or_none
+from bnaudit.formats.model import (
+    STORAGE_DTYPES,
+    STORAGE_ITEMSIZE,
     ModuleInfo,
     TensorRef,
-    _first_line,
-    _is_count,
-    _real,
-    _refusal,
-    _torch_weights_only_globals,
-    allowed_global,
-    check_zip_sizes,
     decode_values,
 )
-from bnaudit.errors import BnauditError
-
-
-# torch.serialization.MAGIC_NUMBER: the first pickle of every legacy torch.save file.
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-_STORAGE_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
-                     "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
-
-
-class _Inert:
-    """Stands for every class a scanned pickle names: takes anything, does nothing."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> _Inert:
-        return object.__new__(cls)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-    def append(self, item: Any) -> None:
-        pass
-
-    def extend(self, items: Any) -> None:
-        pass
-
-
-@dataclass(frozen=True)
-class _StorageType:
-    dtype: str
-
-
-class _StrictReader:
-    """A file as a pickle reads it; asking for bytes past the end is a forged length.
-
-    pickle trusts the lengths in its opcodes and asks for that many bytes at once,
-    so a 2^32-byte string claimed by a tiny file would be allocated before the
-    short read is noticed.
-    """
-
-    def __init__(self, file: Any, size: int) -> None:
-        self.file, self.size = file, size
-
-    def read(self, n: int = -1) -> bytes:
-        remaining = self.size - self.file.tell()
-        if n is None or n < 0:
-            n = remaining
-        if n > remaining:
-            raise pickle.UnpicklingError(f"a record claims {n} bytes, only {remaining} remain")
-        return self.file.read(n)
-
-    def readinto(self, buffer: Any) -> int:
-        if len(buffer) > self.size - self.file.tell():
-            raise pickle.UnpicklingError("a record runs past the end of the file")
-        return self.file.readinto(buffer)
-
-    def readline(self) -> bytes:
-        return self.file.readline()
-
-
-class _LegacyScanner(pickle._Unpickler):  # the pure-Python unpickler: its memo is a dict
-    """Walks a legacy torch.save pickle with inert classes to collect its storage claims.
-
-    Nothing named in the file is imported or called: every global becomes `_Inert`
-    and every storage becomes a record of (key, bytes claimed).
-    """
-
-    def __init__(self, file: Any) -> None:
-        super().__init__(file)
-        self.claims: dict[str, int] = {}
-        self.globals: list[str] = []  # every global named, in order: a refusal names them
-
-    def find_class(self, module: str, name: str) -> Any:
-        self.globals.append(f"{module}.{name}")
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageType(_STORAGE_DTYPES[name])
-        return _Inert
-
-    def persistent_load(self, pid: Any) -> Any:
-        if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
-            storage_type, key, numel = pid[1], pid[2], pid[4]
-            itemsize = _STORAGE_ITEMSIZE.get(getattr(storage_type, "dtype", ""), 1)
-            if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
-                raise pickle.UnpicklingError(f"storage {key!r} has an invalid size {numel!r}")
-            self.claims[str(key)] = max(self.claims.get(str(key), 0), numel * itemsize)
-        return _Inert  # also stands for a class a ('module', ...) id names
-
-
-def check_legacy_claims(path: str) -> None:
-    """Refuse a legacy torch.save file whose storages claim more bytes than it holds.
-
-    torch's legacy loader allocates each storage at the size the pickle claims
-    before it reads the data, so the claims are checked against the file first:
-    the storages' bytes (plus an 8-byte length each) must fit after the pickles.
-    """
-    import tarfile
-
-    if tarfile.is_tarfile(path):  # torch < 0.4 tar format: read by a loader that trusts its sizes
-        raise BnauditError(f"{path}: tar-format torch.save file (PyTorch < 0.4) is not supported")
-    size = os.path.getsize(path)
-    try:
-        with open(path, "rb") as f:
-            reader = _StrictReader(f, size)
-            # Every pickle of the file goes through the scanner, the first one too:
-            # a plain pickle (not torch.save) puts its payload right there.
-            first = _LegacyScanner(reader)
-            if first.load() != _LEGACY_MAGIC:
-                unsafe = list(dict.fromkeys(n for n in first.globals
-                                            if allowed_global(n) is None and n not in _torch_weights_only_globals()))
-                if unsafe:  # say what it would have run, and what to do instead
-                    refusal = str(_refusal(path, unsafe)).removeprefix(f"{path}: ")
-                    raise BnauditError(f"{path}: a pickle, but not one written by torch.save; {refusal}")
-                raise BnauditError(f"{path}: a pickle, but not one written by torch.save")
-            for _ in range(2):  # protocol version, sys info
-                _LegacyScanner(reader).load()
-            scanner = _LegacyScanner(reader)
-            scanner.load()
-            keys = _LegacyScanner(reader).load()
-            data_size = size - f.tell()
-    except BnauditError:
-        raise
-    except Exception as exc:  # any parse failure of forged bytes
-        raise BnauditError(f"{path}: damaged torch.save file ({_first_line(exc)})") from None
-    if not isinstance(keys, list):
-        raise BnauditError(f"{path}: damaged torch.save file (no storage list)")
-    claimed = sum(scanner.claims.values()) + 8 * len(scanner.claims)
-    if claimed > data_size:
-        raise BnauditError(
-            f"{path}: storages claim {claimed} bytes but only {data_size} follow the header: "
-            "truncated or forged file"
-        )
-
-
-_STORAGE_DTYPES = {
-    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-}
+from bnaudit.formats.safetensors import is_count
+from bnaudit.formats.sniff import check_zip_sizes
+from bnaudit.text import first_line
 
 
 class _ScriptObject:
@@ -212,8 +58,8 @@ class _ScriptUnpickler(pickle._Unpickler):
             if qual not in self.classes:
                 self.classes[qual] = type(name, (_ScriptObject,), {"qualname": qual})
             return self.classes[qual]
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
+        if module == "torch" and name in STORAGE_DTYPES:
+            return STORAGE_DTYPES[name]
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return self._rebuild_tensor
         if (module, name) == ("collections", "OrderedDict"):
@@ -229,7 +75,7 @@ class _ScriptUnpickler(pickle._Unpickler):
     def persistent_load(self, pid: Any) -> _StorageRef:
         if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"):
             raise pickle.UnpicklingError(f"unexpected persistent id {str(pid)[:80]}")
-        if pid[1] not in _STORAGE_DTYPES.values() or not isinstance(pid[2], str):
+        if pid[1] not in STORAGE_DTYPES.values() or not isinstance(pid[2], str):
             raise pickle.UnpicklingError(f"malformed storage record {str(pid)[:80]}")
         return _StorageRef(f"{self.root}/data/{pid[2]}", pid[1])
 
@@ -259,9 +105,9 @@ def _check_record(storage: Any, offset: Any, size: Any, stride: Any) -> None:
     # Checked before anything is read: a negative or mismatched stride would read
     # outside the storage.
     if not (
-        isinstance(storage, _StorageRef) and _is_count(offset)
+        isinstance(storage, _StorageRef) and is_count(offset)
         and isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride)
-        and all(_is_count(x) for x in size + stride)
+        and all(is_count(x) for x in size + stride)
     ):
         raise pickle.UnpicklingError("malformed tensor record")
 
@@ -321,7 +167,7 @@ def _c_order_start(archive: zipfile.ZipFile, storage: _StorageRef, offset: int, 
         return None
     if info.compress_type != zipfile.ZIP_STORED or head[:4] != b"PK\x03\x04":
         return None
-    itemsize = _STORAGE_ITEMSIZE.get(storage.dtype, 0)
+    itemsize = STORAGE_ITEMSIZE.get(storage.dtype, 0)
     if itemsize == 0 or (offset + math.prod(size)) * itemsize > info.file_size:
         return None
     names, extra = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30], "little")
@@ -348,7 +194,7 @@ def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleI
             ".safetensors file is the safe format"
         ) from None
     except Exception as exc:  # forged bytes fail anywhere in the pickle machine
-        raise BnauditError(f"{path}: unreadable TorchScript archive ({_first_line(exc)})") from None
+        raise BnauditError(f"{path}: unreadable TorchScript archive ({first_line(exc)})") from None
     tensors: dict[str, TensorRef] = {}
     modules: dict[str, ModuleInfo] = {}
     constants = _ScriptConstants(archive, root)
@@ -371,10 +217,10 @@ def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleI
             tracking = attrs.get("track_running_stats")
             modules[prefix.rstrip(".")] = ModuleInfo(
                 cls,
-                _real(eps),
-                _real(momentum),
+                real_or_none(eps),
+                real_or_none(momentum),
                 tracking if isinstance(tracking, bool) else None,
-                momentum_known="momentum" in attrs and (momentum is None or _real(momentum) is not None),
+                momentum_known="momentum" in attrs and (momentum is None or real_or_none(momentum) is not None),
             )
         for name, value in attrs.items():
             if not isinstance(name, str):
@@ -390,7 +236,7 @@ def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleI
     except BnauditError:
         raise
     except Exception as exc:  # a damaged code file (bad CRC) or a forged attribute
-        raise BnauditError(f"{path}: unreadable TorchScript archive ({_first_line(exc)})") from None
+        raise BnauditError(f"{path}: unreadable TorchScript archive ({first_line(exc)})") from None
     return tensors, modules
 
 
@@ -442,5 +288,3 @@ def _literal(text: str) -> Any:
         return float(text) if any(c in text for c in ".eE") or text in ("inf", "nan") else int(text)
     except ValueError:
         return text
-
-

@@ -1,25 +1,4 @@
-"""Runnable models: a checkpoint plus the code that runs it.
-
-Three sources, tried in this order by `load_runnable`:
-
-  --arch MODULE:CALLABLE      (or path/to/file.py:CALLABLE) builds the module, called with no
-                              arguments or with --arch-kwargs (a JSON object); the checkpoint's
-                              state dict (any format and container `inspect` reads, wrapper
-                              prefixes stripped as inspect does) is compared key by key with the
-                              model's, as `load_state_dict(strict=True)` would, and loaded.
-  TorchScript archive         `torch.jit.load`: runs as it is, no --arch needed.
-  pickled nn.Module           a `torch.save(model)` file: loaded through the allow-list when it
-                              is built only from torch.nn classes; any other class is refused
-                              unless --trust-pickle (unpickling a class runs its code).
-
-Missing, unexpected and mismatched keys become findings (BN001 exact for BN statistics,
-BN011 for the rest); a shape mismatch makes the model unrunnable and is an error.
-
-The helpers used to run a model on data live here too: `forward` (tensors, tuples, dicts,
-or a --forward function), `output_tensor`, `batch_stats_mode` (BN layers normalise by batch
-statistics, everything else in eval mode, buffers and modes restored afterwards) and
-`resolve_device`.
-"""
+"""TODO docstring. From: models"""
 from __future__ import annotations
 
 import contextlib
@@ -35,18 +14,19 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from bnaudit.checkpoint import (
-    Checkpoint,
-    find_state_dicts,
+from bnaudit.audit.layers import ModuleFacts, facts_from_module_infos
+from bnaudit.errors import BnauditError
+from bnaudit.formats.allowlist import load_torch_object
+from bnaudit.formats.containers import (
     choose_state_dict,
-    load_torch_object,
+    find_state_dicts,
     module_infos,
-    read_checkpoint,
-    sniff_format,
     wrap_candidate,
 )
-from bnaudit.errors import BnauditError
-from bnaudit.layers import ModuleFacts, facts_from_module_infos
+from bnaudit.formats.model import Checkpoint
+from bnaudit.formats.read import read_checkpoint
+from bnaudit.formats.sniff import sniff_format
+from bnaudit.text import one_line
 
 
 @dataclass
@@ -75,9 +55,6 @@ class RunnableModel:
         if self.source == "arch":
             return f"--arch {self.arch}"
         return "TorchScript archive" if self.scripted else "pickled nn.Module"
-
-
-# ----------------------------------------------------------------------------- user code
 
 
 _FILE_MODULES: dict[str, Any] = {}
@@ -110,9 +87,9 @@ def import_callable(spec: str, option: str = "--arch") -> Callable[..., Any]:
                     f"{option} {spec}: no module named '{exc.name}' (run from the folder that holds it, "
                     "or give path/to/file.py:CALLABLE)"
                 ) from None
-            raise BnauditError(f"{option} {spec}: importing '{where}' failed: {_one_line(exc)}") from None
+            raise BnauditError(f"{option} {spec}: importing '{where}' failed: {one_line(exc)}") from None
         except Exception as exc:  # user code: any error while importing it is the user's
-            raise BnauditError(f"{option} {spec}: importing '{where}' failed: {_one_line(exc)}") from None
+            raise BnauditError(f"{option} {spec}: importing '{where}' failed: {one_line(exc)}") from None
         except SystemExit as exc:
             printed = held.getvalue() if held is not None else ""
             raise BnauditError(f"{option} {spec}: {exit_message(exc, f'importing {where!r}', printed)}") from None
@@ -150,7 +127,7 @@ def _import_file(path: str, option: str) -> Any:
             spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise BnauditError(f"{option}: importing {path} failed: {_one_line(exc)}") from None
+        raise BnauditError(f"{option}: importing {path} failed: {one_line(exc)}") from None
     except SystemExit as exc:
         del sys.modules[name]
         printed = held.getvalue() if held is not None else ""
@@ -227,15 +204,12 @@ def build_arch(arch: str, arch_kwargs: str | Mapping[str, Any] | None = None, me
             model = factory(**kwargs)
         except Exception as exc:
             shown = f" with {json.dumps(kwargs)}" if kwargs else ""
-            raise BnauditError(f"--arch {arch}: calling it{shown} failed: {_one_line(exc)}") from None
+            raise BnauditError(f"--arch {arch}: calling it{shown} failed: {one_line(exc)}") from None
         except SystemExit as exc:
             raise BnauditError(f"--arch {arch}: {exit_message(exc, 'calling it')}") from None
     if not isinstance(model, torch.nn.Module):
         raise BnauditError(f"--arch {arch} returned {type(model).__name__}, not a torch.nn.Module")
     return model
-
-
-# ----------------------------------------------------------------------------- matching
 
 
 def _shape(value: Any) -> tuple[int, ...]:
@@ -303,9 +277,6 @@ def load_state(model: Any, ckpt: Checkpoint) -> None:
     model.load_state_dict(state, strict=False)
 
 
-# ----------------------------------------------------------------------------- loading
-
-
 def load_runnable(
     checkpoint_path: str,
     arch: str | None = None,
@@ -342,7 +313,7 @@ def _load_torchscript(path: str, key: str | None) -> RunnableModel:
     try:
         module = torch.jit.load(path, map_location="cpu")
     except Exception as exc:
-        raise BnauditError(f"{path}: cannot load TorchScript archive: {_one_line(exc)}") from None
+        raise BnauditError(f"{path}: cannot load TorchScript archive: {one_line(exc)}") from None
     module.eval()
     return RunnableModel(module, ckpt, facts_from_module_infos(ckpt.modules), "torchscript")
 
@@ -377,9 +348,6 @@ def _load_pickled_module(path: str, fmt: str, key: str | None, trust_pickle: boo
     )
     module.eval()
     return RunnableModel(module, ckpt, facts, "pickle")
-
-
-# ----------------------------------------------------------------------------- running
 
 
 def resolve_device(name: str | None) -> Any:
@@ -463,77 +431,3 @@ def output_tensor(output: Any) -> Any:
         f"the model returned {type(output).__name__}, which holds no tensor; pass --forward MODULE:CALLABLE "
         "returning the logits"
     )
-
-
-_NORM_SCRIPT_NAMES = re.compile(r"(BatchNorm|InstanceNorm)\w*$")
-
-
-def norm_modules(model: Any) -> dict[str, Any]:
-    """Name -> module of every module that normalises with running or batch statistics
-    (torch's _NormBase: BatchNorm*, SyncBatchNorm, InstanceNorm*), in registration order;
-    in a TorchScript module, those whose original class has such a name."""
-    from torch.nn.modules.batchnorm import _NormBase
-
-    found = {}
-    for name, module in model.named_modules():
-        if isinstance(module, _NormBase):
-            found[name] = module
-        elif _is_script(module) and _NORM_SCRIPT_NAMES.match(getattr(module, "original_name", "")):
-            found[name] = module
-    return found
-
-
-def _is_script(module: Any) -> bool:
-    import torch
-
-    return isinstance(module, torch.jit.ScriptModule)
-
-
-@contextlib.contextmanager
-def eval_mode(model: Any) -> Iterator[Any]:
-    """Every module in eval mode; the previous modes restored on exit."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield model
-    finally:
-        for m, training in modes:
-            m.training = training
-
-
-@contextlib.contextmanager
-def batch_stats_mode(model: Any, norms: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
-    """BN layers normalise by batch statistics (training mode), everything else eval.
-
-    Dropout and other mode-dependent modules stay in eval mode, so a difference to
-    eval mode is BatchNorm's alone. The training-mode forward updates running_mean,
-    running_var and num_batches_tracked; they are snapshot on entry and copied back on
-    exit (also on error), so the model's buffers are bit-identical afterwards, and so
-    are all modules' modes. Yields the norm modules.
-    """
-    import torch
-
-    norms = norm_modules(model) if norms is None else norms
-    modes = [(m, m.training) for m in model.modules()]
-    saved = [
-        (buf, buf.detach().clone())
-        for m in norms.values()
-        for buf in (getattr(m, n, None) for n in ("running_mean", "running_var", "num_batches_tracked"))
-        if isinstance(buf, torch.Tensor)
-    ]
-    model.eval()
-    for m in norms.values():
-        m.train()
-    try:
-        yield norms
-    finally:
-        with torch.no_grad():
-            for buf, copy in saved:
-                buf.copy_(copy)
-        for m, training in modes:
-            m.training = training
-
-
-def _one_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__

@@ -1,0 +1,106 @@
+"""TODO docstring. From: report"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bnaudit.audit.layers import BNLayer
+from bnaudit.audit.rules import Finding, eval_gain, near_eps_channels
+from bnaudit.config import SEVERITIES, Config, severity_rank
+
+
+@dataclass(frozen=True)
+class LayerSummary:
+    name: str
+    kind: str
+    num_features: int
+    num_batches_tracked: int | None
+    eps: float
+    momentum: float | None
+    stats_dtype: str
+    mean_min: float | None
+    mean_max: float | None
+    var_min: float | None
+    var_median: float | None
+    var_max: float | None
+    near_eps_channels: int
+    max_eval_gain: float | None
+
+    @classmethod
+    def of(cls, layer: BNLayer, near_eps_factor: float) -> LayerSummary:
+        mean, var, gains = map(_numbers, (layer.running_mean, layer.running_var, eval_gain(layer)))
+        ordered = sorted(var)
+        return cls(
+            name=layer.name,
+            kind=layer.kind,
+            num_features=layer.num_features,
+            num_batches_tracked=layer.num_batches_tracked,
+            eps=layer.eps,
+            momentum=layer.momentum,
+            stats_dtype=layer.stats_dtype,
+            mean_min=min(mean, default=None),
+            mean_max=max(mean, default=None),
+            var_min=ordered[0] if ordered else None,
+            var_median=_median(ordered) if ordered else None,
+            var_max=ordered[-1] if ordered else None,
+            near_eps_channels=len(near_eps_channels(layer, near_eps_factor)),
+            max_eval_gain=max(gains, default=None),
+        )
+
+
+def _numbers(values: list[float]) -> list[float]:
+    """The values without NaN (one C-speed sum tells whether there is any)."""
+    total = sum(values)
+    return values if total == total else [v for v in values if v == v]  # v != v: NaN
+
+
+def _median(ordered: list[float]) -> float:
+    """The middle value of sorted values, or the mean of the two middle ones (as numpy.median)."""
+    half = len(ordered) // 2
+    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+
+
+@dataclass
+class FileReport:
+    path: str
+    format: str | None = None
+    key: str | None = None
+    other_keys: list[str] = field(default_factory=list)
+    prefix: str = ""
+    is_ema: bool = False
+    settings: str = ""
+    provenance: str = ""
+    layers: list[LayerSummary] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    error: str | None = None
+
+    def layer_status(self, name: str) -> str:
+        severities = [f.severity for f in self.findings if f.layer == name]
+        return max(severities, key=severity_rank) if severities else "ok"
+
+
+@dataclass
+class InspectReport:
+    files: list[FileReport]
+    config: Config
+
+    @property
+    def findings(self) -> list[Finding]:
+        return [f for file in self.files for f in file.findings]
+
+    def summary(self) -> dict[str, int]:
+        counts = {s: sum(1 for f in self.findings if f.severity == s) for s in SEVERITIES}
+        return {
+            "files": len(self.files),
+            "layers": sum(len(f.layers) for f in self.files),
+            "errors": counts["error"],
+            "warnings": counts["warning"],
+            "infos": counts["info"],
+            "unreadable": sum(1 for f in self.files if f.error),
+        }
+
+    def exit_code(self, fail_on: str | None = None) -> int:
+        """2 if a file could not be read, 1 if a finding is at or above fail_on, else 0."""
+        if any(f.error for f in self.files):
+            return 2
+        threshold = severity_rank(fail_on or self.config.fail_on)
+        return 1 if any(severity_rank(f.severity) >= threshold for f in self.findings) else 0

@@ -1,0 +1,195 @@
+"""TODO docstring. From: checkpoint"""
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from typing import Any
+
+from bnaudit.errors import BnauditError
+from bnaudit.text import first_line
+
+# Plain-data globals that real checkpoints carry (torchvision/timm `args`, numpy
+# scalars and arrays). Each only rebuilds data; none calls anything it is handed.
+_PLAIN_GLOBALS = {
+    "argparse.Namespace",
+    "numpy.dtype",
+    "numpy.ndarray",
+    "numpy.core.multiarray.scalar",
+    "numpy._core.multiarray.scalar",
+    "numpy.core.multiarray._reconstruct",
+    "numpy._core.multiarray._reconstruct",
+    "builtins.set",
+    "builtins.frozenset",
+    "torch.torch_version.TorchVersion",
+}
+
+
+_NUMPY_DTYPE_RE = re.compile(r"^numpy\.dtypes\.\w+DType$")
+
+
+_NN_MODULE_PREFIXES = ("torch.nn.modules.", "torch.ao.nn.", "torch.nn.intrinsic.", "torch.nn.quantized.")
+
+
+def _resolve(name: str) -> Any:
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def allowed_global(name: str) -> Any | None:
+    """The object for an allow-listed global name, or None if it is not allowed.
+
+    torch.nn module classes are allowed (unpickling one only restores attributes);
+    they are imported from torch itself, never from the file.
+    """
+    if name in _PLAIN_GLOBALS or _NUMPY_DTYPE_RE.match(name):
+        try:
+            return _resolve(name)
+        except (ImportError, AttributeError):
+            return None
+    if name.startswith(_NN_MODULE_PREFIXES):
+        import torch
+
+        try:
+            obj = _resolve(name)
+        except (ImportError, AttributeError, ValueError):
+            return None
+        if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
+            return obj
+    return None
+
+
+def unsafe_globals_error(path: str, unsafe: list[str], hint: str = "") -> BnauditError:
+    shown = ", ".join(unsafe[:8]) + (f" and {len(unsafe) - 8} more" if len(unsafe) > 8 else "")
+    return BnauditError(
+        f"{path}: refused to unpickle: it needs globals that could run code ({shown}); "
+        "if you trust this file, pass --trust-pickle; safer still, save a state dict "
+        "or a .safetensors file" + (f"; {hint}" if hint else "")
+    )
+
+
+def _plain_allowlist(numpy_names: bool) -> list[Any]:
+    """The allowed objects of _PLAIN_GLOBALS, numpy's or the others: numpy is imported
+    only for a file that names it (it costs start-up time in every other run)."""
+    names = sorted(n for n in _PLAIN_GLOBALS if n.startswith("numpy.") == numpy_names)
+    allowed = [o for o in map(allowed_global, names) if o is not None]
+    if numpy_names and "numpy" in sys.modules:
+        # numpy.dtype's reduce rebuilds through these classes without naming them as globals
+        dtypes = getattr(sys.modules["numpy"], "dtypes", None)
+        if dtypes is not None:
+            allowed += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")]
+    return allowed
+
+
+def _names_numpy(names: list[str]) -> bool:
+    return any(n.startswith("numpy.") for n in names)
+
+
+_MISSING_GLOBAL_RES = (re.compile(r"GLOBAL ([\w.]+)"), re.compile(r"got <class '([\w.]+)'>"))
+
+
+def load_torch_object(path: str, trust_pickle: bool = False, mmap: bool = True, hint: str = "") -> Any:
+    """`torch.load` a torch.save file without running pickled code.
+
+    Only allow-listed globals are accepted; anything else is refused with the list of
+    globals the file would need. `trust_pickle=True` is the user's explicit opt-out.
+    `mmap` is True for the zip format and False for a legacy file (as sniffed), whose
+    storage claims are checked against the file size first. `hint` ends a refusal with
+    the caller's advice.
+    """
+    legacy = not mmap
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        # torch's C++ reader takes UTF-8 paths only; a file name that is not (bytes
+        # kept by surrogateescape) is read through an open file object, without mmap.
+        with open(path, "rb") as handle:
+            return _load_torch_object(path, handle, trust_pickle, mmap=False, legacy=legacy, hint=hint)
+    return _load_torch_object(path, path, trust_pickle, mmap, legacy, hint)
+
+
+def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, legacy: bool, hint: str = "") -> Any:
+    import pickle
+
+    import torch
+
+    def rewound() -> Any:
+        if not isinstance(source, str):
+            source.seek(0)
+        return source
+
+    if trust_pickle:
+        try:
+            return torch.load(rewound(), map_location="cpu", weights_only=False)
+        except Exception as exc:
+            raise BnauditError(f"{path}: cannot load: {first_line(exc)}") from exc
+    allowed = _plain_allowlist(numpy_names=False)
+    with_numpy = False
+    if legacy:
+        from bnaudit.formats.legacy import check_legacy_claims
+
+        check_legacy_claims(path)
+    else:
+        try:
+            needed = torch.serialization.get_unsafe_globals_in_checkpoint(rewound())
+        except Exception as exc:
+            raise BnauditError(f"{path}: damaged torch.save archive ({first_line(exc)})") from exc
+        unsafe = [n for n in needed if allowed_global(n) is None]
+        if unsafe:
+            raise unsafe_globals_error(path, unsafe, hint)
+        allowed += [allowed_global(n) for n in needed]
+        if _names_numpy(needed):
+            allowed, with_numpy = allowed + _plain_allowlist(numpy_names=True), True
+    # A legacy pickle cannot be scanned up front (and a zip one may name classes only
+    # while it is built): load, and let each refused global either join the allow
+    # list (an allow-listed name) or end the attempt with a refusal.
+    for _ in range(64):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(rewound(), map_location="cpu", weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError as exc:
+            text = str(exc)
+            if "persistent_load" in text:
+                # torch < 1.6 pickled a whole model with its classes' source code:
+                # rebuilding it means running the file's pickle without limits.
+                raise BnauditError(
+                    f"{path}: a legacy (pre-1.6) whole-model pickle cannot be read without running "
+                    "its code; if you trust this file, pass --trust-pickle; safer still, save a "
+                    "state dict or a .safetensors file"
+                ) from None
+            missing = [m if "." in m else f"builtins.{m}" for rx in _MISSING_GLOBAL_RES for m in rx.findall(text)]
+            if not missing:
+                raise BnauditError(f"{path}: cannot unpickle safely ({_unpickling_reason(text)})") from None
+            extra = [allowed_global(n) for n in missing]
+            refused = [n for n, o in zip(missing, extra) if o is None or o in allowed]
+            if refused:
+                raise unsafe_globals_error(path, refused, hint) from None
+            allowed += extra
+            if _names_numpy(missing) and not with_numpy:
+                allowed, with_numpy = allowed + _plain_allowlist(numpy_names=True), True
+        except BnauditError:
+            raise
+        except Exception as exc:
+            raise BnauditError(f"{path}: not a readable torch.save file ({first_line(exc)})") from None
+    raise BnauditError(f"{path}: needs too many distinct classes to unpickle safely")
+
+
+def torch_weights_only_globals() -> set[str]:
+    """What torch.load(weights_only=True) rebuilds by itself (tensors, OrderedDict, ...)."""
+    try:
+        from torch._weights_only_unpickler import _get_allowed_globals
+
+        return set(_get_allowed_globals())
+    except Exception:  # a private API: without it, every name is listed
+        return set()
+
+
+def _unpickling_reason(text: str) -> str:
+    """The informative line of torch's long weights_only message."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in text.splitlines()]
+    for i, line in enumerate(lines):
+        if "WeightsUnpickler error" in line:
+            rest = line.split("WeightsUnpickler error:", 1)[-1].strip()
+            following = [x for x in lines[i + 1:] if x]
+            return rest or (following[0] if following else line)
+    return next((x for x in lines if x), "unknown reason")

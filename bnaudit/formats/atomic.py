@@ -1,0 +1,168 @@
+"""TODO docstring. From: checkpoint"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from bnaudit.errors import BnauditError
+
+_AT_FDCWD, _AT_EMPTY_PATH = -100, 0x1000
+
+
+def check_output(output: str, source: str | None = None, force: bool = False) -> None:
+    """Refuse, before any work, an output that is the input, a folder, in a missing
+    or read-only folder, or that exists (without `force`)."""
+    if not output:
+        raise BnauditError("the output path is empty")
+    directory = os.path.dirname(os.path.abspath(output))
+    if source is not None and os.path.exists(output) and os.path.exists(source) and os.path.samefile(output, source):
+        raise BnauditError(f"{output}: is the input checkpoint; write the new one to another file")
+    if os.path.isdir(output):
+        raise BnauditError(f"{output}: is a directory")
+    if not os.path.isdir(directory):
+        raise BnauditError(f"{output}: folder {directory} does not exist")
+    # access() also answers EROFS for root on a read-only mount: fail before the work,
+    # not after it (atomic_write still reports a refusal that comes later).
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise BnauditError(f"{output}: folder {directory} is not writable")
+    if os.path.lexists(output) and not force:
+        raise BnauditError(f"{output}: already exists (pass --force to overwrite)")
+
+
+def atomic_write(output: str, write: Callable[[Any], None], force: bool = False) -> None:
+    """Create `output` from `write(fileobj)` all at once, or not at all.
+
+    The bytes go to an unnamed file (O_TMPFILE) in the target folder, are flushed and
+    fsynced, and only then get a name: linked to `output` directly (which fails if
+    it exists: no race with another writer), or, with `force`, linked to a
+    temporary name and renamed over `output`. A crash, Ctrl-C or kill at any point
+    before leaves no file behind. Where O_TMPFILE is unavailable a hidden temporary
+    file `.NAME.bnaudit-PID.tmp` is used and removed on any error or Ctrl-C.
+    """
+    output = os.fspath(output)
+    check_output(output, force=force)
+    directory = os.path.dirname(os.path.abspath(output))
+    base = os.path.basename(output)
+    try:
+        fd = _open_unnamed(directory)
+        if fd is not None:
+            with os.fdopen(fd, "w+b") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+                if not _name_unnamed(f.fileno(), output, directory, base, force):
+                    # no way to give the unnamed file a name here: copy it into a named one
+                    f.seek(0)
+                    _write_named(output, directory, base, force, lambda g: _copy_file(f, g))
+        else:
+            _write_named(output, directory, base, force, write)
+        _fsync_dir(directory)
+    except FileExistsError:
+        raise BnauditError(f"{output}: already exists (pass --force to overwrite)") from None
+    except OSError as exc:
+        raise BnauditError(f"cannot write {output}: {exc.strerror or exc}") from None
+
+
+def _copy_file(src: Any, dst: Any) -> None:
+    import shutil
+
+    shutil.copyfileobj(src, dst, 16 * 1024 * 1024)
+
+
+def _open_unnamed(directory: str) -> int | None:
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None:
+        return None
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        return os.open(directory, flag | os.O_RDWR, 0o666 & ~umask)
+    except OSError as exc:
+        import errno
+
+        if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+            return None  # the filesystem does not support it
+        raise
+
+
+def _link_fd(fd: int, target: str) -> bool:
+    """Give the unnamed file `fd` the name `target`; FileExistsError if it exists,
+    False if this system offers no way to do it."""
+    import ctypes
+    import errno
+
+    try:
+        os.link(f"/proc/self/fd/{fd}", target, follow_symlinks=True)
+        return True
+    except FileExistsError:
+        raise
+    except OSError:
+        pass  # e.g. EXDEV where /proc is not the host's: try linkat(AT_EMPTY_PATH)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        result = libc.linkat(fd, b"", _AT_FDCWD, os.fsencode(target), _AT_EMPTY_PATH)
+    except (OSError, AttributeError):
+        return False
+    if result == 0:
+        return True
+    if ctypes.get_errno() == errno.EEXIST:
+        raise FileExistsError(errno.EEXIST, "File exists", target)
+    return False
+
+
+def _name_unnamed(fd: int, output: str, directory: str, base: str, force: bool) -> bool:
+    if not force:
+        return _link_fd(fd, output)
+    temp = os.path.join(directory, f".{base}.bnaudit-{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    if not _link_fd(fd, temp):
+        return False
+    try:
+        os.replace(temp, output)
+    except BaseException:
+        _unlink_quietly(temp)
+        raise
+    return True
+
+
+def _write_named(output: str, directory: str, base: str, force: bool, write: Callable[[Any], None]) -> None:
+    import tempfile
+
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{base}.bnaudit-{os.getpid()}-", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temp, 0o666 & ~umask)
+        with os.fdopen(fd, "w+b") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if force:
+            os.replace(temp, output)
+        else:
+            os.link(temp, output)  # fails if output appeared meanwhile
+            os.unlink(temp)
+    except BaseException:
+        _unlink_quietly(temp)
+        raise
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make the new name itself durable (POSIX: fsync the folder)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,192 @@
+"""TODO docstring. From: checkpoint"""
+from __future__ import annotations
+
+import numbers
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from bnaudit.errors import BnauditError
+from bnaudit.formats.model import Checkpoint, ModuleInfo, torch_ref
+from bnaudit.text import first_line
+
+
+def checkpoint_from_object(path: str, fmt: str, obj: Any, key: str | None) -> Checkpoint:
+    """Find the state dict inside a loaded container and wrap it as a `Checkpoint`."""
+    candidates = find_state_dicts(obj)
+    if not candidates:
+        raise BnauditError(f"{path}: holds no state dict (no mapping of names to tensors)")
+    chosen = choose_state_dict(path, candidates, key)
+    return strip_wrapper_prefix(wrap_candidate(path, fmt, candidates, chosen))
+
+
+def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str) -> Checkpoint:
+    """A `Checkpoint` of `candidates[chosen]` (a state dict or an nn.Module, whose
+    module settings are kept), names as they are; the other candidates are listed."""
+    source = candidates[chosen]
+    modules: dict[str, ModuleInfo] = {}
+    if _is_module(source):
+        try:
+            modules = module_infos(source)
+            source = source.state_dict()
+        except Exception as exc:  # attributes come from the file: a forged module breaks here
+            raise BnauditError(f"{path}: malformed pickled module ({first_line(exc)})") from None
+    tensors = {name: torch_ref(name, t) for name, t in source.items() if isinstance(name, str) and _is_tensor(t)}
+    return Checkpoint(
+        path,
+        fmt,
+        tensors,
+        key=None if chosen == "" else chosen,
+        other_keys=[k for k in candidates if k != chosen],
+        is_ema=_is_ema_key(chosen),
+        modules=modules,
+        holds_module=bool(modules) or _is_module(candidates[chosen]),
+    )
+
+
+# Subtrees that hold tensors but never the model's state dict.
+_SKIP_KEYS = {
+    "optimizer", "optimizers", "optimizer_states", "optimizer_state_dict", "optim",
+    "opt", "lr_scheduler", "lr_schedulers", "scheduler", "schedulers", "scaler",
+    "grad_scaler", "amp", "loops", "callbacks", "message_hub", "rng_state",
+}
+
+
+# Known state-dict keys, most likely first (torchvision, timm, Lightning, DeepSpeed, pycls, ...).
+_PREFERRED_KEYS = ("state_dict", "model", "model_state_dict", "module", "net", "model_state", "params")
+
+
+_EMA_RE = re.compile(r"(^|[_/])ema($|[_/])|_ema$|^ema_", re.IGNORECASE)
+
+
+def _is_ema_key(key: str) -> bool:
+    return bool(key) and bool(_EMA_RE.search(key))
+
+
+def _is_tensor(value: Any) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "dtype") and hasattr(value, "shape")
+
+
+def _is_module(value: Any) -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+    return isinstance(value, torch.nn.Module)
+
+
+def _is_tensor_mapping(value: Any) -> bool:
+    if not isinstance(value, Mapping) or not value:
+        return False
+    if not all(isinstance(k, str) for k in value):
+        return False
+    n_tensors = sum(1 for v in value.values() if _is_tensor(v))
+    return n_tensors > 0 and n_tensors * 2 >= len(value)
+
+
+def find_state_dicts(obj: Any, max_depth: int = 4) -> dict[str, Any]:
+    """Every state dict (or nn.Module) in a container, keyed by '/'-joined path.
+
+    The root itself has path "". Optimizer, scheduler and similar subtrees are
+    skipped; a state dict's own entries are not searched further.
+    """
+    found: dict[str, Any] = {}
+
+    def walk(value: Any, path: str, depth: int) -> None:
+        if _is_module(value) or _is_tensor_mapping(value):
+            found[path] = value
+            return
+        if depth >= max_depth or not isinstance(value, Mapping):
+            return
+        for k, v in value.items():
+            if not isinstance(k, str) or k.lower() in _SKIP_KEYS:
+                continue
+            walk(v, f"{path}/{k}" if path else k, depth + 1)
+
+    walk(obj, "", 0)
+    return found
+
+
+def choose_state_dict(path: str, candidates: dict[str, Any], key: str | None) -> str:
+    if key is not None:
+        if key in candidates:
+            return key
+        listed = ", ".join(repr(k) for k in candidates if k) or "only the root"
+        raise BnauditError(f"{path}: no state dict under key '{key}' (found: {listed})")
+    if "" in candidates:
+        return ""
+    non_ema = [k for k in candidates if not _is_ema_key(k)] or list(candidates)
+
+    def rank(k: str) -> tuple[int, int, int]:
+        parts = k.split("/")
+        known = min((_PREFERRED_KEYS.index(p) for p in parts if p in _PREFERRED_KEYS), default=99)
+        return (known, len(parts), -len(candidates[k]) if isinstance(candidates[k], Mapping) else 0)
+
+    return min(non_ema, key=rank)
+
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.")
+
+
+def strip_wrapper_prefix(ckpt: Checkpoint) -> Checkpoint:
+    """Strip DDP / torch.compile / Lightning prefixes, only when every key has one."""
+    stripped = ""
+    names = list(ckpt.tensors)
+    changed = True
+    # Bounded: real files nest at most a few wrappers, and a forged name of
+    # thousands of "module." would otherwise cost quadratic time.
+    for _ in range(8):
+        if not (names and changed):
+            break
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            if all(n.startswith(prefix) for n in names):
+                names = [n[len(prefix):] for n in names]
+                stripped += prefix
+                changed = True
+                break
+    if stripped:
+        cut = len(stripped)
+        ckpt.tensors = {
+            name[cut:]: ref.renamed(name[cut:])
+            for name, ref in ckpt.tensors.items()
+        }
+        ckpt.modules = {
+            name[cut:] if name.startswith(stripped) else name: info
+            for name, info in ckpt.modules.items()
+        }
+        ckpt.prefix = stripped
+    return ckpt
+
+
+def module_infos(model: Any) -> dict[str, ModuleInfo]:
+    """eps / momentum / tracking of every normalisation module of an nn.Module."""
+    infos: dict[str, ModuleInfo] = {}
+    for name, mod in model.named_modules():
+        if hasattr(mod, "running_mean") or hasattr(mod, "track_running_stats"):
+            momentum = getattr(mod, "momentum", None)
+            tracking = getattr(mod, "track_running_stats", None)
+            infos[name] = ModuleInfo(
+                class_name=type(mod).__name__,
+                eps=real_or_none(getattr(mod, "eps", None)),
+                momentum=real_or_none(momentum),
+                track_running_stats=tracking if isinstance(tracking, bool) else None,
+                # a momentum that is neither a number nor None (cumulative) says nothing
+                momentum_known=hasattr(mod, "momentum") and (momentum is None or real_or_none(momentum) is not None),
+            )
+    return infos
+
+
+def real_or_none(value: Any) -> float | None:
+    """A module attribute as a float if it is a real number (not bool), else None.
+
+    The attributes of an unpickled or scripted module come from the file, so a
+    string, a tensor or a numpy scalar can stand where a float belongs.
+    """
+    # numbers.Real: numpy registers its scalar types there, so they pass without importing numpy
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except (OverflowError, ValueError):
+        return None

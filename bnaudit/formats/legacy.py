@@ -1,0 +1,150 @@
+"""TODO docstring. From: unpickle"""
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+from bnaudit.errors import BnauditError
+from bnaudit.formats.allowlist import (
+    allowed_global,
+    torch_weights_only_globals,
+    unsafe_globals_error,
+)
+from bnaudit.formats.model import (
+    STORAGE_DTYPES,
+    STORAGE_ITEMSIZE,
+)
+from bnaudit.text import first_line
+
+# torch.serialization.MAGIC_NUMBER: the first pickle of every legacy torch.save file.
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+
+
+class _Inert:
+    """Stands for every class a scanned pickle names: takes anything, does nothing."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Inert:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, item: Any) -> None:
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    dtype: str
+
+
+class _StrictReader:
+    """A file as a pickle reads it; asking for bytes past the end is a forged length.
+
+    pickle trusts the lengths in its opcodes and asks for that many bytes at once,
+    so a 2^32-byte string claimed by a tiny file would be allocated before the
+    short read is noticed.
+    """
+
+    def __init__(self, file: Any, size: int) -> None:
+        self.file, self.size = file, size
+
+    def read(self, n: int = -1) -> bytes:
+        remaining = self.size - self.file.tell()
+        if n is None or n < 0:
+            n = remaining
+        if n > remaining:
+            raise pickle.UnpicklingError(f"a record claims {n} bytes, only {remaining} remain")
+        return self.file.read(n)
+
+    def readinto(self, buffer: Any) -> int:
+        if len(buffer) > self.size - self.file.tell():
+            raise pickle.UnpicklingError("a record runs past the end of the file")
+        return self.file.readinto(buffer)
+
+    def readline(self) -> bytes:
+        return self.file.readline()
+
+
+class _LegacyScanner(pickle._Unpickler):  # the pure-Python unpickler: its memo is a dict
+    """Walks a legacy torch.save pickle with inert classes to collect its storage claims.
+
+    Nothing named in the file is imported or called: every global becomes `_Inert`
+    and every storage becomes a record of (key, bytes claimed).
+    """
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self.claims: dict[str, int] = {}
+        self.globals: list[str] = []  # every global named, in order: a refusal names them
+
+    def find_class(self, module: str, name: str) -> Any:
+        self.globals.append(f"{module}.{name}")
+        if module == "torch" and name in STORAGE_DTYPES:
+            return _StorageType(STORAGE_DTYPES[name])
+        return _Inert
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
+            storage_type, key, numel = pid[1], pid[2], pid[4]
+            itemsize = STORAGE_ITEMSIZE.get(getattr(storage_type, "dtype", ""), 1)
+            if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
+                raise pickle.UnpicklingError(f"storage {key!r} has an invalid size {numel!r}")
+            self.claims[str(key)] = max(self.claims.get(str(key), 0), numel * itemsize)
+        return _Inert  # also stands for a class a ('module', ...) id names
+
+
+def check_legacy_claims(path: str) -> None:
+    """Refuse a legacy torch.save file whose storages claim more bytes than it holds.
+
+    torch's legacy loader allocates each storage at the size the pickle claims
+    before it reads the data, so the claims are checked against the file first:
+    the storages' bytes (plus an 8-byte length each) must fit after the pickles.
+    """
+    import tarfile
+
+    if tarfile.is_tarfile(path):  # torch < 0.4 tar format: read by a loader that trusts its sizes
+        raise BnauditError(f"{path}: tar-format torch.save file (PyTorch < 0.4) is not supported")
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            reader = _StrictReader(f, size)
+            # Every pickle of the file goes through the scanner, the first one too:
+            # a plain pickle (not torch.save) puts its payload right there.
+            first = _LegacyScanner(reader)
+            if first.load() != _LEGACY_MAGIC:
+                unsafe = list(dict.fromkeys(n for n in first.globals
+                                            if allowed_global(n) is None and n not in torch_weights_only_globals()))
+                if unsafe:  # say what it would have run, and what to do instead
+                    refusal = str(unsafe_globals_error(path, unsafe)).removeprefix(f"{path}: ")
+                    raise BnauditError(f"{path}: a pickle, but not one written by torch.save; {refusal}")
+                raise BnauditError(f"{path}: a pickle, but not one written by torch.save")
+            for _ in range(2):  # protocol version, sys info
+                _LegacyScanner(reader).load()
+            scanner = _LegacyScanner(reader)
+            scanner.load()
+            keys = _LegacyScanner(reader).load()
+            data_size = size - f.tell()
+    except BnauditError:
+        raise
+    except Exception as exc:  # any parse failure of forged bytes
+        raise BnauditError(f"{path}: damaged torch.save file ({first_line(exc)})") from None
+    if not isinstance(keys, list):
+        raise BnauditError(f"{path}: damaged torch.save file (no storage list)")
+    claimed = sum(scanner.claims.values()) + 8 * len(scanner.claims)
+    if claimed > data_size:
+        raise BnauditError(
+            f"{path}: storages claim {claimed} bytes but only {data_size} follow the header: "
+            "truncated or forged file"
+        )

@@ -1,0 +1,187 @@
+"""TODO docstring. From: checkpoint, unpickle"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import sys
+from array import array
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from bnaudit.errors import BnauditError
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor that is read only when `read()` or `to_torch()` is called.
+
+    `dtype` is the torch-style name (`float32`, `bfloat16`, `int64`, ...) of the
+    stored type. `read()` returns the values as a flat row-major list of Python
+    numbers (floats exact: every stored float type widens exactly to a double), so
+    that inspecting a safetensors file needs neither torch nor numpy.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    _reader: Callable[[], list] = field(repr=False, compare=False)
+    # Builds the torch tensor directly (whole weights for --arch): None means from read().
+    _torch: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def is_floating(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat"))
+
+    @property
+    def is_integer(self) -> bool:
+        return self.dtype.startswith(("int", "uint"))
+
+    def read(self) -> list:
+        return self._guarded(self._reader)
+
+    def to_torch(self) -> Any:
+        """The tensor with its stored dtype and shape; writing to it never reaches the file."""
+        if self._torch is not None:
+            return self._guarded(self._torch)
+        import torch
+
+        values = self.read()
+        return torch.tensor(values, dtype=getattr(torch, self.dtype)).reshape(self.shape)
+
+    def renamed(self, name: str) -> TensorRef:
+        return dataclasses.replace(self, name=name)
+
+    def _guarded(self, reader: Callable[[], Any]) -> Any:
+        try:
+            return reader()
+        except BnauditError:
+            raise
+        except Exception as exc:  # a torn file or exotic storage: say which tensor
+            raise BnauditError(f"cannot read tensor '{self.name}': {exc}") from exc
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """What a pickled or scripted module says about one normalisation layer."""
+
+    class_name: str
+    eps: float | None
+    momentum: float | None  # None: cumulative average (momentum=None)
+    track_running_stats: bool | None = None
+    momentum_known: bool = True
+
+
+@dataclass
+class Checkpoint:
+    path: str
+    format: str
+    tensors: dict[str, TensorRef]
+    key: str | None = None
+    other_keys: list[str] = field(default_factory=list)
+    prefix: str = ""
+    is_ema: bool = False
+    modules: dict[str, ModuleInfo] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    holds_module: bool = False
+
+
+def recalibration_record(metadata: Mapping[str, str]) -> dict[str, Any] | None:
+    """The `bnaudit` provenance entry `recalibrate` writes into safetensors metadata,
+    or None. Metadata is untrusted: anything but a JSON object is ignored."""
+    raw = metadata.get("bnaudit")
+    if not isinstance(raw, str) or len(raw) > 10_000_000:
+        return None
+    try:
+        record = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def torch_ref(name: str, tensor: Any) -> TensorRef:
+    dtype = str(tensor.dtype).removeprefix("torch.")
+
+    def read() -> list:
+        return tensor.detach().reshape(-1).tolist()  # Python floats: exact for every float dtype
+
+    # torch.load(mmap=True) maps the file privately: a write to the tensor stays in memory
+    return TensorRef(name, tuple(int(s) for s in tensor.shape), dtype, read, tensor.detach)
+
+
+def file_slice_ref(path: str, name: str, offset: int, length: int, dtype: str, shape: tuple[int, ...]) -> TensorRef:
+    def raw() -> bytearray:
+        data = bytearray(length)  # ours and writable: torch.frombuffer can share it, no copy
+        if length:
+            with open(path, "rb", buffering=0) as f:
+                read_into(f, offset, memoryview(data), path)
+        return data
+
+    def to_torch() -> Any:
+        import torch
+
+        if length == 0:
+            return torch.empty(shape, dtype=getattr(torch, dtype))
+        return torch.frombuffer(raw(), dtype=getattr(torch, dtype)).reshape(shape)
+
+    return TensorRef(name, shape, dtype, lambda: decode_values(raw(), dtype), to_torch)
+
+
+def read_into(f: Any, offset: int, target: memoryview, path: str) -> None:
+    """Fill `target` with the bytes of the unbuffered file `f` at `offset`: a single read
+    returns at most about 2 GiB, so loop; the file ending first is a truncated tensor."""
+    f.seek(offset)
+    while len(target):
+        n = f.readinto(target)
+        if not n:
+            raise BnauditError(f"{path}: truncated tensor data")
+        target = target[n:]
+
+
+def _typecode(codes: str, size: int) -> str:
+    """The array typecode of that item size: C's int widths are the platform's."""
+    return next(c for c in codes if array(c).itemsize == size)
+
+
+_ARRAY_CODES = {
+    "float64": "d", "float32": "f",
+    **{f"int{8 * n}": _typecode("bhilq", n) for n in (1, 2, 4, 8)},
+    **{f"uint{8 * n}": _typecode("BHILQ", n) for n in (1, 2, 4, 8)},
+}
+
+
+def decode_values(raw: bytes | bytearray, dtype: str) -> list:
+    """Little-endian bytes of `dtype` -> flat list of Python numbers, exactly.
+
+    float16 through struct's IEEE half format; bfloat16 by placing its two bytes as
+    the high half of a float32 (which is what bfloat16 is).
+    """
+    if dtype == "bool":
+        return [b != 0 for b in raw]
+    if dtype == "float16":
+        return list(struct.unpack(f"<{len(raw) // 2}e", raw))
+    if dtype == "bfloat16":
+        widened = bytearray(2 * len(raw))
+        widened[2::4], widened[3::4] = raw[0::2], raw[1::2]
+        raw, dtype = bytes(widened), "float32"
+    code = _ARRAY_CODES.get(dtype)
+    if code is None:
+        raise BnauditError(f"{dtype} tensors cannot be decoded without torch")
+    values = array(code)
+    values.frombytes(raw)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()
+
+
+STORAGE_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
+                     "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+STORAGE_DTYPES = {
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+}

@@ -1,0 +1,31 @@
+"""TODO docstring. From: checkpoint"""
+from __future__ import annotations
+
+from bnaudit.errors import BnauditError
+from bnaudit.formats.allowlist import load_torch_object
+from bnaudit.formats.containers import checkpoint_from_object, strip_wrapper_prefix
+from bnaudit.formats.model import Checkpoint
+from bnaudit.formats.safetensors import read_safetensors
+from bnaudit.formats.sniff import sniff_format
+
+
+def read_checkpoint(
+    path: str, key: str | None = None, trust_pickle: bool = False
+) -> Checkpoint:
+    """Open `path` read-only and return its (chosen) state dict as lazy tensors."""
+    fmt = sniff_format(path)
+    if fmt == "safetensors":
+        tensors, metadata = read_safetensors(path)
+        if key is not None:
+            raise BnauditError(f"{path}: --key does not apply to safetensors files")
+        ckpt = Checkpoint(path, fmt, tensors, metadata=metadata)
+        return strip_wrapper_prefix(ckpt)
+    if fmt == "torchscript":
+        from bnaudit.formats.torchscript import read_torchscript
+
+        tensors, modules = read_torchscript(path)
+        if key is not None:
+            raise BnauditError(f"{path}: --key does not apply to TorchScript archives")
+        return Checkpoint(path, fmt, tensors, modules=modules, holds_module=True)
+    obj = load_torch_object(path, trust_pickle=trust_pickle, mmap=fmt == "torch-zip")
+    return checkpoint_from_object(path, fmt, obj, key)

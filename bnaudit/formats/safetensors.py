@@ -1,0 +1,75 @@
+"""TODO docstring. From: checkpoint"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from bnaudit.errors import BnauditError
+from bnaudit.formats.model import TensorRef, file_slice_ref
+from bnaudit.text import first_line
+
+# Header size above which a safetensors file is refused before reading the header:
+# real headers are kilobytes to a few megabytes; a hostile one claims petabytes.
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+
+
+_ST_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2), "I64": ("int64", 8), "I32": ("int32", 4),
+    "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1), "BOOL": ("bool", 1),
+    "U16": ("uint16", 2), "U32": ("uint32", 4), "U64": ("uint64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+}
+
+
+def read_safetensors(path: str) -> tuple[dict[str, TensorRef], dict[str, str]]:
+    """Validate a safetensors header and return lazy per-tensor readers.
+
+    Every claim of the header (header length, offsets, shapes, dtypes) is checked
+    against the file's real size before anything is allocated.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise BnauditError(f"{path}: truncated safetensors file")
+        n = int.from_bytes(head, "little")
+        if n > size - 8 or n > MAX_SAFETENSORS_HEADER:
+            raise BnauditError(
+                f"{path}: corrupt safetensors header (claims {n} bytes, file has {size})"
+            )
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, 5000-digit ints, deep nesting
+            raise BnauditError(f"{path}: corrupt safetensors header ({first_line(exc)})") from None
+    if not isinstance(header, dict):
+        raise BnauditError(f"{path}: corrupt safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise BnauditError(f"{path}: corrupt safetensors metadata (not a JSON object)")
+    data_start = 8 + n
+    data_size = size - data_start
+    tensors: dict[str, TensorRef] = {}
+    for name, info in header.items():
+        try:
+            st_dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise BnauditError(f"{path}: corrupt safetensors entry '{name}'") from None
+        if not isinstance(st_dtype, str) or st_dtype not in _ST_DTYPES:
+            raise BnauditError(f"{path}: tensor '{name}' has unknown dtype {str(st_dtype)[:40]!r}")
+        if not (isinstance(shape, list) and all(is_count(s) for s in shape)):
+            raise BnauditError(f"{path}: tensor '{name}' has an invalid shape {str(shape)[:80]}")
+        dtype, itemsize = _ST_DTYPES[st_dtype]
+        if not (is_count(begin) and is_count(end) and begin <= end <= data_size):
+            raise BnauditError(f"{path}: tensor '{name}' lies outside the file (offsets {begin}..{end})")
+        if math.prod(shape) * itemsize != end - begin:
+            raise BnauditError(f"{path}: tensor '{name}' has {end - begin} bytes for shape {shape}")
+        tensors[name] = file_slice_ref(path, name, data_start + begin, end - begin, dtype, tuple(shape))
+    return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+def is_count(value: Any) -> bool:
+    """A non-negative JSON integer (True and False are ints to Python, not here)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,0 +1,282 @@
+"""TODO docstring. From: docs, report"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from bnaudit.audit.report import FileReport, InspectReport
+from bnaudit.audit.rules import RULES
+from bnaudit.output.grid import SEVERITY_STYLE, layout_grid
+from bnaudit.text import printable
+
+
+def render_rules(console: Any) -> None:
+    """`bnaudit rules`: one row per rule."""
+    from rich.table import Table
+
+    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    table.add_column("code", no_wrap=True)
+    table.add_column("name", no_wrap=True)
+    table.add_column("severity", no_wrap=True)
+    table.add_column("fires when", overflow="fold")
+    for rule in RULES.values():
+        table.add_row(rule.code, rule.name, rule.severity, rule.summary)
+    console.print(table)
+    console.print(f"bnaudit rules CODE explains a rule ({len(RULES)} rules).")
+
+
+
+
+def _cell(text: str, style: str = "") -> Any:
+    """A table cell that shows `text` as is: plain strings would be parsed as rich markup."""
+    from rich.text import Text
+
+    return Text(printable(text), style=style)
+
+
+def _g(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3g}" if math.isfinite(x) else str(x)
+
+
+def _layer_table(file: FileReport, console: Any) -> Any:
+    """One row per layer, with the most columns that fit the terminal: numbers are
+    never folded across lines, the least telling columns go first."""
+    c = ("C", lambda s: str(s.num_features))
+    batches = ("batches", lambda s: "-" if s.num_batches_tracked is None else str(s.num_batches_tracked))
+    mean = ("mean range", lambda s: f"[{_g(s.mean_min)}, {_g(s.mean_max)}]")
+    var = ("var min / med / max", lambda s: f"{_g(s.var_min)} / {_g(s.var_median)} / {_g(s.var_max)}")
+    var_min = ("var min", lambda s: _g(s.var_min))
+    near = ("near-eps", lambda s: str(s.near_eps_channels))
+    gain = ("max gain", lambda s: _g(s.max_eval_gain))
+    layouts = ([c, batches, mean, var, near, gain], [c, batches, var, near, gain], [c, var_min, near, gain])
+    longest = max(len(s.name) for s in file.layers)
+    statuses = {s.name: file.layer_status(s.name) for s in file.layers}
+    for columns in layouts:
+        cells = [[cell(s) for s in file.layers] for _, cell in columns]
+        needed = min(longest, 24) + max(6, *map(len, statuses.values())) + 3 * (len(columns) + 1)
+        needed += sum(max(len(header), *map(len, col)) for (header, _), col in zip(columns, cells))
+        if needed <= console.width:
+            break
+    headers = ["layer", *(header for header, _ in columns), "status"]
+    rows = [[printable(s.name), *(printable(cell(s)) for _, cell in columns), statuses[s.name]] for s in file.layers]
+    grid = layout_grid(headers, rows, console, min(longest, 24))
+    if grid is not None:
+        return grid
+    from rich.table import (
+        Table,  # here: with its fractions and decimal, 5 ms of start-up
+    )
+    from rich.text import Text
+
+    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    table.add_column("layer", overflow="fold", min_width=min(longest, 24))
+    for header in headers[1:-1]:
+        table.add_column(header, justify="right", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    for row in rows:
+        # Text: "[inf, inf]" or a name from the file would otherwise parse as rich markup
+        table.add_row(*map(Text, row[:-1]), Text(row[-1], style=SEVERITY_STYLE[row[-1]]))
+    return table
+
+
+def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> None:
+    from rich.text import Text
+
+    for file in report.files:
+        if file.error:
+            console.print(_cell(f"{file.path}: error: {file.error}", style="bold red"), soft_wrap=True)
+            continue
+        if quiet:
+            continue
+        title = _cell(file.path, style="bold")
+        where = f"{file.format}" + (f", key '{file.key}'" if file.key else "")
+        if file.prefix:
+            where += f", prefix '{file.prefix}' stripped"
+        title.append(printable(f"  ({where})"), style="dim")
+        console.print(title)
+        if file.other_keys:
+            console.print(_cell(f"  other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))
+        if file.settings:
+            console.print(_cell(f"  {file.settings}", style="dim"))
+        if file.provenance:
+            console.print(_cell(f"  {file.provenance}", style="dim"))
+        if file.layers:
+            console.print(_layer_table(file, console))
+        else:
+            console.print(Text("  no BatchNorm layers found", style="dim"))
+        if file.findings:
+            from rich.table import Table
+
+            findings = Table(show_edge=False, pad_edge=False, header_style="bold")
+            for col in ("code", "severity", "layer", "message"):
+                findings.add_column(col, overflow="fold")
+            for f in file.findings:
+                findings.add_row(f"{f.code} {f.name}", Text(f.severity, style=SEVERITY_STYLE[f.severity]),
+                                 _cell(f.layer or "-"), _cell(f.message))
+            console.print(findings)
+        console.print()
+    s = report.summary()
+    line = (f"{s['files']} file(s), {s['layers']} BN layer(s): {s['errors']} error(s), "
+            f"{s['warnings']} warning(s), {s['infos']} info(s)")
+    if s["unreadable"]:
+        line += f", {s['unreadable']} unreadable file(s)"
+    worst = "error" if s["errors"] or s["unreadable"] else "warning" if s["warnings"] else "ok"
+    console.print(Text(line, style=SEVERITY_STYLE[worst]), soft_wrap=True)
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.1f}%"
+
+
+def _f2(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
+
+
+def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
+    """Rich rendering: header, the two modes, per-layer drift (worst first), findings, diagnosis."""
+    from rich.table import Table
+    from rich.text import Text
+
+    title = Text(report.checkpoint, style="bold")
+    title.append(f"  ({report.model})", style="dim")
+    console.print(title)
+    console.print(Text(f"data: {report.data}", style="dim"))
+    order = f"shuffled with seed {report.seed}" if report.shuffle else "file order, --no-shuffle"
+    skipped = f", {report.skipped} unreadable image(s) skipped" if report.skipped else ""
+    console.print(f"{report.samples} samples in {report.batches} batches of {report.batch_size} "
+                  f"({order}), device {report.device}{skipped}")
+    console.print()
+
+    modes = Table(show_edge=False, pad_edge=False, header_style="bold")
+    modes.add_column("mode")
+    modes.add_column("BatchNorm normalises with")
+    modes.add_column("accuracy", justify="right")
+    modes.add_row("train", "batch statistics", _percent(report.train_accuracy))
+    modes.add_row("eval", "running statistics", _percent(report.eval_accuracy))
+    console.print(modes)
+    parts = []
+    if report.gap is not None:
+        style = "bold red" if report.gap > 0.01 else "green"
+        parts.append(Text(f"gap {report.gap * 100:+.1f} points", style=style))
+    if report.agreement is not None:
+        parts.append(Text(f"agreement {_percent(report.agreement)}"))
+    if report.divergence is not None:
+        kind = "KL(eval || train)" if report.divergence_kind == "kl" else "relative L2"
+        parts.append(Text(f"divergence {report.divergence:.4g} ({kind})"))
+    if parts:
+        console.print(Text("  ·  ").join(parts))
+    console.print()
+
+    if report.layers and not quiet:
+        table = Table(title="per-layer drift: eval-mode inputs against running statistics, worst first",
+                      title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
+                      header_style="bold")
+        for col, justify in (("layer", "left"), ("#", "right"), ("kind", "left"), ("C", "right"),
+                             ("mean shift", "right"), ("max shift", "right"), ("var log-ratio", "right"),
+                             ("drift", "right")):
+            table.add_column(col, justify=justify, overflow="fold")
+        worst = report.layers[0] if report.layers and report.layers[0].drift is not None else None
+        for d in report.layers:
+            if d.drift is None:
+                style = "dim"
+            elif d is worst and d.large:
+                style = "bold red"
+            elif d.large:
+                style = "yellow"
+            else:
+                style = ""
+            table.add_row(d.name, str(d.position + 1), d.kind, str(d.channels), _f2(d.mean_shift),
+                          _f2(d.max_mean_shift), _f2(d.var_log_ratio),
+                          _f2(d.drift) if d.drift is not None else (d.note or "-"), style=style)
+        console.print(table)
+        console.print()
+
+    if report.findings:
+        findings = Table(title="inspect findings for this checkpoint", title_justify="left", title_style="bold",
+                         show_edge=False, pad_edge=False, header_style="bold")
+        for col in ("code", "severity", "layer", "message"):
+            findings.add_column(col, overflow="fold")
+        for f in report.findings:
+            findings.add_row(f"{f.code} {f.name}", Text(f.severity, style=SEVERITY_STYLE[f.severity]),
+                             f.layer or "-", f.message)
+        console.print(findings)
+        console.print()
+
+    console.print(Text("diagnosis", style="bold"))
+    # A grid keeps wrapped lines indented under their bullet.
+    bullets = Table.grid(padding=(0, 1))
+    bullets.add_column(width=3, justify="right")
+    bullets.add_column()
+    for line in report.diagnosis:
+        bullets.add_row("-", Text(line))
+    console.print(bullets)
+
+
+def _arrow(before: float | None, after: float | None) -> Any:
+    from rich.text import Text
+
+    text = Text(_f2(before), style="yellow" if before is not None and before >= 0.5 else "")
+    text.append(" -> ", style="dim")
+    text.append(_f2(after), style="yellow" if after is not None and after >= 0.5 else "green")
+    return text
+
+
+def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
+    """Rich rendering: what was written, the per-layer before/after drift, skipped
+    layers, and with --eval-data the two gap reports side by side."""
+    from rich.table import Table
+    from rich.text import Text
+
+    title = Text(report.input, style="bold")
+    title.append(" -> ", style="dim")
+    title.append(report.output, style="bold green")
+    title.append(f"  ({report.format}" + (f", key '{report.key}'" if report.key else "") + ")", style="dim")
+    console.print(title)
+    console.print(Text(f"model: {report.model}", style="dim"))
+    console.print(Text(f"data: {report.data}", style="dim"))
+    order = f"shuffled with seed {report.seed}" if report.shuffle else "file order (--no-shuffle)"
+    ranks = f" on {report.world_size} ranks" if report.world_size > 1 else ""
+    console.print(f"method {report.method}: {report.samples} samples in {report.batches} batches of "
+                  f"{report.batch_size} ({order}), device {report.device}{ranks}")
+    console.print()
+
+    if not quiet:
+        table = Table(title="per-layer drift against the calibration data: old -> new statistics",
+                      title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
+                      header_style="bold")
+        for col, justify in (("layer", "left"), ("C", "right"), ("values/ch", "right"),
+                             ("mean shift", "right"), ("max shift", "right"), ("var log-ratio", "right")):
+            table.add_column(col, justify=justify, overflow="fold")
+        for c in report.layers:
+            table.add_row(c.name, str(c.channels), str(c.values),
+                          _arrow(c.before.mean_shift, c.after.mean_shift),
+                          _arrow(c.before.max_mean_shift, c.after.max_mean_shift),
+                          _arrow(c.before.var_log_ratio, c.after.var_log_ratio))
+        console.print(table)
+        console.print()
+    if report.skipped:
+        console.print(Text(f"{len(report.skipped)} layer(s) kept their statistics:", style="bold"))
+        for s in report.skipped:
+            console.print(Text(f"  {s.name}: {s.reason}", style="dim"))
+        console.print()
+
+    before, after = report.eval_before, report.eval_after
+    if before is not None and after is not None:
+        console.print(Text(f"held-out data: {after.data}", style="dim"))
+        table = Table(title="gap on the held-out data: old -> new checkpoint",
+                      title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
+                      header_style="bold")
+        for col, justify in (("", "left"), ("old", "right"), ("new", "right")):
+            table.add_column(col, justify=justify)
+        table.add_row("eval-mode accuracy", _percent(before.eval_accuracy), _percent(after.eval_accuracy))
+        table.add_row("train-mode accuracy", _percent(before.train_accuracy), _percent(after.train_accuracy))
+        table.add_row("gap (points)", "-" if before.gap is None else f"{before.gap * 100:+.1f}",
+                      "-" if after.gap is None else f"{after.gap * 100:+.1f}")
+        table.add_row("agreement", _percent(before.agreement), _percent(after.agreement))
+        kind = "KL(eval || train)" if after.divergence_kind == "kl" else "relative L2"
+        table.add_row(f"divergence ({kind})", "-" if before.divergence is None else f"{before.divergence:.3g}",
+                      "-" if after.divergence is None else f"{after.divergence:.3g}")
+        console.print(table)
+        console.print()
+    console.print(Text(f"wrote {report.output}: {len(report.layers)} layer(s) recalibrated", style="green"))
