@@ -124,6 +124,7 @@ def inspect(
 ) -> None:
     """Audit every BatchNorm layer of checkpoints, without code or data."""
     from bnaudit.audit.audit import inspect as run_inspect
+    from bnaudit.audit.rules import RULES
     from bnaudit.config import load_config
     from bnaudit.output.json import inspect_to_json
     from bnaudit.output.table import render_inspect
@@ -137,7 +138,7 @@ def inspect(
             raise BnauditError(f"--momentum must lie in [0, 1], got {momentum}")
         overrides = {"--fail-on": fail_on.value if fail_on else None, "--eps": eps, "--momentum": momentum,
                      "--select": _code_list(select), "--ignore": _code_list(ignore)}
-        config = load_config(overrides, config_file=config_file, isolated=isolated)
+        config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=RULES)
         report = run_inspect(paths, config, key=key, trust_pickle=trust_pickle, arch=arch, arch_kwargs=arch_kwargs,
                              debug=debug)
         # rendering stays inside the boundary: the values it prints come from the files
@@ -305,6 +306,7 @@ def gap(
     debug: DebugOpt = False,
 ) -> None:
     """Measure the train-mode vs eval-mode gap on data and find the BN layer responsible."""
+    from bnaudit.audit.rules import RULES
     from bnaudit.config import load_config
     from bnaudit.output.json import gap_to_json
     from bnaudit.output.table import render_gap
@@ -317,7 +319,7 @@ def gap(
         options = data_options(data, dataset, batch_size, num_samples, seed, no_shuffle, workers,
                                image_size, grayscale, mean, std, skip_bad)
         # The inspect findings shown with the gap follow the project's configuration too.
-        config = load_config()
+        config = load_config(rule_codes=RULES)
         with frozen_imports(), progress_bar("gap", quiet or json_output) as update:
             report = run_gap(checkpoint, options, arch=arch, arch_kwargs=arch_kwargs, key=key,
                              trust_pickle=trust_pickle, forward=forward, device=device, config=config,

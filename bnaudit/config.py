@@ -20,7 +20,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
@@ -117,14 +117,19 @@ class Config:
 class Key:
     """One configuration key: its TOML name, the Config field it sets, its parser.
 
-    `parse(value)` returns the field's value or raises ValueError with the problem;
-    `doc` is the one line the README's configuration reference shows.
+    `parse(value, rule_codes)` returns the field's value or raises ValueError with the
+    problem (`rule_codes`: the registered rule codes, for keys that name rules); `doc`
+    is the one line the README's configuration reference shows.
     """
 
     name: str
     field: str
-    parse: Callable[[Any], Any]
+    parse: Callable[[Any, Collection[str]], Any]
     doc: str
+
+
+def _ignoring_codes(parse: Callable[[Any], Any]) -> Callable[[Any, Collection[str]], Any]:
+    return lambda value, _rule_codes: parse(value)
 
 
 def _number(value: Any) -> float:
@@ -168,28 +173,26 @@ def _strings(value: Any, what: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def rule_codes(value: Any) -> tuple[str, ...]:
+def rule_codes(value: Any, known: Collection[str]) -> tuple[str, ...]:
     """A list of rule codes or code prefixes ("BN004", "BN00", "BN"), upper-cased.
 
-    A prefix must select at least one registered rule, so a typo cannot silently
+    A prefix must select at least one of the `known` codes, so a typo cannot silently
     select or ignore nothing.
     """
-    from bnaudit.audit.rules import RULES
-
     codes = tuple(code.strip().upper() for code in _strings(value, "rule codes"))
     for code in codes:
-        if not code or not any(known.startswith(code) for known in RULES):
-            raise ValueError(f"unknown rule code {code!r} (known: {', '.join(RULES)})")
+        if not code or not any(k.startswith(code) for k in known):
+            raise ValueError(f"unknown rule code {code!r} (known: {', '.join(known)})")
     return codes
 
 
-def _per_layer_ignores(value: Any) -> dict[str, tuple[str, ...]]:
+def _per_layer_ignores(value: Any, known: Collection[str]) -> dict[str, tuple[str, ...]]:
     if not isinstance(value, dict):
         raise ValueError(f'expected a table of layer globs to rule codes, e.g. {{"backbone.*" = ["BN003"]}}, got {value!r}')
     parsed: dict[str, tuple[str, ...]] = {}
     for pattern, codes in value.items():
         try:
-            parsed[pattern] = rule_codes(codes)
+            parsed[pattern] = rule_codes(codes, known)
         except ValueError as exc:
             raise ValueError(f"{pattern!r}: {exc}") from None
     return parsed
@@ -200,17 +203,17 @@ def _globs(value: Any) -> tuple[str, ...]:
 
 
 KEYS: dict[str, Key] = {k.name: k for k in (
-    Key("fail-on", "fail_on", _severity,
+    Key("fail-on", "fail_on", _ignoring_codes(_severity),
         'exit 1 when a finding is at or above this severity: "error", "warning" or "info"'),
-    Key("near-eps-factor", "near_eps_factor", _positive,
+    Key("near-eps-factor", "near_eps_factor", _ignoring_codes(_positive),
         "BN004: a channel is near-eps when running_var < near-eps-factor * eps"),
-    Key("max-gain", "max_gain", _positive,
+    Key("max-gain", "max_gain", _ignoring_codes(_positive),
         "BN004: warning (not info) when a near-eps channel's eval gain |gamma|/sqrt(var+eps) reaches this"),
-    Key("max-init-weight", "max_init_weight", _open_fraction,
+    Key("max-init-weight", "max_init_weight", _ignoring_codes(_open_fraction),
         "BN003: fires when the initial values still weigh (1-momentum)^t above this fraction"),
-    Key("eps", "eps", _positive,
+    Key("eps", "eps", _ignoring_codes(_positive),
         "BN eps where the file holds no modules (a state dict does not store it; default 1e-5)"),
-    Key("momentum", "momentum", _momentum,
+    Key("momentum", "momentum", _ignoring_codes(_momentum),
         "BN momentum where the file holds no modules (default 0.1; a Keras port: 0.01)"),
     Key("select", "select", rule_codes,
         'run only these rules (codes or prefixes, e.g. ["BN002", "BN005"]); empty: all'),
@@ -218,7 +221,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "never report these rules"),
     Key("per-layer-ignores", "per_layer_ignores", _per_layer_ignores,
         'layer-name glob -> rules not reported for matching layers, e.g. {"backbone.*" = ["BN003"]}'),
-    Key("exclude", "exclude", _globs,
+    Key("exclude", "exclude", _ignoring_codes(_globs),
         'file globs not audited, relative to the configuration file, e.g. ["runs/*", "*.tmp.pt"]'),
 )}
 
@@ -285,7 +288,7 @@ def _where(path: Path) -> str:
     return f"{path} [tool.bnaudit]" if path.name == PYPROJECT else str(path)
 
 
-def parse_table(table: Mapping[str, Any], where: str) -> dict[str, Any]:
+def parse_table(table: Mapping[str, Any], where: str, rule_codes: Collection[str]) -> dict[str, Any]:
     """Check every key and value of a configuration table; Config field -> value."""
     values: dict[str, Any] = {}
     for name, value in table.items():
@@ -293,7 +296,7 @@ def parse_table(table: Mapping[str, Any], where: str) -> dict[str, Any]:
         if key is None:
             raise BnauditError(f"{where}: unknown key {name!r}{_suggestion(name)} (keys: {', '.join(KEYS)})")
         try:
-            values[key.field] = key.parse(value)
+            values[key.field] = key.parse(value, rule_codes)
         except ValueError as exc:
             raise BnauditError(f"{where}: {name}: {exc}") from None
     return values
@@ -311,13 +314,17 @@ def load_config(
     config_file: str | os.PathLike | None = None,
     start: str | os.PathLike | None = None,
     isolated: bool = False,
+    *,
+    rule_codes: Collection[str],
 ) -> Config:
     """The effective Config: defaults < configuration file < `overrides` (the command line).
 
     `overrides` maps option names ("--fail-on", "--select", ...; the TOML key with two
     dashes) to values, None meaning not given. `select` and `ignore` combine as in ruff:
     a command-line select replaces the file's select and ignore; a command-line ignore
-    adds to the file's ignore.
+    adds to the file's ignore. `rule_codes` are the registered rule codes that select,
+    ignore and per-layer-ignores may name (the caller's registry: configuration does not
+    depend on the rules).
     """
     found: tuple[Path, dict] | None = None
     if config_file is not None:
@@ -327,7 +334,7 @@ def load_config(
     elif not isolated:
         found = find_config_file(start)
     source = found[0] if found else None
-    values = parse_table(found[1], _where(found[0])) if found else {}
+    values = parse_table(found[1], _where(found[0]), rule_codes) if found else {}
 
     given = {option.removeprefix("--"): value for option, value in (overrides or {}).items() if value is not None}
     cli = {}
@@ -335,7 +342,7 @@ def load_config(
         if name not in KEYS:
             raise ValueError(f"not a configuration option: --{name}")  # a bug in the caller
         try:
-            cli[KEYS[name].field] = KEYS[name].parse(value)
+            cli[KEYS[name].field] = KEYS[name].parse(value, rule_codes)
         except ValueError as exc:
             raise BnauditError(f"--{name}: {exc}") from None
     if "select" in cli:

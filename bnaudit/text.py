@@ -1,17 +1,19 @@
-"""TODO docstring. From: checkpoint, report, models, gap"""
+"""Text that reaches a terminal: safe names, one-line errors, short listings.
+
+One of each, used by every command, so that a message reads the same wherever it is
+raised. Strings from files and models are untrusted: `printable` is applied by the
+output package, exactly once, where they are written.
+"""
+
 from __future__ import annotations
 
 import re
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return re.sub(r"\x1b\[[0-9;]*m", "", text[0]) if text else type(exc).__name__
-
+from collections.abc import Iterable
 
 # C0/C1 controls, DEL, the bidi overrides that can reorder what a reader sees, and lone
 # surrogates (bytes of a non-UTF-8 file name, which a UTF-8 stdout refuses to encode).
 _UNPRINTABLE = "[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+_ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def printable(text: str) -> str:
@@ -22,23 +24,42 @@ def printable(text: str) -> str:
     """
     if text.isascii() and text.isprintable():  # nearly every name: no 1 ms regex compile per run
         return text
-    return re.sub(_UNPRINTABLE, lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
-                  else f"\\u{ord(m.group()):04x}", text)
+    return re.sub(
+        _UNPRINTABLE,
+        lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
+        text,
+    )
 
 
-def one_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+def exception_line(exc: BaseException, *, with_type: bool = True) -> str:
+    """The one line of an exception worth showing a user.
+
+    The first non-blank line of its message (TorchScript errors carry the scripted code
+    first and the message last: the last line there), without colour codes, prefixed by
+    the exception's class name when `with_type` (a library's own error, where the class
+    says what went wrong) and standing alone otherwise (a reader's parse error).
+    """
+    message = str(exc)
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = _ANSI_COLOUR.sub("", lines[-1] if "Traceback of TorchScript" in message else lines[0])
+    return f"{type(exc).__name__}: {text}" if with_type else text
 
 
-def exception_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    # TorchScript errors carry the scripted code first and the message last.
-    text = lines[-1] if lines and "Traceback of TorchScript" in str(exc) else (lines[0] if lines else "")
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+def listing(items: Iterable[object], limit: int = 3) -> str:
+    """"a, b, c and 4 more": at most `limit` items, then how many were left out."""
+    shown = [str(item) for item in items]
+    if len(shown) <= limit:
+        return ", ".join(shown)
+    return f"{', '.join(shown[:limit])} and {len(shown) - limit} more"
 
 
-def name_list(names: list[str], limit: int = 3) -> str:
-    shown = ", ".join(names[:limit])
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return f"{'layer' if len(names) == 1 else 'layers'} {shown}{more}"
+def plural(count: int, noun: str, plural_form: str | None = None) -> str:
+    """"1 layer", "3 layers" (`plural_form` where adding an s is wrong)."""
+    return f"{count} {noun if count == 1 else (plural_form or noun + 's')}"
+
+
+def layer_list(names: list[str], limit: int = 3) -> str:
+    """"layer a" / "layers a, b, c and 2 more"."""
+    return f"{'layer' if len(names) == 1 else 'layers'} {listing(names, limit)}"

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import bn_entries, save_safetensors, save_torch
 
+from bnaudit.audit.rules import RULES
 from bnaudit.config import KEYS, Config, find_config_file, load_config
 from bnaudit.errors import BnauditError
 
@@ -27,7 +28,7 @@ def write(path, text: str):
 def test_nearest_pyproject_is_found_from_a_subfolder(tmp_path):
     pyproject = write(tmp_path / "proj" / "pyproject.toml", "[project]\nname = 'x'\n\n[tool.bnaudit]\nmax-gain = 50\n")
     (tmp_path / "proj" / "models" / "resnet").mkdir(parents=True)
-    config = load_config(start=tmp_path / "proj" / "models" / "resnet")
+    config = load_config(rule_codes=RULES, start=tmp_path / "proj" / "models" / "resnet")
     assert config.max_gain == 50.0 and config.near_eps_factor == 10.0
     assert config.source == str(pyproject.resolve())
 
@@ -36,7 +37,7 @@ def test_pyproject_without_tool_table_is_passed_over(tmp_path):
     dedicated = write(tmp_path / "outer" / "bnaudit.toml", "max-gain = 7\n")
     write(tmp_path / "outer" / "inner" / "pyproject.toml", "[tool.ruff]\nline-length = 100\n")
     assert find_config_file(tmp_path / "outer" / "inner") == (dedicated.resolve(), {"max-gain": 7})
-    assert load_config(start=tmp_path / "outer" / "inner").max_gain == 7.0
+    assert load_config(rule_codes=RULES, start=tmp_path / "outer" / "inner").max_gain == 7.0
 
 
 def test_pyproject_of_another_tool_is_not_judged_but_one_naming_bnaudit_is(tmp_path):
@@ -56,7 +57,7 @@ def test_pyproject_of_another_tool_is_not_judged_but_one_naming_bnaudit_is(tmp_p
 def test_nearest_file_wins_and_files_are_not_merged(tmp_path):
     write(tmp_path / "pyproject.toml", "[tool.bnaudit]\nmax-gain = 1\nnear-eps-factor = 3\n")
     write(tmp_path / "sub" / "pyproject.toml", "[tool.bnaudit]\nmax-gain = 2\n")
-    config = load_config(start=tmp_path / "sub")
+    config = load_config(rule_codes=RULES, start=tmp_path / "sub")
     assert config.max_gain == 2.0
     assert config.near_eps_factor == 10.0  # the outer file's key does not leak in
 
@@ -64,23 +65,23 @@ def test_nearest_file_wins_and_files_are_not_merged(tmp_path):
 def test_bnaudit_toml_wins_over_pyproject_in_the_same_folder(tmp_path):
     write(tmp_path / "pyproject.toml", "[tool.bnaudit]\nmax-gain = 1\n")
     dedicated = write(tmp_path / "bnaudit.toml", "max-gain = 2\n")
-    config = load_config(start=tmp_path)
+    config = load_config(rule_codes=RULES, start=tmp_path)
     assert config.max_gain == 2.0 and config.source == str(dedicated.resolve())
 
 
 def test_explicit_config_file_and_isolated(tmp_path):
     write(tmp_path / "pyproject.toml", "[tool.bnaudit]\nmax-gain = 1\n")
     ci = write(tmp_path / "ci" / "audit.toml", 'fail-on = "error"\n')
-    named = load_config(config_file=ci, start=tmp_path)
+    named = load_config(rule_codes=RULES, config_file=ci, start=tmp_path)
     assert named.fail_on == "error" and named.max_gain == 100.0 and named.source == str(ci)
-    as_pyproject = load_config(config_file=tmp_path / "pyproject.toml", start=tmp_path / "ci")
+    as_pyproject = load_config(rule_codes=RULES, config_file=tmp_path / "pyproject.toml", start=tmp_path / "ci")
     assert as_pyproject.max_gain == 1.0
-    assert load_config(isolated=True, start=tmp_path) == Config()
+    assert load_config(rule_codes=RULES, isolated=True, start=tmp_path) == Config()
     with pytest.raises(BnauditError, match="configuration file not found"):
-        load_config(config_file=tmp_path / "nope.toml")
+        load_config(rule_codes=RULES, config_file=tmp_path / "nope.toml")
     write(tmp_path / "other" / "pyproject.toml", "[project]\nname = 'x'\n")
     with pytest.raises(BnauditError, match=r"pyproject.toml: no \[tool.bnaudit\] table"):
-        load_config(config_file=tmp_path / "other" / "pyproject.toml")
+        load_config(rule_codes=RULES, config_file=tmp_path / "other" / "pyproject.toml")
 
 
 def test_cli_finds_the_configuration_of_the_current_directory(cli, tmp_path, monkeypatch):
@@ -98,19 +99,19 @@ def test_cli_finds_the_configuration_of_the_current_directory(cli, tmp_path, mon
 
 def test_command_line_overrides_the_file(tmp_path):
     write(tmp_path / "bnaudit.toml", 'fail-on = "error"\neps = 1e-3\nmomentum = 0.01\n')
-    config = load_config({"--fail-on": "info", "--eps": 1e-4, "--momentum": None}, start=tmp_path)
+    config = load_config({"--fail-on": "info", "--eps": 1e-4, "--momentum": None}, rule_codes=RULES, start=tmp_path)
     assert (config.fail_on, config.eps, config.momentum) == ("info", 1e-4, 0.01)
 
 
 def test_select_replaces_and_ignore_extends_as_in_ruff(tmp_path):
     write(tmp_path / "bnaudit.toml", 'select = ["BN002", "BN003"]\nignore = ["BN003"]\n')
-    from_file = load_config(start=tmp_path)
+    from_file = load_config(rule_codes=RULES, start=tmp_path)
     assert (from_file.select, from_file.ignore) == (("BN002", "BN003"), ("BN003",))
-    more_ignored = load_config({"--ignore": ["bn002"]}, start=tmp_path)
+    more_ignored = load_config({"--ignore": ["bn002"]}, rule_codes=RULES, start=tmp_path)
     assert (more_ignored.select, more_ignored.ignore) == (("BN002", "BN003"), ("BN003", "BN002"))
-    reselected = load_config({"--select": ["BN004"]}, start=tmp_path)
+    reselected = load_config({"--select": ["BN004"]}, rule_codes=RULES, start=tmp_path)
     assert (reselected.select, reselected.ignore) == (("BN004",), ())
-    both = load_config({"--select": ["BN0"], "--ignore": ["BN010"]}, start=tmp_path)
+    both = load_config({"--select": ["BN0"], "--ignore": ["BN010"]}, rule_codes=RULES, start=tmp_path)
     assert (both.select, both.ignore) == (("BN0",), ("BN010",))
 
 
@@ -144,7 +145,7 @@ ignore = ["BN009"]
 per-layer-ignores = {"backbone.*" = ["BN003"], "head" = ["BN004", "BN002"]}
 exclude = ["runs/*", "*.tmp.pt"]
 """)
-    config = load_config(start=tmp_path)
+    config = load_config(rule_codes=RULES, start=tmp_path)
     assert config == Config(fail_on="info", near_eps_factor=20.0, max_gain=90.5, max_init_weight=0.2, eps=1e-3,
                             momentum=0.01, select=("BN00", "BN010"), ignore=("BN009",),
                             per_layer_ignores={"backbone.*": ("BN003",), "head": ("BN004", "BN002")},
@@ -179,23 +180,23 @@ exclude = ["runs/*", "*.tmp.pt"]
 def test_bad_keys_and_values_name_the_key_and_the_file(tmp_path, line, problem):
     pyproject = write(tmp_path / "pyproject.toml", f"[tool.bnaudit]\n{line}\n")
     with pytest.raises(BnauditError) as exc:
-        load_config(start=tmp_path)
+        load_config(rule_codes=RULES, start=tmp_path)
     assert str(exc.value).startswith(f"{pyproject.resolve()} [tool.bnaudit]: {problem}")
 
 
 def test_bnaudit_toml_errors_name_the_file(tmp_path):
     dedicated = write(tmp_path / "bnaudit.toml", "[tool.bnaudit]\nmax-gain = 3\n")
     with pytest.raises(BnauditError) as exc:
-        load_config(start=tmp_path)
+        load_config(rule_codes=RULES, start=tmp_path)
     assert str(exc.value).startswith(f"{dedicated.resolve()}: unknown key 'tool' (bnaudit.toml holds the keys at its top level")
     write(tmp_path / "bnaudit.toml", "max-gain = \n")
     with pytest.raises(BnauditError, match=r"bnaudit.toml: invalid TOML"):
-        load_config(start=tmp_path)
+        load_config(rule_codes=RULES, start=tmp_path)
 
 
 def test_bad_command_line_values_name_the_option(tmp_path):
     with pytest.raises(BnauditError, match=r"^--select: unknown rule code 'BN0X'"):
-        load_config({"--select": ["BN0X"]}, isolated=True)
+        load_config({"--select": ["BN0X"]}, rule_codes=RULES, isolated=True)
 
 
 def test_configuration_error_is_one_line_and_exit_2(cli, tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
 from bnaudit.config import Config
+from bnaudit.text import listing
 
 if TYPE_CHECKING:
     from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
@@ -124,11 +125,6 @@ def _has_initial_affine(layer: BNLayer) -> bool:
     return (layer.weight is None or _all_equal(layer.weight, 1.0)) and (
         layer.bias is None or _all_equal(layer.bias, 0.0)
     )
-
-
-def _channel_list(channels: list[int], limit: int = 8) -> str:
-    shown = ", ".join(str(int(c)) for c in channels[:limit])
-    return shown + (f", ... ({len(channels)} in all)" if len(channels) > limit else "")
 
 
 def _fmt(x: float) -> str:
@@ -320,12 +316,12 @@ def _check_invalid(ctx: RuleContext) -> Iterator[Finding]:
                 nan = sum(1 for i in channels if math.isnan(values[i]))
                 inf = len(channels) - nan
                 parts = [f"{nan} NaN" if nan else "", f"{inf} Inf" if inf else ""]
-                problems.append(f"{label} has {' and '.join(p for p in parts if p)} (channels {_channel_list(channels)})")
+                problems.append(f"{label} has {' and '.join(p for p in parts if p)} (channels {listing(channels, 8)})")
                 bad.update(channels)
         var = layer.running_var
         negative = [] if all_finite(var) and min(var, default=0.0) >= 0 else [i for i, v in enumerate(var) if v < 0]
         if negative:
-            problems.append(f"running_var is negative in {len(negative)} channel(s) ({_channel_list(negative)})")
+            problems.append(f"running_var is negative in {len(negative)} channel(s) ({listing(negative, 8)})")
             bad.update(negative)
         if layer.num_batches_tracked is not None and layer.num_batches_tracked < 0:
             problems.append(f"num_batches_tracked is negative ({layer.num_batches_tracked})")
@@ -458,11 +454,6 @@ def _check_uneven_counters(ctx: RuleContext) -> Iterator[Finding]:
     yield RULES["BN010"].finding("info", None, f"num_batches_tracked differs between layers: {'; '.join(parts)}{more}")
 
 
-def _key_list(keys: Iterable[str], limit: int = 5) -> str:
-    keys = list(keys)
-    return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-
-
 @rule(
     "BN011", "load-mismatch", "error / warning / info",
     "The checkpoint does not fit the model: keys missing, unexpected, or of another shape.",
@@ -488,13 +479,13 @@ def _check_load_mismatch(ctx: RuleContext) -> Iterator[Finding]:
                         f"'{key}' has shape {list(file_shape)} in the checkpoint but {list(model_shape)} in the model")
     if missing:
         yield r.finding("error", None, f"{len(missing)} key(s) of the model absent from the checkpoint keep "
-                        f"their initial values: {_key_list(missing)}")
+                        f"their initial values: {listing(missing, 5)}")
     if facts.unexpected:
         yield r.finding("warning", None, f"{len(facts.unexpected)} checkpoint key(s) the model does not have: "
-                        f"{_key_list(facts.unexpected)}")
+                        f"{listing(facts.unexpected, 5)}")
     if missing_counters:
         yield r.finding("info", None, f"num_batches_tracked absent for {len(missing_counters)} layer(s) "
-                        f"({_key_list(k.rpartition('.')[0] for k in missing_counters)}): PyTorch fills it on load")
+                        f"({listing((k.rpartition('.')[0] for k in missing_counters), 5)}): PyTorch fills it on load")
 
 
 def _describe_names(names: list[str]) -> str:

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from bnaudit.errors import BnauditError
-from bnaudit.text import first_line
+from bnaudit.text import exception_line
 
 # Plain-data globals that real checkpoints carry (torchvision/timm `args`, numpy
 # scalars and arrays). Each only rebuilds data; none calls anything it is handed.
@@ -122,7 +122,7 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
         try:
             return torch.load(rewound(), map_location="cpu", weights_only=False)
         except Exception as exc:
-            raise BnauditError(f"{path}: cannot load: {first_line(exc)}") from exc
+            raise BnauditError(f"{path}: cannot load: {exception_line(exc, with_type=False)}") from exc
     allowed = _plain_allowlist(numpy_names=False)
     with_numpy = False
     if legacy:
@@ -133,7 +133,7 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
         try:
             needed = torch.serialization.get_unsafe_globals_in_checkpoint(rewound())
         except Exception as exc:
-            raise BnauditError(f"{path}: damaged torch.save archive ({first_line(exc)})") from exc
+            raise BnauditError(f"{path}: damaged torch.save archive ({exception_line(exc, with_type=False)})") from exc
         unsafe = [n for n in needed if allowed_global(n) is None]
         if unsafe:
             raise unsafe_globals_error(path, unsafe, hint)
@@ -170,7 +170,7 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
         except BnauditError:
             raise
         except Exception as exc:
-            raise BnauditError(f"{path}: not a readable torch.save file ({first_line(exc)})") from None
+            raise BnauditError(f"{path}: not a readable torch.save file ({exception_line(exc, with_type=False)})") from None
     raise BnauditError(f"{path}: needs too many distinct classes to unpickle safely")
 
 

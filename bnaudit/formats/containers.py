@@ -8,7 +8,7 @@ from typing import Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import Checkpoint, ModuleInfo, torch_ref
-from bnaudit.text import first_line
+from bnaudit.text import exception_line
 
 
 def checkpoint_from_object(path: str, fmt: str, obj: Any, key: str | None) -> Checkpoint:
@@ -30,7 +30,7 @@ def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str)
             modules = module_infos(source)
             source = source.state_dict()
         except Exception as exc:  # attributes come from the file: a forged module breaks here
-            raise BnauditError(f"{path}: malformed pickled module ({first_line(exc)})") from None
+            raise BnauditError(f"{path}: malformed pickled module ({exception_line(exc, with_type=False)})") from None
     tensors = {name: torch_ref(name, t) for name, t in source.items() if isinstance(name, str) and _is_tensor(t)}
     return Checkpoint(
         path,

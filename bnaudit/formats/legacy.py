@@ -16,7 +16,7 @@ from bnaudit.formats.model import (
     STORAGE_DTYPES,
     STORAGE_ITEMSIZE,
 )
-from bnaudit.text import first_line
+from bnaudit.text import exception_line
 
 # torch.serialization.MAGIC_NUMBER: the first pickle of every legacy torch.save file.
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -139,7 +139,7 @@ def check_legacy_claims(path: str) -> None:
     except BnauditError:
         raise
     except Exception as exc:  # any parse failure of forged bytes
-        raise BnauditError(f"{path}: damaged torch.save file ({first_line(exc)})") from None
+        raise BnauditError(f"{path}: damaged torch.save file ({exception_line(exc, with_type=False)})") from None
     if not isinstance(keys, list):
         raise BnauditError(f"{path}: damaged torch.save file (no storage list)")
     claimed = sum(scanner.claims.values()) + 8 * len(scanner.claims)

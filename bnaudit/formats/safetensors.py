@@ -8,7 +8,7 @@ from typing import Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import TensorRef, file_slice_ref
-from bnaudit.text import first_line
+from bnaudit.text import exception_line
 
 # Header size above which a safetensors file is refused before reading the header:
 # real headers are kilobytes to a few megabytes; a hostile one claims petabytes.
@@ -43,7 +43,7 @@ def read_safetensors(path: str) -> tuple[dict[str, TensorRef], dict[str, str]]:
         try:
             header = json.loads(f.read(n))
         except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, 5000-digit ints, deep nesting
-            raise BnauditError(f"{path}: corrupt safetensors header ({first_line(exc)})") from None
+            raise BnauditError(f"{path}: corrupt safetensors header ({exception_line(exc, with_type=False)})") from None
     if not isinstance(header, dict):
         raise BnauditError(f"{path}: corrupt safetensors header (not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}

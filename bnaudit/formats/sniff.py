@@ -6,7 +6,7 @@ import stat
 import zipfile
 
 from bnaudit.errors import BnauditError
-from bnaudit.text import first_line
+from bnaudit.text import exception_line
 
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar", ".safetensors")
 
@@ -54,7 +54,7 @@ def _sniff_zip(path: str) -> str:
     except BnauditError:
         raise
     except Exception as exc:  # zipfile parsing forged bytes: BadZipFile, NotImplementedError, struct.error, ...
-        raise BnauditError(f"{path}: damaged zip archive ({first_line(exc)})") from None
+        raise BnauditError(f"{path}: damaged zip archive ({exception_line(exc, with_type=False)})") from None
     if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
         return "torchscript"
     if any(n.endswith("data.pkl") for n in names):

@@ -20,7 +20,7 @@ from bnaudit.formats.model import (
 )
 from bnaudit.formats.safetensors import is_count
 from bnaudit.formats.sniff import check_zip_sizes
-from bnaudit.text import first_line
+from bnaudit.text import exception_line
 
 
 class _ScriptObject:
@@ -194,7 +194,7 @@ def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleI
             ".safetensors file is the safe format"
         ) from None
     except Exception as exc:  # forged bytes fail anywhere in the pickle machine
-        raise BnauditError(f"{path}: unreadable TorchScript archive ({first_line(exc)})") from None
+        raise BnauditError(f"{path}: unreadable TorchScript archive ({exception_line(exc, with_type=False)})") from None
     tensors: dict[str, TensorRef] = {}
     modules: dict[str, ModuleInfo] = {}
     constants = _ScriptConstants(archive, root)
@@ -236,7 +236,7 @@ def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleI
     except BnauditError:
         raise
     except Exception as exc:  # a damaged code file (bad CRC) or a forged attribute
-        raise BnauditError(f"{path}: unreadable TorchScript archive ({first_line(exc)})") from None
+        raise BnauditError(f"{path}: unreadable TorchScript archive ({exception_line(exc, with_type=False)})") from None
     return tensors, modules
 
 

@@ -13,7 +13,7 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.atomic import atomic_write, check_output
 from bnaudit.formats.model import Checkpoint
-from bnaudit.text import first_line
+from bnaudit.text import exception_line
 
 # The only tensors bnaudit ever writes: the running statistics of a BN layer.
 WRITABLE_LEAVES = ("running_mean", "running_var", "num_batches_tracked")
@@ -170,5 +170,5 @@ def _load_script_for_rewrite(path: str) -> tuple[Any, dict[str, bytes]]:
     try:
         module = torch.jit.load(path, map_location="cpu", _extra_files=extra)
     except Exception as exc:
-        raise BnauditError(f"{path}: cannot load TorchScript archive ({first_line(exc)})") from None
+        raise BnauditError(f"{path}: cannot load TorchScript archive ({exception_line(exc, with_type=False)})") from None
     return module, extra

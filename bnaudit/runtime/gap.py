@@ -20,7 +20,7 @@ from bnaudit.runtime.models import (
 )
 from bnaudit.runtime.norms import batch_stats_mode, eval_mode, norm_modules
 from bnaudit.runtime.stats import ChannelStats, drift, record_bn_inputs
-from bnaudit.text import exception_line, name_list
+from bnaudit.text import exception_line, layer_list
 
 # mean_shift or var_log_ratio at or above this: the layer's stored statistics do not
 # describe the data (half a running std off, or a variance off by a factor 1.65).
@@ -376,12 +376,12 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
 
     reset = [f.layer for f in by_code.get("BN002", []) if f.layer]
     if reset:
-        lines.append(f"{_sentence(name_list(reset))} hold the initial statistics (mean 0, variance 1): reset or never loaded, "
+        lines.append(f"{_sentence(layer_list(reset))} hold the initial statistics (mean 0, variance 1): reset or never loaded, "
                      "so eval mode normalises with values that describe no data. Recalibrate: "
                      "`bnaudit recalibrate` on a few thousand representative samples.")
     immature = [f.layer for f in by_code.get("BN003", []) if f.layer]
     if immature:
-        lines.append(f"Immature statistics (BN003) in {name_list(immature)}: the initial values still weigh in. "
+        lines.append(f"Immature statistics (BN003) in {layer_list(immature)}: the initial values still weigh in. "
                      "Recalibrate with `bnaudit recalibrate`.")
     dead = by_code.get("BN004", [])
     dead_layers = [f.layer for f in dead if f.layer]
@@ -402,7 +402,7 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
                          f"it match the data): a domain shift that shows from this depth on, or layers before it changed "
                          "after its statistics were recorded. Recalibrate on data of the target domain (AdaBN-style).")
     if dead_layers and not (large and large[0].name in dead_layers):
-        lines.append(f"Dead channels (BN004) in {name_list(dead_layers)}: running variance near eps, so eval mode "
+        lines.append(f"Dead channels (BN004) in {layer_list(dead_layers)}: running variance near eps, so eval mode "
                      "amplifies any input they receive; see the findings.")
     if "BN005" in by_code:
         lines.append("Invalid values in the statistics (BN005): eval-mode outputs of those channels are NaN or Inf.")

@@ -26,7 +26,7 @@ from bnaudit.formats.containers import (
 from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.sniff import sniff_format
-from bnaudit.text import one_line
+from bnaudit.text import exception_line
 
 
 @dataclass
@@ -87,9 +87,9 @@ def import_callable(spec: str, option: str = "--arch") -> Callable[..., Any]:
                     f"{option} {spec}: no module named '{exc.name}' (run from the folder that holds it, "
                     "or give path/to/file.py:CALLABLE)"
                 ) from None
-            raise BnauditError(f"{option} {spec}: importing '{where}' failed: {one_line(exc)}") from None
+            raise BnauditError(f"{option} {spec}: importing '{where}' failed: {exception_line(exc)}") from None
         except Exception as exc:  # user code: any error while importing it is the user's
-            raise BnauditError(f"{option} {spec}: importing '{where}' failed: {one_line(exc)}") from None
+            raise BnauditError(f"{option} {spec}: importing '{where}' failed: {exception_line(exc)}") from None
         except SystemExit as exc:
             printed = held.getvalue() if held is not None else ""
             raise BnauditError(f"{option} {spec}: {exit_message(exc, f'importing {where!r}', printed)}") from None
@@ -127,7 +127,7 @@ def _import_file(path: str, option: str) -> Any:
             spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise BnauditError(f"{option}: importing {path} failed: {one_line(exc)}") from None
+        raise BnauditError(f"{option}: importing {path} failed: {exception_line(exc)}") from None
     except SystemExit as exc:
         del sys.modules[name]
         printed = held.getvalue() if held is not None else ""
@@ -204,7 +204,7 @@ def build_arch(arch: str, arch_kwargs: str | Mapping[str, Any] | None = None, me
             model = factory(**kwargs)
         except Exception as exc:
             shown = f" with {json.dumps(kwargs)}" if kwargs else ""
-            raise BnauditError(f"--arch {arch}: calling it{shown} failed: {one_line(exc)}") from None
+            raise BnauditError(f"--arch {arch}: calling it{shown} failed: {exception_line(exc)}") from None
         except SystemExit as exc:
             raise BnauditError(f"--arch {arch}: {exit_message(exc, 'calling it')}") from None
     if not isinstance(model, torch.nn.Module):
@@ -313,7 +313,7 @@ def _load_torchscript(path: str, key: str | None) -> RunnableModel:
     try:
         module = torch.jit.load(path, map_location="cpu")
     except Exception as exc:
-        raise BnauditError(f"{path}: cannot load TorchScript archive: {one_line(exc)}") from None
+        raise BnauditError(f"{path}: cannot load TorchScript archive: {exception_line(exc)}") from None
     module.eval()
     return RunnableModel(module, ckpt, facts_from_module_infos(ckpt.modules), "torchscript")
 
