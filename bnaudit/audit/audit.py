@@ -1,4 +1,9 @@
-"""TODO docstring. From: audit"""
+"""`inspect`: path(s) -> checkpoint -> layers -> rules -> InspectReport.
+
+A directory expands to every file under it whose name ends in a checkpoint suffix;
+a file named explicitly is read whatever its name. One unreadable file becomes a
+FileReport with `error` set; the others are still audited.
+"""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,14 @@
-"""TODO docstring. From: layers"""
+"""Find BatchNorm layers in a state dict by what they hold, not by what they are called.
+
+A BN layer is a key prefix P whose `P.running_mean` and `P.running_var` are 1-D
+floating tensors of the same length C, with optional `P.weight` / `P.bias` (the
+affine gamma and beta, normally length C) and an optional integer
+`P.num_batches_tracked`. This finds nn.BatchNorm*d, SyncBatchNorm, FrozenBatchNorm
+(no counter), fused QAT `*.bn.*` sub-modules, quantized BN (`scale`, `zero_point`)
+and tracked InstanceNorm alike. Groups that only look similar are skipped:
+statistics of different lengths (e3nn), float64 normalisers with a `count`
+sibling (RL observation normalisers), and BatchRenorm's `running_std`.
+"""
 from __future__ import annotations
 
 import math

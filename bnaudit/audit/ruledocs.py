@@ -1,4 +1,10 @@
-"""TODO docstring. From: docs"""
+"""Rule and configuration documentation, generated from one source.
+
+`bnaudit rules`, the SARIF rule descriptors and the README's rule and configuration
+tables are all built here from `rules.RULES` and `config.KEYS`, so none of them can
+say something the code does not do. `tools/update_readme.py` rewrites the README's
+generated blocks and `tests/test_rules_doc.py` fails when they drift.
+"""
 from __future__ import annotations
 
 import re

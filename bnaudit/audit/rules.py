@@ -1,4 +1,14 @@
-"""TODO docstring. From: rules"""
+"""The rule registry: stable codes, names, severities, explanations and checks.
+
+Definitions used by every rule (and printed by the report):
+
+  eval gain      g_c = |gamma_c| / sqrt(running_var_c + eps)   (gamma_c = 1 without affine)
+                 the factor by which eval mode multiplies a channel's deviation from
+                 running_mean; a dead channel (var ~ 0, gamma 1) at eps 1e-5 gets 316x.
+  initial weight w = (1 - momentum)^t after t = num_batches_tracked updates: the share
+                 the initial values (mean 0, var 1) still hold in the running buffers.
+  near-eps       running_var_c < near_eps_factor * eps.
+"""
 from __future__ import annotations
 
 import fnmatch

@@ -1,4 +1,22 @@
-"""TODO docstring. From: sarif"""
+"""SARIF 2.1.0 rendering of an inspect report, in the subset GitHub code scanning reads.
+
+One run; `tool.driver` describes bnaudit and every registered rule (text from
+`bnaudit.docs`, the source `bnaudit rules` prints). Each finding becomes a result:
+
+  ruleId, ruleIndex   the rule code and its index in driver.rules
+  level               error -> "error", warning -> "warning", info -> "note"
+  message.text        "<layer>: <message>" (the message alone for file-level findings)
+  locations[0]        physicalLocation.artifactLocation: the checkpoint path relative to
+                      the base folder (the current directory), uriBaseId %SRCROOT%;
+                      logicalLocations: the layer name
+  partialFingerprints {"bnauditFinding/v1": sha256(code, path, layer)[:32]}
+
+A checkpoint is binary, so a result has no `region`: a line number would be invented,
+and the GitHub upload action computes line-hash fingerprints only for results with a
+line, so it does not read gigabyte checkpoints as text. Our own fingerprint keeps the
+findings of one rule in different layers of one file apart. Files that could not be read
+become error notifications of the invocation, whose `executionSuccessful` is then false.
+"""
 from __future__ import annotations
 
 import hashlib

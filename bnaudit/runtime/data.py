@@ -1,4 +1,27 @@
-"""TODO docstring. From: data"""
+"""Datasets for gap and recalibrate: image folders, tensor files, custom datasets -> batches.
+
+`--data PATH` is one of
+  an ImageFolder     one subfolder per class (class index = sorted subfolder order), PNG, JPEG,
+                     BMP or WebP read with Pillow, values scaled to [0, 1]; `--image-size N`
+                     resizes the shorter side to N and center-crops N x N, `--grayscale` gives
+                     one channel (default RGB), `--mean`/`--std` normalise (x - mean) / std
+  a tensor file      `.safetensors`, or `.pt` loaded with weights_only, holding `inputs`
+                     (N, ...) and optionally `labels` (N,) integer class indices
+  a folder of shards such tensor files, concatenated in sorted name order
+or `--dataset MODULE:CALLABLE` returns a map-style torch Dataset.
+
+Items are `input` or `(input, label)` where the label is an int (or 0-d integer tensor);
+a dict item's "label" / "labels" entry is the label and the rest is the input. An input is
+a tensor, a tuple of tensors (the model's positional arguments) or a dict (keyword
+arguments). Samples are drawn in an order shuffled by `--seed` (or file order with
+`--no-shuffle`), capped by `--num-samples`, cut into batches of `--batch-size`; a last
+batch of one sample joins the previous batch (training-mode BatchNorm cannot normalise
+one sample of a (N, C) input). Loading runs in `--workers` DataLoader processes.
+
+Every problem with the data ends in a `BnauditError` naming the file or the batch. Errors
+found in worker processes travel back as marker objects, never as exceptions, so the
+message stays one line.
+"""
 from __future__ import annotations
 
 import bisect

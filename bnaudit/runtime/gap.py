@@ -1,9 +1,36 @@
-"""TODO docstring. From: gap"""
+"""`gap`: what switching BatchNorm to its stored statistics costs, and which layer is to blame.
+
+Every batch is read and decoded once and goes through the model twice:
+
+  train mode   every BN layer normalises with the statistics of the batch (training mode
+               for BN modules only; the buffers are restored afterwards, so the model is
+               unchanged whichever pass runs first)
+  eval mode    every module in eval mode: BN normalises with running_mean / running_var
+
+Dropout and every other mode-dependent module stay in eval mode in both, so the
+difference is BatchNorm's alone. Definitions (N samples, y_t / y_e their outputs):
+
+  accuracy      top-1: fraction of samples whose argmax equals the label (None without labels)
+  gap           train-mode accuracy - eval-mode accuracy (positive: eval mode loses accuracy)
+  agreement     fraction of samples whose argmax is the same in both modes
+  divergence    classifier outputs (N, K), K >= 2: mean over samples of
+                  KL(p_e || p_t) = sum_k p_e,k (log p_e,k - log p_t,k),  p = softmax(y)
+                other outputs ("relative_l2"): mean over samples of ||y_e - y_t|| / ||y_e||
+
+Per-layer drift compares the data that reaches each BN layer in eval mode (exact
+per-channel mean mu_d and unbiased variance var_d over all samples, float64, merged
+with `bnaudit.stats.ChannelStats`) with its running statistics mu_r, var_r:
+
+  mean_shift, max_mean_shift, var_log_ratio   as `bnaudit.stats.Drift` defines them
+  drift           mean_shift + var_log_ratio (the ranking key: both are 0 when the stored
+                  statistics describe the data; a shift of one running std and a variance
+                  off by a factor e weigh alike)
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from bnaudit.audit.audit import audit_checkpoint
 from bnaudit.audit.report import FileReport
@@ -68,6 +95,7 @@ class LayerDrift:
 class GapReport:
     """The result of `measure_gap`; `layers` ranked by drift, worst first."""
 
+    kind: ClassVar[str] = "gap"  # which emitter of bnaudit.output renders it
     checkpoint: str
     model: str
     data: str

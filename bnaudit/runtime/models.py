@@ -1,4 +1,25 @@
-"""TODO docstring. From: models"""
+"""Runnable models: a checkpoint plus the code that runs it.
+
+Three sources, tried in this order by `load_runnable`:
+
+  --arch MODULE:CALLABLE      (or path/to/file.py:CALLABLE) builds the module, called with no
+                              arguments or with --arch-kwargs (a JSON object); the checkpoint's
+                              state dict (any format and container `inspect` reads, wrapper
+                              prefixes stripped as inspect does) is compared key by key with the
+                              model's, as `load_state_dict(strict=True)` would, and loaded.
+  TorchScript archive         `torch.jit.load`: runs as it is, no --arch needed.
+  pickled nn.Module           a `torch.save(model)` file: loaded through the allow-list when it
+                              is built only from torch.nn classes; any other class is refused
+                              unless --trust-pickle (unpickling a class runs its code).
+
+Missing, unexpected and mismatched keys become findings (BN001 exact for BN statistics,
+BN011 for the rest); a shape mismatch makes the model unrunnable and is an error.
+
+The helpers used to run a model on data live here too: `forward` (tensors, tuples, dicts,
+or a --forward function), `output_tensor`, `batch_stats_mode` (BN layers normalise by batch
+statistics, everything else in eval mode, buffers and modes restored afterwards) and
+`resolve_device`.
+"""
 from __future__ import annotations
 
 import contextlib

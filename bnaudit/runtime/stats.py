@@ -1,4 +1,21 @@
-"""TODO docstring. From: stats"""
+"""Streaming per-channel statistics of BN inputs, exact in float64.
+
+For the values x_1..x_n that reach channel c of a BN layer (n = N*H*W per batch for a
+2-D map), bnaudit defines
+
+  mean       mu_c      = (1/n) * sum_i x_i
+  M2         M2_c      = sum_i (x_i - mu_c)^2
+  variance   var_c     = M2_c / (n - 1)     (unbiased: what PyTorch stores in running_var)
+  biased     var_b_c   = M2_c / n           (what training-mode forward normalises with)
+
+Batches are merged with Chan et al.'s parallel formulas
+  n = n_a + n_b,  d = mu_b - mu_a,  mu = mu_a + d * n_b / n,  M2 = M2_a + M2_b + d^2 n_a n_b / n
+so the result is the population statistic of all samples, independent of batch size,
+sample order and sharding (to float64 rounding), and never E[x^2] - E[x]^2.
+
+torch is imported inside functions: `bnaudit --help` and inspect of a safetensors file
+never load it.
+"""
 from __future__ import annotations
 
 import contextlib

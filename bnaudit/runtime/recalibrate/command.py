@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.atomic import check_output
@@ -47,6 +47,8 @@ class LayerChange:
 
 @dataclass
 class RecalibrationReport:
+    kind: ClassVar[str] = "recalibrate"  # which emitter of bnaudit.output renders it
+
     input: str
     output: str
     format: str
