@@ -29,12 +29,12 @@ from typing import Any
 from bnaudit.errors import BnauditError
 
 SEVERITIES = ("info", "warning", "error")
-# PyTorch's BatchNorm defaults, assumed where a file holds no modules (re-exported by
-# bnaudit.layers; defined here so that `bnaudit rules` needs no numpy).
+# PyTorch's BatchNorm defaults, assumed where a file holds no modules (here, with the
+# other settings, so that the rule documentation can print them).
 DEFAULT_EPS = 1e-5
 DEFAULT_MOMENTUM = 0.1
-CONFIG_FILE = "bnaudit.toml"
-PYPROJECT = "pyproject.toml"
+_CONFIG_FILE = "bnaudit.toml"
+_PYPROJECT = "pyproject.toml"
 
 
 def severity_rank(severity: str) -> int:
@@ -253,11 +253,11 @@ def _tool_table(path: Path, document: dict) -> dict | None:
     return table
 
 
-def read_config_file(path: str | os.PathLike) -> dict:
+def _read_config_file(path: str | os.PathLike) -> dict:
     """The raw key table of one configuration file (see the module docstring)."""
     path = Path(path)
     document = _read_toml(path)
-    if path.name == PYPROJECT:
+    if path.name == _PYPROJECT:
         table = _tool_table(path, document)
         if table is None:
             raise BnauditError(f"{path}: no [tool.bnaudit] table")
@@ -270,10 +270,10 @@ def find_config_file(start: str | os.PathLike | None = None) -> tuple[Path, dict
     the current directory) upward, with its raw key table; None when there is none."""
     folder = Path(start if start is not None else os.getcwd()).resolve()
     for directory in (folder, *folder.parents):
-        dedicated = directory / CONFIG_FILE
+        dedicated = directory / _CONFIG_FILE
         if dedicated.is_file():
-            return dedicated, read_config_file(dedicated)
-        pyproject = directory / PYPROJECT
+            return dedicated, _read_config_file(dedicated)
+        pyproject = directory / _PYPROJECT
         if pyproject.is_file():
             raw = _read_bytes(pyproject)
             if b"bnaudit" not in raw:  # no [tool.bnaudit] possible: not ours to parse, or to judge
@@ -285,10 +285,10 @@ def find_config_file(start: str | os.PathLike | None = None) -> tuple[Path, dict
 
 
 def _where(path: Path) -> str:
-    return f"{path} [tool.bnaudit]" if path.name == PYPROJECT else str(path)
+    return f"{path} [tool.bnaudit]" if path.name == _PYPROJECT else str(path)
 
 
-def parse_table(table: Mapping[str, Any], where: str, rule_codes: Collection[str]) -> dict[str, Any]:
+def _parse_table(table: Mapping[str, Any], where: str, rule_codes: Collection[str]) -> dict[str, Any]:
     """Check every key and value of a configuration table; Config field -> value."""
     values: dict[str, Any] = {}
     for name, value in table.items():
@@ -330,11 +330,11 @@ def load_config(
     if config_file is not None:
         if not Path(config_file).is_file():
             raise BnauditError(f"{config_file}: configuration file not found")
-        found = Path(config_file), read_config_file(config_file)
+        found = Path(config_file), _read_config_file(config_file)
     elif not isolated:
         found = find_config_file(start)
     source = found[0] if found else None
-    values = parse_table(found[1], _where(found[0]), rule_codes) if found else {}
+    values = _parse_table(found[1], _where(found[0]), rule_codes) if found else {}
 
     given = {option.removeprefix("--"): value for option, value in (overrides or {}).items() if value is not None}
     cli = {}

@@ -1,4 +1,4 @@
-"""Formats sniffed from bytes, containers of DOMAIN.md, prefixes, EMA, lazy reads."""
+"""Formats sniffed from bytes, the containers training frameworks save, prefixes, EMA, lazy reads."""
 from __future__ import annotations
 
 import argparse
@@ -134,6 +134,26 @@ def test_torchscript_strided_views_read_in_row_major_order(tmp_path):
 def test_safetensors_metadata_kept(tmp_path):
     path = save_safetensors(small_state(), tmp_path / "m.safetensors", metadata={"format": "pt", "who": "me"})
     assert read_checkpoint(path).metadata == {"format": "pt", "who": "me"}
+
+
+def test_safetensors_tensor_location_holds_exactly_its_bytes(tmp_path):
+    # Data readers stream inputs from `location`: it must be where the tensor's bytes lie,
+    # as the safetensors library itself (the independent reader) decodes them.
+    from safetensors.numpy import load_file
+
+    state = small_state()
+    state["inputs"] = torch.arange(60, dtype=torch.float16).reshape(5, 3, 4)
+    path = save_safetensors(state, tmp_path / "m.safetensors")
+    expected = load_file(path)
+    tensors = read_checkpoint(path).tensors
+    with open(path, "rb") as f:
+        for name, ref in tensors.items():
+            offset, nbytes = ref.location
+            f.seek(offset)
+            raw = f.read(nbytes)
+            assert len(raw) == nbytes == expected[name].nbytes
+            assert raw == expected[name].astype(expected[name].dtype.newbyteorder("<")).tobytes(), name
+    assert read_checkpoint(save_torch(small_state(), tmp_path / "m.pt")).tensors["bn1.running_var"].location is None
 
 
 def test_safetensors_reads_only_the_tensors_asked_for(tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ from conftest import default_sigint
 from safetensors.torch import save_file
 
 from bnaudit.formats import atomic as atomic_mod
-from bnaudit.formats import write as ckpt_mod
+from bnaudit.formats import write as write_mod
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
@@ -225,10 +225,10 @@ SLOW_WRITER = textwrap.dedent('''
     from pathlib import Path
 
     import bnaudit.formats.atomic as atomic
-    import bnaudit.formats.write as checkpoint
+    import bnaudit.formats.write as writer
 
     marker, mode = sys.argv[1], sys.argv[2]
-    write = checkpoint._write_safetensors_like
+    write = writer._write_safetensors_like
 
 
     def write_then_block(ckpt, prepared, provenance, f):
@@ -238,7 +238,7 @@ SLOW_WRITER = textwrap.dedent('''
         time.sleep(120)
 
 
-    checkpoint._write_safetensors_like = write_then_block
+    writer._write_safetensors_like = write_then_block
     if mode == "named":  # the fallback where O_TMPFILE is missing: a hidden temporary file
         atomic._open_unnamed = lambda directory: None
     from bnaudit.cli import main
@@ -341,20 +341,20 @@ def test_no_space_while_writing(world: dict, tmp_path: Path, monkeypatch: pytest
     out = tmp_path / "out.safetensors"
     if existing:
         out.write_bytes(b"previous")
-    write = ckpt_mod._write_safetensors_like
+    write = write_mod._write_safetensors_like
 
     def half_then_full(ckpt, prepared, provenance, f) -> None:
         f.write(b"\0" * 300)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(ckpt_mod, "_write_safetensors_like", half_then_full)
+    monkeypatch.setattr(write_mod, "_write_safetensors_like", half_then_full)
     result = recalibrate_into(world, out, *(["--force"] if existing else []))
     assert one_line_error(result) == f"cannot write {out}: No space left on device"
     assert os.listdir(tmp_path) == (["out.safetensors"] if existing else [])
     if existing:
         assert out.read_bytes() == b"previous"
     # a full disk that shows only at fsync (delayed allocation)
-    monkeypatch.setattr(ckpt_mod, "_write_safetensors_like", write)
+    monkeypatch.setattr(write_mod, "_write_safetensors_like", write)
     real_fsync = os.fsync
 
     def fsync_full(fd: int) -> None:

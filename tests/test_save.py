@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats import atomic as ckpt_mod
+from bnaudit.formats import atomic as atomic_mod
 from bnaudit.formats.atomic import atomic_write
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.sniff import sniff_format
@@ -278,9 +278,9 @@ def test_read_only_folder_is_a_clear_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize("mode", ["unnamed", "unnamed-copied", "named"])
 def test_interrupted_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     if mode == "named":
-        monkeypatch.setattr(ckpt_mod, "_open_unnamed", lambda _d: None)
+        monkeypatch.setattr(atomic_mod, "_open_unnamed", lambda _d: None)
     if mode == "unnamed-copied":
-        monkeypatch.setattr(ckpt_mod, "_link_fd", lambda _fd, _t: False)
+        monkeypatch.setattr(atomic_mod, "_link_fd", lambda _fd, _t: False)
 
     def half_then_ctrl_c(f) -> None:
         f.write(b"x" * 1000)

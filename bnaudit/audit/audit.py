@@ -20,7 +20,7 @@ from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES
 
 
-def expand_paths(paths: Iterable[str], config: Config | None = None) -> list[str]:
+def _expand_paths(paths: Iterable[str], config: Config | None = None) -> list[str]:
     """Files to audit, in the order given; directories walked in sorted order; minus
     the files `config.exclude` names (see `Config.excludes`)."""
     out: list[str] = []
@@ -50,7 +50,7 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
     recalibrated = frozenset(n for n in names if isinstance(n, str)) if isinstance(names, list) else frozenset()
     findings = run_rules(RuleContext(discovery, config, is_ema=ckpt.is_ema, module=module, recalibrated=recalibrated))
     report = FileReport(ckpt.path)
-    if recalibrated:
+    if record is not None and recalibrated:
         report.provenance = (f"statistics of {len(recalibrated)} layer(s) re-estimated by bnaudit recalibrate "
                              f"(method {record.get('method')}, {record.get('samples')} samples, {record.get('date')})")
     report.format, report.key, report.other_keys = ckpt.format, ckpt.key, ckpt.other_keys
@@ -126,7 +126,7 @@ def inspect(
     files: list[FileReport] = []
     for path in [os.fspath(p) for p in paths]:
         try:
-            expanded = expand_paths([path], config)
+            expanded = _expand_paths([path], config)
         except BnauditError as exc:
             files.append(FileReport(path, error=str(exc).removeprefix(f"{path}: ")))
             continue

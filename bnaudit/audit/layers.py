@@ -15,10 +15,10 @@ import math
 import re
 from dataclasses import dataclass
 
-from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM  # noqa: F401 (re-exported)
+from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM
 from bnaudit.formats.model import Checkpoint, ModuleInfo, TensorRef
 
-STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
+_STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ _BN_LIKE = (
 )
 
 
-def looks_like_bn_name(prefix: str) -> bool:
+def _looks_like_bn_name(prefix: str) -> bool:
     low = prefix.lower()
     return any(re.search(p, low) for p in _BN_LIKE)
 
@@ -174,7 +174,7 @@ def discover_layers(
                 continue  # BatchRenorm
             layers.append(_make_layer(prefix, group, ckpt.modules.get(prefix), eps, momentum, momentum_given))
         elif (mean_ref is not None or var_ref is not None) and "running_std" not in group and "count" not in group:
-            present = tuple(k for k in STAT_NAMES if k in group)
+            present = tuple(k for k in _STAT_NAMES if k in group)
             missing = tuple(k for k in ("running_mean", "running_var") if k not in group)
             incomplete.append(IncompleteGroup(prefix, present, missing))
         elif "num_batches_tracked" in group and _counter(group["num_batches_tracked"]) is not None:
@@ -185,7 +185,7 @@ def discover_layers(
             w, b = group.get("weight"), group.get("bias")
             if (
                 w is not None and b is not None and len(w.shape) == 1 and w.shape == b.shape
-                and looks_like_bn_name(prefix)
+                and _looks_like_bn_name(prefix)
             ):
                 suspected.append(prefix)
     return Discovery(layers, incomplete, suspected)

@@ -1,4 +1,11 @@
-"""TODO docstring. From: report"""
+"""The result of `inspect`: per-layer summaries, per-file findings, the exit code.
+
+Plain dataclasses with everything the emitters of bnaudit.output print, computed here
+once (min / median / max of the statistics, eval gains, near-eps channels), so that
+table, JSON and SARIF cannot disagree. Statistics are summarised without NaNs;
+`InspectReport.exit_code` is 2 for an unreadable file, 1 for a finding at or above
+`fail_on`, else 0.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -15,7 +15,7 @@ from bnaudit.audit.rules import RULES, Rule
 from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM, KEYS, SEVERITIES, Config
 from bnaudit.errors import BnauditError
 
-WIDTH = 88
+_WIDTH = 88
 
 
 def find_rule(code: str) -> Rule:
@@ -30,7 +30,7 @@ def worst_severity(rule: Rule) -> str:
     return max((s.strip() for s in rule.severity.split("/")), key=SEVERITIES.index)
 
 
-def default_value(key: str) -> Any:
+def _default_value(key: str) -> Any:
     """The default of a configuration key; eps and momentum show PyTorch's defaults."""
     if key == "eps":
         return DEFAULT_EPS
@@ -40,20 +40,20 @@ def default_value(key: str) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def toml_value(value: Any) -> str:
+def _toml_value(value: Any) -> str:
     """A value written as TOML."""
     if isinstance(value, str):
         return f'"{value}"'
     if isinstance(value, float):
         return f"{value:g}" if "e" in f"{value:g}" else repr(value)
     if isinstance(value, list):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f'"{k}" = {toml_value(v)}' for k, v in value.items()) + "}"
+        return "{" + ", ".join(f'"{k}" = {_toml_value(v)}' for k, v in value.items()) + "}"
     return str(value)
 
 
-def silence_lines(rule: Rule) -> list[str]:
+def _silence_lines(rule: Rule) -> list[str]:
     """Every way to stop a rule from reporting or from failing a run."""
     code = rule.code
     lines = [
@@ -63,7 +63,7 @@ def silence_lines(rule: Rule) -> list[str]:
         "file-level findings have no layer and are not matched)",
     ]
     if rule.settings:
-        tuned = ", ".join(f"{key} = {toml_value(default_value(key))}" for key in rule.settings)
+        tuned = ", ".join(f"{key} = {_toml_value(_default_value(key))}" for key in rule.settings)
         lines.append(f"tune it instead (defaults shown): {tuned}")
     worst = worst_severity(rule)
     if worst == "info":
@@ -79,7 +79,7 @@ def explain_rule(rule: Rule, markdown: bool = False) -> str:
         ("What it detects", [rule.summary]),
         ("Why it matters", [rule.explanation]),
         ("How to fix it", [rule.fix]),
-        ("How to silence it", silence_lines(rule)),
+        ("How to silence it", _silence_lines(rule)),
     ]
     if markdown:
         out = [f"**{rule.code} {rule.name}** (default severity: {rule.severity})", ""]
@@ -97,7 +97,7 @@ def explain_rule(rule: Rule, markdown: bool = False) -> str:
         out.append(title)
         bullet = title == "How to silence it"
         for paragraph in paragraphs:
-            out += textwrap.wrap(paragraph, WIDTH, initial_indent="  - " if bullet else "  ",
+            out += textwrap.wrap(paragraph, _WIDTH, initial_indent="  - " if bullet else "  ",
                                  subsequent_indent="    " if bullet else "  ", break_on_hyphens=False)
         out.append("")
     return "\n".join(out).rstrip() + "\n"
@@ -107,19 +107,19 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def rules_table_markdown() -> str:
+def _rules_table_markdown() -> str:
     rows = ["| code | name | severity | fires when |", "| --- | --- | --- | --- |"]
     rows += [f"| {r.code} | {r.name} | {r.severity} | {_cell(r.summary)} |" for r in RULES.values()]
     return "\n".join(rows) + "\n"
 
 
-def config_table_markdown() -> str:
+def _config_table_markdown() -> str:
     rows = ["| key | default | meaning |", "| --- | --- | --- |"]
-    rows += [f"| `{k.name}` | `{_cell(toml_value(default_value(k.name)))}` | {_cell(k.doc)} |" for k in KEYS.values()]
+    rows += [f"| `{k.name}` | `{_cell(_toml_value(_default_value(k.name)))}` | {_cell(k.doc)} |" for k in KEYS.values()]
     return "\n".join(rows) + "\n"
 
 
-GENERATED = {"rules-table": rules_table_markdown, "config-table": config_table_markdown}
+GENERATED = {"rules-table": _rules_table_markdown, "config-table": _config_table_markdown}
 
 
 def _block(name: str) -> re.Pattern[str]:
@@ -134,5 +134,6 @@ def generated_blocks(text: str) -> dict[str, str]:
 def update_generated(text: str) -> str:
     """`text` with every generated block rewritten from the sources."""
     for name, build in GENERATED.items():
-        text = _block(name).sub(lambda m, build=build: m.group(1) + build() + m.group(3), text)
+        body = build()
+        text = _block(name).sub(lambda m: m.group(1) + body + m.group(3), text)
     return text

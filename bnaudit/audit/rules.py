@@ -77,7 +77,7 @@ def rule(code: str, name: str, severity: str, summary: str, explanation: str, fi
     return register
 
 
-def all_finite(values: list[float]) -> bool:
+def _all_finite(values: list[float]) -> bool:
     """No NaN or Inf among the values: one C-speed sum (a sum that overflows only sends
     the caller down its slower per-value path)."""
     return math.isfinite(sum(values))
@@ -87,7 +87,7 @@ def eval_gain(layer: BNLayer) -> list[float]:
     """g_c = |gamma_c| / sqrt(running_var_c + eps); NaN where var is non-finite or < 0."""
     var, eps = layer.running_var, layer.eps
     gamma = layer.weight if layer.weight is not None and len(layer.weight) == len(var) else [1.0] * len(var)
-    if eps > 0 and all_finite(var) and min(var, default=0.0) >= 0:  # every denominator > 0
+    if eps > 0 and _all_finite(var) and min(var, default=0.0) >= 0:  # every denominator > 0
         # map over builtins: the loop runs in C, 3x faster than a comprehension
         return list(map(operator.truediv, map(abs, gamma), map(math.sqrt, map(operator.add, var, itertools.repeat(eps)))))
     return [_gain(g, v, eps) for g, v in zip(gamma, var)]
@@ -109,17 +109,17 @@ def _gain(gamma: float, var: float, eps: float) -> float:
 def near_eps_channels(layer: BNLayer, factor: float) -> list[int]:
     """Indices of channels with 0 <= running_var < factor * eps."""
     limit, var = factor * layer.eps, layer.running_var
-    if all_finite(var) and min(var, default=limit) >= limit:  # the common case: none
+    if _all_finite(var) and min(var, default=limit) >= limit:  # the common case: none
         return []
     return [c for c, v in enumerate(var) if 0 <= v < limit]  # NaN compares False
 
 
-def initial_weight(momentum: float, updates: int) -> float:
+def _initial_weight(momentum: float, updates: int) -> float:
     """w = (1 - momentum)^t: the weight the initial 0/1 values keep after t updates."""
     return float((1.0 - momentum) ** updates)
 
 
-def has_identity_stats(layer: BNLayer) -> bool:
+def _has_identity_stats(layer: BNLayer) -> bool:
     """running_mean == 0 and running_var == 1 in every channel of a layer that has channels.
 
     A 0-channel layer holds no statistics to lose: "every channel" must not be vacuous.
@@ -201,7 +201,7 @@ def _check_missing_buffers(ctx: RuleContext) -> Iterator[Finding]:
 def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN002"]
     layers = ctx.discovery.layers
-    identity = [layer for layer in layers if has_identity_stats(layer)]
+    identity = [layer for layer in layers if _has_identity_stats(layer)]
     if not identity:
         return
     folded = (
@@ -249,9 +249,9 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
         t, m = layer.num_batches_tracked, layer.momentum
         if layer.name in ctx.recalibrated:
             continue
-        if t is None or t <= 0 or m is None or not 0.0 < m < 1.0 or has_identity_stats(layer):
+        if t is None or t <= 0 or m is None or not 0.0 < m < 1.0 or _has_identity_stats(layer):
             continue
-        weight = initial_weight(m, t)
+        weight = _initial_weight(m, t)
         if weight > ctx.config.max_init_weight:
             assumed = " (assumed)" if layer.settings_assumed else ""
             yield r.finding(
@@ -321,7 +321,7 @@ def _check_invalid(ctx: RuleContext) -> Iterator[Finding]:
             if len(values) != c:
                 problems.append(f"{label} has {len(values)} values but the statistics have {c}")
                 continue
-            channels = [] if all_finite(values) else [i for i, v in enumerate(values) if not math.isfinite(v)]
+            channels = [] if _all_finite(values) else [i for i, v in enumerate(values) if not math.isfinite(v)]
             if channels:
                 nan = sum(1 for i in channels if math.isnan(values[i]))
                 inf = len(channels) - nan
@@ -329,7 +329,7 @@ def _check_invalid(ctx: RuleContext) -> Iterator[Finding]:
                 problems.append(f"{label} has {' and '.join(p for p in parts if p)} (channels {listing(channels, 8)})")
                 bad.update(channels)
         var = layer.running_var
-        negative = [] if all_finite(var) and min(var, default=0.0) >= 0 else [i for i, v in enumerate(var) if v < 0]
+        negative = [] if _all_finite(var) and min(var, default=0.0) >= 0 else [i for i, v in enumerate(var) if v < 0]
         if negative:
             problems.append(f"running_var is negative in {len(negative)} channel(s) ({listing(negative, 8)})")
             bad.update(negative)
@@ -370,7 +370,7 @@ def _check_batch_dependent(ctx: RuleContext) -> Iterator[Finding]:
 
 # Above this, a momentum looks like the retained fraction of Keras/ONNX (0.99, 0.997)
 # passed straight through as PyTorch's weight of the new batch.
-RETAINED_FRACTION_MOMENTUM = 0.5
+_RETAINED_FRACTION_MOMENTUM = 0.5
 
 
 @rule(
@@ -400,7 +400,7 @@ def _check_update_config(ctx: RuleContext) -> Iterator[Finding]:
         elif m == 0:
             yield r.finding("info", name, "momentum 0: training never updates the running statistics "
                             "(the counter still counts); they stay as loaded")
-        elif m > RETAINED_FRACTION_MOMENTUM:
+        elif m > _RETAINED_FRACTION_MOMENTUM:
             yield r.finding("warning", name, f"momentum {m:g}: each batch replaces {m * 100:.1f}% of the "
                             f"statistics; a retained fraction (Keras/ONNX convention) meant as {1 - m:.3g}?")
 
@@ -434,7 +434,7 @@ def _check_low_precision(ctx: RuleContext) -> Iterator[Finding]:
 def _check_counter_zero(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN009"]
     for layer in ctx.discovery.layers:
-        if layer.num_batches_tracked == 0 and not has_identity_stats(layer):
+        if layer.num_batches_tracked == 0 and not _has_identity_stats(layer):
             yield r.finding("info", layer.name, "num_batches_tracked is 0 but the statistics are not 0/1: converted weights or momentum 0")
 
 

@@ -1,4 +1,12 @@
-"""TODO docstring. From: checkpoint"""
+"""`torch.load` without running the file's code: the allow-list of globals and its loader.
+
+`torch.load(weights_only=True)` refuses every class it does not know; real checkpoints
+also carry plain data (argparse.Namespace, numpy scalars) and whole nn.Modules. Those
+names, and only those, are allowed, resolved from the installed packages and never from
+the file; anything else is refused with the list of globals the file would need and the
+advice to pass `--trust-pickle` (the user's explicit opt-out). Legacy files are checked
+first by `legacy.check_legacy_claims`; this module owns the policy, legacy.py the parsing.
+"""
 from __future__ import annotations
 
 import importlib
@@ -7,6 +15,7 @@ import sys
 from typing import Any
 
 from bnaudit.errors import BnauditError
+from bnaudit.formats.legacy import NotTorchSave, check_legacy_claims
 from bnaudit.text import exception_line
 
 # Plain-data globals that real checkpoints carry (torchvision/timm `args`, numpy
@@ -36,7 +45,7 @@ def _resolve(name: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def allowed_global(name: str) -> Any | None:
+def _allowed_global(name: str) -> Any | None:
     """The object for an allow-listed global name, or None if it is not allowed.
 
     torch.nn module classes are allowed (unpickling one only restores attributes);
@@ -59,7 +68,7 @@ def allowed_global(name: str) -> Any | None:
     return None
 
 
-def unsafe_globals_error(path: str, unsafe: list[str], hint: str = "") -> BnauditError:
+def _unsafe_globals_error(path: str, unsafe: list[str], hint: str = "") -> BnauditError:
     shown = ", ".join(unsafe[:8]) + (f" and {len(unsafe) - 8} more" if len(unsafe) > 8 else "")
     return BnauditError(
         f"{path}: refused to unpickle: it needs globals that could run code ({shown}); "
@@ -72,7 +81,7 @@ def _plain_allowlist(numpy_names: bool) -> list[Any]:
     """The allowed objects of _PLAIN_GLOBALS, numpy's or the others: numpy is imported
     only for a file that names it (it costs start-up time in every other run)."""
     names = sorted(n for n in _PLAIN_GLOBALS if n.startswith("numpy.") == numpy_names)
-    allowed = [o for o in map(allowed_global, names) if o is not None]
+    allowed = [o for o in map(_allowed_global, names) if o is not None]
     if numpy_names and "numpy" in sys.modules:
         # numpy.dtype's reduce rebuilds through these classes without naming them as globals
         dtypes = getattr(sys.modules["numpy"], "dtypes", None)
@@ -126,18 +135,24 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
     allowed = _plain_allowlist(numpy_names=False)
     with_numpy = False
     if legacy:
-        from bnaudit.formats.legacy import check_legacy_claims
-
-        check_legacy_claims(path)
+        try:
+            check_legacy_claims(path)
+        except NotTorchSave as exc:
+            unsafe = list(dict.fromkeys(n for n in exc.globals
+                                        if _allowed_global(n) is None and n not in _torch_weights_only_globals()))
+            if unsafe:  # say what it would have run, and what to do instead
+                refusal = str(_unsafe_globals_error(path, unsafe)).removeprefix(f"{path}: ")
+                raise BnauditError(f"{exc}; {refusal}") from None
+            raise
     else:
         try:
             needed = torch.serialization.get_unsafe_globals_in_checkpoint(rewound())
         except Exception as exc:
             raise BnauditError(f"{path}: damaged torch.save archive ({exception_line(exc, with_type=False)})") from exc
-        unsafe = [n for n in needed if allowed_global(n) is None]
+        unsafe = [n for n in needed if _allowed_global(n) is None]
         if unsafe:
-            raise unsafe_globals_error(path, unsafe, hint)
-        allowed += [allowed_global(n) for n in needed]
+            raise _unsafe_globals_error(path, unsafe, hint)
+        allowed += [_allowed_global(n) for n in needed]
         if _names_numpy(needed):
             allowed, with_numpy = allowed + _plain_allowlist(numpy_names=True), True
     # A legacy pickle cannot be scanned up front (and a zip one may name classes only
@@ -160,10 +175,10 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
             missing = [m if "." in m else f"builtins.{m}" for rx in _MISSING_GLOBAL_RES for m in rx.findall(text)]
             if not missing:
                 raise BnauditError(f"{path}: cannot unpickle safely ({_unpickling_reason(text)})") from None
-            extra = [allowed_global(n) for n in missing]
+            extra = [_allowed_global(n) for n in missing]
             refused = [n for n, o in zip(missing, extra) if o is None or o in allowed]
             if refused:
-                raise unsafe_globals_error(path, refused, hint) from None
+                raise _unsafe_globals_error(path, refused, hint) from None
             allowed += extra
             if _names_numpy(missing) and not with_numpy:
                 allowed, with_numpy = allowed + _plain_allowlist(numpy_names=True), True
@@ -174,7 +189,7 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
     raise BnauditError(f"{path}: needs too many distinct classes to unpickle safely")
 
 
-def torch_weights_only_globals() -> set[str]:
+def _torch_weights_only_globals() -> set[str]:
     """What torch.load(weights_only=True) rebuilds by itself (tensors, OrderedDict, ...)."""
     try:
         from torch._weights_only_unpickler import _get_allowed_globals

@@ -1,4 +1,10 @@
-"""TODO docstring. From: checkpoint"""
+"""Writing an output file all at once or not at all, and refusing a bad output early.
+
+`check_output` runs before any work (an output that is the input, a folder, in a
+missing or read-only folder, or that exists without `force`); `atomic_write` builds the
+file unnamed (O_TMPFILE, or a hidden temporary where that is missing) and names it only
+when complete and fsynced, so a crash or kill never leaves half a checkpoint.
+"""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,12 @@
-"""TODO docstring. From: checkpoint"""
+"""Finding the model's state dict inside whatever a torch.save file holds.
+
+Training frameworks wrap the state dict (`{"state_dict": ...}`, `{"model": ...,
+"optimizer": ...}`, EMA copies, a whole pickled nn.Module) and prefix its keys (DDP's
+`module.`, torch.compile's `_orig_mod.`, Lightning's `model.`). This module decides
+which mapping is the model (known keys first, optimizer subtrees skipped, an EMA copy
+only when it is the only one or `--key` names it) and strips the prefixes. It works on
+objects already loaded: it opens no file.
+"""
 from __future__ import annotations
 
 import numbers

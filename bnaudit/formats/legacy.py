@@ -1,4 +1,12 @@
-"""TODO docstring. From: unpickle"""
+"""Legacy (pre-1.6) torch.save files, checked before torch reads them.
+
+torch's legacy loader allocates every storage at the size its pickle claims before it
+reads the bytes, so a tiny forged file can ask for terabytes. `check_legacy_claims`
+walks the file's pickles with inert classes (nothing named in the file is imported or
+called) and refuses it when the storages claim more bytes than follow the header. A
+plain pickle is reported as `NotTorchSave` with the globals it names; which of those
+would run code is decided by the allow-list (allowlist.py), not here.
+"""
 from __future__ import annotations
 
 import os
@@ -7,15 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.allowlist import (
-    allowed_global,
-    torch_weights_only_globals,
-    unsafe_globals_error,
-)
-from bnaudit.formats.model import (
-    STORAGE_DTYPES,
-    STORAGE_ITEMSIZE,
-)
+from bnaudit.formats.model import STORAGE_DTYPES, STORAGE_ITEMSIZE
 from bnaudit.text import exception_line
 
 # torch.serialization.MAGIC_NUMBER: the first pickle of every legacy torch.save file.
@@ -105,6 +105,18 @@ class _LegacyScanner(pickle._Unpickler):  # the pure-Python unpickler: its memo 
         return _Inert  # also stands for a class a ('module', ...) id names
 
 
+class NotTorchSave(BnauditError):
+    """A plain pickle where a legacy torch.save file was expected.
+
+    `globals` lists every global the pickle names, in order: the caller, which owns the
+    allow-list, says which of them would run code.
+    """
+
+    def __init__(self, path: str, globals_named: list[str]) -> None:
+        super().__init__(f"{path}: a pickle, but not one written by torch.save")
+        self.globals = globals_named
+
+
 def check_legacy_claims(path: str) -> None:
     """Refuse a legacy torch.save file whose storages claim more bytes than it holds.
 
@@ -124,12 +136,7 @@ def check_legacy_claims(path: str) -> None:
             # a plain pickle (not torch.save) puts its payload right there.
             first = _LegacyScanner(reader)
             if first.load() != _LEGACY_MAGIC:
-                unsafe = list(dict.fromkeys(n for n in first.globals
-                                            if allowed_global(n) is None and n not in torch_weights_only_globals()))
-                if unsafe:  # say what it would have run, and what to do instead
-                    refusal = str(unsafe_globals_error(path, unsafe)).removeprefix(f"{path}: ")
-                    raise BnauditError(f"{path}: a pickle, but not one written by torch.save; {refusal}")
-                raise BnauditError(f"{path}: a pickle, but not one written by torch.save")
+                raise NotTorchSave(path, first.globals)
             for _ in range(2):  # protocol version, sys info
                 _LegacyScanner(reader).load()
             scanner = _LegacyScanner(reader)

@@ -1,4 +1,21 @@
-"""TODO docstring. From: checkpoint, unpickle"""
+"""The records every reader returns: lazy tensors, module settings, a checkpoint.
+
+`TensorRef` is the contract between readers and everything after them. It holds a
+tensor's `name`, `shape` and `dtype` (torch's name of the stored type) and reads
+nothing until asked:
+
+  read()       the values as a flat row-major list of Python numbers, exactly (every
+               stored float type widens exactly to a double); torch-free, so `inspect`
+               of a safetensors file never imports torch or numpy
+  to_torch()   a torch tensor of the stored dtype and shape that the caller may write
+               to; the file is never changed
+  location     (offset, nbytes) of the raw little-endian row-major bytes in the file it
+               came from, or None (a tensor inside a pickle): lets a data reader stream
+               rows without parsing the file a second time
+
+A failed read raises `BnauditError` naming the tensor. Separate from the readers so that
+audit/ and runtime/ depend on these records, not on any file format.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -29,6 +46,9 @@ class TensorRef:
     _reader: Callable[[], list] = field(repr=False, compare=False)
     # Builds the torch tensor directly (whole weights for --arch): None means from read().
     _torch: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
+    # (offset, nbytes) of the raw little-endian, row-major bytes in the file the tensor was
+    # read from, for readers that stream it in slices; None where they lie otherwise.
+    location: tuple[int, int] | None = field(default=None, compare=False)
 
     @property
     def is_floating(self) -> bool:
@@ -125,7 +145,7 @@ def file_slice_ref(path: str, name: str, offset: int, length: int, dtype: str, s
             return torch.empty(shape, dtype=getattr(torch, dtype))
         return torch.frombuffer(raw(), dtype=getattr(torch, dtype)).reshape(shape)
 
-    return TensorRef(name, shape, dtype, lambda: decode_values(raw(), dtype), to_torch)
+    return TensorRef(name, shape, dtype, lambda: decode_values(raw(), dtype), to_torch, location=(offset, length))
 
 
 def read_into(f: Any, offset: int, target: memoryview, path: str) -> None:

@@ -1,4 +1,9 @@
-"""TODO docstring. From: checkpoint"""
+"""`read_checkpoint`: a path in, a `Checkpoint` of lazy tensors out, whatever the format.
+
+The one entry point for readers: sniff, dispatch to the format's reader, pick the
+state dict inside a container and strip wrapper prefixes. Only torch.save files import
+torch (through `torch.load`); safetensors and TorchScript are read without it.
+"""
 from __future__ import annotations
 
 from bnaudit.errors import BnauditError

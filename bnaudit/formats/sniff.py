@@ -1,4 +1,12 @@
-"""TODO docstring. From: checkpoint"""
+"""Which format a checkpoint file is, from its first bytes, never from its name.
+
+  zip (PK)          TorchScript if it has `*/constants.pkl` or `*/code/`, torch.save if
+                    it has `data.pkl`; entries claiming more bytes than the file are refused
+  byte 8 is `{`     safetensors (8-byte header length, then the JSON header)
+  byte 0 is 0x80    a pickle: legacy (pre-1.6) torch.save
+Anything else, a folder, a pipe or a device is refused with one line. Only the first
+16 bytes (and a zip's directory) are read here, so a wrong file costs next to nothing.
+"""
 from __future__ import annotations
 
 import os

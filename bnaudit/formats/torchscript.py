@@ -1,4 +1,12 @@
-"""TODO docstring. From: unpickle"""
+"""TorchScript archives and torch.save zip records, read without torch and without pickle's code.
+
+`read_torchscript` unpickles an archive's `data.pkl` with inert stand-ins for its
+`__torch__` classes and resolves tensors to the zip records that hold their bytes; eps
+and momentum come from the archive's code files (`Final` constants), since a scripted
+BN module stores them there. `stored_tensors` finds where the top-level tensors of a
+torch.save zip lie, so data files can be streamed row by row. A global that could run
+code is refused: bnaudit never runs TorchScript to inspect it.
+"""
 from __future__ import annotations
 
 import io
@@ -152,7 +160,8 @@ def stored_tensors(path: str) -> dict[str, StoredTensor]:
 
 
 def _c_order_start(archive: zipfile.ZipFile, storage: _StorageRef, offset: int, size: tuple, stride: tuple) -> int | None:
-    expected, step = [], 1
+    expected: list[int] = []
+    step = 1
     for extent in reversed(size):
         expected.insert(0, step)
         step *= extent

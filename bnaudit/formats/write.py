@@ -1,4 +1,10 @@
-"""TODO docstring. From: checkpoint"""
+"""`save_like`: write a checkpoint again in its own format with new BN statistics.
+
+Only `running_mean`, `running_var` and `num_batches_tracked` are ever replaced; every
+other byte, key and piece of metadata stays as it was, so a recalibrated file drops in
+where the original was. Separate from the readers: writing needs torch for torch.save
+and TorchScript files, reading safetensors does not.
+"""
 from __future__ import annotations
 
 import json
@@ -13,10 +19,11 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.atomic import atomic_write, check_output
 from bnaudit.formats.model import Checkpoint
+from bnaudit.formats.safetensors import read_safetensors_header
 from bnaudit.text import exception_line
 
 # The only tensors bnaudit ever writes: the running statistics of a BN layer.
-WRITABLE_LEAVES = ("running_mean", "running_var", "num_batches_tracked")
+_WRITABLE_LEAVES = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def save_like(
@@ -80,8 +87,8 @@ def _prepare_updates(ckpt: Checkpoint, updates: Mapping[str, Any]) -> dict[str, 
     prepared: dict[str, Any] = {}
     for name, value in updates.items():
         layer, _, leaf = name.rpartition(".")
-        if leaf not in WRITABLE_LEAVES:
-            raise ValueError(f"save_like only writes {', '.join(WRITABLE_LEAVES)}, not {name!r}")
+        if leaf not in _WRITABLE_LEAVES:
+            raise ValueError(f"save_like only writes {', '.join(_WRITABLE_LEAVES)}, not {name!r}")
         ref = ckpt.tensors.get(name)
         if ref is None:
             raise ValueError(f"{name!r} is not a tensor of {ckpt.path}")
@@ -102,7 +109,7 @@ def _prepare_updates(ckpt: Checkpoint, updates: Mapping[str, Any]) -> dict[str, 
     return prepared
 
 
-def tensor_bytes(tensor: Any) -> bytes:
+def _tensor_bytes(tensor: Any) -> bytes:
     """A tensor's bytes in memory order (little-endian here), without the numpy bridge
     (which would import numpy: start-up time)."""
     import ctypes
@@ -115,10 +122,11 @@ def _write_safetensors_like(ckpt: Checkpoint, prepared: dict[str, Any], provenan
                             f: Any) -> None:
     if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian
         raise BnauditError("writing safetensors needs a little-endian machine")
+    stored = read_safetensors_header(ckpt.path)
+    header = stored.entries
     with open(ckpt.path, "rb") as src:
-        n = int.from_bytes(src.read(8), "little")
-        header = json.loads(src.read(n))
-        metadata = dict(header.pop("__metadata__", None) or {})
+        src.seek(stored.data_start)
+        metadata = dict(stored.metadata)
         if provenance is not None:
             metadata["bnaudit"] = json.dumps(dict(provenance), sort_keys=True)
         new_header = {"__metadata__": metadata, **header} if metadata else header
@@ -131,7 +139,7 @@ def _write_safetensors_like(ckpt: Checkpoint, prepared: dict[str, Any], provenan
             f.write(chunk)
     for name, tensor in prepared.items():
         begin, end = header[ckpt.prefix + name]["data_offsets"]
-        data = tensor_bytes(tensor)
+        data = _tensor_bytes(tensor)
         if len(data) != end - begin:  # pragma: no cover - _prepare_updates checked shape and dtype
             raise ValueError(f"{name}: {len(data)} bytes for a slot of {end - begin}")
         f.seek(data_start + begin)
