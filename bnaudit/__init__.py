@@ -3,8 +3,9 @@
 Public API (the CLI is a thin layer over it):
 
     bnaudit.inspect(paths, config=None, key=None, trust_pickle=False) -> InspectReport
-    bnaudit.measure_gap(checkpoint, DataOptions(path=...), arch=..., ...) -> GapReport
-    bnaudit.recalibrate_checkpoint(checkpoint, output, DataOptions(path=...), arch=...) -> RecalibrationReport
+    bnaudit.measure_gap(checkpoint, DataOptions(path=...), arch=..., config=..., max_gap=...) -> GapReport
+    bnaudit.recalibrate_checkpoint(checkpoint, output, DataOptions(path=...), arch=..., config=...)
+        -> RecalibrationReport
     bnaudit.recalibrate_module(model, batches, method="exact") -> Calibration   (an nn.Module in place)
 """
 from __future__ import annotations
@@ -17,9 +18,8 @@ __all__ = ["__version__", "inspect", "measure_gap", "recalibrate_checkpoint", "r
 # Lazy: `bnaudit --help` must not pay for numpy/torch imports it does not use.
 _LAZY = {
     "inspect": ("bnaudit.audit.audit", "inspect"),
-    "measure_gap": ("bnaudit.runtime.gap", "run_gap"),
-    # not `recalibrate`: importing the submodule bnaudit.recalibrate would shadow it
-    "recalibrate_checkpoint": ("bnaudit.runtime.recalibrate.command", "run_recalibrate"),
+    "measure_gap": ("bnaudit.runtime.gap", "measure_gap"),
+    "recalibrate_checkpoint": ("bnaudit.runtime.recalibrate.command", "recalibrate_checkpoint"),
     "recalibrate_module": ("bnaudit.runtime.recalibrate.methods", "recalibrate_module"),
     "Config": ("bnaudit.config", "Config"),
     "DataOptions": ("bnaudit.runtime.data", "DataOptions"),

@@ -13,12 +13,12 @@ import bnaudit
 
 def test_public_names_resolve():
     from bnaudit.audit.audit import inspect
-    from bnaudit.runtime.gap import run_gap
-    from bnaudit.runtime.recalibrate.command import run_recalibrate
+    from bnaudit.runtime.gap import measure_gap
+    from bnaudit.runtime.recalibrate.command import recalibrate_checkpoint
     from bnaudit.runtime.recalibrate.methods import recalibrate_module
 
-    assert bnaudit.inspect is inspect and bnaudit.measure_gap is run_gap
-    assert bnaudit.recalibrate_checkpoint is run_recalibrate and bnaudit.recalibrate_module is recalibrate_module
+    assert bnaudit.inspect is inspect and bnaudit.measure_gap is measure_gap
+    assert bnaudit.recalibrate_checkpoint is recalibrate_checkpoint and bnaudit.recalibrate_module is recalibrate_module
     with pytest.raises(AttributeError):
         bnaudit.no_such_name  # noqa: B018
 

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from bnaudit.cli import app
 from bnaudit.errors import BnauditError
 from bnaudit.runtime.data import DataOptions, make_loader
-from bnaudit.runtime.gap import measure_gap, run_gap
+from bnaudit.runtime.gap import measure_gap, measure_model_gap
 from bnaudit.runtime.models import load_runnable
 
 torch.set_num_threads(1)
@@ -164,7 +164,7 @@ def _reference(ns: dict, state: dict, x: torch.Tensor, y: torch.Tensor, batches:
 def _gap(world, ckpt: str = "healthy.safetensors", **options):
     options.setdefault("path", str(world["root"] / "val.safetensors"))
     options.setdefault("batch_size", 16)
-    return run_gap(str(world["root"] / ckpt), DataOptions(**options), arch=world["arch"])
+    return measure_gap(str(world["root"] / ckpt), DataOptions(**options), arch=world["arch"])
 
 
 # ----------------------------------------------------------------------------- the measurement
@@ -187,7 +187,7 @@ def test_accuracy_in_each_mode_matches_an_independent_computation(world):
 def test_buffers_unchanged_whichever_pass_runs_first(world, train_first):
     runnable = load_runnable(str(world["root"] / "healthy.safetensors"), arch=world["arch"])
     stream = make_loader(DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=16))
-    report = measure_gap(runnable, stream, train_first=train_first)
+    report = measure_model_gap(runnable, stream, train_first=train_first)
     after = runnable.module.state_dict()
     for name, value in world["healthy"].items():
         assert torch.equal(after[name], value), name
@@ -244,8 +244,8 @@ def test_shuffling_matters_on_a_class_sorted_set(tmp_path):
     save_file({"inputs": x, "labels": y}, tmp_path / "sorted.safetensors")
     arch = f"{tmp_path / 'sign.py'}:sign_net"
     common = dict(path=str(tmp_path / "sorted.safetensors"), batch_size=16)
-    shuffled = run_gap(str(tmp_path / "sign.safetensors"), DataOptions(**common), arch=arch)
-    in_order = run_gap(str(tmp_path / "sign.safetensors"), DataOptions(**common, shuffle=False), arch=arch)
+    shuffled = measure_gap(str(tmp_path / "sign.safetensors"), DataOptions(**common), arch=arch)
+    in_order = measure_gap(str(tmp_path / "sign.safetensors"), DataOptions(**common, shuffle=False), arch=arch)
     # running stats 0/1 fit the mixture: eval mode is perfect either way
     assert shuffled.eval_accuracy == 1.0 and in_order.eval_accuracy == 1.0
     # one-class batches normalise the class signal away; mixed batches keep it
@@ -253,7 +253,7 @@ def test_shuffling_matters_on_a_class_sorted_set(tmp_path):
     assert in_order.train_accuracy < 0.7
     assert any("--no-shuffle" in line for line in in_order.diagnosis)
     # a different seed gives different batches, the same seed the same
-    again = run_gap(str(tmp_path / "sign.safetensors"), DataOptions(**common), arch=arch)
+    again = measure_gap(str(tmp_path / "sign.safetensors"), DataOptions(**common), arch=arch)
     assert again.train_accuracy == shuffled.train_accuracy and again.divergence == shuffled.divergence
 
 
@@ -268,7 +268,7 @@ def test_non_classifier_output_uses_relative_l2(tmp_path):
     save_file(model.state_dict(), tmp_path / "reg.safetensors")
     x = torch.randn(40, 3, generator=torch.Generator().manual_seed(4))
     save_file({"inputs": x}, tmp_path / "x.safetensors")
-    report = run_gap(str(tmp_path / "reg.safetensors"), DataOptions(path=str(tmp_path / "x.safetensors"), batch_size=10),
+    report = measure_gap(str(tmp_path / "reg.safetensors"), DataOptions(path=str(tmp_path / "x.safetensors"), batch_size=10),
                      arch=f"{tmp_path / 'reg.py'}:Regressor")
     model.eval()
     with torch.no_grad():
@@ -292,7 +292,7 @@ def test_torchscript_and_pickled_module_give_the_reference_accuracy(world, tmp_p
     torch.jit.script(model).save(str(tmp_path / "scripted.pt"))
     ref = _reference(world["ns"], world["healthy"], world["x"], world["y"], _batches(120, 16))
     options = DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=16)
-    scripted = run_gap(str(tmp_path / "scripted.pt"), options)
+    scripted = measure_gap(str(tmp_path / "scripted.pt"), options)
     assert scripted.eval_accuracy == pytest.approx(ref["eval_acc"], abs=1e-12)
     assert scripted.train_accuracy == pytest.approx(ref["train_acc"], abs=1e-12)
     assert all(d.note == "not measured (TorchScript)" for d in scripted.layers)
@@ -300,14 +300,14 @@ def test_torchscript_and_pickled_module_give_the_reference_accuracy(world, tmp_p
     # the scripted module's buffers are restored too
     reloaded = torch.jit.load(str(tmp_path / "scripted.pt"))
     runnable = load_runnable(str(tmp_path / "scripted.pt"))
-    measure_gap(runnable, make_loader(options))
+    measure_model_gap(runnable, make_loader(options))
     for (name, a), (_, b) in zip(runnable.module.state_dict().items(), reloaded.state_dict().items()):
         assert torch.equal(a, b), name
     # a whole pickled module built from torch.nn classes only
     seq = nn.Sequential(nn.Flatten(), nn.Linear(36, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
     seq.eval()
     torch.save(seq, tmp_path / "whole.pt")
-    pickled = run_gap(str(tmp_path / "whole.pt"), options)
+    pickled = measure_gap(str(tmp_path / "whole.pt"), options)
     with torch.no_grad():
         expected = (seq(world["x"]).argmax(1) == world["y"]).double().mean().item()
     assert pickled.eval_accuracy == pytest.approx(expected, abs=1e-12)
@@ -342,7 +342,7 @@ def test_dead_channel_where_drift_starts_is_blamed(world, tmp_path):
         state["features.4.running_var"][1] = 1e-7
 
     path = _variant(world, tmp_path, "dead.safetensors", kill_channel)
-    report = run_gap(path, DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32), arch=world["arch"])
+    report = measure_gap(path, DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32), arch=world["arch"])
     assert [f.layer for f in report.findings if f.code == "BN004"] == ["features.4"]
     assert any(line.startswith("Drift starts at features.4, where BN004") for line in report.diagnosis)
 
@@ -352,7 +352,7 @@ def test_drift_from_the_first_layer_on_is_called_stale_statistics(world, tmp_pat
         state["features.1.running_var"] *= 8.0  # the counter stays high: no BN003
 
     path = _variant(world, tmp_path, "stale.safetensors", scale_first)
-    report = run_gap(path, DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32), arch=world["arch"])
+    report = measure_gap(path, DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32), arch=world["arch"])
     assert "BN003" not in {f.code for f in report.findings}
     first = next(d for d in report.layers if d.name == "features.1")
     assert first.var_log_ratio == pytest.approx(math.log(8.0), abs=0.3)  # var_data ~ var_run / 8
@@ -494,7 +494,7 @@ def test_missing_data_and_missing_arch_are_one_line_errors(world):
 
 def test_cuda_device_is_refused_cleanly_without_a_gpu(world):
     if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the device-machine script checks --device cuda")
+        pytest.skip("a GPU is present: this test needs a machine without CUDA")
     _assert_one_line_error(world, [str(world["root"] / "healthy.safetensors"), "--arch", world["arch"],
                                    "--data", str(world["root"] / "val.safetensors"), "--device", "cuda"],
                            "no CUDA device")
@@ -502,7 +502,7 @@ def test_cuda_device_is_refused_cleanly_without_a_gpu(world):
 
 def test_auto_device_runs_on_what_is_there(world):
     report = _gap(world, batch_size=32)
-    auto = run_gap(str(world["root"] / "healthy.safetensors"),
+    auto = measure_gap(str(world["root"] / "healthy.safetensors"),
                    DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32),
                    arch=world["arch"], device="auto")
     assert auto.device == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -525,4 +525,4 @@ def test_measure_gap_refuses_batches_of_one(world):
     runnable = load_runnable(str(world["root"] / "healthy.safetensors"), arch=world["arch"])
     stream = make_loader(DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=1))
     with pytest.raises(BnauditError, match="at least 2"):
-        measure_gap(runnable, stream)
+        measure_model_gap(runnable, stream)

@@ -25,7 +25,6 @@ message stays one line.
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -33,13 +32,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
+from torch.utils.data import DataLoader, default_collate
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.model import read_into
 from bnaudit.formats.safetensors import read_safetensors
 from bnaudit.formats.sniff import sniff_format
-from bnaudit.runtime.models import import_callable
+from bnaudit.formats.torchscript import stored_tensors
+from bnaudit.runtime.models import exit_message, import_callable
+from bnaudit.runtime.norms import concat_batches, merge_trailing_singleton_plan
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
@@ -124,8 +127,6 @@ class _Gathered:
 
 
 def _is_label(value: Any) -> bool:
-    import torch
-
     if isinstance(value, bool):
         return False
     if isinstance(value, (int, np.integer)):
@@ -204,7 +205,7 @@ class ImageFolderSource(_Source):
         return self.files[index][0]
 
     def load(self, index: int) -> tuple[Any, Any]:
-        import torch
+        # Pillow only where images are read: tensor-file data never loads it
         from PIL import Image
 
         path, label = self.files[index]
@@ -223,7 +224,7 @@ class ImageFolderSource(_Source):
 
 def resize_center_crop(image: Any, size: int) -> Any:
     """Resize so the shorter side is `size` (bilinear), then crop the central size x size."""
-    from PIL import Image
+    from PIL import Image  # as in ImageFolderSource.load: only image data needs Pillow
 
     width, height = image.size
     scale = size / min(width, height)
@@ -290,8 +291,6 @@ class TensorSource(_Source):
         `load` of each sample and stacking would give (same values and dtypes, labels
         as int64). None where labels would not all fit int64 (uint64): the per-sample
         path then checks them one by one."""
-        import torch
-
         if self.has_labels and not _fits_int64(self.shards[0].labels.dtype):
             return None
         groups: dict[int, list[tuple[int, int]]] = {}  # shard -> (position in the batch, row)
@@ -322,8 +321,6 @@ def _fits_int64(dtype: Any) -> bool:
 
 def _take(values: Any, rows: list[int]) -> Any:
     """values[rows] (FileRows or a tensor) as a new tensor."""
-    import torch
-
     if isinstance(values, FileRows):
         return values.take(rows)
     return values[torch.as_tensor(rows, dtype=torch.int64)]
@@ -346,13 +343,9 @@ class FileRows:
 
     @property
     def row_bytes(self) -> int:
-        import torch
-
         return getattr(torch, self.dtype).itemsize * math.prod(self.shape[1:])
 
     def take(self, rows: list[int]) -> Any:
-        import torch
-
 
         size, dtype = self.row_bytes, getattr(torch, self.dtype)
         if size == 0 or not rows:
@@ -371,7 +364,6 @@ class FileRows:
 
 
 def _open_shard(path: str) -> _Shard:
-
     fmt = sniff_format(path)
     if fmt == "safetensors":
         tensors = _open_safetensors(path)
@@ -407,22 +399,16 @@ def _open_safetensors(path: str) -> dict[str, Any]:
     read batch by batch; the rest (labels: one integer a sample) read whole."""
 
     refs, _ = read_safetensors(path)  # validates every header claim against the file
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
     out: dict[str, Any] = {}
     for name, ref in refs.items():
-        if name == "inputs" and ref.shape:
-            out[name] = FileRows(path, 8 + n + header[name]["data_offsets"][0], ref.dtype, ref.shape)
+        if name == "inputs" and ref.shape and ref.location is not None:
+            out[name] = FileRows(path, ref.location[0], ref.dtype, ref.shape)
         else:
             out[name] = ref.to_torch()
     return out
 
 
 def _open_torch_tensors(path: str, fmt: str) -> dict[str, Any]:
-    import torch
-
-
     try:
         obj = load_torch_object(path, trust_pickle=False, mmap=fmt == "torch-zip")
     except BnauditError as exc:
@@ -442,8 +428,6 @@ def _open_torch_tensors(path: str, fmt: str) -> dict[str, Any]:
     if fmt == "torch-zip" and inputs is not None:
         # torch.load(mmap=True) maps the file, and every page of it that a batch touches
         # stays resident: read the inputs batch by batch instead, where they lie as plain rows
-        from bnaudit.formats.torchscript import stored_tensors
-
         where = stored_tensors(path).get("inputs")
         if (where is not None and where.start is not None and where.shape == tuple(inputs.shape)
                 and where.dtype == str(inputs.dtype).removeprefix("torch.")):
@@ -455,15 +439,12 @@ class CustomSource(_Source):
     kind = "dataset"
 
     def __init__(self, spec: str) -> None:
-
         factory = import_callable(spec, "--dataset")
         try:
             dataset = factory()
         except Exception as exc:
             raise BnauditError(f"--dataset {spec}: calling it failed: {type(exc).__name__}: {exc}") from None
         except SystemExit as exc:
-            from bnaudit.runtime.models import exit_message
-
             raise BnauditError(f"--dataset {spec}: {exit_message(exc, 'calling it')}") from None
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise BnauditError(
@@ -541,20 +522,15 @@ def batch_indices(
     n: int, batch_size: int, num_samples: int | None = None, shuffle: bool = True, seed: int = 0
 ) -> list[list[int]]:
     """Sample indices per batch: a permutation fixed by `seed` (or 0..n-1), capped at
-    `num_samples`, cut into batches; a last batch of one sample joins the previous one."""
-    import torch
-
+    `num_samples`, cut into batches; a last batch of one sample joins the previous one
+    (`norms.merge_trailing_singleton`)."""
     if shuffle:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     else:
         order = list(range(n))
     if num_samples is not None:
         order = order[:num_samples]
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    if len(batches) >= 2 and len(batches[-1]) == 1:
-        last = batches.pop()
-        batches[-1].extend(last)
-    return batches
+    return merge_trailing_singleton_plan([order[i:i + batch_size] for i in range(0, len(order), batch_size)])
 
 
 @dataclass
@@ -618,9 +594,6 @@ class _Collate:
         self.skip_bad = skip_bad
 
     def __call__(self, items: list[Any] | _Gathered) -> tuple[Any, ...] | _BadBatch:
-        import torch
-        from torch.utils.data import default_collate
-
         if isinstance(items, _Gathered):
             bad = _first_non_finite(items.inputs, items.origins)
             if bad is not None:
@@ -661,8 +634,6 @@ class _Collate:
 
 
 def _shape_clash(items: list[_Item]) -> str | None:
-    import torch
-
     first = items[0]
     if not isinstance(first.input, torch.Tensor):
         return None
@@ -675,8 +646,6 @@ def _shape_clash(items: list[_Item]) -> str | None:
 
 
 def _tensors(value: Any) -> Iterator[Any]:
-    import torch
-
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, Mapping):
@@ -689,8 +658,6 @@ def _tensors(value: Any) -> Iterator[Any]:
 
 def _first_non_finite(inputs: Any, origins: list[str]) -> str | None:
     """The origin of the first sample holding a NaN or an infinity (None: all finite)."""
-    import torch
-
     for tensor in _tensors(inputs):
         if not (tensor.dtype.is_floating_point or tensor.dtype.is_complex) or tensor.numel() == 0:
             continue
@@ -746,8 +713,6 @@ class BatchStream:
         return len(self.plan)
 
     def __iter__(self) -> Iterator[Batch]:
-        from torch.utils.data import DataLoader
-
         loader = DataLoader(
             _ItemDataset(self.source),
             batch_sampler=self.plan,
@@ -766,11 +731,14 @@ class BatchStream:
             if not origins:
                 continue
             batch = Batch(emitted, inputs, labels, len(origins), origins, skipped)
+            # The plan already joined a last batch of one sample (norms'
+            # rule); only --skip-bad can shrink another batch to one: the same rule
+            # joins it to a neighbour, where the inputs can be joined.
+            joined = _join(held, batch) if held is not None and (held.size < 2 or batch.size < 2) else None
             if held is None:
                 held = batch
-            elif held.size < 2 or batch.size < 2:
-                # Only --skip-bad can shrink a batch to one sample: join it to a neighbour.
-                held = _join(held, batch)
+            elif joined is not None:
+                held = joined
             else:
                 yield held
                 emitted += 1
@@ -799,21 +767,14 @@ def _surviving(loader: Any) -> Iterator[Any]:
         yield raw
 
 
-def _join(a: Batch, b: Batch) -> Batch:
-    return Batch(a.index, _cat(a.inputs, b.inputs), None if a.labels is None else _cat(a.labels, b.labels),
-                 a.size + b.size, a.origins + b.origins, a.skipped + b.skipped)
-
-
-def _cat(a: Any, b: Any) -> Any:
-    import torch
-
-    if isinstance(a, torch.Tensor):
-        return torch.cat([a, b])
-    if isinstance(a, Mapping):
-        return {k: _cat(a[k], b[k]) for k in a}
-    if isinstance(a, (tuple, list)):
-        return type(a)(_cat(x, y) for x, y in zip(a, b))
-    return a
+def _join(a: Batch, b: Batch) -> Batch | None:
+    """One batch of a's samples followed by b's (None: inputs of a structure that
+    `norms.concat_batches` cannot join)."""
+    inputs = concat_batches(a.inputs, b.inputs)
+    if inputs is None:
+        return None
+    labels = None if a.labels is None else concat_batches(a.labels, b.labels)
+    return Batch(a.index, inputs, labels, a.size + b.size, a.origins + b.origins, a.skipped + b.skipped)
 
 
 def make_loader(options: DataOptions) -> BatchStream:

@@ -19,9 +19,9 @@ difference is BatchNorm's alone. Definitions (N samples, y_t / y_e their outputs
 
 Per-layer drift compares the data that reaches each BN layer in eval mode (exact
 per-channel mean mu_d and unbiased variance var_d over all samples, float64, merged
-with `bnaudit.stats.ChannelStats`) with its running statistics mu_r, var_r:
+with `bnaudit.runtime.stats.ChannelStats`) with its running statistics mu_r, var_r:
 
-  mean_shift, max_mean_shift, var_log_ratio   as `bnaudit.stats.Drift` defines them
+  mean_shift, max_mean_shift, var_log_ratio   as `bnaudit.runtime.stats.Drift` defines them
   drift           mean_shift + var_log_ratio (the ranking key: both are 0 when the stored
                   statistics describe the data; a shift of one running std and a variance
                   off by a factor e weigh alike)
@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
+
+import torch
 
 from bnaudit.audit.audit import audit_checkpoint
 from bnaudit.audit.report import FileReport
@@ -93,7 +95,8 @@ class LayerDrift:
 
 @dataclass
 class GapReport:
-    """The result of `measure_gap`; `layers` ranked by drift, worst first."""
+    """The result of `measure_gap`; `layers` ranked by drift, worst first. `max_gap`: the
+    largest gap (a fraction of samples) that passes, None for no limit."""
 
     kind: ClassVar[str] = "gap"  # which emitter of bnaudit.output renders it
     checkpoint: str
@@ -116,18 +119,28 @@ class GapReport:
     diagnosis: list[str] = field(default_factory=list)
     skipped: int = 0
     non_finite: dict[str, int] = field(default_factory=dict)
+    max_gap: float | None = None
 
     @property
     def findings(self) -> list:
         return self.inspection.findings
 
-    def exit_code(self, max_gap: float | None = None) -> int:
-        """1 when `max_gap` is given and the gap exceeds it, else 0."""
-        if max_gap is None:
+    def exit_code(self) -> int:
+        """1 when the report has a `max_gap` and the gap exceeds it, else 0."""
+        if self.max_gap is None:
             return 0
         if self.gap is None:
-            raise BnauditError("--max-gap needs labelled data (the gap is an accuracy difference)")
-        return 1 if self.gap > max_gap else 0
+            raise BnauditError(NEEDS_LABELS)
+        return 1 if self.gap > self.max_gap else 0
+
+
+NEEDS_LABELS = "--max-gap needs labelled data (the gap is an accuracy difference)"
+
+
+def check_max_gap(max_gap: float | None) -> None:
+    """Refuse a --max-gap that is no fraction of samples (the gap lies in [-1, 1])."""
+    if max_gap is not None and not -1 <= max_gap <= 1:  # also refuses NaN
+        raise BnauditError(f"--max-gap is a fraction of samples in [-1, 1], got {max_gap}")
 
 
 @dataclass
@@ -143,7 +156,7 @@ class _Totals:
     non_finite_eval: int = 0
 
 
-def measure_gap(
+def measure_model_gap(
     runnable: Any,
     stream: Any,
     device: Any = "cpu",
@@ -154,14 +167,11 @@ def measure_gap(
 ) -> GapReport:
     """Run every batch of `stream` through `runnable.module` in both modes (see module doc).
 
-    `runnable` is a `bnaudit.models.RunnableModel`, `stream` a `bnaudit.data.BatchStream`.
-    `train_first` only chooses which pass runs first on each batch: the result is the
-    same either way, because the train-mode pass restores the buffers it changes.
+    `runnable` is a `bnaudit.runtime.models.RunnableModel`, `stream` a
+    `bnaudit.runtime.data.BatchStream`. `train_first` only chooses which pass runs first
+    on each batch: the result is the same either way, because the train-mode pass
+    restores the buffers it changes.
     """
-    import torch
-
-    from bnaudit.runtime.models import resolve_device
-
     device = resolve_device(device) if isinstance(device, str) else device
     if stream.batch_size < 2:
         raise BnauditError("--batch-size must be at least 2: train-mode BatchNorm normalises by batch statistics")
@@ -179,7 +189,7 @@ def measure_gap(
     batches = 0
     with eval_mode(model), torch.no_grad():
         for batch in stream:
-            inputs = _to_device(batch.inputs, device)
+            inputs = to_device(batch.inputs, device)
             labels = None if batch.labels is None else batch.labels.to(device)
 
             def run_train() -> Any:
@@ -228,11 +238,6 @@ def measure_gap(
     return report
 
 
-def _to_device(value: Any, device: Any) -> Any:
-
-    return to_device(value, device)
-
-
 def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict, train: bool) -> Any:
     """One forward in the requested mode; a failure names the layer and the shape it got."""
 
@@ -261,8 +266,6 @@ def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict, trai
 
 
 def _shapes(args: tuple) -> str:
-    import torch
-
     shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
     if not shapes:
         return "no tensor"
@@ -272,8 +275,6 @@ def _shapes(args: tuple) -> str:
 def _locate_failure(model: Any, call: Callable[[], Any]) -> str:
     """Re-run a failed forward with hooks on every module; the innermost module entered
     and not left is the one that failed. Empty for TorchScript (no hooks)."""
-    import torch
-
     if isinstance(model, torch.jit.ScriptModule):
         return ""
     stack: list[tuple[str, str, str]] = []
@@ -303,8 +304,6 @@ def _locate_failure(model: Any, call: Callable[[], Any]) -> str:
 
 
 def _compare(out_train: Any, out_eval: Any, labels: Any, batch: Any, totals: _Totals) -> None:
-    import torch
-
     train = out_train.detach().to(torch.float64)
     evals = out_eval.detach().to(torch.float64)
     if train.shape != evals.shape or evals.dim() == 0 or evals.shape[0] != batch.size:
@@ -368,8 +367,8 @@ def _drift(norms: dict[str, Any], accumulated: dict[str, Any], hooked: dict[str,
                                          d.position))
 
 
-def _pct(x: float) -> str:
-    return f"{x * 100:.1f}%"
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 100:.1f}%"
 
 
 def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
@@ -460,9 +459,10 @@ def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def run_gap(
+def measure_gap(
     checkpoint: str,
-    data: Any,
+    options: Any,
+    *,
     arch: str | None = None,
     arch_kwargs: Any = None,
     key: str | None = None,
@@ -471,19 +471,28 @@ def run_gap(
     device: str = "cpu",
     config: Config | None = None,
     progress: Callable[[int, int], None] | None = None,
+    max_gap: float | None = None,
 ) -> GapReport:
-    """Load the model and the data (`data`: a `bnaudit.data.DataOptions`) and measure.
+    """Load the model and the data (`options`: a `bnaudit.DataOptions`) and measure the gap
+    (see the module docstring). `config` (None: the defaults) decides which inspect findings
+    the report carries; `max_gap` is stored on the report for `GapReport.exit_code`.
 
-    >>> from bnaudit.data import DataOptions                         # doctest: +SKIP
-    >>> run_gap("model.pt", DataOptions(path="val.safetensors"),    # doctest: +SKIP
-    ...         arch="mypkg.models:net").gap
+    >>> import bnaudit                                                      # doctest: +SKIP
+    >>> bnaudit.measure_gap("model.pt", bnaudit.DataOptions(path="val.safetensors"),
+    ...                     arch="mypkg.models:net").gap                    # doctest: +SKIP
     """
-
+    check_max_gap(max_gap)
     target = resolve_device(device)
-    data.validate()
-    if data.batch_size < 2:
+    options.validate()
+    if options.batch_size < 2:  # before the model loads: the cheapest refusal first
         raise BnauditError("--batch-size must be at least 2: train-mode BatchNorm normalises by batch statistics")
     forward_fn = load_forward(forward)
     runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
-    stream = make_loader(replace(data, pin_memory=target.type == "cuda"))
-    return measure_gap(runnable, stream, target, forward_fn, config, progress)
+    stream = make_loader(replace(options, pin_memory=target.type == "cuda"))
+    if max_gap is not None and stream.has_labels is False:
+        raise BnauditError(NEEDS_LABELS)
+    report = measure_model_gap(runnable, stream, target, forward_fn, config, progress)
+    report.max_gap = max_gap
+    if max_gap is not None and report.gap is None:
+        raise BnauditError(NEEDS_LABELS)
+    return report

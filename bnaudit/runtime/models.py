@@ -16,9 +16,8 @@ Missing, unexpected and mismatched keys become findings (BN001 exact for BN stat
 BN011 for the rest); a shape mismatch makes the model unrunnable and is an error.
 
 The helpers used to run a model on data live here too: `forward` (tensors, tuples, dicts,
-or a --forward function), `output_tensor`, `batch_stats_mode` (BN layers normalise by batch
-statistics, everything else in eval mode, buffers and modes restored afterwards) and
-`resolve_device`.
+or a --forward function), `output_tensor`, `to_device` and `resolve_device`. Which modules
+are BatchNorm is `bnaudit.runtime.norms`'s answer.
 """
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -34,6 +34,8 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from bnaudit.audit.layers import ModuleFacts, facts_from_module_infos
 from bnaudit.errors import BnauditError
@@ -47,6 +49,7 @@ from bnaudit.formats.containers import (
 from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.sniff import sniff_format
+from bnaudit.runtime.norms import batchnorm_modules
 from bnaudit.text import exception_line
 
 
@@ -173,8 +176,6 @@ def exit_message(exc: SystemExit, doing: str, printed: str = "") -> str:
 def _held_stderr() -> Iterator[Any]:
     """Hold what user code prints to sys.stderr while it is imported: shown as it is when
     the import returns or raises, folded into the one-line error when it exits."""
-    import io
-
     held = io.StringIO()
     try:
         with contextlib.redirect_stderr(held):
@@ -209,8 +210,6 @@ def build_arch(arch: str, arch_kwargs: str | Mapping[str, Any] | None = None, me
     shapes and settings `inspect` needs. A constructor that cannot run on meta is built
     on the CPU instead.
     """
-    import torch
-
     factory = import_callable(arch)
     kwargs = parse_arch_kwargs(arch_kwargs)
     model = None
@@ -255,9 +254,7 @@ def match_checkpoint(ckpt: Checkpoint, model: Any) -> tuple[Checkpoint, ModuleFa
     )
     tensors = {best + n: ref.renamed(best + n) for n, ref in ckpt.tensors.items()}
     infos = module_infos(model)
-    from torch.nn.modules.batchnorm import _BatchNorm
-
-    batch_norms = frozenset(n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and n in infos)
+    batch_norms = frozenset(n for n in batchnorm_modules(model) if n in infos)
     missing = tuple(k for k in model_state if k not in tensors)
     unexpected = tuple(k for k in tensors if k not in model_state)
     mismatched = tuple(
@@ -328,8 +325,6 @@ def load_runnable(
 
 
 def _load_torchscript(path: str, key: str | None) -> RunnableModel:
-    import torch
-
     ckpt = read_checkpoint(path, key=key)
     try:
         module = torch.jit.load(path, map_location="cpu")
@@ -340,8 +335,6 @@ def _load_torchscript(path: str, key: str | None) -> RunnableModel:
 
 
 def _load_pickled_module(path: str, fmt: str, key: str | None, trust_pickle: bool) -> RunnableModel:
-    import torch
-
     if trust_pickle:
         cwd = os.getcwd()
         if cwd not in sys.path and "" not in sys.path:
@@ -358,14 +351,12 @@ def _load_pickled_module(path: str, fmt: str, key: str | None, trust_pickle: boo
         )
     chosen = choose_state_dict(path, modules, key)
     module = modules[chosen]
-    from torch.nn.modules.batchnorm import _BatchNorm
-
     # No prefix stripping: the module's own names and settings are the truth downstream.
     ckpt = wrap_candidate(path, fmt, candidates, chosen)
     infos = ckpt.modules
     facts = dataclasses.replace(
         facts_from_module_infos(infos),
-        batch_norms=frozenset(n for n, m in module.named_modules() if isinstance(m, _BatchNorm) and n in infos),
+        batch_norms=frozenset(n for n in batchnorm_modules(module) if n in infos),
     )
     module.eval()
     return RunnableModel(module, ckpt, facts, "pickle")
@@ -373,8 +364,6 @@ def _load_pickled_module(path: str, fmt: str, key: str | None, trust_pickle: boo
 
 def resolve_device(name: str | None) -> Any:
     """`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available) -> torch.device."""
-    import torch
-
     name = (name or "cpu").strip().lower()
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -394,8 +383,6 @@ def resolve_device(name: str | None) -> Any:
 
 def to_device(value: Any, device: Any) -> Any:
     """Move tensors inside tensors / tuples / lists / dicts to `device`."""
-    import torch
-
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=True)
     if isinstance(value, Mapping):
@@ -430,8 +417,6 @@ def forward(model: Any, inputs: Any, forward_fn: Callable[[Any, Any], Any] | Non
 def output_tensor(output: Any) -> Any:
     """The tensor of a model output: the tensor itself, `.logits` / `["logits"]` of a
     model-output object or dict, else the first tensor of a tuple, list or dict."""
-    import torch
-
     if isinstance(output, torch.Tensor):
         return output
     logits = getattr(output, "logits", None)

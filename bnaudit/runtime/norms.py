@@ -1,12 +1,56 @@
-"""TODO docstring. From: stats, models, recalibrate"""
+"""Which modules are BatchNorm, how to switch them between statistics, and how batches
+are joined: the one place in bnaudit that decides these.
+
+Definitions (every other runtime module asks the functions here):
+
+  BatchNorm layer   an eager module that is a torch `_BatchNorm` (BatchNorm1d/2d/3d, their
+                    Lazy variants, SyncBatchNorm and every subclass), or a TorchScript
+                    module whose original class is named BatchNorm* / SyncBatchNorm*
+                    (`is_batchnorm`). For channel c it computes
+
+                      y = (x - mu_c) / sqrt(var_c + eps) * weight_c + bias_c
+
+                    with mu_c and the biased variance var_c of the batch in training mode
+                    (it then updates running_mean / running_var by momentum, storing the
+                    unbiased variance), and running_mean_c / running_var_c in eval mode.
+  norm layer        a BatchNorm layer or an InstanceNorm (any torch `_NormBase`; in
+                    TorchScript a class named InstanceNorm*): every layer whose output
+                    depends on the mode (`is_norm`, `norm_modules`). gap switches them all.
+  recalibratable    a BatchNorm layer that keeps running statistics (`classify_layers`);
+                    frozen BN (statistics as buffers of a module without a training mode),
+                    tracked InstanceNorm (its running_var averages per-instance variances)
+                    and track_running_stats=False are left alone and listed.
+
+Modes: `eval_mode` (everything eval), `batch_stats_mode` (norm layers normalise by batch
+statistics, everything else eval, buffers restored) and `regime` (chosen layers by batch
+statistics without touching their buffers).
+
+Batches: a last batch of one sample joins the batch before it
+(`merge_trailing_singleton`), because training-mode BatchNorm cannot normalise one value
+per channel (a (1, C) input has no variance). Batch plans of sample indices, sharded plans
+and streams of batches all follow this rule through that one function.
+"""
 from __future__ import annotations
 
 import contextlib
+import operator
 import re
 import types
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+from torch.nn.modules import batchnorm as _torch_batchnorm
+
+# torch's private base classes are the only complete answer to "is this BatchNorm"
+# (every BatchNorm*, SyncBatchNorm and user subclass derives from them); read here only.
+_BATCHNORM = _torch_batchnorm._BatchNorm
+_NORM_BASE = _torch_batchnorm._NormBase
+
+# TorchScript modules keep only the name of the class they were scripted from.
+_SCRIPT_BATCHNORM = re.compile(r"(Sync)?BatchNorm\w*")
+_SCRIPT_INSTANCENORM = re.compile(r"InstanceNorm\w*")
 
 
 @dataclass(frozen=True)
@@ -17,41 +61,50 @@ class SkippedLayer:
     reason: str
 
 
+def is_script(module: Any) -> bool:
+    return isinstance(module, torch.jit.ScriptModule)
+
+
+def _script_class(module: Any) -> str:
+    return getattr(module, "original_name", "") or ""
+
+
 def is_batchnorm(module: Any) -> bool:
-    """A module that normalises with running statistics: nn BatchNorm/SyncBatchNorm/
-    tracked InstanceNorm (any subclass of _NormBase) with track_running_stats."""
-    from torch.nn.modules.batchnorm import _NormBase
+    """A BatchNorm layer (see the module docstring)."""
+    if isinstance(module, _BATCHNORM):
+        return True
+    return is_script(module) and _SCRIPT_BATCHNORM.fullmatch(_script_class(module)) is not None
 
-    return isinstance(module, _NormBase)
+
+def is_norm(module: Any) -> bool:
+    """A norm layer: BatchNorm or InstanceNorm, whose output depends on the mode."""
+    if isinstance(module, _NORM_BASE) or is_batchnorm(module):
+        return True
+    return is_script(module) and _SCRIPT_INSTANCENORM.fullmatch(_script_class(module)) is not None
 
 
-def bn_modules(model: Any) -> dict[str, Any]:
-    """Name -> module of every _NormBase module, in registration (forward) order."""
+def batchnorm_modules(model: Any) -> dict[str, Any]:
+    """Name -> module of every BatchNorm layer, in registration (forward) order."""
     return {name: m for name, m in model.named_modules() if is_batchnorm(m)}
 
 
-_NORM_SCRIPT_NAMES = re.compile(r"(BatchNorm|InstanceNorm)\w*$")
-
-
 def norm_modules(model: Any) -> dict[str, Any]:
-    """Name -> module of every module that normalises with running or batch statistics
-    (torch's _NormBase: BatchNorm*, SyncBatchNorm, InstanceNorm*), in registration order;
-    in a TorchScript module, those whose original class has such a name."""
-    from torch.nn.modules.batchnorm import _NormBase
-
-    found = {}
-    for name, module in model.named_modules():
-        if isinstance(module, _NormBase):
-            found[name] = module
-        elif is_script(module) and _NORM_SCRIPT_NAMES.match(getattr(module, "original_name", "")):
-            found[name] = module
-    return found
+    """Name -> module of every norm layer, in registration (forward) order."""
+    return {name: m for name, m in model.named_modules() if is_norm(m)}
 
 
-def is_script(module: Any) -> bool:
-    import torch
+def has_stock_forward(model: Any, module: Any) -> bool:
+    """An eager BatchNorm layer whose forward is PyTorch's own (so code that reproduces
+    that forward, `plain_batchnorm_forward` and the fused recalibration pass, may stand
+    in for it). SyncBatchNorm counts: under `regime` it runs as plain BatchNorm."""
+    if is_script(model) or not isinstance(module, _BATCHNORM) or "forward" in vars(module):
+        return False
+    return type(module).forward is _BATCHNORM.forward or isinstance(module, torch.nn.SyncBatchNorm)
 
-    return isinstance(module, torch.jit.ScriptModule)
+
+def plain_batchnorm_forward(module: Any, x: Any) -> Any:
+    """PyTorch's BatchNorm forward on `module` (SyncBatchNorm without its collective)."""
+    return _BATCHNORM.forward(module, x)
 
 
 @contextlib.contextmanager
@@ -68,16 +121,14 @@ def eval_mode(model: Any) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def batch_stats_mode(model: Any, norms: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
-    """BN layers normalise by batch statistics (training mode), everything else eval.
+    """Norm layers normalise by batch statistics (training mode), everything else eval.
 
     Dropout and other mode-dependent modules stay in eval mode, so a difference to
-    eval mode is BatchNorm's alone. The training-mode forward updates running_mean,
+    eval mode is the norm layers' alone. The training-mode forward updates running_mean,
     running_var and num_batches_tracked; they are snapshot on entry and copied back on
     exit (also on error), so the model's buffers are bit-identical afterwards, and so
     are all modules' modes. Yields the norm modules.
     """
-    import torch
-
     norms = norm_modules(model) if norms is None else norms
     modes = [(m, m.training) for m in model.modules()]
     saved = [
@@ -100,47 +151,47 @@ def batch_stats_mode(model: Any, norms: dict[str, Any] | None = None) -> Iterato
 
 
 def classify_layers(model: Any) -> tuple[dict[str, Any], list[SkippedLayer]]:
-    """BN layers whose statistics can be re-estimated, and the others that are left alone.
+    """Recalibratable BatchNorm layers, and the other layers with running statistics,
+    left alone and listed with the reason (see the module docstring).
 
-    Recalibrated: BatchNorm1d/2d/3d, SyncBatchNorm and subclasses (TorchScript: the
-    scripted versions) with tracked running statistics. Left alone and listed:
-    frozen BN (running statistics as buffers of a module without a training mode:
-    torchvision/detectron2 FrozenBatchNorm2d), tracked InstanceNorm (its running_var
-    is a mean of per-instance variances, a different quantity), and BN layers with
-    track_running_stats=False (no statistics to store).
+    In TorchScript a BatchNorm layer must hold running_mean, running_var and
+    num_batches_tracked; any other scripted module with running statistics counts as
+    frozen.
     """
-    from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
-
     targets: dict[str, Any] = {}
     skipped: list[SkippedLayer] = []
     script = is_script(model)
     for name, module in model.named_modules():
         label = name or "(root)"
+        own = dict(module.named_buffers(recurse=False))
+        has_stats = "running_mean" in own and "running_var" in own
+        cls = _script_class(module) if script else type(module).__name__
         if script:
-            own = dict(module.named_buffers(recurse=False))
-            cls = getattr(module, "original_name", type(module).__name__)
-            if "running_mean" not in own or "running_var" not in own:
+            if not has_stats:
                 continue
-            if "InstanceNorm" in cls:
+            if is_batchnorm(module):
+                if "num_batches_tracked" in own:
+                    targets[name] = module
+                else:
+                    skipped.append(SkippedLayer(label, f"{cls}: frozen statistics, left alone"))
+            elif is_norm(module):
                 skipped.append(SkippedLayer(label, f"{cls}: not BatchNorm, left alone"))
-            elif "BatchNorm" in cls and "Frozen" not in cls and "num_batches_tracked" in own:
-                targets[name] = module
             else:
                 skipped.append(SkippedLayer(label, f"{cls}: frozen statistics, left alone"))
-            continue
-        if isinstance(module, _BatchNorm):
+        elif is_script(module):
+            # a scripted part of an eager model: its mode cannot be switched from here
+            if has_stats:
+                skipped.append(SkippedLayer(label, f"{cls}: frozen statistics, left alone"))
+        elif is_batchnorm(module):
             if module.track_running_stats and module.running_mean is not None and module.running_var is not None:
                 targets[name] = module
             else:
-                skipped.append(SkippedLayer(
-                    label, f"{type(module).__name__} with track_running_stats=False: no running statistics"))
-        elif isinstance(module, _NormBase):
+                skipped.append(SkippedLayer(label, f"{cls} with track_running_stats=False: no running statistics"))
+        elif is_norm(module):
             if module.track_running_stats:
-                skipped.append(SkippedLayer(label, f"{type(module).__name__}: not BatchNorm, left alone"))
-        else:
-            own = dict(module.named_buffers(recurse=False))
-            if "running_mean" in own and "running_var" in own:
-                skipped.append(SkippedLayer(label, f"{type(module).__name__}: frozen statistics, left alone"))
+                skipped.append(SkippedLayer(label, f"{cls}: not BatchNorm, left alone"))
+        elif has_stats:
+            skipped.append(SkippedLayer(label, f"{cls}: frozen statistics, left alone"))
     return targets, skipped
 
 
@@ -149,7 +200,7 @@ def batch_len(batch: Any) -> int:
     size, else that of the first tensor found in a tuple/list/dict batch."""
     if hasattr(batch, "shape") and len(batch.shape) > 0:
         return int(batch.shape[0])
-    if isinstance(getattr(batch, "size", None), int):  # bnaudit.data.Batch
+    if isinstance(getattr(batch, "size", None), int):  # bnaudit.runtime.data.Batch
         return batch.size
     if isinstance(batch, Mapping):
         items = list(batch.values())
@@ -164,46 +215,53 @@ def batch_len(batch: Any) -> int:
     return 0
 
 
-def _concat(a: Any, b: Any) -> Any:
+def concat_batches(a: Any, b: Any) -> Any:
     """Join two batches of the same structure along the sample dimension (None: a
     structure this does not know, left to its producer)."""
-    import torch
-
     if isinstance(a, torch.Tensor):
         return torch.cat([a, b.to(a.device)])
     if isinstance(a, Mapping):
-        joined = {k: _concat(a[k], b[k]) for k in a}
+        joined = {k: concat_batches(a[k], b[k]) for k in a}
         return None if any(v is None for v in joined.values()) else joined
     if isinstance(a, tuple):
-        joined = [_concat(x, y) for x, y in zip(a, b)]
-        if any(j is None for j in joined):
+        parts = [concat_batches(x, y) for x, y in zip(a, b)]
+        if any(p is None for p in parts):
             return None
-        return type(a)(*joined) if hasattr(a, "_fields") else tuple(joined)
+        return type(a)(*parts) if hasattr(a, "_fields") else tuple(parts)
     if isinstance(a, list):
         if a and len(a) == len(b) and all(isinstance(x, torch.Tensor) for x in a):
-            return [_concat(x, y) for x, y in zip(a, b)]
+            return [concat_batches(x, y) for x, y in zip(a, b)]
         return a + b  # a list of per-sample items (file names, strings)
     if isinstance(a, (int, float, str, bytes)) or a is None:
         return a  # a per-batch constant
     return None
 
 
-def merge_trailing_singleton(batches: Iterable[Any]) -> Iterator[Any]:
-    """Yield the batches, with a last batch of one sample merged into the one before.
+def merge_trailing_singleton(
+    batches: Iterable[Any],
+    size: Callable[[Any], int] = batch_len,
+    join: Callable[[Any, Any], Any] = concat_batches,
+) -> Iterator[Any]:
+    """Yield the batches, with a last batch of one sample joined to the one before.
 
-    A batch of one sample cannot run BatchNorm1d in training mode (one value per
-    channel has no variance). Streams with two batches of lookahead.
+    `size` counts a batch's samples, `join` joins two batches (None: cannot, both are
+    yielded as they are). Streams with two batches of lookahead.
     """
     held: list[Any] = []  # the last two batches, not yet yielded
     for batch in batches:
         held.append(batch)
         if len(held) == 3:
             yield held.pop(0)
-    if len(held) == 2 and batch_len(held[1]) == 1:
-        joined = _concat(held[0], held[1])
+    if len(held) == 2 and size(held[1]) == 1:
+        joined = join(held[0], held[1])
         if joined is not None:
             held = [joined]
     yield from held
+
+
+def merge_trailing_singleton_plan(plan: list[list[int]]) -> list[list[int]]:
+    """A plan of sample indices per batch, with the same rule applied."""
+    return list(merge_trailing_singleton(plan, size=len, join=operator.add))
 
 
 @contextlib.contextmanager
@@ -217,8 +275,6 @@ def regime(model: Any, batch_stat_layers: Iterable[Any]) -> Iterator[None]:
     that constant: its buffers are restored afterwards. Modes and buffers are restored
     on exit, also after an error or Ctrl-C.
     """
-    import torch
-
     script = is_script(model)
     modes = [(m, m.training) for m in model.modules()]
     layers = list(batch_stat_layers)
@@ -235,7 +291,7 @@ def regime(model: Any, batch_stat_layers: Iterable[Any]) -> Iterator[None]:
                 # normalise by this rank's batch, as plain BN does: bnaudit merges the
                 # ranks' statistics exactly itself, and a per-forward collective would
                 # hang when ranks hold different numbers of batches (and gloo has none)
-                m.forward = types.MethodType(torch.nn.modules.batchnorm._BatchNorm.forward, m)
+                m.forward = types.MethodType(_BATCHNORM.forward, m)  # type: ignore[method-assign]
                 patched.append(m)
         yield
     finally:
@@ -253,4 +309,5 @@ def regime(model: Any, batch_stat_layers: Iterable[Any]) -> Iterator[None]:
 
 
 def num_features(module: Any) -> int:
+    """Channels of a layer with running statistics (the length of running_mean)."""
     return int(module.running_mean.shape[0])

@@ -12,9 +12,6 @@ Batches are merged with Chan et al.'s parallel formulas
   n = n_a + n_b,  d = mu_b - mu_a,  mu = mu_a + d * n_b / n,  M2 = M2_a + M2_b + d^2 n_a n_b / n
 so the result is the population statistic of all samples, independent of batch size,
 sample order and sharding (to float64 rounding), and never E[x^2] - E[x]^2.
-
-torch is imported inside functions: `bnaudit --help` and inspect of a safetensors file
-never load it.
 """
 from __future__ import annotations
 
@@ -22,6 +19,10 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,6 @@ class Drift:
 
 def drift(data_mean: Any, data_var: Any, run_mean: Any, run_var: Any, eps: float) -> Drift:
     """`Drift` of per-channel arrays (numpy, or CPU tensors), computed in float64."""
-    import numpy as np
-
     mu_d, var_d, mu_r, var_r = (np.asarray(a, dtype=np.float64) for a in (data_mean, data_var, run_mean, run_var))
     with np.errstate(all="ignore"):
         shift = np.abs(mu_d - mu_r) / np.sqrt(var_r + eps)
@@ -76,8 +75,6 @@ def shifted_sums(x: Any, shift: Any) -> Any:
     result is the same sums to float64 rounding. On an accelerator: one chunk.
     Called for every BN input of every batch: few tensor operations per call.
     """
-    import torch
-
     samples = x.shape[0]
     dims = [0, *range(2, x.dim())]
     shift = shift.view([1, -1] + [1] * (x.dim() - 2))
@@ -120,8 +117,6 @@ class ChannelStats:
 
     def update(self, x: Any) -> None:
         """Merge a batch of shape (N, C, *) into the running statistics."""
-        import torch
-
         if x.dim() < 2:
             raise ValueError(f"BN input must have a channel dimension, got shape {tuple(x.shape)}")
         channels = x.shape[1]
@@ -157,14 +152,13 @@ class ChannelStats:
     @property
     def var(self) -> Any:
         """Unbiased variance M2 / (n - 1); NaN where n < 2."""
-        import torch
-
         if self.count < 2:
             return torch.full_like(self.m2, float("nan"))
         return self.m2 / (self.count - 1)
 
     @property
     def var_biased(self) -> Any:
+        """Biased variance M2 / n (what training-mode forward normalises with)."""
         return self.m2 / self.count
 
 
@@ -199,9 +193,6 @@ def all_gather_merge(stats: ChannelStats, num_channels: int, group: Any = None) 
     A rank that saw nothing contributes count 0. Collective: every rank must call it,
     in the same order. gloo needs CPU tensors, nccl CUDA ones.
     """
-    import torch
-    import torch.distributed as dist
-
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     packed = torch.zeros(2 * num_channels + 1, dtype=torch.float64, device=device)

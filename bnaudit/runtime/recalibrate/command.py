@@ -1,21 +1,45 @@
-"""TODO docstring. From: recalibrate"""
+"""`recalibrate` on a checkpoint file: load the model, re-estimate its BatchNorm
+statistics on calibration data (`methods.recalibrate_module`), write a new checkpoint in
+the input's format with only those buffers changed (`formats.write.save_like`, atomic), and
+report per layer how far the old and the new statistics are from the calibration data
+(`stats.Drift`), and with held-out data the gap report of both checkpoints.
+
+The file-level safety lives here: the output never replaces an input (checkpoint, data,
+model source) or lands in a data folder, a layer whose buffers the file lacks is left out
+rather than written as new keys, and SIGTERM unwinds like Ctrl-C while a run is in progress
+so no temporary file stays behind.
+"""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import dataclasses
+import datetime
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
+
+from bnaudit import __version__
+from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.atomic import check_output
 from bnaudit.formats.write import save_like
 from bnaudit.runtime.data import make_loader
+from bnaudit.runtime.gap import GapReport, measure_model_gap
+from bnaudit.runtime.models import (
+    forward as run_forward,
+)
 from bnaudit.runtime.models import (
     load_forward,
     load_runnable,
     resolve_device,
     to_device,
 )
-from bnaudit.runtime.norms import classify_layers
+from bnaudit.runtime.norms import SkippedLayer, classify_layers
 from bnaudit.runtime.recalibrate.distributed import (
     device_for_rank,
     process_group,
@@ -24,7 +48,6 @@ from bnaudit.runtime.recalibrate.distributed import (
 from bnaudit.runtime.recalibrate.methods import (
     METHODS,
     Calibration,
-    SkippedLayer,
     recalibrate_module,
     to_numpy,
 )
@@ -47,6 +70,9 @@ class LayerChange:
 
 @dataclass
 class RecalibrationReport:
+    """The result of `recalibrate_checkpoint`; `eval_before` / `eval_after`: the gap
+    reports of the input and of the written checkpoint on --eval-data (else None)."""
+
     kind: ClassVar[str] = "recalibrate"  # which emitter of bnaudit.output renders it
 
     input: str
@@ -67,8 +93,8 @@ class RecalibrationReport:
     skipped: list[SkippedLayer]
     warnings: list[str]
     provenance: dict[str, Any]
-    eval_before: Any = None  # bnaudit.gap.GapReport with --eval-data
-    eval_after: Any = None
+    eval_before: GapReport | None = None
+    eval_after: GapReport | None = None
 
 
 def layer_changes(calibration: Calibration, model: Any) -> list[LayerChange]:
@@ -90,10 +116,30 @@ def layer_changes(calibration: Calibration, model: Any) -> list[LayerChange]:
     return changes
 
 
-def run_recalibrate(
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While the block runs, SIGTERM raises KeyboardInterrupt (so the atomic writer
+    removes its temporary file, as after Ctrl-C); the previous handler is restored on
+    exit. Python delivers signals to the main thread only, so elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def recalibrate_checkpoint(
     checkpoint: str,
     output: str,
-    data: Any,
+    options: Any,
+    *,
     method: str = "exact",
     arch: str | None = None,
     arch_kwargs: Any = None,
@@ -106,137 +152,130 @@ def run_recalibrate(
     exclude: Iterable[str] = (),
     force: bool = False,
     eval_data: Any = None,
-    config: Any = None,
+    config: Config | None = None,
     progress: Callable[[int, int], None] | None = None,
     warn: Callable[[str], None] | None = None,
 ) -> RecalibrationReport | None:
-    """Load the model, re-estimate its BN statistics on `data` (a `data.DataOptions`),
-    write `output` in the input's format, and report. Returns None on ranks other
-    than 0 under torchrun (rank 0 writes and reports).
+    """Load the model, re-estimate its BN statistics on `options` (a `bnaudit.DataOptions`),
+    write `output` in the input's format, and report. `config` (None: the defaults)
+    decides which inspect findings the --eval-data gap reports carry. Returns None on
+    ranks other than 0 under torchrun (rank 0 writes and reports).
 
-    >>> from bnaudit.data import DataOptions                              # doctest: +SKIP
-    >>> run_recalibrate("model.pt", "model.recal.pt", DataOptions(path="calib/"),
-    ...                 arch="mypkg.models:net").layers[0].after       # doctest: +SKIP
+    >>> import bnaudit                                                        # doctest: +SKIP
+    >>> bnaudit.recalibrate_checkpoint("model.pt", "model.recal.pt", bnaudit.DataOptions(path="calib/"),
+    ...                                arch="mypkg.models:net").layers[0].after   # doctest: +SKIP
     """
-    import datetime
-
-    import torch
-
-    from bnaudit import __version__
-    from bnaudit.runtime.data import make_loader
-    from bnaudit.runtime.models import forward as run_forward
-
     warn = warn or (lambda _message: None)
-    if method not in METHODS:
-        raise BnauditError(f"unknown --method {method!r} (choose from {', '.join(METHODS)})")
-    check_output(output, checkpoint, force)
-    data.validate()
-    protect_inputs(output, [("--data", data.path), ("--eval-data", eval_data.path if eval_data is not None else None),
-                            *((option, _spec_file(spec)) for option, spec in
-                              (("--arch", arch), ("--dataset", data.dataset), ("--forward", forward)))])
-    if data.batch_size < 2 and method != "sequential":
-        raise BnauditError(
-            f"--batch-size {data.batch_size}: the {method} method normalises by batch statistics, which a batch of "
-            "one sample does not have (one value per channel in a BatchNorm1d layer); use --batch-size 2 or more, "
-            "or --method sequential")
-    if eval_data is not None:
-        eval_data.validate()
-        if _same_data(data, eval_data):
-            raise BnauditError("--eval-data must be held-out data, not the calibration data (--data)")
-    target = resolve_device(device)
-    forward_fn = load_forward(forward)
-    with process_group(target) as (rank, world):
-        target = device_for_rank(target)
-        autocast = None
-        if amp:
-            if target.type == "cuda":
-                autocast = torch.autocast("cuda", dtype=torch.float16)
-            elif rank == 0:
-                warn("--amp applies on CUDA only: ignored on the CPU")
-        runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
-        ckpt = runnable.checkpoint
-        # A layer whose buffers the file lacks cannot be written back without new keys.
-        absent = [name for name in classify_layers(runnable.module)[0]
-                  if f"{name}.running_mean" not in ckpt.tensors or f"{name}.running_var" not in ckpt.tensors]
-        stream = make_loader(_replace(data, pin_memory=target.type == "cuda"))
-        batches: Any = stream
-        if world > 1:
-            plan = shard_plan(stream.plan, data.batch_size, rank, world)
-            batches = _replace(stream, plan=plan) if plan else []
-        eval_before = None
-        model = runnable.module
-        if eval_data is not None and rank == 0:
-            eval_before = _measure(runnable, eval_data, target, forward_fn, config)
-        model.to(target)
-
-        def run(module: Any, batch: Any) -> Any:
-            inputs = batch.inputs if hasattr(batch, "inputs") else batch
-            return run_forward(module, to_device(inputs, target), forward_fn)
-
-        calibration = recalibrate_module(model, batches, method=method, include=include,
-                                         exclude=tuple(exclude) + tuple(absent), forward=run,
-                                         autocast=autocast, progress=progress)
-        skipped = [SkippedLayer(s.name, "its buffers are not in the checkpoint: left out (no new keys are written)")
-                   if s.name in absent else s for s in calibration.skipped]
-        if not calibration.layers:
-            unreached = forward is not None and any(s.reason.startswith("never reached") for s in skipped)
-            raise BnauditError("no BatchNorm layer was recalibrated (see the skipped layers: "
-                               + "; ".join(f"{s.name}: {s.reason}" for s in skipped[:4]) + ")"
-                               + (f"; does --forward {forward} call the model on the batch?" if unreached else ""))
-        if rank != 0:
-            return None
-        updates = {name: value for name, value in calibration.buffers().items() if name in ckpt.tensors}
-        provenance = {
-            "method": method,
-            "samples": calibration.samples,
-            "batches": calibration.batches,
-            "batch_size": data.batch_size,
-            "seed": data.seed,
-            "shuffle": data.shuffle,
-            "data": stream.description,
-            "world_size": world,
-            "layers": len(calibration.layers),
-            # inspect reads this back: these layers hold population statistics, not an
-            # EMA, so their num_batches_tracked (= batches) says nothing about maturity
-            "recalibrated_layers": [layer.name for layer in calibration.layers],
-            "bnaudit_version": __version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
-        }
-        save_like(ckpt, updates, output, force=force, provenance=provenance, trust_pickle=trust_pickle)
-        eval_after = None
+    config = config or Config()
+    with sigterm_unwinds():
+        if method not in METHODS:
+            raise BnauditError(f"unknown --method {method!r} (choose from {', '.join(METHODS)})")
+        check_output(output, checkpoint, force)
+        options.validate()
+        protect_inputs(output, [("--data", options.path), ("--eval-data", eval_data.path if eval_data is not None else None),
+                                *((option, _spec_file(spec)) for option, spec in
+                                  (("--arch", arch), ("--dataset", options.dataset), ("--forward", forward)))])
+        if options.batch_size < 2 and method != "sequential":
+            raise BnauditError(
+                f"--batch-size {options.batch_size}: the {method} method normalises by batch statistics, which a batch of "
+                "one sample does not have (one value per channel in a BatchNorm1d layer); use --batch-size 2 or more, "
+                "or --method sequential")
         if eval_data is not None:
-            written = load_runnable(output, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
-            eval_after = _measure(written, eval_data, target, forward_fn, config)
-        return RecalibrationReport(
-            input=checkpoint,
-            output=output,
-            format=ckpt.format,
-            key=ckpt.key,
-            model=runnable.describe(),
-            data=stream.description,
-            method=method,
-            samples=calibration.samples,
-            batches=calibration.batches,
-            batch_size=data.batch_size,
-            seed=data.seed,
-            shuffle=data.shuffle,
-            device=str(target),
-            world_size=world,
-            layers=layer_changes(calibration, model),
-            skipped=skipped,
-            warnings=calibration.warnings,
-            provenance=provenance,
-            eval_before=eval_before,
-            eval_after=eval_after,
-        )
+            eval_data.validate()
+            if _same_data(options, eval_data):
+                raise BnauditError("--eval-data must be held-out data, not the calibration data (--data)")
+        target = resolve_device(device)
+        forward_fn = load_forward(forward)
+        with process_group(target) as (rank, world):
+            target = device_for_rank(target)
+            autocast = None
+            if amp:
+                if target.type == "cuda":
+                    autocast = torch.autocast("cuda", dtype=torch.float16)
+                elif rank == 0:
+                    warn("--amp applies on CUDA only: ignored on the CPU")
+            runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
+            ckpt = runnable.checkpoint
+            # A layer whose buffers the file lacks cannot be written back without new keys.
+            absent = [name for name in classify_layers(runnable.module)[0]
+                      if f"{name}.running_mean" not in ckpt.tensors or f"{name}.running_var" not in ckpt.tensors]
+            stream = make_loader(dataclasses.replace(options, pin_memory=target.type == "cuda"))
+            batches: Any = stream
+            if world > 1:
+                plan = shard_plan(stream.plan, options.batch_size, rank, world)
+                batches = dataclasses.replace(stream, plan=plan) if plan else []
+            eval_before = None
+            model = runnable.module
+            if eval_data is not None and rank == 0:
+                eval_before = _measure(runnable, eval_data, target, forward_fn, config)
+            model.to(target)
+
+            def run(module: Any, batch: Any) -> Any:
+                inputs = batch.inputs if hasattr(batch, "inputs") else batch
+                return run_forward(module, to_device(inputs, target), forward_fn)
+
+            calibration = recalibrate_module(model, batches, method=method, include=include,
+                                             exclude=tuple(exclude) + tuple(absent), forward=run,
+                                             autocast=autocast, progress=progress)
+            skipped = [SkippedLayer(s.name, "its buffers are not in the checkpoint: left out (no new keys are written)")
+                       if s.name in absent else s for s in calibration.skipped]
+            if not calibration.layers:
+                unreached = forward is not None and any(s.reason.startswith("never reached") for s in skipped)
+                raise BnauditError("no BatchNorm layer was recalibrated (see the skipped layers: "
+                                   + "; ".join(f"{s.name}: {s.reason}" for s in skipped[:4]) + ")"
+                                   + (f"; does --forward {forward} call the model on the batch?" if unreached else ""))
+            if rank != 0:
+                return None
+            updates = {name: value for name, value in calibration.buffers().items() if name in ckpt.tensors}
+            provenance = {
+                "method": method,
+                "samples": calibration.samples,
+                "batches": calibration.batches,
+                "batch_size": options.batch_size,
+                "seed": options.seed,
+                "shuffle": options.shuffle,
+                "data": stream.description,
+                "world_size": world,
+                "layers": len(calibration.layers),
+                # inspect reads this back: these layers hold population statistics, not an
+                # EMA, so their num_batches_tracked (= batches) says nothing about maturity
+                "recalibrated_layers": [layer.name for layer in calibration.layers],
+                "bnaudit_version": __version__,
+                "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
+            }
+            save_like(ckpt, updates, output, force=force, provenance=provenance, trust_pickle=trust_pickle)
+            eval_after = None
+            if eval_data is not None:
+                written = load_runnable(output, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
+                eval_after = _measure(written, eval_data, target, forward_fn, config)
+            return RecalibrationReport(
+                input=checkpoint,
+                output=output,
+                format=ckpt.format,
+                key=ckpt.key,
+                model=runnable.describe(),
+                data=stream.description,
+                method=method,
+                samples=calibration.samples,
+                batches=calibration.batches,
+                batch_size=options.batch_size,
+                seed=options.seed,
+                shuffle=options.shuffle,
+                device=str(target),
+                world_size=world,
+                layers=layer_changes(calibration, model),
+                skipped=skipped,
+                warnings=calibration.warnings,
+                provenance=provenance,
+                eval_before=eval_before,
+                eval_after=eval_after,
+            )
 
 
 def protect_inputs(output: str, inputs: Iterable[tuple[str, str | None]]) -> None:
     """Refuse an output that would replace an input file (even with --force: the data,
     held-out data or the model's source) or land inside a data folder (it would change
     the data set the next run reads)."""
-    import os
-
     landing = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(output))), os.path.basename(output))
     for option, path in inputs:
         if not path or not os.path.exists(path):
@@ -251,34 +290,17 @@ def protect_inputs(output: str, inputs: Iterable[tuple[str, str | None]]) -> Non
 
 def _spec_file(spec: str | None) -> str | None:
     """The file of a `path/to/file.py:CALLABLE` spec (None for MODULE:CALLABLE)."""
-    import os
-
     where = (spec or "").rpartition(":")[0]
     return where if where.endswith(".py") or "/" in where or os.sep in where else None
 
 
-def _replace(obj: Any, **changes: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(obj, **changes)
-
-
 def _same_data(a: Any, b: Any) -> bool:
-    import os
-
     if a.path is not None and b.path is not None and os.path.exists(a.path) and os.path.exists(b.path):
         return os.path.samefile(a.path, b.path)
     return a.dataset is not None and a.dataset == b.dataset
 
 
-def _measure(runnable: Any, options: Any, device: Any, forward_fn: Any, config: Any) -> Any:
-    """The gap report of a model on held-out data (bnaudit.gap)."""
-    import dataclasses
-
-
-    try:
-        from bnaudit.runtime.gap import measure_gap
-    except ImportError:  # pragma: no cover - gap lands with its own branch
-        raise BnauditError("--eval-data needs the gap measurement (bnaudit.gap), not in this build") from None
+def _measure(runnable: Any, options: Any, device: Any, forward_fn: Any, config: Config) -> GapReport:
+    """The gap report of a model on held-out data."""
     stream = make_loader(dataclasses.replace(options, pin_memory=device.type == "cuda"))
-    return measure_gap(runnable, stream, device, forward_fn, config)
+    return measure_model_gap(runnable, stream, device, forward_fn, config)

@@ -1,18 +1,35 @@
-"""TODO docstring. From: recalibrate"""
+"""Recalibration under torchrun: each rank calibrates its own shard of the samples, and
+the ranks' statistics are merged exactly.
+
+Rank r of W takes every W-th sample of the one global order (`shard_plan`), so no sample
+is seen twice or left out. After a pass each rank holds per-layer (count, mean, M2); they
+are all-gathered and Chan-merged in rank order (`stats.all_gather_merge`), so every rank
+ends with the population statistics of all samples, equal to one process seeing them all
+to float64 rounding. Counters (samples, batches, calls) are summed, maxima taken; the
+cumulative method's sums of batch means and variances are summed. Every collective runs
+on every rank in the same order; `together` turns one rank's failure into an error on
+all ranks instead of a hang. Without torch.distributed all of this is a no-op.
+"""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from bnaudit.errors import BnauditError
-from bnaudit.runtime.norms import num_features
+from bnaudit.runtime.norms import merge_trailing_singleton_plan, num_features
 from bnaudit.runtime.stats import ChannelStats, all_gather_merge
 
 
 @dataclass
 class LayerRecord:
+    """What one pass measured at one layer, on this rank (or merged over all ranks)."""
+
     stats: ChannelStats = field(default_factory=ChannelStats)
     mean_sum: Any = None  # cumulative: sum of batch means (float64)
     var_sum: Any = None  # cumulative: sum of unbiased batch variances
@@ -23,6 +40,8 @@ class LayerRecord:
 
 @dataclass
 class PassResult:
+    """One pass over the data: every observed layer's record and the batch counts."""
+
     records: dict[str, LayerRecord]
     samples: int = 0
     batches: int = 0
@@ -31,8 +50,6 @@ class PassResult:
 
 def distributed() -> tuple[int, int]:
     """(rank, world size) when torch.distributed is initialised, else (0, 1)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -42,9 +59,6 @@ def distributed() -> tuple[int, int]:
 def together() -> Iterator[None]:
     """Under torch.distributed, a failure on one rank ends the work on every rank
     (rather than leaving the others waiting in the next collective)."""
-    import torch
-    import torch.distributed as dist
-
     if distributed()[1] == 1:
         yield
         return
@@ -64,10 +78,6 @@ def together() -> Iterator[None]:
 
 def reduce_pass(result: PassResult, observed: dict[str, Any], cumulative: bool) -> PassResult:
     """Combine every rank's pass exactly (collective; same layer order on every rank)."""
-    import torch
-    import torch.distributed as dist
-
-
     if distributed()[1] == 1:
         return result
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -100,24 +110,17 @@ def shard_plan(plan: list[list[int]], batch_size: int, rank: int, world: int) ->
     two ranks, none left out), cut into batches, a last batch of one sample merged."""
     order = [index for batch in plan for index in batch]
     mine = order[rank::world]
-    batches = [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
-    if len(batches) >= 2 and len(batches[-1]) == 1:
-        batches[-2].extend(batches.pop())
-    return batches
+    return merge_trailing_singleton_plan([mine[i:i + batch_size] for i in range(0, len(mine), batch_size)])
 
 
 @contextlib.contextmanager
 def process_group(device: Any) -> Iterator[tuple[int, int]]:
     """Under torchrun (WORLD_SIZE > 1): join the process group (nccl for CUDA, gloo for
     the CPU) for the block and yield (rank, world size); otherwise (0, 1)."""
-    import os
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         yield 0, 1
         return
-    import torch.distributed as dist
-
     if dist.is_initialized():  # the caller set it up
         yield dist.get_rank(), dist.get_world_size()
         return
@@ -130,10 +133,6 @@ def process_group(device: Any) -> Iterator[tuple[int, int]]:
 
 def device_for_rank(device: Any) -> Any:
     """Under torchrun each rank takes its own GPU (LOCAL_RANK)."""
-    import os
-
-    import torch
-
     if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % max(torch.cuda.device_count(), 1))
     if device.type == "cuda":

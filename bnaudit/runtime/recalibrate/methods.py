@@ -1,22 +1,46 @@
-"""TODO docstring. From: recalibrate"""
+"""Re-estimating BatchNorm running statistics of a module in place (`recalibrate_module`).
+
+For the values x_1..x_n that reach channel c of a recalibrated layer during its pass
+(float64, merged exactly as `bnaudit.runtime.stats` defines; under torchrun over all
+ranks), the three methods store
+
+  exact        running_mean = mu_c, running_var = M2_c / (n - 1): the population statistics,
+               in one pass in which every recalibrated layer normalises by batch statistics
+               (the regime the stored statistics were meant to replace in training)
+  sequential   the same formulas, one layer at a time in forward order, each pass with the
+               layers already done in eval mode (their new statistics) and the rest by batch
+               statistics: each layer's statistics describe the inputs it gets in eval mode
+  cumulative   the average over the B batch calls of the batch mean and of the unbiased
+               batch variance, as torch.optim.swa_utils.update_bn (momentum=None) does; it
+               misses the spread of the batch means, so it underestimates the variance
+
+and num_batches_tracked = the batches that reached the layer. Only these buffers of the
+recalibrated layers change; the modes are restored. A last batch of one sample joins the
+previous one (`norms.merge_trailing_singleton`).
+"""
 from __future__ import annotations
 
 import contextlib
 import fnmatch
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bnaudit.errors import BnauditError
 from bnaudit.runtime.norms import (
     SkippedLayer,
     batch_len,
     classify_layers,
+    has_stock_forward,
     is_script,
     merge_trailing_singleton,
     num_features,
+    plain_batchnorm_forward,
     regime,
 )
 from bnaudit.runtime.recalibrate.distributed import (
@@ -77,8 +101,6 @@ class Calibration:
 
     def buffers(self) -> dict[str, Any]:
         """State-dict entries (module-relative names) of the new statistics, as float64/int64 tensors."""
-        import torch
-
         out: dict[str, Any] = {}
         for layer in self.layers:
             out[f"{layer.name}.running_mean"] = torch.from_numpy(layer.new_mean)
@@ -156,9 +178,6 @@ def _observe(model: Any, layers: dict[str, Any], callback: Callable[[str, Any], 
                 handle.remove()
         return
 
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     by_buffer = {module.running_mean.data_ptr(): name for name, module in layers.items()}
 
     class BatchNormCalls(TorchDispatchMode):
@@ -194,24 +213,12 @@ def _normalise(x: Any, batch: ChannelStats, weight: Any, bias: Any, eps: float, 
     apply and PyTorch's own training-mode forward must run: one value per channel
     (PyTorch raises), reduced precision or mixed dtypes, a 0-channel input.
     """
-    import torch
-
     if (batch.count <= 1 or batch.mean is None or x.dtype != stats_dtype
             or x.dtype not in (torch.float32, torch.float64)):
         return None
     mean = batch.mean.to(stats_dtype)
     var = (batch.m2 / batch.count).to(stats_dtype)
     return torch.ops.aten.native_batch_norm.default(x, weight, bias, mean, var, False, 0.0, eps)
-
-
-def _stock_forward(model: Any, module: Any) -> bool:
-    """An eager BN layer whose forward is PyTorch's own (`_fuse` reproduces it)."""
-    import torch
-    from torch.nn.modules.batchnorm import _BatchNorm
-
-    if is_script(model) or not isinstance(module, _BatchNorm) or "forward" in vars(module):
-        return False
-    return type(module).forward is _BatchNorm.forward or isinstance(module, torch.nn.SyncBatchNorm)
 
 
 @contextlib.contextmanager
@@ -222,14 +229,12 @@ def _fuse(layers: dict[str, Any], observe: Callable[[str, Any], ChannelStats]) -
     pre-hook followed by PyTorch's training-mode forward, which would compute the
     batch statistics a second time. Where `_normalise` does not apply, PyTorch's
     forward runs after the measurement. Instance forwards are restored on exit."""
-    from torch.nn.modules.batchnorm import _BatchNorm
-
     def make(name: str, module: Any) -> Callable[[Any], Any]:
         def forward(x: Any) -> Any:
             batch = observe(name, x)
             module._check_input_dim(x)
             out = _normalise(x, batch, module.weight, module.bias, module.eps, module.running_mean.dtype)
-            return _BatchNorm.forward(module, x) if out is None else out[0]
+            return plain_batchnorm_forward(module, x) if out is None else out[0]
 
         return forward
 
@@ -259,8 +264,6 @@ def _run_pass(
     progress: Callable[[], None] | None = None,
 ) -> PassResult:
     """One pass over `batches` that records the inputs of `observed` layers."""
-    import torch
-
     result = PassResult({name: LayerRecord() for name in observed})
     calls_now: dict[str, int] = {}
     stopped: list[str] = []
@@ -295,7 +298,7 @@ def _run_pass(
     layers = list(batch_stat_layers)
     # observed layers that normalise by batch statistics use the ones measured here
     fused = {name: m for name, m in observed.items() if any(m is b for b in layers)}
-    eager = {name: m for name, m in fused.items() if _stock_forward(model, m)}
+    eager = {name: m for name, m in fused.items() if has_stock_forward(model, m)}
     hooked = {name: m for name, m in observed.items() if name not in eager}
     with (regime(model, layers), _fuse(eager, on_input), _observe(model, hooked, on_input, fused),
           torch.no_grad()):
@@ -333,18 +336,16 @@ def _run_pass(
 
 def _rejected(index: int, exc: BaseException) -> BnauditError:
     """The model (or --forward) fails on a batch: the user's to fix, in one line."""
-
     return BnauditError(f"batch {index}: the model rejects the batch: {exception_line(exc)}")
 
 
 def to_numpy(t: Any) -> np.ndarray:
+    """A float64 numpy copy of a tensor, on the CPU."""
     return t.detach().to("cpu").double().numpy().copy()
 
 
 def _store(name: str, module: Any, mean: np.ndarray, var: np.ndarray, batches: int) -> None:
     """Write float64 statistics into the module's buffers (in their dtype); refuse non-finite."""
-    import torch
-
     rm, rv = module.running_mean, module.running_var
     new_mean = torch.from_numpy(mean).to(rm.device, rm.dtype)
     new_var = torch.from_numpy(var).to(rv.device, rv.dtype)
@@ -404,8 +405,6 @@ def _forward_order(
     """`layers` in the order one eval-mode forward (first batch) first calls them, and
     how often each is called in it. Layers that batch did not reach follow in
     registration order."""
-    import torch
-
     calls: dict[str, int] = {}
 
     def count(name: str, _x: Any) -> None:
@@ -429,8 +428,6 @@ def _agree_order(order: list[str], calls: dict[str, int]) -> tuple[list[str], di
     if distributed()[1] > 1:
         # every rank must calibrate the layers in the same order (one collective
         # each): rank 0's order wins; a layer's call count is the largest any saw
-        import torch.distributed as dist
-
         shared: list[Any] = [order, calls]
         dist.broadcast_object_list(shared, src=0)
         gathered: list[Any] = [None] * dist.get_world_size()
@@ -471,7 +468,7 @@ def recalibrate_module(
     world = distributed()[1]
     warnings: list[str] = []
     passes = len(chosen) if method == "sequential" else 1
-    planned = len(batches) * passes if hasattr(batches, "__len__") else 0
+    planned = len(batches) * passes if isinstance(batches, Sized) else 0
     done = 0
 
     def tick() -> None:
