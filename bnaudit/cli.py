@@ -1,27 +1,29 @@
-"""The typer app: parse options, call one core function, render, choose the exit code.
+"""The typer app: parse options, call one core function, `bnaudit.output.emit`, exit code.
 
 Report on stdout, diagnostics on stderr. Every `BnauditError` (and any unexpected
-exception, unless --debug) ends as one line on stderr and exit code 2.
+exception, unless --debug) ends as one line on stderr and exit code 2. Values are checked
+where they are used (`load_config`, `DataOptions.validate`, the core functions), so that
+the library and the CLI refuse the same things with the same words.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 from collections.abc import Iterator
 from enum import Enum
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from bnaudit import __version__, fastcli
+from bnaudit import __version__, fastcli, output
 from bnaudit.errors import BnauditError
 
-# typer would import pydantic to convert each option; plain ones do not need it.
+# typer would import pydantic to convert each option; plain ones do not need it. On a
+# typer other than the one fastcli was written for this patches nothing (plain typer).
 fastcli.install()
 
-_APP_SETTINGS = dict(
+_APP_SETTINGS: dict[str, Any] = dict(
     name="bnaudit",
     help="Audit the BatchNorm running statistics of PyTorch models before they ship.",
     no_args_is_help=True,
@@ -66,13 +68,14 @@ def _root(
 
 @contextlib.contextmanager
 def user_errors(debug: bool, json_output: bool = False) -> Iterator[None]:
-    """The one boundary where errors become a line on stderr and exit code 2."""
+    """The one boundary where errors become a line on stderr and exit code 2 (with
+    `json_output`, also an `{"error": ...}` document on stdout)."""
     try:
         yield
     except BnauditError as exc:
         _fail(str(exc), json_output)
     except KeyboardInterrupt:
-        typer.echo("bnaudit: interrupted", err=True)
+        output.emit_interrupted(sys.stderr)
         raise typer.Exit(130) from None
     except typer.Exit:
         raise
@@ -83,21 +86,8 @@ def user_errors(debug: bool, json_output: bool = False) -> Iterator[None]:
 
 
 def _fail(message: str, json_output: bool) -> None:
-    from bnaudit.text import printable
-
-    message = printable(" ".join(message.split()))  # paths and names come from outside
-    if json_output:
-        typer.echo(json.dumps({"error": message}))
-    typer.echo(f"bnaudit: error: {message}", err=True)
+    output.emit_error(message, sys.stderr, json_stream=sys.stdout if json_output else None)
     raise typer.Exit(2)
-
-
-def _console(stderr: bool = False):
-    from rich.console import Console
-
-    # markup and emoji off: names and messages come from untrusted files and are printed as
-    # they are ("bn[/x]" would otherwise crash the renderer); it also renders faster.
-    return Console(stderr=stderr, highlight=False, soft_wrap=False, markup=False, emoji=False)
 
 
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")]
@@ -126,33 +116,16 @@ def inspect(
     from bnaudit.audit.audit import inspect as run_inspect
     from bnaudit.audit.rules import RULES
     from bnaudit.config import load_config
-    from bnaudit.output.json import inspect_to_json
-    from bnaudit.output.table import render_inspect
-    from bnaudit.text import printable
 
-    json_output = output_format is InspectFormat.json
-    with user_errors(debug, json_output):
-        if eps is not None and not eps > 0:
-            raise BnauditError(f"--eps must be positive, got {eps}")
-        if momentum is not None and not 0 <= momentum <= 1:
-            raise BnauditError(f"--momentum must lie in [0, 1], got {momentum}")
+    with user_errors(debug, output_format is InspectFormat.json):
         overrides = {"--fail-on": fail_on.value if fail_on else None, "--eps": eps, "--momentum": momentum,
                      "--select": _code_list(select), "--ignore": _code_list(ignore)}
         config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=RULES)
         report = run_inspect(paths, config, key=key, trust_pickle=trust_pickle, arch=arch, arch_kwargs=arch_kwargs,
                              debug=debug)
-        # rendering stays inside the boundary: the values it prints come from the files
-        if json_output:
-            typer.echo(json.dumps(inspect_to_json(report), indent=2, allow_nan=False))
-        elif output_format is InspectFormat.sarif:
-            from bnaudit.output.sarif import inspect_to_sarif
-
-            typer.echo(json.dumps(inspect_to_sarif(report), indent=2, allow_nan=False))
-        else:
-            render_inspect(report, _console(), quiet=quiet)
-    for file in report.files:
-        if file.error:
-            typer.echo(f"bnaudit: error: {printable(file.path)}: {printable(file.error)}", err=True)
+        # emitting stays inside the boundary: the values it prints come from the files
+        output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+    output.emit_diagnostics(report, sys.stderr)
     code = report.exit_code()
     raise typer.Exit(0 if exit_zero and code == 1 else code)
 
@@ -170,14 +143,8 @@ def rules_command(
     debug: DebugOpt = False,
 ) -> None:
     """List the rules, or explain one: what it detects, why it matters, how to fix and silence it."""
-    from bnaudit.audit.ruledocs import explain_rule, find_rule
-    from bnaudit.output.table import render_rules
-
     with user_errors(debug):
-        if code is not None:
-            typer.echo(explain_rule(find_rule(code)), nl=False)
-            return
-    render_rules(_console())
+        output.render_rules(sys.stdout, code)
 
 
 # ----------------------------------------------------------------------------- gap
@@ -212,16 +179,15 @@ def data_options(
     data: str | None, dataset: str | None, batch_size: int, num_samples: int | None, seed: int, no_shuffle: bool,
     workers: int, image_size: int | None, grayscale: bool, mean: str | None, std: str | None, skip_bad: bool,
 ):
-    """The CLI's data options as a `bnaudit.data.DataOptions` (validated)."""
+    """The CLI's data options as a `bnaudit.runtime.data.DataOptions` (the core function
+    that reads the data validates them)."""
     from bnaudit.runtime.data import DataOptions, parse_float_list
 
-    options = DataOptions(
+    return DataOptions(
         path=data, dataset=dataset, batch_size=batch_size, num_samples=num_samples, seed=seed,
         shuffle=not no_shuffle, workers=workers, image_size=image_size, grayscale=grayscale,
         mean=parse_float_list(mean, "--mean"), std=parse_float_list(std, "--std"), skip_bad=skip_bad,
     )
-    options.validate()
-    return options
 
 
 @contextlib.contextmanager
@@ -246,37 +212,6 @@ def frozen_imports() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-@contextlib.contextmanager
-def progress_bar(description: str, quiet: bool) -> Iterator[Optional[object]]:
-    """A rich progress bar on stderr, or None when quiet or stderr is not a terminal.
-
-    Yields a callback `update(done, total)`.
-    """
-    if quiet:  # no console at all: rich costs an import that --format json and -q never use
-        yield None
-        return
-    console = _console(stderr=True)
-    if not console.is_terminal:
-        yield None
-        return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
-        task = bar.add_task(description, total=None)
-
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        yield update
 
 
 @app.command()
@@ -308,27 +243,20 @@ def gap(
     """Measure the train-mode vs eval-mode gap on data and find the BN layer responsible."""
     from bnaudit.audit.rules import RULES
     from bnaudit.config import load_config
-    from bnaudit.output.json import gap_to_json
-    from bnaudit.output.table import render_gap
-    from bnaudit.runtime.gap import run_gap
+    from bnaudit.runtime.gap import measure_gap
 
     json_output = output_format is Format.json
     with user_errors(debug, json_output):
-        if max_gap is not None and not -1 <= max_gap <= 1:
-            raise BnauditError(f"--max-gap is a fraction of samples in [-1, 1], got {max_gap}")
         options = data_options(data, dataset, batch_size, num_samples, seed, no_shuffle, workers,
                                image_size, grayscale, mean, std, skip_bad)
         # The inspect findings shown with the gap follow the project's configuration too.
         config = load_config(rule_codes=RULES)
-        with frozen_imports(), progress_bar("gap", quiet or json_output) as update:
-            report = run_gap(checkpoint, options, arch=arch, arch_kwargs=arch_kwargs, key=key,
-                             trust_pickle=trust_pickle, forward=forward, device=device, config=config,
-                             progress=update)
-        code = report.exit_code(max_gap)
-    if json_output:
-        typer.echo(json.dumps(gap_to_json(report), indent=2, allow_nan=False))
-    else:
-        render_gap(report, _console(), quiet=quiet)
+        with frozen_imports(), output.progress("gap", sys.stderr, quiet=quiet or json_output) as update:
+            report = measure_gap(checkpoint, options, arch=arch, arch_kwargs=arch_kwargs, key=key,
+                                 trust_pickle=trust_pickle, forward=forward, device=device, config=config,
+                                 progress=update, max_gap=max_gap)
+        code = report.exit_code()  # before the report: --max-gap without labels is an error
+        output.emit(report, output_format.value, sys.stdout, quiet=quiet)
     raise typer.Exit(code)
 
 
@@ -344,7 +272,7 @@ class Method(str, Enum):
 @app.command()
 def recalibrate(
     checkpoint: Annotated[str, typer.Argument(metavar="CHECKPOINT", help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module.")],
-    output: Annotated[str, typer.Option("--output", "-o", metavar="PATH", help="Where to write the recalibrated checkpoint (same format as the input).")],
+    output_path: Annotated[str, typer.Option("--output", "-o", metavar="PATH", help="Where to write the recalibrated checkpoint (same format as the input).")],
     data: DataOpt = None,
     dataset: DatasetOpt = None,
     arch: ArchOpt = None,
@@ -375,39 +303,34 @@ def recalibrate(
 ) -> None:
     """Re-estimate BatchNorm running statistics on data and write a new checkpoint safely."""
     import dataclasses
-    import signal
 
-    from bnaudit.output.json import recalibrate_to_json
-    from bnaudit.output.table import render_recalibrate
-    from bnaudit.runtime.recalibrate.command import run_recalibrate
+    from bnaudit.audit.rules import RULES
+    from bnaudit.config import load_config
+    from bnaudit.runtime.recalibrate.command import recalibrate_checkpoint
 
     json_output = output_format is Format.json
+    # under torchrun every rank runs this; rank 0 alone reports, errors included in JSON
     rank = int(os.environ.get("RANK", "0"))
 
     def warn(message: str) -> None:
-        typer.echo(f"bnaudit: warning: {message}", err=True)
+        output.emit_warning(message, sys.stderr)
 
-    def terminated(_signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt  # unwind like Ctrl-C: no temporary file stays behind
-
-    signal.signal(signal.SIGTERM, terminated)
     with user_errors(debug, json_output and rank == 0):
         options = data_options(data, dataset, batch_size, num_samples, seed, no_shuffle, workers,
                                image_size, grayscale, mean, std, skip_bad)
         held_out = None if eval_data is None else dataclasses.replace(options, path=eval_data, dataset=None)
-        with frozen_imports(), progress_bar(f"recalibrate ({method.value})", quiet or json_output or rank != 0) as update:
-            report = run_recalibrate(
-                checkpoint, output, options, method=method.value, arch=arch, arch_kwargs=arch_kwargs, key=key,
+        # The inspect findings of the --eval-data gap reports follow the project's configuration.
+        config = load_config(rule_codes=RULES)
+        quiet_bar = quiet or json_output or rank != 0
+        with frozen_imports(), output.progress(f"recalibrate ({method.value})", sys.stderr, quiet=quiet_bar) as update:
+            report = recalibrate_checkpoint(
+                checkpoint, output_path, options, method=method.value, arch=arch, arch_kwargs=arch_kwargs, key=key,
                 trust_pickle=trust_pickle, forward=forward, device=device, amp=amp, include=layers or (),
-                exclude=exclude or (), force=force, eval_data=held_out, progress=update, warn=warn)
-    if report is None:  # another rank than 0 under torchrun: rank 0 reports
-        raise typer.Exit(0)
-    for message in report.warnings:
-        warn(message)
-    if json_output:
-        typer.echo(json.dumps(recalibrate_to_json(report), indent=2, allow_nan=False))
-    else:
-        render_recalibrate(report, _console(), quiet=quiet)
+                exclude=exclude or (), force=force, eval_data=held_out, config=config, progress=update, warn=warn)
+        if report is None:  # another rank than 0 under torchrun: rank 0 reports
+            raise typer.Exit(0)
+        output.emit_diagnostics(report, sys.stderr)
+        output.emit(report, output_format.value, sys.stdout, quiet=quiet)
     raise typer.Exit(0)
 
 
@@ -415,7 +338,11 @@ def main() -> None:
     # typer builds the options of every command before it runs one (gap and recalibrate
     # have dozens: 6 ms of each pre-commit run of inspect). When the first argument names
     # a command, the group is built with that command alone; anything else (--help, a
-    # typo that deserves "did you mean") gets the whole group.
+    # typo that deserves "did you mean") gets the whole group. The lean group is built
+    # from typer internals, so only on the typer they were checked against (fastcli).
+    if not fastcli.lean_group_supported(app):
+        app(prog_name="bnaudit")
+        return
     named = [c for c in app.registered_commands if len(sys.argv) > 1 and _command_name(c) == sys.argv[1]]
     if not named:
         app(prog_name="bnaudit")
@@ -426,8 +353,10 @@ def main() -> None:
 
 
 def _command_name(info: typer.models.CommandInfo) -> str:
-    return info.name or typer.main.get_command_name(info.callback.__name__)
+    if info.name or info.callback is None:  # `app.command()` always records the function
+        return info.name or ""
+    return typer.main.get_command_name(info.callback.__name__)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

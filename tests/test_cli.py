@@ -120,9 +120,23 @@ def test_key_option_chooses_the_state_dict(cli, tmp_path):
     assert doc["files"][0]["other_keys"] == ["model"]
 
 
-def test_bad_option_values_are_one_line_errors(cli, hand_made):
-    result = cli("inspect", hand_made, "--eps", "-1")
-    assert result.exit_code == 2 and result.stderr.strip() == "bnaudit: error: --eps must be positive, got -1.0"
+@pytest.mark.parametrize("option,value,problem", [
+    ("--eps", "-1", "expected a positive number, got -1.0"),
+    ("--eps", "0", "expected a positive number, got 0.0"),
+    ("--eps", "nan", "expected a finite number, got nan"),
+    ("--momentum", "1.5", "expected a number in [0, 1], got 1.5"),
+    ("--momentum", "-0.1", "expected a number in [0, 1], got -0.1"),
+])
+def test_bad_option_values_are_one_line_errors(cli, hand_made, option, value, problem):
+    # checked where the configuration parses them, with the words a bnaudit.toml value gets
+    result = cli("inspect", hand_made, option, value)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [f"bnaudit: error: {option}: {problem}"]
+    as_json = cli("inspect", hand_made, option, value, "--format", "json")
+    assert as_json.exit_code == 2 and json.loads(as_json.stdout) == {"error": f"{option}: {problem}"}
+
+
+def test_a_bad_fail_on_is_refused(cli, hand_made):
     assert cli("inspect", hand_made, "--fail-on", "fatal").exit_code == 2
 
 

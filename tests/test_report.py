@@ -1,8 +1,9 @@
-"""The layer table's own grid draws what rich.Table draws, byte for byte, colours included.
+"""The layer table's own grid draws what rich.Table draws, byte for byte, colours included;
+the emitter renders each report kind in its formats, torch-free.
 
-`report._grid` lays the layer table out itself because rich.Table costs about 70 us a
+`output.grid.layout_grid` lays the layer table out itself because rich.Table costs about 70 us a
 cell (half the start-up budget on a ResNet-50). The reference here is rich.Table, set up
-as `_layer_table` sets it up when the grid declines, rendered by the same console.
+as `output.table` sets it up when the grid declines, rendered by the same console.
 """
 from __future__ import annotations
 
@@ -72,3 +73,62 @@ def test_most_cases_take_the_grid_and_names_fold_in_it():
     rows = [["encoder.blocks.12.attention.output.norm_layer_with_a_long_name", "8", "1", "ok"]]
     grid = report.layout_grid(["layer", "C", "var", "status"], rows, console(45, False), 24)
     assert grid is not None and len(grid.plain.splitlines()) > 3  # the name took several lines
+
+
+# ----------------------------------------------------------------------------- the emitter
+
+EMIT_PROBE = """
+import io, json, sys
+from bnaudit import output
+from bnaudit.audit.audit import inspect
+from bnaudit.config import Config
+
+report = inspect([sys.argv[1]], Config())
+printed = {}
+for fmt in ("table", "json", "sarif"):
+    stream = io.StringIO()
+    output.emit(report, fmt, stream, width=100)
+    printed[fmt] = stream.getvalue()
+printed["loaded"] = sorted(m for m in ("torch", "numpy", "bnaudit.runtime") if m in sys.modules)
+print(json.dumps(printed))
+"""
+
+
+def test_emit_renders_an_inspect_report_in_each_format_without_the_runtime():
+    # A fresh interpreter: what emitting imports is what `inspect` of a safetensors file pays.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO, SAMPLES
+
+    proc = subprocess.run([sys.executable, "-c", EMIT_PROBE, os.path.join(SAMPLES, "healthy.safetensors")],
+                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    printed = json.loads(proc.stdout)
+    assert printed["loaded"] == []
+    table = printed["table"].splitlines()
+    assert table[-1] == "1 file(s), 3 BN layer(s): 0 error(s), 0 warning(s), 0 info(s)"
+    assert max(map(len, table)) <= 100 and any(line.startswith("head.2 ") for line in table)
+    document = json.loads(printed["json"])
+    assert [layer["name"] for layer in document["files"][0]["layers"]] == ["features.1", "features.4", "head.2"]
+    sarif = json.loads(printed["sarif"])
+    assert sarif["version"] == "2.1.0" and sarif["runs"][0]["results"] == []
+
+
+class _Kind:
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+
+@pytest.mark.parametrize("kind,fmt", [("gap", "sarif"), ("recalibrate", "sarif"), ("diff", "table"),
+                                      ("inspect", "html")])
+def test_emit_refuses_a_format_the_report_kind_does_not_have(kind, fmt):
+    from bnaudit import output
+
+    stream = io.StringIO()
+    with pytest.raises(ValueError, match=f"no '{fmt}' emitter for a '{kind}' report"):
+        output.emit(_Kind(kind), fmt, stream)
+    assert stream.getvalue() == ""

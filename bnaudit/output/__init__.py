@@ -1,0 +1,157 @@
+"""One emitter interface for every report kind; the only place that knows rich, JSON and SARIF.
+
+    emit(report, fmt, stream)          inspect: table / json / sarif; gap, recalibrate: table / json
+    emit_diagnostics(report, stream)   what a report has to say on stderr (unreadable files, warnings)
+    emit_error / emit_warning          the CLI's one-line messages
+    render_rules(stream, code)         `bnaudit rules` and `bnaudit rules CODE`
+    progress(description, stream)      a progress bar while gap or recalibrate runs
+
+A report says which emitter renders it with its `kind` ("inspect", "gap", "recalibrate"),
+so this package never imports the torch-heavy modules that build gap and recalibrate
+reports: `--help`, `rules` and `inspect` of a safetensors file stay torch-free.
+
+Strings from files and models (names, paths, messages, model descriptions) are untrusted:
+the table renderers pass each through `bnaudit.text.printable` where they draw it, and the
+one-line messages here pass theirs once. JSON and SARIF keep them exact (a consumer matches
+layer names against the state dict) and safe: the encoder writes every control and
+non-ASCII character as a \\u escape.
+"""
+from __future__ import annotations
+
+import contextlib
+import json as jsonlib  # not `json`: importing the submodule output.json rebinds that name here
+from collections.abc import Callable, Iterator
+from typing import IO, Any
+
+from bnaudit.text import printable
+
+FORMATS: dict[str, tuple[str, ...]] = {
+    "inspect": ("table", "json", "sarif"),
+    "gap": ("table", "json"),
+    "recalibrate": ("table", "json"),
+}
+
+
+def console(stream: IO[str], width: int | None = None) -> Any:
+    """A rich console writing to `stream` (colour only when it is a terminal).
+
+    Markup and emoji off: names and messages come from untrusted files and are printed
+    as they are ("bn[/x]" would otherwise crash the renderer); it also renders faster.
+    """
+    from rich.console import Console
+
+    return Console(file=stream, width=width, highlight=False, soft_wrap=False, markup=False, emoji=False)
+
+
+def emit(report: Any, fmt: str, stream: IO[str], *, quiet: bool = False, width: int | None = None) -> None:
+    """Write `report` to `stream` in `fmt`; `quiet` and `width` apply to tables only."""
+    kind = str(getattr(report, "kind", ""))
+    if fmt not in FORMATS.get(kind, ()):
+        raise ValueError(f"no {fmt!r} emitter for a {kind!r} report")  # a bug in the caller
+    if fmt == "table":
+        from bnaudit.output import table
+
+        renderers = {"inspect": table.render_inspect, "gap": table.render_gap,
+                     "recalibrate": table.render_recalibrate}
+        renderers[kind](report, console(stream, width), quiet=quiet)
+        return
+    document = _document(report, fmt)
+    stream.write(jsonlib.dumps(document, indent=2, allow_nan=False) + "\n")
+    stream.flush()
+
+
+def _document(report: Any, fmt: str) -> dict:
+    if fmt == "sarif":
+        from bnaudit.output.sarif import inspect_to_sarif
+
+        return inspect_to_sarif(report)
+    from bnaudit.output import json as documents
+
+    builders = {"inspect": documents.inspect_to_json, "gap": documents.gap_to_json,
+                "recalibrate": documents.recalibrate_to_json}
+    return builders[report.kind](report)
+
+
+def _line(stream: IO[str], text: str) -> None:
+    stream.write(text + "\n")
+    stream.flush()
+
+
+def one_line(message: str) -> str:
+    """`message` as one printable line: whitespace runs (newlines too) become one space."""
+    return printable(" ".join(message.split()))
+
+
+def emit_error(message: str, stream: IO[str], *, json_stream: IO[str] | None = None) -> None:
+    """`bnaudit: error: MESSAGE` on `stream`; with `json_stream` also `{"error": MESSAGE}`
+    there, so that a `--format json` consumer reads a document whatever happened."""
+    message = one_line(message)
+    if json_stream is not None:
+        _line(json_stream, jsonlib.dumps({"error": message}))
+    _line(stream, f"bnaudit: error: {message}")
+
+
+def emit_warning(message: str, stream: IO[str]) -> None:
+    _line(stream, f"bnaudit: warning: {one_line(message)}")
+
+
+def emit_interrupted(stream: IO[str]) -> None:
+    _line(stream, "bnaudit: interrupted")
+
+
+def emit_diagnostics(report: Any, stream: IO[str]) -> None:
+    """What a report has to say besides itself, one line each: the files inspect could not
+    read (the report shows them too; on stderr a hook's log shows them whatever the format)
+    and recalibrate's warnings."""
+    if report.kind == "inspect":
+        for file in report.files:
+            if file.error:
+                emit_error(f"{file.path}: {file.error}", stream)
+    elif report.kind == "recalibrate":
+        for message in report.warnings:
+            emit_warning(message, stream)
+
+
+def render_rules(stream: IO[str], code: str | None = None, *, width: int | None = None) -> None:
+    """`bnaudit rules`: one row per rule; with `code`, that rule explained (an unknown
+    code is a BnauditError)."""
+    if code is not None:
+        from bnaudit.audit.ruledocs import explain_rule, find_rule
+
+        stream.write(explain_rule(find_rule(code)))
+        stream.flush()
+        return
+    from bnaudit.output import table
+
+    table.render_rules(console(stream, width))
+
+
+@contextlib.contextmanager
+def progress(description: str, stream: IO[str], *, quiet: bool = False) -> Iterator[Callable[[int, int], None] | None]:
+    """A transient progress bar on `stream`, or None when quiet or `stream` is not a terminal.
+
+    Yields a callback `update(done, total)`.
+    """
+    if quiet:  # no console at all: rich costs an import that --format json and -q never use
+        yield None
+        return
+    bar_console = console(stream)
+    if not bar_console.is_terminal:
+        yield None
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=bar_console, transient=True) as bar:
+        task = bar.add_task(printable(description), total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update

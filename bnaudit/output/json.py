@@ -1,4 +1,8 @@
-"""TODO docstring. From: report"""
+"""The `--format json` documents: plain dicts, strict JSON (no NaN or Infinity).
+
+Strings from files and models are kept exact (a consumer matches layer names against the
+state dict); the encoder escapes their control characters.
+"""
 from __future__ import annotations
 
 import math

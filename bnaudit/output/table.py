@@ -1,8 +1,14 @@
-"""TODO docstring. From: docs, report"""
+"""Rich tables for the terminal: one renderer per report kind, and the rules listing.
+
+Every string that came from a file, a model or the data (paths, layer and module names,
+model descriptions, messages that quote them) goes through `printable` here, where it is
+drawn (`_cell`), so that an escape sequence in a layer name is shown, not obeyed.
+Numbers and the fixed words of the tables are ours.
+"""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from bnaudit.audit.report import FileReport, InspectReport
 from bnaudit.audit.rules import RULES
@@ -23,8 +29,6 @@ def render_rules(console: Any) -> None:
         table.add_row(rule.code, rule.name, rule.severity, rule.summary)
     console.print(table)
     console.print(f"bnaudit rules CODE explains a rule ({len(RULES)} rules).")
-
-
 
 
 def _cell(text: str, style: str = "") -> Any:
@@ -106,15 +110,7 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
         else:
             console.print(Text("  no BatchNorm layers found", style="dim"))
         if file.findings:
-            from rich.table import Table
-
-            findings = Table(show_edge=False, pad_edge=False, header_style="bold")
-            for col in ("code", "severity", "layer", "message"):
-                findings.add_column(col, overflow="fold")
-            for f in file.findings:
-                findings.add_row(f"{f.code} {f.name}", Text(f.severity, style=SEVERITY_STYLE[f.severity]),
-                                 _cell(f.layer or "-"), _cell(f.message))
-            console.print(findings)
+            console.print(_findings_table(file.findings))
         console.print()
     s = report.summary()
     line = (f"{s['files']} file(s), {s['layers']} BN layer(s): {s['errors']} error(s), "
@@ -133,19 +129,35 @@ def _f2(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
 
 
+Justify = Literal["left", "right"]
+
+
+def _findings_table(findings: list, title: str | None = None) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
+                  header_style="bold")
+    for col in ("code", "severity", "layer", "message"):
+        table.add_column(col, overflow="fold")
+    for f in findings:
+        table.add_row(_cell(f"{f.code} {f.name}"), _cell(f.severity, style=SEVERITY_STYLE[f.severity]),
+                      _cell(f.layer or "-"), _cell(f.message))
+    return table
+
+
 def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     """Rich rendering: header, the two modes, per-layer drift (worst first), findings, diagnosis."""
     from rich.table import Table
     from rich.text import Text
 
-    title = Text(report.checkpoint, style="bold")
-    title.append(f"  ({report.model})", style="dim")
+    title = _cell(report.checkpoint, style="bold")
+    title.append(printable(f"  ({report.model})"), style="dim")
     console.print(title)
-    console.print(Text(f"data: {report.data}", style="dim"))
+    console.print(_cell(f"data: {report.data}", style="dim"))
     order = f"shuffled with seed {report.seed}" if report.shuffle else "file order, --no-shuffle"
     skipped = f", {report.skipped} unreadable image(s) skipped" if report.skipped else ""
-    console.print(f"{report.samples} samples in {report.batches} batches of {report.batch_size} "
-                  f"({order}), device {report.device}{skipped}")
+    console.print(_cell(f"{report.samples} samples in {report.batches} batches of {report.batch_size} "
+                        f"({order}), device {report.device}{skipped}"))
     console.print()
 
     modes = Table(show_edge=False, pad_edge=False, header_style="bold")
@@ -172,35 +184,29 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
         table = Table(title="per-layer drift: eval-mode inputs against running statistics, worst first",
                       title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
                       header_style="bold")
-        for col, justify in (("layer", "left"), ("#", "right"), ("kind", "left"), ("C", "right"),
-                             ("mean shift", "right"), ("max shift", "right"), ("var log-ratio", "right"),
-                             ("drift", "right")):
+        columns: tuple[tuple[str, Justify], ...] = (
+            ("layer", "left"), ("#", "right"), ("kind", "left"), ("C", "right"), ("mean shift", "right"),
+            ("max shift", "right"), ("var log-ratio", "right"), ("drift", "right"))
+        for col, justify in columns:
             table.add_column(col, justify=justify, overflow="fold")
         worst = report.layers[0] if report.layers and report.layers[0].drift is not None else None
         for d in report.layers:
             if d.drift is None:
                 style = "dim"
-            elif d is worst and d.large:
+            elif worst is not None and d is worst and d.large:
                 style = "bold red"
             elif d.large:
                 style = "yellow"
             else:
                 style = ""
-            table.add_row(d.name, str(d.position + 1), d.kind, str(d.channels), _f2(d.mean_shift),
+            table.add_row(_cell(d.name), str(d.position + 1), _cell(d.kind), str(d.channels), _f2(d.mean_shift),
                           _f2(d.max_mean_shift), _f2(d.var_log_ratio),
-                          _f2(d.drift) if d.drift is not None else (d.note or "-"), style=style)
+                          _f2(d.drift) if d.drift is not None else _cell(d.note or "-"), style=style)
         console.print(table)
         console.print()
 
     if report.findings:
-        findings = Table(title="inspect findings for this checkpoint", title_justify="left", title_style="bold",
-                         show_edge=False, pad_edge=False, header_style="bold")
-        for col in ("code", "severity", "layer", "message"):
-            findings.add_column(col, overflow="fold")
-        for f in report.findings:
-            findings.add_row(f"{f.code} {f.name}", Text(f.severity, style=SEVERITY_STYLE[f.severity]),
-                             f.layer or "-", f.message)
-        console.print(findings)
+        console.print(_findings_table(report.findings, "inspect findings for this checkpoint"))
         console.print()
 
     console.print(Text("diagnosis", style="bold"))
@@ -209,7 +215,7 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     bullets.add_column(width=3, justify="right")
     bullets.add_column()
     for line in report.diagnosis:
-        bullets.add_row("-", Text(line))
+        bullets.add_row("-", _cell(line))
     console.print(bullets)
 
 
@@ -226,49 +232,52 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
     """Rich rendering: what was written, the per-layer before/after drift, skipped
     layers, and with --eval-data the two gap reports side by side."""
     from rich.table import Table
-    from rich.text import Text
 
-    title = Text(report.input, style="bold")
+    title = _cell(report.input, style="bold")
     title.append(" -> ", style="dim")
-    title.append(report.output, style="bold green")
-    title.append(f"  ({report.format}" + (f", key '{report.key}'" if report.key else "") + ")", style="dim")
+    title.append(printable(report.output), style="bold green")
+    title.append(printable(f"  ({report.format}" + (f", key '{report.key}'" if report.key else "") + ")"),
+                 style="dim")
     console.print(title)
-    console.print(Text(f"model: {report.model}", style="dim"))
-    console.print(Text(f"data: {report.data}", style="dim"))
+    console.print(_cell(f"model: {report.model}", style="dim"))
+    console.print(_cell(f"data: {report.data}", style="dim"))
     order = f"shuffled with seed {report.seed}" if report.shuffle else "file order (--no-shuffle)"
     ranks = f" on {report.world_size} ranks" if report.world_size > 1 else ""
-    console.print(f"method {report.method}: {report.samples} samples in {report.batches} batches of "
-                  f"{report.batch_size} ({order}), device {report.device}{ranks}")
+    console.print(_cell(f"method {report.method}: {report.samples} samples in {report.batches} batches of "
+                        f"{report.batch_size} ({order}), device {report.device}{ranks}"))
     console.print()
 
     if not quiet:
         table = Table(title="per-layer drift against the calibration data: old -> new statistics",
                       title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
                       header_style="bold")
-        for col, justify in (("layer", "left"), ("C", "right"), ("values/ch", "right"),
-                             ("mean shift", "right"), ("max shift", "right"), ("var log-ratio", "right")):
+        columns: tuple[tuple[str, Justify], ...] = (
+            ("layer", "left"), ("C", "right"), ("values/ch", "right"), ("mean shift", "right"),
+            ("max shift", "right"), ("var log-ratio", "right"))
+        for col, justify in columns:
             table.add_column(col, justify=justify, overflow="fold")
         for c in report.layers:
-            table.add_row(c.name, str(c.channels), str(c.values),
+            table.add_row(_cell(c.name), str(c.channels), str(c.values),
                           _arrow(c.before.mean_shift, c.after.mean_shift),
                           _arrow(c.before.max_mean_shift, c.after.max_mean_shift),
                           _arrow(c.before.var_log_ratio, c.after.var_log_ratio))
         console.print(table)
         console.print()
     if report.skipped:
-        console.print(Text(f"{len(report.skipped)} layer(s) kept their statistics:", style="bold"))
+        console.print(_cell(f"{len(report.skipped)} layer(s) kept their statistics:", style="bold"))
         for s in report.skipped:
-            console.print(Text(f"  {s.name}: {s.reason}", style="dim"))
+            console.print(_cell(f"  {s.name}: {s.reason}", style="dim"))
         console.print()
 
     before, after = report.eval_before, report.eval_after
     if before is not None and after is not None:
-        console.print(Text(f"held-out data: {after.data}", style="dim"))
+        console.print(_cell(f"held-out data: {after.data}", style="dim"))
         table = Table(title="gap on the held-out data: old -> new checkpoint",
                       title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
                       header_style="bold")
-        for col, justify in (("", "left"), ("old", "right"), ("new", "right")):
-            table.add_column(col, justify=justify)
+        table.add_column("", justify="left")
+        table.add_column("old", justify="right")
+        table.add_column("new", justify="right")
         table.add_row("eval-mode accuracy", _percent(before.eval_accuracy), _percent(after.eval_accuracy))
         table.add_row("train-mode accuracy", _percent(before.train_accuracy), _percent(after.train_accuracy))
         table.add_row("gap (points)", "-" if before.gap is None else f"{before.gap * 100:+.1f}",
@@ -279,4 +288,4 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
                       "-" if after.divergence is None else f"{after.divergence:.3g}")
         console.print(table)
         console.print()
-    console.print(Text(f"wrote {report.output}: {len(report.layers)} layer(s) recalibrated", style="green"))
+    console.print(_cell(f"wrote {report.output}: {len(report.layers)} layer(s) recalibrated", style="green"))

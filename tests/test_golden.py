@@ -1,0 +1,83 @@
+"""Golden output: every table renderer, byte for byte, at 100 columns without colour.
+
+After an intended change of what a table prints, regenerate the expected text with
+
+    python tools/update_golden.py
+
+and review the diff of tests/golden/ like any other change.
+
+Each case runs the CLI on the sample models from a scratch folder that links
+sample_models/, so every path it prints is relative and the same on every machine:
+nothing is normalised. gap and recalibrate run seeded on the CPU with one thread.
+The expected text depends on rich's table drawing (see tools/update_golden.py).
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+import pytest
+from conftest import SAMPLES
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+WIDTH = 100
+ARCH = ["--arch", "sample_models/digits_net.py:digits_net"]
+VAL = "sample_models/data/digits_val.safetensors"
+CALIB = "sample_models/data/digits_calib.safetensors"
+
+# name -> (arguments, exit code)
+CASES: dict[str, tuple[list[str], int]] = {
+    "inspect_healthy": (["inspect", "sample_models/healthy.pt"], 0),
+    "inspect_findings": (["inspect", "sample_models/dead_channel.safetensors"], 1),
+    "inspect_several": (["inspect", "sample_models/healthy.safetensors", "sample_models/immature.pt",
+                         "sample_models/nan_stats.pt", "sample_models/ema_container.pth"], 1),
+    "rules": (["rules"], 0),
+    "gap": (["gap", "sample_models/reset_stats.pt", *ARCH, "--data", VAL, "--batch-size", "32"], 0),
+    "recalibrate": (["recalibrate", "sample_models/reset_stats.pt", *ARCH, "--data", CALIB, "--eval-data", VAL,
+                     "--batch-size", "32", "-o", "recalibrated.pt"], 0),
+}
+
+
+def render(name: str, workdir: Path) -> tuple[str, int]:
+    """Run case `name` in `workdir` (created if needed): its stdout and exit code."""
+    import torch
+    from typer.testing import CliRunner
+
+    from bnaudit.cli import app
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    link = workdir / "sample_models"
+    if not link.exists():
+        link.symlink_to(SAMPLES, target_is_directory=True)
+    # an empty configuration here ends the search for one: the defaults, whatever lies above
+    (workdir / "bnaudit.toml").write_text("")
+    args, _ = CASES[name]
+    previous, threads = os.getcwd(), torch.get_num_threads()
+    torch.set_num_threads(1)  # float sums in another order could move a last printed digit
+    os.chdir(workdir)
+    try:
+        result = CliRunner().invoke(app, args, env={"COLUMNS": str(WIDTH), "NO_COLOR": "1", "TERM": "dumb"})
+    finally:
+        os.chdir(previous)
+        torch.set_num_threads(threads)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.stdout, result.exit_code
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_table_output_matches_the_golden_file(name, tmp_path):
+    printed, code = render(name, tmp_path)
+    assert code == CASES[name][1], printed
+    expected = (GOLDEN / f"{name}.txt").read_text(encoding="utf-8")
+    if printed != expected:
+        diff = "".join(difflib.unified_diff(expected.splitlines(True), printed.splitlines(True),
+                                            f"golden/{name}.txt", "printed"))
+        pytest.fail(f"{name}: the output differs from its golden file (intended? python tools/update_golden.py)"
+                    f"\n{diff}")
+
+
+def test_every_golden_file_has_a_case():
+    # A renamed case would otherwise leave its old file behind, checked by nothing.
+    assert sorted(p.stem for p in GOLDEN.glob("*.txt")) == sorted(CASES)

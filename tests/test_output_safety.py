@@ -1,0 +1,108 @@
+"""A model's names reach the terminal inert: no command writes a control character it read.
+
+The model is a plain `torch.save` of an nn.Sequential built from torch.nn classes only
+(loaded without --trust-pickle) whose BatchNorm layer is named with an OSC sequence that
+would retitle the terminal: ESC ] 0 ; owned BEL. Every command, in every format, must
+write no C0 control but newline (and tab), no DEL and no C1 control, on stdout or stderr,
+and must still show the name (escaped in tables and messages, exact in JSON documents).
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from conftest import SAMPLES
+from torch import nn
+from typer.testing import CliRunner
+
+from bnaudit.cli import app
+
+EVIL = "bn\x1b]0;owned\x07"
+SHOWN = "bn\\x1b]0;owned\\x07"  # as bnaudit.text.printable writes it
+CALIB = f"{SAMPLES}/data/digits_calib.safetensors"
+VAL = f"{SAMPLES}/data/digits_val.safetensors"
+# Bytes a terminal acts on: C0 but \t and \n, DEL, and C1 (U+0080-U+009F, two bytes in UTF-8).
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+@pytest.fixture(scope="module")
+def evil_model(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("flatten", nn.Flatten())
+    model.add_module("fc", nn.Linear(64, 4))  # the sample digits: 1 x 8 x 8 = 64 features
+    model.add_module(EVIL, nn.BatchNorm1d(4))  # initial statistics: BN002 names it in findings too
+    model.add_module("out", nn.Linear(4, 10))
+    path = tmp_path_factory.mktemp("evil") / "evil.pt"
+    torch.save(model.eval(), path)
+    return str(path)
+
+
+def run(*args: str):
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "100"})
+    for name, text in (("stdout", result.stdout), ("stderr", result.stderr)):
+        found = sorted(set(CONTROL.findall(text)))
+        assert not found, f"{args[0]} wrote {found} on {name}"
+    return result
+
+
+def test_the_checker_sees_what_a_raw_name_would_write():
+    # The pattern must catch the sequence itself and a C1 control, and pass ordinary text.
+    assert CONTROL.findall(f"x {EVIL} \x9b y") == ["\x1b", "\x07", "\x9b"]
+    assert CONTROL.findall("layer │ 0.5 -> 0.1\n\tok ·") == []
+
+
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_inspect_writes_the_name_inert(evil_model, fmt):
+    result = run("inspect", evil_model, "--format", fmt)
+    assert result.exit_code == 1, result.output  # BN002
+    if fmt == "table":
+        assert SHOWN in result.stdout
+    else:
+        names = [layer["name"] for layer in json.loads(result.stdout)["files"][0]["layers"]]
+        assert names == [EVIL]
+
+
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_gap_writes_the_name_inert(evil_model, fmt):
+    result = run("gap", evil_model, "--data", VAL, "--num-samples", "128", "--format", fmt)
+    assert result.exit_code == 0, result.output
+    if fmt == "table":
+        # the drift table (folded at 100 columns, so the name's first part), the findings
+        # and the diagnosis
+        assert result.stdout.count("bn\\x1b]0;") >= 3 and SHOWN in result.stdout
+    else:
+        doc = json.loads(result.stdout)
+        assert [d["name"] for d in doc["layers"]] == [EVIL]
+        assert [f["layer"] for f in doc["findings"]] == [EVIL]
+
+
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_recalibrate_writes_the_name_inert(evil_model, tmp_path, fmt):
+    result = run("recalibrate", evil_model, "--data", CALIB, "--eval-data", VAL, "--num-samples", "128",
+                 "-o", str(tmp_path / "out.pt"), "--format", fmt)
+    assert result.exit_code == 0, result.output
+    # the warning about few values per channel names the layer, on stderr
+    assert SHOWN in result.stderr
+    if fmt == "table":
+        assert "bn\\x1b]0;" in result.stdout
+    else:
+        doc = json.loads(result.stdout)
+        assert [c["name"] for c in doc["layers"]] == [EVIL]
+
+
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_an_error_that_quotes_the_name_is_one_inert_line(tmp_path, fmt):
+    # Data the model rejects: the error names the layer that refused it.
+    model = nn.Sequential()
+    model.add_module(EVIL, nn.Linear(3, 4))
+    model.add_module("bn", nn.BatchNorm1d(4))
+    torch.save(model.eval(), tmp_path / "m.pt")
+    result = run("gap", str(tmp_path / "m.pt"), "--data", VAL, "--num-samples", "16", "--format", fmt)
+    assert result.exit_code == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("bnaudit: error: ") and SHOWN in line
+    if fmt == "json":
+        assert SHOWN in json.loads(result.stdout)["error"]
