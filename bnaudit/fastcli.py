@@ -8,15 +8,34 @@ use (`str`, `int`, `float`, `bool`, an `Enum`, or a list of one of these, with n
 no min/max) the conversion is trivial and done here; every other annotation, and
 every value this fast path does not accept as obviously valid (a malformed number, an
 unknown choice), goes through typer's own conversion, so results and error messages
-stay typer's. `install()` does nothing when typer's internals are not the expected
-ones (another typer version): the CLI then behaves as before, only slower.
+stay typer's.
+
+This leans on typer internals, and bnaudit does not pin typer (a pre-commit hook with
+`language: system` runs in the user's environment, with the user's typer). So the fast
+path is taken only when typer is the minor version it was written and tested against
+(`TESTED_TYPER`) and every internal it touches is present with the expected signature:
+`install()` checks that before patching anything, and `lean_group_supported()` does the
+same for the single-command group `bnaudit.cli.main` builds. Otherwise the CLI runs on
+plain typer: the same answers, only slower.
+
+Set the environment variable `BNAUDIT_PLAIN_TYPER=1` (any value but empty or `0`) to
+force plain typer even where the fast path would be safe, e.g. to tell whether a
+problem comes from it.
 """
 from __future__ import annotations
 
+import inspect
+import os
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields, is_dataclass
 from enum import Enum
-from typing import Any, Callable, get_args, get_origin
+from typing import Any, get_args, get_origin
+
+PLAIN_TYPER_ENV = "BNAUDIT_PLAIN_TYPER"
+# The typer (major, minor) whose internals this module was written against. A new minor
+# may move or reshape them without notice; the checks below are a second line of defence.
+TESTED_TYPER = (0, 29)
 
 # Strings that int() / float() and pydantic's lax mode convert to the same number.
 # Anything else (underscores, 'inf', hex, whitespace) is left to typer and pydantic.
@@ -73,21 +92,91 @@ def _leaf_converter(annotation: Any, parameter_info: Any) -> Callable[[Any], Any
     return None
 
 
+def plain_typer_requested() -> bool:
+    """True when the user asked, through BNAUDIT_PLAIN_TYPER, for plain typer."""
+    return os.environ.get(PLAIN_TYPER_ENV, "") not in ("", "0")
+
+
+def typer_is_tested_version() -> bool:
+    """True when the installed typer is the minor version in `TESTED_TYPER`."""
+    import typer
+
+    match = re.match(r"(\d+)\.(\d+)", str(getattr(typer, "__version__", "")))
+    return match is not None and (int(match[1]), int(match[2])) == TESTED_TYPER
+
+
+def _parameter_names(function: Any) -> list[str] | None:
+    try:
+        return list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _has_fields(cls: Any, names: set[str]) -> bool:
+    return is_dataclass(cls) and names <= {f.name for f in fields(cls)}
+
+
+def coercion_internals_supported() -> bool:
+    """True when typer's conversion internals are the ones `install()` patches.
+
+    `core.build_runtime_param(descriptor)` is replaced; its result subclasses
+    `core.RuntimeParam` (a dataclass of `parameter_info` and `annotation` whose
+    `_coerce_value(value, param, ctx)` does the work); the descriptor carries
+    `annotation`, `parameter_info` and `file_annotation`; and the parameter info has
+    `parser`, `min`, `max` and `case_sensitive`.
+    """
+    try:
+        from typer import core, models
+    except ImportError:
+        return False
+    build = getattr(core, "build_runtime_param", None)
+    runtime_param = getattr(core, "RuntimeParam", None)
+    if not callable(build) or not isinstance(runtime_param, type):
+        return False
+    return (
+        _parameter_names(build) == ["descriptor"]
+        and _has_fields(runtime_param, {"parameter_info", "annotation"})
+        and _parameter_names(getattr(runtime_param, "_coerce_value", None)) == ["self", "value", "param", "ctx"]
+        and _has_fields(getattr(core, "TypeDescriptor", None), {"annotation", "parameter_info", "file_annotation"})
+        and {"parser", "min", "max", "case_sensitive"} <= set(_parameter_names(models.ParameterInfo) or ())
+    )
+
+
+def lean_group_supported(app: Any) -> bool:
+    """True when `bnaudit.cli.main` may build, from `app`, a group of only the command it runs.
+
+    It uses `typer.main.get_group(typer_instance)`, `typer.main.get_command_name(name)`,
+    the app's `registered_callback` and `registered_commands`, and a `CommandInfo`'s
+    `name` and `callback`.
+    """
+    if plain_typer_requested() or not typer_is_tested_version():
+        return False
+    import typer
+
+    main = getattr(typer, "main", None)
+    return (
+        _parameter_names(getattr(main, "get_group", None)) == ["typer_instance"]
+        and _parameter_names(getattr(main, "get_command_name", None)) == ["name"]
+        and isinstance(getattr(app, "registered_commands", None), list)
+        and hasattr(app, "registered_callback")
+        and {"name", "callback"} <= set(_parameter_names(getattr(typer.models, "CommandInfo", None)) or ())
+    )
+
+
 def install() -> bool:
     """Route plain parameters of every typer command through the fast path.
 
-    Returns True when installed (idempotent), False when typer is not the expected version.
+    Returns True when installed (idempotent). Returns False, and changes nothing, when
+    plain typer was requested or typer is not the version and shape this was written for.
     """
-    try:
-        from typer import core
-        from typer._coercion import RuntimeParam
-    except ImportError:
+    if plain_typer_requested() or not typer_is_tested_version() or not coercion_internals_supported():
         return False
-    original = getattr(core, "build_runtime_param", None)
-    if original is None or not isinstance(RuntimeParam, type):
-        return False
+    from typer import core
+
+    original = core.build_runtime_param
     if getattr(original, "_bnaudit_fast", False):
         return True
+    RuntimeParam = core.RuntimeParam
 
     @dataclass(frozen=True)
     class PlainRuntimeParam(RuntimeParam):  # type: ignore[misc, valid-type]
@@ -124,5 +213,6 @@ def install() -> bool:
         )
 
     build_runtime_param._bnaudit_fast = True  # type: ignore[attr-defined]
+    build_runtime_param.__wrapped__ = original  # type: ignore[attr-defined]  # for tests comparing with typer's own
     core.build_runtime_param = build_runtime_param
     return True
