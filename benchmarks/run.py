@@ -18,6 +18,7 @@ and with this checkout first on PYTHONPATH. Each target prints one line:
 the measured ratio, the target, PASS/FAIL (SKIP with the reason when its command does
 not exist yet); INFO lines give context and judge nothing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,12 +93,15 @@ def _own_cpu(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(cmd: Sequence[str], env: dict[str, str] | None = None, watch_children: bool = False,
-            cwd: str | None = None) -> Run:
+def measure(
+    cmd: Sequence[str], env: dict[str, str] | None = None, watch_children: bool = False, cwd: str | None = None
+) -> Run:
     """Run `cmd` once in a fresh process: wall time, peak RSS, CPU time, exit code."""
     with tempfile.TemporaryFile() as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(list(cmd), stdout=subprocess.DEVNULL, stderr=err, env=env or child_env(), cwd=cwd or REPO)
+        proc = subprocess.Popen(
+            list(cmd), stdout=subprocess.DEVNULL, stderr=err, env=env or child_env(), cwd=cwd or REPO
+        )
         most, main_cpu = 0, 0.0
         if watch_children:
             while True:
@@ -118,8 +122,13 @@ def measure(cmd: Sequence[str], env: dict[str, str] | None = None, watch_childre
     return Run(wall, usage.ru_maxrss * 1024, code, most, usage.ru_utime + usage.ru_stime, main_cpu)
 
 
-def compare(commands: dict[str, Sequence[str]], repeats: int, env: dict[str, str] | None = None,
-            watch_children: bool = False, before_each: Callable[[], None] | None = None) -> dict[str, list[Run]]:
+def compare(
+    commands: dict[str, Sequence[str]],
+    repeats: int,
+    env: dict[str, str] | None = None,
+    watch_children: bool = False,
+    before_each: Callable[[], None] | None = None,
+) -> dict[str, list[Run]]:
     """One warm-up run each, then `repeats` interleaved rounds (A B C A B C ...)."""
     runs: dict[str, list[Run]] = {name: [] for name in commands}
     for round_ in range(repeats + 1):
@@ -268,7 +277,7 @@ def net():
 
 # The plain-PyTorch references bnaudit is compared with: same model, checkpoint, data
 # file, batch size and (shuffled, seeded) batches.
-REF_COMMON = '''
+REF_COMMON = """
 import sys, torch
 sys.path.insert(0, {folder!r})
 from bench_model import net
@@ -279,20 +288,26 @@ data = load_file({data!r})
 inputs, labels = data["inputs"], data["labels"]
 order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(0))
 batches = [(inputs[i], labels[i]) for i in order.split({batch})]
-'''
-REF_UPDATE_BN = REF_COMMON + '''
+"""
+REF_UPDATE_BN = (
+    REF_COMMON
+    + """
 from torch.optim.swa_utils import update_bn
 update_bn((x for x, _ in batches), model)
 torch.save(model.state_dict(), sys.argv[1])
-'''
-REF_EVAL = REF_COMMON + '''
+"""
+)
+REF_EVAL = (
+    REF_COMMON
+    + """
 model.eval()
 correct = 0
 with torch.no_grad():
     for x, y in batches:
         correct += int((model(x).argmax(1) == y).sum())
 print(correct / len(inputs))
-'''
+"""
+)
 
 
 def build_small_model(folder: str) -> str:
@@ -320,8 +335,13 @@ def build_tensor_data(path: str, samples: int) -> str:
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(2)
-    save_file({"inputs": torch.randn(samples, 3, 32, 32, generator=g),
-               "labels": torch.randint(0, 10, (samples,), generator=g)}, path)
+    save_file(
+        {
+            "inputs": torch.randn(samples, 3, 32, 32, generator=g),
+            "labels": torch.randint(0, 10, (samples,), generator=g),
+        },
+        path,
+    )
     return path
 
 
@@ -345,8 +365,13 @@ def build(function: str, *args: object) -> object:
     """Run a builder in a child process, so this process stays small: a child's peak RSS
     starts from its parent's RSS at fork time (Linux keeps the high-water mark across
     fork and exec), and would otherwise include every input built here."""
-    proc = subprocess.run([PY, os.path.abspath(__file__), "--build", function, json.dumps(args)],
-                          capture_output=True, text=True, env=child_env(), cwd=REPO)
+    proc = subprocess.run(
+        [PY, os.path.abspath(__file__), "--build", function, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=REPO,
+    )
     if proc.returncode:
         raise RuntimeError(f"building {function} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -376,15 +401,23 @@ def build_one_layer(path: str) -> str:
     import numpy as np
     from safetensors.numpy import save_file
 
-    save_file({"bn.weight": np.ones(8, np.float32), "bn.bias": np.zeros(8, np.float32),
-               "bn.running_mean": np.zeros(8, np.float32) + 0.1,
-               "bn.running_var": np.ones(8, np.float32) * 0.7,
-               "bn.num_batches_tracked": np.array(1000, np.int64)}, path)
+    save_file(
+        {
+            "bn.weight": np.ones(8, np.float32),
+            "bn.bias": np.zeros(8, np.float32),
+            "bn.running_mean": np.zeros(8, np.float32) + 0.1,
+            "bn.running_var": np.ones(8, np.float32) * 0.7,
+            "bn.num_batches_tracked": np.array(1000, np.int64),
+        },
+        path,
+    )
     return path
 
 
-BUILDERS = {f.__name__: f for f in (build_resnet50_files, build_one_layer, build_small_model,
-                                    build_tensor_data, build_image_folder)}
+BUILDERS = {
+    f.__name__: f
+    for f in (build_resnet50_files, build_one_layer, build_small_model, build_tensor_data, build_image_folder)
+}
 
 
 # ----------------------------------------------------------------------------- targets
@@ -395,8 +428,13 @@ def target_1_size_independence(tmp: str, extra_bytes: int, repeats: int) -> dict
     files, n_bn = built["files"], built["bn_layers"]
     size = {k: os.path.getsize(v) for k, v in files.items()}
     gib = extra_bytes / GiB
-    line("1", f"inputs: ResNet-50 state dict, {n_bn} BN layers", None, None,
-         f"{fmt_mb(size['st_small'])}; +{gib:g} GiB of other tensors: {fmt_mb(size['st_big'])}")
+    line(
+        "1",
+        f"inputs: ResNet-50 state dict, {n_bn} BN layers",
+        None,
+        None,
+        f"{fmt_mb(size['st_small'])}; +{gib:g} GiB of other tensors: {fmt_mb(size['st_big'])}",
+    )
 
     def inspect(path: str) -> list[str]:
         return [PY, "-m", "bnaudit", "inspect", path, "--format", "json"]
@@ -405,19 +443,37 @@ def target_1_size_independence(tmp: str, extra_bytes: int, repeats: int) -> dict
         ("st", ".safetensors", "from safetensors.torch import load_file; import sys; load_file(sys.argv[1])"),
         ("pt", "torch.save zip", "import sys, torch; torch.load(sys.argv[1], weights_only=True)"),
     ):
-        runs = compare({
-            "small": inspect(files[f"{kind}_small"]),
-            "big": inspect(files[f"{kind}_big"]),
-            "naive": [PY, "-c", naive, files[f"{kind}_big"]],
-        }, repeats)
+        runs = compare(
+            {
+                "small": inspect(files[f"{kind}_small"]),
+                "big": inspect(files[f"{kind}_big"]),
+                "naive": [PY, "-c", naive, files[f"{kind}_big"]],
+            },
+            repeats,
+        )
         t_small, t_big, t_naive = (median_wall(runs[k]) for k in ("small", "big", "naive"))
         m_small, m_big, m_naive = (median_rss(runs[k]) for k in ("small", "big", "naive"))
-        line("1", f"inspect {label}: +{gib:g} GiB vs without, wall time", t_big / t_small, 1.3,
-             f"{fmt_s(t_big)} vs {fmt_s(t_small)}")
-        line("1", f"inspect {label}: +{gib:g} GiB vs without, peak RSS", m_big / m_small, 1.3,
-             f"{fmt_mb(m_big)} vs {fmt_mb(m_small)}")
-        line("1", f"naive full load vs inspect ({label} +{gib:g} GiB)", None, None,
-             f"time {t_naive / t_big:.2f}x ({fmt_s(t_naive)}), peak RSS {m_naive / m_big:.2f}x ({fmt_mb(m_naive)})")
+        line(
+            "1",
+            f"inspect {label}: +{gib:g} GiB vs without, wall time",
+            t_big / t_small,
+            1.3,
+            f"{fmt_s(t_big)} vs {fmt_s(t_small)}",
+        )
+        line(
+            "1",
+            f"inspect {label}: +{gib:g} GiB vs without, peak RSS",
+            m_big / m_small,
+            1.3,
+            f"{fmt_mb(m_big)} vs {fmt_mb(m_small)}",
+        )
+        line(
+            "1",
+            f"naive full load vs inspect ({label} +{gib:g} GiB)",
+            None,
+            None,
+            f"time {t_naive / t_big:.2f}x ({fmt_s(t_naive)}), peak RSS {m_naive / m_big:.2f}x ({fmt_mb(m_naive)})",
+        )
     return files
 
 
@@ -442,8 +498,7 @@ def target_2_startup(tmp: str, st_resnet: str | None, pt_resnet: str | None, rep
     base = median_wall(runs["base"])
     line("2", "reference: python -c 'import typer, rich'", None, None, fmt_s(base))
     floor = median_wall(runs["floor"])
-    line("2", "floor of a CLI printing with rich: import typer, rich, rich.console", floor / base, None,
-         fmt_s(floor))
+    line("2", "floor of a CLI printing with rich: import typer, rich, rich.console", floor / base, None, fmt_s(floor))
 
     def report(key: str, what: str) -> None:
         t = median_wall(runs[key])
@@ -478,13 +533,44 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def bnaudit_gap(w: Workload, data: str | None = None, extra: Sequence[str] = ()) -> list[str]:
-    return [PY, "-m", "bnaudit", "gap", w.ckpt, "--arch", w.arch, "--data", data or w.data,
-            "--batch-size", str(w.batch), "--format", "json", *extra]
+    return [
+        PY,
+        "-m",
+        "bnaudit",
+        "gap",
+        w.ckpt,
+        "--arch",
+        w.arch,
+        "--data",
+        data or w.data,
+        "--batch-size",
+        str(w.batch),
+        "--format",
+        "json",
+        *extra,
+    ]
 
 
 def bnaudit_recal(w: Workload, output: str, data: str | None = None, extra: Sequence[str] = ()) -> list[str]:
-    return [PY, "-m", "bnaudit", "recalibrate", w.ckpt, "--arch", w.arch, "--data", data or w.data,
-            "--output", output, "--force", "--batch-size", str(w.batch), "--format", "json", *extra]
+    return [
+        PY,
+        "-m",
+        "bnaudit",
+        "recalibrate",
+        w.ckpt,
+        "--arch",
+        w.arch,
+        "--data",
+        data or w.data,
+        "--output",
+        output,
+        "--force",
+        "--batch-size",
+        str(w.batch),
+        "--format",
+        "json",
+        *extra,
+    ]
 
 
 def reference_script(w: Workload, name: str, template: str) -> str:
@@ -500,13 +586,22 @@ def target_3_recalibrate(w: Workload, repeats: int, samples: int) -> None:
         return skip("3", what, "no `bnaudit recalibrate` command on this branch yet")
     ref = reference_script(w, "ref_update_bn.py", REF_UPDATE_BN)
     out_ref, out_bn = os.path.join(w.folder, "ref_out.pt"), os.path.join(w.folder, "recal_out.pt")
-    runs = compare({
-        "update_bn": [PY, ref, out_ref],
-        "exact": bnaudit_recal(w, out_bn, extra=["--method", "exact"]),
-    }, repeats, env=child_env(ONE_THREAD))
+    runs = compare(
+        {
+            "update_bn": [PY, ref, out_ref],
+            "exact": bnaudit_recal(w, out_bn, extra=["--method", "exact"]),
+        },
+        repeats,
+        env=child_env(ONE_THREAD),
+    )
     t_ref, t_exact = median_wall(runs["update_bn"]), median_wall(runs["exact"])
-    line("3", what, t_exact / t_ref, 1.10,
-         f"{fmt_s(t_exact)} vs {fmt_s(t_ref)}, {samples} samples, batch {w.batch}, whole processes")
+    line(
+        "3",
+        what,
+        t_exact / t_ref,
+        1.10,
+        f"{fmt_s(t_exact)} vs {fmt_s(t_ref)}, {samples} samples, batch {w.batch}, whole processes",
+    )
 
 
 def target_4_gap(w: Workload, repeats: int, samples: int) -> None:
@@ -516,16 +611,31 @@ def target_4_gap(w: Workload, repeats: int, samples: int) -> None:
     ref = reference_script(w, "ref_eval.py", REF_EVAL)
     runs = compare({"eval": [PY, ref], "gap": bnaudit_gap(w)}, repeats, env=child_env(ONE_THREAD))
     t_ref, t_gap = median_wall(runs["eval"]), median_wall(runs["gap"])
-    line("4", what, t_gap / t_ref, 2.2,
-         f"{fmt_s(t_gap)} vs {fmt_s(t_ref)}, {samples} samples, batch {w.batch}, whole processes")
+    line(
+        "4",
+        what,
+        t_gap / t_ref,
+        2.2,
+        f"{fmt_s(t_gap)} vs {fmt_s(t_ref)}, {samples} samples, batch {w.batch}, whole processes",
+    )
 
 
-def target_5_memory(w: Workload, small: str, large: str, n_small: int, repeats: int, unit: str = "images",
-                    extra: Sequence[str] = ("--image-size", "32")) -> None:
+def target_5_memory(
+    w: Workload,
+    small: str,
+    large: str,
+    n_small: int,
+    repeats: int,
+    unit: str = "images",
+    extra: Sequence[str] = ("--image-size", "32"),
+) -> None:
     for name, exists, build in (
         ("gap", command_exists("gap"), lambda d: bnaudit_gap(w, d, extra)),
-        ("recalibrate", command_exists("recalibrate"),
-         lambda d: bnaudit_recal(w, os.path.join(w.folder, "mem_out.pt"), d, extra)),
+        (
+            "recalibrate",
+            command_exists("recalibrate"),
+            lambda d: bnaudit_recal(w, os.path.join(w.folder, "mem_out.pt"), d, extra),
+        ),
     ):
         what = f"{name} peak RSS: {10 * n_small} vs {n_small} {unit}"
         if not exists:
@@ -543,20 +653,35 @@ def target_6_workers(w: Workload, images: str, n_images: int, repeats: int) -> N
     # One intra-op thread per process, so that overlap (not extra threads for the
     # convolutions) is what --workers can win.
     env = child_env(ONE_THREAD)
-    runs = compare({
-        "w0": bnaudit_gap(w, images, ["--image-size", "32", "--workers", "0"]),
-        "w2": bnaudit_gap(w, images, ["--image-size", "32", "--workers", "2"]),
-    }, repeats, env=env, watch_children=True)
+    runs = compare(
+        {
+            "w0": bnaudit_gap(w, images, ["--image-size", "32", "--workers", "0"]),
+            "w2": bnaudit_gap(w, images, ["--image-size", "32", "--workers", "2"]),
+        },
+        repeats,
+        env=env,
+        watch_children=True,
+    )
     t0, t2 = median_wall(runs["w0"]), median_wall(runs["w2"])
     kids0 = max(r.max_children for r in runs["w0"])
     kids2 = min(r.max_children for r in runs["w2"])
     main0 = statistics.median(r.main_cpu for r in runs["w0"])
     main2 = statistics.median(r.main_cpu for r in runs["w2"])
     workers2 = statistics.median(r.cpu - r.main_cpu for r in runs["w2"])
-    line("6", "gap --workers 2: worker processes seen (min over runs)", None, None,
-         f"{kids2} with --workers 2, {kids0} with --workers 0")
-    line("6", "gap CPU time: main process with --workers 2 vs 0", main2 / main0, None,
-         f"main {main2:.2f} s vs {main0:.2f} s; the workers used {workers2:.2f} s (decoding moved out of the forward's process)")
+    line(
+        "6",
+        "gap --workers 2: worker processes seen (min over runs)",
+        None,
+        None,
+        f"{kids2} with --workers 2, {kids0} with --workers 0",
+    )
+    line(
+        "6",
+        "gap CPU time: main process with --workers 2 vs 0",
+        main2 / main0,
+        None,
+        f"main {main2:.2f} s vs {main0:.2f} s; the workers used {workers2:.2f} s (decoding moved out of the forward's process)",
+    )
     ratio = t2 / t0 if kids2 >= 2 and kids0 == 0 else float("inf")
     detail = f"{fmt_s(t2)} vs {fmt_s(t0)}, {n_images} images, OMP_NUM_THREADS=1, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     if ratio == float("inf"):
@@ -589,8 +714,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     tmp = tempfile.mkdtemp(prefix="bnaudit-bench-", dir=args.tmp)
     started = time.perf_counter()
-    print(f"bnaudit benchmarks ({'quick' if args.quick else 'full'}; {repeats} interleaved rounds after a "
-          f"warm-up; medians; {os.cpu_count()} CPUs)", flush=True)
+    print(
+        f"bnaudit benchmarks ({'quick' if args.quick else 'full'}; {repeats} interleaved rounds after a "
+        f"warm-up; medians; {os.cpu_count()} CPUs)",
+        flush=True,
+    )
     print(f"{'#':>2}  {'comparison':<58} {'ratio':>7}  {'target':<13} {'':<4}  detail", flush=True)
     try:
         files: dict[str, str] = {}

@@ -8,12 +8,21 @@ Public API (the CLI is a thin layer over it):
         -> RecalibrationReport
     bnaudit.recalibrate_module(model, batches, method="exact") -> Calibration   (an nn.Module in place)
 """
+
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "inspect", "measure_gap", "recalibrate_checkpoint", "recalibrate_module",
-           "Config", "DataOptions", "BnauditError"]
+__all__ = [
+    "BnauditError",
+    "Config",
+    "DataOptions",
+    "__version__",
+    "inspect",
+    "measure_gap",
+    "recalibrate_checkpoint",
+    "recalibrate_module",
+]
 
 # Lazy: `bnaudit --help` must not pay for numpy/torch imports it does not use.
 _LAZY = {

@@ -5,6 +5,7 @@ exception, unless --debug) ends as one line on stderr and exit code 2. Values ar
 where they are used (`load_config`, `DataOptions.validate`, the core functions), so that
 the library and the CLI refuse the same things with the same words.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -95,22 +96,79 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks instead
 
 @app.command()
 def inspect(
-    paths: Annotated[list[str], typer.Argument(metavar="PATHS...", help="Checkpoint files or directories (searched for .pt .pth .ckpt .bin .tar .safetensors).")],
-    output_format: Annotated[InspectFormat, typer.Option("--format", "-f", help="Report format (sarif: SARIF 2.1.0 for code scanning).")] = InspectFormat.table,
-    fail_on: Annotated[Optional[Severity], typer.Option(help="Exit 1 when a finding is at or above this severity (default: warning, or fail-on from the configuration).")] = None,
-    exit_zero: Annotated[bool, typer.Option("--exit-zero", help="Exit 0 even when findings are at or above --fail-on.")] = False,
-    select: Annotated[Optional[list[str]], typer.Option(metavar="CODES", help="Run only these rules: codes or prefixes, comma-separated or repeated. Replaces the configuration's select and ignore.")] = None,
-    ignore: Annotated[Optional[list[str]], typer.Option(metavar="CODES", help="Do not report these rules (codes or prefixes); added to the configuration's ignore.")] = None,
-    config_file: Annotated[Optional[str], typer.Option("--config", metavar="PATH", help="Read this configuration file instead of the nearest bnaudit.toml / pyproject.toml [tool.bnaudit].")] = None,
+    paths: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="PATHS...",
+            help="Checkpoint files or directories (searched for .pt .pth .ckpt .bin .tar .safetensors).",
+        ),
+    ],
+    output_format: Annotated[
+        InspectFormat, typer.Option("--format", "-f", help="Report format (sarif: SARIF 2.1.0 for code scanning).")
+    ] = InspectFormat.table,
+    fail_on: Annotated[
+        Optional[Severity],
+        typer.Option(
+            help="Exit 1 when a finding is at or above this severity (default: warning, or fail-on from the configuration)."
+        ),
+    ] = None,
+    exit_zero: Annotated[
+        bool, typer.Option("--exit-zero", help="Exit 0 even when findings are at or above --fail-on.")
+    ] = False,
+    select: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            metavar="CODES",
+            help="Run only these rules: codes or prefixes, comma-separated or repeated. Replaces the configuration's select and ignore.",
+        ),
+    ] = None,
+    ignore: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            metavar="CODES", help="Do not report these rules (codes or prefixes); added to the configuration's ignore."
+        ),
+    ] = None,
+    config_file: Annotated[
+        Optional[str],
+        typer.Option(
+            "--config",
+            metavar="PATH",
+            help="Read this configuration file instead of the nearest bnaudit.toml / pyproject.toml [tool.bnaudit].",
+        ),
+    ] = None,
     isolated: Annotated[bool, typer.Option("--isolated", help="Read no configuration file.")] = False,
-    key: Annotated[Optional[str], typer.Option(metavar="KEY", help="Container key of the state dict to audit (e.g. model_ema).")] = None,
-    eps: Annotated[Optional[float], typer.Option(metavar="EPS", help="BN eps where the file holds no modules (default 1e-5).")] = None,
-    momentum: Annotated[Optional[float], typer.Option(metavar="M", help="BN momentum where the file holds no modules (default 0.1).")] = None,
-    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help="Unpickle arbitrary classes: runs code from the file. Only for files you trust.")] = False,
+    key: Annotated[
+        Optional[str], typer.Option(metavar="KEY", help="Container key of the state dict to audit (e.g. model_ema).")
+    ] = None,
+    eps: Annotated[
+        Optional[float], typer.Option(metavar="EPS", help="BN eps where the file holds no modules (default 1e-5).")
+    ] = None,
+    momentum: Annotated[
+        Optional[float], typer.Option(metavar="M", help="BN momentum where the file holds no modules (default 0.1).")
+    ] = None,
+    trust_pickle: Annotated[
+        bool,
+        typer.Option(
+            "--trust-pickle", help="Unpickle arbitrary classes: runs code from the file. Only for files you trust."
+        ),
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the summary line and errors.")] = False,
     debug: DebugOpt = False,
-    arch: Annotated[Optional[str], typer.Option(metavar="MODULE:CALLABLE", help="MODULE:CALLABLE or path/to/file.py:CALLABLE building the model: exact BN001, BN006, BN007, BN011 and the real eps/momentum.")] = None,
-    arch_kwargs: Annotated[Optional[str], typer.Option("--arch-kwargs", metavar="JSON", help='JSON object of keyword arguments for --arch, e.g. \'{"num_classes": 10}\'.')] = None,
+    arch: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="MODULE:CALLABLE",
+            help="MODULE:CALLABLE or path/to/file.py:CALLABLE building the model: exact BN001, BN006, BN007, BN011 and the real eps/momentum.",
+        ),
+    ] = None,
+    arch_kwargs: Annotated[
+        Optional[str],
+        typer.Option(
+            "--arch-kwargs",
+            metavar="JSON",
+            help="JSON object of keyword arguments for --arch, e.g. '{\"num_classes\": 10}'.",
+        ),
+    ] = None,
 ) -> None:
     """Audit every BatchNorm layer of checkpoints, without code or data."""
     from bnaudit.audit.audit import inspect as run_inspect
@@ -118,11 +176,17 @@ def inspect(
     from bnaudit.config import load_config
 
     with user_errors(debug, output_format is InspectFormat.json):
-        overrides = {"--fail-on": fail_on.value if fail_on else None, "--eps": eps, "--momentum": momentum,
-                     "--select": _code_list(select), "--ignore": _code_list(ignore)}
+        overrides = {
+            "--fail-on": fail_on.value if fail_on else None,
+            "--eps": eps,
+            "--momentum": momentum,
+            "--select": _code_list(select),
+            "--ignore": _code_list(ignore),
+        }
         config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=RULES)
-        report = run_inspect(paths, config, key=key, trust_pickle=trust_pickle, arch=arch, arch_kwargs=arch_kwargs,
-                             debug=debug)
+        report = run_inspect(
+            paths, config, key=key, trust_pickle=trust_pickle, arch=arch, arch_kwargs=arch_kwargs, debug=debug
+        )
         # emitting stays inside the boundary: the values it prints come from the files
         output.emit(report, output_format.value, sys.stdout, quiet=quiet)
     output.emit_diagnostics(report, sys.stderr)
@@ -139,7 +203,9 @@ def _code_list(values: list[str] | None) -> list[str] | None:
 
 @app.command("rules")
 def rules_command(
-    code: Annotated[Optional[str], typer.Argument(metavar="[CODE]", help="A rule code, e.g. BN004: explain that rule.")] = None,
+    code: Annotated[
+        Optional[str], typer.Argument(metavar="[CODE]", help="A rule code, e.g. BN004: explain that rule.")
+    ] = None,
     debug: DebugOpt = False,
 ) -> None:
     """List the rules, or explain one: what it detects, why it matters, how to fix and silence it."""
@@ -150,43 +216,121 @@ def rules_command(
 # ----------------------------------------------------------------------------- gap
 # Options shared by the commands that run a model on data (gap, recalibrate).
 
-ArchOpt = Annotated[Optional[str], typer.Option(
-    "--arch", metavar="MODULE:CALLABLE", help="MODULE:CALLABLE or path/to/file.py:CALLABLE that builds the model (imported with the current directory on sys.path).")]
-ArchKwargsOpt = Annotated[Optional[str], typer.Option(
-    "--arch-kwargs", metavar="JSON", help='JSON object of keyword arguments for --arch, e.g. \'{"num_classes": 10}\'.')]
-KeyOpt = Annotated[Optional[str], typer.Option("--key", metavar="KEY", help="Container key of the state dict to load (e.g. model_ema).")]
-TrustPickleOpt = Annotated[bool, typer.Option(
-    "--trust-pickle", help="Unpickle arbitrary classes (a pickled model of your own): runs code from the file. Only for files you trust.")]
-ForwardOpt = Annotated[Optional[str], typer.Option(
-    "--forward", metavar="MODULE:CALLABLE", help="MODULE:CALLABLE fn(model, batch) -> logits, for models that take something else than a tensor, tuple or dict.")]
-DataOpt = Annotated[Optional[str], typer.Option(
-    "--data", metavar="PATH", help="An ImageFolder (one subfolder per class), a .safetensors/.pt file with 'inputs' (and 'labels'), or a folder of such shards.")]
-DatasetOpt = Annotated[Optional[str], typer.Option("--dataset", metavar="MODULE:CALLABLE", help="MODULE:CALLABLE returning a map-style torch Dataset (instead of --data).")]
-BatchSizeOpt = Annotated[int, typer.Option("--batch-size", metavar="N", help="Samples per batch (train-mode results depend on it).")]
-NumSamplesOpt = Annotated[Optional[int], typer.Option("--num-samples", metavar="N", help="Use at most this many samples (default: all).")]
+ArchOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--arch",
+        metavar="MODULE:CALLABLE",
+        help="MODULE:CALLABLE or path/to/file.py:CALLABLE that builds the model (imported with the current directory on sys.path).",
+    ),
+]
+ArchKwargsOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--arch-kwargs",
+        metavar="JSON",
+        help="JSON object of keyword arguments for --arch, e.g. '{\"num_classes\": 10}'.",
+    ),
+]
+KeyOpt = Annotated[
+    Optional[str],
+    typer.Option("--key", metavar="KEY", help="Container key of the state dict to load (e.g. model_ema)."),
+]
+TrustPickleOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-pickle",
+        help="Unpickle arbitrary classes (a pickled model of your own): runs code from the file. Only for files you trust.",
+    ),
+]
+ForwardOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--forward",
+        metavar="MODULE:CALLABLE",
+        help="MODULE:CALLABLE fn(model, batch) -> logits, for models that take something else than a tensor, tuple or dict.",
+    ),
+]
+DataOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--data",
+        metavar="PATH",
+        help="An ImageFolder (one subfolder per class), a .safetensors/.pt file with 'inputs' (and 'labels'), or a folder of such shards.",
+    ),
+]
+DatasetOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--dataset",
+        metavar="MODULE:CALLABLE",
+        help="MODULE:CALLABLE returning a map-style torch Dataset (instead of --data).",
+    ),
+]
+BatchSizeOpt = Annotated[
+    int, typer.Option("--batch-size", metavar="N", help="Samples per batch (train-mode results depend on it).")
+]
+NumSamplesOpt = Annotated[
+    Optional[int], typer.Option("--num-samples", metavar="N", help="Use at most this many samples (default: all).")
+]
 SeedOpt = Annotated[int, typer.Option("--seed", metavar="SEED", help="Seed of the shuffled sample order.")]
-NoShuffleOpt = Annotated[bool, typer.Option("--no-shuffle", help="Keep file order (a class-sorted folder then gives one-class batches).")]
+NoShuffleOpt = Annotated[
+    bool, typer.Option("--no-shuffle", help="Keep file order (a class-sorted folder then gives one-class batches).")
+]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu, cuda, cuda:N or auto.")]
-WorkersOpt = Annotated[int, typer.Option("--workers", metavar="N", help="DataLoader worker processes for reading and decoding.")]
-ImageSizeOpt = Annotated[Optional[int], typer.Option("--image-size", metavar="N", help="Images: resize the shorter side to N, then center-crop N x N.")]
+WorkersOpt = Annotated[
+    int, typer.Option("--workers", metavar="N", help="DataLoader worker processes for reading and decoding.")
+]
+ImageSizeOpt = Annotated[
+    Optional[int],
+    typer.Option("--image-size", metavar="N", help="Images: resize the shorter side to N, then center-crop N x N."),
+]
 GrayscaleOpt = Annotated[bool, typer.Option("--grayscale", help="Images: one channel (default RGB).")]
-MeanOpt = Annotated[Optional[str], typer.Option("--mean", metavar="M1,M2,...", help="Images: per-channel mean to subtract, comma list (values in [0, 1] scale).")]
-StdOpt = Annotated[Optional[str], typer.Option("--std", metavar="S1,S2,...", help="Images: per-channel std to divide by, comma list.")]
-SkipBadOpt = Annotated[bool, typer.Option("--skip-bad", help="Images: count and skip unreadable files instead of stopping.")]
+MeanOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--mean", metavar="M1,M2,...", help="Images: per-channel mean to subtract, comma list (values in [0, 1] scale)."
+    ),
+]
+StdOpt = Annotated[
+    Optional[str], typer.Option("--std", metavar="S1,S2,...", help="Images: per-channel std to divide by, comma list.")
+]
+SkipBadOpt = Annotated[
+    bool, typer.Option("--skip-bad", help="Images: count and skip unreadable files instead of stopping.")
+]
 
 
 def data_options(
-    data: str | None, dataset: str | None, batch_size: int, num_samples: int | None, seed: int, no_shuffle: bool,
-    workers: int, image_size: int | None, grayscale: bool, mean: str | None, std: str | None, skip_bad: bool,
+    data: str | None,
+    dataset: str | None,
+    batch_size: int,
+    num_samples: int | None,
+    seed: int,
+    no_shuffle: bool,
+    workers: int,
+    image_size: int | None,
+    grayscale: bool,
+    mean: str | None,
+    std: str | None,
+    skip_bad: bool,
 ):
     """The CLI's data options as a `bnaudit.runtime.data.DataOptions` (the core function
     that reads the data validates them)."""
     from bnaudit.runtime.data import DataOptions, parse_float_list
 
     return DataOptions(
-        path=data, dataset=dataset, batch_size=batch_size, num_samples=num_samples, seed=seed,
-        shuffle=not no_shuffle, workers=workers, image_size=image_size, grayscale=grayscale,
-        mean=parse_float_list(mean, "--mean"), std=parse_float_list(std, "--std"), skip_bad=skip_bad,
+        path=data,
+        dataset=dataset,
+        batch_size=batch_size,
+        num_samples=num_samples,
+        seed=seed,
+        shuffle=not no_shuffle,
+        workers=workers,
+        image_size=image_size,
+        grayscale=grayscale,
+        mean=parse_float_list(mean, "--mean"),
+        std=parse_float_list(std, "--std"),
+        skip_bad=skip_bad,
     )
 
 
@@ -216,7 +360,12 @@ def frozen_imports() -> Iterator[None]:
 
 @app.command()
 def gap(
-    checkpoint: Annotated[str, typer.Argument(metavar="CHECKPOINT", help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module.")],
+    checkpoint: Annotated[
+        str,
+        typer.Argument(
+            metavar="CHECKPOINT", help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module."
+        ),
+    ],
     data: DataOpt = None,
     dataset: DatasetOpt = None,
     arch: ArchOpt = None,
@@ -235,7 +384,14 @@ def gap(
     mean: MeanOpt = None,
     std: StdOpt = None,
     skip_bad: SkipBadOpt = False,
-    max_gap: Annotated[Optional[float], typer.Option("--max-gap", metavar="FRACTION", help="Exit 1 when the gap (train-mode minus eval-mode accuracy, a fraction) exceeds this.")] = None,
+    max_gap: Annotated[
+        Optional[float],
+        typer.Option(
+            "--max-gap",
+            metavar="FRACTION",
+            help="Exit 1 when the gap (train-mode minus eval-mode accuracy, a fraction) exceeds this.",
+        ),
+    ] = None,
     output_format: Annotated[Format, typer.Option("--format", "-f", help="Report format.")] = Format.table,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no per-layer table.")] = False,
     debug: DebugOpt = False,
@@ -247,14 +403,36 @@ def gap(
 
     json_output = output_format is Format.json
     with user_errors(debug, json_output):
-        options = data_options(data, dataset, batch_size, num_samples, seed, no_shuffle, workers,
-                               image_size, grayscale, mean, std, skip_bad)
+        options = data_options(
+            data,
+            dataset,
+            batch_size,
+            num_samples,
+            seed,
+            no_shuffle,
+            workers,
+            image_size,
+            grayscale,
+            mean,
+            std,
+            skip_bad,
+        )
         # The inspect findings shown with the gap follow the project's configuration too.
         config = load_config(rule_codes=RULES)
         with frozen_imports(), output.progress("gap", sys.stderr, quiet=quiet or json_output) as update:
-            report = measure_gap(checkpoint, options, arch=arch, arch_kwargs=arch_kwargs, key=key,
-                                 trust_pickle=trust_pickle, forward=forward, device=device, config=config,
-                                 progress=update, max_gap=max_gap)
+            report = measure_gap(
+                checkpoint,
+                options,
+                arch=arch,
+                arch_kwargs=arch_kwargs,
+                key=key,
+                trust_pickle=trust_pickle,
+                forward=forward,
+                device=device,
+                config=config,
+                progress=update,
+                max_gap=max_gap,
+            )
         code = report.exit_code()  # before the report: --max-gap without labels is an error
         output.emit(report, output_format.value, sys.stdout, quiet=quiet)
     raise typer.Exit(code)
@@ -271,8 +449,21 @@ class Method(str, Enum):
 
 @app.command()
 def recalibrate(
-    checkpoint: Annotated[str, typer.Argument(metavar="CHECKPOINT", help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module.")],
-    output_path: Annotated[str, typer.Option("--output", "-o", metavar="PATH", help="Where to write the recalibrated checkpoint (same format as the input).")],
+    checkpoint: Annotated[
+        str,
+        typer.Argument(
+            metavar="CHECKPOINT", help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module."
+        ),
+    ],
+    output_path: Annotated[
+        str,
+        typer.Option(
+            "--output",
+            "-o",
+            metavar="PATH",
+            help="Where to write the recalibrated checkpoint (same format as the input).",
+        ),
+    ],
     data: DataOpt = None,
     dataset: DatasetOpt = None,
     arch: ArchOpt = None,
@@ -280,17 +471,39 @@ def recalibrate(
     key: KeyOpt = None,
     trust_pickle: TrustPickleOpt = False,
     forward: ForwardOpt = None,
-    method: Annotated[Method, typer.Option("--method", help="exact: population statistics in one pass; sequential: layer by layer, eval-mode self-consistent; cumulative: update_bn's average of batch statistics.")] = Method.exact,
-    layers: Annotated[Optional[list[str]], typer.Option("--layers", metavar="GLOB", help="Recalibrate only BN layers matching this glob (repeatable).")] = None,
-    exclude: Annotated[Optional[list[str]], typer.Option("--exclude", metavar="GLOB", help="Leave BN layers matching this glob as they are (repeatable).")] = None,
-    eval_data: Annotated[Optional[str], typer.Option("--eval-data", metavar="PATH", help="Held-out data (same kinds as --data): the gap report of the old and the new checkpoint side by side.")] = None,
+    method: Annotated[
+        Method,
+        typer.Option(
+            "--method",
+            help="exact: population statistics in one pass; sequential: layer by layer, eval-mode self-consistent; cumulative: update_bn's average of batch statistics.",
+        ),
+    ] = Method.exact,
+    layers: Annotated[
+        Optional[list[str]],
+        typer.Option("--layers", metavar="GLOB", help="Recalibrate only BN layers matching this glob (repeatable)."),
+    ] = None,
+    exclude: Annotated[
+        Optional[list[str]],
+        typer.Option("--exclude", metavar="GLOB", help="Leave BN layers matching this glob as they are (repeatable)."),
+    ] = None,
+    eval_data: Annotated[
+        Optional[str],
+        typer.Option(
+            "--eval-data",
+            metavar="PATH",
+            help="Held-out data (same kinds as --data): the gap report of the old and the new checkpoint side by side.",
+        ),
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --output if it exists.")] = False,
     batch_size: BatchSizeOpt = 64,
     num_samples: NumSamplesOpt = None,
     seed: SeedOpt = 0,
     no_shuffle: NoShuffleOpt = False,
     device: DeviceOpt = "cpu",
-    amp: Annotated[bool, typer.Option("--amp", help="Autocast the forward to float16 on CUDA (statistics still accumulate in float64).")] = False,
+    amp: Annotated[
+        bool,
+        typer.Option("--amp", help="Autocast the forward to float16 on CUDA (statistics still accumulate in float64)."),
+    ] = False,
     workers: WorkersOpt = 0,
     image_size: ImageSizeOpt = None,
     grayscale: GrayscaleOpt = False,
@@ -316,17 +529,45 @@ def recalibrate(
         output.emit_warning(message, sys.stderr)
 
     with user_errors(debug, json_output and rank == 0):
-        options = data_options(data, dataset, batch_size, num_samples, seed, no_shuffle, workers,
-                               image_size, grayscale, mean, std, skip_bad)
+        options = data_options(
+            data,
+            dataset,
+            batch_size,
+            num_samples,
+            seed,
+            no_shuffle,
+            workers,
+            image_size,
+            grayscale,
+            mean,
+            std,
+            skip_bad,
+        )
         held_out = None if eval_data is None else dataclasses.replace(options, path=eval_data, dataset=None)
         # The inspect findings of the --eval-data gap reports follow the project's configuration.
         config = load_config(rule_codes=RULES)
         quiet_bar = quiet or json_output or rank != 0
         with frozen_imports(), output.progress(f"recalibrate ({method.value})", sys.stderr, quiet=quiet_bar) as update:
             report = recalibrate_checkpoint(
-                checkpoint, output_path, options, method=method.value, arch=arch, arch_kwargs=arch_kwargs, key=key,
-                trust_pickle=trust_pickle, forward=forward, device=device, amp=amp, include=layers or (),
-                exclude=exclude or (), force=force, eval_data=held_out, config=config, progress=update, warn=warn)
+                checkpoint,
+                output_path,
+                options,
+                method=method.value,
+                arch=arch,
+                arch_kwargs=arch_kwargs,
+                key=key,
+                trust_pickle=trust_pickle,
+                forward=forward,
+                device=device,
+                amp=amp,
+                include=layers or (),
+                exclude=exclude or (),
+                force=force,
+                eval_data=held_out,
+                config=config,
+                progress=update,
+                warn=warn,
+            )
         if report is None:  # another rank than 0 under torchrun: rank 0 reports
             raise typer.Exit(0)
         output.emit_diagnostics(report, sys.stderr)

@@ -15,6 +15,7 @@ instead (a file called pyproject.toml is read at `[tool.bnaudit]`, any other at 
 level); `--isolated` reads none. Every key and value is checked: an unknown key or a bad
 value is a `BnauditError` that names the key and the file.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -188,7 +189,9 @@ def rule_codes(value: Any, known: Collection[str]) -> tuple[str, ...]:
 
 def _per_layer_ignores(value: Any, known: Collection[str]) -> dict[str, tuple[str, ...]]:
     if not isinstance(value, dict):
-        raise ValueError(f'expected a table of layer globs to rule codes, e.g. {{"backbone.*" = ["BN003"]}}, got {value!r}')
+        raise ValueError(
+            f'expected a table of layer globs to rule codes, e.g. {{"backbone.*" = ["BN003"]}}, got {value!r}'
+        )
     parsed: dict[str, tuple[str, ...]] = {}
     for pattern, codes in value.items():
         try:
@@ -202,28 +205,66 @@ def _globs(value: Any) -> tuple[str, ...]:
     return _strings(value, "file globs")
 
 
-KEYS: dict[str, Key] = {k.name: k for k in (
-    Key("fail-on", "fail_on", _ignoring_codes(_severity),
-        'exit 1 when a finding is at or above this severity: "error", "warning" or "info"'),
-    Key("near-eps-factor", "near_eps_factor", _ignoring_codes(_positive),
-        "BN004: a channel is near-eps when running_var < near-eps-factor * eps"),
-    Key("max-gain", "max_gain", _ignoring_codes(_positive),
-        "BN004: warning (not info) when a near-eps channel's eval gain |gamma|/sqrt(var+eps) reaches this"),
-    Key("max-init-weight", "max_init_weight", _ignoring_codes(_open_fraction),
-        "BN003: fires when the initial values still weigh (1-momentum)^t above this fraction"),
-    Key("eps", "eps", _ignoring_codes(_positive),
-        "BN eps where the file holds no modules (a state dict does not store it; default 1e-5)"),
-    Key("momentum", "momentum", _ignoring_codes(_momentum),
-        "BN momentum where the file holds no modules (default 0.1; a Keras port: 0.01)"),
-    Key("select", "select", rule_codes,
-        'run only these rules (codes or prefixes, e.g. ["BN002", "BN005"]); empty: all'),
-    Key("ignore", "ignore", rule_codes,
-        "never report these rules"),
-    Key("per-layer-ignores", "per_layer_ignores", _per_layer_ignores,
-        'layer-name glob -> rules not reported for matching layers, e.g. {"backbone.*" = ["BN003"]}'),
-    Key("exclude", "exclude", _ignoring_codes(_globs),
-        'file globs not audited, relative to the configuration file, e.g. ["runs/*", "*.tmp.pt"]'),
-)}
+KEYS: dict[str, Key] = {
+    k.name: k
+    for k in (
+        Key(
+            "fail-on",
+            "fail_on",
+            _ignoring_codes(_severity),
+            'exit 1 when a finding is at or above this severity: "error", "warning" or "info"',
+        ),
+        Key(
+            "near-eps-factor",
+            "near_eps_factor",
+            _ignoring_codes(_positive),
+            "BN004: a channel is near-eps when running_var < near-eps-factor * eps",
+        ),
+        Key(
+            "max-gain",
+            "max_gain",
+            _ignoring_codes(_positive),
+            "BN004: warning (not info) when a near-eps channel's eval gain |gamma|/sqrt(var+eps) reaches this",
+        ),
+        Key(
+            "max-init-weight",
+            "max_init_weight",
+            _ignoring_codes(_open_fraction),
+            "BN003: fires when the initial values still weigh (1-momentum)^t above this fraction",
+        ),
+        Key(
+            "eps",
+            "eps",
+            _ignoring_codes(_positive),
+            "BN eps where the file holds no modules (a state dict does not store it; default 1e-5)",
+        ),
+        Key(
+            "momentum",
+            "momentum",
+            _ignoring_codes(_momentum),
+            "BN momentum where the file holds no modules (default 0.1; a Keras port: 0.01)",
+        ),
+        Key(
+            "select",
+            "select",
+            rule_codes,
+            'run only these rules (codes or prefixes, e.g. ["BN002", "BN005"]); empty: all',
+        ),
+        Key("ignore", "ignore", rule_codes, "never report these rules"),
+        Key(
+            "per-layer-ignores",
+            "per_layer_ignores",
+            _per_layer_ignores,
+            'layer-name glob -> rules not reported for matching layers, e.g. {"backbone.*" = ["BN003"]}',
+        ),
+        Key(
+            "exclude",
+            "exclude",
+            _ignoring_codes(_globs),
+            'file globs not audited, relative to the configuration file, e.g. ["runs/*", "*.tmp.pt"]',
+        ),
+    )
+}
 
 
 # ----------------------------------------------------------------------------- files

@@ -4,6 +4,7 @@ Anything a user can cause (a bad path, an unreadable file, a bad option) raises
 `BnauditError`; `cli.main` turns it into one line on stderr and exit code 2.
 Everything else is a bug and keeps its traceback.
 """
+
 from __future__ import annotations
 
 

@@ -22,6 +22,7 @@ Set the environment variable `BNAUDIT_PLAIN_TYPER=1` (any value but empty or `0`
 force plain typer even where the fast path would be safe, e.g. to tell whether a
 problem comes from it.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -50,6 +51,7 @@ class _Fallback(Exception):
 def _leaf_converter(annotation: Any, parameter_info: Any) -> Callable[[Any], Any] | None:
     """A converter for one plain value, or None when typer must handle the type."""
     if annotation is str:
+
         def to_str(value: Any) -> str:
             if isinstance(value, str):
                 return value
@@ -57,6 +59,7 @@ def _leaf_converter(annotation: Any, parameter_info: Any) -> Callable[[Any], Any
 
         return to_str
     if annotation is bool:
+
         def to_bool(value: Any) -> bool:
             if isinstance(value, bool):
                 return value
@@ -208,8 +211,11 @@ def install() -> bool:
         if convert is None:
             return original(descriptor)
         return PlainRuntimeParam(
-            parameter_info=info, annotation=annotation, descriptor=descriptor,
-            convert=convert, is_list=is_list,
+            parameter_info=info,
+            annotation=annotation,
+            descriptor=descriptor,
+            convert=convert,
+            is_list=is_list,
         )
 
     build_runtime_param._bnaudit_fast = True  # type: ignore[attr-defined]

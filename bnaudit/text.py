@@ -48,7 +48,7 @@ def exception_line(exc: BaseException, *, with_type: bool = True) -> str:
 
 
 def listing(items: Iterable[object], limit: int = 3) -> str:
-    """"a, b, c and 4 more": at most `limit` items, then how many were left out."""
+    """ "a, b, c and 4 more": at most `limit` items, then how many were left out."""
     shown = [str(item) for item in items]
     if len(shown) <= limit:
         return ", ".join(shown)
@@ -56,10 +56,10 @@ def listing(items: Iterable[object], limit: int = 3) -> str:
 
 
 def plural(count: int, noun: str, plural_form: str | None = None) -> str:
-    """"1 layer", "3 layers" (`plural_form` where adding an s is wrong)."""
+    """ "1 layer", "3 layers" (`plural_form` where adding an s is wrong)."""
     return f"{count} {noun if count == 1 else (plural_form or noun + 's')}"
 
 
 def layer_list(names: list[str], limit: int = 3) -> str:
-    """"layer a" / "layers a, b, c and 2 more"."""
+    """ "layer a" / "layers a, b, c and 2 more"."""
     return f"{'layer' if len(names) == 1 else 'layers'} {listing(names, limit)}"

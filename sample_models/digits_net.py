@@ -3,6 +3,7 @@
 Use it with `--arch sample_models/digits_net.py:digits_net`. Input: (N, 1, 8, 8)
 float images scaled to [0, 1]; output: logits over 10 classes.
 """
+
 from __future__ import annotations
 
 from torch import nn

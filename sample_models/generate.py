@@ -10,6 +10,7 @@ in real life. Deterministic: same seeds, same data split, same values.
 
 Data split (fixed permutation, seed 0): 1097 train / 300 calibration / 400 validation.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -155,7 +156,9 @@ def main() -> None:
     data_dir = os.path.join(HERE, "data")
     os.makedirs(data_dir, exist_ok=True)
     save_file({"inputs": xv.contiguous(), "labels": yv.contiguous()}, os.path.join(data_dir, "digits_val.safetensors"))
-    save_file({"inputs": xc.contiguous(), "labels": yc.contiguous()}, os.path.join(data_dir, "digits_calib.safetensors"))
+    save_file(
+        {"inputs": xc.contiguous(), "labels": yc.contiguous()}, os.path.join(data_dir, "digits_calib.safetensors")
+    )
     write_image_folder(xv, yv, os.path.join(data_dir, "digits_images"), args.images_per_class)
 
 
@@ -163,7 +166,7 @@ def write_image_folder(x, y, root: str, per_class: int) -> None:
     """ImageFolder layout: root/<class>/<index>.png, 8-bit grayscale."""
     from PIL import Image
 
-    counts = {c: 0 for c in range(10)}
+    counts = dict.fromkeys(range(10), 0)
     for i in range(len(y)):
         c = int(y[i])
         if counts[c] >= per_class:

@@ -1,4 +1,5 @@
 """Shared builders: small state dicts written in every format bnaudit reads."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,17 @@ SAMPLES = os.path.join(REPO, "sample_models")
 torch.set_num_threads(1)
 
 
-def bn_entries(prefix: str, channels: int = 4, *, mean=None, var=None, weight=None, bias=None,
-               counter: int | None = 100, dtype=torch.float32) -> dict[str, torch.Tensor]:
+def bn_entries(
+    prefix: str,
+    channels: int = 4,
+    *,
+    mean=None,
+    var=None,
+    weight=None,
+    bias=None,
+    counter: int | None = 100,
+    dtype=torch.float32,
+) -> dict[str, torch.Tensor]:
     """The state-dict entries of one BN layer; defaults are trained-looking values."""
     g = torch.Generator().manual_seed(len(prefix) * 7 + channels)
     entries = {

@@ -1,4 +1,5 @@
 """The notebook API: every public name resolves lazily and works without the CLI."""
+
 from __future__ import annotations
 
 import subprocess
@@ -37,7 +38,10 @@ def test_recalibrate_module_on_the_seed_values():
 
 
 def test_measure_gap_from_python(tmp_path):
-    report = bnaudit.measure_gap(f"{SAMPLES}/reset_stats.pt", bnaudit.DataOptions(path=f"{SAMPLES}/data/digits_val.safetensors"),
-                                 arch=f"{SAMPLES}/digits_net.py:digits_net")
+    report = bnaudit.measure_gap(
+        f"{SAMPLES}/reset_stats.pt",
+        bnaudit.DataOptions(path=f"{SAMPLES}/data/digits_val.safetensors"),
+        arch=f"{SAMPLES}/digits_net.py:digits_net",
+    )
     assert report.samples == 400 and report.gap == pytest.approx(report.train_accuracy - report.eval_accuracy)
     assert report.gap > 0.3  # reset statistics cost a large part of the accuracy

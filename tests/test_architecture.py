@@ -8,6 +8,7 @@
 - The import graph, function-level imports included, has no cycle; formats/ and audit/
   never import runtime/ or the CLI.
 """
+
 from __future__ import annotations
 
 import ast
@@ -44,7 +45,8 @@ def is_package(name: str) -> bool:
 
 def is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def runtime_nodes(tree: ast.AST):
@@ -99,7 +101,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         path.pop()
@@ -191,13 +193,17 @@ def private_name_uses(module: str) -> list[str]:
 def test_the_private_name_scan_sees_both_spellings(tmp_path, monkeypatch):
     fake = tmp_path / "bnaudit" / "fake.py"
     fake.parent.mkdir()
-    fake.write_text("from bnaudit.formats.model import _typecode\nimport bnaudit.formats.model as m\n"
-                    "from bnaudit.formats import sniff\nm._ARRAY_CODES\nsniff._x\nm.__name__\n")
+    fake.write_text(
+        "from bnaudit.formats.model import _typecode\nimport bnaudit.formats.model as m\n"
+        "from bnaudit.formats import sniff\nm._ARRAY_CODES\nsniff._x\nm.__name__\n"
+    )
     monkeypatch.setitem(MODULES, "bnaudit.fake", fake)
     found = private_name_uses("bnaudit.fake")
     assert sorted(f.split(" ", 1)[1] for f in found) == [
-        "imports bnaudit.formats.model._typecode", "uses bnaudit.formats.model._ARRAY_CODES",
-        "uses bnaudit.formats.sniff._x"]
+        "imports bnaudit.formats.model._typecode",
+        "uses bnaudit.formats.model._ARRAY_CODES",
+        "uses bnaudit.formats.sniff._x",
+    ]
 
 
 def test_no_module_uses_a_private_name_of_another():
@@ -205,26 +211,44 @@ def test_no_module_uses_a_private_name_of_another():
     assert not found, found
 
 
-TORCH_FREE = sorted(m for m in MODULES if m.startswith(("bnaudit.formats", "bnaudit.audit", "bnaudit.output"))
-                    or m in ("bnaudit", "bnaudit.config", "bnaudit.text", "bnaudit.errors"))
+TORCH_FREE = sorted(
+    m
+    for m in MODULES
+    if m.startswith(("bnaudit.formats", "bnaudit.audit", "bnaudit.output"))
+    or m in ("bnaudit", "bnaudit.config", "bnaudit.text", "bnaudit.errors")
+)
 
 
 def test_the_torch_free_side_imports_neither_torch_nor_numpy():
     # A fresh interpreter: this test process has long imported both.
-    probe = ("import importlib, json, sys\n"
-             "for name in json.loads(sys.argv[1]): importlib.import_module(name)\n"
-             "print(json.dumps({m: m in sys.modules for m in ('torch', 'numpy')}))\n")
+    probe = (
+        "import importlib, json, sys\n"
+        "for name in json.loads(sys.argv[1]): importlib.import_module(name)\n"
+        "print(json.dumps({m: m in sys.modules for m in ('torch', 'numpy')}))\n"
+    )
     env = {**os.environ, "PYTHONPATH": REPO}
-    proc = subprocess.run([sys.executable, "-c", probe, json.dumps(TORCH_FREE)], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, json.dumps(TORCH_FREE)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"torch": False, "numpy": False}
 
 
 def test_the_probe_notices_a_module_that_imports_numpy():
     probe = "import importlib, sys\nimportlib.import_module('bnaudit.runtime.data')\nprint('numpy' in sys.modules)\n"
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        timeout=120,
+    )
     assert proc.stdout.strip() == "True", proc.stderr
 
 
@@ -284,6 +308,9 @@ def test_declared_dependencies_are_what_bnaudit_imports():
             elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
                 imported.add(node.module.split(".")[0])
     distribution = {"PIL": "pillow"}
-    third_party = {distribution.get(m, m).lower() for m in imported
-                   if m not in sys.stdlib_module_names and m not in ("bnaudit", "__future__")}
+    third_party = {
+        distribution.get(m, m).lower()
+        for m in imported
+        if m not in sys.stdlib_module_names and m not in ("bnaudit", "__future__")
+    }
     assert third_party == names

@@ -1,4 +1,5 @@
 """Formats sniffed from bytes, the containers training frameworks save, prefixes, EMA, lazy reads."""
+
 from __future__ import annotations
 
 import argparse
@@ -83,9 +84,24 @@ def test_bfloat16_safetensors_decoded_exactly_without_torch(tmp_path):
 SPECIALS = [0.0, -0.0, 1.0, -2.5, 65504.0, 1e-7, float("inf"), float("-inf"), float("nan"), 3.0e38, 1e-40]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-                                   torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32,
-                                   torch.uint64, torch.bool])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.bool,
+    ],
+)
 def test_safetensors_values_decode_to_what_torch_holds(tmp_path, dtype):
     """Every stored dtype, decoded without torch or numpy, equals torch's own reading
     of the same bytes, value for value (NaN where torch has NaN; -0.0 kept)."""
@@ -103,13 +119,16 @@ def test_safetensors_values_decode_to_what_torch_holds(tmp_path, dtype):
     assert [repr(v) for v in got] == [repr(v) for v in want]  # repr: tells -0.0 and NaN apart
     as_torch = ref.to_torch()
     assert as_torch.dtype == dtype and as_torch.shape == (len(want), 1)
-    assert torch.equal(as_torch.isnan() if dtype.is_floating_point else as_torch,
-                       values.reshape(-1, 1).isnan() if dtype.is_floating_point else values.reshape(-1, 1))
+    assert torch.equal(
+        as_torch.isnan() if dtype.is_floating_point else as_torch,
+        values.reshape(-1, 1).isnan() if dtype.is_floating_point else values.reshape(-1, 1),
+    )
 
 
 def test_torchscript_strided_views_read_in_row_major_order(tmp_path):
     """Buffers that are views into a larger storage (offset, transposed, stepped) read
     back as torch lays them out: the archive's own unpickler walks the strides."""
+
     class Views(nn.Module):
         def __init__(self):
             super().__init__()
@@ -189,14 +208,19 @@ def test_safetensors_reads_only_the_tensors_asked_for(tmp_path, monkeypatch):
             reads.append(n)
             return n
 
-    monkeypatch.setattr("builtins.open", lambda p, mode="r", *a, **k: CountingFile(real_open(p, mode, *a, **k)) if str(p) == path else real_open(p, mode, *a, **k))
+    monkeypatch.setattr(
+        "builtins.open",
+        lambda p, mode="r", *a, **k: (
+            CountingFile(real_open(p, mode, *a, **k)) if str(p) == path else real_open(p, mode, *a, **k)
+        ),
+    )
     report = audit.inspect(path)
     assert len(report.files[0].layers) == 1
     assert max(reads) < 256 * 256 * 4  # the big tensor was never read
     assert sum(reads) < 4096
     bn_sizes = sorted(t.numel() * t.element_size() for k, t in state.items() if k.startswith("bn1."))
-    assert sorted(reads[-len(bn_sizes):]) == bn_sizes  # each BN tensor read once, whole
-    assert sum(reads[:-len(bn_sizes)]) < 1024  # before them: the format sniff and the header
+    assert sorted(reads[-len(bn_sizes) :]) == bn_sizes  # each BN tensor read once, whole
+    assert sum(reads[: -len(bn_sizes)]) < 1024  # before them: the format sniff and the header
 
 
 # ----------------------------------------------------------------------------- containers
@@ -205,16 +229,49 @@ def test_safetensors_reads_only_the_tensors_asked_for(tmp_path, monkeypatch):
 def container_cases(state):
     ema = {k: v.clone() for k, v in state.items()}
     return {
-        "torchvision": ({"model": state, "optimizer": {"state": {}, "param_groups": []}, "lr_scheduler": {"last_epoch": 3},
-                         "epoch": 3, "args": argparse.Namespace(lr=0.1), "model_ema": ema}, "model"),
-        "timm": ({"state_dict": state, "state_dict_ema": ema, "optimizer": {}, "args": argparse.Namespace(x=1),
-                  "epoch": 9, "metric": np.float64(0.75)}, "state_dict"),
-        "lightning": ({"state_dict": {f"model.{k}": v for k, v in state.items()}, "hyper_parameters": {"lr": 1e-3},
-                       "optimizer_states": [{}], "loops": {}, "callbacks": {}, "epoch": 1}, "state_dict"),
+        "torchvision": (
+            {
+                "model": state,
+                "optimizer": {"state": {}, "param_groups": []},
+                "lr_scheduler": {"last_epoch": 3},
+                "epoch": 3,
+                "args": argparse.Namespace(lr=0.1),
+                "model_ema": ema,
+            },
+            "model",
+        ),
+        "timm": (
+            {
+                "state_dict": state,
+                "state_dict_ema": ema,
+                "optimizer": {},
+                "args": argparse.Namespace(x=1),
+                "epoch": 9,
+                "metric": np.float64(0.75),
+            },
+            "state_dict",
+        ),
+        "lightning": (
+            {
+                "state_dict": {f"model.{k}": v for k, v in state.items()},
+                "hyper_parameters": {"lr": 1e-3},
+                "optimizer_states": [{}],
+                "loops": {},
+                "callbacks": {},
+                "epoch": 1,
+            },
+            "state_dict",
+        ),
         "deepspeed": ({"module": state, "buffer_names": [], "global_steps": 10}, "module"),
         "pycls": ({"model_state": state, "optimizer_state": {}, "epoch": 3}, "model_state"),
-        "mmengine": ({"state_dict": state, "ema_state_dict": ema, "message_hub": {}, "meta": {"epoch": 1}}, "state_dict"),
-        "chgnet": ({"model": {"state_dict": state, "model_args": {"atom_fea_dim": 64}}, "optimizer": {}}, "model/state_dict"),
+        "mmengine": (
+            {"state_dict": state, "ema_state_dict": ema, "message_hub": {}, "meta": {"epoch": 1}},
+            "state_dict",
+        ),
+        "chgnet": (
+            {"model": {"state_dict": state, "model_args": {"atom_fea_dim": 64}}, "optimizer": {}},
+            "model/state_dict",
+        ),
         "batdetect2": ({"epoch": 4, "state_dict": state, "params": {"lr": 0.1, "classes": ["a", "b"]}}, "state_dict"),
         "net": ({"net": state, "acc": 0.9}, "net"),
         "model_state_dict": ({"model_state_dict": state, "optimizer_state_dict": {}}, "model_state_dict"),

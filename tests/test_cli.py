@@ -1,4 +1,5 @@
 """The inspect command end to end: table, JSON document, exit codes, several files."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,15 @@ from bnaudit import __version__
 def hand_made(tmp_path):
     """One layer whose every table cell is hand arithmetic: C=3, t=3, mean in [-1, 2],
     var 0 / 1 / 4, one near-eps channel with gain 1/sqrt(1e-5) = 316."""
-    state = bn_entries("encoder.bn", 3, mean=torch.tensor([-1.0, 0.5, 2.0]), var=torch.tensor([0.0, 1.0, 4.0]),
-                       weight=torch.ones(3), bias=torch.tensor([0.1, 0.2, 0.3]), counter=3)
+    state = bn_entries(
+        "encoder.bn",
+        3,
+        mean=torch.tensor([-1.0, 0.5, 2.0]),
+        var=torch.tensor([0.0, 1.0, 4.0]),
+        weight=torch.ones(3),
+        bias=torch.tensor([0.1, 0.2, 0.3]),
+        counter=3,
+    )
     return save_torch(state, tmp_path / "hand.pt")
 
 
@@ -52,7 +60,9 @@ def test_json_document_has_the_documented_shape(cli, hand_made):
     assert layer["near_eps_channels"] == 1
     assert layer["max_eval_gain"] == pytest.approx(1 / (1e-5) ** 0.5, rel=1e-6)
     assert [(f["code"], f["name"], f["severity"], f["layer"]) for f in file["findings"]] == [
-        ("BN003", "immature-stats", "warning", "encoder.bn"), ("BN004", "near-eps-variance", "warning", "encoder.bn")]
+        ("BN003", "immature-stats", "warning", "encoder.bn"),
+        ("BN004", "near-eps-variance", "warning", "encoder.bn"),
+    ]
     assert file["findings"][1]["channels"] == [0]
     assert doc["config"]["fail-on"] == "warning"
 
@@ -60,6 +70,7 @@ def test_json_document_has_the_documented_shape(cli, hand_made):
 def test_json_writes_non_finite_numbers_as_null(cli, tmp_path):
     state = bn_entries("bn", 2, mean=torch.tensor([float("nan"), float("nan")]), var=torch.tensor([float("inf"), 1.0]))
     result = cli("inspect", save_torch(state, tmp_path / "n.pt"), "--format", "json")
+
     def reject(constant):
         raise AssertionError(f"non-strict JSON constant {constant}")
 
@@ -104,7 +115,11 @@ def test_directory_expands_to_checkpoint_suffixes_in_sorted_order(cli, tmp_path)
     save_torch(bn_entries("a", 2), tmp_path / "c.ckpt")
     (tmp_path / "notes.txt").write_text("not audited")
     doc = json.loads(cli("inspect", str(tmp_path), "--format", "json").stdout)
-    assert [os.path.relpath(f["path"], tmp_path) for f in doc["files"]] == ["b.pth", "c.ckpt", os.path.join("sub", "a.safetensors")]
+    assert [os.path.relpath(f["path"], tmp_path) for f in doc["files"]] == [
+        "b.pth",
+        "c.ckpt",
+        os.path.join("sub", "a.safetensors"),
+    ]
 
 
 def test_explicit_file_is_read_whatever_its_name(cli, tmp_path):
@@ -120,13 +135,16 @@ def test_key_option_chooses_the_state_dict(cli, tmp_path):
     assert doc["files"][0]["other_keys"] == ["model"]
 
 
-@pytest.mark.parametrize("option,value,problem", [
-    ("--eps", "-1", "expected a positive number, got -1.0"),
-    ("--eps", "0", "expected a positive number, got 0.0"),
-    ("--eps", "nan", "expected a finite number, got nan"),
-    ("--momentum", "1.5", "expected a number in [0, 1], got 1.5"),
-    ("--momentum", "-0.1", "expected a number in [0, 1], got -0.1"),
-])
+@pytest.mark.parametrize(
+    "option,value,problem",
+    [
+        ("--eps", "-1", "expected a positive number, got -1.0"),
+        ("--eps", "0", "expected a positive number, got 0.0"),
+        ("--eps", "nan", "expected a finite number, got nan"),
+        ("--momentum", "1.5", "expected a number in [0, 1], got 1.5"),
+        ("--momentum", "-0.1", "expected a number in [0, 1], got -0.1"),
+    ],
+)
 def test_bad_option_values_are_one_line_errors(cli, hand_made, option, value, problem):
     # checked where the configuration parses them, with the words a bnaudit.toml value gets
     result = cli("inspect", hand_made, option, value)
@@ -176,11 +194,14 @@ def test_python_dash_m_runs_in_a_subprocess(tmp_path):
     assert "0 error(s), 0 warning(s)" in proc.stdout
 
 
-@pytest.mark.parametrize("width,headers", [
-    (140, ["layer", "C", "batches", "mean range", "var min / med / max", "near-eps", "max gain", "status"]),
-    (90, ["layer", "C", "batches", "var min / med / max", "near-eps", "max gain", "status"]),
-    (60, ["layer", "C", "var min", "near-eps", "max gain", "status"]),
-])
+@pytest.mark.parametrize(
+    "width,headers",
+    [
+        (140, ["layer", "C", "batches", "mean range", "var min / med / max", "near-eps", "max gain", "status"]),
+        (90, ["layer", "C", "batches", "var min / med / max", "near-eps", "max gain", "status"]),
+        (60, ["layer", "C", "var min", "near-eps", "max gain", "status"]),
+    ],
+)
 def test_narrow_terminals_drop_columns_instead_of_folding_numbers(cli, hand_made, width, headers):
     lines = cli("inspect", hand_made, width=width).stdout.splitlines()
     header = next(line for line in lines if line.startswith("layer"))

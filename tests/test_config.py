@@ -1,6 +1,7 @@
 """Configuration: discovery from the current directory upward, precedence of the command
 line, validation of every key, and what select / ignore / per-layer-ignores / exclude and
 the thresholds do to an audit."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -117,8 +118,9 @@ def test_select_replaces_and_ignore_extends_as_in_ruff(tmp_path):
 
 def test_cli_select_accepts_commas_and_repetition(cli, tmp_path):
     path = save_torch(bn_entries("bn", 4, counter=3), tmp_path / "young.pt")  # BN003 fires
-    doc = json.loads(cli("inspect", path, "--isolated", "--format", "json", "--select", "BN002,BN004",
-                         "--select", "BN005").stdout)
+    doc = json.loads(
+        cli("inspect", path, "--isolated", "--format", "json", "--select", "BN002,BN004", "--select", "BN005").stdout
+    )
     assert doc["config"]["select"] == ["BN002", "BN004", "BN005"]
     assert doc["files"][0]["findings"] == []
 
@@ -133,7 +135,9 @@ def test_every_config_field_has_a_key():
 
 
 def test_every_key_is_read_from_the_file(tmp_path):
-    write(tmp_path / "pyproject.toml", """[tool.bnaudit]
+    write(
+        tmp_path / "pyproject.toml",
+        """[tool.bnaudit]
 fail-on = "info"
 near-eps-factor = 20
 max-gain = 90.5
@@ -144,39 +148,54 @@ select = ["bn00", "BN010"]
 ignore = ["BN009"]
 per-layer-ignores = {"backbone.*" = ["BN003"], "head" = ["BN004", "BN002"]}
 exclude = ["runs/*", "*.tmp.pt"]
-""")
+""",
+    )
     config = load_config(rule_codes=RULES, start=tmp_path)
-    assert config == Config(fail_on="info", near_eps_factor=20.0, max_gain=90.5, max_init_weight=0.2, eps=1e-3,
-                            momentum=0.01, select=("BN00", "BN010"), ignore=("BN009",),
-                            per_layer_ignores={"backbone.*": ("BN003",), "head": ("BN004", "BN002")},
-                            exclude=("runs/*", "*.tmp.pt"))
+    assert config == Config(
+        fail_on="info",
+        near_eps_factor=20.0,
+        max_gain=90.5,
+        max_init_weight=0.2,
+        eps=1e-3,
+        momentum=0.01,
+        select=("BN00", "BN010"),
+        ignore=("BN009",),
+        per_layer_ignores={"backbone.*": ("BN003",), "head": ("BN004", "BN002")},
+        exclude=("runs/*", "*.tmp.pt"),
+    )
 
 
-@pytest.mark.parametrize("line,problem", [
-    ('fail-on = "fatal"', "fail-on: expected one of error, warning, info, got 'fatal'"),
-    ("fail-on = 1", "fail-on: expected one of error, warning, info, got 1"),
-    ("near-eps-factor = 0", "near-eps-factor: expected a positive number, got 0"),
-    ('near-eps-factor = "10"', "near-eps-factor: expected a number, got '10'"),
-    ("near-eps-factor = true", "near-eps-factor: expected a number, got True"),
-    ("max-gain = -1", "max-gain: expected a positive number, got -1"),
-    ("max-gain = inf", "max-gain: expected a finite number, got inf"),
-    ("max-init-weight = 1", "max-init-weight: expected a number between 0 and 1 (exclusive), got 1"),
-    ("max-init-weight = 0.0", "max-init-weight: expected a number between 0 and 1 (exclusive), got 0.0"),
-    ("eps = 0", "eps: expected a positive number, got 0"),
-    ("eps = nan", "eps: expected a finite number, got nan"),
-    ("momentum = 1.5", "momentum: expected a number in [0, 1], got 1.5"),
-    ('select = "BN002"', "select: expected a list of rule codes, got 'BN002'"),
-    ('select = ["BN999"]', "select: unknown rule code 'BN999' (known: BN001"),
-    ('ignore = ["XX"]', "ignore: unknown rule code 'XX'"),
-    ('ignore = [""]', "ignore: unknown rule code ''"),
-    ('per-layer-ignores = ["a"]', "per-layer-ignores: expected a table of layer globs to rule codes"),
-    ('per-layer-ignores = {"a.*" = "BN003"}', "per-layer-ignores: 'a.*': expected a list of rule codes, got 'BN003'"),
-    ('per-layer-ignores = {"a.*" = ["BN99"]}', "per-layer-ignores: 'a.*': unknown rule code 'BN99'"),
-    ('exclude = "runs/*"', "exclude: expected a list of file globs, got 'runs/*'"),
-    ("exclude = [1]", "exclude: expected a list of file globs, got [1]"),
-    ('fail_on = "error"', "unknown key 'fail_on' (did you mean 'fail-on'?)"),
-    ("max_gains = 3", "unknown key 'max_gains' (did you mean 'max-gain'?)"),
-])
+@pytest.mark.parametrize(
+    "line,problem",
+    [
+        ('fail-on = "fatal"', "fail-on: expected one of error, warning, info, got 'fatal'"),
+        ("fail-on = 1", "fail-on: expected one of error, warning, info, got 1"),
+        ("near-eps-factor = 0", "near-eps-factor: expected a positive number, got 0"),
+        ('near-eps-factor = "10"', "near-eps-factor: expected a number, got '10'"),
+        ("near-eps-factor = true", "near-eps-factor: expected a number, got True"),
+        ("max-gain = -1", "max-gain: expected a positive number, got -1"),
+        ("max-gain = inf", "max-gain: expected a finite number, got inf"),
+        ("max-init-weight = 1", "max-init-weight: expected a number between 0 and 1 (exclusive), got 1"),
+        ("max-init-weight = 0.0", "max-init-weight: expected a number between 0 and 1 (exclusive), got 0.0"),
+        ("eps = 0", "eps: expected a positive number, got 0"),
+        ("eps = nan", "eps: expected a finite number, got nan"),
+        ("momentum = 1.5", "momentum: expected a number in [0, 1], got 1.5"),
+        ('select = "BN002"', "select: expected a list of rule codes, got 'BN002'"),
+        ('select = ["BN999"]', "select: unknown rule code 'BN999' (known: BN001"),
+        ('ignore = ["XX"]', "ignore: unknown rule code 'XX'"),
+        ('ignore = [""]', "ignore: unknown rule code ''"),
+        ('per-layer-ignores = ["a"]', "per-layer-ignores: expected a table of layer globs to rule codes"),
+        (
+            'per-layer-ignores = {"a.*" = "BN003"}',
+            "per-layer-ignores: 'a.*': expected a list of rule codes, got 'BN003'",
+        ),
+        ('per-layer-ignores = {"a.*" = ["BN99"]}', "per-layer-ignores: 'a.*': unknown rule code 'BN99'"),
+        ('exclude = "runs/*"', "exclude: expected a list of file globs, got 'runs/*'"),
+        ("exclude = [1]", "exclude: expected a list of file globs, got [1]"),
+        ('fail_on = "error"', "unknown key 'fail_on' (did you mean 'fail-on'?)"),
+        ("max_gains = 3", "unknown key 'max_gains' (did you mean 'max-gain'?)"),
+    ],
+)
 def test_bad_keys_and_values_name_the_key_and_the_file(tmp_path, line, problem):
     pyproject = write(tmp_path / "pyproject.toml", f"[tool.bnaudit]\n{line}\n")
     with pytest.raises(BnauditError) as exc:
@@ -188,7 +207,9 @@ def test_bnaudit_toml_errors_name_the_file(tmp_path):
     dedicated = write(tmp_path / "bnaudit.toml", "[tool.bnaudit]\nmax-gain = 3\n")
     with pytest.raises(BnauditError) as exc:
         load_config(rule_codes=RULES, start=tmp_path)
-    assert str(exc.value).startswith(f"{dedicated.resolve()}: unknown key 'tool' (bnaudit.toml holds the keys at its top level")
+    assert str(exc.value).startswith(
+        f"{dedicated.resolve()}: unknown key 'tool' (bnaudit.toml holds the keys at its top level"
+    )
     write(tmp_path / "bnaudit.toml", "max-gain = \n")
     with pytest.raises(BnauditError, match=r"bnaudit.toml: invalid TOML"):
         load_config(rule_codes=RULES, start=tmp_path)
@@ -207,7 +228,8 @@ def test_configuration_error_is_one_line_and_exit_2(cli, tmp_path, monkeypatch):
     assert table.exit_code == 2
     assert table.stderr.strip().splitlines() == [
         f"bnaudit: error: {(tmp_path / 'pyproject.toml').resolve()} [tool.bnaudit]: max-gain: "
-        "expected a positive number, got -1"]
+        "expected a positive number, got -1"
+    ]
     as_json = cli("inspect", path, "--format", "json")
     assert as_json.exit_code == 2 and "max-gain" in json.loads(as_json.stdout)["error"]
     sarif = cli("inspect", path, "--format", "sarif")
@@ -222,8 +244,10 @@ def test_configuration_error_is_one_line_and_exit_2(cli, tmp_path, monkeypatch):
 def two_layer_checkpoint(tmp_path):
     """backbone.0.bn and head.bn, both immature (t = 3: 0.9^3 = 72.9% > 5%, BN003), and
     head.bn with one channel at var 0 (BN004, gain 1/sqrt(1e-5) = 316 >= 100: warning)."""
-    state = {**bn_entries("backbone.0.bn", 4, counter=3),
-             **bn_entries("head.bn", 4, var=torch.tensor([0.0, 1.0, 1.0, 1.0]), weight=torch.ones(4), counter=3)}
+    state = {
+        **bn_entries("backbone.0.bn", 4, counter=3),
+        **bn_entries("head.bn", 4, var=torch.tensor([0.0, 1.0, 1.0, 1.0]), weight=torch.ones(4), counter=3),
+    }
     return save_torch(state, tmp_path / "model.pt")
 
 
@@ -248,13 +272,15 @@ def test_select_ignore_and_per_layer_ignores_from_the_file(cli, tmp_path, monkey
 def test_thresholds_from_the_file_move_the_rules(cli, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # t = 30 at momentum 0.1: w = 0.9^30 = 0.0424, below the default 5%, above 4%.
-    weight = 0.9 ** 30
+    weight = 0.9**30
     assert 0.04 < weight < 0.05
     # one channel at var 1e-4 = 10 * eps: not below the default factor 10, below 20;
     # its gain 1/sqrt(1e-4 + 1e-5) = 95.3 is under the default max-gain 100, over 90.
     var = torch.tensor([1e-4, 1.0, 1.0, 1.0], dtype=torch.float64)
-    path = save_torch(bn_entries("bn", 4, var=var, weight=torch.ones(4, dtype=torch.float64), counter=30,
-                                 dtype=torch.float64), tmp_path / "m.pt")
+    path = save_torch(
+        bn_entries("bn", 4, var=var, weight=torch.ones(4, dtype=torch.float64), counter=30, dtype=torch.float64),
+        tmp_path / "m.pt",
+    )
     assert findings(cli, path) == []
     write(tmp_path / "bnaudit.toml", "max-init-weight = 0.04\n")
     assert findings(cli, path) == [("BN003", "bn")]
@@ -272,7 +298,7 @@ def test_eps_and_momentum_from_the_file(cli, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # var 5e-3: near-eps only when eps is 1e-3 (5e-3 < 10 * 1e-3), not at 1e-5.
     # t = 100: 0.9^100 = 2.7e-5 (mature) at momentum 0.1, 0.99^100 = 0.366 (immature) at 0.01.
-    assert 0.99 ** 100 > 0.05 > 0.9 ** 100
+    assert 0.99**100 > 0.05 > 0.9**100
     path = save_torch(bn_entries("bn", 4, var=torch.tensor([5e-3, 1.0, 1.0, 1.0]), counter=100), tmp_path / "m.pt")
     assert findings(cli, path) == []
     write(tmp_path / "bnaudit.toml", "eps = 1e-3\nmomentum = 0.01\n")

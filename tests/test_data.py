@@ -1,5 +1,6 @@
 """Datasets: image folders, tensor files and shards, custom datasets; order, batching,
 workers, and every bad-data case as one clear error."""
+
 from __future__ import annotations
 
 import json
@@ -69,8 +70,9 @@ def test_image_folder_classes_pixels_and_labels(tmp_path):
 
 def test_grayscale_mean_and_std(tmp_path):
     arrays = _image_folder(tmp_path / "imgs")
-    stream = make_loader(DataOptions(path=str(tmp_path / "imgs"), batch_size=8, shuffle=False, grayscale=True,
-                                     mean=(0.5,), std=(0.25,)))
+    stream = make_loader(
+        DataOptions(path=str(tmp_path / "imgs"), batch_size=8, shuffle=False, grayscale=True, mean=(0.5,), std=(0.25,))
+    )
     _, inputs, _, _ = _all(stream)
     rgb = arrays[("cat", 2)].astype(np.int64)
     # ITU-R 601-2 luma, as Pillow's "L" conversion computes it in fixed point
@@ -78,8 +80,9 @@ def test_grayscale_mean_and_std(tmp_path):
     expected = (luma / 255.0 - 0.5) / 0.25
     assert inputs.shape == (6, 1, 5, 7)
     assert np.allclose(inputs[5, 0].numpy(), expected, atol=1e-6)
-    rgb_stream = make_loader(DataOptions(path=str(tmp_path / "imgs"), batch_size=8, shuffle=False,
-                                         mean=(0.1, 0.2, 0.3), std=(0.5, 0.5, 2.0)))
+    rgb_stream = make_loader(
+        DataOptions(path=str(tmp_path / "imgs"), batch_size=8, shuffle=False, mean=(0.1, 0.2, 0.3), std=(0.5, 0.5, 2.0))
+    )
     _, rgb_inputs, _, _ = _all(rgb_stream)
     raw = arrays[("ant", 1)].astype(np.float64) / 255
     assert np.allclose(rgb_inputs[1].permute(1, 2, 0).numpy(), (raw - [0.1, 0.2, 0.3]) / [0.5, 0.5, 2.0], atol=1e-6)
@@ -238,14 +241,19 @@ def test_unlabelled_tensor_file(tmp_path):
     assert stream.has_labels is False and batches[0].labels is None and torch.equal(batches[0].inputs, x)
 
 
-@pytest.mark.parametrize("tensors, fragment", [
-    ({"inputs": torch.zeros(4, 2), "labels": torch.zeros(3, dtype=torch.int64)},
-     "'inputs' has 4 samples but 'labels' has 3"),
-    ({"x": torch.zeros(4, 2)}, "holds no 'inputs' tensor (found 'x')"),
-    ({"inputs": torch.zeros(4, 2), "labels": torch.zeros(4)}, "'labels' must hold integer class indices"),
-    ({"inputs": torch.zeros(4, 2), "labels": torch.zeros(4, 2, dtype=torch.int64)}, "one class index per sample"),
-    ({"inputs": torch.zeros(0, 2)}, "'inputs' holds no samples"),
-])
+@pytest.mark.parametrize(
+    "tensors, fragment",
+    [
+        (
+            {"inputs": torch.zeros(4, 2), "labels": torch.zeros(3, dtype=torch.int64)},
+            "'inputs' has 4 samples but 'labels' has 3",
+        ),
+        ({"x": torch.zeros(4, 2)}, "holds no 'inputs' tensor (found 'x')"),
+        ({"inputs": torch.zeros(4, 2), "labels": torch.zeros(4)}, "'labels' must hold integer class indices"),
+        ({"inputs": torch.zeros(4, 2), "labels": torch.zeros(4, 2, dtype=torch.int64)}, "one class index per sample"),
+        ({"inputs": torch.zeros(0, 2)}, "'inputs' holds no samples"),
+    ],
+)
 def test_bad_tensor_files(tmp_path, tensors, fragment):
     save_file(tensors, tmp_path / "bad.safetensors")
     with pytest.raises(BnauditError) as err:
@@ -259,7 +267,9 @@ def test_shards_must_agree(tmp_path):
     save_file({"inputs": torch.zeros(2, 4)}, tmp_path / "s" / "b.safetensors")
     with pytest.raises(BnauditError, match=r"b\.safetensors: inputs of shape \[4\] per sample"):
         make_loader(DataOptions(path=str(tmp_path / "s")))
-    save_file({"inputs": torch.zeros(2, 3), "labels": torch.zeros(2, dtype=torch.int64)}, tmp_path / "s" / "b.safetensors")
+    save_file(
+        {"inputs": torch.zeros(2, 3), "labels": torch.zeros(2, dtype=torch.int64)}, tmp_path / "s" / "b.safetensors"
+    )
     with pytest.raises(BnauditError, match="has no labels"):
         make_loader(DataOptions(path=str(tmp_path / "s")))
 
@@ -297,7 +307,7 @@ def test_finite_values_whose_sum_overflows_are_not_called_infinite(tmp_path):
 @pytest.fixture
 def datasets_module(tmp_path, monkeypatch):
     name = f"userdata_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{name}.py").write_text('''
+    (tmp_path / f"{name}.py").write_text("""
 import torch
 
 X = torch.arange(24, dtype=torch.float32).reshape(6, 4)
@@ -341,7 +351,7 @@ def killed_worker():
 
 def not_a_dataset():
     return iter([1, 2])
-''')
+""")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield name
@@ -394,8 +404,9 @@ def test_a_last_batch_of_one_joins_the_previous(n, size, expected):
 
 
 def test_a_killed_worker_is_one_clear_error(datasets_module):
-    stream = make_loader(DataOptions(dataset=f"{datasets_module}:killed_worker", batch_size=3, shuffle=False,
-                                     workers=1))
+    stream = make_loader(
+        DataOptions(dataset=f"{datasets_module}:killed_worker", batch_size=3, shuffle=False, workers=1)
+    )
     with pytest.raises(BnauditError, match=r"a --workers process died .*out of memory.*fewer --workers"):
         list(stream)
 
@@ -410,13 +421,16 @@ def test_workers_give_the_same_batches(tmp_path):
 # ----------------------------------------------------------------------------- bad input as one line
 
 
-@pytest.mark.parametrize("layout, fragment", [
-    ("empty", "empty folder"),
-    ("flat", "one subfolder per class"),
-    ("no-images", "no images"),
-    ("missing", "no such file or folder"),
-    ("text", "no class subfolders with images and no tensor files"),
-])
+@pytest.mark.parametrize(
+    "layout, fragment",
+    [
+        ("empty", "empty folder"),
+        ("flat", "one subfolder per class"),
+        ("no-images", "no images"),
+        ("missing", "no such file or folder"),
+        ("text", "no class subfolders with images and no tensor files"),
+    ],
+)
 def test_bad_folders(tmp_path, layout, fragment):
     root = tmp_path / "data"
     if layout != "missing":

@@ -1,4 +1,5 @@
 """torchrun --nproc-per-node 2 with gloo: ranks split the samples and combine them exactly."""
+
 from __future__ import annotations
 
 import os
@@ -71,9 +72,21 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     script.write_text(WORKER)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
-         str(result)],
-        cwd=folder, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            str(result),
+        ],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(result, weights_only=False)
@@ -81,7 +94,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def shared() -> dict:
     namespace: dict = {}
-    exec(SHARED, namespace)  # noqa: S102 - our own text above
+    exec(SHARED, namespace)
     return namespace
 
 
@@ -116,7 +129,9 @@ def test_exact_first_layer_equals_one_process_on_the_same_samples(ranks: dict) -
     # deeper layers normalised by per-rank batches: equal to one process fed the same batches
     same_batches = single("exact", shard_batches())
     for name in ("2", "6"):
-        assert abs(ranks["exact"]["layers"][name][1] - same_batches[name][1]).max() <= 1e-5 * same_batches[name][1].max()
+        assert (
+            abs(ranks["exact"]["layers"][name][1] - same_batches[name][1]).max() <= 1e-5 * same_batches[name][1].max()
+        )
         assert ranks["exact"]["layers"][name][3] == 12
 
 
@@ -150,22 +165,61 @@ def test_torchrun_cli_writes_once_what_one_process_writes(tmp_path: Path) -> Non
     save_file(ns["build"]().state_dict(), str(tmp_path / "model.safetensors"))
     save_file({"inputs": ns["samples"]()}, str(tmp_path / "calib.safetensors"))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    common = ["recalibrate", "model.safetensors", "--arch", "shared_model.py:build", "--data", "calib.safetensors",
-              "--method", "sequential", "--batch-size", "16"]
+    common = [
+        "recalibrate",
+        "model.safetensors",
+        "--arch",
+        "shared_model.py:build",
+        "--data",
+        "calib.safetensors",
+        "--method",
+        "sequential",
+        "--batch-size",
+        "16",
+    ]
     ranks = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bnaudit",
-         *common, "-o", "ranks.safetensors", "--format", "json"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "bnaudit",
+            *common,
+            "-o",
+            "ranks.safetensors",
+            "--format",
+            "json",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ranks.returncode == 0, ranks.stderr[-3000:]
-    one = subprocess.run([sys.executable, "-m", "bnaudit", *common, "-o", "one.safetensors"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    one = subprocess.run(
+        [sys.executable, "-m", "bnaudit", *common, "-o", "one.safetensors"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     import json
 
     doc = json.loads(ranks.stdout)  # rank 0 alone reports
     assert doc["world_size"] == 2 and doc["samples"] == 90 and doc["provenance"]["world_size"] == 2
-    assert sorted(os.listdir(tmp_path)) == ["calib.safetensors", "model.safetensors", "one.safetensors",
-                                            "ranks.safetensors", "shared_model.py"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "calib.safetensors",
+        "model.safetensors",
+        "one.safetensors",
+        "ranks.safetensors",
+        "shared_model.py",
+    ]
     a, b = load_file(str(tmp_path / "ranks.safetensors")), load_file(str(tmp_path / "one.safetensors"))
     for name in a:
         if name.endswith("running_var"):

@@ -6,6 +6,7 @@ both must step aside and leave plain typer to answer: these tests force that pat
 and compare it with the fast one, and change typer's version and internals in-process
 to see that nothing gets patched.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,10 @@ from bnaudit import cli, fastcli
 
 # The in-process tests change the internals of the typer fastcli was written for; on any
 # other typer there is nothing of that shape to change (the subprocess comparisons still run).
-on_tested_typer = pytest.mark.skipif(not fastcli.typer_is_tested_version(),
-                                     reason=f"typer {typer.__version__} is not {fastcli.TESTED_TYPER}: plain typer")
+on_tested_typer = pytest.mark.skipif(
+    not fastcli.typer_is_tested_version(),
+    reason=f"typer {typer.__version__} is not {fastcli.TESTED_TYPER}: plain typer",
+)
 
 # --- the fast path and plain typer give the same answers -------------------------------
 
@@ -44,20 +47,36 @@ def cli_env(*, plain: bool) -> dict[str, str]:
 def run_cli(args: list[str], *, plain: bool) -> tuple[int, str, str]:
     env = cli_env(plain=plain)
     env.update(COLUMNS="100", NO_COLOR="1")
-    proc = subprocess.run([sys.executable, "-m", "bnaudit", *args], capture_output=True, text=True, cwd=REPO,
-                          env=env, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bnaudit", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+        check=False,
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
-@pytest.mark.parametrize("args", [
-    ["--help"], ["inspect", "--help"], ["rules"], ["rules", "BN004"],
-    ["inspect", "sample_models/healthy.safetensors"],
-    ["inspect", "sample_models/reset_stats.pt", "--format", "json"],
-    ["inspect", "sample_models/healthy.safetensors", "--format", "json", "--eps", "1e-3", "--fail-on", "info"],
-    ["inspect", "sample_models/healthy.safetensors", "--eps", "abc"],
-    ["inspect", "sample_models/healthy.safetensors", "--format", "JSON"],
-    ["inspect", "--bogus", "x"], ["inspeect"], ["--version"], ["gap"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["inspect", "--help"],
+        ["rules"],
+        ["rules", "BN004"],
+        ["inspect", "sample_models/healthy.safetensors"],
+        ["inspect", "sample_models/reset_stats.pt", "--format", "json"],
+        ["inspect", "sample_models/healthy.safetensors", "--format", "json", "--eps", "1e-3", "--fail-on", "info"],
+        ["inspect", "sample_models/healthy.safetensors", "--eps", "abc"],
+        ["inspect", "sample_models/healthy.safetensors", "--format", "JSON"],
+        ["inspect", "--bogus", "x"],
+        ["inspeect"],
+        ["--version"],
+        ["gap"],
+    ],
+)
 def test_fast_path_answers_as_plain_typer(args):
     fast, plain = run_cli(args, plain=False), run_cli(args, plain=True)
     assert fast == plain
@@ -68,13 +87,22 @@ def test_fast_path_answers_as_plain_typer(args):
 def test_forcing_plain_typer_really_takes_typers_own_conversion():
     # The counterpart of the comparison above: without this, both runs could be the fast
     # path and the comparison would prove nothing. Plain typer converts --eps through pydantic.
-    probe = ("import runpy, sys; sys.argv = ['bnaudit', 'inspect', 'sample_models/healthy.safetensors', "
-             "'--eps', '1e-5', '--exit-zero']\ntry: runpy.run_module('bnaudit', run_name='__main__')\n"
-             "except SystemExit: pass\nprint('pydantic' in sys.modules, file=sys.stderr)")
+    probe = (
+        "import runpy, sys; sys.argv = ['bnaudit', 'inspect', 'sample_models/healthy.safetensors', "
+        "'--eps', '1e-5', '--exit-zero']\ntry: runpy.run_module('bnaudit', run_name='__main__')\n"
+        "except SystemExit: pass\nprint('pydantic' in sys.modules, file=sys.stderr)"
+    )
     seen = {}
     for plain in (False, True):
-        proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO,
-                              env=cli_env(plain=plain), timeout=120, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-c", probe],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=cli_env(plain=plain),
+            timeout=120,
+            check=False,
+        )
         seen[plain] = proc.stderr.splitlines()[-1]
     assert seen == {False: "False", True: "True"}
 
@@ -113,8 +141,9 @@ def test_install_patches_typers_conversion_on_the_tested_version(pristine, typer
 @on_tested_typer
 def test_patched_conversion_gives_typers_values_without_pydantic(pristine, typers_own):
     assert fastcli.install()
-    descriptor = typer.core.TypeDescriptor(annotation=float, parameter_info=typer.models.OptionInfo(),
-                                           file_annotation=None)
+    descriptor = typer.core.TypeDescriptor(
+        annotation=float, parameter_info=typer.models.OptionInfo(), file_annotation=None
+    )
     runtime_param = typer.core.build_runtime_param(descriptor)
     assert type(runtime_param) is not type(typers_own(descriptor))  # not typer's pydantic adapter
     for text in ("+3.0E+2", "1e-3", ".5"):

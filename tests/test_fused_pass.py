@@ -1,5 +1,6 @@
 """The exact pass measures each BN input once: chunked float64 sums, and the layer
 normalises with the measured batch statistics instead of computing them again."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,7 @@ from bnaudit.runtime.stats import shifted_sums
 
 
 def split(x: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    return [x[i:i + batch_size] for i in range(0, len(x), batch_size)]
+    return [x[i : i + batch_size] for i in range(0, len(x), batch_size)]
 
 
 @pytest.mark.parametrize("chunk_bytes", [8, 8 * 3 * 35 * 2, 1 << 19])

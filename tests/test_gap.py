@@ -1,5 +1,6 @@
 """`bnaudit gap`: both modes against an independent computation, buffers untouched,
 drift against hooks written here, the diagnosis, the JSON document and every bad input."""
+
 from __future__ import annotations
 
 import copy
@@ -123,15 +124,21 @@ def world(tmp_path_factory):
     x_val, y_val = _make_data(40, seed=3)
     save_file({"inputs": x_val, "labels": y_val}, root / "val.safetensors")
     save_file({"inputs": x_val}, root / "unlabelled.safetensors")
-    return {"root": root, "arch": f"{root / 'tinynet.py'}:tiny_net", "healthy": healthy,
-            "x": x_val, "y": y_val, "ns": ns}
+    return {
+        "root": root,
+        "arch": f"{root / 'tinynet.py'}:tiny_net",
+        "healthy": healthy,
+        "x": x_val,
+        "y": y_val,
+        "ns": ns,
+    }
 
 
 def _batches(n: int, batch_size: int, seed: int = 0) -> list[list[int]]:
     """The documented sample order, written out here: randperm(seed), chunks, a last
     batch of one joins the previous."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    chunks = [order[i:i + batch_size] for i in range(0, n, batch_size)]
+    chunks = [order[i : i + batch_size] for i in range(0, n, batch_size)]
     if len(chunks) > 1 and len(chunks[-1]) == 1:
         chunks[-2] = chunks[-2] + chunks.pop()
     return chunks
@@ -268,8 +275,11 @@ def test_non_classifier_output_uses_relative_l2(tmp_path):
     save_file(model.state_dict(), tmp_path / "reg.safetensors")
     x = torch.randn(40, 3, generator=torch.Generator().manual_seed(4))
     save_file({"inputs": x}, tmp_path / "x.safetensors")
-    report = measure_gap(str(tmp_path / "reg.safetensors"), DataOptions(path=str(tmp_path / "x.safetensors"), batch_size=10),
-                     arch=f"{tmp_path / 'reg.py'}:Regressor")
+    report = measure_gap(
+        str(tmp_path / "reg.safetensors"),
+        DataOptions(path=str(tmp_path / "x.safetensors"), batch_size=10),
+        arch=f"{tmp_path / 'reg.py'}:Regressor",
+    )
     model.eval()
     with torch.no_grad():
         y_e = model(x).double()
@@ -342,7 +352,9 @@ def test_dead_channel_where_drift_starts_is_blamed(world, tmp_path):
         state["features.4.running_var"][1] = 1e-7
 
     path = _variant(world, tmp_path, "dead.safetensors", kill_channel)
-    report = measure_gap(path, DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32), arch=world["arch"])
+    report = measure_gap(
+        path, DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32), arch=world["arch"]
+    )
     assert [f.layer for f in report.findings if f.code == "BN004"] == ["features.4"]
     assert any(line.startswith("Drift starts at features.4, where BN004") for line in report.diagnosis)
 
@@ -352,7 +364,9 @@ def test_drift_from_the_first_layer_on_is_called_stale_statistics(world, tmp_pat
         state["features.1.running_var"] *= 8.0  # the counter stays high: no BN003
 
     path = _variant(world, tmp_path, "stale.safetensors", scale_first)
-    report = measure_gap(path, DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32), arch=world["arch"])
+    report = measure_gap(
+        path, DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32), arch=world["arch"]
+    )
     assert "BN003" not in {f.code for f in report.findings}
     first = next(d for d in report.layers if d.name == "features.1")
     assert first.var_log_ratio == pytest.approx(math.log(8.0), abs=0.3)  # var_data ~ var_run / 8
@@ -380,12 +394,36 @@ def _cli(*args: str):
 
 
 def test_cli_json_document(world):
-    result = _cli(str(world["root"] / "healthy.safetensors"), "--arch", world["arch"],
-                  "--data", str(world["root"] / "val.safetensors"), "--batch-size", "16", "--format", "json")
+    result = _cli(
+        str(world["root"] / "healthy.safetensors"),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(world["root"] / "val.safetensors"),
+        "--batch-size",
+        "16",
+        "--format",
+        "json",
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
-    for key in ("checkpoint", "data", "samples", "batch_size", "batches", "seed", "train_mode", "eval_mode", "gap",
-                "agreement", "divergence", "divergence_kind", "layers", "findings", "diagnosis"):
+    for key in (
+        "checkpoint",
+        "data",
+        "samples",
+        "batch_size",
+        "batches",
+        "seed",
+        "train_mode",
+        "eval_mode",
+        "gap",
+        "agreement",
+        "divergence",
+        "divergence_kind",
+        "layers",
+        "findings",
+        "diagnosis",
+    ):
         assert key in doc, key
     ref = _reference(world["ns"], world["healthy"], world["x"], world["y"], _batches(120, 16))
     assert doc["samples"] == 120 and doc["batch_size"] == 16 and doc["batches"] == 8 and doc["seed"] == 0
@@ -397,8 +435,15 @@ def test_cli_json_document(world):
 
 
 def test_cli_table_prints_batches_and_diagnosis(world):
-    result = _cli(str(world["root"] / "reset.safetensors"), "--arch", world["arch"],
-                  "--data", str(world["root"] / "val.safetensors"), "--batch-size", "16")
+    result = _cli(
+        str(world["root"] / "reset.safetensors"),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(world["root"] / "val.safetensors"),
+        "--batch-size",
+        "16",
+    )
     assert result.exit_code == 0, result.output
     assert "120 samples in 8 batches of 16" in result.stdout
     assert "BN002" in result.stdout and "diagnosis" in result.stdout
@@ -408,20 +453,43 @@ def test_cli_table_prints_batches_and_diagnosis(world):
 def test_cli_findings_follow_the_project_configuration(world, tmp_path, monkeypatch):
     (tmp_path / "bnaudit.toml").write_text('ignore = ["BN002"]\n')
     monkeypatch.chdir(tmp_path)
-    result = _cli(str(world["root"] / "reset.safetensors"), "--arch", world["arch"],
-                  "--data", str(world["root"] / "val.safetensors"), "--format", "json")
+    result = _cli(
+        str(world["root"] / "reset.safetensors"),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(world["root"] / "val.safetensors"),
+        "--format",
+        "json",
+    )
     doc = json.loads(result.stdout)
     assert result.exit_code == 0 and doc["findings"] == []
     assert doc["gap"] > 0.05  # the measurement itself does not depend on the configuration
 
 
 def test_cli_max_gap_sets_exit_code(world):
-    base = [str(world["root"] / "reset.safetensors"), "--arch", world["arch"],
-            "--data", str(world["root"] / "val.safetensors"), "--batch-size", "16"]
+    base = [
+        str(world["root"] / "reset.safetensors"),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(world["root"] / "val.safetensors"),
+        "--batch-size",
+        "16",
+    ]
     assert _cli(*base, "--max-gap", "0.01").exit_code == 1
     assert _cli(*base, "--max-gap", "0.99").exit_code == 0
-    unlabelled = _cli(str(world["root"] / "healthy.safetensors"), "--arch", world["arch"],
-                      "--data", str(world["root"] / "unlabelled.safetensors"), "--max-gap", "0.1", "--format", "json")
+    unlabelled = _cli(
+        str(world["root"] / "healthy.safetensors"),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(world["root"] / "unlabelled.safetensors"),
+        "--max-gap",
+        "0.1",
+        "--format",
+        "json",
+    )
     assert unlabelled.exit_code == 2
     assert "labelled" in json.loads(unlabelled.stdout)["error"]
 
@@ -442,9 +510,19 @@ def _assert_one_line_error(world, args: list[str], *fragments: str) -> None:
 def test_shape_the_model_rejects_names_the_layer(world, tmp_path):
     save_file({"inputs": torch.rand(10, 3, 6, 6)}, tmp_path / "rgb.safetensors")
     _assert_one_line_error(
-        world, [str(world["root"] / "healthy.safetensors"), "--arch", world["arch"], "--data",
-                str(tmp_path / "rgb.safetensors"), "--batch-size", "4"],
-        "batch 0", "layer 'features.0' (Conv2d)", "[4, 3, 6, 6]",
+        world,
+        [
+            str(world["root"] / "healthy.safetensors"),
+            "--arch",
+            world["arch"],
+            "--data",
+            str(tmp_path / "rgb.safetensors"),
+            "--batch-size",
+            "4",
+        ],
+        "batch 0",
+        "layer 'features.0' (Conv2d)",
+        "[4, 3, 6, 6]",
     )
 
 
@@ -453,67 +531,140 @@ def test_nan_in_a_batch_names_the_batch(world, tmp_path):
     x[7, 0, 2, 2] = float("nan")
     save_file({"inputs": x, "labels": world["y"]}, tmp_path / "nan.safetensors")
     _assert_one_line_error(
-        world, [str(world["root"] / "healthy.safetensors"), "--arch", world["arch"], "--data",
-                str(tmp_path / "nan.safetensors"), "--batch-size", "16", "--no-shuffle"],
-        "batch 0", "NaN or Inf", "nan.safetensors[7]",
+        world,
+        [
+            str(world["root"] / "healthy.safetensors"),
+            "--arch",
+            world["arch"],
+            "--data",
+            str(tmp_path / "nan.safetensors"),
+            "--batch-size",
+            "16",
+            "--no-shuffle",
+        ],
+        "batch 0",
+        "NaN or Inf",
+        "nan.safetensors[7]",
     )
 
 
 def test_labels_beyond_the_outputs_are_an_error(world, tmp_path):
     save_file({"inputs": world["x"][:8], "labels": torch.arange(8)}, tmp_path / "many.safetensors")
     _assert_one_line_error(
-        world, [str(world["root"] / "healthy.safetensors"), "--arch", world["arch"], "--data",
-                str(tmp_path / "many.safetensors"), "--batch-size", "4", "--no-shuffle"],
-        "labels range over", "3 outputs",
+        world,
+        [
+            str(world["root"] / "healthy.safetensors"),
+            "--arch",
+            world["arch"],
+            "--data",
+            str(tmp_path / "many.safetensors"),
+            "--batch-size",
+            "4",
+            "--no-shuffle",
+        ],
+        "labels range over",
+        "3 outputs",
     )
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--batch-size", "1"], "--batch-size must be at least 2"),
-    (["--num-samples", "0"], "--num-samples must be at least 1"),
-    (["--device", "tpu"], "--device must be"),
-    (["--image-size", "8"], "image folders only"),
-    (["--max-gap", "5"], "--max-gap"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--batch-size", "1"], "--batch-size must be at least 2"),
+        (["--num-samples", "0"], "--num-samples must be at least 1"),
+        (["--device", "tpu"], "--device must be"),
+        (["--image-size", "8"], "image folders only"),
+        (["--max-gap", "5"], "--max-gap"),
+    ],
+)
 def test_bad_options_are_one_line_errors(world, args, fragment):
     _assert_one_line_error(
-        world, [str(world["root"] / "healthy.safetensors"), "--arch", world["arch"],
-                "--data", str(world["root"] / "val.safetensors"), *args],
+        world,
+        [
+            str(world["root"] / "healthy.safetensors"),
+            "--arch",
+            world["arch"],
+            "--data",
+            str(world["root"] / "val.safetensors"),
+            *args,
+        ],
         fragment,
     )
 
 
 def test_missing_data_and_missing_arch_are_one_line_errors(world):
-    _assert_one_line_error(world, [str(world["root"] / "healthy.safetensors"), "--arch", world["arch"]],
-                           "--data PATH", "--dataset")
-    _assert_one_line_error(world, [str(world["root"] / "healthy.safetensors"),
-                                   "--data", str(world["root"] / "val.safetensors")], "pass --arch")
-    _assert_one_line_error(world, [str(world["root"] / "healthy.safetensors"), "--arch", world["arch"],
-                                   "--data", str(world["root"] / "nothing-here")], "no such file or folder")
+    _assert_one_line_error(
+        world, [str(world["root"] / "healthy.safetensors"), "--arch", world["arch"]], "--data PATH", "--dataset"
+    )
+    _assert_one_line_error(
+        world,
+        [str(world["root"] / "healthy.safetensors"), "--data", str(world["root"] / "val.safetensors")],
+        "pass --arch",
+    )
+    _assert_one_line_error(
+        world,
+        [
+            str(world["root"] / "healthy.safetensors"),
+            "--arch",
+            world["arch"],
+            "--data",
+            str(world["root"] / "nothing-here"),
+        ],
+        "no such file or folder",
+    )
 
 
 def test_cuda_device_is_refused_cleanly_without_a_gpu(world):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: this test needs a machine without CUDA")
-    _assert_one_line_error(world, [str(world["root"] / "healthy.safetensors"), "--arch", world["arch"],
-                                   "--data", str(world["root"] / "val.safetensors"), "--device", "cuda"],
-                           "no CUDA device")
+    _assert_one_line_error(
+        world,
+        [
+            str(world["root"] / "healthy.safetensors"),
+            "--arch",
+            world["arch"],
+            "--data",
+            str(world["root"] / "val.safetensors"),
+            "--device",
+            "cuda",
+        ],
+        "no CUDA device",
+    )
 
 
 def test_auto_device_runs_on_what_is_there(world):
     report = _gap(world, batch_size=32)
-    auto = measure_gap(str(world["root"] / "healthy.safetensors"),
-                   DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32),
-                   arch=world["arch"], device="auto")
+    auto = measure_gap(
+        str(world["root"] / "healthy.safetensors"),
+        DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32),
+        arch=world["arch"],
+        device="auto",
+    )
     assert auto.device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert auto.eval_accuracy == report.eval_accuracy
 
 
 def test_python_m_bnaudit_gap_end_to_end(world):
     proc = subprocess.run(
-        [sys.executable, "-m", "bnaudit", "gap", str(world["root"] / "reset.safetensors"), "--arch", world["arch"],
-         "--data", str(world["root"] / "val.safetensors"), "--batch-size", "16", "--format", "json"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "bnaudit",
+            "gap",
+            str(world["root"] / "reset.safetensors"),
+            "--arch",
+            world["arch"],
+            "--data",
+            str(world["root"] / "val.safetensors"),
+            "--batch-size",
+            "16",
+            "--format",
+            "json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)

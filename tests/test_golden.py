@@ -11,6 +11,7 @@ sample_models/, so every path it prints is relative and the same on every machin
 nothing is normalised. gap and recalibrate run seeded on the CPU with one thread.
 The expected text depends on rich's table drawing (see tools/update_golden.py).
 """
+
 from __future__ import annotations
 
 import difflib
@@ -30,12 +31,34 @@ CALIB = "sample_models/data/digits_calib.safetensors"
 CASES: dict[str, tuple[list[str], int]] = {
     "inspect_healthy": (["inspect", "sample_models/healthy.pt"], 0),
     "inspect_findings": (["inspect", "sample_models/dead_channel.safetensors"], 1),
-    "inspect_several": (["inspect", "sample_models/healthy.safetensors", "sample_models/immature.pt",
-                         "sample_models/nan_stats.pt", "sample_models/ema_container.pth"], 1),
+    "inspect_several": (
+        [
+            "inspect",
+            "sample_models/healthy.safetensors",
+            "sample_models/immature.pt",
+            "sample_models/nan_stats.pt",
+            "sample_models/ema_container.pth",
+        ],
+        1,
+    ),
     "rules": (["rules"], 0),
     "gap": (["gap", "sample_models/reset_stats.pt", *ARCH, "--data", VAL, "--batch-size", "32"], 0),
-    "recalibrate": (["recalibrate", "sample_models/reset_stats.pt", *ARCH, "--data", CALIB, "--eval-data", VAL,
-                     "--batch-size", "32", "-o", "recalibrated.pt"], 0),
+    "recalibrate": (
+        [
+            "recalibrate",
+            "sample_models/reset_stats.pt",
+            *ARCH,
+            "--data",
+            CALIB,
+            "--eval-data",
+            VAL,
+            "--batch-size",
+            "32",
+            "-o",
+            "recalibrated.pt",
+        ],
+        0,
+    ),
 }
 
 
@@ -72,10 +95,12 @@ def test_table_output_matches_the_golden_file(name, tmp_path):
     assert code == CASES[name][1], printed
     expected = (GOLDEN / f"{name}.txt").read_text(encoding="utf-8")
     if printed != expected:
-        diff = "".join(difflib.unified_diff(expected.splitlines(True), printed.splitlines(True),
-                                            f"golden/{name}.txt", "printed"))
-        pytest.fail(f"{name}: the output differs from its golden file (intended? python tools/update_golden.py)"
-                    f"\n{diff}")
+        diff = "".join(
+            difflib.unified_diff(expected.splitlines(True), printed.splitlines(True), f"golden/{name}.txt", "printed")
+        )
+        pytest.fail(
+            f"{name}: the output differs from its golden file (intended? python tools/update_golden.py)\n{diff}"
+        )
 
 
 def test_every_golden_file_has_a_case():

@@ -4,6 +4,7 @@ Every forged file is built here, byte by byte where the format allows it. A payl
 test also proves its payload is live (it does run under plain pickle), so a test
 that passes because the payload is inert cannot hide a regression.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,8 +81,11 @@ def st_tensors(tensors: dict[str, np.ndarray]) -> tuple[dict, bytes]:
     header, data = {}, b""
     for name, array in tensors.items():
         raw = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()
-        header[name] = {"dtype": codes[array.dtype.name], "shape": list(array.shape),
-                        "data_offsets": [len(data), len(data) + len(raw)]}
+        header[name] = {
+            "dtype": codes[array.dtype.name],
+            "shape": list(array.shape),
+            "data_offsets": [len(data), len(data) + len(raw)],
+        }
         data += raw
     return header, data
 
@@ -185,8 +189,9 @@ def replace_zip_entry(src: Path, dst: Path, suffix: str, content: bytes) -> Path
 def test_torchscript_with_malicious_global_is_refused_by_restricted_unpickler(tmp_path, monkeypatch):
     marker = tmp_path / "marker"
     evil, global_name = payload("os.system", marker)
-    path = replace_zip_entry(scripted_archive(tmp_path), tmp_path / "evil_script.pt", "/data.pkl",
-                             pickle.dumps({"x": evil}, protocol=2))
+    path = replace_zip_entry(
+        scripted_archive(tmp_path), tmp_path / "evil_script.pt", "/data.pkl", pickle.dumps({"x": evil}, protocol=2)
+    )
     calls = []
     monkeypatch.setattr(torch.jit, "load", lambda *a, **k: calls.append(a))
 
@@ -211,8 +216,9 @@ def test_torchscript_is_read_without_torch_jit_load(tmp_path, monkeypatch):
 
 
 def test_whole_module_of_torch_nn_classes_loads_through_allow_list(tmp_path):
-    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2, eps=1e-3, momentum=0.01),
-                                torch.nn.ReLU())
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2, eps=1e-3, momentum=0.01), torch.nn.ReLU()
+    )
     with torch.no_grad():
         model[1].running_var.copy_(torch.tensor([1e-6, 4.0]))
     path = tmp_path / "model.pt"
@@ -327,8 +333,14 @@ def test_broken_input_is_one_line_exit_2(tmp_path, case):
 
 def run_cli_process(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """The CLI in a child process: a regression that hangs or crashes the interpreter fails one test."""
-    return subprocess.run([sys.executable, "-m", "bnaudit", *args], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "bnaudit", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"},
+        timeout=timeout,
+    )
 
 
 def test_fifo_is_refused_without_blocking(tmp_path):
@@ -453,8 +465,14 @@ for name, path in (("control", {str(readable)!r}), ("locked", {str(locked)!r}), 
     out[name] = {{"code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr}}
 print(json.dumps(out))
 """
-        proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            timeout=120,
+        )
         if proc.returncode != 0:
             pytest.skip(f"cannot drop privileges here: {proc.stderr.strip().splitlines()[-1:]}")
         out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -599,8 +617,11 @@ def _pickle_with_storages(obj, legacy: bool) -> bytes:
 def write_legacy(path: Path, obj, storages: dict[str, np.ndarray]) -> Path:
     """The pre-1.6 torch.save layout: magic, protocol, sys info, pickle, keys, storages."""
     out = io.BytesIO()
-    for header in (0x1950A86A20F9469CFC6C, 1001,
-                   {"protocol_version": 1001, "little_endian": True, "type_sizes": {"short": 2, "int": 4, "long": 4}}):
+    for header in (
+        0x1950A86A20F9469CFC6C,
+        1001,
+        {"protocol_version": 1001, "little_endian": True, "type_sizes": {"short": 2, "int": 4, "long": 4}},
+    ):
         pickle.dump(header, out, protocol=2)
     out.write(_pickle_with_storages(obj, legacy=True))
     pickle.dump(sorted(storages), out, protocol=2)
@@ -695,7 +716,9 @@ def test_torch_zip_records_with_absurd_claims_are_refused(tmp_path, tensor, word
 
 def test_torch_zip_storage_numel_claim_is_bounded_by_the_record(tmp_path):
     # The storage claims 2^40 floats; mmap loading bounds it by the record actually stored.
-    path = write_torch_zip(tmp_path / "numel.pt", _bn_records(FakeTensor(FakeStorage("0", 2**40), 0, (3,), (1,))), STORES)
+    path = write_torch_zip(
+        tmp_path / "numel.pt", _bn_records(FakeTensor(FakeStorage("0", 2**40), 0, (3,), (1,))), STORES
+    )
     ckpt = read_checkpoint(str(path))
     assert ckpt.tensors["bn.running_mean"].read() == [0.5, 1.0, 1.5]
 
@@ -763,7 +786,9 @@ def script_pickle(root) -> bytes:
 
 def forged_script(tmp_path: Path, root) -> Path:
     """A real scripted archive whose data.pkl is replaced by `root` (entries keep the root 'scripted/')."""
-    return replace_zip_entry(scripted_archive(tmp_path), tmp_path / "forged_script.pt", "/data.pkl", script_pickle(root))
+    return replace_zip_entry(
+        scripted_archive(tmp_path), tmp_path / "forged_script.pt", "/data.pkl", script_pickle(root)
+    )
 
 
 BN_CLASS = "__torch__.torch.nn.modules.batchnorm.BatchNorm2d"
@@ -771,8 +796,15 @@ BN_CLASS = "__torch__.torch.nn.modules.batchnorm.BatchNorm2d"
 
 def test_forged_script_helper_builds_a_readable_archive(tmp_path):
     storage = FakeStorage("0", 18)  # data/0 of the scripted Conv2d: its 18 weights
-    root = ScriptNode("__torch__.M", {"bn": ScriptNode(BN_CLASS, {
-        "running_mean": FakeTensor(storage, 0, (2,), (1,)), "running_var": FakeTensor(storage, 2, (2,), (1,))})})
+    root = ScriptNode(
+        "__torch__.M",
+        {
+            "bn": ScriptNode(
+                BN_CLASS,
+                {"running_mean": FakeTensor(storage, 0, (2,), (1,)), "running_var": FakeTensor(storage, 2, (2,), (1,))},
+            )
+        },
+    )
     path = forged_script(tmp_path, root)
     with zipfile.ZipFile(path) as archive:
         stored = np.frombuffer(archive.read("scripted/data/0"), "<f4")
@@ -784,8 +816,10 @@ def test_forged_script_helper_builds_a_readable_archive(tmp_path):
 
 def test_torchscript_negative_stride_is_refused_not_read_out_of_bounds(tmp_path):
     storage = FakeStorage("0", 18)
-    root = ScriptNode(BN_CLASS, {
-        "running_mean": FakeTensor(storage, 0, (4,), (-10**9,)), "running_var": FakeTensor(storage, 0, (4,), (1,))})
+    root = ScriptNode(
+        BN_CLASS,
+        {"running_mean": FakeTensor(storage, 0, (4,), (-(10**9),)), "running_var": FakeTensor(storage, 0, (4,), (1,))},
+    )
     path = forged_script(tmp_path, root)
     # In a child process: were the stride trusted, as_strided would read far outside
     # the buffer and the process would die with SIGSEGV.
@@ -796,16 +830,20 @@ def test_torchscript_negative_stride_is_refused_not_read_out_of_bounds(tmp_path)
 
 def test_torchscript_zero_stride_view_claiming_2_pow_40_elements_is_refused(tmp_path):
     storage = FakeStorage("0", 18)
-    root = ScriptNode(BN_CLASS, {
-        "running_mean": FakeTensor(storage, 0, (2**40,), (0,)), "running_var": FakeTensor(storage, 0, (2**40,), (0,))})
+    root = ScriptNode(
+        BN_CLASS,
+        {"running_mean": FakeTensor(storage, 0, (2**40,), (0,)), "running_var": FakeTensor(storage, 0, (2**40,), (0,))},
+    )
     path = forged_script(tmp_path, root)
     assert_one_line_error(cli("inspect", str(path)), str(path), f"claims {2**40} elements")
 
 
 def test_torchscript_shared_nodes_nested_exponentially_are_refused(tmp_path):
     storage = FakeStorage("0", 18)
-    node = ScriptNode(BN_CLASS, {
-        "running_mean": FakeTensor(storage, 0, (2,), (1,)), "running_var": FakeTensor(storage, 2, (2,), (1,))})
+    node = ScriptNode(
+        BN_CLASS,
+        {"running_mean": FakeTensor(storage, 0, (2,), (1,)), "running_var": FakeTensor(storage, 2, (2,), (1,))},
+    )
     for _ in range(60):  # 2^60 paths through 61 distinct nodes
         node = ScriptNode("__torch__.M", {"a": node, "b": node})
     path = forged_script(tmp_path, node)
@@ -817,25 +855,41 @@ def test_torchscript_shared_nodes_nested_exponentially_are_refused(tmp_path):
 def test_torchscript_huge_memo_index_is_not_allocated(tmp_path):
     # LONG_BINPUT 0xFFFFFFF0: the C unpickler would grow its memo array to 32 GiB.
     # Run under a 4 GiB address-space limit so that a regression fails instead of swapping.
-    path = replace_zip_entry(scripted_archive(tmp_path), tmp_path / "memo.pt", "/data.pkl",
-                             b"\x80\x02N" + b"r" + struct.pack("<I", 0xFFFFFFF0) + b".")
+    path = replace_zip_entry(
+        scripted_archive(tmp_path),
+        tmp_path / "memo.pt",
+        "/data.pkl",
+        b"\x80\x02N" + b"r" + struct.pack("<I", 0xFFFFFFF0) + b".",
+    )
     script = (
         "import resource, sys\n"
         "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
         "from bnaudit.formats.read import read_checkpoint\n"
         f"print(len(read_checkpoint({str(path)!r}).tensors))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "0"
 
 
 def test_torchscript_non_string_attribute_names_are_skipped(tmp_path):
     storage = FakeStorage("0", 18)
-    root = ScriptNode(BN_CLASS, {
-        "running_mean": FakeTensor(storage, 0, (2,), (1,)), "running_var": FakeTensor(storage, 2, (2,), (1,)),
-        7: FakeTensor(storage, 4, (2,), (1,)), (1, 2): ScriptNode("__torch__.M", {})})
+    root = ScriptNode(
+        BN_CLASS,
+        {
+            "running_mean": FakeTensor(storage, 0, (2,), (1,)),
+            "running_var": FakeTensor(storage, 2, (2,), (1,)),
+            7: FakeTensor(storage, 4, (2,), (1,)),
+            (1, 2): ScriptNode("__torch__.M", {}),
+        },
+    )
     ckpt = read_checkpoint(str(forged_script(tmp_path, root)))
     assert sorted(ckpt.tensors) == ["running_mean", "running_var"]
 
@@ -857,11 +911,15 @@ def test_torchscript_forged_storage_records_are_refused(tmp_path, record):
 
 def test_pathological_wrapper_prefix_is_stripped_a_bounded_number_of_times(tmp_path):
     prefix = "module." * 20_000
-    path = save_st(tmp_path / "prefix.safetensors",
-                   {prefix + "bn.running_mean": np.zeros(2, np.float32), prefix + "bn.running_var": np.ones(2, np.float32)})
+    path = save_st(
+        tmp_path / "prefix.safetensors",
+        {prefix + "bn.running_mean": np.zeros(2, np.float32), prefix + "bn.running_var": np.ones(2, np.float32)},
+    )
     ckpt = read_checkpoint(str(path))
     assert ckpt.prefix == "module." * 8
-    assert sorted(ckpt.tensors) == sorted(n[len(ckpt.prefix):] for n in (prefix + "bn.running_mean", prefix + "bn.running_var"))
+    assert sorted(ckpt.tensors) == sorted(
+        n[len(ckpt.prefix) :] for n in (prefix + "bn.running_mean", prefix + "bn.running_var")
+    )
 
 
 # ----------------------------------------------------------------------------- values
@@ -880,8 +938,12 @@ def codes_for(file, layer: str) -> set[str]:
 @pytest.mark.parametrize("buffer", ["running_mean", "running_var", "weight", "bias"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_value_in_any_buffer_is_bn005(tmp_path, buffer, bad):
-    values = {"running_mean": np.array([0.1, 0.2, 0.3]), "running_var": np.array([1.5, 2.0, 2.5]),
-              "weight": np.array([1.1, 0.9, 1.2]), "bias": np.array([0.0, 0.1, -0.1])}
+    values = {
+        "running_mean": np.array([0.1, 0.2, 0.3]),
+        "running_var": np.array([1.5, 2.0, 2.5]),
+        "weight": np.array([1.1, 0.9, 1.2]),
+        "bias": np.array([0.0, 0.1, -0.1]),
+    }
     values[buffer] = values[buffer].copy()
     values[buffer][1] = bad
     tensors = {f"bn.{k}": v.astype(np.float32) for k, v in values.items()}
@@ -896,12 +958,17 @@ def test_non_finite_value_in_any_buffer_is_bn005(tmp_path, buffer, bad):
 
 
 def test_negative_variance_and_counter_are_bn005_negative_mean_is_not(tmp_path):
-    file = audit_arrays(tmp_path, {
-        "a.running_mean": np.array([-3.0, -1.0], np.float32), "a.running_var": np.array([1.0, 2.0], np.float32),
-        "a.num_batches_tracked": np.array(100, np.int64),
-        "b.running_mean": np.array([0.5, 0.5], np.float32), "b.running_var": np.array([1.0, -2.0], np.float32),
-        "b.num_batches_tracked": np.array(-7, np.int64),
-    })
+    file = audit_arrays(
+        tmp_path,
+        {
+            "a.running_mean": np.array([-3.0, -1.0], np.float32),
+            "a.running_var": np.array([1.0, 2.0], np.float32),
+            "a.num_batches_tracked": np.array(100, np.int64),
+            "b.running_mean": np.array([0.5, 0.5], np.float32),
+            "b.running_var": np.array([1.0, -2.0], np.float32),
+            "b.num_batches_tracked": np.array(-7, np.int64),
+        },
+    )
     assert "BN005" not in codes_for(file, "a")
     (bn005,) = [f for f in file.findings if f.code == "BN005"]
     assert bn005.layer == "b" and bn005.channels == (1,)
@@ -911,10 +978,14 @@ def test_negative_variance_and_counter_are_bn005_negative_mean_is_not(tmp_path):
 def test_denormal_variance_is_finite_and_near_eps_not_invalid(tmp_path):
     tiny = np.float32(1e-40)  # a float32 denormal
     assert 0 < tiny < np.finfo(np.float32).tiny
-    file = audit_arrays(tmp_path, {
-        "bn.running_mean": np.array([tiny, 0.0], np.float32), "bn.running_var": np.array([tiny, 2.0], np.float32),
-        "bn.num_batches_tracked": np.array(100, np.int64),
-    })
+    file = audit_arrays(
+        tmp_path,
+        {
+            "bn.running_mean": np.array([tiny, 0.0], np.float32),
+            "bn.running_var": np.array([tiny, 2.0], np.float32),
+            "bn.num_batches_tracked": np.array(100, np.int64),
+        },
+    )
     assert "BN005" not in codes_for(file, "bn")
     (bn004,) = [f for f in file.findings if f.code == "BN004"]
     assert bn004.channels == (0,)
@@ -923,10 +994,15 @@ def test_denormal_variance_is_finite_and_near_eps_not_invalid(tmp_path):
 
 
 def test_zero_channel_layer_does_not_crash_and_is_not_bn002(tmp_path):
-    file = audit_arrays(tmp_path, {
-        "bn.running_mean": np.zeros(0, np.float32), "bn.running_var": np.zeros(0, np.float32),
-        "bn.weight": np.zeros(0, np.float32), "bn.num_batches_tracked": np.array(3, np.int64),
-    })
+    file = audit_arrays(
+        tmp_path,
+        {
+            "bn.running_mean": np.zeros(0, np.float32),
+            "bn.running_var": np.zeros(0, np.float32),
+            "bn.weight": np.zeros(0, np.float32),
+            "bn.num_batches_tracked": np.array(3, np.int64),
+        },
+    )
     (layer,) = file.layers
     assert layer.num_features == 0 and layer.var_min is None and layer.max_eval_gain is None
     assert "BN002" not in codes_for(file, "bn")
@@ -935,32 +1011,48 @@ def test_zero_channel_layer_does_not_crash_and_is_not_bn002(tmp_path):
 
 
 def test_one_channel_layer(tmp_path):
-    file = audit_arrays(tmp_path, {
-        "bn.running_mean": np.array([0.0], np.float32), "bn.running_var": np.array([0.0], np.float32),
-        "bn.num_batches_tracked": np.array(1000, np.int64),
-    })
+    file = audit_arrays(
+        tmp_path,
+        {
+            "bn.running_mean": np.array([0.0], np.float32),
+            "bn.running_var": np.array([0.0], np.float32),
+            "bn.num_batches_tracked": np.array(1000, np.int64),
+        },
+    )
     (bn004,) = [f for f in file.findings if f.code == "BN004"]
     assert bn004.channels == (0,) and bn004.severity == "warning"  # gain 1/sqrt(1e-5) = 316 >= 100
     assert file.layers[0].max_eval_gain == pytest.approx(1 / np.sqrt(1e-5))
 
 
 def test_odd_stat_shapes_and_types_are_not_layers_and_do_not_crash(tmp_path):
-    file = audit_arrays(tmp_path, {
-        "two_d.running_mean": np.zeros((3, 1), np.float32), "two_d.running_var": np.ones((3, 1), np.float32),
-        "scalar.running_mean": np.array(0.0, np.float32), "scalar.running_var": np.array(1.0, np.float32),
-        "ints.running_mean": np.zeros(3, np.int64), "ints.running_var": np.ones(3, np.int64),
-        "ok.running_mean": np.array([0.5, 0.1], np.float32), "ok.running_var": np.array([1.5, 2.0], np.float32),
-        "ok.num_batches_tracked": np.array(1000, np.int64),
-    })
+    file = audit_arrays(
+        tmp_path,
+        {
+            "two_d.running_mean": np.zeros((3, 1), np.float32),
+            "two_d.running_var": np.ones((3, 1), np.float32),
+            "scalar.running_mean": np.array(0.0, np.float32),
+            "scalar.running_var": np.array(1.0, np.float32),
+            "ints.running_mean": np.zeros(3, np.int64),
+            "ints.running_var": np.ones(3, np.int64),
+            "ok.running_mean": np.array([0.5, 0.1], np.float32),
+            "ok.running_var": np.array([1.5, 2.0], np.float32),
+            "ok.num_batches_tracked": np.array(1000, np.int64),
+        },
+    )
     assert [s.name for s in file.layers] == ["ok"]
 
 
 def test_mismatched_weight_length_is_bn005(tmp_path):
-    file = audit_arrays(tmp_path, {
-        "bn.running_mean": np.array([0.5, 0.1, 0.2], np.float32), "bn.running_var": np.array([1.5, 2.0, 3.0], np.float32),
-        "bn.weight": np.ones(5, np.float32), "bn.bias": np.zeros(3, np.float32),
-        "bn.num_batches_tracked": np.array(1000, np.int64),
-    })
+    file = audit_arrays(
+        tmp_path,
+        {
+            "bn.running_mean": np.array([0.5, 0.1, 0.2], np.float32),
+            "bn.running_var": np.array([1.5, 2.0, 3.0], np.float32),
+            "bn.weight": np.ones(5, np.float32),
+            "bn.bias": np.zeros(3, np.float32),
+            "bn.num_batches_tracked": np.array(1000, np.int64),
+        },
+    )
     (bn005,) = [f for f in file.findings if f.code == "BN005"]
     assert "weight has 5 values but the statistics have 3" in bn005.message
     assert file.layers[0].max_eval_gain == pytest.approx(1 / np.sqrt(1.5 + 1e-5))  # gamma ignored, taken as 1
@@ -972,10 +1064,14 @@ def test_mismatched_weight_length_is_bn005(tmp_path):
     ids=["float", "two-elements", "3-d"],
 )
 def test_odd_counters_are_ignored_not_crashed_on(tmp_path, counter):
-    file = audit_arrays(tmp_path, {
-        "bn.running_mean": np.array([0.5, 0.1], np.float32), "bn.running_var": np.array([1.5, 2.0], np.float32),
-        "bn.num_batches_tracked": counter,
-    })
+    file = audit_arrays(
+        tmp_path,
+        {
+            "bn.running_mean": np.array([0.5, 0.1], np.float32),
+            "bn.running_var": np.array([1.5, 2.0], np.float32),
+            "bn.num_batches_tracked": counter,
+        },
+    )
     (layer,) = file.layers
     assert layer.num_batches_tracked is None
     assert "BN003" not in codes_for(file, "bn")
@@ -1000,10 +1096,15 @@ def test_ten_thousand_bn_layers(tmp_path):
 
 def test_markup_and_control_characters_in_names_are_printed_inert(tmp_path):
     evil = "a[/bold][red]x\x1b]0;owned\x07\u202e"
-    path = save_st(tmp_path / "names.safetensors", {
-        f"{evil}.running_mean": np.zeros(2, np.float32), f"{evil}.running_var": np.ones(2, np.float32),
-        "[inf].running_mean": np.array([np.inf, np.inf], np.float32), "[inf].running_var": np.ones(2, np.float32),
-    })
+    path = save_st(
+        tmp_path / "names.safetensors",
+        {
+            f"{evil}.running_mean": np.zeros(2, np.float32),
+            f"{evil}.running_var": np.ones(2, np.float32),
+            "[inf].running_mean": np.array([np.inf, np.inf], np.float32),
+            "[inf].running_var": np.ones(2, np.float32),
+        },
+    )
     result = cli("inspect", str(path))
     assert result.exit_code == 1, result.stdout + result.stderr
     assert "\x1b" not in result.stdout and "\x07" not in result.stdout and "\u202e" not in result.stdout

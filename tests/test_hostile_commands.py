@@ -1,6 +1,7 @@
 """gap and recalibrate on hostile and odd inputs: pickled payloads never run, bad data and
 bad requests end in one line (exit 2, `{"error": ...}` with --format json), odd BN shapes
 give the numbers an independent computation gives."""
+
 from __future__ import annotations
 
 import copy
@@ -18,7 +19,7 @@ torch.set_num_threads(1)
 # torch.jit.script/save warn that TorchScript is deprecated; it is still a format users ship
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 
-NET_SOURCE = '''
+NET_SOURCE = """
 import sys
 
 import torch
@@ -143,9 +144,9 @@ def forward_skips_the_model(model, batch):
 
 def forward_raises(model, batch):
     raise RuntimeError("forward broke")
-'''
+"""
 
-ARGPARSE_AT_IMPORT = '''
+ARGPARSE_AT_IMPORT = """
 import argparse
 
 parser = argparse.ArgumentParser()
@@ -155,7 +156,7 @@ args = parser.parse_args()
 
 def net():
     pass
-'''
+"""
 
 
 class Payload:
@@ -170,8 +171,14 @@ class Payload:
 
 def net_state(width: int = 3, seed: int = 0) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 2))
+    model = nn.Sequential(
+        nn.Conv2d(1, width, 3, padding=1),
+        nn.BatchNorm2d(width),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(width, 2),
+    )
     return model.state_dict()
 
 
@@ -245,7 +252,7 @@ def test_the_payload_files_are_live(tmp_path: Path, kind: str) -> None:
     write_payload(kind, path, marker, net_state())
     if kind == "pickle":
         with open(path, "rb") as f:
-            pickle.load(f)  # noqa: S301 - the point of the control
+            pickle.load(f)
     else:
         torch.load(path, weights_only=False)
     assert marker.exists()
@@ -254,8 +261,9 @@ def test_the_payload_files_are_live(tmp_path: Path, kind: str) -> None:
 @pytest.mark.parametrize("cmd", ["gap", "recalibrate"])
 @pytest.mark.parametrize("arch", [None, "hostile_net:net"])
 @pytest.mark.parametrize("kind", ["zip", "legacy", "pickle"])
-def test_pickle_payload_checkpoint_is_refused_without_running_it(at_world: Path, tmp_path: Path, cmd: str,
-                                                                 arch: str | None, kind: str) -> None:
+def test_pickle_payload_checkpoint_is_refused_without_running_it(
+    at_world: Path, tmp_path: Path, cmd: str, arch: str | None, kind: str
+) -> None:
     marker, path, out = tmp_path / "ran", tmp_path / "payload.pt", tmp_path / "out.pt"
     write_payload(kind, path, marker, net_state())
     args = [str(path), "--data", "data.safetensors", *(["--arch", arch] if arch else [])]
@@ -271,11 +279,14 @@ def test_pickle_payload_checkpoint_is_refused_without_running_it(at_world: Path,
 
 @pytest.mark.parametrize("cmd, option", [("gap", "--data"), ("recalibrate", "--data"), ("recalibrate", "--eval-data")])
 @pytest.mark.parametrize("kind", ["zip", "legacy", "pickle"])
-def test_pickle_payload_data_file_is_refused_without_running_it(at_world: Path, tmp_path: Path, cmd: str,
-                                                                option: str, kind: str) -> None:
+def test_pickle_payload_data_file_is_refused_without_running_it(
+    at_world: Path, tmp_path: Path, cmd: str, option: str, kind: str
+) -> None:
     marker, path, out = tmp_path / "ran", tmp_path / "payload_data.pt", tmp_path / "out.safetensors"
     write_payload(kind, path, marker, None)
-    data = ["--data", "data.safetensors", "--eval-data", str(path)] if option == "--eval-data" else ["--data", str(path)]
+    data = (
+        ["--data", "data.safetensors", "--eval-data", str(path)] if option == "--eval-data" else ["--data", str(path)]
+    )
     # --trust-pickle is for the checkpoint: data files are read without running code even with it
     result = invoke(*command(cmd, "model.safetensors", "--arch", "hostile_net:net", *data, "--trust-pickle", out=out))
     message = assert_one_line_error(result, "refused to unpickle")
@@ -285,12 +296,13 @@ def test_pickle_payload_data_file_is_refused_without_running_it(at_world: Path, 
     assert not marker.exists() and not out.exists()
 
 
-def test_torchscript_is_not_loaded_when_arch_builds_the_model(at_world: Path, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torchscript_is_not_loaded_when_arch_builds_the_model(
+    at_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With --arch the archive is only read for its tensors; torch.jit.load runs only
     when the archive itself is the model to run."""
     ns: dict = {}
-    exec(NET_SOURCE, ns)  # noqa: S102 - the source above
+    exec(NET_SOURCE, ns)
     torch.manual_seed(0)
     scripted = torch.jit.script(ns["net"]().eval())
     archive = tmp_path / "model.torchscript.pt"
@@ -316,11 +328,22 @@ def test_torchscript_is_not_loaded_when_arch_builds_the_model(at_world: Path, tm
 
 @pytest.mark.parametrize("cmd", ["gap", "recalibrate"])
 @pytest.mark.parametrize("data, sample", [("nan.safetensors", 9), ("inf.safetensors", 14)])
-def test_non_finite_data_stops_naming_the_batch_and_sample(at_world: Path, tmp_path: Path, cmd: str, data: str,
-                                                           sample: int) -> None:
+def test_non_finite_data_stops_naming_the_batch_and_sample(
+    at_world: Path, tmp_path: Path, cmd: str, data: str, sample: int
+) -> None:
     out = tmp_path / "out.safetensors"
-    args = command(cmd, "model.safetensors", "--arch", "hostile_net:net", "--data", data, "--no-shuffle",
-                   "--batch-size", "4", out=out)
+    args = command(
+        cmd,
+        "model.safetensors",
+        "--arch",
+        "hostile_net:net",
+        "--data",
+        data,
+        "--no-shuffle",
+        "--batch-size",
+        "4",
+        out=out,
+    )
     message = assert_one_line_error(invoke(*args), "NaN or Inf in the inputs")
     # file order, batches of 4: sample k is in batch k // 4
     assert message == f"batch {sample // 4}: NaN or Inf in the inputs (first in {data}[{sample}])"
@@ -332,11 +355,24 @@ def test_non_finite_data_stops_naming_the_batch_and_sample(at_world: Path, tmp_p
 @pytest.mark.parametrize("cmd", ["gap", "recalibrate"])
 @pytest.mark.parametrize("factory, batch, item", [("images_nan_at_5", 2, 5), ("images_inf_at_6", 3, 6)])
 @pytest.mark.parametrize("workers", ["0", "1"])
-def test_non_finite_items_of_a_custom_dataset_name_the_batch(at_world: Path, tmp_path: Path, cmd: str, factory: str,
-                                                             batch: int, item: int, workers: str) -> None:
+def test_non_finite_items_of_a_custom_dataset_name_the_batch(
+    at_world: Path, tmp_path: Path, cmd: str, factory: str, batch: int, item: int, workers: str
+) -> None:
     out = tmp_path / "out.safetensors"
-    args = command(cmd, "model.safetensors", "--arch", "hostile_net:net", "--dataset", f"hostile_net:{factory}",
-                   "--no-shuffle", "--batch-size", "2", "--workers", workers, out=out)
+    args = command(
+        cmd,
+        "model.safetensors",
+        "--arch",
+        "hostile_net:net",
+        "--dataset",
+        f"hostile_net:{factory}",
+        "--no-shuffle",
+        "--batch-size",
+        "2",
+        "--workers",
+        workers,
+        out=out,
+    )
     message = assert_one_line_error(invoke(*args), "NaN or Inf")
     assert message == f"batch {batch}: NaN or Inf in the inputs (first in item {item})"
     assert not out.exists()
@@ -348,8 +384,18 @@ def test_statistics_that_overflow_are_never_written(at_world: Path, tmp_path: Pa
     out = tmp_path / "out.safetensors"
     before = (at_world / "model.safetensors").read_bytes()
     for method in ("exact", "sequential", "cumulative"):
-        result = invoke("recalibrate", "model.safetensors", "--arch", "hostile_net:net", "--data", "huge.safetensors",
-                        "--method", method, "-o", str(out))
+        result = invoke(
+            "recalibrate",
+            "model.safetensors",
+            "--arch",
+            "hostile_net:net",
+            "--data",
+            "huge.safetensors",
+            "--method",
+            method,
+            "-o",
+            str(out),
+        )
         message = assert_one_line_error(result, "layer 1: the new running_var is not finite")
         assert "nothing written" in message
         assert not out.exists()
@@ -369,10 +415,16 @@ USER_ERRORS = [
     (["model.safetensors", "--arch", "hostile_net:nothing", *DATA], "'hostile_net' has no attribute 'nothing'"),
     (["model.safetensors", "--arch", "hostile_net:not_callable", *DATA], "'not_callable' is not callable"),
     (["model.safetensors", "--arch", "./missing.py:net", *DATA], "--arch: no such file: ./missing.py"),
-    (["model.safetensors", "--arch", "hostile_net:boom", *DATA], "calling it failed: RuntimeError: constructor exploded"),
+    (
+        ["model.safetensors", "--arch", "hostile_net:boom", *DATA],
+        "calling it failed: RuntimeError: constructor exploded",
+    ),
     (["model.safetensors", "--arch", "hostile_net:not_a_model", *DATA], "returned int, not a torch.nn.Module"),
     (["model.safetensors", "--arch", "hostile_net:leaves", *DATA], "ended in sys.exit(): bye from the model builder"),
-    (["model.safetensors", "--arch", "hostile_argparse.py:net", *DATA], "importing hostile_argparse.py ended in sys.exit()"),
+    (
+        ["model.safetensors", "--arch", "hostile_argparse.py:net", *DATA],
+        "importing hostile_argparse.py ended in sys.exit()",
+    ),
     # --arch-kwargs
     ([*NET, "--arch-kwargs", "{width: 3}", *DATA], "--arch-kwargs is not valid JSON"),
     ([*NET, "--arch-kwargs", "[3]", *DATA], "--arch-kwargs must be a JSON object"),
@@ -385,8 +437,10 @@ USER_ERRORS = [
     ([*NET, "--dataset", "hostile_net:dataset_empty"], "the dataset is empty"),
     ([*NET, "--dataset", "hostile_net:dataset_without_length"], "len() failed: TypeError: no length today"),
     ([*NET, "--dataset", "hostile_net:dataset_of_numbers"], "batch 0: the model rejects the batch"),
-    ([*NET, "--dataset", "hostile_net:dataset_failing_at_5", "--no-shuffle", "--batch-size", "4"],
-     "batch 1: item 5: reading it failed (KeyError: 'item five is missing')"),
+    (
+        [*NET, "--dataset", "hostile_net:dataset_failing_at_5", "--no-shuffle", "--batch-size", "4"],
+        "batch 1: item 5: reading it failed (KeyError: 'item five is missing')",
+    ),
     ([*NET, "--dataset", "hostile_net:half_images"], "batch 0: the model rejects the batch"),
     ([*NET, "--dataset", "hostile_net:dataset_exits"], "ended in sys.exit() with code 3"),
     ([*NET, "--dataset", "hostile_net"], "--dataset must be MODULE:CALLABLE"),
@@ -414,8 +468,9 @@ USER_ERRORS = [
 
 @pytest.mark.parametrize("cmd", ["gap", "recalibrate"])
 @pytest.mark.parametrize("args, fragment", USER_ERRORS, ids=[f"{i}" for i in range(len(USER_ERRORS))])
-def test_user_errors_are_one_line_exit_2_and_json(at_world: Path, tmp_path: Path, cmd: str, args: list[str],
-                                                  fragment: str) -> None:
+def test_user_errors_are_one_line_exit_2_and_json(
+    at_world: Path, tmp_path: Path, cmd: str, args: list[str], fragment: str
+) -> None:
     out = tmp_path / "out.safetensors"
     message = assert_one_line_error(invoke(*command(cmd, *args, out=out)), fragment)
     result = invoke(*command(cmd, *args, "--format", "json", out=out))
@@ -423,11 +478,14 @@ def test_user_errors_are_one_line_exit_2_and_json(at_world: Path, tmp_path: Path
     assert not out.exists()
 
 
-@pytest.mark.parametrize("forward, gap_fragment", [
-    ("forward_none", "the --forward function returned NoneType, which holds no tensor"),
-    ("forward_text", "the --forward function returned str, which holds no tensor"),
-    ("forward_numbers", "the --forward function returned tuple, which holds no tensor"),
-])
+@pytest.mark.parametrize(
+    "forward, gap_fragment",
+    [
+        ("forward_none", "the --forward function returned NoneType, which holds no tensor"),
+        ("forward_text", "the --forward function returned str, which holds no tensor"),
+        ("forward_numbers", "the --forward function returned tuple, which holds no tensor"),
+    ],
+)
 def test_forward_returning_no_tensor(at_world: Path, tmp_path: Path, forward: str, gap_fragment: str) -> None:
     """gap needs the outputs: one line naming the batch. recalibrate needs only the BN
     inputs, so a --forward that runs the model and returns nothing is fine there; one
@@ -454,16 +512,29 @@ def test_cuda_without_a_gpu_is_one_line(at_world: Path, tmp_path: Path, cmd: str
     assert assert_one_line_error(result, "no CUDA device is available").startswith(f"--device {device}: ")
 
 
-@pytest.mark.parametrize("output, fragment", [
-    ("{tmp}/no/such/folder/out.safetensors", "folder {tmp}/no/such/folder does not exist"),
-    ("", "the output path is empty"),
-    ("{tmp}", "{tmp}: is a directory"),
-])
-def test_recalibrate_output_errors_come_before_the_work(at_world: Path, tmp_path: Path, output: str,
-                                                        fragment: str) -> None:
+@pytest.mark.parametrize(
+    "output, fragment",
+    [
+        ("{tmp}/no/such/folder/out.safetensors", "folder {tmp}/no/such/folder does not exist"),
+        ("", "the output path is empty"),
+        ("{tmp}", "{tmp}: is a directory"),
+    ],
+)
+def test_recalibrate_output_errors_come_before_the_work(
+    at_world: Path, tmp_path: Path, output: str, fragment: str
+) -> None:
     # a dataset with NaN in batch 2: reaching the data would give another message
-    result = invoke("recalibrate", *NET, "--data", "nan.safetensors", "--no-shuffle", "--batch-size", "4",
-                    "-o", output.format(tmp=tmp_path))
+    result = invoke(
+        "recalibrate",
+        *NET,
+        "--data",
+        "nan.safetensors",
+        "--no-shuffle",
+        "--batch-size",
+        "4",
+        "-o",
+        output.format(tmp=tmp_path),
+    )
     assert_one_line_error(result, fragment.format(tmp=tmp_path))
     assert os.listdir(tmp_path) == []
 
@@ -509,8 +580,13 @@ ODD_N, ODD_BATCH = 40, 8
 def odd_inputs(x: torch.Tensor) -> dict[str, list[torch.Tensor]]:
     """The inputs of each BN call, as (N, C, *) tensors, written out by hand."""
     n = x.shape[0]
-    return {"bn3d": [x.view(n, 2, 2, 3, 3)], "bn_ncl": [x.view(n, 4, 9)], "bn_nc": [x[:, :6]],
-            "bn_one": [x.view(n, 1, 6, 6)], "twice": [x[:, :3], x[:, 3:6] * 3]}
+    return {
+        "bn3d": [x.view(n, 2, 2, 3, 3)],
+        "bn_ncl": [x.view(n, 4, 9)],
+        "bn_nc": [x[:, :6]],
+        "bn_one": [x.view(n, 1, 6, 6)],
+        "twice": [x[:, :3], x[:, 3:6] * 3],
+    }
 
 
 def per_channel(t: torch.Tensor) -> torch.Tensor:
@@ -523,7 +599,7 @@ def odd(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("odd")
     (root / "hostile_odd.py").write_text(ODD_SOURCE)
     ns: dict = {}
-    exec(ODD_SOURCE, ns)  # noqa: S102 - the source above
+    exec(ODD_SOURCE, ns)
     torch.manual_seed(0)
     model = ns["odd"]().eval()
     g = torch.Generator().manual_seed(1)
@@ -542,16 +618,28 @@ def odd(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_odd_shapes_gap_matches_an_independent_computation(odd: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(odd["root"])
-    result = invoke("gap", "odd.safetensors", "--arch", "hostile_odd:odd", "--data", "odd_data.safetensors",
-                    "--no-shuffle", "--batch-size", str(ODD_BATCH), "-f", "json")
+    result = invoke(
+        "gap",
+        "odd.safetensors",
+        "--arch",
+        "hostile_odd:odd",
+        "--data",
+        "odd_data.safetensors",
+        "--no-shuffle",
+        "--batch-size",
+        str(ODD_BATCH),
+        "-f",
+        "json",
+    )
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
     model, x, y = odd["model"], odd["x"], odd["y"]
     # accuracies: eval mode on all samples; train mode batch by batch on a fresh copy
     with torch.no_grad():
         eval_pred = model(x).argmax(1)
-        train_pred = torch.cat([copy.deepcopy(model).train()(x[i:i + ODD_BATCH]).argmax(1)
-                                for i in range(0, ODD_N, ODD_BATCH)])
+        train_pred = torch.cat(
+            [copy.deepcopy(model).train()(x[i : i + ODD_BATCH]).argmax(1) for i in range(0, ODD_N, ODD_BATCH)]
+        )
     assert doc["samples"] == ODD_N and doc["batches"] == ODD_N // ODD_BATCH
     assert doc["eval_mode"]["accuracy"] == pytest.approx((eval_pred == y).double().mean().item(), abs=1e-12)
     assert doc["train_mode"]["accuracy"] == pytest.approx((train_pred == y).double().mean().item(), abs=1e-12)
@@ -574,12 +662,28 @@ def test_odd_shapes_gap_matches_an_independent_computation(odd: dict, monkeypatc
 
 
 @pytest.mark.parametrize("method", ["exact", "sequential", "cumulative"])
-def test_odd_shapes_recalibrate_matches_an_independent_computation(odd: dict, tmp_path: Path, method: str,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_odd_shapes_recalibrate_matches_an_independent_computation(
+    odd: dict, tmp_path: Path, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(odd["root"])
     out = tmp_path / "odd.recal.safetensors"
-    result = invoke("recalibrate", "odd.safetensors", "--arch", "hostile_odd:odd", "--data", "odd_data.safetensors",
-                    "--no-shuffle", "--batch-size", str(ODD_BATCH), "--method", method, "-o", str(out), "-f", "json")
+    result = invoke(
+        "recalibrate",
+        "odd.safetensors",
+        "--arch",
+        "hostile_odd:odd",
+        "--data",
+        "odd_data.safetensors",
+        "--no-shuffle",
+        "--batch-size",
+        str(ODD_BATCH),
+        "--method",
+        method,
+        "-o",
+        str(out),
+        "-f",
+        "json",
+    )
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
     assert [s["name"] for s in doc["skipped"]] == ["never"]
@@ -588,7 +692,7 @@ def test_odd_shapes_recalibrate_matches_an_independent_computation(odd: dict, tm
     batches = ODD_N // ODD_BATCH
     for name, calls in odd_inputs(odd["x"]).items():
         if method == "cumulative":  # update_bn: the average over calls of batch means and unbiased variances
-            per_call = [per_channel(t[i:i + ODD_BATCH]) for i in range(0, ODD_N, ODD_BATCH) for t in calls]
+            per_call = [per_channel(t[i : i + ODD_BATCH]) for i in range(0, ODD_N, ODD_BATCH) for t in calls]
             mean = torch.stack([v.mean(1) for v in per_call]).mean(0)
             var = torch.stack([v.var(1, unbiased=True) for v in per_call]).mean(0)
         else:  # population mean and unbiased variance of every value that reached the layer

@@ -11,6 +11,7 @@ mount a read-only or a full file system. So:
     False (the early check), or os.open raises EROFS for files in the folder (a
     refusal that comes after the check, as when the folder changes meanwhile).
 """
+
 from __future__ import annotations
 
 import errno
@@ -97,7 +98,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("writes")
     (root / "writes_net.py").write_text(MODEL_SOURCE.replace("MARKER", repr(str(root / "blocked"))))
     ns: dict = {}
-    exec(MODEL_SOURCE, ns)  # noqa: S102 - the source above
+    exec(MODEL_SOURCE, ns)
     torch.manual_seed(0)
     model = ns["net"]().eval()
     state = model.state_dict()
@@ -111,11 +112,24 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     (root / "shards").mkdir()
     save_file({"inputs": inputs[:12], "labels": labels[:12]}, str(root / "shards" / "a.safetensors"))
     save_file({"inputs": inputs[12:], "labels": labels[12:]}, str(root / "shards" / "b.safetensors"))
-    checkpoints = {"safetensors": root / "model.safetensors", "zip": root / "model.ckpt",
-                   "legacy": root / "model_legacy.pt", "torchscript": root / "model_script.pt"}
-    return {"root": root, "checkpoints": checkpoints, "arch": "writes_net:net",
-            "inputs": [*checkpoints.values(), root / "data.safetensors", root / "shards" / "a.safetensors",
-                       root / "shards" / "b.safetensors", root / "writes_net.py"]}
+    checkpoints = {
+        "safetensors": root / "model.safetensors",
+        "zip": root / "model.ckpt",
+        "legacy": root / "model_legacy.pt",
+        "torchscript": root / "model_script.pt",
+    }
+    return {
+        "root": root,
+        "checkpoints": checkpoints,
+        "arch": "writes_net:net",
+        "inputs": [
+            *checkpoints.values(),
+            root / "data.safetensors",
+            root / "shards" / "a.safetensors",
+            root / "shards" / "b.safetensors",
+            root / "writes_net.py",
+        ],
+    }
 
 
 def model_args(world: dict, kind: str) -> list[str]:
@@ -135,8 +149,19 @@ def test_no_command_modifies_its_inputs(world: dict, tmp_path: Path, monkeypatch
         assert result.exit_code == 0, result.stderr
         out = tmp_path / f"{kind}.out"
         for extra in ([], ["--force"]):  # a new file, then over it
-            result = invoke("recalibrate", *model_args(world, kind), "--data", "shards", "--eval-data",
-                            "data.safetensors", "--batch-size", "8", "-o", str(out), *extra)
+            result = invoke(
+                "recalibrate",
+                *model_args(world, kind),
+                "--data",
+                "shards",
+                "--eval-data",
+                "data.safetensors",
+                "--batch-size",
+                "8",
+                "-o",
+                str(out),
+                *extra,
+            )
             assert result.exit_code == 0, result.stderr
         written = sha(out)
         # an existing output without --force: refused, untouched
@@ -150,16 +175,44 @@ def test_no_command_modifies_its_inputs(world: dict, tmp_path: Path, monkeypatch
             (world["root"] / "shards" / "a.safetensors", "lies inside the --data folder shards"),
             (world["root"] / "shards" / "new.safetensors", "lies inside the --data folder shards"),
         ]:
-            result = invoke("recalibrate", *model_args(world, kind), "--data",
-                            "shards" if "shards" in str(target) else "data.safetensors",
-                            "-o", str(target), "--force")
+            result = invoke(
+                "recalibrate",
+                *model_args(world, kind),
+                "--data",
+                "shards" if "shards" in str(target) else "data.safetensors",
+                "-o",
+                str(target),
+                "--force",
+            )
             assert message in one_line_error(result)
         assert hashes(world["inputs"]) == before
-    result = invoke("recalibrate", "model.safetensors", "--arch", "./writes_net.py:net", "--data", "data.safetensors",
-                    "--eval-data", "shards", "-o", "writes_net.py", "--force")
+    result = invoke(
+        "recalibrate",
+        "model.safetensors",
+        "--arch",
+        "./writes_net.py:net",
+        "--data",
+        "data.safetensors",
+        "--eval-data",
+        "shards",
+        "-o",
+        "writes_net.py",
+        "--force",
+    )
     assert one_line_error(result) == "writes_net.py: is the --arch file; write the new checkpoint to another file"
-    result = invoke("recalibrate", "model.safetensors", "--arch", world["arch"], "--data", "shards",
-                    "--eval-data", "data.safetensors", "-o", "data.safetensors", "--force")
+    result = invoke(
+        "recalibrate",
+        "model.safetensors",
+        "--arch",
+        world["arch"],
+        "--data",
+        "shards",
+        "--eval-data",
+        "data.safetensors",
+        "-o",
+        "data.safetensors",
+        "--force",
+    )
     assert "is the --eval-data file" in one_line_error(result)
     assert hashes(world["inputs"]) == before
     assert not (world["root"] / "shards" / "new.safetensors").exists()
@@ -209,17 +262,36 @@ def test_recalibrate_stopped_while_calibrating_leaves_nothing(world: dict, tmp_p
     (target / "other.txt").write_text("unrelated")
     before = hashes(world["inputs"])
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bnaudit", "recalibrate", str(world["checkpoints"]["zip"]), "--arch", world["arch"],
-         "--dataset", "writes_net:blocking", "--no-shuffle", "--batch-size", "4", "-o", str(target / "out.ckpt")],
-        cwd=world["root"], env=cli_env(world), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=default_sigint)
+        [
+            sys.executable,
+            "-m",
+            "bnaudit",
+            "recalibrate",
+            str(world["checkpoints"]["zip"]),
+            "--arch",
+            world["arch"],
+            "--dataset",
+            "writes_net:blocking",
+            "--no-shuffle",
+            "--batch-size",
+            "4",
+            "-o",
+            str(target / "out.ckpt"),
+        ],
+        cwd=world["root"],
+        env=cli_env(world),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
+    )
     wait_for(marker, proc)
     check_ending(signum, *finish(proc, signum))
     assert os.listdir(target) == ["other.txt"]
     assert hashes(world["inputs"]) == before
 
 
-SLOW_WRITER = textwrap.dedent('''
+SLOW_WRITER = textwrap.dedent("""
     import sys
     import time
     from pathlib import Path
@@ -245,19 +317,24 @@ SLOW_WRITER = textwrap.dedent('''
 
     sys.argv = ["bnaudit", *sys.argv[3:]]
     main()
-''')
+""")
 
 
-@pytest.mark.parametrize("mode, signum, existing", [
-    ("unnamed", signal.SIGINT, False),
-    ("unnamed", signal.SIGTERM, True),
-    ("unnamed", signal.SIGKILL, False),
-    ("unnamed", signal.SIGKILL, True),
-    ("named", signal.SIGINT, True),
-    ("named", signal.SIGTERM, False),
-], ids=["unnamed-INT", "unnamed-TERM-force", "unnamed-KILL", "unnamed-KILL-force", "named-INT-force", "named-TERM"])
-def test_recalibrate_stopped_while_writing_leaves_no_partial_file(world: dict, tmp_path: Path, mode: str, signum: int,
-                                                                  existing: bool) -> None:
+@pytest.mark.parametrize(
+    "mode, signum, existing",
+    [
+        ("unnamed", signal.SIGINT, False),
+        ("unnamed", signal.SIGTERM, True),
+        ("unnamed", signal.SIGKILL, False),
+        ("unnamed", signal.SIGKILL, True),
+        ("named", signal.SIGINT, True),
+        ("named", signal.SIGTERM, False),
+    ],
+    ids=["unnamed-INT", "unnamed-TERM-force", "unnamed-KILL", "unnamed-KILL-force", "named-INT-force", "named-TERM"],
+)
+def test_recalibrate_stopped_while_writing_leaves_no_partial_file(
+    world: dict, tmp_path: Path, mode: str, signum: int, existing: bool
+) -> None:
     """Stopped after the whole file is written but before it gets its name. (In the
     fallback mode a SIGKILL cannot be cleaned up after: the hidden temporary file
     stays; O_TMPFILE, the default on Linux, is what makes SIGKILL safe.)"""
@@ -268,10 +345,29 @@ def test_recalibrate_stopped_while_writing_leaves_no_partial_file(world: dict, t
         out.write_bytes(b"the previous output")
     before = hashes(world["inputs"])
     proc = subprocess.Popen(
-        [sys.executable, "-c", SLOW_WRITER, str(marker), mode, "recalibrate", str(world["checkpoints"]["safetensors"]),
-         "--arch", world["arch"], "--data", "data.safetensors", "-o", str(out), *(["--force"] if existing else [])],
-        cwd=world["root"], env=cli_env(world), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=default_sigint)
+        [
+            sys.executable,
+            "-c",
+            SLOW_WRITER,
+            str(marker),
+            mode,
+            "recalibrate",
+            str(world["checkpoints"]["safetensors"]),
+            "--arch",
+            world["arch"],
+            "--data",
+            "data.safetensors",
+            "-o",
+            str(out),
+            *(["--force"] if existing else []),
+        ],
+        cwd=world["root"],
+        env=cli_env(world),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
+    )
     wait_for(marker, proc)
     check_ending(signum, *finish(proc, signum))
     if existing:
@@ -283,7 +379,7 @@ def test_recalibrate_stopped_while_writing_leaves_no_partial_file(world: dict, t
 
 # ----------------------------------------------------------------------------- full disk, read-only folder
 
-FULL_DISK = textwrap.dedent('''
+FULL_DISK = textwrap.dedent("""
     import json
     import resource
     import sys
@@ -300,7 +396,7 @@ FULL_DISK = textwrap.dedent('''
         result = CliRunner().invoke(app, args)
         results.append([result.exit_code, result.stdout, result.stderr])
     print(json.dumps(results))
-''')
+""")
 
 
 def test_full_disk_is_one_line_and_leaves_no_file_in_every_format(world: dict, tmp_path: Path) -> None:
@@ -308,11 +404,18 @@ def test_full_disk_is_one_line_and_leaves_no_file_in_every_format(world: dict, t
     for kind in world["checkpoints"]:
         out = tmp_path / f"{kind}.out"
         outputs.append(out)
-        runs.append(["recalibrate", *model_args(world, kind), "--data", "data.safetensors", "-o", str(out),
-                     "--format", "json"])
+        runs.append(
+            ["recalibrate", *model_args(world, kind), "--data", "data.safetensors", "-o", str(out), "--format", "json"]
+        )
     before = hashes(world["inputs"])
-    proc = subprocess.run([sys.executable, "-c", FULL_DISK, json.dumps(runs)], cwd=world["root"], env=cli_env(world),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, json.dumps(runs)],
+        cwd=world["root"],
+        env=cli_env(world),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     for out, (code, stdout, stderr) in zip(outputs, json.loads(proc.stdout.splitlines()[-1])):
         message = f"cannot write {out}: File too large"
@@ -330,13 +433,23 @@ def write_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 
 
 def recalibrate_into(world: dict, out: Path, *extra: str):
-    return invoke("recalibrate", str(world["checkpoints"]["safetensors"]), "--arch", world["arch"],
-                  "--data", str(world["root"] / "data.safetensors"), "-o", str(out), *extra)
+    return invoke(
+        "recalibrate",
+        str(world["checkpoints"]["safetensors"]),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(world["root"] / "data.safetensors"),
+        "-o",
+        str(out),
+        *extra,
+    )
 
 
 @pytest.mark.parametrize("existing", [False, True])
-def test_no_space_while_writing(world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write_mode: str,
-                                existing: bool) -> None:
+def test_no_space_while_writing(
+    world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write_mode: str, existing: bool
+) -> None:
     monkeypatch.chdir(world["root"])
     out = tmp_path / "out.safetensors"
     if existing:
@@ -371,13 +484,17 @@ def test_no_space_while_writing(world: dict, tmp_path: Path, monkeypatch: pytest
     assert os.listdir(tmp_path) == ["out.safetensors"] and out.read_bytes()[:8] != b"previous"
 
 
-def test_read_only_folder_is_refused_before_the_work(world: dict, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_read_only_folder_is_refused_before_the_work(
+    world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = tmp_path / "ro"
     folder.mkdir()
     real_access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if os.fspath(path) == str(folder)
-                        else real_access(path, mode, **kw))
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda path, mode, **kw: False if os.fspath(path) == str(folder) else real_access(path, mode, **kw),
+    )
     calls: list[int] = []
     monkeypatch.setattr("bnaudit.runtime.recalibrate.command.load_runnable", lambda *a, **k: calls.append(1))
     result = recalibrate_into(world, folder / "out.safetensors")
@@ -385,8 +502,9 @@ def test_read_only_folder_is_refused_before_the_work(world: dict, tmp_path: Path
     assert os.listdir(folder) == [] and calls == []
 
 
-def test_read_only_folder_refusing_the_write_is_one_line(world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         write_mode: str) -> None:
+def test_read_only_folder_refusing_the_write_is_one_line(
+    world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write_mode: str
+) -> None:
     """The folder passes the early check, then refuses every new file (EROFS)."""
     folder = tmp_path / "ro"
     folder.mkdir()

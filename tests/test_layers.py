@@ -1,4 +1,5 @@
 """Layer discovery by what a prefix holds: real BN variants found, look-alikes skipped."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,10 +16,23 @@ def discover(tmp_path, state, name="m.pt"):
 
 
 def test_every_batchnorm_kind_of_torch_nn_is_found(tmp_path):
-    model = nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm2d(4), nn.BatchNorm3d(5), nn.SyncBatchNorm(6),
-                          nn.InstanceNorm2d(7, track_running_stats=True), nn.BatchNorm2d(8, affine=False))
+    model = nn.Sequential(
+        nn.BatchNorm1d(3),
+        nn.BatchNorm2d(4),
+        nn.BatchNorm3d(5),
+        nn.SyncBatchNorm(6),
+        nn.InstanceNorm2d(7, track_running_stats=True),
+        nn.BatchNorm2d(8, affine=False),
+    )
     found = discover(tmp_path, model.state_dict())
-    assert [(l.name, l.num_features) for l in found.layers] == [("0", 3), ("1", 4), ("2", 5), ("3", 6), ("4", 7), ("5", 8)]
+    assert [(l.name, l.num_features) for l in found.layers] == [
+        ("0", 3),
+        ("1", 4),
+        ("2", 5),
+        ("3", 6),
+        ("4", 7),
+        ("5", 8),
+    ]
     assert found.layers[5].weight is None and found.layers[5].bias is None
     assert all(l.num_batches_tracked == 0 for l in found.layers)
 
@@ -27,7 +41,9 @@ def test_whole_module_gives_kind_eps_and_momentum(tmp_path):
     model = nn.Sequential(nn.InstanceNorm2d(7, track_running_stats=True, eps=1e-3), nn.BatchNorm2d(2, momentum=None))
     found = discover(tmp_path, model)
     assert [(l.kind, l.eps, l.momentum, l.settings_assumed) for l in found.layers] == [
-        ("InstanceNorm2d", 1e-3, 0.1, False), ("BatchNorm2d", 1e-5, None, False)]
+        ("InstanceNorm2d", 1e-3, 0.1, False),
+        ("BatchNorm2d", 1e-5, None, False),
+    ]
 
 
 def test_frozen_bn_without_counter_quantized_and_fused_qat_are_layers(tmp_path):
@@ -40,22 +56,30 @@ def test_frozen_bn_without_counter_quantized_and_fused_qat_are_layers(tmp_path):
     state["convbn.weight"] = torch.randn(4, 3, 3, 3)
     found = discover(tmp_path, state)
     kinds = {l.name: (l.kind, l.num_batches_tracked) for l in found.layers}
-    assert kinds == {"backbone.frozen": ("BatchNorm (no counter)", None), "q.bn": ("QuantizedBatchNorm", 100),
-                     "convbn.bn": ("BatchNorm", 100)}
+    assert kinds == {
+        "backbone.frozen": ("BatchNorm (no counter)", None),
+        "q.bn": ("QuantizedBatchNorm", 100),
+        "convbn.bn": ("BatchNorm", 100),
+    }
 
 
 def test_look_alikes_are_skipped_without_crashing(tmp_path):
     state = {
         # e3nn-style norm: statistics of different lengths
-        "e3nn.running_mean": torch.zeros(3), "e3nn.running_var": torch.ones(5),
+        "e3nn.running_mean": torch.zeros(3),
+        "e3nn.running_var": torch.ones(5),
         # RL observation normaliser: float64 with a count
-        "obs_rms.running_mean": torch.zeros(6, dtype=torch.float64), "obs_rms.running_var": torch.ones(6, dtype=torch.float64),
+        "obs_rms.running_mean": torch.zeros(6, dtype=torch.float64),
+        "obs_rms.running_var": torch.ones(6, dtype=torch.float64),
         "obs_rms.count": torch.tensor(1e4, dtype=torch.float64),
         # BatchRenorm: running_std instead of running_var
-        "renorm.running_mean": torch.zeros(4), "renorm.running_std": torch.ones(4),
+        "renorm.running_mean": torch.zeros(4),
+        "renorm.running_std": torch.ones(4),
         # 2-D "statistics" and integer statistics
-        "odd.running_mean": torch.zeros(2, 2), "odd.running_var": torch.ones(2, 2),
-        "ints.running_mean": torch.zeros(3, dtype=torch.int64), "ints.running_var": torch.ones(3, dtype=torch.int64),
+        "odd.running_mean": torch.zeros(2, 2),
+        "odd.running_var": torch.ones(2, 2),
+        "ints.running_mean": torch.zeros(3, dtype=torch.int64),
+        "ints.running_var": torch.ones(3, dtype=torch.int64),
     }
     state.update(bn_entries("real", 4))
     found = discover(tmp_path, state)
@@ -75,9 +99,15 @@ def test_incomplete_groups_and_parameters_without_buffers(tmp_path):
     found = discover(tmp_path, state, "a.pt")
     assert [(g.name, g.missing) for g in found.incomplete] == [("a", ("running_var",))]
     assert found.suspected_without_buffers == []  # statistics exist in the file
-    params_only = {"layer1.0.bn1.weight": torch.ones(4), "layer1.0.bn1.bias": torch.zeros(4),
-                   "layer1.0.downsample.1.weight": torch.ones(4), "layer1.0.downsample.1.bias": torch.zeros(4),
-                   "layer1.0.conv1.weight": torch.ones(4, 4, 3, 3), "fc.weight": torch.ones(4), "fc.bias": torch.ones(4)}
+    params_only = {
+        "layer1.0.bn1.weight": torch.ones(4),
+        "layer1.0.bn1.bias": torch.zeros(4),
+        "layer1.0.downsample.1.weight": torch.ones(4),
+        "layer1.0.downsample.1.bias": torch.zeros(4),
+        "layer1.0.conv1.weight": torch.ones(4, 4, 3, 3),
+        "fc.weight": torch.ones(4),
+        "fc.bias": torch.ones(4),
+    }
     found = discover(tmp_path, params_only, "b.pt")
     assert found.suspected_without_buffers == ["layer1.0.bn1", "layer1.0.downsample.1"]
 

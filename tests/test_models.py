@@ -1,5 +1,6 @@
 """Runnable models: every source (--arch module or file, TorchScript, pickled module),
 strict key matching as findings, module-only rules, and the helpers that run a model."""
+
 from __future__ import annotations
 
 import json
@@ -135,10 +136,17 @@ def test_arch_module_callable_loads_the_state_dict(pkg, tmp_path):
 def test_arch_file_path_with_kwargs_and_a_ddp_container(pkg, tmp_path):
     ref = _module(pkg).net(classes=5, width=2)
     state = _trained_state(ref)
-    torch.save({"state_dict": {f"module.{k}": v for k, v in state.items()}, "epoch": 7,
-                "optimizer": {"state": {}, "param_groups": []}}, tmp_path / "ddp.pt")
-    runnable = load_runnable(str(tmp_path / "ddp.pt"), arch=f"{pkg}/models.py:net",
-                             arch_kwargs='{"classes": 5, "width": 2}')
+    torch.save(
+        {
+            "state_dict": {f"module.{k}": v for k, v in state.items()},
+            "epoch": 7,
+            "optimizer": {"state": {}, "param_groups": []},
+        },
+        tmp_path / "ddp.pt",
+    )
+    runnable = load_runnable(
+        str(tmp_path / "ddp.pt"), arch=f"{pkg}/models.py:net", arch_kwargs='{"classes": 5, "width": 2}'
+    )
     assert runnable.checkpoint.key == "state_dict" and runnable.checkpoint.prefix == "module."
     x = torch.randn(3, 1, 4, 4)
     with torch.no_grad():
@@ -221,8 +229,9 @@ def test_bn001_is_exact_with_the_model_whatever_the_layer_name(pkg, tmp_path):
     assert [(f.layer, f.severity) for f in bn001] == [("gate", "error")]
     assert "running_mean or running_var" in bn001[0].message
     # the counter is not reported twice
-    assert "BN011" not in _codes(exact) or all("num_batches_tracked" not in f.message
-                                               for f in _codes(exact)["BN011"] if f.severity == "error")
+    assert "BN011" not in _codes(exact) or all(
+        "num_batches_tracked" not in f.message for f in _codes(exact)["BN011"] if f.severity == "error"
+    )
 
 
 def test_bn011_reports_missing_unexpected_and_counter_keys(pkg, tmp_path):
@@ -275,11 +284,21 @@ def test_bn006_bn007_and_real_eps(pkg, tmp_path):
         found = [(f.code, f.severity, f.layer) for f in report.findings if f.code in ("BN006", "BN007")]
         assert found == [(code, severity, "gate")], name
         # without the module none of this can be known
-        assert not [f for f in inspect(str(tmp_path / f"{name}.safetensors")).findings
-                    if f.code in ("BN006", "BN007")]
+        assert not [f for f in inspect(str(tmp_path / f"{name}.safetensors")).findings if f.code in ("BN006", "BN007")]
     save_file(_trained_state(_module(pkg).net(eps=1e-3)), tmp_path / "eps.safetensors")
-    result = CliRunner().invoke(app, ["inspect", str(tmp_path / "eps.safetensors"), "--arch", arch,
-                                      "--arch-kwargs", '{"eps": 0.001}', "--format", "json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "inspect",
+            str(tmp_path / "eps.safetensors"),
+            "--arch",
+            arch,
+            "--arch-kwargs",
+            '{"eps": 0.001}',
+            "--format",
+            "json",
+        ],
+    )
     doc = json.loads(result.stdout)
     assert doc["files"][0]["layers"][0]["eps"] == 1e-3
     assert doc["files"][0]["settings"] is None  # nothing assumed any more
@@ -291,17 +310,20 @@ def test_inspect_arch_builds_constructors_that_fail_on_meta(pkg, tmp_path):
     assert report.files[0].error is None and [layer.name for layer in report.files[0].layers] == ["gate"]
 
 
-@pytest.mark.parametrize("arch, kwargs, fragment", [
-    ("nocolon", None, "must be MODULE:CALLABLE"),
-    ("no_such_module_xyz:net", None, "no module named 'no_such_module_xyz'"),
-    ("{pkg}.models:missing", None, "has no attribute 'missing'"),
-    ("{pkg}.models:not_a_module", None, "returned dict, not a torch.nn.Module"),
-    ("{pkg}.models:broken", None, "ValueError: no such variant"),
-    ("{pkg}.models:net", "{bad json", "--arch-kwargs is not valid JSON"),
-    ("{pkg}.models:net", "[1, 2]", "must be a JSON object"),
-    ("{pkg}.models:net", '{"nope": 1}', "unexpected keyword argument 'nope'"),
-    ("missing_dir/file.py:net", None, "no such file"),
-])
+@pytest.mark.parametrize(
+    "arch, kwargs, fragment",
+    [
+        ("nocolon", None, "must be MODULE:CALLABLE"),
+        ("no_such_module_xyz:net", None, "no module named 'no_such_module_xyz'"),
+        ("{pkg}.models:missing", None, "has no attribute 'missing'"),
+        ("{pkg}.models:not_a_module", None, "returned dict, not a torch.nn.Module"),
+        ("{pkg}.models:broken", None, "ValueError: no such variant"),
+        ("{pkg}.models:net", "{bad json", "--arch-kwargs is not valid JSON"),
+        ("{pkg}.models:net", "[1, 2]", "must be a JSON object"),
+        ("{pkg}.models:net", '{"nope": 1}', "unexpected keyword argument 'nope'"),
+        ("missing_dir/file.py:net", None, "no such file"),
+    ],
+)
 def test_arch_errors_are_one_line(pkg, tmp_path, arch, kwargs, fragment):
     save_file(_trained_state(_module(pkg).net()), tmp_path / "m.safetensors")
     args = ["inspect", str(tmp_path / "m.safetensors"), "--arch", arch.format(pkg=pkg)]
@@ -338,14 +360,14 @@ def test_batch_stats_mode_restores_buffers_and_modes(pkg):
     h = model.conv(x)
     mu = h.mean(dim=(0, 2, 3), keepdim=True)
     var = h.var(dim=(0, 2, 3), unbiased=False, keepdim=True)
-    normed = (h - mu) / torch.sqrt(var + model.gate.eps) * model.gate.weight.view(1, -1, 1, 1) \
-        + model.gate.bias.view(1, -1, 1, 1)
+    normed = (h - mu) / torch.sqrt(var + model.gate.eps) * model.gate.weight.view(1, -1, 1, 1) + model.gate.bias.view(
+        1, -1, 1, 1
+    )
     expected = model.fc(torch.relu(normed).flatten(1))
     assert torch.allclose(out, expected, atol=1e-5)
     # restored on error as well
-    with pytest.raises(RuntimeError):
-        with batch_stats_mode(model):
-            model(torch.randn(2, 5, 4, 4))
+    with pytest.raises(RuntimeError), batch_stats_mode(model):
+        model(torch.randn(2, 5, 4, 4))
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
 

@@ -1,4 +1,5 @@
 """norms.py is the one answer to "which modules are BatchNorm" and to the batch-joining rule."""
+
 from __future__ import annotations
 
 import pytest
@@ -38,8 +39,16 @@ class MyBN(nn.BatchNorm2d):
 
 
 def zoo() -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), MyBN(4), nn.InstanceNorm2d(4, track_running_stats=True),
-                         nn.BatchNorm2d(4, track_running_stats=False), Frozen(4), nn.InstanceNorm2d(4), nn.ReLU())
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 1),
+        nn.BatchNorm2d(4),
+        MyBN(4),
+        nn.InstanceNorm2d(4, track_running_stats=True),
+        nn.BatchNorm2d(4, track_running_stats=False),
+        Frozen(4),
+        nn.InstanceNorm2d(4),
+        nn.ReLU(),
+    )
 
 
 def test_batchnorm_and_norm_layers_of_an_eager_model() -> None:
@@ -60,24 +69,37 @@ def test_classify_layers_recalibrates_tracked_batchnorm_only_and_says_why_for_th
 
 
 def test_torchscript_gets_the_same_answers_from_the_class_names_it_keeps() -> None:
-    scripted = torch.jit.script(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4),
-                                              nn.InstanceNorm2d(4, track_running_stats=True), Frozen(4)))
+    scripted = torch.jit.script(
+        nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.InstanceNorm2d(4, track_running_stats=True), Frozen(4))
+    )
     assert list(batchnorm_modules(scripted)) == ["1"]
     assert list(norm_modules(scripted)) == ["1", "2"]
     targets, skipped = classify_layers(scripted)
     assert list(targets) == ["1"]
     assert [(s.name, s.reason.split(":")[1].strip()) for s in skipped] == [
-        ("2", "not BatchNorm, left alone"), ("3", "frozen statistics, left alone")]
+        ("2", "not BatchNorm, left alone"),
+        ("3", "frozen statistics, left alone"),
+    ]
 
 
-@pytest.mark.parametrize(("sizes", "expected"), [
-    ([3, 3, 1], [3, 4]), ([3, 1, 3, 1], [3, 1, 4]), ([1], [1]), ([2, 2], [2, 2]), ([1, 1, 1], [1, 2]), ([], []),
-])
+@pytest.mark.parametrize(
+    ("sizes", "expected"),
+    [
+        ([3, 3, 1], [3, 4]),
+        ([3, 1, 3, 1], [3, 1, 4]),
+        ([1], [1]),
+        ([2, 2], [2, 2]),
+        ([1, 1, 1], [1, 2]),
+        ([], []),
+    ],
+)
 def test_a_last_batch_of_one_joins_the_previous_one_in_streams_and_plans(sizes: list[int], expected: list[int]) -> None:
     tensors = [torch.full((n, 2), float(i)) for i, n in enumerate(sizes)]
     merged = list(merge_trailing_singleton(tensors))
     assert [len(b) for b in merged] == expected
-    assert torch.equal(torch.cat(merged) if merged else torch.empty(0), torch.cat(tensors) if tensors else torch.empty(0))
+    assert torch.equal(
+        torch.cat(merged) if merged else torch.empty(0), torch.cat(tensors) if tensors else torch.empty(0)
+    )
     start = 0
     plan = []
     for n in sizes:

@@ -6,6 +6,7 @@ would retitle the terminal: ESC ] 0 ; owned BEL. Every command, in every format,
 write no C0 control but newline (and tab), no DEL and no C1 control, on stdout or stderr,
 and must still show the name (escaped in tables and messages, exact in JSON documents).
 """
+
 from __future__ import annotations
 
 import json
@@ -81,8 +82,20 @@ def test_gap_writes_the_name_inert(evil_model, fmt):
 
 @pytest.mark.parametrize("fmt", ["table", "json"])
 def test_recalibrate_writes_the_name_inert(evil_model, tmp_path, fmt):
-    result = run("recalibrate", evil_model, "--data", CALIB, "--eval-data", VAL, "--num-samples", "128",
-                 "-o", str(tmp_path / "out.pt"), "--format", fmt)
+    result = run(
+        "recalibrate",
+        evil_model,
+        "--data",
+        CALIB,
+        "--eval-data",
+        VAL,
+        "--num-samples",
+        "128",
+        "-o",
+        str(tmp_path / "out.pt"),
+        "--format",
+        fmt,
+    )
     assert result.exit_code == 0, result.output
     # the warning about few values per channel names the layer, on stderr
     assert SHOWN in result.stderr

@@ -7,6 +7,7 @@ shim running this checkout (`python -m bnaudit` with the repo on PYTHONPATH), th
 code an installed bnaudit would be. pre-commit must build no environment and download
 nothing (no torch): the test checks that its cache holds no virtualenv.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,15 +44,19 @@ def env(tmp_path):
     shim.chmod(0o755)
     (tmp_path / "gitconfig").write_text("")
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "PRE_COMMIT"))}
-    environ.update({
-        "PATH": f"{bin_dir}{os.pathsep}{environ.get('PATH', '')}",
-        "PRE_COMMIT_HOME": str(tmp_path / "pre-commit-cache"),
-        "GIT_CONFIG_GLOBAL": str(tmp_path / "gitconfig"),
-        "GIT_CONFIG_NOSYSTEM": "1",
-        "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com",
-        "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.com",
-        "COLUMNS": "120",
-    })
+    environ.update(
+        {
+            "PATH": f"{bin_dir}{os.pathsep}{environ.get('PATH', '')}",
+            "PRE_COMMIT_HOME": str(tmp_path / "pre-commit-cache"),
+            "GIT_CONFIG_GLOBAL": str(tmp_path / "gitconfig"),
+            "GIT_CONFIG_NOSYSTEM": "1",
+            "GIT_AUTHOR_NAME": "t",
+            "GIT_AUTHOR_EMAIL": "t@example.com",
+            "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@example.com",
+            "COLUMNS": "120",
+        }
+    )
     environ.pop("PYTHONPATH", None)
     return environ
 
@@ -85,7 +90,8 @@ def project(tmp_path, env):
     (project / "models").mkdir(parents=True)
     git(project, env, "init", "-q")
     (project / ".pre-commit-config.yaml").write_text(
-        f"repos:\n  - repo: {hooks}\n    rev: {rev}\n    hooks:\n      - id: bnaudit\n")
+        f"repos:\n  - repo: {hooks}\n    rev: {rev}\n    hooks:\n      - id: bnaudit\n"
+    )
     installed = run([sys.executable, "-m", "pre_commit", "install"], project, env)
     assert installed.returncode == 0, installed.stdout + installed.stderr
     git(project, env, "add", ".pre-commit-config.yaml")
@@ -128,7 +134,7 @@ def test_hook_honours_the_projects_configuration(project, env):
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert commit_count(project, env) == 2
 
-    (project / "pyproject.toml").write_text('[tool.bnaudit]\nmax-gain = -1\n')
+    (project / "pyproject.toml").write_text("[tool.bnaudit]\nmax-gain = -1\n")
     save_safetensors(healthy_state(), project / "models" / "healthy.safetensors")
     git(project, env, "add", "-A")
     bad = run(["git", "commit", "-m", "bad configuration"], project, env)

@@ -5,6 +5,7 @@ are compared with a direct computation in this file, on the values as stored
 (read back by torch, after the dtype conversion). Audits run with debug=True so
 that an unexpected exception fails the test instead of becoming a file error.
 """
+
 from __future__ import annotations
 
 import functools
@@ -15,6 +16,7 @@ import struct
 import tempfile
 import zipfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,12 +31,34 @@ torch.set_num_threads(1)
 
 EPS = 1e-5  # what bnaudit assumes for a state dict (no modules saved)
 MOMENTUM = 0.1
-SETTINGS = settings(max_examples=int(os.environ.get("BNAUDIT_EXAMPLES", 40)), deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=int(os.environ.get("BNAUDIT_EXAMPLES", 40)),
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-SPECIAL = [0.0, -0.0, 1.0, -1.0, math.nan, math.inf, -math.inf, 1e-40, 5e-324, 1e-8, 5e-5, 9.9e-5,
-           1e-4, 2.5, 65504.0, 1e5, 1e300, -1e-30]
+SPECIAL = [
+    0.0,
+    -0.0,
+    1.0,
+    -1.0,
+    math.nan,
+    math.inf,
+    -math.inf,
+    1e-40,
+    5e-324,
+    1e-8,
+    5e-5,
+    9.9e-5,
+    1e-4,
+    2.5,
+    65504.0,
+    1e5,
+    1e300,
+    -1e-30,
+]
 values = st.one_of(st.sampled_from(SPECIAL), st.floats(allow_nan=True, allow_infinity=True))
 
 
@@ -112,16 +136,24 @@ def f64(t: torch.Tensor | None) -> np.ndarray | None:
 
 def expected_findings(gs: list[Group]) -> dict:
     layers = [g for g in gs if g.kind == "bn"]
-    out: dict = {"layers": sorted(g.prefix for g in layers), "BN001": sorted(g.prefix for g in gs if g.kind == "mean_only"),
-                 "BN004": {}, "BN005": {}, "BN003": set()}
+    out: dict = {
+        "layers": sorted(g.prefix for g in layers),
+        "BN001": sorted(g.prefix for g in gs if g.kind == "mean_only"),
+        "BN004": {},
+        "BN005": {},
+        "BN003": set(),
+    }
     identity, counters_none, trained_affine = [], [], []
     for g in layers:
         t = g.tensors
         mean, var = f64(t["running_mean"]), f64(t["running_var"])
         c = mean.shape[0]
         counter_ref = t.get("num_batches_tracked")
-        counter = int(counter_ref.item()) if counter_ref is not None and not counter_ref.is_floating_point() \
-            and counter_ref.numel() == 1 else None
+        counter = (
+            int(counter_ref.item())
+            if counter_ref is not None and not counter_ref.is_floating_point() and counter_ref.numel() == 1
+            else None
+        )
         bad: set[int] = set()
         invalid = False
         for name in ("running_mean", "running_var", "weight", "bias"):
@@ -177,8 +209,11 @@ def test_random_state_dicts_never_crash_and_findings_agree(case):
     for code in ("BN001", "BN002", "BN003", "BN004", "BN005"):
         event(f"{code} expected: {bool(expected[code])}")
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {"safetensors": os.path.join(tmp, "sd.safetensors"), "torch-zip": os.path.join(tmp, "sd.pt"),
-                 "torch-legacy": os.path.join(tmp, "legacy.pt")}
+        paths = {
+            "safetensors": os.path.join(tmp, "sd.safetensors"),
+            "torch-zip": os.path.join(tmp, "sd.pt"),
+            "torch-legacy": os.path.join(tmp, "legacy.pt"),
+        }
         save_file(state, paths["safetensors"])
         torch.save(state, paths["torch-zip"])
         torch.save(state, paths["torch-legacy"], _use_new_zipfile_serialization=False)
@@ -195,13 +230,18 @@ def test_random_state_dicts_never_crash_and_findings_agree(case):
 
 def _valid_files() -> dict[str, bytes]:
     """One small valid file per format, for mutation."""
-    state = {"bn.running_mean": torch.tensor([0.5, -1.0]), "bn.running_var": torch.tensor([2.0, 1e-7]),
-             "bn.weight": torch.ones(2), "bn.bias": torch.zeros(2), "bn.num_batches_tracked": torch.tensor(7)}
+    state = {
+        "bn.running_mean": torch.tensor([0.5, -1.0]),
+        "bn.running_var": torch.tensor([2.0, 1e-7]),
+        "bn.weight": torch.ones(2),
+        "bn.bias": torch.zeros(2),
+        "bn.num_batches_tracked": torch.tensor(7),
+    }
     files = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "f")
         save_file(state, path)
-        files["safetensors"] = open(path, "rb").read()
+        files["safetensors"] = Path(path).read_bytes()
         buffer = io.BytesIO()
         torch.save(state, buffer)
         files["torch-zip"] = buffer.getvalue()
@@ -210,14 +250,22 @@ def _valid_files() -> dict[str, bytes]:
         files["torch-legacy"] = buffer.getvalue()
         model = torch.nn.Sequential(torch.nn.BatchNorm1d(2))
         torch.jit.save(torch.jit.script(model), path)
-        files["torchscript"] = open(path, "rb").read()
+        files["torchscript"] = Path(path).read_bytes()
     return files
 
 
 valid_files = functools.lru_cache(maxsize=None)(_valid_files)
 
-MAGIC_PREFIXES = [b"", b"PK\x03\x04", b"PK\x05\x06", b"\x80\x02", b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19.",
-                  struct.pack("<Q", 2) + b"{}", struct.pack("<Q", 40) + b"{", b"\x00" * 8 + b"{"]
+MAGIC_PREFIXES = [
+    b"",
+    b"PK\x03\x04",
+    b"PK\x05\x06",
+    b"\x80\x02",
+    b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19.",
+    struct.pack("<Q", 2) + b"{}",
+    struct.pack("<Q", 40) + b"{",
+    b"\x00" * 8 + b"{",
+]
 
 
 def audit_bytes(data: bytes) -> None:

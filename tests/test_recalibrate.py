@@ -1,4 +1,5 @@
 """The three recalibration methods against hand arithmetic and independent float64 references."""
+
 from __future__ import annotations
 
 import copy
@@ -25,7 +26,7 @@ FOUR = torch.tensor([[2.0], [4.0], [6.0], [8.0]])
 
 
 def split(x: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    return [x[i:i + batch_size] for i in range(0, len(x), batch_size)]
+    return [x[i : i + batch_size] for i in range(0, len(x), batch_size)]
 
 
 # ----------------------------------------------------------------------------- the seeds' example
@@ -83,12 +84,22 @@ class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-            nn.Conv2d(4, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
+            nn.Conv2d(2, 4, 3, padding=1),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.Conv2d(4, 6, 3, padding=1),
+            nn.BatchNorm2d(6),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2),
         )
         self.head = nn.Sequential(
-            nn.Flatten(), nn.Linear(24, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5),
-            nn.Linear(8, 5), nn.BatchNorm1d(5),
+            nn.Flatten(),
+            nn.Linear(24, 8),
+            nn.BatchNorm1d(8),
+            nn.ReLU(),
+            nn.Dropout(0.5),
+            nn.Linear(8, 5),
+            nn.BatchNorm1d(5),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,9 +131,12 @@ def data() -> torch.Tensor:
 def capture_inputs(model: nn.Module, names: list[str], batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """All inputs of the named modules over all batches, one row per value, channel last."""
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-    handles = [model.get_submodule(n).register_forward_pre_hook(
-        lambda _m, args, n=n: seen[n].append(args[0].detach().transpose(0, 1).reshape(args[0].shape[1], -1).T))
-        for n in names]
+    handles = [
+        model.get_submodule(n).register_forward_pre_hook(
+            lambda _m, args, n=n: seen[n].append(args[0].detach().transpose(0, 1).reshape(args[0].shape[1], -1).T)
+        )
+        for n in names
+    ]
     with torch.no_grad():
         for b in batches:
             model(b.to(next(model.parameters()).dtype))
@@ -159,7 +173,9 @@ def assert_stats_close(model: nn.Module, expected: dict, rel: float = 1e-5) -> N
     for n, (mean, var) in expected.items():
         bn = model.get_submodule(n)
         scale = var.sqrt()
-        assert torch.allclose(bn.running_mean.double(), mean, rtol=0, atol=rel * float(scale.max() + mean.abs().max())), n
+        assert torch.allclose(
+            bn.running_mean.double(), mean, rtol=0, atol=rel * float(scale.max() + mean.abs().max())
+        ), n
         assert torch.allclose(bn.running_var.double(), var, rtol=rel, atol=0), n
 
 
@@ -197,7 +213,9 @@ def test_sequential_is_self_consistent_in_eval_mode(net: Net, data: torch.Tensor
     values = capture_inputs(net, BN_NAMES, batches)
     for n in BN_NAMES:
         bn = net.get_submodule(n)
-        assert torch.allclose(values[n].mean(0), bn.running_mean, rtol=0, atol=1e-5 * float(bn.running_var.max().sqrt()))
+        assert torch.allclose(
+            values[n].mean(0), bn.running_mean, rtol=0, atol=1e-5 * float(bn.running_var.max().sqrt())
+        )
         assert torch.allclose(values[n].var(0), bn.running_var, rtol=1e-5)
 
 
@@ -332,7 +350,10 @@ def test_torchscript_model_gives_the_same_statistics_as_the_eager_one(net: Net, 
         assert [layer.name for layer in result.layers] == BN_NAMES
         buffers = dict(script.named_buffers())
         for n in BN_NAMES:
-            assert torch.allclose(buffers[f"{n}.running_var"], eager.get_submodule(n).running_var, rtol=1e-6), (method, n)
+            assert torch.allclose(buffers[f"{n}.running_var"], eager.get_submodule(n).running_var, rtol=1e-6), (
+                method,
+                n,
+            )
             assert buffers[f"{n}.num_batches_tracked"].item() == 6
     assert scripted.training  # the loaded module's mode is untouched
 
@@ -345,7 +366,7 @@ def test_fewer_than_1000_samples_warns() -> None:
 
 # ----------------------------------------------------------------------------- the command
 
-MODEL_SOURCE = '''
+MODEL_SOURCE = """
 from torch import nn
 
 
@@ -356,7 +377,7 @@ def tiny_net(classes=3, width=4):
         nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(4 * width, 8, bias=False), nn.BatchNorm1d(8),
         nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, classes),
     )
-'''
+"""
 TINY_BN = ["1", "4", "9"]
 
 
@@ -383,7 +404,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("recal")
     (root / "tinynet.py").write_text(MODEL_SOURCE)
     ns: dict = {}
-    exec(MODEL_SOURCE, ns)  # noqa: S102 - the source above
+    exec(MODEL_SOURCE, ns)
     torch.manual_seed(0)
     model = ns["tiny_net"]()
     x_train, y_train = make_images(60, seed=1)
@@ -393,15 +414,30 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     for name in TINY_BN:
         reset.get_submodule(name).reset_running_stats()
     save_file(reset.state_dict(), str(root / "reset.safetensors"), metadata={"origin": "test"})
-    torch.save({"state_dict": {f"model.{k}": v for k, v in reset.state_dict().items()}, "epoch": 7,
-                "optimizer": {"state": {}, "param_groups": [{"lr": 0.03}]}}, root / "reset.ckpt")
+    torch.save(
+        {
+            "state_dict": {f"model.{k}": v for k, v in reset.state_dict().items()},
+            "epoch": 7,
+            "optimizer": {"state": {}, "param_groups": [{"lr": 0.03}]},
+        },
+        root / "reset.ckpt",
+    )
     x_cal, y_cal = make_images(50, seed=3)
     x_val, y_val = make_images(40, seed=4)
     save_file({"inputs": x_cal, "labels": y_cal}, str(root / "calib.safetensors"))
     save_file({"inputs": x_val, "labels": y_val}, str(root / "val.safetensors"))
-    return {"root": root, "arch": f"{root / 'tinynet.py'}:tiny_net", "ns": ns, "healthy": healthy,
-            "reset": reset.state_dict(), "x_cal": x_cal, "x_val": x_val, "y_val": y_val,
-            "healthy_acc": accuracy(model, x_val, y_val), "reset_acc": accuracy(reset, x_val, y_val)}
+    return {
+        "root": root,
+        "arch": f"{root / 'tinynet.py'}:tiny_net",
+        "ns": ns,
+        "healthy": healthy,
+        "reset": reset.state_dict(),
+        "x_cal": x_cal,
+        "x_val": x_val,
+        "y_val": y_val,
+        "healthy_acc": accuracy(model, x_val, y_val),
+        "reset_acc": accuracy(reset, x_val, y_val),
+    }
 
 
 def run_cli(*args: str):
@@ -424,12 +460,29 @@ def test_cli_writes_population_statistics_and_the_documented_json(world: dict) -
 
     root = world["root"]
     out = root / "exact.safetensors"
-    result = run_cli(str(root / "reset.safetensors"), "--arch", world["arch"], "--data", str(root / "calib.safetensors"),
-                     "--output", str(out), "--batch-size", "32", "--format", "json")
+    result = run_cli(
+        str(root / "reset.safetensors"),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(root / "calib.safetensors"),
+        "--output",
+        str(out),
+        "--batch-size",
+        "32",
+        "--format",
+        "json",
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert {"input", "output", "method", "samples", "batches", "batch_size", "layers", "eval"} <= set(doc)
-    assert (doc["method"], doc["samples"], doc["batches"], doc["batch_size"], doc["eval"]) == ("exact", 150, 5, 32, None)
+    assert (doc["method"], doc["samples"], doc["batches"], doc["batch_size"], doc["eval"]) == (
+        "exact",
+        150,
+        5,
+        32,
+        None,
+    )
     assert [layer["name"] for layer in doc["layers"]] == TINY_BN
     written = load_file(str(out))
     # first BN layer: the input of layer 1 is conv0(x) whatever the mode and the batches
@@ -464,8 +517,19 @@ def test_cli_reset_model_recovers_its_healthy_accuracy_on_held_out_data(world: d
     root = world["root"]
     out = root / "recovered.safetensors"
     assert world["reset_acc"] < world["healthy_acc"] - 0.2  # the reset really hurts
-    result = run_cli(str(root / "reset.safetensors"), "--arch", world["arch"], "--data", str(root / "calib.safetensors"),
-                     "--eval-data", str(root / "val.safetensors"), "-o", str(out), "--format", "json")
+    result = run_cli(
+        str(root / "reset.safetensors"),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(root / "calib.safetensors"),
+        "--eval-data",
+        str(root / "val.safetensors"),
+        "-o",
+        str(out),
+        "--format",
+        "json",
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     new_acc = accuracy(load_into(world, load_file(str(out))), world["x_val"], world["y_val"])
@@ -477,8 +541,19 @@ def test_cli_reset_model_recovers_its_healthy_accuracy_on_held_out_data(world: d
 def test_cli_table_shows_before_after_and_held_out_side_by_side(world: dict) -> None:
     root = world["root"]
     out = root / "table.safetensors"
-    result = run_cli(str(root / "reset.safetensors"), "--arch", world["arch"], "--data", str(root / "calib.safetensors"),
-                     "--eval-data", str(root / "val.safetensors"), "-o", str(out), "--method", "sequential")
+    result = run_cli(
+        str(root / "reset.safetensors"),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(root / "calib.safetensors"),
+        "--eval-data",
+        str(root / "val.safetensors"),
+        "-o",
+        str(out),
+        "--method",
+        "sequential",
+    )
     assert result.exit_code == 0, result.output
     text = result.stdout
     assert "method sequential: 150 samples in 3 batches of 64" in text
@@ -491,8 +566,21 @@ def test_cli_table_shows_before_after_and_held_out_side_by_side(world: dict) -> 
 def test_cli_container_keeps_its_keys_prefix_and_other_entries(world: dict) -> None:
     root = world["root"]
     out = root / "out.ckpt"
-    result = run_cli(str(root / "reset.ckpt"), "--arch", world["arch"], "--data", str(root / "calib.safetensors"),
-                     "-o", str(out), "--layers", "1", "--layers", "4", "--exclude", "4")
+    result = run_cli(
+        str(root / "reset.ckpt"),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(root / "calib.safetensors"),
+        "-o",
+        str(out),
+        "--layers",
+        "1",
+        "--layers",
+        "4",
+        "--exclude",
+        "4",
+    )
     assert result.exit_code == 0, result.output
     before = torch.load(root / "reset.ckpt", weights_only=True)
     after = torch.load(out, weights_only=True)
@@ -506,12 +594,20 @@ def test_cli_torchscript_in_torchscript_out(world: dict, tmp_path: Path) -> None
     model = load_into(world, world["reset"])
     src, out = tmp_path / "scripted.pt", tmp_path / "out.pt"
     torch.jit.save(torch.jit.script(model), str(src))
-    result = run_cli(str(src), "--data", str(world["root"] / "calib.safetensors"), "-o", str(out),
-                     "--batch-size", "32", "--no-shuffle")
+    result = run_cli(
+        str(src),
+        "--data",
+        str(world["root"] / "calib.safetensors"),
+        "-o",
+        str(out),
+        "--batch-size",
+        "32",
+        "--no-shuffle",
+    )
     assert result.exit_code == 0, result.output
     expected = copy.deepcopy(model)
     x = world["x_cal"]
-    recalibrate_module(expected, [x[i:i + 32] for i in range(0, 150, 32)])
+    recalibrate_module(expected, [x[i : i + 32] for i in range(0, 150, 32)])
     loaded = torch.jit.load(str(out))
     buffers = dict(loaded.named_buffers())
     for n in TINY_BN:
@@ -523,8 +619,15 @@ def test_cli_refuses_an_existing_output_without_force(world: dict, tmp_path: Pat
     root = world["root"]
     out = tmp_path / "taken.safetensors"
     out.write_bytes(b"keep")
-    args = [str(root / "reset.safetensors"), "--arch", world["arch"], "--data", str(root / "calib.safetensors"),
-            "-o", str(out)]
+    args = [
+        str(root / "reset.safetensors"),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(root / "calib.safetensors"),
+        "-o",
+        str(out),
+    ]
     result = run_cli(*args)
     assert result.exit_code == 2 and out.read_bytes() == b"keep"
     assert result.stderr.strip() == f"bnaudit: error: {out}: already exists (pass --force to overwrite)"
@@ -533,17 +636,23 @@ def test_cli_refuses_an_existing_output_without_force(world: dict, tmp_path: Pat
     assert run_cli(*args, "--force").exit_code == 0 and out.read_bytes()[:1] != b"k"
 
 
-@pytest.mark.parametrize("extra, fragment", [
-    (["--eval-data", "calib.safetensors"], "--eval-data must be held-out data"),
-    (["--method", "average"], "Invalid value for '--method'"),
-    (["--layers", "nothing*"], "--layers 'nothing*' matches no BatchNorm layer"),
-    (["--batch-size", "1"], "use --batch-size 2 or more"),
-])
-def test_cli_bad_requests_are_one_line_errors(world: dict, tmp_path: Path, extra: list[str], fragment: str,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--eval-data", "calib.safetensors"], "--eval-data must be held-out data"),
+        (["--method", "average"], "Invalid value for '--method'"),
+        (["--layers", "nothing*"], "--layers 'nothing*' matches no BatchNorm layer"),
+        (["--batch-size", "1"], "use --batch-size 2 or more"),
+    ],
+)
+def test_cli_bad_requests_are_one_line_errors(
+    world: dict, tmp_path: Path, extra: list[str], fragment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(world["root"])
     out = tmp_path / "never.safetensors"
-    result = run_cli("reset.safetensors", "--arch", world["arch"], "--data", "calib.safetensors", "-o", str(out), *extra)
+    result = run_cli(
+        "reset.safetensors", "--arch", world["arch"], "--data", "calib.safetensors", "-o", str(out), *extra
+    )
     assert result.exit_code == 2, result.output
     assert fragment in result.stderr
     assert not out.exists() and os.listdir(tmp_path) == []
@@ -558,16 +667,28 @@ def test_python_m_bnaudit_recalibrate_end_to_end_and_ctrl_c_leaves_nothing(world
     root = world["root"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     base = [sys.executable, "-m", "bnaudit", "recalibrate", str(root / "reset.safetensors"), "--arch", world["arch"]]
-    proc = subprocess.run([*base, "--data", str(root / "calib.safetensors"), "-o", str(tmp_path / "a.safetensors")],
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [*base, "--data", str(root / "calib.safetensors"), "-o", str(tmp_path / "a.safetensors")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "wrote" in proc.stdout and "bnaudit: warning: only 150 calibration samples" in proc.stderr
     # a dataset that blocks: interrupt the run while it calibrates
     (tmp_path / "slow_data.py").write_text(SLOW_DATASET.format(marker=str(tmp_path / "started")))
     out = tmp_path / "b.safetensors"
-    proc = subprocess.Popen([*base, "--dataset", "slow_data:dataset", "-o", str(out)], cwd=tmp_path,
-                            env={**env, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    proc = subprocess.Popen(
+        [*base, "--dataset", "slow_data:dataset", "-o", str(out)],
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
+    )
     deadline = time.monotonic() + 60
     while not (tmp_path / "started").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -579,7 +700,7 @@ def test_python_m_bnaudit_recalibrate_end_to_end_and_ctrl_c_leaves_nothing(world
     assert left == ["a.safetensors", "slow_data.py", "started"]
 
 
-SLOW_DATASET = '''
+SLOW_DATASET = """
 import time
 import torch
 
@@ -596,22 +717,34 @@ class Slow(torch.utils.data.Dataset):
 
 def dataset():
     return Slow()
-'''
+"""
 
 
 def test_cli_layer_whose_buffers_the_file_lacks_is_listed_and_no_key_is_added(world: dict, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    partial = {k: v for k, v in world["reset"].items() if not k.startswith("9.running") and k != "9.num_batches_tracked"}
+    partial = {
+        k: v for k, v in world["reset"].items() if not k.startswith("9.running") and k != "9.num_batches_tracked"
+    }
     save_file(partial, str(tmp_path / "partial.safetensors"))
     out = tmp_path / "out.safetensors"
-    result = run_cli(str(tmp_path / "partial.safetensors"), "--arch", world["arch"], "--data",
-                     str(world["root"] / "calib.safetensors"), "-o", str(out), "--format", "json")
+    result = run_cli(
+        str(tmp_path / "partial.safetensors"),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(world["root"] / "calib.safetensors"),
+        "-o",
+        str(out),
+        "--format",
+        "json",
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert [layer["name"] for layer in doc["layers"]] == ["1", "4"]
-    assert {"name": "9", "reason": "its buffers are not in the checkpoint: left out (no new keys are written)"} \
-        in doc["skipped"]
+    assert {"name": "9", "reason": "its buffers are not in the checkpoint: left out (no new keys are written)"} in doc[
+        "skipped"
+    ]
     assert set(load_file(str(out))) == set(partial)
 
 
@@ -642,9 +775,19 @@ def test_real_broken_model_recovers_its_healthy_accuracy(broken: str, tmp_path: 
     assert before < healthy - 0.3  # the broken statistics really cost accuracy
     out = tmp_path / "recalibrated.pt"
     # calibration split and validation split are disjoint (sample_models/generate.py)
-    result = run_cli(str(SAMPLES / broken), "--arch", f"{SAMPLES / 'digits_net.py'}:digits_net",
-                     "--data", str(SAMPLES / "data" / "digits_calib.safetensors"),
-                     "--eval-data", str(SAMPLES / "data" / "digits_val.safetensors"), "-o", str(out), "--format", "json")
+    result = run_cli(
+        str(SAMPLES / broken),
+        "--arch",
+        f"{SAMPLES / 'digits_net.py'}:digits_net",
+        "--data",
+        str(SAMPLES / "data" / "digits_calib.safetensors"),
+        "--eval-data",
+        str(SAMPLES / "data" / "digits_val.safetensors"),
+        "-o",
+        str(out),
+        "--format",
+        "json",
+    )
     assert result.exit_code == 0, result.output
     after = digits_accuracy(torch.load(out, weights_only=True), x, y)
     assert after >= healthy - 0.01  # within 4 of 400 validation images of the healthy twin
@@ -669,9 +812,27 @@ def test_inspect_trusts_the_provenance_of_recalibrated_layers_only(tmp_path: Pat
     save_file({k: v.contiguous() for k, v in immature.items()}, str(source))
     out = tmp_path / "out.safetensors"
     proc = subprocess.run(
-        [sys.executable, "-m", "bnaudit", "recalibrate", str(source), "--arch", f"{SAMPLES}/digits_net.py:digits_net",
-         "--data", f"{SAMPLES}/data/digits_calib.safetensors", "--exclude", "head.2", "-o", str(out), "-q"],
-        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        [
+            sys.executable,
+            "-m",
+            "bnaudit",
+            "recalibrate",
+            str(source),
+            "--arch",
+            f"{SAMPLES}/digits_net.py:digits_net",
+            "--data",
+            f"{SAMPLES}/data/digits_calib.safetensors",
+            "--exclude",
+            "head.2",
+            "-o",
+            str(out),
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr
     record = json.loads(read_checkpoint(str(out)).metadata["bnaudit"])
     assert record["recalibrated_layers"] == ["features.1", "features.4"] and record["batches"] == 5
@@ -682,8 +843,10 @@ def test_inspect_trusts_the_provenance_of_recalibrated_layers_only(tmp_path: Pat
     assert sorted(f.layer for f in before.findings if f.code == "BN003") == ["features.1", "features.4", "head.2"]
 
 
-@pytest.mark.parametrize("entry", ["not json", "[1, 2]", '{"recalibrated_layers": "features.1"}',
-                                   '{"recalibrated_layers": [1, null]}', "{" * 100000])
+@pytest.mark.parametrize(
+    "entry",
+    ["not json", "[1, 2]", '{"recalibrated_layers": "features.1"}', '{"recalibrated_layers": [1, null]}', "{" * 100000],
+)
 def test_forged_provenance_is_ignored(tmp_path: Path, entry: str) -> None:
     from safetensors.torch import save_file
 
@@ -706,12 +869,25 @@ def test_cli_keeps_imported_objects_out_of_gc_walks_only_while_it_runs(world: di
         "def run(model, x):\n"
         f"    with open({str(log)!r}, 'a') as f:\n"
         "        f.write(f'{gc.get_freeze_count()}\\n')\n"
-        "    return model(x)\n")
+        "    return model(x)\n"
+    )
     root = world["root"]
     assert gc.get_freeze_count() == 0
-    result = run_cli(str(root / "reset.safetensors"), "--arch", world["arch"], "--data", str(root / "calib.safetensors"),
-                     "--output", str(tmp_path / "out.safetensors"), "--batch-size", "50", "--format", "json",
-                     "--forward", f"{tmp_path / 'freeze_probe.py'}:run")
+    result = run_cli(
+        str(root / "reset.safetensors"),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(root / "calib.safetensors"),
+        "--output",
+        str(tmp_path / "out.safetensors"),
+        "--batch-size",
+        "50",
+        "--format",
+        "json",
+        "--forward",
+        f"{tmp_path / 'freeze_probe.py'}:run",
+    )
     assert result.exit_code == 0, result.output
     counts = [int(line) for line in log.read_text().split()]
     # one forward per batch (150 samples / 50): torch and everything imported were frozen

@@ -5,6 +5,7 @@ the emitter renders each report kind in its formats, torch-free.
 cell (half the start-up budget on a ResNet-50). The reference here is rich.Table, set up
 as `output.table` sets it up when the grid declines, rendered by the same console.
 """
+
 from __future__ import annotations
 
 import io
@@ -18,9 +19,15 @@ from rich.text import Text
 from bnaudit.output import grid as report
 
 NAMES = [
-    "bn", "layer1.0.bn1", "x" * 23, "y" * 24, "z" * 25,
+    "bn",
+    "layer1.0.bn1",
+    "x" * 23,
+    "y" * 24,
+    "z" * 25,
     "encoder.blocks.12.attention.output.norm_layer_with_a_long_name",
-    "a name with spaces that wraps at words", "日本語のレイヤー名.bn", "\\x1b[31m (escaped)",
+    "a name with spaces that wraps at words",
+    "日本語のレイヤー名.bn",
+    "\\x1b[31m (escaped)",
 ]
 STATUSES = ["ok", "error", "warning", "info"]
 
@@ -37,16 +44,32 @@ def rich_table(headers: list[str], rows: list[list[str]], min_first: int) -> Tab
 
 
 def console(width: int, terminal: bool) -> Console:
-    return Console(file=io.StringIO(), width=width, force_terminal=terminal,
-                   color_system="truecolor" if terminal else None, highlight=False, markup=False, emoji=False)
+    return Console(
+        file=io.StringIO(),
+        width=width,
+        force_terminal=terminal,
+        color_system="truecolor" if terminal else None,
+        highlight=False,
+        markup=False,
+        emoji=False,
+    )
 
 
 def cases():
     headers = ["layer", "C", "var min / med / max", "near-eps", "max gain", "status"]
     for i, (width, terminal) in enumerate(itertools.product((40, 61, 80, 97, 120, 200), (False, True))):
         names = [NAMES[(i + k) % len(NAMES)] for k in range(4)]
-        rows = [[name, str(2 ** (k + 3)), f"{0.01 * (k + 1):.3g} / 1 / {k + 2}", str(k), f"{316.2 / (k + 1):.3g}",
-                 STATUSES[(i + k) % 4]] for k, name in enumerate(names)]
+        rows = [
+            [
+                name,
+                str(2 ** (k + 3)),
+                f"{0.01 * (k + 1):.3g} / 1 / {k + 2}",
+                str(k),
+                f"{316.2 / (k + 1):.3g}",
+                STATUSES[(i + k) % 4],
+            ]
+            for k, name in enumerate(names)
+        ]
         yield width, terminal, headers, rows
 
 
@@ -67,8 +90,10 @@ def test_grid_output_equals_rich_tables(width, terminal, headers, rows):
 
 
 def test_most_cases_take_the_grid_and_names_fold_in_it():
-    taken = [report.layout_grid(h, r, console(w, t), min(max(len(x[0]) for x in r), 24)) is not None
-             for w, t, h, r in cases()]
+    taken = [
+        report.layout_grid(h, r, console(w, t), min(max(len(x[0]) for x in r), 24)) is not None
+        for w, t, h, r in cases()
+    ]
     assert sum(taken) >= len(taken) // 2
     rows = [["encoder.blocks.12.attention.output.norm_layer_with_a_long_name", "8", "1", "ok"]]
     grid = report.layout_grid(["layer", "C", "var", "status"], rows, console(45, False), 24)
@@ -103,9 +128,14 @@ def test_emit_renders_an_inspect_report_in_each_format_without_the_runtime():
 
     from conftest import REPO, SAMPLES
 
-    proc = subprocess.run([sys.executable, "-c", EMIT_PROBE, os.path.join(SAMPLES, "healthy.safetensors")],
-                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", EMIT_PROBE, os.path.join(SAMPLES, "healthy.safetensors")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     printed = json.loads(proc.stdout)
     assert printed["loaded"] == []
@@ -123,8 +153,9 @@ class _Kind:
         self.kind = kind
 
 
-@pytest.mark.parametrize("kind,fmt", [("gap", "sarif"), ("recalibrate", "sarif"), ("diff", "table"),
-                                      ("inspect", "html")])
+@pytest.mark.parametrize(
+    "kind,fmt", [("gap", "sarif"), ("recalibrate", "sarif"), ("diff", "table"), ("inspect", "html")]
+)
 def test_emit_refuses_a_format_the_report_kind_does_not_have(kind, fmt):
     from bnaudit import output
 

@@ -1,4 +1,5 @@
 """Each rule: fires, stays quiet, and each of its guards; numbers against hand arithmetic."""
+
 from __future__ import annotations
 
 import math
@@ -25,10 +26,18 @@ def codes(found):
 
 def test_registry_has_the_documented_codes_and_names():
     assert {c: r.name for c, r in RULES.items()} == {
-        "BN001": "missing-buffers", "BN002": "initial-values", "BN003": "immature-stats",
-        "BN004": "near-eps-variance", "BN005": "invalid-values", "BN006": "batch-dependent-eval",
-        "BN007": "stats-update-config", "BN008": "low-precision-buffers",
-        "BN009": "counter-zero", "BN010": "uneven-counters", "BN011": "load-mismatch"}
+        "BN001": "missing-buffers",
+        "BN002": "initial-values",
+        "BN003": "immature-stats",
+        "BN004": "near-eps-variance",
+        "BN005": "invalid-values",
+        "BN006": "batch-dependent-eval",
+        "BN007": "stats-update-config",
+        "BN008": "low-precision-buffers",
+        "BN009": "counter-zero",
+        "BN010": "uneven-counters",
+        "BN011": "load-mismatch",
+    }
 
 
 def test_healthy_layers_give_no_findings(tmp_path):
@@ -67,7 +76,9 @@ def test_bn002_error_for_identity_statistics_with_trained_weights(tmp_path):
 
 
 def test_bn002_says_untrained_when_weights_are_initial_too(tmp_path):
-    state = bn_entries("a", 4, mean=torch.zeros(4), var=torch.ones(4), weight=torch.ones(4), bias=torch.zeros(4), counter=0)
+    state = bn_entries(
+        "a", 4, mean=torch.zeros(4), var=torch.ones(4), weight=torch.ones(4), bias=torch.zeros(4), counter=0
+    )
     (f,) = findings(tmp_path, state)
     assert f.code == "BN002" and f.severity == "error" and "untrained" in f.message
 
@@ -80,14 +91,19 @@ def test_bn002_quiet_when_one_channel_differs_by_one_ulp(tmp_path):
 
 
 def test_bn002_folded_frozen_bn_is_info(tmp_path):
-    state = {**bn_entries("a", 4, mean=torch.zeros(4), var=torch.ones(4), counter=None),
-             **bn_entries("b", 4, mean=torch.zeros(4), var=torch.ones(4), counter=None)}
+    state = {
+        **bn_entries("a", 4, mean=torch.zeros(4), var=torch.ones(4), counter=None),
+        **bn_entries("b", 4, mean=torch.zeros(4), var=torch.ones(4), counter=None),
+    }
     (f,) = findings(tmp_path, state)
     assert (f.code, f.severity, f.layer) == ("BN002", "info", None) and "folded" in f.message
 
 
 def test_bn002_not_folded_when_one_layer_has_real_statistics(tmp_path):
-    state = {**bn_entries("a", 4, mean=torch.zeros(4), var=torch.ones(4), counter=None), **bn_entries("b", 4, counter=None)}
+    state = {
+        **bn_entries("a", 4, mean=torch.zeros(4), var=torch.ones(4), counter=None),
+        **bn_entries("b", 4, counter=None),
+    }
     assert codes(findings(tmp_path, state)) == [("BN002", "error", "a")]
 
 
@@ -96,7 +112,7 @@ def test_bn002_not_folded_when_one_layer_has_real_statistics(tmp_path):
 
 @pytest.mark.parametrize("t", [1, 3, 10, 28, 29, 100])
 def test_bn003_fires_iff_initial_weight_above_5_percent(tmp_path, t):
-    weight = 0.9 ** t  # hand arithmetic: 0.9^28 = 5.23%, 0.9^29 = 4.71%
+    weight = 0.9**t  # hand arithmetic: 0.9^28 = 5.23%, 0.9^29 = 4.71%
     found = [f for f in findings(tmp_path, bn_entries("a", 4, counter=t)) if f.code == "BN003"]
     if weight > 0.05:
         (f,) = found
@@ -116,7 +132,7 @@ def test_bn003_threshold_and_momentum_are_configurable(tmp_path):
     assert findings(tmp_path, state) == []
     # momentum 0.01 (a Keras port): 0.99^100 = 36.6%
     (f,) = findings(tmp_path, state, Config(momentum=0.01))
-    assert f"{0.99 ** 100 * 100:.1f}%" == "36.6%" and "36.6%" in f.message
+    assert f"{0.99**100 * 100:.1f}%" == "36.6%" and "36.6%" in f.message
     assert findings(tmp_path, bn_entries("a", 4, counter=3), Config(max_init_weight=0.8)) == []
 
 
@@ -173,8 +189,11 @@ def test_bn004_thresholds_follow_eps_and_config(tmp_path):
 
 
 def test_bn004_without_affine_uses_gamma_one(tmp_path):
-    state = {"a.running_mean": torch.zeros(2) + 0.3, "a.running_var": torch.tensor([0.0, 1.0]),
-             "a.num_batches_tracked": torch.tensor(50)}
+    state = {
+        "a.running_mean": torch.zeros(2) + 0.3,
+        "a.running_var": torch.tensor([0.0, 1.0]),
+        "a.num_batches_tracked": torch.tensor(50),
+    }
     (f,) = findings(tmp_path, state)
     assert f.code == "BN004" and "316.2" in f.message
 
@@ -204,7 +223,9 @@ def test_bn005_nan_in_weight(tmp_path):
 # BN008 / BN009 / BN010 --------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,fires", [(torch.float16, True), (torch.bfloat16, True), (torch.float32, False), (torch.float64, False)])
+@pytest.mark.parametrize(
+    "dtype,fires", [(torch.float16, True), (torch.bfloat16, True), (torch.float32, False), (torch.float64, False)]
+)
 def test_bn008_low_precision(tmp_path, dtype, fires):
     path = save_safetensors(bn_entries("a", 4, dtype=dtype), tmp_path / "m.safetensors")
     found = [f for f in inspect(path).files[0].findings if f.code == "BN008"]
@@ -217,8 +238,11 @@ def test_bn009_counter_zero_with_real_statistics_is_info(tmp_path):
 
 
 def test_bn010_uneven_counters_name_the_groups(tmp_path):
-    state = {**bn_entries("backbone.layer1.bn", 4, counter=5000), **bn_entries("backbone.layer2.bn", 4, counter=5000),
-             **bn_entries("head.bn", 4, counter=800)}
+    state = {
+        **bn_entries("backbone.layer1.bn", 4, counter=5000),
+        **bn_entries("backbone.layer2.bn", 4, counter=5000),
+        **bn_entries("head.bn", 4, counter=800),
+    }
     (f,) = findings(tmp_path, state)
     assert (f.code, f.severity, f.layer) == ("BN010", "info", None)
     assert "5000 in 2 layer(s) (backbone.*)" in f.message and "800 in 1 layer(s) (head.*)" in f.message
@@ -233,7 +257,10 @@ def test_bn010_quiet_for_equal_counters_and_missing_counters(tmp_path):
 
 
 def test_select_ignore_and_per_layer_ignores_filter_findings(tmp_path):
-    state = {**bn_entries("backbone.bn", 4, counter=3), **bn_entries("head.bn", 4, counter=3, var=torch.tensor([0.0, 1, 1, 1]))}
+    state = {
+        **bn_entries("backbone.bn", 4, counter=3),
+        **bn_entries("head.bn", 4, counter=3, var=torch.tensor([0.0, 1, 1, 1])),
+    }
     all_codes = codes(findings(tmp_path, state))
     assert ("BN003", "warning", "backbone.bn") in all_codes and ("BN004", "warning", "head.bn") in all_codes
     assert {c for c, _, _ in codes(findings(tmp_path, state, Config(select=("BN004",))))} == {"BN004"}

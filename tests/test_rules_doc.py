@@ -1,5 +1,6 @@
 """Rule documentation: `bnaudit rules`, `bnaudit rules CODE` and the README's rule and
 configuration tables all come from rules.RULES and config.KEYS and cannot drift."""
+
 from __future__ import annotations
 
 import os
@@ -101,8 +102,10 @@ def test_unknown_rule_is_one_line_and_exit_2(cli):
 
 
 def test_rules_command_does_not_import_torch():
-    code = ("import sys\nfrom bnaudit.cli import main\nsys.argv = ['bnaudit', 'rules', 'BN003']\n"
-            "try:\n    main()\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)")
+    code = (
+        "import sys\nfrom bnaudit.cli import main\nsys.argv = ['bnaudit', 'rules', 'BN003']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "False"

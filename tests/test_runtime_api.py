@@ -1,5 +1,6 @@
 """The runtime's public functions: the project configuration reaches every finding they
 report, and recalibrate_checkpoint's SIGTERM handler lives exactly as long as the call."""
+
 from __future__ import annotations
 
 import json
@@ -34,13 +35,13 @@ def ignores_bn002(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_recalibrate_eval_reports_follow_the_config_given(ignores_bn002: Path) -> None:
     options = bnaudit.DataOptions(path=CALIB, num_samples=64, batch_size=32)
     held_out = bnaudit.DataOptions(path=VAL, num_samples=64, batch_size=32)
-    plain = bnaudit.recalibrate_checkpoint(RESET, str(ignores_bn002 / "a.pt"), options, arch=ARCH,
-                                           eval_data=held_out)
+    plain = bnaudit.recalibrate_checkpoint(RESET, str(ignores_bn002 / "a.pt"), options, arch=ARCH, eval_data=held_out)
     assert "BN002" in codes(plain.eval_before)  # the control: the checkpoint really has reset statistics
     config = load_config(rule_codes=RULES)
     assert "BN002" in config.ignore
-    configured = bnaudit.recalibrate_checkpoint(RESET, str(ignores_bn002 / "b.pt"), options, arch=ARCH,
-                                                eval_data=held_out, config=config)
+    configured = bnaudit.recalibrate_checkpoint(
+        RESET, str(ignores_bn002 / "b.pt"), options, arch=ARCH, eval_data=held_out, config=config
+    )
     assert "BN002" not in codes(configured.eval_before) | codes(configured.eval_after)
     # the rest of the findings are the same: only the ignored code is gone
     assert codes(configured.eval_before) == codes(plain.eval_before) - {"BN002"}
@@ -55,8 +56,9 @@ def test_cli_recalibrate_eval_findings_follow_bnaudit_toml_as_gap_does(ignores_b
     gap = CliRunner().invoke(app, ["gap", RESET, "--data", VAL, *common])
     assert gap.exit_code == 0, gap.output
     assert "BN002" not in {f["code"] for f in json.loads(gap.stdout)["findings"]}
-    recal = CliRunner().invoke(app, ["recalibrate", RESET, "--data", CALIB, "--eval-data", VAL,
-                                     "-o", str(ignores_bn002 / "out.pt"), *common])
+    recal = CliRunner().invoke(
+        app, ["recalibrate", RESET, "--data", CALIB, "--eval-data", VAL, "-o", str(ignores_bn002 / "out.pt"), *common]
+    )
     assert recal.exit_code == 0, recal.output
     evaluation = json.loads(recal.stdout)["eval"]
     for side in ("before", "after"):
@@ -75,7 +77,8 @@ def sigterm_sentinel():
 
 
 def test_recalibrate_checkpoint_turns_sigterm_into_keyboardinterrupt_while_it_runs_only(
-        sigterm_sentinel, tmp_path: Path) -> None:
+    sigterm_sentinel, tmp_path: Path
+) -> None:
     during = []
 
     def progress(_done: int, _total: int) -> None:
@@ -110,8 +113,25 @@ def test_cli_recalibrate_leaves_the_callers_sigterm_handler_in_place(sigterm_sen
 
     from bnaudit.cli import app
 
-    result = CliRunner().invoke(app, ["recalibrate", RESET, "--arch", ARCH, "--data", CALIB, "--num-samples", "64",
-                                      "--batch-size", "32", "-o", str(tmp_path / "out.pt"), "--format", "json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "recalibrate",
+            RESET,
+            "--arch",
+            ARCH,
+            "--data",
+            CALIB,
+            "--num-samples",
+            "64",
+            "--batch-size",
+            "32",
+            "-o",
+            str(tmp_path / "out.pt"),
+            "--format",
+            "json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert signal.getsignal(signal.SIGTERM) is sigterm_sentinel
 

@@ -5,6 +5,7 @@ locations, fingerprints), with paths relative to the current directory.
 tests/data/sarif-schema-2.1.0.json is the OASIS schema, errata01 (oasis-tcs/sarif-spec,
 Schemata/sarif-schema-2.1.0.json), committed so the test needs no network.
 """
+
 from __future__ import annotations
 
 import copy
@@ -42,9 +43,14 @@ def workspace(tmp_path, monkeypatch):
     models = tmp_path / "models"
     models.mkdir()
     var = torch.tensor([0.0, 1.0, 1.0])
-    save_torch({**bn_entries("a.bn", 3, var=var, weight=torch.ones(3), counter=100),
-                **bn_entries("b.bn", 3, var=var, weight=torch.ones(3), counter=100),
-                **bn_entries("c.bn", 3, counter=1000)}, models / "two bad.pt")
+    save_torch(
+        {
+            **bn_entries("a.bn", 3, var=var, weight=torch.ones(3), counter=100),
+            **bn_entries("b.bn", 3, var=var, weight=torch.ones(3), counter=100),
+            **bn_entries("c.bn", 3, counter=1000),
+        },
+        models / "two bad.pt",
+    )
     save_safetensors(bn_entries("bn", 4, counter=1000), models / "good.safetensors")
     (models / "junk.pt").write_bytes(b"not a checkpoint")
     monkeypatch.chdir(tmp_path)
@@ -102,7 +108,9 @@ def test_driver_describes_bnaudit_and_every_rule(workspace):
         assert descriptor["name"] == rule.name
         assert descriptor["shortDescription"]["text"] == rule.summary
         assert descriptor["fullDescription"]["text"] == rule.explanation
-        assert rule.fix.split()[0] in descriptor["help"]["text"] and "How to silence it" in descriptor["help"]["markdown"]
+        assert (
+            rule.fix.split()[0] in descriptor["help"]["text"] and "How to silence it" in descriptor["help"]["markdown"]
+        )
         first = rule.severity.split("/")[0].strip()  # the rules list their worst severity first
         assert descriptor["defaultConfiguration"]["level"] == levels[first]
     by_id = {r["id"]: r for r in driver["rules"]}
@@ -114,12 +122,19 @@ def test_driver_describes_bnaudit_and_every_rule(workspace):
 def test_results_carry_rule_level_message_and_locations(workspace):
     run = sarif_of("models")["runs"][0]
     results = run["results"]
-    assert [(r["ruleId"], r["level"]) for r in results] == [("BN004", "warning"), ("BN004", "warning"), ("BN010", "note")]
+    assert [(r["ruleId"], r["level"]) for r in results] == [
+        ("BN004", "warning"),
+        ("BN004", "warning"),
+        ("BN010", "note"),
+    ]
     rule_ids = [r["id"] for r in run["tool"]["driver"]["rules"]]
     assert all(rule_ids[r["ruleIndex"]] == r["ruleId"] for r in results)
     for result in results:
         (location,) = result["locations"]
-        assert location["physicalLocation"]["artifactLocation"] == {"uri": "models/two%20bad.pt", "uriBaseId": "%SRCROOT%"}
+        assert location["physicalLocation"]["artifactLocation"] == {
+            "uri": "models/two%20bad.pt",
+            "uriBaseId": "%SRCROOT%",
+        }
         assert "region" not in location["physicalLocation"]  # a binary file has no lines
     a, b, counters = results
     assert a["locations"][0]["logicalLocations"] == [{"name": "a.bn", "fullyQualifiedName": "a.bn", "kind": "module"}]
@@ -130,7 +145,9 @@ def test_results_carry_rule_level_message_and_locations(workspace):
     assert counters["message"]["text"].startswith("num_batches_tracked differs between layers")
     fingerprints = [r["partialFingerprints"]["bnauditFinding/v1"] for r in results]
     assert len(set(fingerprints)) == 3  # same rule, same file, different layers: distinct alerts
-    assert fingerprints == [r["partialFingerprints"]["bnauditFinding/v1"] for r in sarif_of("models")["runs"][0]["results"]]
+    assert fingerprints == [
+        r["partialFingerprints"]["bnauditFinding/v1"] for r in sarif_of("models")["runs"][0]["results"]
+    ]
     assert run["originalUriBaseIds"]["%SRCROOT%"]["uri"] == workspace.as_uri() + "/"
 
 

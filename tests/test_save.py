@@ -1,4 +1,5 @@
 """save_like: same format and container out, only the BN statistics changed, written atomically."""
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,7 @@ def raw(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def state_dict(prefix: str = "") -> "OrderedDict[str, torch.Tensor]":
+def state_dict(prefix: str = "") -> OrderedDict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     sd = OrderedDict()
     sd[prefix + "conv.weight"] = torch.randn(4, 2, 3, 3, generator=g)
@@ -81,7 +82,7 @@ def test_safetensors_out_changes_only_the_updated_bytes_and_keeps_metadata(tmp_p
     def sections(path: Path) -> tuple[dict, bytes]:
         data = path.read_bytes()
         n = int.from_bytes(data[:8], "little")
-        return json.loads(data[8:8 + n]), data[8 + n:]
+        return json.loads(data[8 : 8 + n]), data[8 + n :]
 
     header_in, data_in = sections(src)
     header_out, data_out = sections(out)
@@ -91,8 +92,9 @@ def test_safetensors_out_changes_only_the_updated_bytes_and_keeps_metadata(tmp_p
         begin, end = header_in[full]["data_offsets"]
         expected[begin:end] = raw(value.to(sd[full].dtype))
     assert data_out == bytes(expected)
-    assert {k: v for k, v in header_out.items() if k != "__metadata__"} == \
-        {k: v for k, v in header_in.items() if k != "__metadata__"}
+    assert {k: v for k, v in header_out.items() if k != "__metadata__"} == {
+        k: v for k, v in header_in.items() if k != "__metadata__"
+    }
 
     loaded = load_file(str(out))
     assert list(loaded) == list(load_file(str(src)))
@@ -112,9 +114,17 @@ def test_safetensors_out_changes_only_the_updated_bytes_and_keeps_metadata(tmp_p
 def test_container_keeps_every_other_key_and_only_the_chosen_state_dict_changes(tmp_path: Path) -> None:
     src, out = tmp_path / "ckpt.pth", tmp_path / "out.pth"
     model_sd, ema_sd = state_dict("module."), state_dict("module.")
-    optimizer = {"state": {0: {"momentum_buffer": torch.randn(4, 2, 3, 3)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
-    container = {"model": model_sd, "model_ema": ema_sd, "optimizer": optimizer, "epoch": 3,
-                 "args": argparse.Namespace(lr=0.1, arch="net")}
+    optimizer = {
+        "state": {0: {"momentum_buffer": torch.randn(4, 2, 3, 3)}},
+        "param_groups": [{"lr": 0.1, "params": [0]}],
+    }
+    container = {
+        "model": model_sd,
+        "model_ema": ema_sd,
+        "optimizer": optimizer,
+        "epoch": 3,
+        "args": argparse.Namespace(lr=0.1, arch="net"),
+    }
     torch.save(container, src)
     digest = sha(src)
     ckpt = read_checkpoint(str(src))
@@ -192,8 +202,15 @@ def test_torchscript_in_gives_torchscript_out_with_extra_files(tmp_path: Path) -
     torch.jit.save(torch.jit.script(model), str(src), _extra_files={"notes.txt": b"keep me"})
     ckpt = read_checkpoint(str(src))
     assert ckpt.format == "torchscript"
-    save_like(ckpt, {"1.running_mean": torch.ones(4), "1.running_var": torch.full((4,), 4.0),
-                     "1.num_batches_tracked": torch.tensor(9)}, str(out))
+    save_like(
+        ckpt,
+        {
+            "1.running_mean": torch.ones(4),
+            "1.running_var": torch.full((4,), 4.0),
+            "1.num_batches_tracked": torch.tensor(9),
+        },
+        str(out),
+    )
     assert sniff_format(str(out)) == "torchscript"
     extra = {"notes.txt": b""}
     loaded = torch.jit.load(str(out), _extra_files=extra)
@@ -217,12 +234,18 @@ def test_non_finite_statistics_are_refused_naming_the_layer(tmp_path: Path) -> N
     src = tmp_path / "in.safetensors"
     save_file(state_dict(), str(src))
     with pytest.raises(BnauditError, match="layer bn: refusing to write a non-finite running_var"):
-        save_like(read_checkpoint(str(src)), {"bn.running_var": torch.tensor([1.0, float("nan"), 1.0, 1.0])},
-                  str(tmp_path / "out.safetensors"))
+        save_like(
+            read_checkpoint(str(src)),
+            {"bn.running_var": torch.tensor([1.0, float("nan"), 1.0, 1.0])},
+            str(tmp_path / "out.safetensors"),
+        )
     with pytest.raises(BnauditError, match="layer bn2: refusing to write a non-finite running_var"):
         # finite in float64, infinite once cast to the stored bfloat16
-        save_like(read_checkpoint(str(src)), {"bn2.running_var": torch.tensor([1e39, 1.0, 1.0], dtype=torch.float64)},
-                  str(tmp_path / "out.safetensors"))
+        save_like(
+            read_checkpoint(str(src)),
+            {"bn2.running_var": torch.tensor([1e39, 1.0, 1.0], dtype=torch.float64)},
+            str(tmp_path / "out.safetensors"),
+        )
     assert sorted(os.listdir(tmp_path)) == ["in.safetensors"]
 
 

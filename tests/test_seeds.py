@@ -1,4 +1,5 @@
 """The seeds' hand arithmetic, reproduced with real BatchNorm layers and through bnaudit."""
+
 from __future__ import annotations
 
 import math
@@ -39,7 +40,7 @@ def test_two_batch_checkpoint_is_reported_with_initial_weight_81_percent(tmp_pat
     assert layer.var_median == pytest.approx(1.19, abs=1e-6)
     assert layer.num_batches_tracked == 2
     (finding,) = [f for f in file.findings if f.code == "BN003"]
-    assert f"{0.9 ** 2 * 100:.1f}%" == "81.0%"
+    assert f"{0.9**2 * 100:.1f}%" == "81.0%"
     assert "81.0%" in finding.message
 
 

@@ -5,6 +5,7 @@ pre-commit hooks on every commit: they must not import torch (seconds) nor, thro
 typer's option conversion, pydantic, nor numpy (its import alone costs half of the start-up budget). Each command runs in a fresh interpreter that
 reports afterwards which modules it loaded; the wall time is judged by benchmarks/run.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,15 @@ def fast_path_env(**extra: str) -> dict[str, str]:
 
 def run_probe(*args: str, stdout: list[str] | None = None) -> tuple[int, dict[str, bool]]:
     env = fast_path_env()
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(list(args))],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(list(args))],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+        check=False,
+    )
     line = next(x for x in proc.stderr.splitlines() if x.startswith("PROBE"))
     report = json.loads(line.removeprefix("PROBE"))
     if stdout is not None:
@@ -59,12 +67,16 @@ def run_probe(*args: str, stdout: list[str] | None = None) -> tuple[int, dict[st
 def numpy_safetensors(tmp_path) -> str:
     """A healthy BN layer written with safetensors' numpy API (no torch involved)."""
     path = str(tmp_path / "model.safetensors")
-    save_file({
-        "bn.weight": np.ones(4, np.float32), "bn.bias": np.zeros(4, np.float32),
-        "bn.running_mean": np.array([0.1, -0.2, 0.3, 0.0], np.float32),
-        "bn.running_var": np.array([0.5, 1.5, 2.0, 0.8], np.float32),
-        "bn.num_batches_tracked": np.array(5000, np.int64),
-    }, path)
+    save_file(
+        {
+            "bn.weight": np.ones(4, np.float32),
+            "bn.bias": np.zeros(4, np.float32),
+            "bn.running_mean": np.array([0.1, -0.2, 0.3, 0.0], np.float32),
+            "bn.running_var": np.array([0.5, 1.5, 2.0, 0.8], np.float32),
+            "bn.num_batches_tracked": np.array(5000, np.int64),
+        },
+        path,
+    )
     return path
 
 
@@ -130,10 +142,13 @@ def test_enum_option_value_selects_the_member(cli, numpy_safetensors):
     assert json.loads(result.output)["config"]["fail-on"] == "info"
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--eps", "abc"), "Invalid value for '--eps': Input should be a valid number"),
-    (("--format", "JSON"), "'JSON' is not one of 'table', 'json'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--eps", "abc"), "Invalid value for '--eps': Input should be a valid number"),
+        (("--format", "JSON"), "'JSON' is not one of 'table', 'json'"),
+    ],
+)
 def test_values_the_fast_path_declines_get_typers_own_error(cli, numpy_safetensors, args, message, monkeypatch):
     result = cli("inspect", numpy_safetensors, *args)
     assert result.exit_code == 2
@@ -151,10 +166,18 @@ def test_values_the_fast_path_declines_get_typers_own_error(cli, numpy_safetenso
 
 def test_layer_names_that_look_like_markup_are_printed_verbatim(cli, tmp_path):
     path = str(tmp_path / "odd.safetensors")
-    save_file({f"{p}.{leaf}": value for p in ("bn[/x]", "head[bold]:smile:")
-               for leaf, value in (("running_mean", np.zeros(2, np.float32) + 0.3),
-                                   ("running_var", np.ones(2, np.float32) * 0.6),
-                                   ("num_batches_tracked", np.array(9000, np.int64)))}, path)
+    save_file(
+        {
+            f"{p}.{leaf}": value
+            for p in ("bn[/x]", "head[bold]:smile:")
+            for leaf, value in (
+                ("running_mean", np.zeros(2, np.float32) + 0.3),
+                ("running_var", np.ones(2, np.float32) * 0.6),
+                ("num_batches_tracked", np.array(9000, np.int64)),
+            )
+        },
+        path,
+    )
     result = cli("inspect", path, width=160)
     assert result.exit_code == 0, result.output
     assert "bn[/x]" in result.output and "head[bold]:smile:" in result.output
@@ -163,15 +186,35 @@ def test_layer_names_that_look_like_markup_are_printed_verbatim(cli, tmp_path):
 # --- `main` builds only the command it runs; typer's whole group answers the same ------
 
 
-@pytest.mark.parametrize("args", [
-    ("inspect", "{st}", "--format", "json"), ("inspect", "{st}", "--bogus"), ("inspect",), ("inspect", "--help"),
-    ("rules", "BN004"), ("gap", "--help"), ("recalibrate", "{st}"), ("inspekt", "{st}"), ("--version",),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("inspect", "{st}", "--format", "json"),
+        ("inspect", "{st}", "--bogus"),
+        ("inspect",),
+        ("inspect", "--help"),
+        ("rules", "BN004"),
+        ("gap", "--help"),
+        ("recalibrate", "{st}"),
+        ("inspekt", "{st}"),
+        ("--version",),
+    ],
+)
 def test_main_answers_as_the_whole_typer_group(numpy_safetensors, args):
     args = [a.format(st=numpy_safetensors) for a in args]
     env = fast_path_env(COLUMNS="100")
     whole = "import sys; from bnaudit.cli import app; sys.argv[0] = 'bnaudit'; app(prog_name='bnaudit')"
-    runs = [subprocess.run([sys.executable, *launch, *args], capture_output=True, text=True, cwd=REPO, env=env,
-                           timeout=120, check=False) for launch in (["-m", "bnaudit"], ["-c", whole])]
+    runs = [
+        subprocess.run(
+            [sys.executable, *launch, *args],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+            timeout=120,
+            check=False,
+        )
+        for launch in (["-m", "bnaudit"], ["-c", whole])
+    ]
     assert (runs[0].returncode, runs[0].stdout, runs[0].stderr) == (runs[1].returncode, runs[1].stdout, runs[1].stderr)
     assert runs[0].stdout or runs[0].stderr

@@ -8,6 +8,7 @@ files changed; review them with `git diff tests/golden/`. The tables are drawn b
 rich release that changes how tables are drawn changes the files too (rich is pinned with
 a lower bound in pyproject.toml; regenerate with the version the suite is meant to pass on).
 """
+
 from __future__ import annotations
 
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from test_golden import CASES, GOLDEN, render  # noqa: E402  (after the path above)
+from test_golden import CASES, GOLDEN, render
 
 
 def main(names: list[str]) -> int:

@@ -6,6 +6,7 @@
 A block sits between `<!-- begin NAME ... -->` and `<!-- end NAME -->`; its content comes
 from bnaudit.docs (rules.RULES and config.KEYS), the source `bnaudit rules` prints too.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -4,6 +4,7 @@ A directory expands to every file under it whose name ends in a checkpoint suffi
 a file named explicitly is read whatever its name. One unreadable file becomes a
 FileReport with `error` set; the others are still audited.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,7 @@ def _expand_paths(paths: Iterable[str], config: Config | None = None) -> list[st
             found: list[str] = []
             # A folder that cannot be listed is kept as an entry of its own, so it is
             # reported (as unreadable) instead of silently contributing nothing.
-            for root, dirs, files in os.walk(path, onerror=lambda err: found.append(err.filename)):
+            for root, dirs, files in os.walk(path, onerror=lambda err, into=found: into.append(err.filename)):
                 dirs.sort()
                 found += [os.path.join(root, f) for f in sorted(files) if f.lower().endswith(CHECKPOINT_SUFFIXES)]
             if not found:
@@ -43,16 +44,19 @@ def _expand_paths(paths: Iterable[str], config: Config | None = None) -> list[st
 def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | None = None) -> FileReport:
     """Audit an opened checkpoint; `module` (when the model is known) makes BN001 exact and
     enables the module-only rules. Raises BnauditError for unreadable tensors."""
-    discovery = discover_layers(ckpt, eps=config.eps, momentum=config.momentum,
-                                momentum_given=config.momentum is not None)
+    discovery = discover_layers(
+        ckpt, eps=config.eps, momentum=config.momentum, momentum_given=config.momentum is not None
+    )
     record = recalibration_record(ckpt.metadata)
     names = record.get("recalibrated_layers") if record else None
     recalibrated = frozenset(n for n in names if isinstance(n, str)) if isinstance(names, list) else frozenset()
     findings = run_rules(RuleContext(discovery, config, is_ema=ckpt.is_ema, module=module, recalibrated=recalibrated))
     report = FileReport(ckpt.path)
     if record is not None and recalibrated:
-        report.provenance = (f"statistics of {len(recalibrated)} layer(s) re-estimated by bnaudit recalibrate "
-                             f"(method {record.get('method')}, {record.get('samples')} samples, {record.get('date')})")
+        report.provenance = (
+            f"statistics of {len(recalibrated)} layer(s) re-estimated by bnaudit recalibrate "
+            f"(method {record.get('method')}, {record.get('samples')} samples, {record.get('date')})"
+        )
     report.format, report.key, report.other_keys = ckpt.format, ckpt.key, ckpt.other_keys
     report.prefix, report.is_ema = ckpt.prefix, ckpt.is_ema
     report.layers = [LayerSummary.of(layer, config.near_eps_factor) for layer in discovery.layers]
@@ -61,13 +65,18 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
         eps = config.eps if config.eps is not None else DEFAULT_EPS
         momentum = config.momentum if config.momentum is not None else DEFAULT_MOMENTUM
         given = "given" if config.eps is not None or config.momentum is not None else "assumed"
-        report.settings = (f"eps {eps:g} and momentum {momentum:g} {given}: a state dict does not store them "
-                           "(set --eps/--momentum)")
+        report.settings = (
+            f"eps {eps:g} and momentum {momentum:g} {given}: a state dict does not store them (set --eps/--momentum)"
+        )
     return report
 
 
 def audit_file(
-    path: str, config: Config, key: str | None = None, trust_pickle: bool = False, model: Any = None,
+    path: str,
+    config: Config,
+    key: str | None = None,
+    trust_pickle: bool = False,
+    model: Any = None,
     debug: bool = False,
 ) -> FileReport:
     """Audit one checkpoint; a user-caused problem becomes `FileReport.error`.
@@ -93,7 +102,9 @@ def audit_file(
     except Exception as exc:
         if debug:
             raise
-        return FileReport(path, error=f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)")
+        return FileReport(
+            path, error=f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)"
+        )
 
 
 def inspect(
@@ -130,6 +141,5 @@ def inspect(
         except BnauditError as exc:
             files.append(FileReport(path, error=str(exc).removeprefix(f"{path}: ")))
             continue
-        files += [audit_file(p, config, key=key, trust_pickle=trust_pickle, model=model, debug=debug)
-                  for p in expanded]
+        files += [audit_file(p, config, key=key, trust_pickle=trust_pickle, model=model, debug=debug) for p in expanded]
     return InspectReport(files, config)

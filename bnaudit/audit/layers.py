@@ -9,6 +9,7 @@ and tracked InstanceNorm alike. Groups that only look similar are skipped:
 statistics of different lengths (e3nn), float64 normalisers with a `count`
 sibling (RL observation normalisers), and BatchRenorm's `running_std`.
 """
+
 from __future__ import annotations
 
 import math
@@ -147,7 +148,9 @@ def _looks_like_bn_name(prefix: str) -> bool:
 
 
 def discover_layers(
-    ckpt: Checkpoint, eps: float | None = None, momentum: float | None = None,
+    ckpt: Checkpoint,
+    eps: float | None = None,
+    momentum: float | None = None,
     momentum_given: bool = False,
 ) -> Discovery:
     """BN layers of a checkpoint in file order, reading only their tensors.
@@ -184,7 +187,10 @@ def discover_layers(
         for prefix, group in groups.items():
             w, b = group.get("weight"), group.get("bias")
             if (
-                w is not None and b is not None and len(w.shape) == 1 and w.shape == b.shape
+                w is not None
+                and b is not None
+                and len(w.shape) == 1
+                and w.shape == b.shape
                 and _looks_like_bn_name(prefix)
             ):
                 suspected.append(prefix)
@@ -192,8 +198,12 @@ def discover_layers(
 
 
 def _make_layer(
-    prefix: str, group: dict[str, TensorRef], module: ModuleInfo | None,
-    eps: float | None, momentum: float | None, momentum_given: bool,
+    prefix: str,
+    group: dict[str, TensorRef],
+    module: ModuleInfo | None,
+    eps: float | None,
+    momentum: float | None,
+    momentum_given: bool,
 ) -> BNLayer:
     mean = _floats(group["running_mean"])
     var = _floats(group["running_var"])

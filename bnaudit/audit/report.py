@@ -6,6 +6,7 @@ table, JSON and SARIF cannot disagree. Statistics are summarised without NaNs;
 `InspectReport.exit_code` is 2 for an unreadable file, 1 for a finding at or above
 `fail_on`, else 0.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -5,6 +5,7 @@ tables are all built here from `rules.RULES` and `config.KEYS`, so none of them 
 say something the code does not do. `tools/update_readme.py` rewrites the README's
 generated blocks and `tests/test_rules_doc.py` fails when they drift.
 """
+
 from __future__ import annotations
 
 import re
@@ -97,8 +98,13 @@ def explain_rule(rule: Rule, markdown: bool = False) -> str:
         out.append(title)
         bullet = title == "How to silence it"
         for paragraph in paragraphs:
-            out += textwrap.wrap(paragraph, _WIDTH, initial_indent="  - " if bullet else "  ",
-                                 subsequent_indent="    " if bullet else "  ", break_on_hyphens=False)
+            out += textwrap.wrap(
+                paragraph,
+                _WIDTH,
+                initial_indent="  - " if bullet else "  ",
+                subsequent_indent="    " if bullet else "  ",
+                break_on_hyphens=False,
+            )
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 
@@ -135,5 +141,5 @@ def update_generated(text: str) -> str:
     """`text` with every generated block rewritten from the sources."""
     for name, build in GENERATED.items():
         body = build()
-        text = _block(name).sub(lambda m: m.group(1) + body + m.group(3), text)
+        text = _block(name).sub(lambda m, body=body: m.group(1) + body + m.group(3), text)
     return text

@@ -9,6 +9,7 @@ Definitions used by every rule (and printed by the report):
                  the initial values (mean 0, var 1) still hold in the running buffers.
   near-eps       running_var_c < near_eps_factor * eps.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -68,8 +69,7 @@ class Rule:
 RULES: dict[str, Rule] = {}
 
 
-def rule(code: str, name: str, severity: str, summary: str, explanation: str, fix: str,
-         settings: tuple[str, ...] = ()):
+def rule(code: str, name: str, severity: str, summary: str, explanation: str, fix: str, settings: tuple[str, ...] = ()):
     def register(check: Callable[[RuleContext], Iterable[Finding]]):
         RULES[code] = Rule(code, name, severity, summary, explanation, fix, check, settings)
         return check
@@ -89,7 +89,9 @@ def eval_gain(layer: BNLayer) -> list[float]:
     gamma = layer.weight if layer.weight is not None and len(layer.weight) == len(var) else [1.0] * len(var)
     if eps > 0 and _all_finite(var) and min(var, default=0.0) >= 0:  # every denominator > 0
         # map over builtins: the loop runs in C, 3x faster than a comprehension
-        return list(map(operator.truediv, map(abs, gamma), map(math.sqrt, map(operator.add, var, itertools.repeat(eps)))))
+        return list(
+            map(operator.truediv, map(abs, gamma), map(math.sqrt, map(operator.add, var, itertools.repeat(eps))))
+        )
     return [_gain(g, v, eps) for g, v in zip(gamma, var)]
 
 
@@ -142,7 +144,9 @@ def _fmt(x: float) -> str:
 
 
 @rule(
-    "BN001", "missing-buffers", "error / warning",
+    "BN001",
+    "missing-buffers",
+    "error / warning",
     "A layer lacks running_mean or running_var, or the file holds BN parameters without any buffers.",
     "Eval mode normalises with running_mean and running_var. A checkpoint saved without them "
     "(parameters only, a filtered state dict, `strict=False` on load) gives every BN layer the "
@@ -165,21 +169,24 @@ def _check_missing_buffers(ctx: RuleContext) -> Iterator[Finding]:
             absent = [s for s in ("running_mean", "running_var") if _join(name, s) in missing]
             if absent:
                 yield r.finding(
-                    "error", name,
+                    "error",
+                    name,
                     f"the model's {ctx.module.norms[name].class_name} has no {' or '.join(absent)} in the "
                     "checkpoint: loading leaves the initial 0/1 and eval mode normalises with them",
                 )
         return
     for group in ctx.discovery.incomplete:
         yield r.finding(
-            "error", group.name,
+            "error",
+            group.name,
             f"has {', '.join(group.present)} but no {' or '.join(group.missing)}",
         )
     suspected = ctx.discovery.suspected_without_buffers
     if suspected:
         shown = ", ".join(suspected[:5]) + (f" and {len(suspected) - 5} more" if len(suspected) > 5 else "")
         yield r.finding(
-            "warning", None,
+            "warning",
+            None,
             f"{len(suspected)} batch-norm-like parameter group(s) ({shown}) and no running "
             "statistics anywhere: parameters saved without buffers? (LayerNorm/GroupNorm named "
             "this way would be innocent)",
@@ -187,7 +194,9 @@ def _check_missing_buffers(ctx: RuleContext) -> Iterator[Finding]:
 
 
 @rule(
-    "BN002", "initial-values", "error",
+    "BN002",
+    "initial-values",
+    "error",
     "running_mean is exactly 0 and running_var exactly 1 in every channel: statistics lost, reset or never loaded.",
     "Training never leaves the statistics at exactly 0 and 1 in every channel, so these values mean the "
     "buffers were reset (`reset_running_stats()`), never loaded, or never updated. Eval mode then "
@@ -211,7 +220,8 @@ def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
     )
     if folded:
         yield r.finding(
-            "info", None,
+            "info",
+            None,
             f"all {len(layers)} layers have identity statistics, trained weights and no counter: "
             "statistics folded into weight/bias (FrozenBatchNorm, Caffe2/detectron2 style)",
         )
@@ -222,15 +232,19 @@ def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
         elif _has_initial_affine(layer):
             message = "layer looks untrained: statistics 0/1 and weight 1, bias 0 as initialised"
         else:
-            message = ("running_mean is 0 and running_var is 1 in every channel while weight/bias are "
-                       "trained: statistics lost, reset or never loaded")
+            message = (
+                "running_mean is 0 and running_var is 1 in every channel while weight/bias are "
+                "trained: statistics lost, reset or never loaded"
+            )
         if layer.num_batches_tracked:
             message += f" (num_batches_tracked = {layer.num_batches_tracked})"
         yield r.finding("error", layer.name, message)
 
 
 @rule(
-    "BN003", "immature-stats", "warning",
+    "BN003",
+    "immature-stats",
+    "warning",
     "After t = num_batches_tracked updates the initial values still weigh (1-momentum)^t above the threshold.",
     "The running buffers start at mean 0 and variance 1 and move by new = (1-m)*old + m*batch. After t "
     "updates the initial values keep the weight (1-m)^t: 0.9^3 = 72.9% after 3 updates at momentum "
@@ -255,21 +269,23 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
         if weight > ctx.config.max_init_weight:
             assumed = " (assumed)" if layer.settings_assumed else ""
             yield r.finding(
-                "warning", layer.name,
+                "warning",
+                layer.name,
                 f"initial values still weigh {weight * 100:.1f}% after {t} update(s) at momentum {m:g}{assumed}",
             )
 
 
 @rule(
-    "BN004", "near-eps-variance", "warning / info",
+    "BN004",
+    "near-eps-variance",
+    "warning / info",
     "Channels with running_var < 10*eps: eval mode multiplies them by |gamma|/sqrt(var+eps).",
     "A channel that died in training keeps a running variance near 0. In eval mode its deviation from "
     "running_mean is multiplied by the eval gain |gamma| / sqrt(var + eps): 1/sqrt(1e-5) = 316x for "
     "gamma 1 at eps 1e-5. Any input that moves that channel slightly is amplified hundreds of times "
     "and the model turns brittle. Warning when some such channel's gain is >= 100 (`max-gain`); info "
     "when a small |gamma| mutes all of them. Threshold factor 10 (`near-eps-factor`).",
-    "Prune the dead channels, or check the data that reaches the layer; `bnaudit gap` shows whether "
-    "eval mode suffers.",
+    "Prune the dead channels, or check the data that reaches the layer; `bnaudit gap` shows whether eval mode suffers.",
     settings=("near-eps-factor", "max-gain", "eps"),
 )
 def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
@@ -285,13 +301,12 @@ def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
         severity = "warning" if worst >= cfg.max_gain else "info"
         # worst first, NaN last; sorted is stable, so ties keep channel order
         order = sorted(channels, key=lambda c: -(0.0 if math.isnan(gains[c]) else gains[c]))
-        details = ", ".join(
-            f"ch {c} (var {_fmt(layer.running_var[c])}, gain {gains[c]:.1f})" for c in order[:5]
-        )
+        details = ", ".join(f"ch {c} (var {_fmt(layer.running_var[c])}, gain {gains[c]:.1f})" for c in order[:5])
         more = f" and {len(channels) - 5} more" if len(channels) > 5 else ""
         tail = "" if severity == "warning" else f"; muted by small |gamma| (max gain {worst:.1f})"
         yield r.finding(
-            severity, layer.name,
+            severity,
+            layer.name,
             f"{len(channels)} channel(s) with running_var < {cfg.near_eps_factor:g}*eps "
             f"({_fmt(cfg.near_eps_factor * layer.eps)}): {details}{more}{tail}",
             channels,
@@ -299,7 +314,9 @@ def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
 
 
 @rule(
-    "BN005", "invalid-values", "error",
+    "BN005",
+    "invalid-values",
+    "error",
     "NaN or Inf in a buffer or parameter, negative running_var or counter, or shapes that disagree.",
     "A NaN or Inf in running_mean/running_var makes every eval-mode output of the channel NaN; a "
     "negative variance makes sqrt(var + eps) NaN. These come from fp16 overflow, a diverged step or a "
@@ -314,8 +331,12 @@ def _check_invalid(ctx: RuleContext) -> Iterator[Finding]:
         problems: list[str] = []
         bad: set[int] = set()
         c = layer.num_features
-        for label, values in (("running_mean", layer.running_mean), ("running_var", layer.running_var),
-                              ("weight", layer.weight), ("bias", layer.bias)):
+        for label, values in (
+            ("running_mean", layer.running_mean),
+            ("running_var", layer.running_var),
+            ("weight", layer.weight),
+            ("bias", layer.bias),
+        ):
             if values is None:
                 continue
             if len(values) != c:
@@ -344,7 +365,9 @@ def _join(prefix: str, leaf: str) -> str:
 
 
 @rule(
-    "BN006", "batch-dependent-eval", "warning",
+    "BN006",
+    "batch-dependent-eval",
+    "warning",
     "A BatchNorm module has track_running_stats=False: eval mode still normalises with batch statistics.",
     "Without running statistics (`track_running_stats=False`) a BatchNorm layer normalises with the "
     "mean and variance of the current batch in eval mode too. A prediction then depends on the other "
@@ -362,7 +385,8 @@ def _check_batch_dependent(ctx: RuleContext) -> Iterator[Finding]:
     for name, info in ctx.module.norms.items():
         if name in ctx.module.batch_norms and info.track_running_stats is False:
             yield r.finding(
-                "warning", name,
+                "warning",
+                name,
                 f"{info.class_name} with track_running_stats=False: eval mode normalises with the "
                 "statistics of each batch, so predictions depend on their batch companions",
             )
@@ -374,7 +398,9 @@ _RETAINED_FRACTION_MOMENTUM = 0.5
 
 
 @rule(
-    "BN007", "stats-update-config", "warning / info",
+    "BN007",
+    "stats-update-config",
+    "warning / info",
     "momentum 0 (buffers never update), None (cumulative average) or above 0.5 (a Keras/ONNX retained fraction?).",
     "PyTorch updates running statistics by new = (1 - m) * old + m * batch. With m = 0 training never "
     "changes them (the counter still counts), so they stay whatever was loaded; with m = None they "
@@ -395,18 +421,32 @@ def _check_update_config(ctx: RuleContext) -> Iterator[Finding]:
             continue
         m = info.momentum
         if m is None:
-            yield r.finding("info", name, "momentum None: running statistics are the cumulative average of "
-                            "every batch since the last reset (factor 1/num_batches_tracked)")
+            yield r.finding(
+                "info",
+                name,
+                "momentum None: running statistics are the cumulative average of "
+                "every batch since the last reset (factor 1/num_batches_tracked)",
+            )
         elif m == 0:
-            yield r.finding("info", name, "momentum 0: training never updates the running statistics "
-                            "(the counter still counts); they stay as loaded")
+            yield r.finding(
+                "info",
+                name,
+                "momentum 0: training never updates the running statistics "
+                "(the counter still counts); they stay as loaded",
+            )
         elif m > _RETAINED_FRACTION_MOMENTUM:
-            yield r.finding("warning", name, f"momentum {m:g}: each batch replaces {m * 100:.1f}% of the "
-                            f"statistics; a retained fraction (Keras/ONNX convention) meant as {1 - m:.3g}?")
+            yield r.finding(
+                "warning",
+                name,
+                f"momentum {m:g}: each batch replaces {m * 100:.1f}% of the "
+                f"statistics; a retained fraction (Keras/ONNX convention) meant as {1 - m:.3g}?",
+            )
 
 
 @rule(
-    "BN008", "low-precision-buffers", "warning",
+    "BN008",
+    "low-precision-buffers",
+    "warning",
     "running statistics stored in float16 or bfloat16.",
     "float16 cannot hold a variance above 65504 (it becomes Inf) and resolves nothing below about "
     "6e-8, so a near-eps variance underflows to 0; bfloat16 keeps only 8 bits of mantissa, so "
@@ -423,7 +463,9 @@ def _check_low_precision(ctx: RuleContext) -> Iterator[Finding]:
 
 
 @rule(
-    "BN009", "counter-zero", "info",
+    "BN009",
+    "counter-zero",
+    "info",
     "num_batches_tracked is 0 but the statistics are not the initial values.",
     "PyTorch increments num_batches_tracked on every training-mode forward, so 0 with real statistics "
     "means the values were written some other way: converted weights (e.g. from Keras or ONNX) or "
@@ -435,11 +477,17 @@ def _check_counter_zero(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN009"]
     for layer in ctx.discovery.layers:
         if layer.num_batches_tracked == 0 and not _has_identity_stats(layer):
-            yield r.finding("info", layer.name, "num_batches_tracked is 0 but the statistics are not 0/1: converted weights or momentum 0")
+            yield r.finding(
+                "info",
+                layer.name,
+                "num_batches_tracked is 0 but the statistics are not 0/1: converted weights or momentum 0",
+            )
 
 
 @rule(
-    "BN010", "uneven-counters", "info",
+    "BN010",
+    "uneven-counters",
+    "info",
     "num_batches_tracked differs between layers: part of the network was frozen or fine-tuned.",
     "Every BN layer of a network trained end to end sees the same number of training-mode forwards. "
     "Different counters mean some layers were frozen (norm_eval, FrozenBatchNorm, requires_grad off "
@@ -465,7 +513,9 @@ def _check_uneven_counters(ctx: RuleContext) -> Iterator[Finding]:
 
 
 @rule(
-    "BN011", "load-mismatch", "error / warning / info",
+    "BN011",
+    "load-mismatch",
+    "error / warning / info",
     "The checkpoint does not fit the model: keys missing, unexpected, or of another shape.",
     "With the model known (--arch), its state dict is compared key by key with the checkpoint, as "
     "`load_state_dict(strict=True)` would. A parameter or buffer the checkpoint lacks keeps its "
@@ -485,17 +535,31 @@ def _check_load_mismatch(ctx: RuleContext) -> Iterator[Finding]:
     missing = [k for k in facts.missing if k not in stats and k not in counters]
     missing_counters = [k for k in facts.missing if k in counters]
     for key, file_shape, model_shape in facts.mismatched:
-        yield r.finding("error", key.rpartition(".")[0] or None,
-                        f"'{key}' has shape {list(file_shape)} in the checkpoint but {list(model_shape)} in the model")
+        yield r.finding(
+            "error",
+            key.rpartition(".")[0] or None,
+            f"'{key}' has shape {list(file_shape)} in the checkpoint but {list(model_shape)} in the model",
+        )
     if missing:
-        yield r.finding("error", None, f"{len(missing)} key(s) of the model absent from the checkpoint keep "
-                        f"their initial values: {listing(missing, 5)}")
+        yield r.finding(
+            "error",
+            None,
+            f"{len(missing)} key(s) of the model absent from the checkpoint keep "
+            f"their initial values: {listing(missing, 5)}",
+        )
     if facts.unexpected:
-        yield r.finding("warning", None, f"{len(facts.unexpected)} checkpoint key(s) the model does not have: "
-                        f"{listing(facts.unexpected, 5)}")
+        yield r.finding(
+            "warning",
+            None,
+            f"{len(facts.unexpected)} checkpoint key(s) the model does not have: {listing(facts.unexpected, 5)}",
+        )
     if missing_counters:
-        yield r.finding("info", None, f"num_batches_tracked absent for {len(missing_counters)} layer(s) "
-                        f"({listing((k.rpartition('.')[0] for k in missing_counters), 5)}): PyTorch fills it on load")
+        yield r.finding(
+            "info",
+            None,
+            f"num_batches_tracked absent for {len(missing_counters)} layer(s) "
+            f"({listing((k.rpartition('.')[0] for k in missing_counters), 5)}): PyTorch fills it on load",
+        )
 
 
 def _describe_names(names: list[str]) -> str:

@@ -7,6 +7,7 @@ the file; anything else is refused with the list of globals the file would need 
 advice to pass `--trust-pickle` (the user's explicit opt-out). Legacy files are checked
 first by `legacy.check_legacy_claims`; this module owns the policy, legacy.py the parsing.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -138,8 +139,11 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
         try:
             check_legacy_claims(path)
         except NotTorchSave as exc:
-            unsafe = list(dict.fromkeys(n for n in exc.globals
-                                        if _allowed_global(n) is None and n not in _torch_weights_only_globals()))
+            unsafe = list(
+                dict.fromkeys(
+                    n for n in exc.globals if _allowed_global(n) is None and n not in _torch_weights_only_globals()
+                )
+            )
             if unsafe:  # say what it would have run, and what to do instead
                 refusal = str(_unsafe_globals_error(path, unsafe)).removeprefix(f"{path}: ")
                 raise BnauditError(f"{exc}; {refusal}") from None
@@ -185,7 +189,9 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
         except BnauditError:
             raise
         except Exception as exc:
-            raise BnauditError(f"{path}: not a readable torch.save file ({exception_line(exc, with_type=False)})") from None
+            raise BnauditError(
+                f"{path}: not a readable torch.save file ({exception_line(exc, with_type=False)})"
+            ) from None
     raise BnauditError(f"{path}: needs too many distinct classes to unpickle safely")
 
 
@@ -205,6 +211,6 @@ def _unpickling_reason(text: str) -> str:
     for i, line in enumerate(lines):
         if "WeightsUnpickler error" in line:
             rest = line.split("WeightsUnpickler error:", 1)[-1].strip()
-            following = [x for x in lines[i + 1:] if x]
+            following = [x for x in lines[i + 1 :] if x]
             return rest or (following[0] if following else line)
     return next((x for x in lines if x), "unknown reason")

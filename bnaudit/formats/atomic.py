@@ -5,6 +5,7 @@ missing or read-only folder, or that exists without `force`); `atomic_write` bui
 file unnamed (O_TMPFILE, or a hidden temporary where that is missing) and names it only
 when complete and fsynced, so a crash or kill never leaves half a checkpoint.
 """
+
 from __future__ import annotations
 
 import os

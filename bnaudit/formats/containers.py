@@ -7,6 +7,7 @@ which mapping is the model (known keys first, optimizer subtrees skipped, an EMA
 only when it is the only one or `--key` names it) and strips the prefixes. It works on
 objects already loaded: it opens no file.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -54,9 +55,23 @@ def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str)
 
 # Subtrees that hold tensors but never the model's state dict.
 _SKIP_KEYS = {
-    "optimizer", "optimizers", "optimizer_states", "optimizer_state_dict", "optim",
-    "opt", "lr_scheduler", "lr_schedulers", "scheduler", "schedulers", "scaler",
-    "grad_scaler", "amp", "loops", "callbacks", "message_hub", "rng_state",
+    "optimizer",
+    "optimizers",
+    "optimizer_states",
+    "optimizer_state_dict",
+    "optim",
+    "opt",
+    "lr_scheduler",
+    "lr_schedulers",
+    "scheduler",
+    "schedulers",
+    "scaler",
+    "grad_scaler",
+    "amp",
+    "loops",
+    "callbacks",
+    "message_hub",
+    "rng_state",
 }
 
 
@@ -149,20 +164,14 @@ def strip_wrapper_prefix(ckpt: Checkpoint) -> Checkpoint:
         changed = False
         for prefix in _WRAPPER_PREFIXES:
             if all(n.startswith(prefix) for n in names):
-                names = [n[len(prefix):] for n in names]
+                names = [n[len(prefix) :] for n in names]
                 stripped += prefix
                 changed = True
                 break
     if stripped:
         cut = len(stripped)
-        ckpt.tensors = {
-            name[cut:]: ref.renamed(name[cut:])
-            for name, ref in ckpt.tensors.items()
-        }
-        ckpt.modules = {
-            name[cut:] if name.startswith(stripped) else name: info
-            for name, info in ckpt.modules.items()
-        }
+        ckpt.tensors = {name[cut:]: ref.renamed(name[cut:]) for name, ref in ckpt.tensors.items()}
+        ckpt.modules = {name[cut:] if name.startswith(stripped) else name: info for name, info in ckpt.modules.items()}
         ckpt.prefix = stripped
     return ckpt
 

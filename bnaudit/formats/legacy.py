@@ -7,6 +7,7 @@ called) and refuses it when the storages claim more bytes than follow the header
 plain pickle is reported as `NotTorchSave` with the globals it names; which of those
 would run code is decided by the allow-list (allowlist.py), not here.
 """
+
 from __future__ import annotations
 
 import os
@@ -152,6 +153,5 @@ def check_legacy_claims(path: str) -> None:
     claimed = sum(scanner.claims.values()) + 8 * len(scanner.claims)
     if claimed > data_size:
         raise BnauditError(
-            f"{path}: storages claim {claimed} bytes but only {data_size} follow the header: "
-            "truncated or forged file"
+            f"{path}: storages claim {claimed} bytes but only {data_size} follow the header: truncated or forged file"
         )

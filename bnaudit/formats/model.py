@@ -16,6 +16,7 @@ nothing until asked:
 A failed read raises `BnauditError` naming the tensor. Separate from the readers so that
 audit/ and runtime/ depend on these records, not on any file format.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -165,7 +166,8 @@ def _typecode(codes: str, size: int) -> str:
 
 
 _ARRAY_CODES = {
-    "float64": "d", "float32": "f",
+    "float64": "d",
+    "float32": "f",
     **{f"int{8 * n}": _typecode("bhilq", n) for n in (1, 2, 4, 8)},
     **{f"uint{8 * n}": _typecode("BHILQ", n) for n in (1, 2, 4, 8)},
 }
@@ -195,13 +197,29 @@ def decode_values(raw: bytes | bytearray, dtype: str) -> list:
     return values.tolist()
 
 
-STORAGE_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
-                     "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+STORAGE_ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 
 
 STORAGE_DTYPES = {
-    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "FloatStorage": "float32",
+    "DoubleStorage": "float64",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
     "BoolStorage": "bool",
 }

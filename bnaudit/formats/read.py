@@ -4,6 +4,7 @@ The one entry point for readers: sniff, dispatch to the format's reader, pick th
 state dict inside a container and strip wrapper prefixes. Only torch.save files import
 torch (through `torch.load`); safetensors and TorchScript are read without it.
 """
+
 from __future__ import annotations
 
 from bnaudit.errors import BnauditError
@@ -14,9 +15,7 @@ from bnaudit.formats.safetensors import read_safetensors
 from bnaudit.formats.sniff import sniff_format
 
 
-def read_checkpoint(
-    path: str, key: str | None = None, trust_pickle: bool = False
-) -> Checkpoint:
+def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = False) -> Checkpoint:
     """Open `path` read-only and return its (chosen) state dict as lazy tensors."""
     fmt = sniff_format(path)
     if fmt == "safetensors":

@@ -7,6 +7,7 @@ both the reader (lazy `TensorRef`s with their file `location`) and the writer
 same validated `SafetensorsHeader`. No safetensors package is imported: it would
 bring numpy or torch into `inspect`.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,11 +26,21 @@ _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
 
 
 _ST_DTYPES: dict[str, tuple[str, int]] = {
-    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2),
-    "BF16": ("bfloat16", 2), "I64": ("int64", 8), "I32": ("int32", 4),
-    "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1), "BOOL": ("bool", 1),
-    "U16": ("uint16", 2), "U32": ("uint32", 4), "U64": ("uint64", 8),
-    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "U16": ("uint16", 2),
+    "U32": ("uint32", 4),
+    "U64": ("uint64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
 }
 
 
@@ -59,9 +70,7 @@ def read_safetensors_header(path: str) -> SafetensorsHeader:
             raise BnauditError(f"{path}: truncated safetensors file")
         n = int.from_bytes(head, "little")
         if n > size - 8 or n > _MAX_SAFETENSORS_HEADER:
-            raise BnauditError(
-                f"{path}: corrupt safetensors header (claims {n} bytes, file has {size})"
-            )
+            raise BnauditError(f"{path}: corrupt safetensors header (claims {n} bytes, file has {size})")
         try:
             header = json.loads(f.read(n))
         except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, 5000-digit ints, deep nesting

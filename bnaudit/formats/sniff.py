@@ -7,6 +7,7 @@
 Anything else, a folder, a pipe or a device is refused with one line. Only the first
 16 bytes (and a zip's directory) are read here, so a wrong file costs next to nothing.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,9 +50,7 @@ def sniff_format(path: str) -> str:
         return "safetensors"
     if head[:1] == b"\x80":
         return "torch-legacy"
-    raise BnauditError(
-        f"{path}: not a checkpoint (neither torch.save, TorchScript nor safetensors)"
-    )
+    raise BnauditError(f"{path}: not a checkpoint (neither torch.save, TorchScript nor safetensors)")
 
 
 def _sniff_zip(path: str) -> str:

@@ -7,6 +7,7 @@ BN module stores them there. `stored_tensors` finds where the top-level tensors 
 torch.save zip lie, so data files can be streamed row by row. A global that could run
 code is refused: bnaudit never runs TorchScript to inspect it.
 """
+
 from __future__ import annotations
 
 import io
@@ -113,8 +114,11 @@ def _check_record(storage: Any, offset: Any, size: Any, stride: Any) -> None:
     # Checked before anything is read: a negative or mismatched stride would read
     # outside the storage.
     if not (
-        isinstance(storage, _StorageRef) and is_count(offset)
-        and isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride)
+        isinstance(storage, _StorageRef)
+        and is_count(offset)
+        and isinstance(size, tuple)
+        and isinstance(stride, tuple)
+        and len(size) == len(stride)
         and all(is_count(x) for x in size + stride)
     ):
         raise pickle.UnpicklingError("malformed tensor record")
@@ -159,7 +163,9 @@ def stored_tensors(path: str) -> dict[str, StoredTensor]:
     return found
 
 
-def _c_order_start(archive: zipfile.ZipFile, storage: _StorageRef, offset: int, size: tuple, stride: tuple) -> int | None:
+def _c_order_start(
+    archive: zipfile.ZipFile, storage: _StorageRef, offset: int, size: tuple, stride: tuple
+) -> int | None:
     expected: list[int] = []
     step = 1
     for extent in reversed(size):

@@ -5,6 +5,7 @@ other byte, key and piece of metadata stays as it was, so a recalibrated file dr
 where the original was. Separate from the readers: writing needs torch for torch.save
 and TorchScript files, reading safetensors does not.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,6 +56,7 @@ def save_like(
     check_output(output, ckpt.path, force)
     prepared = _prepare_updates(ckpt, updates)
     if ckpt.format == "safetensors":
+
         def write(f: Any) -> None:
             _write_safetensors_like(ckpt, prepared, provenance, f)
     elif ckpt.format in ("torch-zip", "torch-legacy"):
@@ -104,7 +106,8 @@ def _prepare_updates(ckpt: Checkpoint, updates: Mapping[str, Any]) -> dict[str, 
             bad = int((~torch.isfinite(cast)).sum())
             raise BnauditError(
                 f"layer {layer}: refusing to write a non-finite {leaf} ({bad} of {cast.numel()} channel(s) "
-                f"NaN or Inf in {ref.dtype})")
+                f"NaN or Inf in {ref.dtype})"
+            )
         prepared[name] = cast.contiguous()
     return prepared
 
@@ -118,8 +121,9 @@ def _tensor_bytes(tensor: Any) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
 
 
-def _write_safetensors_like(ckpt: Checkpoint, prepared: dict[str, Any], provenance: Mapping[str, Any] | None,
-                            f: Any) -> None:
+def _write_safetensors_like(
+    ckpt: Checkpoint, prepared: dict[str, Any], provenance: Mapping[str, Any] | None, f: Any
+) -> None:
     if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian
         raise BnauditError("writing safetensors needs a little-endian machine")
     stored = read_safetensors_header(ckpt.path)
@@ -172,11 +176,16 @@ def _load_script_for_rewrite(path: str) -> tuple[Any, dict[str, bytes]]:
     import torch
 
     with zipfile.ZipFile(path) as archive:
-        names = [n.split("/extra/", 1)[1] for n in archive.namelist()
-                 if "/extra/" in n and n.count("/") >= 2 and not n.endswith("/")]
-    extra = {name: b"" for name in names}
+        names = [
+            n.split("/extra/", 1)[1]
+            for n in archive.namelist()
+            if "/extra/" in n and n.count("/") >= 2 and not n.endswith("/")
+        ]
+    extra = dict.fromkeys(names, b"")
     try:
         module = torch.jit.load(path, map_location="cpu", _extra_files=extra)
     except Exception as exc:
-        raise BnauditError(f"{path}: cannot load TorchScript archive ({exception_line(exc, with_type=False)})") from None
+        raise BnauditError(
+            f"{path}: cannot load TorchScript archive ({exception_line(exc, with_type=False)})"
+        ) from None
     return module, extra

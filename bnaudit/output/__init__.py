@@ -16,6 +16,7 @@ one-line messages here pass theirs once. JSON and SARIF keep them exact (a consu
 layer names against the state dict) and safe: the encoder writes every control and
 non-ASCII character as a \\u escape.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,8 +52,7 @@ def emit(report: Any, fmt: str, stream: IO[str], *, quiet: bool = False, width: 
     if fmt == "table":
         from bnaudit.output import table
 
-        renderers = {"inspect": table.render_inspect, "gap": table.render_gap,
-                     "recalibrate": table.render_recalibrate}
+        renderers = {"inspect": table.render_inspect, "gap": table.render_gap, "recalibrate": table.render_recalibrate}
         renderers[kind](report, console(stream, width), quiet=quiet)
         return
     document = _document(report, fmt)
@@ -67,8 +67,11 @@ def _document(report: Any, fmt: str) -> dict:
         return inspect_to_sarif(report)
     from bnaudit.output import json as documents
 
-    builders = {"inspect": documents.inspect_to_json, "gap": documents.gap_to_json,
-                "recalibrate": documents.recalibrate_to_json}
+    builders = {
+        "inspect": documents.inspect_to_json,
+        "gap": documents.gap_to_json,
+        "recalibrate": documents.recalibrate_to_json,
+    }
     return builders[report.kind](report)
 
 
@@ -147,8 +150,14 @@ def progress(description: str, stream: IO[str], *, quiet: bool = False) -> Itera
         TimeElapsedColumn,
     )
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=bar_console, transient=True) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=bar_console,
+        transient=True,
+    ) as bar:
         task = bar.add_task(printable(description), total=None)
 
         def update(done: int, total: int) -> None:

@@ -1,4 +1,5 @@
 """The inspect layer table laid out by hand, as rich.Table would draw it (see `layout_grid`)."""
+
 from __future__ import annotations
 
 from typing import Any

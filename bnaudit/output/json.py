@@ -3,6 +3,7 @@
 Strings from files and models are kept exact (a consumer matches layer names against the
 state dict); the encoder escapes their control characters.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,41 +22,54 @@ def json_number(x: Any) -> Any:
 
 
 def finding_to_json(f: Finding) -> dict:
-    return {"code": f.code, "name": f.name, "severity": f.severity, "layer": f.layer,
-            "message": f.message, "channels": list(f.channels)}
+    return {
+        "code": f.code,
+        "name": f.name,
+        "severity": f.severity,
+        "layer": f.layer,
+        "message": f.message,
+        "channels": list(f.channels),
+    }
 
 
 def inspect_to_json(report: InspectReport) -> dict:
     files = []
     for file in report.files:
-        files.append({
-            "path": file.path,
-            "format": file.format,
-            "key": file.key,
-            "other_keys": file.other_keys,
-            "prefix": file.prefix or None,
-            "settings": file.settings or None,
-            "provenance": file.provenance or None,
-            "layers": [{
-                "name": s.name,
-                "kind": s.kind,
-                "num_features": s.num_features,
-                "num_batches_tracked": s.num_batches_tracked,
-                "eps": json_number(s.eps),
-                "momentum": json_number(s.momentum),
-                "dtype": s.stats_dtype,
-                "mean": {"min": json_number(s.mean_min), "max": json_number(s.mean_max)},
-                "var": {"min": json_number(s.var_min), "median": json_number(s.var_median),
-                        "max": json_number(s.var_max)},
-                "near_eps_channels": s.near_eps_channels,
-                "max_eval_gain": json_number(s.max_eval_gain),
-                "status": file.layer_status(s.name),
-            } for s in file.layers],
-            "findings": [finding_to_json(f) for f in file.findings],
-            "error": file.error,
-        })
-    return {"version": __version__, "config": report.config.as_dict(), "files": files,
-            "summary": report.summary()}
+        files.append(
+            {
+                "path": file.path,
+                "format": file.format,
+                "key": file.key,
+                "other_keys": file.other_keys,
+                "prefix": file.prefix or None,
+                "settings": file.settings or None,
+                "provenance": file.provenance or None,
+                "layers": [
+                    {
+                        "name": s.name,
+                        "kind": s.kind,
+                        "num_features": s.num_features,
+                        "num_batches_tracked": s.num_batches_tracked,
+                        "eps": json_number(s.eps),
+                        "momentum": json_number(s.momentum),
+                        "dtype": s.stats_dtype,
+                        "mean": {"min": json_number(s.mean_min), "max": json_number(s.mean_max)},
+                        "var": {
+                            "min": json_number(s.var_min),
+                            "median": json_number(s.var_median),
+                            "max": json_number(s.var_max),
+                        },
+                        "near_eps_channels": s.near_eps_channels,
+                        "max_eval_gain": json_number(s.max_eval_gain),
+                        "status": file.layer_status(s.name),
+                    }
+                    for s in file.layers
+                ],
+                "findings": [finding_to_json(f) for f in file.findings],
+                "error": file.error,
+            }
+        )
+    return {"version": __version__, "config": report.config.as_dict(), "files": files, "summary": report.summary()}
 
 
 def gap_to_json(report: Any) -> dict:
@@ -72,34 +86,44 @@ def gap_to_json(report: Any) -> dict:
         "shuffle": report.shuffle,
         "device": report.device,
         "skipped": report.skipped,
-        "train_mode": {"accuracy": json_number(report.train_accuracy),
-                       "non_finite_outputs": report.non_finite.get("train_mode", 0)},
-        "eval_mode": {"accuracy": json_number(report.eval_accuracy),
-                      "non_finite_outputs": report.non_finite.get("eval_mode", 0)},
+        "train_mode": {
+            "accuracy": json_number(report.train_accuracy),
+            "non_finite_outputs": report.non_finite.get("train_mode", 0),
+        },
+        "eval_mode": {
+            "accuracy": json_number(report.eval_accuracy),
+            "non_finite_outputs": report.non_finite.get("eval_mode", 0),
+        },
         "gap": json_number(report.gap),
         "agreement": json_number(report.agreement),
         "divergence": json_number(report.divergence),
         "divergence_kind": report.divergence_kind,
-        "layers": [{
-            "name": d.name,
-            "position": d.position,
-            "kind": d.kind,
-            "channels": d.channels,
-            "values": d.values,
-            "mean_shift": json_number(d.mean_shift),
-            "max_mean_shift": json_number(d.max_mean_shift),
-            "var_log_ratio": json_number(d.var_log_ratio),
-            "drift": json_number(d.drift),
-            "note": d.note,
-        } for d in report.layers],
+        "layers": [
+            {
+                "name": d.name,
+                "position": d.position,
+                "kind": d.kind,
+                "channels": d.channels,
+                "values": d.values,
+                "mean_shift": json_number(d.mean_shift),
+                "max_mean_shift": json_number(d.max_mean_shift),
+                "var_log_ratio": json_number(d.var_log_ratio),
+                "drift": json_number(d.drift),
+                "note": d.note,
+            }
+            for d in report.layers
+        ],
         "findings": [finding_to_json(f) for f in report.findings],
         "diagnosis": list(report.diagnosis),
     }
 
 
 def _drift_to_json(d: Any) -> dict:
-    return {"mean_shift": json_number(d.mean_shift), "max_mean_shift": json_number(d.max_mean_shift),
-            "var_log_ratio": json_number(d.var_log_ratio)}
+    return {
+        "mean_shift": json_number(d.mean_shift),
+        "max_mean_shift": json_number(d.max_mean_shift),
+        "var_log_ratio": json_number(d.var_log_ratio),
+    }
 
 
 def recalibrate_to_json(report: Any) -> dict:
@@ -123,14 +147,17 @@ def recalibrate_to_json(report: Any) -> dict:
         "shuffle": report.shuffle,
         "device": report.device,
         "world_size": report.world_size,
-        "layers": [{
-            "name": c.name,
-            "channels": c.channels,
-            "values": c.values,
-            "batches": c.batches,
-            "before": _drift_to_json(c.before),
-            "after": _drift_to_json(c.after),
-        } for c in report.layers],
+        "layers": [
+            {
+                "name": c.name,
+                "channels": c.channels,
+                "values": c.values,
+                "batches": c.batches,
+                "before": _drift_to_json(c.before),
+                "after": _drift_to_json(c.after),
+            }
+            for c in report.layers
+        ],
         "skipped": [{"name": s.name, "reason": s.reason} for s in report.skipped],
         "warnings": list(report.warnings),
         "provenance": dict(report.provenance),

@@ -17,6 +17,7 @@ line, so it does not read gigabyte checkpoints as text. Our own fingerprint keep
 findings of one rule in different layers of one file apart. Files that could not be read
 become error notifications of the invocation, whose `executionSuccessful` is then false.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -76,17 +77,20 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
     for file in report.files:
         location = _artifact_location(file.path, base)
         if file.error:
-            notifications.append({
-                "level": "error",
-                "message": {"text": f"{file.path}: {file.error}"},
-                "locations": [{"physicalLocation": {"artifactLocation": location}}],
-            })
+            notifications.append(
+                {
+                    "level": "error",
+                    "message": {"text": f"{file.path}: {file.error}"},
+                    "locations": [{"physicalLocation": {"artifactLocation": location}}],
+                }
+            )
             continue
         for finding in file.findings:
             where: dict[str, Any] = {"physicalLocation": {"artifactLocation": location}}
             if finding.layer is not None:
-                where["logicalLocations"] = [{"name": finding.layer, "fullyQualifiedName": finding.layer,
-                                              "kind": "module"}]
+                where["logicalLocations"] = [
+                    {"name": finding.layer, "fullyQualifiedName": finding.layer, "kind": "module"}
+                ]
             result: dict[str, Any] = {
                 "ruleId": finding.code,
                 "level": LEVELS[finding.severity],
@@ -102,20 +106,26 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
     return {
         "$schema": SCHEMA_URI,
         "version": "2.1.0",
-        "runs": [{
-            "tool": {"driver": {
-                "name": "bnaudit",
-                "version": __version__,
-                "semanticVersion": __version__,
-                "informationUri": INFORMATION_URI,
-                "rules": [rule_descriptor(code) for code in codes],
-            }},
-            "invocations": [{
-                "executionSuccessful": not notifications,
-                "toolExecutionNotifications": notifications,
-            }],
-            "originalUriBaseIds": {"%SRCROOT%": {"uri": Path(base).as_uri().rstrip("/") + "/"}},
-            "results": results,
-            "properties": {"config": report.config.as_dict()},
-        }],
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "bnaudit",
+                        "version": __version__,
+                        "semanticVersion": __version__,
+                        "informationUri": INFORMATION_URI,
+                        "rules": [rule_descriptor(code) for code in codes],
+                    }
+                },
+                "invocations": [
+                    {
+                        "executionSuccessful": not notifications,
+                        "toolExecutionNotifications": notifications,
+                    }
+                ],
+                "originalUriBaseIds": {"%SRCROOT%": {"uri": Path(base).as_uri().rstrip("/") + "/"}},
+                "results": results,
+                "properties": {"config": report.config.as_dict()},
+            }
+        ],
     }

@@ -5,6 +5,7 @@ model descriptions, messages that quote them) goes through `printable` here, whe
 drawn (`_cell`), so that an escape sequence in a layer name is shown, not obeyed.
 Numbers and the fixed words of the tables are ours.
 """
+
 from __future__ import annotations
 
 import math
@@ -113,8 +114,10 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
             console.print(_findings_table(file.findings))
         console.print()
     s = report.summary()
-    line = (f"{s['files']} file(s), {s['layers']} BN layer(s): {s['errors']} error(s), "
-            f"{s['warnings']} warning(s), {s['infos']} info(s)")
+    line = (
+        f"{s['files']} file(s), {s['layers']} BN layer(s): {s['errors']} error(s), "
+        f"{s['warnings']} warning(s), {s['infos']} info(s)"
+    )
     if s["unreadable"]:
         line += f", {s['unreadable']} unreadable file(s)"
     worst = "error" if s["errors"] or s["unreadable"] else "warning" if s["warnings"] else "ok"
@@ -135,13 +138,18 @@ Justify = Literal["left", "right"]
 def _findings_table(findings: list, title: str | None = None) -> Any:
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
-                  header_style="bold")
+    table = Table(
+        title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False, header_style="bold"
+    )
     for col in ("code", "severity", "layer", "message"):
         table.add_column(col, overflow="fold")
     for f in findings:
-        table.add_row(_cell(f"{f.code} {f.name}"), _cell(f.severity, style=SEVERITY_STYLE[f.severity]),
-                      _cell(f.layer or "-"), _cell(f.message))
+        table.add_row(
+            _cell(f"{f.code} {f.name}"),
+            _cell(f.severity, style=SEVERITY_STYLE[f.severity]),
+            _cell(f.layer or "-"),
+            _cell(f.message),
+        )
     return table
 
 
@@ -156,8 +164,12 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     console.print(_cell(f"data: {report.data}", style="dim"))
     order = f"shuffled with seed {report.seed}" if report.shuffle else "file order, --no-shuffle"
     skipped = f", {report.skipped} unreadable image(s) skipped" if report.skipped else ""
-    console.print(_cell(f"{report.samples} samples in {report.batches} batches of {report.batch_size} "
-                        f"({order}), device {report.device}{skipped}"))
+    console.print(
+        _cell(
+            f"{report.samples} samples in {report.batches} batches of {report.batch_size} "
+            f"({order}), device {report.device}{skipped}"
+        )
+    )
     console.print()
 
     modes = Table(show_edge=False, pad_edge=False, header_style="bold")
@@ -181,12 +193,24 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     console.print()
 
     if report.layers and not quiet:
-        table = Table(title="per-layer drift: eval-mode inputs against running statistics, worst first",
-                      title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
-                      header_style="bold")
+        table = Table(
+            title="per-layer drift: eval-mode inputs against running statistics, worst first",
+            title_justify="left",
+            title_style="bold",
+            show_edge=False,
+            pad_edge=False,
+            header_style="bold",
+        )
         columns: tuple[tuple[str, Justify], ...] = (
-            ("layer", "left"), ("#", "right"), ("kind", "left"), ("C", "right"), ("mean shift", "right"),
-            ("max shift", "right"), ("var log-ratio", "right"), ("drift", "right"))
+            ("layer", "left"),
+            ("#", "right"),
+            ("kind", "left"),
+            ("C", "right"),
+            ("mean shift", "right"),
+            ("max shift", "right"),
+            ("var log-ratio", "right"),
+            ("drift", "right"),
+        )
         for col, justify in columns:
             table.add_column(col, justify=justify, overflow="fold")
         worst = report.layers[0] if report.layers and report.layers[0].drift is not None else None
@@ -199,9 +223,17 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
                 style = "yellow"
             else:
                 style = ""
-            table.add_row(_cell(d.name), str(d.position + 1), _cell(d.kind), str(d.channels), _f2(d.mean_shift),
-                          _f2(d.max_mean_shift), _f2(d.var_log_ratio),
-                          _f2(d.drift) if d.drift is not None else _cell(d.note or "-"), style=style)
+            table.add_row(
+                _cell(d.name),
+                str(d.position + 1),
+                _cell(d.kind),
+                str(d.channels),
+                _f2(d.mean_shift),
+                _f2(d.max_mean_shift),
+                _f2(d.var_log_ratio),
+                _f2(d.drift) if d.drift is not None else _cell(d.note or "-"),
+                style=style,
+            )
         console.print(table)
         console.print()
 
@@ -236,31 +268,48 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
     title = _cell(report.input, style="bold")
     title.append(" -> ", style="dim")
     title.append(printable(report.output), style="bold green")
-    title.append(printable(f"  ({report.format}" + (f", key '{report.key}'" if report.key else "") + ")"),
-                 style="dim")
+    title.append(printable(f"  ({report.format}" + (f", key '{report.key}'" if report.key else "") + ")"), style="dim")
     console.print(title)
     console.print(_cell(f"model: {report.model}", style="dim"))
     console.print(_cell(f"data: {report.data}", style="dim"))
     order = f"shuffled with seed {report.seed}" if report.shuffle else "file order (--no-shuffle)"
     ranks = f" on {report.world_size} ranks" if report.world_size > 1 else ""
-    console.print(_cell(f"method {report.method}: {report.samples} samples in {report.batches} batches of "
-                        f"{report.batch_size} ({order}), device {report.device}{ranks}"))
+    console.print(
+        _cell(
+            f"method {report.method}: {report.samples} samples in {report.batches} batches of "
+            f"{report.batch_size} ({order}), device {report.device}{ranks}"
+        )
+    )
     console.print()
 
     if not quiet:
-        table = Table(title="per-layer drift against the calibration data: old -> new statistics",
-                      title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
-                      header_style="bold")
+        table = Table(
+            title="per-layer drift against the calibration data: old -> new statistics",
+            title_justify="left",
+            title_style="bold",
+            show_edge=False,
+            pad_edge=False,
+            header_style="bold",
+        )
         columns: tuple[tuple[str, Justify], ...] = (
-            ("layer", "left"), ("C", "right"), ("values/ch", "right"), ("mean shift", "right"),
-            ("max shift", "right"), ("var log-ratio", "right"))
+            ("layer", "left"),
+            ("C", "right"),
+            ("values/ch", "right"),
+            ("mean shift", "right"),
+            ("max shift", "right"),
+            ("var log-ratio", "right"),
+        )
         for col, justify in columns:
             table.add_column(col, justify=justify, overflow="fold")
         for c in report.layers:
-            table.add_row(_cell(c.name), str(c.channels), str(c.values),
-                          _arrow(c.before.mean_shift, c.after.mean_shift),
-                          _arrow(c.before.max_mean_shift, c.after.max_mean_shift),
-                          _arrow(c.before.var_log_ratio, c.after.var_log_ratio))
+            table.add_row(
+                _cell(c.name),
+                str(c.channels),
+                str(c.values),
+                _arrow(c.before.mean_shift, c.after.mean_shift),
+                _arrow(c.before.max_mean_shift, c.after.max_mean_shift),
+                _arrow(c.before.var_log_ratio, c.after.var_log_ratio),
+            )
         console.print(table)
         console.print()
     if report.skipped:
@@ -272,20 +321,31 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
     before, after = report.eval_before, report.eval_after
     if before is not None and after is not None:
         console.print(_cell(f"held-out data: {after.data}", style="dim"))
-        table = Table(title="gap on the held-out data: old -> new checkpoint",
-                      title_justify="left", title_style="bold", show_edge=False, pad_edge=False,
-                      header_style="bold")
+        table = Table(
+            title="gap on the held-out data: old -> new checkpoint",
+            title_justify="left",
+            title_style="bold",
+            show_edge=False,
+            pad_edge=False,
+            header_style="bold",
+        )
         table.add_column("", justify="left")
         table.add_column("old", justify="right")
         table.add_column("new", justify="right")
         table.add_row("eval-mode accuracy", _percent(before.eval_accuracy), _percent(after.eval_accuracy))
         table.add_row("train-mode accuracy", _percent(before.train_accuracy), _percent(after.train_accuracy))
-        table.add_row("gap (points)", "-" if before.gap is None else f"{before.gap * 100:+.1f}",
-                      "-" if after.gap is None else f"{after.gap * 100:+.1f}")
+        table.add_row(
+            "gap (points)",
+            "-" if before.gap is None else f"{before.gap * 100:+.1f}",
+            "-" if after.gap is None else f"{after.gap * 100:+.1f}",
+        )
         table.add_row("agreement", _percent(before.agreement), _percent(after.agreement))
         kind = "KL(eval || train)" if after.divergence_kind == "kl" else "relative L2"
-        table.add_row(f"divergence ({kind})", "-" if before.divergence is None else f"{before.divergence:.3g}",
-                      "-" if after.divergence is None else f"{after.divergence:.3g}")
+        table.add_row(
+            f"divergence ({kind})",
+            "-" if before.divergence is None else f"{before.divergence:.3g}",
+            "-" if after.divergence is None else f"{after.divergence:.3g}",
+        )
         console.print(table)
         console.print()
     console.print(_cell(f"wrote {report.output}: {len(report.layers)} layer(s) recalibrated", style="green"))

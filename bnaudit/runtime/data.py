@@ -22,6 +22,7 @@ Every problem with the data ends in a `BnauditError` naming the file or the batc
 found in worker processes travel back as marker objects, never as exceptions, so the
 message stays one line.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -131,8 +132,13 @@ def _is_label(value: Any) -> bool:
         return False
     if isinstance(value, (int, np.integer)):
         return True
-    return isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point \
-        and not value.dtype.is_complex and value.dtype != torch.bool
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 0
+        and not value.dtype.is_floating_point
+        and not value.dtype.is_complex
+        and value.dtype != torch.bool
+    )
 
 
 def split_item(item: Any) -> tuple[Any, Any]:
@@ -358,7 +364,7 @@ class FileRows:
                 end = start + 1
                 while end < len(rows) and rows[end] == rows[end - 1] + 1:
                     end += 1
-                read_into(f, self.offset + rows[start] * size, buffer[start * size:end * size], self.path)
+                read_into(f, self.offset + rows[start] * size, buffer[start * size : end * size], self.path)
                 start = end
         return torch.frombuffer(data, dtype=dtype).reshape(len(rows), *self.shape[1:])  # shares `data`
 
@@ -383,9 +389,7 @@ def _open_shard(path: str) -> _Shard:
         if not _integer_dtype(labels.dtype):
             raise BnauditError(f"{path}: 'labels' must hold integer class indices, got {labels.dtype}")
         if labels.shape[0] != inputs.shape[0]:
-            raise BnauditError(
-                f"{path}: 'inputs' has {inputs.shape[0]} samples but 'labels' has {labels.shape[0]}"
-            )
+            raise BnauditError(f"{path}: 'inputs' has {inputs.shape[0]} samples but 'labels' has {labels.shape[0]}")
     return _Shard(path, inputs, labels, int(inputs.shape[0]))
 
 
@@ -418,7 +422,8 @@ def _open_torch_tensors(path: str, fmt: str) -> dict[str, Any]:
         # The reader's advice (--trust-pickle) is about checkpoints: data files are always
         # read without running code, whatever the flags.
         raise BnauditError(
-            text.split("; if you trust", 1)[0] + "; data files are never unpickled beyond plain tensors (--trust-pickle applies "
+            text.split("; if you trust", 1)[0]
+            + "; data files are never unpickled beyond plain tensors (--trust-pickle applies "
             "to the checkpoint only): save the inputs and labels with safetensors, or as a dict of tensors"
         ) from None
     if not isinstance(obj, Mapping):
@@ -429,8 +434,12 @@ def _open_torch_tensors(path: str, fmt: str) -> dict[str, Any]:
         # torch.load(mmap=True) maps the file, and every page of it that a batch touches
         # stays resident: read the inputs batch by batch instead, where they lie as plain rows
         where = stored_tensors(path).get("inputs")
-        if (where is not None and where.start is not None and where.shape == tuple(inputs.shape)
-                and where.dtype == str(inputs.dtype).removeprefix("torch.")):
+        if (
+            where is not None
+            and where.start is not None
+            and where.shape == tuple(inputs.shape)
+            and where.dtype == str(inputs.dtype).removeprefix("torch.")
+        ):
             tensors["inputs"] = FileRows(path, where.start, where.dtype, where.shape)
     return tensors
 
@@ -503,8 +512,11 @@ def _open_folder(path: str, options: DataOptions) -> _Source:
     if not entries:
         raise BnauditError(f"{path}: empty folder")
     subfolders = [e for e in entries if os.path.isdir(os.path.join(path, e))]
-    shards = [os.path.join(path, e) for e in entries
-              if e.lower().endswith(TENSOR_SUFFIXES) and os.path.isfile(os.path.join(path, e))]
+    shards = [
+        os.path.join(path, e)
+        for e in entries
+        if e.lower().endswith(TENSOR_SUFFIXES) and os.path.isfile(os.path.join(path, e))
+    ]
     if subfolders:
         return ImageFolderSource(path, options)
     if shards:
@@ -513,9 +525,7 @@ def _open_folder(path: str, options: DataOptions) -> _Source:
         raise BnauditError(
             f"{path}: images must lie in one subfolder per class (ImageFolder layout: {path}/<class>/*.png)"
         )
-    raise BnauditError(
-        f"{path}: no class subfolders with images and no tensor files ({' '.join(TENSOR_SUFFIXES)})"
-    )
+    raise BnauditError(f"{path}: no class subfolders with images and no tensor files ({' '.join(TENSOR_SUFFIXES)})")
 
 
 def batch_indices(
@@ -530,7 +540,7 @@ def batch_indices(
         order = list(range(n))
     if num_samples is not None:
         order = order[:num_samples]
-    return merge_trailing_singleton_plan([order[i:i + batch_size] for i in range(0, len(order), batch_size)])
+    return merge_trailing_singleton_plan([order[i : i + batch_size] for i in range(0, len(order), batch_size)])
 
 
 @dataclass
@@ -640,8 +650,10 @@ def _shape_clash(items: list[_Item]) -> str | None:
     for item in items[1:]:
         if isinstance(item.input, torch.Tensor) and item.input.shape != first.input.shape:
             hint = " (pass --image-size to resize images)" if first.origin.lower().endswith(IMAGE_SUFFIXES) else ""
-            return (f"samples differ in shape: {first.origin} is {list(first.input.shape)}, "
-                    f"{item.origin} is {list(item.input.shape)}{hint}")
+            return (
+                f"samples differ in shape: {first.origin} is {list(first.input.shape)}, "
+                f"{item.origin} is {list(item.input.shape)}{hint}"
+            )
     return None
 
 
@@ -762,8 +774,10 @@ def _surviving(loader: Any) -> Iterator[Any]:
             if not str(exc).startswith("DataLoader worker"):
                 raise
             first = str(exc).strip().splitlines()[0].rstrip(". ")
-            raise BnauditError(f"a --workers process died ({first}); the machine may be out of memory: "
-                               "try fewer --workers or a smaller --batch-size") from None
+            raise BnauditError(
+                f"a --workers process died ({first}); the machine may be out of memory: "
+                "try fewer --workers or a smaller --batch-size"
+            ) from None
         yield raw
 
 

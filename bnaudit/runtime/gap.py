@@ -26,6 +26,7 @@ with `bnaudit.runtime.stats.ChannelStats`) with its running statistics mu_r, var
                   statistics describe the data; a shift of one running std and a variance
                   off by a factor e weigh alike)
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -192,10 +193,11 @@ def measure_model_gap(
             inputs = to_device(batch.inputs, device)
             labels = None if batch.labels is None else batch.labels.to(device)
 
-            def run_train() -> Any:
+            # called within this iteration only: the defaults pin this batch for the linter
+            def run_train(inputs: Any = inputs, batch: Any = batch) -> Any:
                 return _run(model, inputs, forward_fn, batch.index, norms, train=True)
 
-            def run_eval() -> Any:
+            def run_eval(inputs: Any = inputs, batch: Any = batch) -> Any:
                 with record_bn_inputs(hooked) as stats:
                     out = _run(model, inputs, forward_fn, batch.index, norms, train=False)
                 for name, s in stats.items():
@@ -254,7 +256,9 @@ def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict, trai
     except Exception as exc:
         where = _locate_failure(model, call)
         mode = "train mode (batch statistics)" if train else "eval mode"
-        raise BnauditError(f"batch {index}: the model rejects the batch in {mode}: {where}{exception_line(exc)}") from None
+        raise BnauditError(
+            f"batch {index}: the model rejects the batch in {mode}: {where}{exception_line(exc)}"
+        ) from None
     try:
         return output_tensor(output)
     except BnauditError as exc:
@@ -262,7 +266,8 @@ def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict, trai
             raise BnauditError(f"batch {index}: {exc}") from None
         raise BnauditError(
             f"batch {index}: the --forward function returned {type(output).__name__}, which holds no tensor: "
-            "it must return the model's output (the logits, one row per sample)") from None
+            "it must return the model's output (the logits, one row per sample)"
+        ) from None
 
 
 def _shapes(args: tuple) -> str:
@@ -281,6 +286,7 @@ def _locate_failure(model: Any, call: Callable[[], Any]) -> str:
     failed: list[tuple[str, str, str]] = []
     handles = []
     for name, module in model.named_modules():
+
         def pre(mod: Any, args: tuple, _name: str = name) -> None:
             stack.append((_name, type(mod).__name__, _shapes(args)))
 
@@ -352,19 +358,57 @@ def _drift(norms: dict[str, Any], accumulated: dict[str, Any], hooked: dict[str,
             continue
         stats = accumulated[name]
         if mean_run is None or var_run is None:
-            layers.append(LayerDrift(name, position, kind, channels, stats.count, None, None, None,
-                                     "no running statistics (track_running_stats=False)"))
+            layers.append(
+                LayerDrift(
+                    name,
+                    position,
+                    kind,
+                    channels,
+                    stats.count,
+                    None,
+                    None,
+                    None,
+                    "no running statistics (track_running_stats=False)",
+                )
+            )
             continue
         if stats.count < 2:
-            layers.append(LayerDrift(name, position, kind, channels, stats.count, None, None, None,
-                                     "not reached by the data" if stats.count == 0 else "too few values"))
+            layers.append(
+                LayerDrift(
+                    name,
+                    position,
+                    kind,
+                    channels,
+                    stats.count,
+                    None,
+                    None,
+                    None,
+                    "not reached by the data" if stats.count == 0 else "too few values",
+                )
+            )
             continue
-        d = drift(stats.mean.cpu(), stats.var.cpu(), mean_run.detach().double().cpu(), var_run.detach().double().cpu(),
-                  float(module.eps))
-        layers.append(LayerDrift(name, position, kind, int(mean_run.numel()), stats.count,
-                                 d.mean_shift, d.max_mean_shift, d.var_log_ratio))
-    return sorted(layers, key=lambda d: (d.drift is None, -(d.drift or 0.0) if d.drift is not None else 0.0,
-                                         d.position))
+        d = drift(
+            stats.mean.cpu(),
+            stats.var.cpu(),
+            mean_run.detach().double().cpu(),
+            var_run.detach().double().cpu(),
+            float(module.eps),
+        )
+        layers.append(
+            LayerDrift(
+                name,
+                position,
+                kind,
+                int(mean_run.numel()),
+                stats.count,
+                d.mean_shift,
+                d.max_mean_shift,
+                d.var_log_ratio,
+            )
+        )
+    return sorted(
+        layers, key=lambda d: (d.drift is None, -(d.drift or 0.0) if d.drift is not None else 0.0, d.position)
+    )
 
 
 def _pct(x: float | None) -> str:
@@ -386,70 +430,102 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
 
     if gap is not None:
         if eval_loses:
-            lines.append(f"Eval mode loses {gap * 100:.1f} accuracy points: {_pct(report.eval_accuracy)} with the stored "
-                         f"statistics against {_pct(report.train_accuracy)} with batch statistics.")
+            lines.append(
+                f"Eval mode loses {gap * 100:.1f} accuracy points: {_pct(report.eval_accuracy)} with the stored "
+                f"statistics against {_pct(report.train_accuracy)} with batch statistics."
+            )
         elif eval_wins:
-            lines.append(f"Eval mode is {-gap * 100:.1f} points better than batch statistics "
-                         f"({_pct(report.eval_accuracy)} against {_pct(report.train_accuracy)}).")
+            lines.append(
+                f"Eval mode is {-gap * 100:.1f} points better than batch statistics "
+                f"({_pct(report.eval_accuracy)} against {_pct(report.train_accuracy)})."
+            )
         else:
-            lines.append(f"Eval mode and batch statistics give the same accuracy within {GAP_NOTABLE * 100:.0f} point "
-                         f"({_pct(report.eval_accuracy)} and {_pct(report.train_accuracy)}).")
+            lines.append(
+                f"Eval mode and batch statistics give the same accuracy within {GAP_NOTABLE * 100:.0f} point "
+                f"({_pct(report.eval_accuracy)} and {_pct(report.train_accuracy)})."
+            )
     elif agreement is not None:
-        lines.append(f"No labels: the two modes agree on {_pct(agreement)} of the predictions "
-                     f"(mean KL divergence {report.divergence:.3g}).")
+        lines.append(
+            f"No labels: the two modes agree on {_pct(agreement)} of the predictions "
+            f"(mean KL divergence {report.divergence:.3g})."
+        )
     else:
-        lines.append(f"No labels and no class scores: the outputs of the two modes differ by "
-                     f"{report.divergence:.3g} (mean relative L2 distance).")
+        lines.append(
+            f"No labels and no class scores: the outputs of the two modes differ by "
+            f"{report.divergence:.3g} (mean relative L2 distance)."
+        )
 
     reset = [f.layer for f in by_code.get("BN002", []) if f.layer]
     if reset:
-        lines.append(f"{_sentence(layer_list(reset))} hold the initial statistics (mean 0, variance 1): reset or never loaded, "
-                     "so eval mode normalises with values that describe no data. Recalibrate: "
-                     "`bnaudit recalibrate` on a few thousand representative samples.")
+        lines.append(
+            f"{_sentence(layer_list(reset))} hold the initial statistics (mean 0, variance 1): reset or never loaded, "
+            "so eval mode normalises with values that describe no data. Recalibrate: "
+            "`bnaudit recalibrate` on a few thousand representative samples."
+        )
     immature = [f.layer for f in by_code.get("BN003", []) if f.layer]
     if immature:
-        lines.append(f"Immature statistics (BN003) in {layer_list(immature)}: the initial values still weigh in. "
-                     "Recalibrate with `bnaudit recalibrate`.")
+        lines.append(
+            f"Immature statistics (BN003) in {layer_list(immature)}: the initial values still weigh in. "
+            "Recalibrate with `bnaudit recalibrate`."
+        )
     dead = by_code.get("BN004", [])
     dead_layers = [f.layer for f in dead if f.layer]
     if large and not reset and not immature:
         first = large[0]
         if first.name in dead_layers:
-            lines.append(f"Drift starts at {first.name}, where BN004 found channels with a running variance near eps: "
-                         "the data reaching them still varies, so eval mode multiplies it by their eval gain. "
-                         "Recalibrate the statistics on representative data (or prune the channels).")
+            lines.append(
+                f"Drift starts at {first.name}, where BN004 found channels with a running variance near eps: "
+                "the data reaching them still varies, so eval mode multiplies it by their eval gain. "
+                "Recalibrate the statistics on representative data (or prune the channels)."
+            )
         elif first.position == ordered[0].position:
             holds = " while batch statistics keep the accuracy" if eval_loses else ""
-            lines.append(f"Drift is large from the first BN layer on ({first.name}: mean shift {first.mean_shift:.2f}, "
-                         f"variance log-ratio {first.var_log_ratio:.2f}){holds}: the stored statistics do not describe "
-                         "this data (immature, or computed on other data). Recalibrate on representative data.")
+            lines.append(
+                f"Drift is large from the first BN layer on ({first.name}: mean shift {first.mean_shift:.2f}, "
+                f"variance log-ratio {first.var_log_ratio:.2f}){holds}: the stored statistics do not describe "
+                "this data (immature, or computed on other data). Recalibrate on representative data."
+            )
         else:
             before = ordered[: ordered.index(first)]
-            lines.append(f"Drift starts at {first.name} (BN layer {first.position + 1}; the {len(before)} layer(s) before "
-                         f"it match the data): a domain shift that shows from this depth on, or layers before it changed "
-                         "after its statistics were recorded. Recalibrate on data of the target domain (AdaBN-style).")
+            lines.append(
+                f"Drift starts at {first.name} (BN layer {first.position + 1}; the {len(before)} layer(s) before "
+                f"it match the data): a domain shift that shows from this depth on, or layers before it changed "
+                "after its statistics were recorded. Recalibrate on data of the target domain (AdaBN-style)."
+            )
     if dead_layers and not (large and large[0].name in dead_layers):
-        lines.append(f"Dead channels (BN004) in {layer_list(dead_layers)}: running variance near eps, so eval mode "
-                     "amplifies any input they receive; see the findings.")
+        lines.append(
+            f"Dead channels (BN004) in {layer_list(dead_layers)}: running variance near eps, so eval mode "
+            "amplifies any input they receive; see the findings."
+        )
     if "BN005" in by_code:
         lines.append("Invalid values in the statistics (BN005): eval-mode outputs of those channels are NaN or Inf.")
     if report.non_finite.get("eval_mode"):
         lines.append(f"{report.non_finite['eval_mode']} sample(s) get NaN or Inf outputs in eval mode.")
     if "BN006" in by_code:
-        lines.append("Some BatchNorm layers keep no running statistics (BN006): they use batch statistics in eval "
-                     "mode too, so both modes depend on the batch there.")
+        lines.append(
+            "Some BatchNorm layers keep no running statistics (BN006): they use batch statistics in eval "
+            "mode too, so both modes depend on the batch there."
+        )
     if not report.shuffle:
-        lines.append("--no-shuffle: if the data is sorted by class, each batch holds one class and train-mode numbers "
-                     "mean nothing; run without --no-shuffle for a fair reference.")
+        lines.append(
+            "--no-shuffle: if the data is sorted by class, each batch holds one class and train-mode numbers "
+            "mean nothing; run without --no-shuffle for a fair reference."
+        )
     elif eval_wins:
-        lines.append(f"Batch statistics are noisy at batch size {report.batch_size}: the train-mode numbers depend on "
-                     "the batch size; the stored statistics are fine. A larger --batch-size narrows this.")
+        lines.append(
+            f"Batch statistics are noisy at batch size {report.batch_size}: the train-mode numbers depend on "
+            "the batch size; the stored statistics are fine. A larger --batch-size narrows this."
+        )
     elif report.batch_size < SMALL_BATCH:
-        lines.append(f"Batch size {report.batch_size} is small: batch statistics are noisy, so train-mode numbers are "
-                     "a weak reference.")
+        lines.append(
+            f"Batch size {report.batch_size} is small: batch statistics are noisy, so train-mode numbers are "
+            "a weak reference."
+        )
     if scripted:
-        lines.append("Per-layer drift needs hooks, which TorchScript modules do not run: pass --arch with the "
-                     "state dict to see it.")
+        lines.append(
+            "Per-layer drift needs hooks, which TorchScript modules do not run: pass --arch with the "
+            "state dict to see it."
+        )
     if not eval_loses and not eval_wins and not large and not reset and not immature and not dead_layers:
         lines.append("The stored statistics describe this data: nothing to fix.")
     return lines

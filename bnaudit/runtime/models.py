@@ -19,6 +19,7 @@ The helpers used to run a model on data live here too: `forward` (tensors, tuple
 or a --forward function), `output_tensor`, `to_device` and `resolve_device`. Which modules
 are BatchNorm is `bnaudit.runtime.norms`'s answer.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -167,8 +168,11 @@ def exit_message(exc: SystemExit, doing: str, printed: str = "") -> str:
     shown = f": {code}" if isinstance(code, str) else f" with code {code}" if code not in (None, 0) else ""
     last = [line.strip() for line in printed.splitlines() if line.strip()]
     said = f" (it printed: {last[-1]})" if last else ""
-    hint = ("code that runs at import must not parse the command line or exit; guard it with "
-            "`if __name__ == \"__main__\":`") if doing.startswith("importing") else "it must return, not exit"
+    hint = (
+        ('code that runs at import must not parse the command line or exit; guard it with `if __name__ == "__main__":`')
+        if doing.startswith("importing")
+        else "it must return, not exit"
+    )
     return f"{doing} ended in sys.exit(){shown}{said}: {hint}"
 
 
@@ -245,7 +249,7 @@ def match_checkpoint(ckpt: Checkpoint, model: Any) -> tuple[Checkpoint, ModuleFa
     keys is restored. Returns the checkpoint renamed to the model's names, with the
     model's real module settings, and the ModuleFacts of the comparison.
     """
-    model_state = {k: v for k, v in model.state_dict(keep_vars=True).items()}
+    model_state = dict(model.state_dict(keep_vars=True))
     stripped = ckpt.prefix
     tails = [stripped[i:] for i in range(len(stripped) + 1) if i == 0 or stripped[i - 1] == "."]
     best = max(
@@ -339,9 +343,15 @@ def _load_pickled_module(path: str, fmt: str, key: str | None, trust_pickle: boo
         cwd = os.getcwd()
         if cwd not in sys.path and "" not in sys.path:
             sys.path.insert(0, cwd)  # the pickled classes are imported by module name
-    obj = load_torch_object(path, trust_pickle=trust_pickle, mmap=fmt == "torch-zip", hint=(
-        "unpickling a class runs code from the file: save model.state_dict() (as .safetensors, the format "
-        "that holds no code) and pass --arch MODULE:CALLABLE to build the model"))
+    obj = load_torch_object(
+        path,
+        trust_pickle=trust_pickle,
+        mmap=fmt == "torch-zip",
+        hint=(
+            "unpickling a class runs code from the file: save model.state_dict() (as .safetensors, the format "
+            "that holds no code) and pass --arch MODULE:CALLABLE to build the model"
+        ),
+    )
     candidates = find_state_dicts(obj)
     modules = {k: v for k, v in candidates.items() if isinstance(v, torch.nn.Module)}
     if not modules:

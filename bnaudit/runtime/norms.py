@@ -30,6 +30,7 @@ Batches: a last batch of one sample joins the batch before it
 per channel (a (1, C) input has no variance). Batch plans of sample indices, sharded plans
 and streams of batches all follow this rule through that one function.
 """
+
 from __future__ import annotations
 
 import contextlib

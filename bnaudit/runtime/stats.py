@@ -13,6 +13,7 @@ Batches are merged with Chan et al.'s parallel formulas
 so the result is the population statistic of all samples, independent of batch size,
 sample order and sharding (to float64 rounding), and never E[x^2] - E[x]^2.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -89,7 +90,7 @@ def shifted_sums(x: Any, shift: Any) -> Any:
     sums = torch.empty((2, len(parts), x.shape[1]), dtype=torch.float64, device=x.device)
     rows1, rows2 = sums[0].unbind(0), sums[1].unbind(0)
     for i, part in enumerate(parts):
-        deviation = buffer if part.shape[0] == step else buffer[:part.shape[0]]
+        deviation = buffer if part.shape[0] == step else buffer[: part.shape[0]]
         deviation.copy_(part).sub_(shift)
         torch.sum(deviation, dim=dims, out=rows1[i])
         torch.sum(deviation.square_(), dim=dims, out=rows2[i])
@@ -172,6 +173,7 @@ def record_bn_inputs(modules: dict[str, Any]) -> Iterator[dict[str, ChannelStats
     stats = {name: ChannelStats() for name in modules}
     handles = []
     for name, module in modules.items():
+
         def hook(_module: Any, args: tuple, _name: str = name) -> None:
             stats[_name].update(args[0])
 
@@ -199,12 +201,12 @@ def all_gather_merge(stats: ChannelStats, num_channels: int, group: Any = None) 
     if stats.count:
         # counts are integers below 2^53 in any realistic run: exact in float64
         packed[0] = float(stats.count)
-        packed[1:num_channels + 1] = stats.mean.to(device)
-        packed[num_channels + 1:] = stats.m2.to(device)
+        packed[1 : num_channels + 1] = stats.mean.to(device)
+        packed[num_channels + 1 :] = stats.m2.to(device)
     gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, packed, group=group)
     merged = ChannelStats()
     for part in gathered:
         n = int(part[0].item())
-        merged.merge(n, part[1:num_channels + 1].cpu(), part[num_channels + 1:].cpu())
+        merged.merge(n, part[1 : num_channels + 1].cpu(), part[num_channels + 1 :].cpu())
     return merged

@@ -9,6 +9,7 @@ model source) or lands in a data folder, a layer whose buffers the file lacks is
 rather than written as new keys, and SIGTERM unwinds like Ctrl-C while a run is in progress
 so no temporary file stays behind.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -105,14 +106,16 @@ def layer_changes(calibration: Calibration, model: Any) -> list[LayerChange]:
     for layer in calibration.layers:
         module = modules[layer.name]
         stored_mean, stored_var = to_numpy(module.running_mean), to_numpy(module.running_var)
-        changes.append(LayerChange(
-            name=layer.name,
-            channels=layer.num_features,
-            values=layer.count,
-            batches=layer.batches,
-            before=drift(layer.data_mean, layer.data_var, layer.old_mean, layer.old_var, layer.eps),
-            after=drift(layer.data_mean, layer.data_var, stored_mean, stored_var, layer.eps),
-        ))
+        changes.append(
+            LayerChange(
+                name=layer.name,
+                channels=layer.num_features,
+                values=layer.count,
+                batches=layer.batches,
+                before=drift(layer.data_mean, layer.data_var, layer.old_mean, layer.old_var, layer.eps),
+                after=drift(layer.data_mean, layer.data_var, stored_mean, stored_var, layer.eps),
+            )
+        )
     return changes
 
 
@@ -172,14 +175,23 @@ def recalibrate_checkpoint(
             raise BnauditError(f"unknown --method {method!r} (choose from {', '.join(METHODS)})")
         check_output(output, checkpoint, force)
         options.validate()
-        protect_inputs(output, [("--data", options.path), ("--eval-data", eval_data.path if eval_data is not None else None),
-                                *((option, _spec_file(spec)) for option, spec in
-                                  (("--arch", arch), ("--dataset", options.dataset), ("--forward", forward)))])
+        protect_inputs(
+            output,
+            [
+                ("--data", options.path),
+                ("--eval-data", eval_data.path if eval_data is not None else None),
+                *(
+                    (option, _spec_file(spec))
+                    for option, spec in (("--arch", arch), ("--dataset", options.dataset), ("--forward", forward))
+                ),
+            ],
+        )
         if options.batch_size < 2 and method != "sequential":
             raise BnauditError(
                 f"--batch-size {options.batch_size}: the {method} method normalises by batch statistics, which a batch of "
                 "one sample does not have (one value per channel in a BatchNorm1d layer); use --batch-size 2 or more, "
-                "or --method sequential")
+                "or --method sequential"
+            )
         if eval_data is not None:
             eval_data.validate()
             if _same_data(options, eval_data):
@@ -197,8 +209,11 @@ def recalibrate_checkpoint(
             runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
             ckpt = runnable.checkpoint
             # A layer whose buffers the file lacks cannot be written back without new keys.
-            absent = [name for name in classify_layers(runnable.module)[0]
-                      if f"{name}.running_mean" not in ckpt.tensors or f"{name}.running_var" not in ckpt.tensors]
+            absent = [
+                name
+                for name in classify_layers(runnable.module)[0]
+                if f"{name}.running_mean" not in ckpt.tensors or f"{name}.running_var" not in ckpt.tensors
+            ]
             stream = make_loader(dataclasses.replace(options, pin_memory=target.type == "cuda"))
             batches: Any = stream
             if world > 1:
@@ -214,16 +229,30 @@ def recalibrate_checkpoint(
                 inputs = batch.inputs if hasattr(batch, "inputs") else batch
                 return run_forward(module, to_device(inputs, target), forward_fn)
 
-            calibration = recalibrate_module(model, batches, method=method, include=include,
-                                             exclude=tuple(exclude) + tuple(absent), forward=run,
-                                             autocast=autocast, progress=progress)
-            skipped = [SkippedLayer(s.name, "its buffers are not in the checkpoint: left out (no new keys are written)")
-                       if s.name in absent else s for s in calibration.skipped]
+            calibration = recalibrate_module(
+                model,
+                batches,
+                method=method,
+                include=include,
+                exclude=tuple(exclude) + tuple(absent),
+                forward=run,
+                autocast=autocast,
+                progress=progress,
+            )
+            skipped = [
+                SkippedLayer(s.name, "its buffers are not in the checkpoint: left out (no new keys are written)")
+                if s.name in absent
+                else s
+                for s in calibration.skipped
+            ]
             if not calibration.layers:
                 unreached = forward is not None and any(s.reason.startswith("never reached") for s in skipped)
-                raise BnauditError("no BatchNorm layer was recalibrated (see the skipped layers: "
-                                   + "; ".join(f"{s.name}: {s.reason}" for s in skipped[:4]) + ")"
-                                   + (f"; does --forward {forward} call the model on the batch?" if unreached else ""))
+                raise BnauditError(
+                    "no BatchNorm layer was recalibrated (see the skipped layers: "
+                    + "; ".join(f"{s.name}: {s.reason}" for s in skipped[:4])
+                    + ")"
+                    + (f"; does --forward {forward} call the model on the batch?" if unreached else "")
+                )
             if rank != 0:
                 return None
             updates = {name: value for name, value in calibration.buffers().items() if name in ckpt.tensors}
@@ -241,7 +270,7 @@ def recalibrate_checkpoint(
                 # EMA, so their num_batches_tracked (= batches) says nothing about maturity
                 "recalibrated_layers": [layer.name for layer in calibration.layers],
                 "bnaudit_version": __version__,
-                "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
+                "date": datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
             }
             save_like(ckpt, updates, output, force=force, provenance=provenance, trust_pickle=trust_pickle)
             eval_after = None

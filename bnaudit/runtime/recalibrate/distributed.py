@@ -10,6 +10,7 @@ cumulative method's sums of batch means and variances are summed. Every collecti
 on every rank in the same order; `together` turns one rank's failure into an error on
 all ranks instead of a hang. Without torch.distributed all of this is a no-op.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -84,17 +85,24 @@ def reduce_pass(result: PassResult, observed: dict[str, Any], cumulative: bool) 
     names = list(observed)
     counts = torch.tensor(
         [[result.samples, result.batches]] + [[result.records[n].batches, result.records[n].calls] for n in names],
-        dtype=torch.int64, device=device)
+        dtype=torch.int64,
+        device=device,
+    )
     dist.all_reduce(counts)
-    maxima = torch.tensor([result.max_batch] + [result.records[n].max_calls for n in names],
-                          dtype=torch.int64, device=device)
+    maxima = torch.tensor(
+        [result.max_batch] + [result.records[n].max_calls for n in names], dtype=torch.int64, device=device
+    )
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
     merged = PassResult({}, int(counts[0, 0]), int(counts[0, 1]), int(maxima[0]))
     for i, name in enumerate(names):
         record = result.records[name]
         channels = num_features(observed[name])
-        new = LayerRecord(all_gather_merge(record.stats, channels),
-                           batches=int(counts[i + 1, 0]), calls=int(counts[i + 1, 1]), max_calls=int(maxima[i + 1]))
+        new = LayerRecord(
+            all_gather_merge(record.stats, channels),
+            batches=int(counts[i + 1, 0]),
+            calls=int(counts[i + 1, 1]),
+            max_calls=int(maxima[i + 1]),
+        )
         if cumulative:
             sums = torch.zeros(2, channels, dtype=torch.float64, device=device)
             if record.mean_sum is not None:
@@ -110,7 +118,7 @@ def shard_plan(plan: list[list[int]], batch_size: int, rank: int, world: int) ->
     two ranks, none left out), cut into batches, a last batch of one sample merged."""
     order = [index for batch in plan for index in batch]
     mine = order[rank::world]
-    return merge_trailing_singleton_plan([mine[i:i + batch_size] for i in range(0, len(mine), batch_size)])
+    return merge_trailing_singleton_plan([mine[i : i + batch_size] for i in range(0, len(mine), batch_size)])
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ and num_batches_tracked = the batches that reached the layer. Only these buffers
 recalibrated layers change; the modes are restored. A last batch of one sample joins the
 previous one (`norms.merge_trailing_singleton`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -131,6 +132,7 @@ def select_layers(
 
 def default_forward(model: Any, batch: Any, device: Any = None) -> Any:
     """model(x) for a tensor batch, model(x) for (x, label, ...), model(**batch) for a dict."""
+
     def move(x: Any) -> Any:
         return x.to(device, non_blocking=True) if device is not None and hasattr(x, "to") else x
 
@@ -146,16 +148,24 @@ class _StopForward(Exception):
 
 
 _BN_OPS = {
-    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
-    "_native_batch_norm_legit_functional", "cudnn_batch_norm", "miopen_batch_norm",
-    "_batch_norm_with_update", "_batch_norm_with_update_functional", "_batch_norm_no_update",
-    "batch_norm", "_batch_norm_impl_index",
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional",
+    "cudnn_batch_norm",
+    "miopen_batch_norm",
+    "_batch_norm_with_update",
+    "_batch_norm_with_update_functional",
+    "_batch_norm_no_update",
+    "batch_norm",
+    "_batch_norm_impl_index",
 }
 
 
 @contextlib.contextmanager
-def _observe(model: Any, layers: dict[str, Any], callback: Callable[[str, Any], Any],
-             fused: Collection[str] = ()) -> Iterator[None]:
+def _observe(
+    model: Any, layers: dict[str, Any], callback: Callable[[str, Any], Any], fused: Collection[str] = ()
+) -> Iterator[None]:
     """Call `callback(name, input)` each time one of `layers` normalises an input.
 
     TorchScript layers named in `fused` (normalising by batch statistics) take the
@@ -164,6 +174,7 @@ def _observe(model: Any, layers: dict[str, Any], callback: Callable[[str, Any], 
         yield
         return
     if not is_script(model):
+
         def hook(name: str) -> Callable[[Any, tuple], None]:
             def observe(_module: Any, args: tuple) -> None:
                 callback(name, args[0])  # returns None: a pre-hook's return value replaces the input
@@ -181,14 +192,19 @@ def _observe(model: Any, layers: dict[str, Any], callback: Callable[[str, Any], 
     by_buffer = {module.running_mean.data_ptr(): name for name, module in layers.items()}
 
     class BatchNormCalls(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.overloadpacket.__name__ in _BN_OPS and len(args) > 3 and isinstance(args[3], torch.Tensor):
                 name = by_buffer.get(args[3].data_ptr())
                 if name is not None:
                     batch = callback(name, args[0])
                     # native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
-                    if (name in fused and func is torch.ops.aten.native_batch_norm.default and len(args) == 8
-                            and args[5] is True and not kwargs):
+                    if (
+                        name in fused
+                        and func is torch.ops.aten.native_batch_norm.default
+                        and len(args) == 8
+                        and args[5] is True
+                        and not kwargs
+                    ):
                         out = _normalise(args[0], batch, args[1], args[2], args[7], args[3].dtype)
                         if out is not None:
                             return out
@@ -213,8 +229,12 @@ def _normalise(x: Any, batch: ChannelStats, weight: Any, bias: Any, eps: float, 
     apply and PyTorch's own training-mode forward must run: one value per channel
     (PyTorch raises), reduced precision or mixed dtypes, a 0-channel input.
     """
-    if (batch.count <= 1 or batch.mean is None or x.dtype != stats_dtype
-            or x.dtype not in (torch.float32, torch.float64)):
+    if (
+        batch.count <= 1
+        or batch.mean is None
+        or x.dtype != stats_dtype
+        or x.dtype not in (torch.float32, torch.float64)
+    ):
         return None
     mean = batch.mean.to(stats_dtype)
     var = (batch.m2 / batch.count).to(stats_dtype)
@@ -229,6 +249,7 @@ def _fuse(layers: dict[str, Any], observe: Callable[[str, Any], ChannelStats]) -
     pre-hook followed by PyTorch's training-mode forward, which would compute the
     batch statistics a second time. Where `_normalise` does not apply, PyTorch's
     forward runs after the measurement. Instance forwards are restored on exit."""
+
     def make(name: str, module: Any) -> Callable[[Any], Any]:
         def forward(x: Any) -> Any:
             batch = observe(name, x)
@@ -279,7 +300,8 @@ def _run_pass(
     def on_input(name: str, x: Any) -> ChannelStats:
         if x.dim() < 2 or x.shape[1] != expected[name]:
             raise BnauditError(
-                f"layer {name}: expects {expected[name]} channels in dimension 1, got input of shape {tuple(x.shape)}")
+                f"layer {name}: expects {expected[name]} channels in dimension 1, got input of shape {tuple(x.shape)}"
+            )
         record = result.records[name]
         batch = ChannelStats(shift=shifts[name])
         batch.update(x)
@@ -300,8 +322,7 @@ def _run_pass(
     fused = {name: m for name, m in observed.items() if any(m is b for b in layers)}
     eager = {name: m for name, m in fused.items() if has_stock_forward(model, m)}
     hooked = {name: m for name, m in observed.items() if name not in eager}
-    with (regime(model, layers), _fuse(eager, on_input), _observe(model, hooked, on_input, fused),
-          torch.no_grad()):
+    with regime(model, layers), _fuse(eager, on_input), _observe(model, hooked, on_input, fused), torch.no_grad():
         for index, batch in enumerate(merge_trailing_singleton(batches)):
             calls_now.clear()
             n = batch_len(batch)
@@ -317,7 +338,8 @@ def _run_pass(
                     raise BnauditError(
                         f"batch {index}: {n} sample(s) give one value per channel, which a BatchNorm "
                         "layer cannot normalise in training mode; use --batch-size 2 or more "
-                        "(or --method sequential)") from None
+                        "(or --method sequential)"
+                    ) from None
                 elif isinstance(exc, BnauditError):
                     raise
                 else:
@@ -355,7 +377,8 @@ def _store(name: str, module: Any, mean: np.ndarray, var: np.ndarray, batches: i
             raise BnauditError(
                 f"layer {name}: the new {what} is not finite in {bad} of {value.numel()} channel(s) "
                 f"(in {str(value.dtype).removeprefix('torch.')}); nothing written: check the data and the "
-                "model for NaN/Inf activations")
+                "model for NaN/Inf activations"
+            )
     with torch.no_grad():
         rm.copy_(new_mean)
         rv.copy_(new_var)
@@ -368,7 +391,8 @@ def _finish_layer(name: str, module: Any, record: LayerRecord, method: str, eps:
     stats = record.stats
     if stats.count < 2:
         raise BnauditError(
-            f"layer {name}: only {stats.count} value(s) per channel reached it; the variance needs at least 2")
+            f"layer {name}: only {stats.count} value(s) per channel reached it; the variance needs at least 2"
+        )
     data_mean, data_var = to_numpy(stats.mean), to_numpy(stats.var)
     if method == "cumulative":
         new_mean = to_numpy(record.mean_sum) / record.calls
@@ -412,14 +436,18 @@ def _forward_order(
 
     first = next(iter(merge_trailing_singleton(batches)), None)
     if first is not None:
-        with regime(model, ()), _observe(model, layers, count), torch.no_grad():
-            with autocast if autocast is not None else contextlib.nullcontext():
-                try:
-                    forward(model, first)
-                except BnauditError:
-                    raise
-                except Exception as exc:
-                    raise _rejected(0, exc) from exc
+        with (
+            regime(model, ()),
+            _observe(model, layers, count),
+            torch.no_grad(),
+            autocast if autocast is not None else contextlib.nullcontext(),
+        ):
+            try:
+                forward(model, first)
+            except BnauditError:
+                raise
+            except Exception as exc:
+                raise _rejected(0, exc) from exc
     order = list(calls) + [name for name in layers if name not in calls]
     return order, calls
 
@@ -481,8 +509,16 @@ def recalibrate_module(
 
     if method in ("exact", "cumulative"):
         with together():
-            result = _run_pass(model, batches, forward, chosen, chosen.values(), cumulative=method == "cumulative",
-                               autocast=autocast, progress=tick)
+            result = _run_pass(
+                model,
+                batches,
+                forward,
+                chosen,
+                chosen.values(),
+                cumulative=method == "cumulative",
+                autocast=autocast,
+                progress=tick,
+            )
         result = reduce_pass(result, chosen, method == "cumulative")
         samples, n_batches, max_batch = result.samples, result.batches, result.max_batch
         calibrated = []
@@ -506,9 +542,16 @@ def recalibrate_module(
             # calibrated normalise by batch statistics.
             pending = [chosen[n] for n in order[step:]]
             with together():
-                result = _run_pass(model, batches, forward, {name: module}, pending,
-                                   stop_after=name if calls.get(name, 1) <= 1 else None,
-                                   autocast=autocast, progress=tick)
+                result = _run_pass(
+                    model,
+                    batches,
+                    forward,
+                    {name: module},
+                    pending,
+                    stop_after=name if calls.get(name, 1) <= 1 else None,
+                    autocast=autocast,
+                    progress=tick,
+                )
             result = reduce_pass(result, {name: module}, False)
             samples, n_batches, max_batch = result.samples, result.batches, result.max_batch
             record = result.records[name]
@@ -525,15 +568,18 @@ def recalibrate_module(
     if samples < MIN_SAMPLES:
         warnings.append(
             f"only {samples} calibration samples: Wu & Johnson (2021) report 10^3-10^4 as enough for "
-            "population statistics")
+            "population statistics"
+        )
     few = [layer.name for layer in calibrated if layer.count < MIN_VALUES_PER_CHANNEL]
     if few:
         warnings.append(
             f"fewer than {MIN_VALUES_PER_CHANNEL} values per channel reached {len(few)} layer(s) "
-            f"({', '.join(few[:5])}{' ...' if len(few) > 5 else ''}): their statistics are noisy")
+            f"({', '.join(few[:5])}{' ...' if len(few) > 5 else ''}): their statistics are noisy"
+        )
     for layer in calibrated:
         if layer.calls_per_batch > 1:
             warnings.append(
                 f"layer {layer.name} runs {layer.calls_per_batch} times per forward: its statistics pool "
-                "the inputs of every call (one set of buffers serves them all)")
+                "the inputs of every call (one set of buffers serves them all)"
+            )
     return Calibration(method, samples, n_batches, max_batch or None, world, calibrated, skipped, warnings)
