@@ -13,12 +13,15 @@ import os
 import sys
 from collections.abc import Iterator
 from enum import Enum
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from bnaudit import __version__, fastcli, output
 from bnaudit.errors import BnauditError
+
+if TYPE_CHECKING:
+    from bnaudit.runtime.data import DataOptions
 
 # typer would import pydantic to convert each option; plain ones do not need it. On a
 # typer other than the one fastcli was written for this patches nothing (plain typer).
@@ -313,7 +316,7 @@ def data_options(
     mean: str | None,
     std: str | None,
     skip_bad: bool,
-):
+) -> DataOptions:
     """The CLI's data options as a `bnaudit.runtime.data.DataOptions` (the core function
     that reads the data validates them)."""
     from bnaudit.runtime.data import DataOptions, parse_float_list

@@ -68,7 +68,7 @@ class Config:
     exclude: tuple[str, ...] = ()
     source: str | None = field(default=None, compare=False)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "fail-on": self.fail_on,
             "near-eps-factor": self.near_eps_factor,
@@ -163,7 +163,7 @@ def _momentum(value: Any) -> float:
 
 
 def _severity(value: Any) -> str:
-    if value not in SEVERITIES:
+    if not isinstance(value, str) or value not in SEVERITIES:
         raise ValueError(f"expected one of {', '.join(SEVERITIES[::-1])}, got {value!r}")
     return value
 
@@ -278,7 +278,7 @@ def _read_bytes(path: Path) -> bytes:
         raise BnauditError(f"{path}: cannot read configuration: {exc.strerror or exc}") from None
 
 
-def _read_toml(path: Path, raw: bytes | None = None) -> dict:
+def _read_toml(path: Path, raw: bytes | None = None) -> dict[str, Any]:
     import tomllib  # here: its import costs 5 ms of every run, and most runs parse no TOML
 
     try:
@@ -287,14 +287,14 @@ def _read_toml(path: Path, raw: bytes | None = None) -> dict:
         raise BnauditError(f"{path}: invalid TOML: {exc}") from None
 
 
-def _tool_table(path: Path, document: dict) -> dict | None:
+def _tool_table(path: Path, document: dict[str, Any]) -> dict[str, Any] | None:
     table = document.get("tool", {}).get("bnaudit") if isinstance(document.get("tool"), dict) else None
     if table is not None and not isinstance(table, dict):
         raise BnauditError(f"{path}: [tool.bnaudit] must be a table")
     return table
 
 
-def _read_config_file(path: str | os.PathLike) -> dict:
+def _read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The raw key table of one configuration file (see the module docstring)."""
     path = Path(path)
     document = _read_toml(path)
@@ -306,7 +306,7 @@ def _read_config_file(path: str | os.PathLike) -> dict:
     return document
 
 
-def find_config_file(start: str | os.PathLike | None = None) -> tuple[Path, dict] | None:
+def find_config_file(start: str | os.PathLike[str] | None = None) -> tuple[Path, dict[str, Any]] | None:
     """The nearest bnaudit.toml, or pyproject.toml with [tool.bnaudit], from `start` (default:
     the current directory) upward, with its raw key table; None when there is none."""
     folder = Path(start if start is not None else os.getcwd()).resolve()
@@ -352,8 +352,8 @@ def _suggestion(name: str) -> str:
 
 def load_config(
     overrides: Mapping[str, Any] | None = None,
-    config_file: str | os.PathLike | None = None,
-    start: str | os.PathLike | None = None,
+    config_file: str | os.PathLike[str] | None = None,
+    start: str | os.PathLike[str] | None = None,
     isolated: bool = False,
     *,
     rule_codes: Collection[str],
@@ -367,7 +367,7 @@ def load_config(
     ignore and per-layer-ignores may name (the caller's registry: configuration does not
     depend on the rules).
     """
-    found: tuple[Path, dict] | None = None
+    found: tuple[Path, dict[str, Any]] | None = None
     if config_file is not None:
         if not Path(config_file).is_file():
             raise BnauditError(f"{config_file}: configuration file not found")

@@ -176,10 +176,10 @@ def install() -> bool:
         return False
     from typer import core
 
-    original = core.build_runtime_param
+    original = core.build_runtime_param  # type: ignore[attr-defined]  # typer.core imports it from typer._coercion without re-exporting it
     if getattr(original, "_bnaudit_fast", False):
         return True
-    RuntimeParam = core.RuntimeParam
+    RuntimeParam = core.RuntimeParam  # type: ignore[attr-defined]  # typer.core imports it from typer._coercion without re-exporting it
 
     @dataclass(frozen=True)
     class PlainRuntimeParam(RuntimeParam):  # type: ignore[misc, valid-type]
@@ -220,5 +220,5 @@ def install() -> bool:
 
     build_runtime_param._bnaudit_fast = True  # type: ignore[attr-defined]
     build_runtime_param.__wrapped__ = original  # type: ignore[attr-defined]  # for tests comparing with typer's own
-    core.build_runtime_param = build_runtime_param
+    core.build_runtime_param = build_runtime_param  # type: ignore[attr-defined]  # patched where typer.core looks it up; not re-exported
     return True

@@ -28,9 +28,13 @@ def _expand_paths(paths: Iterable[str], config: Config | None = None) -> list[st
     for path in paths:
         if os.path.isdir(path):
             found: list[str] = []
+
             # A folder that cannot be listed is kept as an entry of its own, so it is
             # reported (as unreadable) instead of silently contributing nothing.
-            for root, dirs, files in os.walk(path, onerror=lambda err, into=found: into.append(err.filename)):
+            def unlistable(err: OSError, into: list[str] = found) -> None:
+                into.append(err.filename)
+
+            for root, dirs, files in os.walk(path, onerror=unlistable):
                 dirs.sort()
                 found += [os.path.join(root, f) for f in sorted(files) if f.lower().endswith(CHECKPOINT_SUFFIXES)]
             if not found:
@@ -108,12 +112,12 @@ def audit_file(
 
 
 def inspect(
-    paths: str | os.PathLike | Iterable[str | os.PathLike],
+    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     config: Config | None = None,
     key: str | None = None,
     trust_pickle: bool = False,
     arch: str | None = None,
-    arch_kwargs: str | dict | None = None,
+    arch_kwargs: str | dict[str, Any] | None = None,
     debug: bool = False,
 ) -> InspectReport:
     """Audit checkpoints (files or directories) and return the report.

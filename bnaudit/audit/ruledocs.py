@@ -141,5 +141,9 @@ def update_generated(text: str) -> str:
     """`text` with every generated block rewritten from the sources."""
     for name, build in GENERATED.items():
         body = build()
-        text = _block(name).sub(lambda m, body=body: m.group(1) + body + m.group(3), text)
+
+        def replace(m: re.Match[str], body: str = body) -> str:
+            return m.group(1) + body + m.group(3)
+
+        text = _block(name).sub(replace, text)
     return text

@@ -18,7 +18,7 @@ import math
 import operator
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
 from bnaudit.config import Config
@@ -68,9 +68,13 @@ class Rule:
 
 RULES: dict[str, Rule] = {}
 
+_Check = TypeVar("_Check", bound=Callable[[RuleContext], Iterable[Finding]])
 
-def rule(code: str, name: str, severity: str, summary: str, explanation: str, fix: str, settings: tuple[str, ...] = ()):
-    def register(check: Callable[[RuleContext], Iterable[Finding]]):
+
+def rule(
+    code: str, name: str, severity: str, summary: str, explanation: str, fix: str, settings: tuple[str, ...] = ()
+) -> Callable[[_Check], _Check]:
+    def register(check: _Check) -> _Check:
         RULES[code] = Rule(code, name, severity, summary, explanation, fix, check, settings)
         return check
 

@@ -10,6 +10,7 @@ would run code is decided by the allow-list (allowlist.py), not here.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 from dataclasses import dataclass
@@ -58,10 +59,10 @@ class _StrictReader:
     short read is noticed.
     """
 
-    def __init__(self, file: Any, size: int) -> None:
+    def __init__(self, file: io.BufferedReader, size: int) -> None:
         self.file, self.size = file, size
 
-    def read(self, n: int = -1) -> bytes:
+    def read(self, n: int | None = -1) -> bytes:
         remaining = self.size - self.file.tell()
         if n is None or n < 0:
             n = remaining

@@ -26,9 +26,11 @@ import sys
 from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from bnaudit.errors import BnauditError
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class TensorRef:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    _reader: Callable[[], list] = field(repr=False, compare=False)
+    _reader: Callable[[], list[float]] = field(repr=False, compare=False)
     # Builds the torch tensor directly (whole weights for --arch): None means from read().
     _torch: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
     # (offset, nbytes) of the raw little-endian, row-major bytes in the file the tensor was
@@ -59,7 +61,7 @@ class TensorRef:
     def is_integer(self) -> bool:
         return self.dtype.startswith(("int", "uint"))
 
-    def read(self) -> list:
+    def read(self) -> list[float]:
         return self._guarded(self._reader)
 
     def to_torch(self) -> Any:
@@ -74,7 +76,7 @@ class TensorRef:
     def renamed(self, name: str) -> TensorRef:
         return dataclasses.replace(self, name=name)
 
-    def _guarded(self, reader: Callable[[], Any]) -> Any:
+    def _guarded(self, reader: Callable[[], _T]) -> _T:
         try:
             return reader()
         except BnauditError:
@@ -124,8 +126,9 @@ def recalibration_record(metadata: Mapping[str, str]) -> dict[str, Any] | None:
 def torch_ref(name: str, tensor: Any) -> TensorRef:
     dtype = str(tensor.dtype).removeprefix("torch.")
 
-    def read() -> list:
-        return tensor.detach().reshape(-1).tolist()  # Python floats: exact for every float dtype
+    def read() -> list[float]:
+        values: list[float] = tensor.detach().reshape(-1).tolist()  # Python floats: exact for every float dtype
+        return values
 
     # torch.load(mmap=True) maps the file privately: a write to the tensor stays in memory
     return TensorRef(name, tuple(int(s) for s in tensor.shape), dtype, read, tensor.detach)
@@ -173,7 +176,7 @@ _ARRAY_CODES = {
 }
 
 
-def decode_values(raw: bytes | bytearray, dtype: str) -> list:
+def decode_values(raw: bytes | bytearray, dtype: str) -> list[float]:
     """Little-endian bytes of `dtype` -> flat list of Python numbers, exactly.
 
     float16 through struct's IEEE half format; bfloat16 by placing its two bytes as
@@ -190,7 +193,7 @@ def decode_values(raw: bytes | bytearray, dtype: str) -> list:
     code = _ARRAY_CODES.get(dtype)
     if code is None:
         raise BnauditError(f"{dtype} tensors cannot be decoded without torch")
-    values = array(code)
+    values: array[float] = array(code)
     values.frombytes(raw)
     if sys.byteorder == "big":
         values.byteswap()

@@ -88,11 +88,13 @@ class _ScriptUnpickler(pickle._Unpickler):
             raise pickle.UnpicklingError(f"malformed storage record {str(pid)[:80]}")
         return _StorageRef(f"{self.root}/data/{pid[2]}", pid[1])
 
-    def _rebuild_tensor(self, storage: _StorageRef, offset: int, size: tuple, stride: tuple, *_: Any) -> TensorRef:
+    def _rebuild_tensor(
+        self, storage: _StorageRef, offset: int, size: tuple[int, ...], stride: tuple[int, ...], *_: Any
+    ) -> TensorRef:
         _check_record(storage, offset, size, stride)
         archive = self.archive
 
-        def read() -> list:
+        def read() -> list[float]:
             flat = decode_values(archive.read(storage.entry), storage.dtype)
             numel = math.prod(size)
             if numel == 0:
@@ -139,7 +141,9 @@ class StoredTensor:
 class _RecordUnpickler(_ScriptUnpickler):
     """Reads a torch.save pickle to the storage records of its tensors, nothing more."""
 
-    def _rebuild_tensor(self, storage: _StorageRef, offset: int, size: tuple, stride: tuple, *_: Any) -> Any:
+    def _rebuild_tensor(
+        self, storage: _StorageRef, offset: int, size: tuple[int, ...], stride: tuple[int, ...], *_: Any
+    ) -> Any:
         _check_record(storage, offset, size, stride)
         return (storage, offset, size, stride)
 
@@ -164,7 +168,7 @@ def stored_tensors(path: str) -> dict[str, StoredTensor]:
 
 
 def _c_order_start(
-    archive: zipfile.ZipFile, storage: _StorageRef, offset: int, size: tuple, stride: tuple
+    archive: zipfile.ZipFile, storage: _StorageRef, offset: int, size: tuple[int, ...], stride: tuple[int, ...]
 ) -> int | None:
     expected: list[int] = []
     step = 1
@@ -172,6 +176,8 @@ def _c_order_start(
         expected.insert(0, step)
         step *= extent
     if any(extent > 1 and st != want for extent, st, want in zip(size, stride, expected)):
+        return None
+    if archive.filename is None:  # opened from a file object: no path to reopen
         return None
     try:
         info = archive.getinfo(storage.entry)

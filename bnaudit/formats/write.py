@@ -183,7 +183,7 @@ def _load_script_for_rewrite(path: str) -> tuple[Any, dict[str, bytes]]:
         ]
     extra = dict.fromkeys(names, b"")
     try:
-        module = torch.jit.load(path, map_location="cpu", _extra_files=extra)
+        module = torch.jit.load(path, map_location="cpu", _extra_files=extra)  # type: ignore[no-untyped-call]  # torch: torch.jit.load is unannotated
     except Exception as exc:
         raise BnauditError(
             f"{path}: cannot load TorchScript archive ({exception_line(exc, with_type=False)})"

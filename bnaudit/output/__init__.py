@@ -60,7 +60,7 @@ def emit(report: Any, fmt: str, stream: IO[str], *, quiet: bool = False, width: 
     stream.flush()
 
 
-def _document(report: Any, fmt: str) -> dict:
+def _document(report: Any, fmt: str) -> dict[str, Any]:
     if fmt == "sarif":
         from bnaudit.output.sarif import inspect_to_sarif
 

@@ -21,7 +21,7 @@ def json_number(x: Any) -> Any:
     return x
 
 
-def finding_to_json(f: Finding) -> dict:
+def finding_to_json(f: Finding) -> dict[str, Any]:
     return {
         "code": f.code,
         "name": f.name,
@@ -32,7 +32,7 @@ def finding_to_json(f: Finding) -> dict:
     }
 
 
-def inspect_to_json(report: InspectReport) -> dict:
+def inspect_to_json(report: InspectReport) -> dict[str, Any]:
     files = []
     for file in report.files:
         files.append(
@@ -72,7 +72,7 @@ def inspect_to_json(report: InspectReport) -> dict:
     return {"version": __version__, "config": report.config.as_dict(), "files": files, "summary": report.summary()}
 
 
-def gap_to_json(report: Any) -> dict:
+def gap_to_json(report: Any) -> dict[str, Any]:
     """The `bnaudit gap --format json` document (accuracies as fractions, null without labels)."""
     return {
         "version": __version__,
@@ -118,7 +118,7 @@ def gap_to_json(report: Any) -> dict:
     }
 
 
-def _drift_to_json(d: Any) -> dict:
+def _drift_to_json(d: Any) -> dict[str, Any]:
     return {
         "mean_shift": json_number(d.mean_shift),
         "max_mean_shift": json_number(d.max_mean_shift),
@@ -126,7 +126,7 @@ def _drift_to_json(d: Any) -> dict:
     }
 
 
-def recalibrate_to_json(report: Any) -> dict:
+def recalibrate_to_json(report: Any) -> dict[str, Any]:
     """The `bnaudit recalibrate --format json` document."""
     evaluation = None
     if report.eval_before is not None and report.eval_after is not None:

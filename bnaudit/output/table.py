@@ -9,10 +9,11 @@ Numbers and the fixed words of the tables are ours.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
-from bnaudit.audit.report import FileReport, InspectReport
-from bnaudit.audit.rules import RULES
+from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
+from bnaudit.audit.rules import RULES, Finding
 from bnaudit.output.grid import SEVERITY_STYLE, layout_grid
 from bnaudit.text import printable
 
@@ -45,16 +46,19 @@ def _g(x: float | None) -> str:
     return f"{x:.3g}" if math.isfinite(x) else str(x)
 
 
+_Column = tuple[str, Callable[[LayerSummary], str]]  # header, cell of a layer
+
+
 def _layer_table(file: FileReport, console: Any) -> Any:
     """One row per layer, with the most columns that fit the terminal: numbers are
     never folded across lines, the least telling columns go first."""
-    c = ("C", lambda s: str(s.num_features))
-    batches = ("batches", lambda s: "-" if s.num_batches_tracked is None else str(s.num_batches_tracked))
-    mean = ("mean range", lambda s: f"[{_g(s.mean_min)}, {_g(s.mean_max)}]")
-    var = ("var min / med / max", lambda s: f"{_g(s.var_min)} / {_g(s.var_median)} / {_g(s.var_max)}")
-    var_min = ("var min", lambda s: _g(s.var_min))
-    near = ("near-eps", lambda s: str(s.near_eps_channels))
-    gain = ("max gain", lambda s: _g(s.max_eval_gain))
+    c: _Column = ("C", lambda s: str(s.num_features))
+    batches: _Column = ("batches", lambda s: "-" if s.num_batches_tracked is None else str(s.num_batches_tracked))
+    mean: _Column = ("mean range", lambda s: f"[{_g(s.mean_min)}, {_g(s.mean_max)}]")
+    var: _Column = ("var min / med / max", lambda s: f"{_g(s.var_min)} / {_g(s.var_median)} / {_g(s.var_max)}")
+    var_min: _Column = ("var min", lambda s: _g(s.var_min))
+    near: _Column = ("near-eps", lambda s: str(s.near_eps_channels))
+    gain: _Column = ("max gain", lambda s: _g(s.max_eval_gain))
     layouts = ([c, batches, mean, var, near, gain], [c, batches, var, near, gain], [c, var_min, near, gain])
     longest = max(len(s.name) for s in file.layers)
     statuses = {s.name: file.layer_status(s.name) for s in file.layers}
@@ -135,7 +139,7 @@ def _f2(x: float | None) -> str:
 Justify = Literal["left", "right"]
 
 
-def _findings_table(findings: list, title: str | None = None) -> Any:
+def _findings_table(findings: list[Finding], title: str | None = None) -> Any:
     from rich.table import Table
 
     table = Table(

@@ -215,8 +215,8 @@ class ImageFolderSource(_Source):
         from PIL import Image
 
         path, label = self.files[index]
-        with Image.open(path) as image:
-            image = image.convert("L" if self.grayscale else "RGB")
+        with Image.open(path) as opened:
+            image = opened.convert("L" if self.grayscale else "RGB")
             if self.image_size is not None:
                 image = resize_center_crop(image, self.image_size)
             array = np.asarray(image, dtype=np.float32) / 255.0
@@ -236,7 +236,7 @@ def resize_center_crop(image: Any, size: int) -> Any:
     scale = size / min(width, height)
     new_w, new_h = max(size, round(width * scale)), max(size, round(height * scale))
     if (new_w, new_h) != (width, height):
-        image = image.resize((new_w, new_h), Image.BILINEAR)
+        image = image.resize((new_w, new_h), Image.BILINEAR)  # type: ignore[attr-defined]  # Pillow's annotations omit this constant; Image.Resampling needs Pillow >= 9.1
     left, top = (new_w - size) // 2, (new_h - size) // 2
     return image.crop((left, top, left + size, top + size))
 
@@ -349,7 +349,8 @@ class FileRows:
 
     @property
     def row_bytes(self) -> int:
-        return getattr(torch, self.dtype).itemsize * math.prod(self.shape[1:])
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype.itemsize * math.prod(self.shape[1:])
 
     def take(self, rows: list[int]) -> Any:
 
@@ -428,7 +429,7 @@ def _open_torch_tensors(path: str, fmt: str) -> dict[str, Any]:
         ) from None
     if not isinstance(obj, Mapping):
         raise BnauditError(f"{path}: holds a {type(obj).__name__}, not a dict with 'inputs' (and 'labels')")
-    tensors = {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    tensors: dict[str, torch.Tensor | FileRows] = {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
     inputs = tensors.get("inputs")
     if fmt == "torch-zip" and inputs is not None:
         # torch.load(mmap=True) maps the file, and every page of it that a batch touches
@@ -588,6 +589,7 @@ class _ItemDataset:
         the gather falls back to the items, whose errors name the sample."""
         gather = getattr(self.source, "load_batch", None)
         if gather is not None:
+            batch: _Gathered | None
             try:
                 batch = gather(list(indices))
             except Exception:
@@ -725,8 +727,8 @@ class BatchStream:
         return len(self.plan)
 
     def __iter__(self) -> Iterator[Batch]:
-        loader = DataLoader(
-            _ItemDataset(self.source),
+        loader: DataLoader[_Item | _BadItem] = DataLoader(
+            _ItemDataset(self.source),  # type: ignore[arg-type]  # torch types it as Dataset; any map-style object with __getitem__/__len__ works
             batch_sampler=self.plan,
             collate_fn=_Collate(self.options.skip_bad),
             num_workers=self.options.workers,

@@ -37,6 +37,7 @@ import torch
 
 from bnaudit.audit.audit import audit_checkpoint
 from bnaudit.audit.report import FileReport
+from bnaudit.audit.rules import Finding
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.runtime.data import make_loader
@@ -123,7 +124,7 @@ class GapReport:
     max_gap: float | None = None
 
     @property
-    def findings(self) -> list:
+    def findings(self) -> list[Finding]:
         return self.inspection.findings
 
     def exit_code(self) -> int:
@@ -240,7 +241,7 @@ def measure_model_gap(
     return report
 
 
-def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict, train: bool) -> Any:
+def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict[str, Any], train: bool) -> Any:
     """One forward in the requested mode; a failure names the layer and the shape it got."""
 
     def call() -> Any:
@@ -270,7 +271,7 @@ def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict, trai
         ) from None
 
 
-def _shapes(args: tuple) -> str:
+def _shapes(args: tuple[Any, ...]) -> str:
     shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
     if not shapes:
         return "no tensor"
@@ -287,10 +288,10 @@ def _locate_failure(model: Any, call: Callable[[], Any]) -> str:
     handles = []
     for name, module in model.named_modules():
 
-        def pre(mod: Any, args: tuple, _name: str = name) -> None:
+        def pre(mod: Any, args: tuple[Any, ...], _name: str = name) -> None:
             stack.append((_name, type(mod).__name__, _shapes(args)))
 
-        def post(mod: Any, args: tuple, out: Any) -> None:
+        def post(mod: Any, args: tuple[Any, ...], out: Any) -> None:
             if stack:
                 stack.pop()
 
@@ -419,7 +420,7 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
     """Plain-word conclusions that follow from the numbers and the inspect findings."""
     lines: list[str] = []
     findings = report.inspection.findings
-    by_code: dict[str, list] = {}
+    by_code: dict[str, list[Finding]] = {}
     for f in findings:
         by_code.setdefault(f.code, []).append(f)
     ordered = sorted((d for d in report.layers if d.drift is not None), key=lambda d: d.position)

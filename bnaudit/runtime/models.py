@@ -118,7 +118,7 @@ def import_callable(spec: str, option: str = "--arch") -> Callable[..., Any]:
         except SystemExit as exc:
             printed = held.getvalue() if held is not None else ""
             raise BnauditError(f"{option} {spec}: {exit_message(exc, f'importing {where!r}', printed)}") from None
-    target: Any = module
+    target: object = module
     for part in attr.split("."):
         try:
             target = getattr(target, part)
@@ -331,7 +331,7 @@ def load_runnable(
 def _load_torchscript(path: str, key: str | None) -> RunnableModel:
     ckpt = read_checkpoint(path, key=key)
     try:
-        module = torch.jit.load(path, map_location="cpu")
+        module = torch.jit.load(path, map_location="cpu")  # type: ignore[no-untyped-call]  # torch: torch.jit.load is unannotated
     except Exception as exc:
         raise BnauditError(f"{path}: cannot load TorchScript archive: {exception_line(exc)}") from None
     module.eval()

@@ -201,8 +201,9 @@ def batch_len(batch: Any) -> int:
     size, else that of the first tensor found in a tuple/list/dict batch."""
     if hasattr(batch, "shape") and len(batch.shape) > 0:
         return int(batch.shape[0])
-    if isinstance(getattr(batch, "size", None), int):  # bnaudit.runtime.data.Batch
-        return batch.size
+    size = getattr(batch, "size", None)
+    if isinstance(size, int):  # bnaudit.runtime.data.Batch
+        return size
     if isinstance(batch, Mapping):
         items = list(batch.values())
     elif isinstance(batch, (list, tuple)):

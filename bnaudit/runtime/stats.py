@@ -174,7 +174,7 @@ def record_bn_inputs(modules: dict[str, Any]) -> Iterator[dict[str, ChannelStats
     handles = []
     for name, module in modules.items():
 
-        def hook(_module: Any, args: tuple, _name: str = name) -> None:
+        def hook(_module: Any, args: tuple[Any, ...], _name: str = name) -> None:
             stats[_name].update(args[0])
 
         handles.append(module.register_forward_pre_hook(hook))

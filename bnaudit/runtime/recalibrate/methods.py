@@ -175,8 +175,8 @@ def _observe(
         return
     if not is_script(model):
 
-        def hook(name: str) -> Callable[[Any, tuple], None]:
-            def observe(_module: Any, args: tuple) -> None:
+        def hook(name: str) -> Callable[[Any, tuple[Any, ...]], None]:
+            def observe(_module: Any, args: tuple[Any, ...]) -> None:
                 callback(name, args[0])  # returns None: a pre-hook's return value replaces the input
 
             return observe
@@ -191,8 +191,10 @@ def _observe(
 
     by_buffer = {module.running_mean.data_ptr(): name for name, module in layers.items()}
 
-    class BatchNormCalls(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    class BatchNormCalls(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch: TorchDispatchMode.__init_subclass__ is unannotated
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        ) -> Any:
             if func.overloadpacket.__name__ in _BN_OPS and len(args) > 3 and isinstance(args[3], torch.Tensor):
                 name = by_buffer.get(args[3].data_ptr())
                 if name is not None:
@@ -211,7 +213,10 @@ def _observe(
             return func(*args, **(kwargs or {}))
 
     # The optimising executor may fuse BN into other kernels, out of the dispatcher's sight.
-    with torch.jit.optimized_execution(False), BatchNormCalls():
+    with (
+        torch.jit.optimized_execution(False),  # type: ignore[attr-defined]  # public torch.jit API missing from torch.jit.__all__
+        BatchNormCalls(),  # type: ignore[no-untyped-call]  # torch: TorchDispatchMode.__init__ is unannotated
+    ):
         yield
 
 
@@ -361,7 +366,7 @@ def _rejected(index: int, exc: BaseException) -> BnauditError:
     return BnauditError(f"batch {index}: the model rejects the batch: {exception_line(exc)}")
 
 
-def to_numpy(t: Any) -> np.ndarray:
+def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A float64 numpy copy of a tensor, on the CPU."""
     return t.detach().to("cpu").double().numpy().copy()
 
