@@ -209,11 +209,25 @@ def rules_command(
     code: Annotated[
         Optional[str], typer.Argument(metavar="[CODE]", help="A rule code, e.g. BN004: explain that rule.")
     ] = None,
+    config_file: Annotated[
+        Optional[str],
+        typer.Option(
+            "--config",
+            metavar="PATH",
+            help="Read this configuration file instead of the nearest bnaudit.toml / pyproject.toml [tool.bnaudit].",
+        ),
+    ] = None,
+    isolated: Annotated[bool, typer.Option("--isolated", help="Read no configuration file.")] = False,
     debug: DebugOpt = False,
 ) -> None:
     """List the rules, or explain one: what it detects, why it matters, how to fix and silence it."""
+    from bnaudit.audit.rules import RULES
+    from bnaudit.config import load_config
+
     with user_errors(debug):
-        output.render_rules(sys.stdout, code)
+        # severities as this project's configuration sets them
+        config = load_config(config_file=config_file, isolated=isolated, rule_codes=RULES)
+        output.render_rules(sys.stdout, code, overrides=config.severity)
 
 
 # ----------------------------------------------------------------------------- gap

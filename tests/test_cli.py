@@ -17,16 +17,17 @@ from bnaudit import __version__
 
 @pytest.fixture
 def hand_made(tmp_path):
-    """One layer whose every table cell is hand arithmetic: C=3, t=3, mean in [-1, 2],
-    var 0 / 1 / 4, one near-eps channel with gain 1/sqrt(1e-5) = 316."""
+    """One layer whose every table cell is hand arithmetic: C=3, t=10 (0.9^10 = 34.9%: a
+    BN003 warning), mean in [-1, 2], var 0 / 1 / 4, one dead near-eps channel (mean 0 and
+    var 0: a BN004 warning) with gain 1/sqrt(1e-5) = 316."""
     state = bn_entries(
         "encoder.bn",
         3,
-        mean=torch.tensor([-1.0, 0.5, 2.0]),
+        mean=torch.tensor([0.0, -1.0, 2.0]),
         var=torch.tensor([0.0, 1.0, 4.0]),
         weight=torch.ones(3),
         bias=torch.tensor([0.1, 0.2, 0.3]),
-        counter=3,
+        counter=10,
     )
     return save_torch(state, tmp_path / "hand.pt")
 
@@ -37,8 +38,8 @@ def test_table_shows_each_statistic_of_the_layer(cli, hand_made):
     out = result.stdout
     row = next(line for line in out.splitlines() if line.startswith("encoder.bn"))
     cells = [c.strip() for c in row.split("│")]
-    assert cells[:8] == ["encoder.bn", "3", "3", "[-1, 2]", "0 / 1 / 4", "1", "316", "warning"]
-    assert "BN003 immature-stats" in out and "72.9%" in out
+    assert cells[:8] == ["encoder.bn", "3", "10", "[-1, 2]", "0 / 1 / 4", "1", "316", "warning"]
+    assert "BN003 immature-stats" in out and "34.9%" in out
     assert "BN004 near-eps-variance" in out and "gain 316.2" in out
     assert "eps 1e-05 and momentum 0.1 assumed" in out
     assert "1 file(s), 1 BN layer(s): 0 error(s), 2 warning(s), 0 info(s)" in out
@@ -53,7 +54,7 @@ def test_json_document_has_the_documented_shape(cli, hand_made):
     (file,) = doc["files"]
     assert file["path"] == hand_made and file["format"] == "torch-zip" and file["key"] is None and file["error"] is None
     (layer,) = file["layers"]
-    assert layer["name"] == "encoder.bn" and layer["num_features"] == 3 and layer["num_batches_tracked"] == 3
+    assert layer["name"] == "encoder.bn" and layer["num_features"] == 3 and layer["num_batches_tracked"] == 10
     assert layer["eps"] == 1e-5 and layer["momentum"] == 0.1
     assert layer["mean"] == {"min": -1.0, "max": 2.0}
     assert layer["var"] == {"min": 0.0, "median": 1.0, "max": 4.0}

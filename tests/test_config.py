@@ -242,11 +242,19 @@ def test_configuration_error_is_one_line_and_exit_2(cli, tmp_path, monkeypatch):
 
 @pytest.fixture
 def two_layer_checkpoint(tmp_path):
-    """backbone.0.bn and head.bn, both immature (t = 3: 0.9^3 = 72.9% > 5%, BN003), and
-    head.bn with one channel at var 0 (BN004, gain 1/sqrt(1e-5) = 316 >= 100: warning)."""
+    """backbone.0.bn and head.bn, both immature (t = 10: 0.9^10 = 34.9%, between 5% and 50%:
+    a BN003 warning), and head.bn with one dead channel at mean 0, var 0 (BN004, gain
+    1/sqrt(1e-5) = 316 >= 100: warning)."""
     state = {
-        **bn_entries("backbone.0.bn", 4, counter=3),
-        **bn_entries("head.bn", 4, var=torch.tensor([0.0, 1.0, 1.0, 1.0]), weight=torch.ones(4), counter=3),
+        **bn_entries("backbone.0.bn", 4, counter=10),
+        **bn_entries(
+            "head.bn",
+            4,
+            mean=torch.tensor([0.0, 0.1, -0.2, 0.3]),
+            var=torch.tensor([0.0, 1.0, 1.0, 1.0]),
+            weight=torch.ones(4),
+            counter=10,
+        ),
     }
     return save_torch(state, tmp_path / "model.pt")
 

@@ -115,18 +115,20 @@ def emit_diagnostics(report: Any, stream: IO[str]) -> None:
             emit_warning(message, stream)
 
 
-def render_rules(stream: IO[str], code: str | None = None, *, width: int | None = None) -> None:
+def render_rules(
+    stream: IO[str], code: str | None = None, *, width: int | None = None, overrides: dict[str, str] | None = None
+) -> None:
     """`bnaudit rules`: one row per rule; with `code`, that rule explained (an unknown
-    code is a BnauditError)."""
+    code is a BnauditError). `overrides`: the configuration's rule -> severity table."""
     if code is not None:
         from bnaudit.audit.ruledocs import explain_rule, find_rule
 
-        stream.write(explain_rule(find_rule(code)))
+        stream.write(explain_rule(find_rule(code), overrides=overrides))
         stream.flush()
         return
     from bnaudit.output import table
 
-    table.render_rules(console(stream, width))
+    table.render_rules(console(stream, width), overrides)
 
 
 @contextlib.contextmanager

@@ -18,9 +18,11 @@ from bnaudit.output.grid import SEVERITY_STYLE, layout_grid
 from bnaudit.text import printable
 
 
-def render_rules(console: Any) -> None:
-    """`bnaudit rules`: one row per rule."""
+def render_rules(console: Any, overrides: dict[str, str] | None = None) -> None:
+    """`bnaudit rules`: one row per rule, severities as configured."""
     from rich.table import Table
+
+    from bnaudit.audit.ruledocs import shown_severity
 
     table = Table(show_edge=False, pad_edge=False, header_style="bold")
     table.add_column("code", no_wrap=True)
@@ -28,7 +30,7 @@ def render_rules(console: Any) -> None:
     table.add_column("severity", no_wrap=True)
     table.add_column("fires when", overflow="fold")
     for rule in RULES.values():
-        table.add_row(rule.code, rule.name, rule.severity, rule.summary)
+        table.add_row(rule.code, rule.name, shown_severity(rule, overrides), rule.summary)
     console.print(table)
     console.print(f"bnaudit rules CODE explains a rule ({len(RULES)} rules).")
 
