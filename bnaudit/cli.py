@@ -155,7 +155,18 @@ def inspect(
             "--trust-pickle", help="Unpickle arbitrary classes: runs code from the file. Only for files you trust."
         ),
     ] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the summary line and errors.")] = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet", "-q", help="One line per finding (path: layer: CODE name: message) and the summary line."
+        ),
+    ] = False,
+    all_layers: Annotated[
+        bool,
+        typer.Option(
+            "--layers", help="With several files: a layer table for every file, not only those with findings."
+        ),
+    ] = False,
     debug: DebugOpt = False,
     arch: Annotated[
         Optional[str],
@@ -191,7 +202,7 @@ def inspect(
             paths, config, key=key, trust_pickle=trust_pickle, arch=arch, arch_kwargs=arch_kwargs, debug=debug
         )
         # emitting stays inside the boundary: the values it prints come from the files
-        output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+        output.emit(report, output_format.value, sys.stdout, quiet=quiet, all_layers=all_layers)
     output.emit_diagnostics(report, sys.stderr)
     code = report.exit_code()
     raise typer.Exit(0 if exit_zero and code == 1 else code)

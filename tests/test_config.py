@@ -351,10 +351,15 @@ def test_exit_codes_with_fail_on_from_the_file_and_exit_zero(cli, tmp_path, monk
     assert cli("inspect", two_layer_checkpoint, str(broken), "--exit-zero").exit_code == 2
 
 
-def test_quiet_prints_summary_and_errors_only(cli, tmp_path, two_layer_checkpoint):
+def test_quiet_prints_one_line_per_finding_errors_and_the_summary(cli, tmp_path, two_layer_checkpoint):
     broken = write(tmp_path / "broken.pt", "not a checkpoint")
     result = cli("inspect", two_layer_checkpoint, str(broken), "--quiet", "--isolated")
     lines = result.stdout.strip().splitlines()
-    assert lines[0].startswith(f"{broken}: error: ")
-    assert lines[1:] == ["2 file(s), 2 BN layer(s): 0 error(s), 3 warning(s), 0 info(s), 1 unreadable file(s)"]
+    doc = json.loads(cli("inspect", two_layer_checkpoint, str(broken), "--format", "json", "--isolated").stdout)
+    findings = doc["files"][0]["findings"]
+    assert lines[:3] == [
+        f"{two_layer_checkpoint}: {f['layer']}: {f['code']} {f['name']}: {f['message']}" for f in findings
+    ]
+    assert lines[3] == f"{broken}: error: {doc['files'][1]['error']}"
+    assert lines[4:] == ["2 files, 2 BN layers: 0 errors, 3 warnings, 0 infos, 1 unreadable file"]
     assert result.exit_code == 2

@@ -420,7 +420,7 @@ def test_internal_error_on_one_file_spares_the_others_and_debug_shows_it(tmp_pat
     (line,) = stderr_lines(result)
     assert line.startswith(f"bnaudit: error: {bad}: internal error: ZeroDivisionError: simulated bug")
     assert "--debug" in line
-    assert "1 BN layer(s)" in result.stdout  # good.pt was audited
+    assert "1 BN layer:" in result.stdout  # good.pt was audited
 
     debug = cli("inspect", "--debug", str(good), str(bad))
     assert isinstance(debug.exception, ZeroDivisionError)

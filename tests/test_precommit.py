@@ -117,7 +117,7 @@ def test_hook_blocks_a_broken_checkpoint_and_passes_healthy_ones(project, env, t
     assert "Failed" in output and "exit code: 1" in output
     assert "models/finetuned.pt" in output and "BN002 initial-values" in output and "head.bn" in output
     # both staged checkpoints (the suffix matched in any case) went to one bnaudit call
-    assert "2 file(s), 4 BN layer(s): 1 error(s), 0 warning(s), 0 info(s)" in output
+    assert "2 files, 4 BN layers: 1 error, 0 warnings, 0 infos" in output
     assert commit_count(project, env) == 2  # the commit did not happen
 
     # pre-commit cloned the hook repository and built no environment for it

@@ -1,4 +1,4 @@
-"""`inspect`: path(s) -> checkpoint -> layers -> rules -> InspectReport.
+"""`inspect`: paths -> checkpoint -> layers -> rules -> InspectReport.
 
 A directory expands to every file under it whose name ends in a checkpoint suffix;
 a file named explicitly is read whatever its name. One unreadable file becomes a
@@ -19,6 +19,7 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.model import Checkpoint, recalibration_record
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES
+from bnaudit.text import plural
 
 
 def _expand_paths(paths: Iterable[str], config: Config | None = None) -> list[str]:
@@ -58,7 +59,7 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
     report = FileReport(ckpt.path)
     if record is not None and recalibrated:
         report.provenance = (
-            f"statistics of {len(recalibrated)} layer(s) re-estimated by bnaudit recalibrate "
+            f"statistics of {plural(len(recalibrated), 'layer')} re-estimated by bnaudit recalibrate "
             f"(method {record.get('method')}, {record.get('samples')} samples, {record.get('date')})"
         )
     report.format, report.key, report.other_keys = ckpt.format, ckpt.key, ckpt.other_keys

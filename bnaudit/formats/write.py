@@ -21,7 +21,7 @@ from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.atomic import atomic_write, check_output
 from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.safetensors import read_safetensors_header
-from bnaudit.text import exception_line
+from bnaudit.text import exception_line, plural
 
 # The only tensors bnaudit ever writes: the running statistics of a BN layer.
 _WRITABLE_LEAVES = ("running_mean", "running_var", "num_batches_tracked")
@@ -105,7 +105,7 @@ def _prepare_updates(ckpt: Checkpoint, updates: Mapping[str, Any]) -> dict[str, 
         if cast.is_floating_point() and not bool(torch.isfinite(cast).all()):
             bad = int((~torch.isfinite(cast)).sum())
             raise BnauditError(
-                f"layer {layer}: refusing to write a non-finite {leaf} ({bad} of {cast.numel()} channel(s) "
+                f"layer {layer}: refusing to write a non-finite {leaf} ({bad} of {plural(cast.numel(), 'channel')} "
                 f"NaN or Inf in {ref.dtype})"
             )
         prepared[name] = cast.contiguous()

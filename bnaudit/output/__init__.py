@@ -44,15 +44,21 @@ def console(stream: IO[str], width: int | None = None) -> Any:
     return Console(file=stream, width=width, highlight=False, soft_wrap=False, markup=False, emoji=False)
 
 
-def emit(report: Any, fmt: str, stream: IO[str], *, quiet: bool = False, width: int | None = None) -> None:
-    """Write `report` to `stream` in `fmt`; `quiet` and `width` apply to tables only."""
+def emit(
+    report: Any, fmt: str, stream: IO[str], *, quiet: bool = False, width: int | None = None, all_layers: bool = False
+) -> None:
+    """Write `report` to `stream` in `fmt`; `quiet` and `width` apply to tables only, and
+    `all_layers` (inspect's --layers: a layer table for every file) to inspect's table."""
     kind = str(getattr(report, "kind", ""))
     if fmt not in FORMATS.get(kind, ()):
         raise ValueError(f"no {fmt!r} emitter for a {kind!r} report")  # a bug in the caller
     if fmt == "table":
         from bnaudit.output import table
 
-        renderers = {"inspect": table.render_inspect, "gap": table.render_gap, "recalibrate": table.render_recalibrate}
+        if kind == "inspect":
+            table.render_inspect(report, console(stream, width), quiet=quiet, all_layers=all_layers)
+            return
+        renderers = {"gap": table.render_gap, "recalibrate": table.render_recalibrate}
         renderers[kind](report, console(stream, width), quiet=quiet)
         return
     document = _document(report, fmt)

@@ -51,7 +51,7 @@ from bnaudit.runtime.models import (
 )
 from bnaudit.runtime.norms import batch_stats_mode, eval_mode, norm_modules
 from bnaudit.runtime.stats import ChannelStats, drift, record_bn_inputs
-from bnaudit.text import exception_line, layer_list
+from bnaudit.text import exception_line, layer_list, plural
 
 # mean_shift or var_log_ratio at or above this: the layer's stored statistics do not
 # describe the data (half a running std off, or a variance off by a factor 1.65).
@@ -489,8 +489,8 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
         else:
             before = ordered[: ordered.index(first)]
             lines.append(
-                f"Drift starts at {first.name} (BN layer {first.position + 1}; the {len(before)} layer(s) before "
-                f"it match the data): a domain shift that shows from this depth on, or layers before it changed "
+                f"Drift starts at {first.name} (BN layer {first.position + 1}; the {plural(len(before), 'layer')} before "
+                f"it {'matches' if len(before) == 1 else 'match'} the data): a domain shift that shows from this depth on, or layers before it changed "
                 "after its statistics were recorded. Recalibrate on data of the target domain (AdaBN-style)."
             )
     if dead_layers and not (large and large[0].name in dead_layers):
@@ -501,7 +501,8 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
     if "BN005" in by_code:
         lines.append("Invalid values in the statistics (BN005): eval-mode outputs of those channels are NaN or Inf.")
     if report.non_finite.get("eval_mode"):
-        lines.append(f"{report.non_finite['eval_mode']} sample(s) get NaN or Inf outputs in eval mode.")
+        count = report.non_finite["eval_mode"]
+        lines.append(f"{plural(count, 'sample')} {'gets' if count == 1 else 'get'} NaN or Inf outputs in eval mode.")
     if "BN006" in by_code:
         lines.append(
             "Some BatchNorm layers keep no running statistics (BN006): they use batch statistics in eval "

@@ -51,7 +51,7 @@ from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.sniff import sniff_format
 from bnaudit.runtime.norms import batchnorm_modules
-from bnaudit.text import exception_line
+from bnaudit.text import exception_line, plural
 
 
 @dataclass
@@ -385,7 +385,7 @@ def resolve_device(name: str | None) -> Any:
         if not torch.cuda.is_available():
             raise BnauditError(f"--device {name}: no CUDA device is available here (use --device cpu or auto)")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise BnauditError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) present")
+            raise BnauditError(f"--device {name}: only {plural(torch.cuda.device_count(), 'CUDA device')} present")
     elif device.type != "cpu":
         raise BnauditError(f"--device must be cpu, cuda, cuda:N or auto, got '{name}'")
     return device
