@@ -101,8 +101,12 @@ class Config:
         `*.tmp.pt` exclude those names in every folder. Files named on the command line
         are excluded too, so a pre-commit hook, which names every staged file, honours it.
         """
+        return self.exclusion(path) is not None
+
+    def exclusion(self, path: str) -> str | None:
+        """The `exclude` glob that removes `path` (see `excludes`), or None."""
         if not self.exclude:
-            return False
+            return None
         absolute = os.path.abspath(path)
         relative = os.path.relpath(absolute, self.root)
         if relative == ".." or relative.startswith(".." + os.sep):
@@ -111,10 +115,10 @@ class Config:
         parts = posix.split("/")
         for pattern in self.exclude:
             if fnmatchcase(posix, pattern):
-                return True
+                return pattern
             if "/" not in pattern and any(fnmatchcase(part, pattern) for part in parts):
-                return True
-        return False
+                return pattern
+        return None
 
 
 # ----------------------------------------------------------------------------- keys

@@ -50,7 +50,15 @@ def test_json_document_has_the_documented_shape(cli, hand_made):
     assert result.exit_code == 1
     doc = json.loads(result.stdout)
     assert doc["version"] == __version__
-    assert doc["summary"] == {"files": 1, "layers": 1, "errors": 0, "warnings": 2, "infos": 0, "unreadable": 0}
+    assert doc["summary"] == {
+        "files": 1,
+        "layers": 1,
+        "errors": 0,
+        "warnings": 2,
+        "infos": 0,
+        "unreadable": 0,
+        "excluded": 0,
+    }
     (file,) = doc["files"]
     assert file["path"] == hand_made and file["format"] == "torch-zip" and file["key"] is None and file["error"] is None
     (layer,) = file["layers"]
@@ -106,7 +114,7 @@ def test_unreadable_file_is_reported_and_the_others_still_audited(cli, hand_made
     assert [f["error"] is not None for f in doc["files"]] == [True, False, False]
     assert "not a checkpoint" in doc["files"][0]["error"]
     assert len(doc["files"][2]["findings"]) == 2
-    assert result.stderr.strip().splitlines() == [f"bnaudit: error: {junk}: {doc['files'][0]['error']}"]
+    assert result.stderr == ""  # said once: in the document
 
 
 def test_directory_expands_to_checkpoint_suffixes_in_sorted_order(cli, tmp_path):

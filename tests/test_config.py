@@ -322,8 +322,23 @@ def test_exclude_globs_are_relative_to_the_configuration_file(cli, tmp_path, mon
         save_torch(bn_entries("bn", 4), tmp_path / rel)
     monkeypatch.chdir(tmp_path / "models")  # the configuration is one folder up
     doc = json.loads(cli("inspect", ".", os.path.join("..", "runs", "a.pt"), "--format", "json").stdout)
-    assert [f["path"] for f in doc["files"]] == [os.path.join(".", "good.pt")]
+    # audited: good.pt; named on the command line but excluded: reported as such, not read
+    assert [(f["path"], f["excluded"]) for f in doc["files"]] == [
+        (os.path.join(".", "good.pt"), None),
+        (
+            os.path.join("..", "runs", "a.pt"),
+            f'excluded by the configuration (exclude "runs/*" in {tmp_path / "pyproject.toml"})',
+        ),
+    ]
+    assert doc["files"][1]["layers"] == [] and doc["summary"]["files"] == 1 and doc["summary"]["excluded"] == 1
     assert doc["config"]["exclude"] == ["runs/*", "*.tmp.pt", "scratch"]
+    table = cli("inspect", os.path.join("..", "runs", "a.pt"), "-q")
+    assert table.exit_code == 0
+    assert table.stdout.splitlines() == [
+        f'{os.path.join("..", "runs", "a.pt")}: excluded by the configuration (exclude "runs/*" in '
+        f"{tmp_path / 'pyproject.toml'})",
+        "0 files, 0 BN layers: 0 errors, 0 warnings, 0 infos, 1 excluded file",
+    ]
 
 
 def test_excludes_matches_components_and_relative_paths(tmp_path):

@@ -141,6 +141,12 @@ def inspect(
         paths = [paths]
     files: list[FileReport] = []
     for path in [os.fspath(p) for p in paths]:
+        pattern = None if os.path.isdir(path) else config.exclusion(path)
+        if pattern is not None:
+            # named explicitly: say so instead of auditing nothing in silence
+            where = f" in {config.source}" if config.source else ""
+            files.append(FileReport(path, excluded=f'excluded by the configuration (exclude "{pattern}"{where})'))
+            continue
         try:
             expanded = _expand_paths([path], config)
         except BnauditError as exc:

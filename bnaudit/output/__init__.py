@@ -24,6 +24,7 @@ import json as jsonlib  # not `json`: importing the submodule output.json rebind
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
+from bnaudit.errors import OutputClosed
 from bnaudit.text import printable
 
 FORMATS: dict[str, tuple[str, ...]] = {
@@ -41,7 +42,14 @@ def console(stream: IO[str], width: int | None = None) -> Any:
     """
     from rich.console import Console
 
-    return Console(file=stream, width=width, highlight=False, soft_wrap=False, markup=False, emoji=False)
+    out = Console(file=stream, width=width, highlight=False, soft_wrap=False, markup=False, emoji=False)
+    out.on_broken_pipe = _reader_left  # type: ignore[method-assign]  # rich would exit 1; the CLI ends with 0
+    return out
+
+
+def _reader_left() -> None:
+    """The reader of the stream went away (`bnaudit inspect ... | head -1`)."""
+    raise OutputClosed()
 
 
 def emit(
@@ -62,8 +70,11 @@ def emit(
         renderers[kind](report, console(stream, width), quiet=quiet)
         return
     document = _document(report, fmt)
-    stream.write(jsonlib.dumps(document, indent=2, allow_nan=False) + "\n")
-    stream.flush()
+    try:
+        stream.write(jsonlib.dumps(document, indent=2, allow_nan=False) + "\n")
+        stream.flush()
+    except BrokenPipeError:
+        raise OutputClosed() from None
 
 
 def _document(report: Any, fmt: str) -> dict[str, Any]:
@@ -92,11 +103,13 @@ def one_line(message: str) -> str:
 
 
 def emit_error(message: str, stream: IO[str], *, json_stream: IO[str] | None = None) -> None:
-    """`bnaudit: error: MESSAGE` on `stream`; with `json_stream` also `{"error": MESSAGE}`
-    there, so that a `--format json` consumer reads a document whatever happened."""
+    """An error said once: `bnaudit: error: MESSAGE` on `stream`, or, with `json_stream`
+    (--format json), only `{"error": MESSAGE}` there, so that a JSON consumer reads a
+    document whatever happened (and `2>&1` still parses)."""
     message = one_line(message)
     if json_stream is not None:
         _line(json_stream, jsonlib.dumps({"error": message}))
+        return
     _line(stream, f"bnaudit: error: {message}")
 
 
@@ -109,14 +122,11 @@ def emit_interrupted(stream: IO[str]) -> None:
 
 
 def emit_diagnostics(report: Any, stream: IO[str]) -> None:
-    """What a report has to say besides itself, one line each: the files inspect could not
-    read (the report shows them too; on stderr a hook's log shows them whatever the format)
-    and recalibrate's warnings."""
-    if report.kind == "inspect":
-        for file in report.files:
-            if file.error:
-                emit_error(f"{file.path}: {file.error}", stream)
-    elif report.kind == "recalibrate":
+    """What a report has to say besides itself, one line each: recalibrate's warnings.
+
+    The files inspect could not read are part of its report (a line of the table, of
+    `--quiet`, `files[].error` in JSON, a SARIF notification), said there once."""
+    if report.kind == "recalibrate":
         for message in report.warnings:
             emit_warning(message, stream)
 

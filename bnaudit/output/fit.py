@@ -91,6 +91,9 @@ def concise_lines(report: InspectReport) -> list[str]:
         if file.error:
             lines.append(f"{file.path}: error: {file.error}")
             continue
+        if file.excluded:
+            lines.append(f"{file.path}: {file.excluded}")
+            continue
         for f in file.findings:
             where = f"{file.path}: {f.layer}: " if f.layer is not None else f"{file.path}: "
             lines.append(f"{where}{f.code} {f.name}: {f.message}")
@@ -107,4 +110,6 @@ def summary_line(report: InspectReport) -> str:
     )
     if s["unreadable"]:
         line += f", {plural(s['unreadable'], 'unreadable file')}"
+    if s["excluded"]:
+        line += f", {plural(s['excluded'], 'excluded file')}"
     return line

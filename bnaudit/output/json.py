@@ -67,6 +67,7 @@ def inspect_to_json(report: InspectReport) -> dict[str, Any]:
                 ],
                 "findings": [finding_to_json(f) for f in file.findings],
                 "error": file.error,
+                "excluded": file.excluded,
             }
         )
     return {"version": __version__, "config": report.config.as_dict(), "files": files, "summary": report.summary()}
@@ -101,7 +102,7 @@ def gap_to_json(report: Any) -> dict[str, Any]:
         "layers": [
             {
                 "name": d.name,
-                "position": d.position,
+                "position": d.position + 1,  # 1-based, as the table's # and the diagnosis count
                 "kind": d.kind,
                 "channels": d.channels,
                 "values": d.values,

@@ -80,6 +80,15 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
     notifications = []
     for file in report.files:
         location = _artifact_location(file.path, base)
+        if file.excluded:
+            notifications.append(
+                {
+                    "level": "note",
+                    "message": {"text": f"{file.path}: {file.excluded}"},
+                    "locations": [{"physicalLocation": {"artifactLocation": location}}],
+                }
+            )
+            continue
         if file.error:
             notifications.append(
                 {
@@ -123,7 +132,7 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
                 },
                 "invocations": [
                     {
-                        "executionSuccessful": not notifications,
+                        "executionSuccessful": not any(n["level"] == "error" for n in notifications),
                         "toolExecutionNotifications": notifications,
                     }
                 ],

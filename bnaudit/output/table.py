@@ -123,6 +123,8 @@ def file_status(file: FileReport) -> str:
     """A file's worst finding ("error", "warning", "info"), "ok", or "unreadable"."""
     if file.error:
         return "unreadable"
+    if file.excluded:
+        return "excluded"
     severities = {f.severity for f in file.findings}
     return next((s for s in ("error", "warning", "info") if s in severities), "ok")
 
@@ -141,8 +143,8 @@ def _files_table(files: list[FileReport], console: Any) -> Any:
         [
             printable(f.path),
             printable(f.format or "-"),
-            "-" if f.error else str(len(f.layers)),
-            "-" if f.error else _worst_gain(f),
+            "-" if f.error or f.excluded else str(len(f.layers)),
+            "-" if f.error or f.excluded else _worst_gain(f),
             file_status(f),
         ]
         for f in files
@@ -153,7 +155,7 @@ def _files_table(files: list[FileReport], console: Any) -> Any:
     table = Table(show_edge=False, pad_edge=False, header_style="bold")
     for i, header in enumerate(headers):
         table.add_column(header, justify="right" if i in (2, 3) else "left", no_wrap=True)
-    styles = {**SEVERITY_STYLE, "unreadable": "bold red"}
+    styles = {**SEVERITY_STYLE, "unreadable": "bold red", "excluded": "dim"}
     for row in rows:
         table.add_row(
             Text(shorten_middle(row[0], room)), Text(row[1]), row[2], row[3], Text(row[4], style=styles[row[4]])
@@ -204,7 +206,7 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False, all
         console.print(Text(summary, style=SEVERITY_STYLE[worst]), soft_wrap=True)
         return
     several = len(report.files) > 1
-    shown = [f for f in report.files if not f.error and (not several or all_layers or f.findings)]
+    shown = [f for f in report.files if not f.error and not f.excluded and (not several or all_layers or f.findings)]
     columns, dropped = _layer_layout([f for f in shown if f.layers], console.width)
     if several:
         console.print(_files_table(report.files, console))
@@ -212,9 +214,11 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False, all
     for file in report.files:
         if file.error:
             console.print(_cell(f"{file.path}: error: {file.error}", style="bold red"), soft_wrap=True)
+        elif file.excluded:
+            console.print(_cell(f"{file.path}: {file.excluded}", style="dim"), soft_wrap=True)
         elif any(file is f for f in shown):
             _file_detail(file, console, columns)
-    if several and not all_layers and len(shown) < len(report.files) - s["unreadable"]:
+    if several and not all_layers and len(shown) < s["files"] - s["unreadable"]:
         console.print(Text("files without findings are one line each; --layers shows their layer tables", style="dim"))
     if dropped and any(f.layers for f in shown):
         console.print(
