@@ -142,3 +142,22 @@ def test_hook_honours_the_projects_configuration(project, env):
     assert bad.returncode != 0
     assert "pyproject.toml [tool.bnaudit]: max-gain: expected a positive number, got -1" in output
     assert "exit code: 2" in output
+
+
+def test_quiet_hook_names_the_file_layer_and_rule_that_failed(project, env):
+    config = (project / ".pre-commit-config.yaml").read_text()
+    (project / ".pre-commit-config.yaml").write_text(config + "        args: [-q]\n")
+    git(project, env, "add", ".pre-commit-config.yaml")
+    git(project, env, "commit", "-q", "-m", "quiet hook")
+    save_torch(reset_state(), project / "models" / "finetuned.pt")
+    save_safetensors(healthy_state(), project / "models" / "healthy.safetensors")
+    git(project, env, "add", "-A")
+    blocked = run(["git", "commit", "-m", "broken"], project, env)
+    output = blocked.stdout + blocked.stderr
+    assert blocked.returncode != 0, output
+    lines = output.splitlines()
+    (finding,) = [line for line in lines if "BN002" in line]
+    assert finding.startswith("models/finetuned.pt: head.bn: BN002 initial-values: running_mean is 0")
+    assert "2 files, 4 BN layers: 1 error, 0 warnings, 0 infos" in lines
+    assert not any("┃" in line for line in lines)  # no tables with -q
+    assert commit_count(project, env) == 2  # the config commit only: the broken one was blocked

@@ -70,9 +70,7 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
         eps = config.eps if config.eps is not None else DEFAULT_EPS
         momentum = config.momentum if config.momentum is not None else DEFAULT_MOMENTUM
         given = "given" if config.eps is not None or config.momentum is not None else "assumed"
-        report.settings = (
-            f"eps {eps:g} and momentum {momentum:g} {given}: a state dict does not store them (set --eps/--momentum)"
-        )
+        report.settings = f"eps {eps:g} and momentum {momentum:g} {given} (not in a state dict; set --eps/--momentum)"
     return report
 
 
