@@ -206,7 +206,7 @@ def inspect(
         )
         # emitting stays inside the boundary: the values it prints come from the files
         output.emit(report, output_format.value, sys.stdout, quiet=quiet, all_layers=all_layers)
-    output.emit_diagnostics(report, sys.stderr)
+    output.emit_diagnostics(report, sys.stderr, output_format.value)
     code = report.exit_code()
     raise typer.Exit(0 if exit_zero and code == 1 else code)
 

@@ -375,6 +375,6 @@ def test_quiet_prints_one_line_per_finding_errors_and_the_summary(cli, tmp_path,
     assert lines[:3] == [
         f"{two_layer_checkpoint}: {f['layer']}: {f['code']} {f['name']}: {f['message']}" for f in findings
     ]
-    assert lines[3] == f"{broken}: error: {doc['files'][1]['error']}"
-    assert lines[4:] == ["2 files, 2 BN layers: 0 errors, 3 warnings, 0 infos, 1 unreadable file"]
+    assert lines[3:] == ["2 files, 2 BN layers: 0 errors, 3 warnings, 0 infos, 1 unreadable file"]
+    assert result.stderr.splitlines() == [f"bnaudit: error: {broken}: {doc['files'][1]['error']}"]
     assert result.exit_code == 2

@@ -121,12 +121,18 @@ def emit_interrupted(stream: IO[str]) -> None:
     _line(stream, "bnaudit: interrupted")
 
 
-def emit_diagnostics(report: Any, stream: IO[str]) -> None:
-    """What a report has to say besides itself, one line each: recalibrate's warnings.
+def emit_diagnostics(report: Any, stream: IO[str], fmt: str = "table") -> None:
+    """What a report has to say besides itself, one line each: the files inspect could
+    not read and recalibrate's warnings.
 
-    The files inspect could not read are part of its report (a line of the table, of
-    `--quiet`, `files[].error` in JSON, a SARIF notification), said there once."""
-    if report.kind == "recalibrate":
+    An unreadable file is said once: with a table, here (the table marks the file
+    `unreadable`, and stderr is where a hook's log and a terminal show errors); with JSON
+    or SARIF, in the document only (`files[].error`, a notification)."""
+    if report.kind == "inspect" and fmt == "table":
+        for file in report.files:
+            if file.error:
+                emit_error(f"{file.path}: {file.error}", stream)
+    elif report.kind == "recalibrate":
         for message in report.warnings:
             emit_warning(message, stream)
 

@@ -81,7 +81,8 @@ def collapse(findings: list[Finding]) -> list[FindingRow]:
 
 def concise_lines(report: InspectReport) -> list[str]:
     """`path: layer: CODE name: message` per finding (`path: CODE name: message` for a
-    file-level one, `path: error: problem` for an unreadable file), then the summary.
+    file-level one, `path: excluded ...` for an excluded one), then the summary; an
+    unreadable file is said on stderr (`output.emit_diagnostics`).
 
     Not collapsed: a hook's log, grep and editors' problem matchers want one location a line.
     Unprintable characters are escaped by the caller, once.
@@ -89,7 +90,6 @@ def concise_lines(report: InspectReport) -> list[str]:
     lines: list[str] = []
     for file in report.files:
         if file.error:
-            lines.append(f"{file.path}: error: {file.error}")
             continue
         if file.excluded:
             lines.append(f"{file.path}: {file.excluded}")

@@ -25,13 +25,15 @@ def render_rules(console: Any, overrides: dict[str, str] | None = None) -> None:
 
     from bnaudit.audit.ruledocs import shown_severity
 
+    rows = [(rule.code, rule.name, shown_severity(rule, overrides), rule.summary) for rule in RULES.values()]
     table = Table(show_edge=False, pad_edge=False, header_style="bold")
-    table.add_column("code", no_wrap=True)
-    table.add_column("name", no_wrap=True)
-    table.add_column("severity", no_wrap=True)
+    # min_width: rich would otherwise squeeze these to "BN0…" at 80 columns before
+    # wrapping the summaries, which wrap at spaces
+    for i, header in enumerate(("code", "name", "severity")):
+        table.add_column(header, no_wrap=True, min_width=max(len(header), *(len(row[i]) for row in rows)))
     table.add_column("fires when", overflow="fold")
-    for rule in RULES.values():
-        table.add_row(rule.code, rule.name, shown_severity(rule, overrides), rule.summary)
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
     console.print(f"bnaudit rules CODE explains a rule ({len(RULES)} rules).")
 
@@ -213,8 +215,8 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False, all
         console.print()
     for file in report.files:
         if file.error:
-            console.print(_cell(f"{file.path}: error: {file.error}", style="bold red"), soft_wrap=True)
-        elif file.excluded:
+            continue  # said once, on stderr (output.emit_diagnostics)
+        if file.excluded:
             console.print(_cell(f"{file.path}: {file.excluded}", style="dim"), soft_wrap=True)
         elif any(file is f for f in shown):
             _file_detail(file, console, columns)
