@@ -375,3 +375,13 @@ def test_identical_means_bit_identical():
     assert bit_identical([nan], [nan])  # the same NaN: nothing moved
     assert not bit_identical([1.0], [math.nextafter(1.0, 2.0)])
     assert not bit_identical([1.0], None) and not bit_identical([1.0], [1.0, 1.0])
+
+
+def test_committed_sample_pair_is_frozen_but_updating():
+    """sample_models/generate.py's pair, shown in the README: weights identical in features.*"""
+    a, b = os.path.join(SAMPLES, "pretrained.safetensors"), os.path.join(SAMPLES, "finetuned.pt")
+    report = diff(a, b)
+    sa, sb = load_file(a), torch.load(b, weights_only=True)
+    for name in BACKBONE:
+        assert_numbers(by_name(report)[name], expected_numbers(sa, sb, name))
+    assert report.groups() == {"frozen but updating": "features.*", "trained": "head.*"}
