@@ -454,6 +454,9 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
             bullets.add_row("-", _cell(line))
         console.print(bullets)
         console.print()
+    errors = [f for f in report.findings if f.severity == "error"]
+    if quiet and errors:  # -q: a CI log still shows what failed
+        console.print(_findings_table(errors))
     s = report.summary()
     line = (
         f"{s['matched']} matched BN layer(s): {s['errors']} error(s), {s['warnings']} warning(s), {s['infos']} info(s)"
