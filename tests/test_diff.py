@@ -385,3 +385,33 @@ def test_committed_sample_pair_is_frozen_but_updating():
     for name in BACKBONE:
         assert_numbers(by_name(report)[name], expected_numbers(sa, sb, name))
     assert report.groups() == {"frozen but updating": "features.*", "trained": "head.*"}
+
+
+def test_live_against_its_ema_copy_ignores_the_ema_counter(tmp_path, pretrained, digits):
+    """An EMA copy (AveragedModel with an EMA average and use_buffers=True) averages the
+    statistics too, and leaves its counter at 1: the counter must not make the copy look
+    re-estimated; chosen by container key, the EMA side is known as such."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    x, y = digits
+    model = digits_net()
+    model.load_state_dict(pretrained)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(11)
+    model.train()
+    for _ in range(10):
+        idx = torch.randperm(len(x), generator=g)[:32]
+        loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ema.update_parameters(model)
+    live, averaged = state(model), state(ema.module)
+    assert int(averaged["head.2.num_batches_tracked"]) < int(live["head.2.num_batches_tracked"])
+    path = save_torch({"model": live, "model_ema": averaged}, tmp_path / "ckpt.pth")
+    report = diff(path, path, key_a="model", key_b="model_ema")
+    for name, d in by_name(report).items():
+        assert d.verdict == "trained" and not d.counter_meaningful
+        assert_numbers(d, expected_numbers(live, averaged, name))
+    assert report.findings == []

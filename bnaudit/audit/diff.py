@@ -153,6 +153,7 @@ def diff_checkpoints(a: Checkpoint, b: Checkpoint, config: Config) -> DiffReport
     names_a = {layer.name for layer in layers_a}
     recalibrated, provenance = _recalibration(b)
     report = DiffReport(_side(a, layers_a), _side(b, layers_b), config, provenance=provenance)
+    counters_meaningful = not (a.is_ema or b.is_ema)  # an EMA copy's counter counts nothing
     for la in layers_a:
         lb = by_name_b.get(la.name)
         if lb is None:
@@ -160,7 +161,9 @@ def diff_checkpoints(a: Checkpoint, b: Checkpoint, config: Config) -> DiffReport
         elif la.num_features != lb.num_features:
             report.reshaped.append((la.name, la.num_features, lb.num_features))
         else:
-            report.layers.append(compare_layers(la, lb, recalibrated=la.name in recalibrated))
+            report.layers.append(
+                compare_layers(la, lb, recalibrated=la.name in recalibrated, counter_meaningful=counters_meaningful)
+            )
     report.only_b = [layer.name for layer in layers_b if layer.name not in names_a]
     context = DiffContext(report.layers, config, report.only_a, report.only_b, report.reshaped, provenance=provenance)
     report.findings = run_diff_rules(context)

@@ -135,6 +135,9 @@ class LayerDiff:
     momentum_b: float | None
     settings_known: bool
     recalibrated: bool = False
+    # False when a side is an EMA copy: its counter is not a count of batches (timm
+    # averages it towards 0, torchvision halves it, AveragedModel leaves 1)
+    counter_meaningful: bool = True
 
     @property
     def stats_identical(self) -> bool:
@@ -192,8 +195,9 @@ def classify(params_identical: bool, stats_identical: bool, batches_change: int 
     return TRAINED
 
 
-def compare_layers(a: BNLayer, b: BNLayer, recalibrated: bool = False) -> LayerDiff:
-    """The LayerDiff of two layers of the same name and channel count."""
+def compare_layers(a: BNLayer, b: BNLayer, recalibrated: bool = False, counter_meaningful: bool = True) -> LayerDiff:
+    """The LayerDiff of two layers of the same name and channel count; without a
+    meaningful counter (an EMA side) the verdict ignores the counters."""
     scale = layer_scale(a)
     same = {
         "weight": bit_identical(a.weight, b.weight),
@@ -217,13 +221,19 @@ def compare_layers(a: BNLayer, b: BNLayer, recalibrated: bool = False) -> LayerD
         bias_identical=same["bias"],
         mean_identical=same["mean"],
         var_identical=same["var"],
-        verdict=classify(same["weight"] and same["bias"], same["mean"] and same["var"], change, recalibrated),
+        verdict=classify(
+            same["weight"] and same["bias"],
+            same["mean"] and same["var"],
+            change if counter_meaningful else None,
+            recalibrated,
+        ),
         eps_a=a.eps,
         eps_b=b.eps,
         momentum_a=a.momentum,
         momentum_b=b.momentum,
         settings_known=not a.settings_assumed and not b.settings_assumed,
         recalibrated=recalibrated,
+        counter_meaningful=counter_meaningful,
     )
 
 

@@ -752,7 +752,7 @@ def _check_uneven_counting(ctx: DiffContext) -> Iterator[Finding]:
     groups: dict[int, list[str]] = {}
     for d in ctx.layers:
         change = d.batches_change
-        if change is not None and change > 0:
+        if change is not None and change > 0 and d.counter_meaningful:
             groups.setdefault(change, []).append(d.name)
     if len(groups) < 2:
         return
