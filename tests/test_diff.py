@@ -271,11 +271,16 @@ def test_eps_changed_between_torchscript_exports_is_an_error(tmp_path, pretraine
         warnings.simplefilter("ignore")
         torch.jit.script(model).save(str(tmp_path / "a.pt"))
         model.head[2].eps = 1e-3
+        model.features[1].momentum = 0.2
         torch.jit.script(model).save(str(tmp_path / "b.pt"))
     report = diff(tmp_path / "a.pt", tmp_path / "b.pt")
     assert all(d.verdict == "unchanged" and d.settings_known for d in report.layers)
-    assert [(f.code, f.severity, f.layer) for f in report.findings] == [("BN106", "error", "head.2")]
-    assert "eps changed from 1e-05 to 0.001" in report.findings[0].message
+    assert [(f.code, f.severity, f.layer) for f in report.findings] == [
+        ("BN106", "info", "features.1"),
+        ("BN106", "error", "head.2"),
+    ]
+    assert report.findings[0].message == "momentum changed from 0.1 to 0.2"
+    assert "eps changed from 1e-05 to 0.001" in report.findings[1].message
     result = cli("diff", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--format", "json")
     assert result.exit_code == 1
     doc = json.loads(result.stdout)

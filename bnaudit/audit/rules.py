@@ -740,9 +740,9 @@ def _check_re_estimated(ctx: DiffContext) -> Iterator[Finding]:
     "Among layers whose counter grew, the increments differ (e.g. some at exactly twice the others').",
     "Every BN layer of a network trained end to end runs one training-mode forward per step, so "
     "their counters grow by the same amount. A group that grew by exactly twice as much ran its "
-    "forwards twice: activation checkpointing (`torch.utils.checkpoint`, reentrant) re-runs the "
-    "forward of the checkpointed block in training mode during backward, updating its statistics "
-    "a second time with the same batch (momentum effectively doubled). Other ratios mean parts of "
+    "forwards twice: activation checkpointing (`torch.utils.checkpoint`, reentrant or not, as of "
+    "torch 2.13) re-runs the forward of the checkpointed block in training mode during backward, "
+    "updating its statistics a second time with the same batch. Other ratios mean parts of "
     "the network ran on different batches or were trained in separate phases.",
     "Put the checkpointed block's BN layers in eval mode during recomputation, checkpoint blocks "
     "without BatchNorm, or recalibrate the statistics after training.",
