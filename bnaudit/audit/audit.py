@@ -63,6 +63,7 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
         )
     report.format, report.key, report.other_keys = ckpt.format, ckpt.key, ckpt.other_keys
     report.prefix, report.is_ema = ckpt.prefix, ckpt.is_ema
+    report.not_loaded = list(ckpt.not_loaded)
     report.layers = [LayerSummary.of(layer, config.near_eps_factor) for layer in discovery.layers]
     report.findings = findings
     if any(layer.settings_assumed for layer in discovery.layers):

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.model import Checkpoint, ModuleInfo, torch_ref
+from bnaudit.formats.model import Checkpoint, ModuleInfo, TensorRef, torch_ref
 from bnaudit.text import exception_line
 
 
@@ -40,7 +40,11 @@ def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str)
             source = source.state_dict()
         except Exception as exc:  # attributes come from the file: a forged module breaks here
             raise BnauditError(f"{path}: malformed pickled module ({exception_line(exc, with_type=False)})") from None
-    tensors = {name: torch_ref(name, t) for name, t in source.items() if isinstance(name, str) and _is_tensor(t)}
+    tensors = {
+        name: t.renamed(name) if isinstance(t, TensorRef) else torch_ref(name, t)
+        for name, t in source.items()
+        if isinstance(name, str) and _is_tensor(t)
+    }
     return Checkpoint(
         path,
         fmt,
@@ -87,6 +91,8 @@ def _is_ema_key(key: str) -> bool:
 
 
 def _is_tensor(value: Any) -> bool:
+    if isinstance(value, TensorRef):  # read lazily by the stand-in reader (formats/standins.py)
+        return True
     return type(value).__module__.startswith("torch") and hasattr(value, "dtype") and hasattr(value, "shape")
 
 

@@ -108,6 +108,9 @@ class Checkpoint:
     modules: dict[str, ModuleInfo] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     holds_module: bool = False
+    # Objects outside the state dict left unloaded by the stand-in reader, one note each
+    # ("hyper_parameters holds omegaconf.DictConfig: not loaded").
+    not_loaded: list[str] = field(default_factory=list)
 
 
 def recalibration_record(metadata: Mapping[str, str]) -> dict[str, Any] | None:

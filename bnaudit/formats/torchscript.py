@@ -126,6 +126,21 @@ def _check_record(storage: Any, offset: Any, size: Any, stride: Any) -> None:
         raise pickle.UnpicklingError("malformed tensor record")
 
 
+class ArchiveUnpickler(_ScriptUnpickler):
+    """The restricted unpickler of a zip archive's `data.pkl`, for readers built on it
+    (formats/standins.py): storages become records of their zip entries, tensors lazy
+    `TensorRef`s read from those entries, and every global outside the TorchScript set
+    raises `pickle.UnpicklingError`."""
+
+
+def open_archive_pickle(path: str) -> tuple[zipfile.ZipFile, str, bytes]:
+    """(archive, root folder, bytes of `<root>/data.pkl`) of a torch zip archive, sizes checked."""
+    archive = zipfile.ZipFile(path)
+    check_zip_sizes(path, archive)
+    entry = next(n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1)
+    return archive, entry.split("/")[0], archive.read(entry)
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     """Where a tensor of a torch.save zip archive lies: `start`, the file offset of its
