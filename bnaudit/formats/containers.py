@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.model import Checkpoint, ModuleInfo, TensorRef, torch_ref
+from bnaudit.formats.model import Checkpoint, ModuleInfo, TensorRef, record_from_state_dict_metadata, torch_ref
 from bnaudit.text import exception_line
 
 
@@ -49,6 +49,7 @@ def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str)
         path,
         fmt,
         tensors,
+        metadata=record_from_state_dict_metadata(getattr(source, "_metadata", None)),
         key=None if chosen == "" else chosen,
         other_keys=[k for k in candidates if k != chosen],
         is_ema=_is_ema_key(chosen),

@@ -126,6 +126,26 @@ def recalibration_record(metadata: Mapping[str, str]) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
+def statistics_digest(running_mean: list[float], running_var: list[float]) -> str:
+    """SHA-256 of a layer's statistics as stored, each value widened exactly to a
+    little-endian double (mean then var): what a recalibration record binds its layer to,
+    so that statistics changed after `recalibrate` (further training, a record copied
+    from another file) are audited as usual. Torch-free: computed from `TensorRef.read()`."""
+    import hashlib
+
+    values = [float(v) for v in running_mean] + [float(v) for v in running_var]
+    return hashlib.sha256(struct.pack(f"<{len(values)}d", *values)).hexdigest()
+
+
+def record_from_state_dict_metadata(metadata: Any) -> dict[str, str]:
+    """The recalibration record `recalibrate` keeps in a torch state dict's `_metadata`
+    (root entry "", key "bnaudit"; `load_state_dict` reads only "version" there), as
+    the `{"bnaudit": json}` metadata a safetensors file carries; {} if there is none."""
+    root = metadata.get("") if isinstance(metadata, Mapping) else None
+    raw = root.get("bnaudit") if isinstance(root, Mapping) else None
+    return {"bnaudit": raw} if isinstance(raw, str) else {}
+
+
 def torch_ref(name: str, tensor: Any) -> TensorRef:
     dtype = str(tensor.dtype).removeprefix("torch.")
 

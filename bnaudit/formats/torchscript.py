@@ -210,6 +210,27 @@ def _c_order_start(
     return info.header_offset + 30 + names + extra + offset * itemsize
 
 
+# The extra file of a TorchScript archive in which `recalibrate` keeps its record
+# (`torch.jit.save(..., _extra_files=...)`; loading the archive ignores it).
+RECORD_EXTRA_FILE = "bnaudit.json"
+_MAX_RECORD_BYTES = 10_000_000
+
+
+def script_metadata(path: str) -> dict[str, str]:
+    """`{"bnaudit": record}` from the archive's `extra/bnaudit.json`, {} without one (or
+    one too large or not UTF-8: the record is untrusted and only ever a note)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entry = next(
+                (n for n in archive.namelist() if n.count("/") == 2 and n.endswith(f"/extra/{RECORD_EXTRA_FILE}")), None
+            )
+            if entry is None or archive.getinfo(entry).file_size > _MAX_RECORD_BYTES:
+                return {}
+            return {"bnaudit": archive.read(entry).decode("utf-8")}
+    except (OSError, ValueError, zipfile.BadZipFile):
+        return {}
+
+
 _MAX_SCRIPT_VISITS = 100_000
 
 

@@ -19,8 +19,9 @@ from typing import Any
 from bnaudit.errors import BnauditError
 from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.atomic import atomic_write, check_output
-from bnaudit.formats.model import Checkpoint
+from bnaudit.formats.model import Checkpoint, statistics_digest
 from bnaudit.formats.safetensors import read_safetensors_header
+from bnaudit.formats.torchscript import RECORD_EXTRA_FILE
 from bnaudit.text import exception_line
 
 # The only tensors bnaudit ever writes: the running statistics of a BN layer.
@@ -47,8 +48,14 @@ def save_like(
                     only the updated tensors' bytes overwritten in place
       torch-zip/legacy  the whole container reloaded (same allow-list as reading) and
                     saved in the same serialization; only the selected state dict's
-                    entries replaced; no new keys
-      torchscript   the archive loaded, buffers set, saved with its extra files
+                    entries replaced; no new keys: the provenance goes into the state
+                    dict's own `_metadata` (root entry, key "bnaudit"), which torch.save
+                    and torch.load(weights_only=True) keep and load_state_dict ignores
+      torchscript   the archive loaded, buffers set, saved with its extra files and the
+                    provenance as the extra file `bnaudit.json`
+
+    `recalibrate` puts `statistics_digests` into the provenance: inspect trusts the
+    record for a layer only while its stored statistics match.
 
     Written atomically (see `atomic_write`); the input is never opened for writing.
     Non-finite statistics are refused, naming the layer.
@@ -62,6 +69,8 @@ def save_like(
     elif ckpt.format in ("torch-zip", "torch-legacy"):
         obj = load_torch_object(ckpt.path, trust_pickle=trust_pickle, mmap=ckpt.format == "torch-zip")
         _apply_to_container(ckpt, obj, prepared)
+        if provenance is not None:
+            obj = _attach_record(ckpt, obj, json.dumps(dict(provenance), sort_keys=True))
 
         def write(f: Any) -> None:
             import torch
@@ -72,6 +81,8 @@ def save_like(
         buffers = dict(module.named_buffers())
         for name, value in prepared.items():
             buffers[name].copy_(value)
+        if provenance is not None:
+            extra[RECORD_EXTRA_FILE] = json.dumps(dict(provenance), sort_keys=True).encode("utf-8")
 
         def write(f: Any) -> None:
             import torch
@@ -80,6 +91,47 @@ def save_like(
     else:  # pragma: no cover - read_checkpoint knows no other format
         raise BnauditError(f"{ckpt.path}: cannot write format {ckpt.format}")
     atomic_write(output, write, force=force)
+
+
+def statistics_digests(ckpt: Checkpoint, updates: Mapping[str, Any], layers: list[str]) -> dict[str, str]:
+    """Layer -> `statistics_digest` of the statistics `save_like(ckpt, updates, ...)` will
+    store for it (cast to the stored dtype, as written), for each of `layers` it updates."""
+    prepared = _prepare_updates(ckpt, updates)
+    digests = {}
+    for layer in layers:
+        mean, var = prepared.get(f"{layer}.running_mean"), prepared.get(f"{layer}.running_var")
+        if mean is not None and var is not None:
+            digests[layer] = statistics_digest(mean.double().reshape(-1).tolist(), var.double().reshape(-1).tolist())
+    return digests
+
+
+def _attach_record(ckpt: Checkpoint, obj: Any, record: str) -> Any:
+    """`obj` with `record` in the `_metadata` of the state dict at `ckpt.key` (root entry
+    "", key "bnaudit"); a plain dict becomes an OrderedDict to carry it (same keys, and
+    `load_state_dict` takes either). A pickled nn.Module gets no record. Returns the
+    (possibly new) root object."""
+    from collections import OrderedDict
+
+    parts = ckpt.key.split("/") if ckpt.key else []
+    parent, target = None, obj
+    for part in parts:
+        parent, target = target, target[part]
+    if not isinstance(target, dict):
+        return obj
+    if not hasattr(target, "__dict__"):  # a plain dict takes no attribute
+        target = OrderedDict(target)
+        if parent is None:
+            obj = target
+        else:
+            parent[parts[-1]] = target
+    metadata = getattr(target, "_metadata", None)
+    if not isinstance(metadata, dict):
+        metadata = OrderedDict()
+    root = dict(metadata.get("", {})) if isinstance(metadata.get(""), dict) else {}
+    root["bnaudit"] = record
+    metadata[""] = root
+    target._metadata = metadata
+    return obj
 
 
 def _prepare_updates(ckpt: Checkpoint, updates: Mapping[str, Any]) -> dict[str, Any]:

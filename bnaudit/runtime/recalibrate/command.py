@@ -28,7 +28,7 @@ from bnaudit import __version__
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.atomic import check_output
-from bnaudit.formats.write import save_like
+from bnaudit.formats.write import save_like, statistics_digests
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.gap import GapReport, measure_model_gap
 from bnaudit.runtime.models import (
@@ -269,6 +269,9 @@ def recalibrate_checkpoint(
                 # inspect reads this back: these layers hold population statistics, not an
                 # EMA, so their num_batches_tracked (= batches) says nothing about maturity
                 "recalibrated_layers": [layer.name for layer in calibration.layers],
+                # binds the record to the statistics written: inspect ignores it for a layer
+                # whose statistics changed since (bnaudit.audit.provenance)
+                "digests": statistics_digests(ckpt, updates, [layer.name for layer in calibration.layers]),
                 "bnaudit_version": __version__,
                 "date": datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
             }
