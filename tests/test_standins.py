@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_classifier
+from conftest import REPO, train_classifier
 from typer.testing import CliRunner
 
 from bnaudit.audit.audit import inspect
@@ -285,3 +285,27 @@ def test_trust_pickle_imports_the_users_classes_from_the_working_directory(proje
     assert result.exit_code in (0, 1), result.stderr
     assert "not loaded" not in result.stdout  # trusted: everything was loaded
     sys.modules.pop("standin_project", None)
+
+
+def test_recalibrate_refuses_before_any_work_to_write_back_objects_it_never_loaded(project, tmp_path, monkeypatch):
+    import bnaudit.runtime.recalibrate.command as command
+
+    state = torch.load(Path(REPO) / "sample_models" / "immature.pt", weights_only=True)
+    path = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {f"model.{k}": v for k, v in state.items()}, "hyper_parameters": project.HParams()}, path)
+    forget(project, tmp_path)
+    monkeypatch.setattr(command, "make_loader", lambda *a, **k: pytest.fail("calibration data was opened"))
+    out = tmp_path / "out.ckpt"
+    result = cli(
+        "recalibrate",
+        str(path),
+        "--arch",
+        f"{REPO}/sample_models/digits_net.py:digits_net",
+        "--data",
+        f"{REPO}/sample_models/data/digits_calib.safetensors",
+        "-o",
+        str(out),
+    )
+    line = one_error_line(result, str(path))
+    assert "hyper_parameters holds standin_project.HParams: not loaded" in line and "--trust-pickle" in line
+    assert not out.exists()

@@ -57,7 +57,7 @@ def save_like(
 
     Across formats: to `.safetensors` from a torch file, the chosen state dict's tensors
     (names as stored, contiguous) with `{"format": "pt", "bnaudit": provenance}` as
-    metadata, refused before any work by `check_conversion` when the container holds
+    metadata, refused before any work by `check_writable` when the container holds
     anything else; to a torch name from safetensors, a torch zip of all its tensors with
     the provenance in `_metadata`.
 
@@ -69,7 +69,7 @@ def save_like(
     """
     check_output(output, ckpt.path, force)
     target = output_format(ckpt.format, output)
-    check_conversion(ckpt, output, trust_pickle)
+    check_writable(ckpt, output, trust_pickle)
     prepared = _prepare_updates(ckpt, updates)
     record = json.dumps(dict(provenance), sort_keys=True) if provenance is not None else None
     if ckpt.format == "safetensors" and target == "safetensors":
@@ -141,9 +141,16 @@ def output_format(input_format: str, output: str) -> str:
     return input_format
 
 
-def check_conversion(ckpt: Checkpoint, output: str, trust_pickle: bool = False) -> None:
-    """Refuse, before any work, a torch container that `output`'s format (safetensors:
-    named tensors and string metadata only) cannot hold, naming what does not fit."""
+def check_writable(ckpt: Checkpoint, output: str, trust_pickle: bool = False) -> None:
+    """Refuse, before any work, a checkpoint `save_like` could not write to `output`: a
+    torch container that `output`'s format (safetensors: named tensors and string metadata
+    only) cannot hold, naming what does not fit, and a container read with stand-ins
+    (their objects were never loaded, so they cannot be saved again)."""
+    if ckpt.not_loaded and not trust_pickle:
+        raise BnauditError(
+            f"{ckpt.path}: cannot be written back: it holds objects of classes that were not loaded "
+            f"({ckpt.not_loaded[0]}); pass --trust-pickle if you trust the file, or save the state dict alone"
+        )
     if output_format(ckpt.format, output) != "safetensors" or ckpt.format in ("safetensors", "torchscript"):
         return
     if ckpt.holds_module:

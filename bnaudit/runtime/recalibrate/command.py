@@ -28,7 +28,7 @@ from bnaudit import __version__
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.atomic import check_output
-from bnaudit.formats.write import check_conversion, save_like, statistics_digests
+from bnaudit.formats.write import check_writable, save_like, statistics_digests
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.gap import GapReport, measure_model_gap
 from bnaudit.runtime.models import (
@@ -209,7 +209,7 @@ def recalibrate_checkpoint(
                     warn("--amp applies on CUDA only: ignored on the CPU")
             runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
             ckpt = runnable.checkpoint
-            check_conversion(ckpt, output, trust_pickle)  # before the calibration, not after it
+            check_writable(ckpt, output, trust_pickle)  # before the calibration, not after it
             # A layer whose buffers the file lacks cannot be written back without new keys.
             absent = [
                 name
