@@ -193,3 +193,32 @@ def test_torchscript_record_is_an_extra_file_that_loading_ignores(cli, tmp_path)
     plain = tmp_path / "plain.pt"
     plain.write_bytes(buffer.getvalue())
     assert sorted(layer for code, layer in bn003_bn010(plain) if code == "BN003") == LAYERS
+
+
+def test_pickled_whole_module_carries_the_record_as_an_attribute(cli, tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, padding=1),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(256, 10),
+    )
+    with torch.no_grad():
+        model[1].running_mean.copy_(torch.randn(4))
+        model[1].running_var.copy_(0.5 + torch.rand(4))
+        model[1].num_batches_tracked.fill_(3)
+    source = tmp_path / "whole.pt"
+    torch.save({"model": model, "epoch": 3}, source)
+    assert bn003_bn010(source) == [("BN003", "1")]
+    out = tmp_path / "out.pt"
+    result = cli(
+        "recalibrate", str(source), "--data", CALIB, "--batch-size", "32", "--num-samples", "32", "-o", str(out)
+    )
+    assert result.exit_code == 0, result.output
+    assert bn003_bn010(out) == []
+    (file,) = inspect(str(out)).files
+    assert file.provenance.startswith("statistics of 1 layer(s) re-estimated")
+    loaded = torch.load(out, weights_only=False)
+    assert json.loads(loaded["model"].bnaudit_recalibration)["recalibrated_layers"] == ["1"]
+    assert list(loaded) == ["model", "epoch"]

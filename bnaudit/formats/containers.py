@@ -16,7 +16,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.model import Checkpoint, ModuleInfo, TensorRef, record_from_state_dict_metadata, torch_ref
+from bnaudit.formats.model import (
+    MODULE_RECORD_ATTRIBUTE,
+    Checkpoint,
+    ModuleInfo,
+    TensorRef,
+    record_from_state_dict_metadata,
+    torch_ref,
+)
 from bnaudit.text import exception_line
 
 
@@ -34,7 +41,10 @@ def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str)
     module settings are kept), names as they are; the other candidates are listed."""
     source = candidates[chosen]
     modules: dict[str, ModuleInfo] = {}
+    metadata = record_from_state_dict_metadata(getattr(source, "_metadata", None))
     if _is_module(source):
+        record = getattr(source, MODULE_RECORD_ATTRIBUTE, None)
+        metadata = {"bnaudit": record} if isinstance(record, str) else {}
         try:
             modules = module_infos(source)
             source = source.state_dict()
@@ -49,7 +59,7 @@ def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str)
         path,
         fmt,
         tensors,
-        metadata=record_from_state_dict_metadata(getattr(source, "_metadata", None)),
+        metadata=metadata,
         key=None if chosen == "" else chosen,
         other_keys=[k for k in candidates if k != chosen],
         is_ema=_is_ema_key(chosen),

@@ -137,6 +137,11 @@ def statistics_digest(running_mean: list[float], running_var: list[float]) -> st
     return hashlib.sha256(struct.pack(f"<{len(values)}d", *values)).hexdigest()
 
 
+# The attribute in which a pickled nn.Module carries `recalibrate`'s record (a string:
+# unpickled by torch.load(weights_only=True) like any attribute of an allowed module).
+MODULE_RECORD_ATTRIBUTE = "bnaudit_recalibration"
+
+
 def record_from_state_dict_metadata(metadata: Any) -> dict[str, str]:
     """The recalibration record `recalibrate` keeps in a torch state dict's `_metadata`
     (root entry "", key "bnaudit"; `load_state_dict` reads only "version" there), as

@@ -19,7 +19,7 @@ from typing import Any
 from bnaudit.errors import BnauditError
 from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.atomic import atomic_write, check_output
-from bnaudit.formats.model import Checkpoint, statistics_digest
+from bnaudit.formats.model import MODULE_RECORD_ATTRIBUTE, Checkpoint, statistics_digest
 from bnaudit.formats.safetensors import SAFETENSORS_DTYPE_CODES, read_safetensors, read_safetensors_header
 from bnaudit.formats.torchscript import RECORD_EXTRA_FILE
 from bnaudit.text import exception_line
@@ -237,14 +237,20 @@ def statistics_digests(ckpt: Checkpoint, updates: Mapping[str, Any], layers: lis
 def _attach_record(ckpt: Checkpoint, obj: Any, record: str) -> Any:
     """`obj` with `record` in the `_metadata` of the state dict at `ckpt.key` (root entry
     "", key "bnaudit"); a plain dict becomes an OrderedDict to carry it (same keys, and
-    `load_state_dict` takes either). A pickled nn.Module gets no record. Returns the
+    `load_state_dict` takes either). A pickled nn.Module keeps it as the string attribute
+    `MODULE_RECORD_ATTRIBUTE`. Returns the
     (possibly new) root object."""
     from collections import OrderedDict
+
+    import torch
 
     parts = ckpt.key.split("/") if ckpt.key else []
     parent, target = None, obj
     for part in parts:
         parent, target = target, target[part]
+    if isinstance(target, torch.nn.Module):  # a plain string attribute: pickled with the module
+        setattr(target, MODULE_RECORD_ATTRIBUTE, record)
+        return obj
     if not isinstance(target, dict):
         return obj
     if not hasattr(target, "__dict__"):  # a plain dict takes no attribute
