@@ -94,7 +94,7 @@ def forget(project, tmp_path: Path) -> None:
     importlib.invalidate_caches()
 
 
-def lightning_file(project, tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+def lightning_file(project, tmp_path: Path, legacy: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
     state = trained_state()
     path = tmp_path / "epoch=3-step=500.ckpt"
     torch.save(
@@ -107,12 +107,14 @@ def lightning_file(project, tmp_path: Path) -> tuple[Path, dict[str, torch.Tenso
             "optimizer_states": [],
         },
         path,
+        _use_new_zipfile_serialization=not legacy,
     )
     return path, state
 
 
-def test_lightning_checkpoint_with_user_classes_is_audited_as_its_plain_state_dict(project, tmp_path):
-    path, state = lightning_file(project, tmp_path)
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_lightning_checkpoint_with_user_classes_is_audited_as_its_plain_state_dict(project, tmp_path, legacy):
+    path, state = lightning_file(project, tmp_path, legacy)
     plain = tmp_path / "plain.pt"
     torch.save(state, plain)
     forget(project, tmp_path)
@@ -120,7 +122,7 @@ def test_lightning_checkpoint_with_user_classes_is_audited_as_its_plain_state_di
     report = inspect([str(path), str(plain)])
     file, reference = report.files
     assert file.error is None, file.error
-    assert (file.format, file.key, file.prefix) == ("torch-zip", "state_dict", "model.")
+    assert (file.format, file.key, file.prefix) == ("torch-legacy" if legacy else "torch-zip", "state_dict", "model.")
     assert file.not_loaded == [
         "hyper_parameters/cfg holds standin_project.HParams: not loaded",
         "args holds standin_project.RunArgs: not loaded",
@@ -153,11 +155,14 @@ def test_stand_in_notes_reach_table_and_json(project, tmp_path):
     ]
 
 
-def test_user_class_inside_the_state_dict_is_refused_naming_it(project, tmp_path):
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_user_class_inside_the_state_dict_is_refused_naming_it(project, tmp_path, legacy):
     state = trained_state()
     state["extra_state"] = project.Extra()
     path = tmp_path / "inside.ckpt"
-    torch.save({"state_dict": state, "hyper_parameters": project.HParams()}, path)
+    torch.save(
+        {"state_dict": state, "hyper_parameters": project.HParams()}, path, _use_new_zipfile_serialization=not legacy
+    )
     forget(project, tmp_path)
     line = one_error_line(cli("inspect", str(path)), str(path))
     assert "standin_project.Extra" in line and "'state_dict/extra_state'" in line
@@ -199,12 +204,13 @@ class Payload:
         return (os.system, (self.command,))
 
 
-def test_payload_inside_a_stand_ins_state_still_runs_nothing(project, tmp_path):
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_payload_inside_a_stand_ins_state_still_runs_nothing(project, tmp_path, legacy):
     marker = tmp_path / "payload-ran"
     args = project.RunArgs()
     args.hook = Payload(marker)  # pickled as REDUCE posix.system inside the stand-in's BUILD state
     path = tmp_path / "evil.ckpt"
-    torch.save({"state_dict": trained_state(), "args": args}, path)
+    torch.save({"state_dict": trained_state(), "args": args}, path, _use_new_zipfile_serialization=not legacy)
     forget(project, tmp_path)
     line = one_error_line(cli("inspect", str(path)), str(path))
     assert f"{os.system.__module__}.system" in line and "refused" in line
@@ -254,11 +260,14 @@ def test_a_stand_in_that_the_pickle_tries_to_call_is_an_error_not_a_call(tmp_pat
     assert ("Extra" in str(err.value)) or ("builtins.eval" in str(err.value))
 
 
-def test_only_bn_tensors_are_read_from_a_file_with_stand_ins(project, tmp_path):
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_only_bn_tensors_are_read_from_a_file_with_stand_ins(project, tmp_path, legacy):
     state = trained_state()
     state["0.weight"] = torch.randn(4096, 1024)  # 16 MiB that inspect has no reason to read
     path = tmp_path / "big.ckpt"
-    torch.save({"state_dict": state, "hyper_parameters": project.HParams()}, path)
+    torch.save(
+        {"state_dict": state, "hyper_parameters": project.HParams()}, path, _use_new_zipfile_serialization=not legacy
+    )
     forget(project, tmp_path)
     tracemalloc.start()
     try:

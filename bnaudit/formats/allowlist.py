@@ -17,8 +17,8 @@ import sys
 from typing import Any
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.legacy import NotTorchSave, check_legacy_claims
-from bnaudit.formats.standins import read_with_stand_ins
+from bnaudit.formats.legacy import NotTorchSave, check_legacy_claims, legacy_layout, whole_model_refusal
+from bnaudit.formats.standins import read_legacy_with_stand_ins, read_with_stand_ins
 from bnaudit.text import exception_line
 
 # Plain-data globals that real checkpoints carry (torchvision/timm `args`, numpy
@@ -165,6 +165,13 @@ def _load_torch_object(
                 refusal = str(_unsafe_globals_error(path, unsafe)).removeprefix(f"{path}: ")
                 raise BnauditError(f"{exc}; {refusal}") from None
             raise
+        if stand_ins:
+            layout = legacy_layout(path)
+            unsafe = [
+                n for n in layout.globals if _allowed_global(n) is None and n not in _torch_weights_only_globals()
+            ]
+            if unsafe:
+                return read_legacy_with_stand_ins(path, layout, _stand_in_allowed)
     else:
         try:
             needed = torch.serialization.get_unsafe_globals_in_checkpoint(rewound())
@@ -190,11 +197,7 @@ def _load_torch_object(
             if "persistent_load" in text:
                 # torch < 1.6 pickled a whole model with its classes' source code:
                 # rebuilding it means running the file's pickle without limits.
-                raise BnauditError(
-                    f"{path}: a legacy (pre-1.6) whole-model pickle cannot be read without running "
-                    "its code; if you trust this file, pass --trust-pickle; safer still, save a "
-                    "state dict or a .safetensors file"
-                ) from None
+                raise whole_model_refusal(path) from None
             missing = [m if "." in m else f"builtins.{m}" for rx in _MISSING_GLOBAL_RES for m in rx.findall(text)]
             if not missing:
                 raise BnauditError(f"{path}: cannot unpickle safely ({_unpickling_reason(text)})") from None

@@ -1,4 +1,4 @@
-"""Inert stand-ins for the classes a torch.save zip pickles outside its state dict.
+"""Inert stand-ins for the classes a torch.save file pickles outside its state dict.
 
 A Lightning checkpoint keeps `hyper_parameters` (an omegaconf.DictConfig, a dataclass,
 a class of the user's project) next to a state dict of plain tensors; a timm or
@@ -16,7 +16,8 @@ whole file for that one object. `read_with_stand_ins` unpickles the archive's
   REDUCE on a stand-in, or BUILD/NEWOBJ on anything stand-in shaped that is not the
                             plain pattern above: `CalledStandIn`, never a call
 
-`check_stand_ins` then refuses the file when a stand-in sits inside the state dict
+`read_legacy_with_stand_ins` does the same for a legacy (pre-1.6) file, its tensors
+slices of the file at the places `legacy.legacy_layout` found. `check_stand_ins` then refuses the file when a stand-in sits inside the state dict
 being audited, and otherwise lists the ones skipped ("hyper_parameters holds
 omegaconf.DictConfig: not loaded").
 """
@@ -24,12 +25,15 @@ omegaconf.DictConfig: not loaded").
 from __future__ import annotations
 
 import _compat_pickle
+import math
 import pickle
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.model import Checkpoint, TensorRef
+from bnaudit.formats.legacy import LegacyLayout, LegacyStorage, whole_model_refusal
+from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, TensorRef, file_slice_ref
+from bnaudit.formats.safetensors import is_count
 from bnaudit.formats.torchscript import ArchiveUnpickler, open_archive_pickle
 from bnaudit.text import exception_line
 
@@ -170,6 +174,13 @@ def _new_object(cls: Any, args: Any, kwargs: Any) -> Any:
     return cls.__new__(cls, *args, **kwargs)
 
 
+def _called_refusal(path: str, name: str) -> BnauditError:
+    return BnauditError(
+        f"{path}: refused to unpickle: it calls a global that could run code ({name}); "
+        "if you trust this file, pass --trust-pickle; safer still, save a state dict or a .safetensors file"
+    )
+
+
 def read_with_stand_ins(path: str, allowed: Callable[[str], Any]) -> Any:
     """The object a torch.save zip archive holds, every global that `allowed` (a dotted
     name -> object or None) does not give replaced by a `StandIn`, tensors as lazy
@@ -180,10 +191,7 @@ def read_with_stand_ins(path: str, allowed: Callable[[str], Any]) -> Any:
     except BnauditError:
         raise
     except CalledStandIn as exc:
-        raise BnauditError(
-            f"{path}: refused to unpickle: it calls a global that could run code ({exc.name}); "
-            "if you trust this file, pass --trust-pickle; safer still, save a state dict or a .safetensors file"
-        ) from None
+        raise _called_refusal(path, exc.name) from None
     except Exception as exc:  # forged bytes fail anywhere in the pickle machine
         raise BnauditError(f"{path}: cannot unpickle safely ({exception_line(exc, with_type=False)})") from None
 
@@ -259,3 +267,62 @@ def with_stand_ins_checked(path: str, obj: Any, build: Callable[[], Checkpoint])
         ) from None
     ckpt.not_loaded = check_stand_ins(path, obj, ckpt)
     return ckpt
+
+
+class _LegacyStandInUnpickler(_StandInUnpickler):
+    """The stand-in unpickler over the main pickle of a legacy torch.save file: storages
+    are the file ranges `legacy_layout` found, tensors lazy slices of the file."""
+
+    def __init__(self, path: str, layout: LegacyLayout, allowed: Callable[[str], Any]) -> None:
+        super().__init__(layout.pickle, None, "", allowed)
+        self.path, self.storages = path, layout.storages
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and pid and pid[0] == "module":
+            raise whole_model_refusal(self.path)
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unexpected persistent id {str(pid)[:80]}")
+        storage = self.storages.get(str(pid[2]))
+        if storage is None or storage.dtype != pid[1] or (len(pid) > 5 and pid[5] is not None):
+            raise pickle.UnpicklingError(f"malformed storage record {str(pid)[:80]}")
+        return storage
+
+    def _rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> TensorRef:
+        if not (
+            isinstance(storage, LegacyStorage)
+            and is_count(offset)
+            and isinstance(size, tuple)
+            and isinstance(stride, tuple)
+            and len(size) == len(stride)
+            and all(is_count(x) for x in size + stride)
+        ):
+            raise pickle.UnpicklingError("malformed tensor record")
+        numel = math.prod(size)
+        if numel and offset + numel > storage.numel:
+            raise pickle.UnpicklingError("tensor runs past its storage")
+        itemsize = STORAGE_ITEMSIZE[storage.dtype]
+        contiguous, step = True, 1
+        for extent, st in zip(reversed(size), reversed(stride)):
+            contiguous = contiguous and (extent <= 1 or st == step)
+            step *= extent
+        if not contiguous:
+            name = f"a strided view in {self.path}"
+
+            def refuse() -> list[float]:
+                raise BnauditError(f"{name}: not contiguous; read it with --trust-pickle")
+
+            return TensorRef("", tuple(size), storage.dtype, refuse)
+        start = storage.offset + offset * itemsize
+        return file_slice_ref(self.path, "", start, numel * itemsize, storage.dtype, tuple(size))
+
+
+def read_legacy_with_stand_ins(path: str, layout: LegacyLayout, allowed: Callable[[str], Any]) -> Any:
+    """`read_with_stand_ins` for a legacy torch.save file taken apart by `legacy_layout`."""
+    try:
+        return _LegacyStandInUnpickler(path, layout, allowed).load()
+    except BnauditError:
+        raise
+    except CalledStandIn as exc:
+        raise _called_refusal(path, exc.name) from None
+    except Exception as exc:  # forged bytes fail anywhere in the pickle machine
+        raise BnauditError(f"{path}: cannot unpickle safely ({exception_line(exc, with_type=False)})") from None
