@@ -145,8 +145,9 @@ def _load_torch_object(
             return torch.load(rewound(), map_location="cpu", weights_only=False)
         except ModuleNotFoundError as exc:
             raise BnauditError(
-                f"{path}: cannot load: its pickled classes need the module '{exc.name}', which cannot be "
-                f"imported from {cwd}; run from the project's folder or add it to PYTHONPATH"
+                f"{path}: cannot load: its pickled classes need the module '{exc.name}', which is neither "
+                f"installed nor found from {cwd}; install it, or run from the project's folder or add "
+                "that folder to PYTHONPATH"
             ) from None
         except Exception as exc:
             raise BnauditError(f"{path}: cannot load: {exception_line(exc, with_type=False)}") from exc
