@@ -464,7 +464,7 @@ def recalibrate(
             "--output",
             "-o",
             metavar="PATH",
-            help="Where to write the recalibrated checkpoint (same format as the input).",
+            help="Where to write the recalibrated checkpoint: .safetensors writes safetensors, .pt/.pth/.ckpt/.bin a torch file, any other name the input's format.",
         ),
     ],
     data: DataOpt = None,

@@ -265,7 +265,7 @@ def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
     "updates the initial values keep the weight (1-m)^t: 0.9^3 = 72.9% after 3 updates at momentum "
     "0.1, still 4.2% after 30. A short fine-tune leaves buffers that describe no data. Default "
     "threshold 5% (`max-init-weight`). EMA copies are not checked (their counter means nothing), nor "
-    "layers that a safetensors file's provenance says `bnaudit recalibrate` wrote (population "
+    "layers that the file's recalibration record says `bnaudit recalibrate` wrote (population "
     "statistics: their counter is the number of calibration batches).",
     "Train longer, or re-estimate the statistics with `bnaudit recalibrate` (a few thousand samples suffice).",
     settings=("max-init-weight", "momentum"),
@@ -507,7 +507,7 @@ def _check_counter_zero(ctx: RuleContext) -> Iterator[Finding]:
     "Every BN layer of a network trained end to end sees the same number of training-mode forwards. "
     "Different counters mean some layers were frozen (norm_eval, FrozenBatchNorm, requires_grad off "
     "with eval mode) or added and fine-tuned later; their statistics may describe different data. "
-    "Layers a safetensors file's provenance says `bnaudit recalibrate` wrote are not counted.",
+    "Layers the file's recalibration record says `bnaudit recalibrate` wrote are not counted.",
     "Nothing to fix if the freezing was intended; otherwise recalibrate the layers that were frozen "
     "on the data the model now sees.",
 )

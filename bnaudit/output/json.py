@@ -44,6 +44,7 @@ def inspect_to_json(report: InspectReport) -> dict[str, Any]:
                 "prefix": file.prefix or None,
                 "settings": file.settings or None,
                 "provenance": file.provenance or None,
+                "not_loaded": file.not_loaded,
                 "layers": [
                     {
                         "name": s.name,

@@ -110,6 +110,8 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
             console.print(_cell(f"  {file.settings}", style="dim"))
         if file.provenance:
             console.print(_cell(f"  {file.provenance}", style="dim"))
+        for note in file.not_loaded:
+            console.print(_cell(f"  {note}", style="dim"))
         if file.layers:
             console.print(_layer_table(file, console))
         else:
