@@ -12,14 +12,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from bnaudit.audit.layers import ModuleFacts, discover_layers, facts_from_module_infos
+from bnaudit.audit.provenance import recalibration_provenance
 from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
 from bnaudit.audit.rules import RuleContext, run_rules
 from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM, Config
 from bnaudit.errors import BnauditError
-from bnaudit.formats.model import Checkpoint, recalibration_record
+from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES
-from bnaudit.text import plural
 
 
 def _expand_paths(paths: Iterable[str], config: Config | None = None) -> list[str]:
@@ -52,18 +52,15 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
     discovery = discover_layers(
         ckpt, eps=config.eps, momentum=config.momentum, momentum_given=config.momentum is not None
     )
-    record = recalibration_record(ckpt.metadata)
-    names = record.get("recalibrated_layers") if record else None
-    recalibrated = frozenset(n for n in names if isinstance(n, str)) if isinstance(names, list) else frozenset()
-    findings = run_rules(RuleContext(discovery, config, is_ema=ckpt.is_ema, module=module, recalibrated=recalibrated))
+    provenance = recalibration_provenance(ckpt)
+    findings = run_rules(
+        RuleContext(discovery, config, is_ema=ckpt.is_ema, module=module, recalibrated=provenance.layers)
+    )
     report = FileReport(ckpt.path)
-    if record is not None and recalibrated:
-        report.provenance = (
-            f"statistics of {plural(len(recalibrated), 'layer')} re-estimated by bnaudit recalibrate "
-            f"(method {record.get('method')}, {record.get('samples')} samples, {record.get('date')})"
-        )
+    report.provenance = provenance.note
     report.format, report.key, report.other_keys = ckpt.format, ckpt.key, ckpt.other_keys
     report.prefix, report.is_ema = ckpt.prefix, ckpt.is_ema
+    report.not_loaded = list(ckpt.not_loaded)
     report.layers = [LayerSummary.of(layer, config.near_eps_factor) for layer in discovery.layers]
     report.findings = findings
     if any(layer.settings_assumed for layer in discovery.layers):

@@ -78,6 +78,8 @@ class FileReport:
     is_ema: bool = False
     settings: str = ""
     provenance: str = ""
+    # objects outside the state dict that the restricted reader left as inert stand-ins
+    not_loaded: list[str] = field(default_factory=list)
     layers: list[LayerSummary] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     error: str | None = None

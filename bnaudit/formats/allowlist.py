@@ -11,12 +11,14 @@ first by `legacy.check_legacy_claims`; this module owns the policy, legacy.py th
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 from typing import Any
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.legacy import NotTorchSave, check_legacy_claims
+from bnaudit.formats.legacy import NotTorchSave, check_legacy_claims, legacy_layout, whole_model_refusal
+from bnaudit.formats.standins import read_legacy_with_stand_ins, read_with_stand_ins
 from bnaudit.text import exception_line
 
 # Plain-data globals that real checkpoints carry (torchvision/timm `args`, numpy
@@ -98,14 +100,18 @@ def _names_numpy(names: list[str]) -> bool:
 _MISSING_GLOBAL_RES = (re.compile(r"GLOBAL ([\w.]+)"), re.compile(r"got <class '([\w.]+)'>"))
 
 
-def load_torch_object(path: str, trust_pickle: bool = False, mmap: bool = True, hint: str = "") -> Any:
+def load_torch_object(
+    path: str, trust_pickle: bool = False, mmap: bool = True, hint: str = "", stand_ins: bool = False
+) -> Any:
     """`torch.load` a torch.save file without running pickled code.
 
     Only allow-listed globals are accepted; anything else is refused with the list of
     globals the file would need. `trust_pickle=True` is the user's explicit opt-out.
     `mmap` is True for the zip format and False for a legacy file (as sniffed), whose
     storage claims are checked against the file size first. `hint` ends a refusal with
-    the caller's advice.
+    the caller's advice. `stand_ins=True` (reading to audit, not to write back): a zip
+    archive that needs other globals is read by `standins.read_with_stand_ins` instead,
+    those globals left as inert stand-ins and its tensors as lazy `TensorRef`s.
     """
     legacy = not mmap
     try:
@@ -114,11 +120,13 @@ def load_torch_object(path: str, trust_pickle: bool = False, mmap: bool = True, 
         # torch's C++ reader takes UTF-8 paths only; a file name that is not (bytes
         # kept by surrogateescape) is read through an open file object, without mmap.
         with open(path, "rb") as handle:
-            return _load_torch_object(path, handle, trust_pickle, mmap=False, legacy=legacy, hint=hint)
-    return _load_torch_object(path, path, trust_pickle, mmap, legacy, hint)
+            return _load_torch_object(path, handle, trust_pickle, False, legacy, hint, stand_ins)
+    return _load_torch_object(path, path, trust_pickle, mmap, legacy, hint, stand_ins)
 
 
-def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, legacy: bool, hint: str = "") -> Any:
+def _load_torch_object(
+    path: str, source: Any, trust_pickle: bool, mmap: bool, legacy: bool, hint: str = "", stand_ins: bool = False
+) -> Any:
     import pickle
 
     import torch
@@ -129,8 +137,18 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
         return source
 
     if trust_pickle:
+        # the pickled classes are imported by module name: from the working tree too, as --arch does
+        cwd = os.getcwd()
+        if cwd not in sys.path and "" not in sys.path:
+            sys.path.insert(0, cwd)
         try:
             return torch.load(rewound(), map_location="cpu", weights_only=False)
+        except ModuleNotFoundError as exc:
+            raise BnauditError(
+                f"{path}: cannot load: its pickled classes need the module '{exc.name}', which is neither "
+                f"installed nor found from {cwd}; install it, or run from the project's folder or add "
+                "that folder to PYTHONPATH"
+            ) from None
         except Exception as exc:
             raise BnauditError(f"{path}: cannot load: {exception_line(exc, with_type=False)}") from exc
     allowed = _plain_allowlist(numpy_names=False)
@@ -148,12 +166,21 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
                 refusal = str(_unsafe_globals_error(path, unsafe)).removeprefix(f"{path}: ")
                 raise BnauditError(f"{exc}; {refusal}") from None
             raise
+        if stand_ins:
+            layout = legacy_layout(path)
+            unsafe = [
+                n for n in layout.globals if _allowed_global(n) is None and n not in _torch_weights_only_globals()
+            ]
+            if unsafe:
+                return read_legacy_with_stand_ins(path, layout, _stand_in_allowed)
     else:
         try:
             needed = torch.serialization.get_unsafe_globals_in_checkpoint(rewound())
         except Exception as exc:
             raise BnauditError(f"{path}: damaged torch.save archive ({exception_line(exc, with_type=False)})") from exc
         unsafe = [n for n in needed if _allowed_global(n) is None]
+        if unsafe and stand_ins:
+            return read_with_stand_ins(path, _stand_in_allowed)
         if unsafe:
             raise _unsafe_globals_error(path, unsafe, hint)
         allowed += [_allowed_global(n) for n in needed]
@@ -171,11 +198,7 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
             if "persistent_load" in text:
                 # torch < 1.6 pickled a whole model with its classes' source code:
                 # rebuilding it means running the file's pickle without limits.
-                raise BnauditError(
-                    f"{path}: a legacy (pre-1.6) whole-model pickle cannot be read without running "
-                    "its code; if you trust this file, pass --trust-pickle; safer still, save a "
-                    "state dict or a .safetensors file"
-                ) from None
+                raise whole_model_refusal(path) from None
             missing = [m if "." in m else f"builtins.{m}" for rx in _MISSING_GLOBAL_RES for m in rx.findall(text)]
             if not missing:
                 raise BnauditError(f"{path}: cannot unpickle safely ({_unpickling_reason(text)})") from None
@@ -193,6 +216,12 @@ def _load_torch_object(path: str, source: Any, trust_pickle: bool, mmap: bool, l
                 f"{path}: not a readable torch.save file ({exception_line(exc, with_type=False)})"
             ) from None
     raise BnauditError(f"{path}: needs too many distinct classes to unpickle safely")
+
+
+def _stand_in_allowed(name: str) -> Any | None:
+    """The plain-data globals the stand-in reader rebuilds for real. torch.nn classes
+    are left as stand-ins there: a module holding lazy tensors could not give a state dict."""
+    return None if name.startswith(_NN_MODULE_PREFIXES) else _allowed_global(name)
 
 
 def _torch_weights_only_globals() -> set[str]:

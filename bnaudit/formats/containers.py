@@ -16,7 +16,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.model import Checkpoint, ModuleInfo, torch_ref
+from bnaudit.formats.model import (
+    MODULE_RECORD_ATTRIBUTE,
+    Checkpoint,
+    ModuleInfo,
+    TensorRef,
+    record_from_state_dict_metadata,
+    torch_ref,
+)
 from bnaudit.text import exception_line
 
 
@@ -34,17 +41,25 @@ def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str)
     module settings are kept), names as they are; the other candidates are listed."""
     source = candidates[chosen]
     modules: dict[str, ModuleInfo] = {}
+    metadata = record_from_state_dict_metadata(getattr(source, "_metadata", None))
     if _is_module(source):
+        record = getattr(source, MODULE_RECORD_ATTRIBUTE, None)
+        metadata = {"bnaudit": record} if isinstance(record, str) else {}
         try:
             modules = module_infos(source)
             source = source.state_dict()
         except Exception as exc:  # attributes come from the file: a forged module breaks here
             raise BnauditError(f"{path}: malformed pickled module ({exception_line(exc, with_type=False)})") from None
-    tensors = {name: torch_ref(name, t) for name, t in source.items() if isinstance(name, str) and _is_tensor(t)}
+    tensors = {
+        name: t.renamed(name) if isinstance(t, TensorRef) else torch_ref(name, t)
+        for name, t in source.items()
+        if isinstance(name, str) and _is_tensor(t)
+    }
     return Checkpoint(
         path,
         fmt,
         tensors,
+        metadata=metadata,
         key=None if chosen == "" else chosen,
         other_keys=[k for k in candidates if k != chosen],
         is_ema=_is_ema_key(chosen),
@@ -87,6 +102,8 @@ def _is_ema_key(key: str) -> bool:
 
 
 def _is_tensor(value: Any) -> bool:
+    if isinstance(value, TensorRef):  # read lazily by the stand-in reader (formats/standins.py)
+        return True
     return type(value).__module__.startswith("torch") and hasattr(value, "dtype") and hasattr(value, "shape")
 
 

@@ -89,6 +89,7 @@ class _LegacyScanner(pickle._Unpickler):  # the pure-Python unpickler: its memo 
     def __init__(self, file: Any) -> None:
         super().__init__(file)
         self.claims: dict[str, int] = {}
+        self.dtypes: dict[str, str] = {}
         self.globals: list[str] = []  # every global named, in order: a refusal names them
 
     def find_class(self, module: str, name: str) -> Any:
@@ -104,6 +105,7 @@ class _LegacyScanner(pickle._Unpickler):  # the pure-Python unpickler: its memo 
             if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
                 raise pickle.UnpicklingError(f"storage {key!r} has an invalid size {numel!r}")
             self.claims[str(key)] = max(self.claims.get(str(key), 0), numel * itemsize)
+            self.dtypes[str(key)] = getattr(storage_type, "dtype", "")
         return _Inert  # also stands for a class a ('module', ...) id names
 
 
@@ -156,3 +158,71 @@ def check_legacy_claims(path: str) -> None:
         raise BnauditError(
             f"{path}: storages claim {claimed} bytes but only {data_size} follow the header: truncated or forged file"
         )
+
+
+@dataclass(frozen=True)
+class LegacyStorage:
+    """Where a storage of a legacy torch.save file lies: its elements start at byte
+    `offset` (after the 8-byte count), `numel` of them, of `dtype`."""
+
+    offset: int
+    dtype: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class LegacyLayout:
+    """A legacy torch.save file taken apart without running it: the bytes of its main
+    pickle, its storages by key, and every global the main pickle names."""
+
+    pickle: bytes
+    storages: dict[str, LegacyStorage]
+    globals: list[str]
+
+
+def legacy_layout(path: str) -> LegacyLayout:
+    """The layout of a legacy torch.save file whose claims `check_legacy_claims` accepts.
+
+    After the pickles come the storages in the order of the key list, each as an 8-byte
+    little-endian element count and that many elements; each count is checked against
+    the claim and the file's end.
+    """
+    check_legacy_claims(path)
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            reader = _StrictReader(f, size)
+            for _ in range(3):  # magic, protocol version, sys info
+                _LegacyScanner(reader).load()
+            start = f.tell()
+            scanner = _LegacyScanner(reader)
+            scanner.load()
+            end = f.tell()
+            keys = _LegacyScanner(reader).load()
+            position = f.tell()
+            f.seek(start)
+            main = f.read(end - start)
+            storages: dict[str, LegacyStorage] = {}
+            for key in keys if isinstance(keys, list) else []:
+                f.seek(position)
+                count = int.from_bytes(f.read(8), "little", signed=True)
+                dtype = scanner.dtypes.get(str(key), "")
+                itemsize = STORAGE_ITEMSIZE.get(dtype, 0)
+                if count < 0 or itemsize == 0 or position + 8 + count * itemsize > size:
+                    raise BnauditError(f"{path}: damaged torch.save file (storage {str(key)[:40]!r} runs past the end)")
+                storages[str(key)] = LegacyStorage(position + 8, dtype, count)
+                position += 8 + count * itemsize
+    except BnauditError:
+        raise
+    except Exception as exc:  # any parse failure of forged bytes
+        raise BnauditError(f"{path}: damaged torch.save file ({exception_line(exc, with_type=False)})") from None
+    return LegacyLayout(main, storages, scanner.globals)
+
+
+def whole_model_refusal(path: str) -> BnauditError:
+    """The refusal of a pre-1.6 whole-model pickle (its classes' source code inside)."""
+    return BnauditError(
+        f"{path}: a legacy (pre-1.6) whole-model pickle cannot be read without running "
+        "its code; if you trust this file, pass --trust-pickle; safer still, save a "
+        "state dict or a .safetensors file"
+    )

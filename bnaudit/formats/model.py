@@ -108,6 +108,9 @@ class Checkpoint:
     modules: dict[str, ModuleInfo] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     holds_module: bool = False
+    # Objects outside the state dict left unloaded by the stand-in reader, one note each
+    # ("hyper_parameters holds omegaconf.DictConfig: not loaded").
+    not_loaded: list[str] = field(default_factory=list)
 
 
 def recalibration_record(metadata: Mapping[str, str]) -> dict[str, Any] | None:
@@ -121,6 +124,31 @@ def recalibration_record(metadata: Mapping[str, str]) -> dict[str, Any] | None:
     except (ValueError, RecursionError):
         return None
     return record if isinstance(record, dict) else None
+
+
+def statistics_digest(running_mean: list[float], running_var: list[float]) -> str:
+    """SHA-256 of a layer's statistics as stored, each value widened exactly to a
+    little-endian double (mean then var): what a recalibration record binds its layer to,
+    so that statistics changed after `recalibrate` (further training, a record copied
+    from another file) are audited as usual. Torch-free: computed from `TensorRef.read()`."""
+    import hashlib
+
+    values = [float(v) for v in running_mean] + [float(v) for v in running_var]
+    return hashlib.sha256(struct.pack(f"<{len(values)}d", *values)).hexdigest()
+
+
+# The attribute in which a pickled nn.Module carries `recalibrate`'s record (a string:
+# unpickled by torch.load(weights_only=True) like any attribute of an allowed module).
+MODULE_RECORD_ATTRIBUTE = "bnaudit_recalibration"
+
+
+def record_from_state_dict_metadata(metadata: Any) -> dict[str, str]:
+    """The recalibration record `recalibrate` keeps in a torch state dict's `_metadata`
+    (root entry "", key "bnaudit"; `load_state_dict` reads only "version" there), as
+    the `{"bnaudit": json}` metadata a safetensors file carries; {} if there is none."""
+    root = metadata.get("") if isinstance(metadata, Mapping) else None
+    raw = root.get("bnaudit") if isinstance(root, Mapping) else None
+    return {"bnaudit": raw} if isinstance(raw, str) else {}
 
 
 def torch_ref(name: str, tensor: Any) -> TensorRef:

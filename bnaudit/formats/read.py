@@ -13,6 +13,7 @@ from bnaudit.formats.containers import checkpoint_from_object, strip_wrapper_pre
 from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.safetensors import read_safetensors
 from bnaudit.formats.sniff import sniff_format
+from bnaudit.formats.standins import with_stand_ins_checked
 
 
 def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = False) -> Checkpoint:
@@ -25,11 +26,11 @@ def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = Fals
         ckpt = Checkpoint(path, fmt, tensors, metadata=metadata)
         return strip_wrapper_prefix(ckpt)
     if fmt == "torchscript":
-        from bnaudit.formats.torchscript import read_torchscript
+        from bnaudit.formats.torchscript import read_torchscript, script_metadata
 
         tensors, modules = read_torchscript(path)
         if key is not None:
             raise BnauditError(f"{path}: --key does not apply to TorchScript archives")
-        return Checkpoint(path, fmt, tensors, modules=modules, holds_module=True)
-    obj = load_torch_object(path, trust_pickle=trust_pickle, mmap=fmt == "torch-zip")
-    return checkpoint_from_object(path, fmt, obj, key)
+        return Checkpoint(path, fmt, tensors, modules=modules, holds_module=True, metadata=script_metadata(path))
+    obj = load_torch_object(path, trust_pickle=trust_pickle, mmap=fmt == "torch-zip", stand_ins=True)
+    return with_stand_ins_checked(path, obj, lambda: checkpoint_from_object(path, fmt, obj, key))

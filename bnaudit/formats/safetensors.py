@@ -44,6 +44,10 @@ _ST_DTYPES: dict[str, tuple[str, int]] = {
 }
 
 
+# torch dtype name -> safetensors dtype code, for writers
+SAFETENSORS_DTYPE_CODES = {name: code for code, (name, _size) in _ST_DTYPES.items()}
+
+
 @dataclass(frozen=True)
 class SafetensorsHeader:
     """A safetensors header, every claim checked against the file.

@@ -126,6 +126,21 @@ def _check_record(storage: Any, offset: Any, size: Any, stride: Any) -> None:
         raise pickle.UnpicklingError("malformed tensor record")
 
 
+class ArchiveUnpickler(_ScriptUnpickler):
+    """The restricted unpickler of a zip archive's `data.pkl`, for readers built on it
+    (formats/standins.py): storages become records of their zip entries, tensors lazy
+    `TensorRef`s read from those entries, and every global outside the TorchScript set
+    raises `pickle.UnpicklingError`."""
+
+
+def open_archive_pickle(path: str) -> tuple[zipfile.ZipFile, str, bytes]:
+    """(archive, root folder, bytes of `<root>/data.pkl`) of a torch zip archive, sizes checked."""
+    archive = zipfile.ZipFile(path)
+    check_zip_sizes(path, archive)
+    entry = next(n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1)
+    return archive, entry.split("/")[0], archive.read(entry)
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     """Where a tensor of a torch.save zip archive lies: `start`, the file offset of its
@@ -193,6 +208,27 @@ def _c_order_start(
         return None
     names, extra = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30], "little")
     return info.header_offset + 30 + names + extra + offset * itemsize
+
+
+# The extra file of a TorchScript archive in which `recalibrate` keeps its record
+# (`torch.jit.save(..., _extra_files=...)`; loading the archive ignores it).
+RECORD_EXTRA_FILE = "bnaudit.json"
+_MAX_RECORD_BYTES = 10_000_000
+
+
+def script_metadata(path: str) -> dict[str, str]:
+    """`{"bnaudit": record}` from the archive's `extra/bnaudit.json`, {} without one (or
+    one too large or not UTF-8: the record is untrusted and only ever a note)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entry = next(
+                (n for n in archive.namelist() if n.count("/") == 2 and n.endswith(f"/extra/{RECORD_EXTRA_FILE}")), None
+            )
+            if entry is None or archive.getinfo(entry).file_size > _MAX_RECORD_BYTES:
+                return {}
+            return {"bnaudit": archive.read(entry).decode("utf-8")}
+    except (OSError, ValueError, zipfile.BadZipFile):
+        return {}
 
 
 _MAX_SCRIPT_VISITS = 100_000

@@ -19,8 +19,9 @@ from typing import Any
 from bnaudit.errors import BnauditError
 from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.atomic import atomic_write, check_output
-from bnaudit.formats.model import Checkpoint
-from bnaudit.formats.safetensors import read_safetensors_header
+from bnaudit.formats.model import MODULE_RECORD_ATTRIBUTE, Checkpoint, statistics_digest
+from bnaudit.formats.safetensors import SAFETENSORS_DTYPE_CODES, read_safetensors, read_safetensors_header
+from bnaudit.formats.torchscript import RECORD_EXTRA_FILE
 from bnaudit.text import exception_line, plural
 
 # The only tensors bnaudit ever writes: the running statistics of a BN layer.
@@ -35,7 +36,8 @@ def save_like(
     provenance: Mapping[str, Any] | None = None,
     trust_pickle: bool = False,
 ) -> None:
-    """Write `ckpt`'s file again, in its own format, to `output`, with `updates` applied.
+    """Write `ckpt`'s file again to `output`, with `updates` applied, in the format
+    `output_format` gives (its own, unless the output's name says safetensors or torch).
 
     `updates` maps names of the chosen state dict (as `ckpt.tensors` names them, the
     wrapper prefix stripped) to new values for `running_mean`, `running_var` and
@@ -47,39 +49,224 @@ def save_like(
                     only the updated tensors' bytes overwritten in place
       torch-zip/legacy  the whole container reloaded (same allow-list as reading) and
                     saved in the same serialization; only the selected state dict's
-                    entries replaced; no new keys
-      torchscript   the archive loaded, buffers set, saved with its extra files
+                    entries replaced; no new keys: the provenance goes into the state
+                    dict's own `_metadata` (root entry, key "bnaudit"), which torch.save
+                    and torch.load(weights_only=True) keep and load_state_dict ignores
+      torchscript   the archive loaded, buffers set, saved with its extra files and the
+                    provenance as the extra file `bnaudit.json`
+
+    Across formats: to `.safetensors` from a torch file, the chosen state dict's tensors
+    (names as stored, contiguous) with `{"format": "pt", "bnaudit": provenance}` as
+    metadata, refused before any work by `check_writable` when the container holds
+    anything else; to a torch name from safetensors, a torch zip of all its tensors with
+    the provenance in `_metadata`.
+
+    `recalibrate` puts `statistics_digests` into the provenance: inspect trusts the
+    record for a layer only while its stored statistics match.
 
     Written atomically (see `atomic_write`); the input is never opened for writing.
     Non-finite statistics are refused, naming the layer.
     """
     check_output(output, ckpt.path, force)
+    target = output_format(ckpt.format, output)
+    check_writable(ckpt, output, trust_pickle)
     prepared = _prepare_updates(ckpt, updates)
-    if ckpt.format == "safetensors":
+    record = json.dumps(dict(provenance), sort_keys=True) if provenance is not None else None
+    if ckpt.format == "safetensors" and target == "safetensors":
 
         def write(f: Any) -> None:
             _write_safetensors_like(ckpt, prepared, provenance, f)
-    elif ckpt.format in ("torch-zip", "torch-legacy"):
-        obj = load_torch_object(ckpt.path, trust_pickle=trust_pickle, mmap=ckpt.format == "torch-zip")
+    elif ckpt.format == "safetensors":  # a torch zip of the same tensors
+        obj = _safetensors_as_state_dict(ckpt)
         _apply_to_container(ckpt, obj, prepared)
+        if record is not None:
+            obj = _attach_record(ckpt, obj, record)
 
         def write(f: Any) -> None:
             import torch
 
-            torch.save(obj, f, _use_new_zipfile_serialization=ckpt.format == "torch-zip")
+            torch.save(obj, f)
+    elif ckpt.format in ("torch-zip", "torch-legacy"):
+        obj = load_torch_object(ckpt.path, trust_pickle=trust_pickle, mmap=ckpt.format == "torch-zip")
+        _apply_to_container(ckpt, obj, prepared)
+        if target == "safetensors":
+            tensors = _state_dict_at(obj, ckpt.key)
+
+            def write(f: Any) -> None:
+                _write_new_safetensors(tensors, {"format": "pt", **({"bnaudit": record} if record else {})}, f)
+        else:
+            if record is not None:
+                obj = _attach_record(ckpt, obj, record)
+
+            def write(f: Any) -> None:
+                import torch
+
+                torch.save(obj, f, _use_new_zipfile_serialization=ckpt.format == "torch-zip")
     elif ckpt.format == "torchscript":
         module, extra = _load_script_for_rewrite(ckpt.path)
         buffers = dict(module.named_buffers())
         for name, value in prepared.items():
             buffers[name].copy_(value)
+        if target == "safetensors":
+            tensors = dict(module.state_dict())
 
-        def write(f: Any) -> None:
-            import torch
+            def write(f: Any) -> None:
+                _write_new_safetensors(tensors, {"format": "pt", **({"bnaudit": record} if record else {})}, f)
+        else:
+            if record is not None:
+                extra[RECORD_EXTRA_FILE] = record.encode("utf-8")
 
-            torch.jit.save(module, f, _extra_files=extra)
+            def write(f: Any) -> None:
+                import torch
+
+                torch.jit.save(module, f, _extra_files=extra)
     else:  # pragma: no cover - read_checkpoint knows no other format
         raise BnauditError(f"{ckpt.path}: cannot write format {ckpt.format}")
     atomic_write(output, write, force=force)
+
+
+# Output names whose format bnaudit knows; any other name keeps the input's format.
+_TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar")
+
+
+def output_format(input_format: str, output: str) -> str:
+    """The format `save_like` writes to `output`: `.safetensors` -> safetensors; a torch
+    suffix (.pt .pth .ckpt .bin .tar) -> a torch zip for a safetensors input, else the
+    input's own torch format (zip, legacy or TorchScript); any other name -> the input's."""
+    suffix = os.path.splitext(output)[1].lower()
+    if suffix == ".safetensors":
+        return "safetensors"
+    if suffix in _TORCH_SUFFIXES and input_format == "safetensors":
+        return "torch-zip"
+    return input_format
+
+
+def check_writable(ckpt: Checkpoint, output: str, trust_pickle: bool = False) -> None:
+    """Refuse, before any work, a checkpoint `save_like` could not write to `output`: a
+    torch container that `output`'s format (safetensors: named tensors and string metadata
+    only) cannot hold, naming what does not fit, and a container read with stand-ins
+    (their objects were never loaded, so they cannot be saved again)."""
+    if ckpt.not_loaded and not trust_pickle:
+        raise BnauditError(
+            f"{ckpt.path}: cannot be written back: it holds objects of classes that were not loaded "
+            f"({ckpt.not_loaded[0]}); pass --trust-pickle if you trust the file, or save the state dict alone"
+        )
+    if output_format(ckpt.format, output) != "safetensors" or ckpt.format in ("safetensors", "torchscript"):
+        return
+    if ckpt.holds_module:
+        raise BnauditError(
+            f"{output}: a safetensors file cannot hold the pickled nn.Module of {ckpt.path} (only its "
+            "tensors); write a torch file (.pt), or save model.state_dict() first"
+        )
+    obj = load_torch_object(ckpt.path, trust_pickle=trust_pickle, mmap=ckpt.format == "torch-zip")
+    misfits = []
+    parts = ckpt.key.split("/") if ckpt.key else []
+    node = obj
+    for depth, part in enumerate(parts):  # the container's entries beside the path to the state dict
+        if isinstance(node, Mapping):
+            misfits += ["/".join([*parts[:depth], str(k)]) for k in node if k != part]
+        node = node[part]
+    if isinstance(node, Mapping):
+        misfits += [
+            "/".join([*parts, str(k)]) for k, v in node.items() if not (isinstance(k, str) and _is_torch_tensor(v))
+        ]
+    if misfits:
+        shown = ", ".join(repr(m) for m in misfits[:8]) + (f" and {len(misfits) - 8} more" if len(misfits) > 8 else "")
+        raise BnauditError(
+            f"{output}: a safetensors file holds named tensors only; {ckpt.path} also holds {shown}: "
+            "write a torch file (.pt) instead, or save the state dict alone first"
+        )
+
+
+def _is_torch_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def _state_dict_at(obj: Any, key: str | None) -> dict[str, Any]:
+    for part in key.split("/") if key else []:
+        obj = obj[part]
+    return dict(obj)
+
+
+def _safetensors_as_state_dict(ckpt: Checkpoint) -> Any:
+    """The tensors of a safetensors checkpoint, all of them, as a torch state dict (names
+    as stored: the wrapper prefix kept)."""
+    from collections import OrderedDict
+
+    tensors, _metadata = read_safetensors(ckpt.path)
+    return OrderedDict((name, ref.to_torch()) for name, ref in tensors.items())
+
+
+def _write_new_safetensors(tensors: Mapping[str, Any], metadata: Mapping[str, str], f: Any) -> None:
+    """A safetensors file of `tensors` (torch, any layout: written contiguous, shared
+    storage written once per name) with `metadata` as `__metadata__`."""
+    if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian
+        raise BnauditError("writing safetensors needs a little-endian machine")
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, tensor in tensors.items():
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        code = SAFETENSORS_DTYPE_CODES.get(dtype)
+        if code is None:
+            raise BnauditError(f"tensor '{name}': dtype {dtype} has no safetensors equivalent")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": code, "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    f.write(len(raw).to_bytes(8, "little"))
+    f.write(raw)
+    for tensor in tensors.values():
+        f.write(_tensor_bytes(tensor))
+
+
+def statistics_digests(ckpt: Checkpoint, updates: Mapping[str, Any], layers: list[str]) -> dict[str, str]:
+    """Layer -> `statistics_digest` of the statistics `save_like(ckpt, updates, ...)` will
+    store for it (cast to the stored dtype, as written), for each of `layers` it updates."""
+    prepared = _prepare_updates(ckpt, updates)
+    digests = {}
+    for layer in layers:
+        mean, var = prepared.get(f"{layer}.running_mean"), prepared.get(f"{layer}.running_var")
+        if mean is not None and var is not None:
+            digests[layer] = statistics_digest(mean.double().reshape(-1).tolist(), var.double().reshape(-1).tolist())
+    return digests
+
+
+def _attach_record(ckpt: Checkpoint, obj: Any, record: str) -> Any:
+    """`obj` with `record` in the `_metadata` of the state dict at `ckpt.key` (root entry
+    "", key "bnaudit"); a plain dict becomes an OrderedDict to carry it (same keys, and
+    `load_state_dict` takes either). A pickled nn.Module keeps it as the string attribute
+    `MODULE_RECORD_ATTRIBUTE`. Returns the
+    (possibly new) root object."""
+    from collections import OrderedDict
+
+    import torch
+
+    parts = ckpt.key.split("/") if ckpt.key else []
+    parent, target = None, obj
+    for part in parts:
+        parent, target = target, target[part]
+    if isinstance(target, torch.nn.Module):  # a plain string attribute: pickled with the module
+        setattr(target, MODULE_RECORD_ATTRIBUTE, record)
+        return obj
+    if not isinstance(target, dict):
+        return obj
+    if not hasattr(target, "__dict__"):  # a plain dict takes no attribute
+        target = OrderedDict(target)
+        if parent is None:
+            obj = target
+        else:
+            parent[parts[-1]] = target
+    metadata = getattr(target, "_metadata", None)
+    if not isinstance(metadata, dict):
+        metadata = OrderedDict()
+    root = dict(metadata.get("", {})) if isinstance(metadata.get(""), dict) else {}
+    root["bnaudit"] = record
+    metadata[""] = root
+    target._metadata = metadata
+    return obj
 
 
 def _prepare_updates(ckpt: Checkpoint, updates: Mapping[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from bnaudit import __version__
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.atomic import check_output
-from bnaudit.formats.write import save_like
+from bnaudit.formats.write import check_writable, save_like, statistics_digests
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.gap import GapReport, measure_model_gap
 from bnaudit.runtime.models import (
@@ -160,8 +160,9 @@ def recalibrate_checkpoint(
     warn: Callable[[str], None] | None = None,
 ) -> RecalibrationReport | None:
     """Load the model, re-estimate its BN statistics on `options` (a `bnaudit.DataOptions`),
-    write `output` in the input's format, and report. `config` (None: the defaults)
-    decides which inspect findings the --eval-data gap reports carry. Returns None on
+    write `output` (in the input's format unless its name says another: see
+    `formats.write.output_format`), and report. `config` (None: the defaults) decides
+    which inspect findings the --eval-data gap reports carry. Returns None on
     ranks other than 0 under torchrun (rank 0 writes and reports).
 
     >>> import bnaudit                                                        # doctest: +SKIP
@@ -208,6 +209,7 @@ def recalibrate_checkpoint(
                     warn("--amp applies on CUDA only: ignored on the CPU")
             runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
             ckpt = runnable.checkpoint
+            check_writable(ckpt, output, trust_pickle)  # before the calibration, not after it
             # A layer whose buffers the file lacks cannot be written back without new keys.
             absent = [
                 name
@@ -269,6 +271,9 @@ def recalibrate_checkpoint(
                 # inspect reads this back: these layers hold population statistics, not an
                 # EMA, so their num_batches_tracked (= batches) says nothing about maturity
                 "recalibrated_layers": [layer.name for layer in calibration.layers],
+                # binds the record to the statistics written: inspect ignores it for a layer
+                # whose statistics changed since (bnaudit.audit.provenance)
+                "digests": statistics_digests(ckpt, updates, [layer.name for layer in calibration.layers]),
                 "bnaudit_version": __version__,
                 "date": datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
             }

@@ -1,0 +1,64 @@
+"""Which layers a checkpoint's recalibration record may speak for.
+
+`bnaudit recalibrate` leaves a record in the file it writes (safetensors metadata, a
+torch state dict's `_metadata`, a TorchScript extra file): the layers it re-estimated
+hold population statistics, and their `num_batches_tracked` counts calibration batches,
+not training steps, so BN003 and BN010 do not apply to them. The record is untrusted
+text: it is honoured for a layer only when its `digests` entry equals the
+`statistics_digest` of that layer's statistics as stored now, so a record copied onto
+other statistics, or statistics trained further after recalibration, are audited as
+usual and the record changes nothing but the note.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from bnaudit.formats.model import Checkpoint, recalibration_record, statistics_digest
+from bnaudit.text import plural
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """`layers`: the recalibrated layers whose stored statistics match the record;
+    `note`: the line the report prints ("" when the file has no usable record)."""
+
+    layers: frozenset[str]
+    note: str
+
+
+def recalibration_provenance(ckpt: Checkpoint) -> Provenance:
+    """The layers `ckpt`'s recalibration record may speak for, and the report's note."""
+    record = recalibration_record(ckpt.metadata)
+    names = record.get("recalibrated_layers") if record else None
+    if record is None or not isinstance(names, list):
+        return Provenance(frozenset(), "")
+    claimed = [n for n in names if isinstance(n, str)]
+    digests = record.get("digests")
+    verified = frozenset(n for n in claimed if _matches(ckpt, n, digests))
+    if not claimed:
+        return Provenance(frozenset(), "")
+    note = ""
+    if verified:
+        note = (
+            f"statistics of {plural(len(verified), 'layer')} re-estimated by bnaudit recalibrate "
+            f"(method {record.get('method')}, {record.get('samples')} samples, {record.get('date')})"
+        )
+    stale = len(claimed) - len(verified)
+    if stale:
+        note += ("; " if note else "") + (
+            f"a bnaudit recalibrate record names {plural(stale, 'layer')} whose statistics it does not match "
+            "(changed since, or a record from another file): audited as usual"
+        )
+    return Provenance(verified, note)
+
+
+def _matches(ckpt: Checkpoint, layer: str, digests: Any) -> bool:
+    if not isinstance(digests, Mapping) or not isinstance(digests.get(layer), str):
+        return False
+    mean, var = ckpt.tensors.get(f"{layer}.running_mean"), ckpt.tensors.get(f"{layer}.running_var")
+    if mean is None or var is None:
+        return False
+    return bool(digests[layer] == statistics_digest(mean.read(), var.read()))
