@@ -108,6 +108,10 @@ class Checkpoint:
     modules: dict[str, ModuleInfo] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     holds_module: bool = False
+    # Sharded layouts (formats/shards.py): how many files an index joined into this
+    # checkpoint (0: one file), or (k, N) for one shard read without its index.
+    shards: int = 0
+    shard_of: tuple[int, int] | None = None
 
 
 def recalibration_record(metadata: Mapping[str, str]) -> dict[str, Any] | None:
