@@ -105,7 +105,7 @@ def test_index_and_folder_audit_one_checkpoint_with_a_layer_split_across_shards(
         assert not [f for f in file.findings if f.code == "BN001"]
         assert file.layers == reference.files[0].layers  # the same numbers as the unsharded file
         assert file.layers[0].var_min == pytest.approx(float(state["1.running_var"].min()), rel=1e-7)
-        assert file.notes == ["3 shard(s) read as one checkpoint through the index"]
+        assert file.notes == ["3 shards read as one checkpoint through the index"]
         assert report.exit_code() == reference.exit_code()
 
 
@@ -122,7 +122,7 @@ def test_a_shard_alone_says_which_and_downgrades_split_layers_to_info(tmp_path, 
     first = str(tmp_path / "model-00001-of-00002.safetensors")
     report = inspect(first, Config())
     file = report.files[0]
-    assert "shard 1 of 2 read alone" in file.notes[0]
+    assert file.notes == ["shard 1 of 2 read alone (without its index): missing buffers are info"]
     bn001 = [f for f in file.findings if f.code == "BN001"]
     assert [(f.severity, f.layer) for f in bn001] == [("info", "1")]
     assert (
@@ -283,7 +283,7 @@ def test_a_trainer_checkpoint_folder_audits_the_model_and_skips_the_rest_with_re
     assert by_name["scheduler.pt"].skipped == "LR scheduler state (last_epoch, base_lrs)"
     assert by_name["rng_state.pth"].skipped == "RNG state (cpu, numpy, python)"
     assert by_name["training_args.bin"].skipped == (
-        "pickled training arguments (pickled my_trainer_args.TrainingArguments: not loaded)"
+        "training arguments (pickled my_trainer_args.TrainingArguments, not loaded)"
     )
     assert not any(f.error for f in report.files)
     assert report.exit_code() == inspect(str(folder / "model.safetensors"), Config()).exit_code()
@@ -321,7 +321,9 @@ def test_training_args_are_never_unpickled_even_when_the_module_exists(tmp_path,
         text=True,
         cwd=REPO,
     )
-    assert run.returncode == 0 and "skipped: pickled training arguments" in run.stdout
+    assert (
+        run.returncode == 0 and "skipped: training arguments (pickled my_trainer_args.TrainingArguments" in run.stdout
+    )
     assert not marker.exists()
 
 
@@ -413,3 +415,62 @@ def test_an_unknown_refused_pickle_stays_an_error(tmp_path):
     report = inspect(str(tmp_path / "weights.pt"), Config())
     assert report.files[0].error and "refused to unpickle" in report.files[0].error
     assert report.exit_code() == 2
+
+
+# ---- the committed samples and the machine-readable formats ---------------------------
+
+
+def test_sample_sharded_checkpoint_equals_the_unsharded_healthy_one():
+    from conftest import SAMPLES
+
+    sharded = inspect(os.path.join(SAMPLES, "sharded"), Config())
+    healthy = inspect(os.path.join(SAMPLES, "healthy.safetensors"), Config())
+    assert [os.path.basename(f.path) for f in sharded.files] == ["model.safetensors.index.json"]
+    assert sharded.files[0].layers == healthy.files[0].layers and sharded.files[0].findings == []
+    with open(os.path.join(SAMPLES, "sharded", "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    assert set(index) == {"metadata", "weight_map"}
+    # features.1 is split: its running_var starts the second shard
+    assert index["weight_map"]["features.1.running_mean"] == "model-00001-of-00003.safetensors"
+    assert index["weight_map"]["features.1.running_var"] == "model-00002-of-00003.safetensors"
+
+
+def test_sample_trainer_checkpoint_folder():
+    from conftest import SAMPLES
+
+    report = inspect(os.path.join(SAMPLES, "checkpoint-3"), Config())
+    audited = [f for f in report.files if not f.skipped]
+    assert [os.path.basename(f.path) for f in audited] == ["model.safetensors"]
+    assert [s.name for s in audited[0].layers] == ["features.1", "features.4", "head.2"]
+    assert sorted(os.path.basename(f.path) for f in report.skipped) == [
+        "optimizer.pt",
+        "rng_state.pth",
+        "scheduler.pt",
+        "training_args.bin",
+    ]
+    assert report.exit_code() == 0
+
+
+def test_json_and_sarif_carry_skipped_files_and_notes(tmp_path, trained, cli):
+    import jsonschema
+    from test_sarif import SCHEMA_PATH
+
+    folder = tmp_path / "checkpoint-16"
+    write_trainer_folder(folder, trained, tmp_path)
+    write_shards(trained[0].state_dict(), folder / "sharded", cuts=["1.running_var"])
+    doc = json.loads(cli("inspect", str(folder), "--isolated", "--format", "json").stdout)
+    by_name = {os.path.basename(f["path"]): f for f in doc["files"]}
+    assert by_name["optimizer.pt"]["skipped"] == "optimizer state (state, param_groups)"
+    assert by_name["optimizer.pt"]["error"] is None and by_name["optimizer.pt"]["layers"] == []
+    assert by_name["model.safetensors.index.json"]["notes"] == ["2 shards read as one checkpoint through the index"]
+    assert by_name["model.safetensors"]["skipped"] is None and by_name["model.safetensors"]["notes"] == []
+    result = cli("inspect", str(folder), "--isolated", "--format", "sarif")
+    log = json.loads(result.stdout)
+    with open(SCHEMA_PATH, encoding="utf-8") as fh:
+        jsonschema.Draft4Validator(json.load(fh)).validate(log)
+    invocation = log["runs"][0]["invocations"][0]
+    assert sorted(n["level"] for n in invocation["toolExecutionNotifications"]) == ["note"] * 4
+    assert invocation["executionSuccessful"] is True
+    # the skipped files cost nothing: the exit code is the audited files' own
+    alone = cli("inspect", str(folder / "model.safetensors"), str(folder / "sharded"), "--isolated")
+    assert result.exit_code == alone.exit_code != 2

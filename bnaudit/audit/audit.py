@@ -72,13 +72,10 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
     findings = run_rules(RuleContext(discovery, config, is_ema=ckpt.is_ema, module=module, recalibrated=recalibrated))
     report = FileReport(ckpt.path)
     if ckpt.shards:
-        report.notes.append(f"{ckpt.shards} shard(s) read as one checkpoint through the index")
+        report.notes.append(f"{ckpt.shards} shards read as one checkpoint through the index")
     if ckpt.shard_of is not None:
         k, n = ckpt.shard_of
-        report.notes.append(
-            f"shard {k} of {n} read alone: a layer split across shards cannot be checked "
-            "(inspect the index file or the folder); missing buffers are reported as info"
-        )
+        report.notes.append(f"shard {k} of {n} read alone (without its index): missing buffers are info")
         findings = [_possibly_split(f, k, n) if f.code == "BN001" else f for f in findings]
     if record is not None and recalibrated:
         report.provenance = (

@@ -48,7 +48,7 @@ _NAMES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^(lr_)?scheduler(_\d+)?\.(pt|pth|bin)$"), "LR scheduler state"),
     (re.compile(r"^(rng_state(_\d+)?\.pth|random_states_\d+\.pkl)$"), "RNG state"),
     (re.compile(r"^(scaler|grad_scaler)(_\d+)?\.(pt|pth|bin)$"), "AMP grad scaler state"),
-    (re.compile(r"^training_args\.bin$"), "pickled training arguments"),
+    (re.compile(r"^training_args\.bin$"), "training arguments"),
 )
 
 # A directory scan picks these up although their suffix is not a checkpoint's.
@@ -115,7 +115,7 @@ def kind_from_refusal(path: str) -> str | None:
     if not foreign:
         return None
     shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
-    return f"{what} (pickled {shown}: not loaded)"
+    return f"{what} (pickled {shown}, not loaded)"
 
 
 # Globals every torch.save file names; what is left is the file's own classes.
