@@ -474,3 +474,21 @@ def test_json_and_sarif_carry_skipped_files_and_notes(tmp_path, trained, cli):
     # the skipped files cost nothing: the exit code is the audited files' own
     alone = cli("inspect", str(folder / "model.safetensors"), str(folder / "sharded"), "--isolated")
     assert result.exit_code == alone.exit_code != 2
+
+
+def test_gap_reads_a_sharded_checkpoint_and_recalibrate_refuses_to_write_one(tmp_path, cli):
+    from conftest import SAMPLES
+
+    index = os.path.join(SAMPLES, "sharded", "model.safetensors.index.json")
+    arch = os.path.join(SAMPLES, "digits_net.py") + ":digits_net"
+    val = os.path.join(SAMPLES, "data", "digits_val.safetensors")
+    sharded = json.loads(cli("gap", index, "--arch", arch, "--data", val, "--format", "json").stdout)
+    healthy = os.path.join(SAMPLES, "healthy.safetensors")
+    whole = json.loads(cli("gap", healthy, "--arch", arch, "--data", val, "--format", "json").stdout)
+    assert sharded["eval_mode"] == whole["eval_mode"] and sharded["layers"] == whole["layers"]
+    no_arch = cli("gap", index, "--data", val)
+    assert no_arch.exit_code == 2 and "a sharded checkpoint holds tensors, not a model: pass --arch" in no_arch.stderr
+    out = tmp_path / "recal.safetensors"
+    recal = cli("recalibrate", index, "--arch", arch, "--data", val, "--output", str(out))
+    assert recal.exit_code == 2 and "writing a sharded checkpoint is not supported" in recal.stderr
+    assert not out.exists()
