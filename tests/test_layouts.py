@@ -122,7 +122,14 @@ def test_a_shard_alone_says_which_and_downgrades_split_layers_to_info(tmp_path, 
     first = str(tmp_path / "model-00001-of-00002.safetensors")
     report = inspect(first, Config())
     file = report.files[0]
-    assert file.notes == ["shard 1 of 2 read alone (without its index): missing buffers are info"]
+    assert file.notes == [
+        "shard 1 of 2 read alone (without its index): missing buffers are info; "
+        "inspect model.safetensors.index.json for the whole checkpoint"
+    ]
+    os.remove(tmp_path / "model.safetensors.index.json")
+    assert inspect(first, Config()).files[0].notes == [
+        "shard 1 of 2 read alone (without its index): missing buffers are info"
+    ]
     bn001 = [f for f in file.findings if f.code == "BN001"]
     assert [(f.severity, f.layer) for f in bn001] == [("info", "1")]
     assert (

@@ -23,7 +23,7 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.classify import SCANNED_NAMES, NotModelWeights
 from bnaudit.formats.model import Checkpoint, recalibration_record
 from bnaudit.formats.read import read_checkpoint
-from bnaudit.formats.shards import is_index, series_members
+from bnaudit.formats.shards import index_beside, is_index, series_members
 from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES
 
 
@@ -75,7 +75,11 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
         report.notes.append(f"{ckpt.shards} shards read as one checkpoint through the index")
     if ckpt.shard_of is not None:
         k, n = ckpt.shard_of
-        report.notes.append(f"shard {k} of {n} read alone (without its index): missing buffers are info")
+        index = index_beside(ckpt.path)
+        report.notes.append(
+            f"shard {k} of {n} read alone (without its index): missing buffers are info"
+            + (f"; inspect {os.path.basename(index)} for the whole checkpoint" if index else "")
+        )
         findings = [_possibly_split(f, k, n) if f.code == "BN001" else f for f in findings]
     if record is not None and recalibrated:
         report.provenance = (

@@ -53,6 +53,16 @@ def shard_position(path: str) -> tuple[int, int] | None:
     return (k, n) if 1 <= k <= n else None
 
 
+def index_beside(shard: str) -> str | None:
+    """The index file next to a shard that names like one (`model-00001-of-00003.safetensors`
+    -> `model.safetensors.index.json`), if it exists."""
+    match = SHARD_NAME.match(os.path.basename(shard))
+    if not match:
+        return None
+    index = os.path.join(os.path.dirname(shard), f"{match['stem']}.{match['ext']}.index.json")
+    return index if os.path.isfile(index) else None
+
+
 def _series_of(index_path: str) -> tuple[str, str]:
     """(stem, extension) of the shard files an index belongs to: `model.safetensors.index.json`
     -> ("model", "safetensors"), `pytorch_model.bin.index.json` -> ("pytorch_model", "bin")."""
