@@ -123,12 +123,11 @@ def test_a_shard_alone_says_which_and_downgrades_split_layers_to_info(tmp_path, 
     report = inspect(first, Config())
     file = report.files[0]
     assert file.notes == [
-        "shard 1 of 2 read alone (without its index): missing buffers are info; "
-        "inspect model.safetensors.index.json for the whole checkpoint"
+        "shard 1 of 2 read alone: missing buffers are info (whole checkpoint: model.safetensors.index.json)"
     ]
     os.remove(tmp_path / "model.safetensors.index.json")
     assert inspect(first, Config()).files[0].notes == [
-        "shard 1 of 2 read alone (without its index): missing buffers are info"
+        "shard 1 of 2 read alone: missing buffers are info (no index beside it)"
     ]
     bn001 = [f for f in file.findings if f.code == "BN001"]
     assert [(f.severity, f.layer) for f in bn001] == [("info", "1")]

@@ -77,8 +77,8 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
         k, n = ckpt.shard_of
         index = index_beside(ckpt.path)
         report.notes.append(
-            f"shard {k} of {n} read alone (without its index): missing buffers are info"
-            + (f"; inspect {os.path.basename(index)} for the whole checkpoint" if index else "")
+            f"shard {k} of {n} read alone: missing buffers are info "
+            + (f"(whole checkpoint: {os.path.basename(index)})" if index else "(no index beside it)")
         )
         findings = [_possibly_split(f, k, n) if f.code == "BN001" else f for f in findings]
     if record is not None and recalibrated:
