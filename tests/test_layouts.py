@@ -498,3 +498,49 @@ def test_gap_reads_a_sharded_checkpoint_and_recalibrate_refuses_to_write_one(tmp
     recal = cli("recalibrate", index, "--arch", arch, "--data", val, "--output", str(out))
     assert recal.exit_code == 2 and "writing a sharded checkpoint is not supported" in recal.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+@pytest.mark.parametrize("name", ["optimizer.pt", "training_args.bin", "rng_state.pth"])
+def test_a_payload_with_a_training_run_name_is_still_refused_not_skipped(tmp_path, name, legacy):
+    """The name alone never excuses a pickle that names a global that acts (os.system, exec)."""
+    import pickle
+
+    from test_hostile import payload
+
+    for kind in ("os.system", "builtins.exec"):
+        marker = tmp_path / f"marker-{kind}"
+        evil, global_name = payload(kind, marker)
+        path = tmp_path / kind / name
+        path.parent.mkdir()
+        torch.save({"state": {}, "param_groups": [], "x": evil}, path, _use_new_zipfile_serialization=not legacy)
+        report = inspect(str(path), Config())
+        assert report.files[0].skipped is None and "refused to unpickle" in report.files[0].error
+        assert global_name in report.files[0].error and report.exit_code() == 2
+        assert not marker.exists()
+        pickle.loads(pickle.dumps(evil))  # the payload is live
+        assert marker.exists()
+
+
+def test_training_args_in_the_legacy_format_are_skipped_by_name(tmp_path):
+    """The pre-1.6 stream format is several pickles in a row (magic number, protocol, sys
+    info, the object, storage keys) then raw bytes: the class is named in the fourth."""
+    legacy = tmp_path / "training_args.bin"
+    moddir = tmp_path / "argsmod"
+    moddir.mkdir()
+    (moddir / "my_trainer_args.py").write_text(TRAINING_ARGS_MODULE)
+    sys.path.insert(0, str(moddir))
+    try:
+        import my_trainer_args
+
+        torch.save(
+            {"args": my_trainer_args.TrainingArguments(), "t": torch.zeros(2)},
+            legacy,
+            _use_new_zipfile_serialization=False,
+        )
+    finally:
+        sys.path.remove(str(moddir))
+        sys.modules.pop("my_trainer_args", None)
+        (moddir / "my_trainer_args.py").unlink()
+    report = inspect(str(legacy), Config())
+    assert report.files[0].skipped == "training arguments (pickled my_trainer_args.TrainingArguments, not loaded)"

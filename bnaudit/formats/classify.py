@@ -22,6 +22,7 @@ restricted reader.
 
 from __future__ import annotations
 
+import io
 import os
 import pickletools
 import re
@@ -111,6 +112,8 @@ def kind_from_refusal(path: str) -> str | None:
         needed = _needed_globals(path)
     except Exception:  # damaged or not a pickle: not ours to excuse
         return None
+    if any(_could_run_code(g) for g in needed):
+        return None  # a payload named optimizer.pt is refused as today, not excused by its name
     foreign = [g for g in needed if not g.startswith(_PLAIN_MODULES)]
     if not foreign:
         return None
@@ -120,6 +123,96 @@ def kind_from_refusal(path: str) -> str | None:
 
 # Globals every torch.save file names; what is left is the file's own classes.
 _PLAIN_MODULES = ("torch.", "collections.", "builtins.", "_codecs.", "copyreg.", "numpy.")
+
+# Modules whose globals act (run commands, import, evaluate, open files) rather than
+# rebuild data: a pickle that names one is never a training-run file, whatever its name.
+_ACTING_MODULES = {
+    "os",
+    "posix",
+    "nt",
+    "subprocess",
+    "sys",
+    "importlib",
+    "runpy",
+    "pickle",
+    "_pickle",
+    "marshal",
+    "shutil",
+    "socket",
+    "ctypes",
+    "pty",
+    "code",
+    "codeop",
+    "types",
+    "functools",
+    "operator",
+    "io",
+    "_io",
+    "pathlib",
+    "tempfile",
+    "webbrowser",
+    "multiprocessing",
+    "threading",
+    "signal",
+    "asyncio",
+    "urllib",
+    "http",
+    "platform",
+    "glob",
+    "pdb",
+    "bdb",
+    "timeit",
+    "trace",
+    "profile",
+    "cProfile",
+    "site",
+    "sysconfig",
+    "setuptools",
+    "pip",
+    "commands",
+    "popen2",
+    "__builtin__",
+    "_operator",
+    "_thread",
+    "_posixsubprocess",
+    "zipimport",
+    "pkgutil",
+    "inspect",
+    "dill",
+    "cloudpickle",
+}
+
+# builtins a plain-data pickle may name (the containers and scalars it rebuilds)
+_DATA_BUILTINS = {
+    "set",
+    "frozenset",
+    "slice",
+    "complex",
+    "bytearray",
+    "bytes",
+    "range",
+    "object",
+    "int",
+    "float",
+    "str",
+    "dict",
+    "list",
+    "tuple",
+    "bool",
+    "NoneType",
+    "Ellipsis",
+}
+
+
+def _could_run_code(name: str) -> bool:
+    module, _, attr = name.rpartition(".")
+    if module.split(".")[0] in _ACTING_MODULES:
+        return True
+    if module == "builtins":
+        return attr not in _DATA_BUILTINS
+    return module.startswith(("torch.hub", "torch.ops", "torch.jit", "torch.serialization", "torch.package")) or (
+        module == "torch" and attr in {"load", "save"}
+    )
 
 
 def _needed_globals(path: str) -> list[str]:
@@ -132,12 +225,25 @@ def _needed_globals(path: str) -> list[str]:
 
 
 def _pickle_globals(data: bytes) -> list[str]:
-    """`module.name` of every GLOBAL / STACK_GLOBAL of the first pickle in `data`, by
-    reading opcodes only (pickletools never builds an object)."""
+    """`module.name` of every GLOBAL / STACK_GLOBAL of the pickles at the start of `data`
+    (a legacy torch.save file is several pickles in a row, then raw storage bytes), by
+    reading opcodes only: pickletools never builds an object."""
     found: list[str] = []
+    stream = io.BytesIO(data)
+    for i in range(5):
+        try:
+            _scan_pickle(stream, found)
+        except Exception:
+            if i == 0:
+                raise
+            break  # the raw storage bytes after a legacy file's pickles
+    return list(dict.fromkeys(found))
+
+
+def _scan_pickle(stream: io.BytesIO, found: list[str]) -> None:
     strings: list[Any] = []
     memo: dict[Any, Any] = {}
-    for op, arg, _ in pickletools.genops(data):
+    for op, arg, _ in pickletools.genops(stream):
         if op.name == "GLOBAL":
             found.append(str(arg).replace(" ", "."))
         elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
@@ -151,5 +257,4 @@ def _pickle_globals(data: bytes) -> list[str]:
         elif op.name in ("GET", "BINGET", "LONG_BINGET") and isinstance(memo.get(arg), str):
             strings.append(memo[arg])
         if op.name == "STOP":
-            break
-    return list(dict.fromkeys(found))
+            return

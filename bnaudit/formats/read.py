@@ -49,7 +49,7 @@ def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = Fals
         if what is None:
             raise
         raise NotModelWeights(path, what) from None
-    if key is None and not find_state_dicts(obj):
+    if not find_state_dicts(obj):  # with or without --key: nothing here is a model
         what = kind_from_object(path, obj)
         if what is not None:
             raise NotModelWeights(path, what)
