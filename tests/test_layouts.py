@@ -544,3 +544,14 @@ def test_training_args_in_the_legacy_format_are_skipped_by_name(tmp_path):
         (moddir / "my_trainer_args.py").unlink()
     report = inspect(str(legacy), Config())
     assert report.files[0].skipped == "training arguments (pickled my_trainer_args.TrainingArguments, not loaded)"
+
+
+def test_rng_state_the_restricted_reader_refuses_is_named_from_the_file_name(tmp_path):
+    """A pickled numpy Generator needs numpy.random's constructors, which the restricted
+    reader refuses: the file name and the refused globals say what it is; nothing is built."""
+    path = tmp_path / "rng_state_1.pth"
+    torch.save({"python": random.getstate(), "numpy": np.random.default_rng(0)}, path)
+    report = inspect(str(path), Config())
+    skipped = report.files[0].skipped
+    assert skipped.startswith("RNG state (pickled numpy.random.") and skipped.endswith(", not loaded)")
+    assert report.exit_code() == 0

@@ -122,7 +122,17 @@ def kind_from_refusal(path: str) -> str | None:
 
 
 # Globals every torch.save file names; what is left is the file's own classes.
-_PLAIN_MODULES = ("torch.", "collections.", "builtins.", "_codecs.", "copyreg.", "numpy.")
+_PLAIN_MODULES = (
+    "torch.",
+    "collections.",
+    "builtins.",
+    "_codecs.",
+    "copyreg.",
+    "numpy.core.",
+    "numpy._core.",
+    "numpy.dtype",
+    "numpy.ndarray",
+)
 
 # Modules whose globals act (run commands, import, evaluate, open files) rather than
 # rebuild data: a pickle that names one is never a training-run file, whatever its name.
