@@ -4,7 +4,8 @@ Plain dataclasses with everything the emitters of bnaudit.output print, computed
 once (min / median / max of the statistics, eval gains, near-eps channels), so that
 table, JSON and SARIF cannot disagree. Statistics are summarised without NaNs;
 `InspectReport.exit_code` is 2 for an unreadable file, 1 for a finding at or above
-`fail_on`, else 0.
+`fail_on`, else 0 (with `exit_zero`: 2 only for an unreadable file the user named);
+files skipped as not model weights never count.
 """
 
 from __future__ import annotations
