@@ -2,12 +2,13 @@
 
     python benchmarks/run.py            # full run (about 1 GiB of extra tensors, ~2.5 GB of disk)
     python benchmarks/run.py --quick    # smaller inputs, fewer repeats
-    python benchmarks/run.py --only 1,2 # some targets only (7: sharded checkpoint through its index)
+    python benchmarks/run.py --only 1,2 # some targets only (8: sharded checkpoint through its index)
 
 Every input is built here, in a temporary folder deleted at the end: a ResNet-50-shaped
 state dict (53 BN layers, 25.6 M parameters) with and without 1 GiB of other tensors,
-written as .safetensors and as a torch.save zip; a small ResNet for 32x32 inputs; a
-tensor file and synthetic image folders for gap and recalibrate.
+written as .safetensors and as a torch.save zip (and a before/after pair of it for
+`bnaudit diff`, target 7, and the +extra one in Hugging Face shards with its index, target
+8); a small ResNet for 32x32 inputs; a tensor file and synthetic image folders for gap and recalibrate.
 
 Each measurement is one fresh process: wall time from start to exit, peak RSS from
 `os.wait4` (the ru_maxrss of that one child; DataLoader workers are its children, so
@@ -397,6 +398,38 @@ def build_resnet50_files(tmp: str, extra_bytes: int) -> dict:
     return {"files": files, "bn_layers": sum(1 for k in state if k.endswith(".running_mean"))}
 
 
+def build_resnet50_pair(tmp: str, extra_bytes: int) -> dict:
+    """A before/after pair of ResNet-50 state dicts for `bnaudit diff`: layer1's BN
+    statistics moved under identical weights (frozen but updating), layer4 trained; each
+    side also written with `extra_bytes` of other tensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    before = resnet50_state_dict()
+    after = {k: v.clone() for k, v in before.items()}
+    for name, tensor in after.items():
+        if name.startswith("layer1.") and name.endswith(("running_mean", "running_var")):
+            tensor.mul_(1.05)
+        elif name.startswith("layer1.") and name.endswith("num_batches_tracked"):
+            tensor.add_(100)
+        elif name.startswith("layer4."):
+            tensor.add_(0.01 if tensor.is_floating_point() else 100)
+    files = {}
+    for label, state in (("a", before), ("b", after)):
+        files[f"st_small_{label}"] = os.path.join(tmp, f"diff_{label}.safetensors")
+        files[f"st_big_{label}"] = os.path.join(tmp, f"diff_{label}_plus_extra.safetensors")
+        files[f"pt_small_{label}"] = os.path.join(tmp, f"diff_{label}.pt")
+        files[f"pt_big_{label}"] = os.path.join(tmp, f"diff_{label}_plus_extra.pt")
+        big = with_extra_tensors(state, extra_bytes)
+        save_file(state, files[f"st_small_{label}"])
+        save_file(big, files[f"st_big_{label}"])
+        torch.save(state, files[f"pt_small_{label}"])
+        torch.save(big, files[f"pt_big_{label}"])
+        del big
+    return files
+
+
 def build_one_layer(path: str) -> str:
     import numpy as np
     from safetensors.numpy import save_file
@@ -452,6 +485,7 @@ BUILDERS = {
     for f in (
         build_resnet50_files,
         build_resnet50_shards,
+        build_resnet50_pair,
         build_one_layer,
         build_small_model,
         build_tensor_data,
@@ -517,7 +551,44 @@ def target_1_size_independence(tmp: str, extra_bytes: int, repeats: int) -> dict
     return files
 
 
-def target_7_sharded(tmp: str, extra_bytes: int, repeats: int) -> None:
+def target_7_diff_size_independence(tmp: str, extra_bytes: int, repeats: int) -> None:
+    """`bnaudit diff` reads only BN tensors: a pair with +extra_bytes of other tensors on
+    each side costs at most 1.3x the same pair without them."""
+    if not command_exists("diff"):
+        skip("7", "diff: +GiB vs without", "no diff command")
+        return
+    files = build("build_resnet50_pair", tmp, extra_bytes)
+    gib = extra_bytes / GiB
+
+    def diff(kind: str, size: str) -> list[str]:
+        a, b = files[f"{kind}_{size}_a"], files[f"{kind}_{size}_b"]
+        return [PY, "-m", "bnaudit", "diff", a, b, "--format", "json", "--isolated"]
+
+    try:
+        for kind, label in (("st", ".safetensors"), ("pt", "torch.save zip")):
+            runs = compare({"small": diff(kind, "small"), "big": diff(kind, "big")}, repeats)
+            t_small, t_big = median_wall(runs["small"]), median_wall(runs["big"])
+            m_small, m_big = median_rss(runs["small"]), median_rss(runs["big"])
+            line(
+                "7",
+                f"diff {label}: +{gib:g} GiB each side vs without, wall",
+                t_big / t_small,
+                1.3,
+                f"{fmt_s(t_big)} vs {fmt_s(t_small)}",
+            )
+            line(
+                "7",
+                f"diff {label}: +{gib:g} GiB each side vs without, RSS",
+                m_big / m_small,
+                1.3,
+                f"{fmt_mb(m_big)} vs {fmt_mb(m_small)}",
+            )
+    finally:
+        for path in files.values():
+            os.remove(path)
+
+
+def target_8_sharded(tmp: str, extra_bytes: int, repeats: int) -> None:
     """Size independence through a shard index: the sharded +extra checkpoint costs what
     the unsharded one without the extra tensors costs (only BN tensors are read)."""
     built = build("build_resnet50_shards", tmp, extra_bytes)
@@ -529,10 +600,10 @@ def target_7_sharded(tmp: str, extra_bytes: int, repeats: int) -> None:
     t = {k: median_wall(v) for k, v in runs.items()}
     m = {k: median_rss(v) for k, v in runs.items()}
     what = f"inspect {built['shards']} shards (+{gib:g} GiB) vs unsharded without"
-    line("7", f"{what}, wall time", t["sharded"] / t["small"], 1.3, f"{fmt_s(t['sharded'])} vs {fmt_s(t['small'])}")
-    line("7", f"{what}, peak RSS", m["sharded"] / m["small"], 1.3, f"{fmt_mb(m['sharded'])} vs {fmt_mb(m['small'])}")
+    line("8", f"{what}, wall time", t["sharded"] / t["small"], 1.3, f"{fmt_s(t['sharded'])} vs {fmt_s(t['small'])}")
+    line("8", f"{what}, peak RSS", m["sharded"] / m["small"], 1.3, f"{fmt_mb(m['sharded'])} vs {fmt_mb(m['small'])}")
     line(
-        "7",
+        "8",
         f"inspect sharded vs unsharded, both +{gib:g} GiB",
         None,
         None,
@@ -772,7 +843,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.build:  # a child started by build()
         print(json.dumps(BUILDERS[args.build[0]](*json.loads(args.build[1]))))
         return 0
-    only = {int(x) for x in args.only.split(",")} if args.only else {1, 2, 3, 4, 5, 6, 7}
+    only = {int(x) for x in args.only.split(",")} if args.only else {1, 2, 3, 4, 5, 6, 7, 8}
     repeats = args.repeats or (3 if args.quick else 5)
     extra_bytes = 256 * MiB if args.quick else GiB
     samples = 512 if args.quick else 2048
@@ -796,7 +867,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if key in files:
                 os.remove(files[key])
         if 7 in only:
-            target_7_sharded(tmp, extra_bytes, repeats)
+            target_7_diff_size_independence(tmp, extra_bytes, repeats)
+        if 8 in only:
+            target_8_sharded(tmp, extra_bytes, repeats)
         if only & {3, 4, 5, 6}:
             folder = os.path.join(tmp, "model")
             os.makedirs(folder)

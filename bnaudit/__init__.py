@@ -3,6 +3,7 @@
 Public API (the CLI is a thin layer over it):
 
     bnaudit.inspect(paths, config=None, key=None, trust_pickle=False) -> InspectReport
+    bnaudit.diff(path_a, path_b, config=None, key_a=None, key_b=None, trust_pickle=False) -> DiffReport
     bnaudit.measure_gap(checkpoint, DataOptions(path=...), arch=..., config=..., max_gap=...) -> GapReport
     bnaudit.recalibrate_checkpoint(checkpoint, output, DataOptions(path=...), arch=..., config=...)
         -> RecalibrationReport
@@ -20,6 +21,7 @@ __all__ = [
     "Config",
     "DataOptions",
     "__version__",
+    "diff",
     "inspect",
     "measure_gap",
     "recalibrate_checkpoint",
@@ -29,6 +31,7 @@ __all__ = [
 # Lazy: `bnaudit --help` must not pay for numpy/torch imports it does not use.
 _LAZY = {
     "inspect": ("bnaudit.audit.audit", "inspect"),
+    "diff": ("bnaudit.audit.diff", "diff"),
     "measure_gap": ("bnaudit.runtime.gap", "measure_gap"),
     "recalibrate_checkpoint": ("bnaudit.runtime.recalibrate.command", "recalibrate_checkpoint"),
     "recalibrate_module": ("bnaudit.runtime.recalibrate.methods", "recalibrate_module"),

@@ -53,6 +53,10 @@ class Config:
     select, ignore   rule-code prefixes: run only the selected rules, minus the ignored
     per_layer_ignores  layer-name glob -> rule-code prefixes not reported for those layers
     exclude          file globs not audited (see `Config.excludes`)
+    expect_frozen    diff: layer-name globs that must not change (BN101 error, BN105)
+    expect_trained   diff: layer-name globs whose weights must change (BN105)
+    stale_max_change diff: BN102 is an error when the weight/bias change of a layer with
+                     stale statistics exceeds this fraction of the layer's scale max|gamma|
     source           the configuration file these settings came from (None: none)
     """
 
@@ -66,6 +70,9 @@ class Config:
     ignore: tuple[str, ...] = ()
     per_layer_ignores: dict[str, tuple[str, ...]] = field(default_factory=dict)
     exclude: tuple[str, ...] = ()
+    expect_frozen: tuple[str, ...] = ()
+    expect_trained: tuple[str, ...] = ()
+    stale_max_change: float = 0.1
     source: str | None = field(default=None, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -80,6 +87,9 @@ class Config:
             "ignore": list(self.ignore),
             "per-layer-ignores": {k: list(v) for k, v in self.per_layer_ignores.items()},
             "exclude": list(self.exclude),
+            "expect-frozen": list(self.expect_frozen),
+            "expect-trained": list(self.expect_trained),
+            "stale-max-change": self.stale_max_change,
         }
 
     @property
@@ -205,6 +215,13 @@ def _globs(value: Any) -> tuple[str, ...]:
     return _strings(value, "file globs")
 
 
+def _layer_globs(value: Any) -> tuple[str, ...]:
+    globs = _strings(value, "layer-name globs")
+    if any(not g for g in globs):
+        raise ValueError("an empty layer-name glob matches no layer")
+    return globs
+
+
 KEYS: dict[str, Key] = {
     k.name: k
     for k in (
@@ -262,6 +279,25 @@ KEYS: dict[str, Key] = {
             "exclude",
             _ignoring_codes(_globs),
             'file globs not audited, relative to the configuration file, e.g. ["runs/*", "*.tmp.pt"]',
+        ),
+        Key(
+            "expect-frozen",
+            "expect_frozen",
+            _ignoring_codes(_layer_globs),
+            'diff: layer-name globs that must not change, e.g. ["backbone.*"] (BN101 error, BN105)',
+        ),
+        Key(
+            "expect-trained",
+            "expect_trained",
+            _ignoring_codes(_layer_globs),
+            'diff: layer-name globs whose weight/bias must change, e.g. ["head.*"] (BN105)',
+        ),
+        Key(
+            "stale-max-change",
+            "stale_max_change",
+            _ignoring_codes(_positive),
+            "diff: BN102 is an error when weights with stale statistics moved by more than this "
+            "fraction of the layer's scale max|gamma|",
         ),
     )
 }

@@ -250,6 +250,13 @@ def main() -> None:
         frozen[k] = healthy[k] // 2
     save_pt(frozen, "partially_frozen.pt")
 
+    # `bnaudit diff`: a pretrained/fine-tuned pair. The backbone was "frozen" with
+    # requires_grad=False while model.train() left its BatchNorm layers in training mode:
+    # its weights are bit-identical, its running statistics moved to the new data
+    # (frozen but updating, BN101). The head trained normally.
+    save_st(healthy, "pretrained.safetensors", {"source": "bnaudit sample_models/generate.py"})
+    save_pt(fine_tune_frozen_backbone(healthy, xc, yc), "finetuned.pt")
+
     # A torchvision-reference-style container: model, EMA copy, optimizer, args.
     container = {
         "model": healthy,
@@ -268,6 +275,28 @@ def main() -> None:
     )
     write_image_folder(xv, yv, os.path.join(data_dir, "digits_images"), args.images_per_class)
     write_layouts(healthy, xc, yc)
+
+
+def fine_tune_frozen_backbone(pretrained, x, y, epochs: int = 2) -> dict[str, torch.Tensor]:
+    """The head fine-tuned on (x, y) with the backbone's requires_grad=False, the model in
+    train() as a typical loop leaves it (the mistake `bnaudit diff` reports)."""
+    torch.manual_seed(3)
+    model = digits_net()
+    model.load_state_dict(pretrained)
+    for p in model.features.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    g = torch.Generator().manual_seed(4)
+    model.train()
+    for _ in range(epochs):
+        for idx in torch.randperm(len(y), generator=g).split(BATCH):
+            if len(idx) < 2:
+                continue
+            loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return state(model)
 
 
 def write_image_folder(x, y, root: str, per_class: int) -> None:

@@ -30,6 +30,7 @@ CALIB = "sample_models/data/digits_calib.safetensors"
 # name -> (arguments, exit code)
 CASES: dict[str, tuple[list[str], int]] = {
     "inspect_healthy": (["inspect", "sample_models/healthy.pt"], 0),
+    "diff": (["diff", "sample_models/pretrained.safetensors", "sample_models/finetuned.pt"], 1),
     "inspect_findings": (["inspect", "sample_models/dead_channel.safetensors"], 1),
     "inspect_several": (
         [

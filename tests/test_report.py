@@ -154,7 +154,7 @@ class _Kind:
 
 
 @pytest.mark.parametrize(
-    "kind,fmt", [("gap", "sarif"), ("recalibrate", "sarif"), ("diff", "table"), ("inspect", "html")]
+    "kind,fmt", [("gap", "sarif"), ("recalibrate", "sarif"), ("no-such-kind", "table"), ("inspect", "html")]
 )
 def test_emit_refuses_a_format_the_report_kind_does_not_have(kind, fmt):
     from bnaudit import output

@@ -37,6 +37,13 @@ def test_registry_has_the_documented_codes_and_names():
         "BN009": "counter-zero",
         "BN010": "uneven-counters",
         "BN011": "load-mismatch",
+        "BN101": "frozen-but-updating",
+        "BN102": "stale-statistics",
+        "BN103": "re-estimated",
+        "BN104": "uneven-counting",
+        "BN105": "expectation-violated",
+        "BN106": "settings-changed",
+        "BN107": "layers-changed",
     }
 
 

@@ -58,7 +58,7 @@ def _silence_lines(rule: Rule) -> list[str]:
     """Every way to stop a rule from reporting or from failing a run."""
     code = rule.code
     lines = [
-        f"for one run: bnaudit inspect --ignore {code} ...",
+        f"for one run: bnaudit {rule.command} --ignore {code} ...",
         f'for the project: ignore = ["{code}"] under [tool.bnaudit] in pyproject.toml (or in bnaudit.toml)',
         f'for some layers: per-layer-ignores = {{"backbone.*" = ["{code}"]}} (globs on layer names; '
         "file-level findings have no layer and are not matched)",

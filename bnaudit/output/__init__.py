@@ -1,12 +1,12 @@
 """One emitter interface for every report kind; the only place that knows rich, JSON and SARIF.
 
-    emit(report, fmt, stream)          inspect: table / json / sarif; gap, recalibrate: table / json
+    emit(report, fmt, stream)          inspect, diff: table / json / sarif; gap, recalibrate: table / json
     emit_diagnostics(report, stream)   what a report has to say on stderr (unreadable files, warnings)
     emit_error / emit_warning          the CLI's one-line messages
     render_rules(stream, code)         `bnaudit rules` and `bnaudit rules CODE`
     progress(description, stream)      a progress bar while gap or recalibrate runs
 
-A report says which emitter renders it with its `kind` ("inspect", "gap", "recalibrate"),
+A report says which emitter renders it with its `kind` ("inspect", "gap", "recalibrate", "diff"),
 so this package never imports the torch-heavy modules that build gap and recalibrate
 reports: `--help`, `rules` and `inspect` of a safetensors file stay torch-free.
 
@@ -30,6 +30,7 @@ FORMATS: dict[str, tuple[str, ...]] = {
     "inspect": ("table", "json", "sarif"),
     "gap": ("table", "json"),
     "recalibrate": ("table", "json"),
+    "diff": ("table", "json", "sarif"),
 }
 
 
@@ -52,7 +53,12 @@ def emit(report: Any, fmt: str, stream: IO[str], *, quiet: bool = False, width: 
     if fmt == "table":
         from bnaudit.output import table
 
-        renderers = {"inspect": table.render_inspect, "gap": table.render_gap, "recalibrate": table.render_recalibrate}
+        renderers = {
+            "inspect": table.render_inspect,
+            "gap": table.render_gap,
+            "recalibrate": table.render_recalibrate,
+            "diff": table.render_diff,
+        }
         renderers[kind](report, console(stream, width), quiet=quiet)
         return
     document = _document(report, fmt)
@@ -62,15 +68,16 @@ def emit(report: Any, fmt: str, stream: IO[str], *, quiet: bool = False, width: 
 
 def _document(report: Any, fmt: str) -> dict[str, Any]:
     if fmt == "sarif":
-        from bnaudit.output.sarif import inspect_to_sarif
+        from bnaudit.output.sarif import diff_to_sarif, inspect_to_sarif
 
-        return inspect_to_sarif(report)
+        return diff_to_sarif(report) if report.kind == "diff" else inspect_to_sarif(report)
     from bnaudit.output import json as documents
 
     builders = {
         "inspect": documents.inspect_to_json,
         "gap": documents.gap_to_json,
         "recalibrate": documents.recalibrate_to_json,
+        "diff": documents.diff_to_json,
     }
     return builders[report.kind](report)
 

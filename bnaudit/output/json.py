@@ -165,3 +165,53 @@ def recalibrate_to_json(report: Any) -> dict[str, Any]:
         "provenance": dict(report.provenance),
         "eval": evaluation,
     }
+
+
+def diff_to_json(report: Any) -> dict[str, Any]:
+    """The `bnaudit diff --format json` document.
+
+    Per layer: the changes defined in bnaudit.audit.layerdiff (null where a side lacks the
+    values or a value is not finite), which tensors are bit-identical, the counters of both
+    sides and the verdict.
+    """
+
+    def side(s: Any) -> dict[str, Any]:
+        return {"path": s.path, "format": s.format, "key": s.key, "prefix": s.prefix or None, "layers": s.layers}
+
+    return {
+        "version": __version__,
+        "config": report.config.as_dict(),
+        "a": side(report.a),
+        "b": side(report.b),
+        "settings": report.settings or None,
+        "provenance": report.provenance or None,
+        "layers": [
+            {
+                "name": d.name,
+                "kind": d.kind,
+                "num_features": d.num_features,
+                "weight_change": json_number(d.weight_change),
+                "bias_change": json_number(d.bias_change),
+                "mean_shift": json_number(d.mean_shift),
+                "var_log_ratio": json_number(d.var_log_ratio),
+                "num_batches_tracked": {"a": d.batches_a, "b": d.batches_b, "change": d.batches_change},
+                "identical": {
+                    "weight": d.weight_identical,
+                    "bias": d.bias_identical,
+                    "running_mean": d.mean_identical,
+                    "running_var": d.var_identical,
+                },
+                "eps": {"a": json_number(d.eps_a), "b": json_number(d.eps_b), "known": d.settings_known},
+                "momentum": {"a": json_number(d.momentum_a), "b": json_number(d.momentum_b)},
+                "verdict": d.verdict,
+            }
+            for d in report.layers
+        ],
+        "only_a": list(report.only_a),
+        "only_b": list(report.only_b),
+        "reshaped": [{"name": n, "a": ca, "b": cb} for n, ca, cb in report.reshaped],
+        "groups": report.groups(),
+        "findings": [finding_to_json(f) for f in report.findings],
+        "diagnosis": report.diagnosis(),
+        "summary": report.summary(),
+    }

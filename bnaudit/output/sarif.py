@@ -138,3 +138,50 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
             }
         ],
     }
+
+
+def diff_to_sarif(report: Any, base: str | None = None) -> dict[str, Any]:
+    """The SARIF log of a diff report: as inspect's (the driver describes every rule of the
+    registry), with side B, the checkpoint under review, as every result's artifact."""
+    base = os.path.abspath(base or os.getcwd())
+    codes = list(RULES)
+    location = _artifact_location(report.b.path, base)
+    results = []
+    for finding in report.findings:
+        where: dict[str, Any] = {"physicalLocation": {"artifactLocation": location}}
+        if finding.layer is not None:
+            where["logicalLocations"] = [{"name": finding.layer, "fullyQualifiedName": finding.layer, "kind": "module"}]
+        results.append(
+            {
+                "ruleId": finding.code,
+                "ruleIndex": codes.index(finding.code),
+                "level": LEVELS[finding.severity],
+                "message": {"text": f"{finding.layer}: {finding.message}" if finding.layer else finding.message},
+                "locations": [where],
+                "partialFingerprints": {"bnauditFinding/v1": _fingerprint(finding, location["uri"])},
+            }
+        )
+    return {
+        "$schema": SCHEMA_URI,
+        "version": "2.1.0",
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "bnaudit",
+                        "version": __version__,
+                        "semanticVersion": __version__,
+                        "informationUri": INFORMATION_URI,
+                        "rules": [rule_descriptor(code) for code in codes],
+                    }
+                },
+                "invocations": [{"executionSuccessful": True, "toolExecutionNotifications": []}],
+                "originalUriBaseIds": {"%SRCROOT%": {"uri": Path(base).as_uri().rstrip("/") + "/"}},
+                "results": results,
+                "properties": {
+                    "config": report.config.as_dict(),
+                    "compared": {"a": report.a.path, "b": report.b.path},
+                },
+            }
+        ],
+    }

@@ -363,3 +363,113 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
         console.print(table)
         console.print()
     console.print(_cell(f"wrote {report.output}: {len(report.layers)} layer(s) recalibrated", style="green"))
+
+
+def _delta(x: float | None, identical: bool) -> str:
+    """A change for the diff table: "=" when bit-identical, "-" when not comparable."""
+    if identical:
+        return "="
+    return _g(x)
+
+
+def _batches_delta(d: Any) -> str:
+    change = d.batches_change
+    if change is None:
+        return "-"
+    return f"{change:+d}"
+
+
+def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
+    """Rich rendering of a DiffReport: both sides, one row per layer that changed
+    (unchanged layers folded into one line), one-side-only and reshaped layers, the
+    findings, a summary by verdict with its layer groups, and the diagnosis."""
+    from rich.table import Table
+    from rich.text import Text
+
+    for label, side in (("A", report.a), ("B", report.b)):
+        title = _cell(f"{label}: {side.path}", style="bold")
+        where = f"{side.format}" + (f", key '{side.key}'" if side.key else "")
+        if side.prefix:
+            where += f", prefix '{side.prefix}' stripped"
+        where += f", {side.layers} BN layer(s)"
+        title.append(printable(f"  ({where})"), style="dim")
+        console.print(title)
+    if report.settings:
+        console.print(_cell(f"  {report.settings}", style="dim"))
+    if report.provenance:
+        console.print(_cell(f"  B: statistics written by {report.provenance}", style="dim"))
+    console.print()
+    verdict_style = {
+        "frozen but updating": "yellow",
+        "stale statistics": "yellow",
+        "re-estimated": "cyan",
+        "trained": "",
+        "unchanged": "dim",
+    }
+    changed = [d for d in report.layers if d.verdict != "unchanged"]
+    unchanged = [d.name for d in report.layers if d.verdict == "unchanged"]
+    if changed and not quiet:
+        table = Table(show_edge=False, pad_edge=False, header_style="bold")
+        table.add_column("layer", overflow="fold", min_width=min(24, max(len(d.name) for d in changed)))
+        for header in ("C", "Δweight", "Δbias", "mean shift", "var log-ratio", "Δbatches"):
+            table.add_column(header, justify="right", no_wrap=True)
+        table.add_column("verdict", no_wrap=True)
+        for d in changed:
+            table.add_row(
+                _cell(d.name),
+                str(d.num_features),
+                _delta(d.weight_change, d.weight_identical),
+                _delta(d.bias_change, d.bias_identical),
+                _delta(d.mean_shift, d.mean_identical and d.var_identical),
+                _delta(d.var_log_ratio, d.var_identical),
+                _batches_delta(d),
+                Text(d.verdict, style=verdict_style[d.verdict]),
+            )
+        console.print(table)
+    every = [d.name for d in report.layers]
+    if unchanged and not quiet:
+        from bnaudit.audit.layerdiff import describe_group
+
+        console.print(
+            _cell(
+                f"{len(unchanged)} unchanged layer(s) (bit-identical): {describe_group(unchanged, every)}", style="dim"
+            )
+        )
+    if not quiet:
+        if report.reshaped:
+            for name, ca, cb in report.reshaped:
+                console.print(_cell(f"channel count changed: {name} ({ca} -> {cb})", style="yellow"))
+        for side, names in (("A", report.only_a), ("B", report.only_b)):
+            if names:
+                shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+                console.print(_cell(f"only in {side}: {len(names)} layer(s): {shown}", style="dim"))
+        console.print()
+        if report.findings:
+            console.print(_findings_table(report.findings))
+            console.print()
+        console.print(Text("summary by verdict", style="bold"))
+        by = report.layers_by_verdict()
+        groups = report.groups()
+        for verdict, names in by.items():
+            if names:
+                console.print(
+                    _cell(f"  {verdict}: {len(names)} layer(s), {groups[verdict]}", style=verdict_style[verdict])
+                )
+        console.print()
+        console.print(Text("diagnosis", style="bold"))
+        bullets = Table.grid(padding=(0, 1))
+        bullets.add_column(width=3, justify="right")
+        bullets.add_column()
+        for line in report.diagnosis():
+            bullets.add_row("-", _cell(line))
+        console.print(bullets)
+        console.print()
+    errors = [f for f in report.findings if f.severity == "error"]
+    if quiet and errors:  # -q: a CI log still shows what failed
+        console.print(_findings_table(errors))
+    s = report.summary()
+    line = (
+        f"{s['matched']} matched BN layer(s): {s['errors']} error(s), {s['warnings']} warning(s), {s['infos']} info(s)"
+    )
+    worst = "error" if s["errors"] else "warning" if s["warnings"] else "ok"
+    console.print(Text(line, style=SEVERITY_STYLE[worst]), soft_wrap=True)

@@ -1,0 +1,280 @@
+"""How one BN layer changed between two checkpoints: the per-layer numbers of `bnaudit diff`.
+
+Torch-free, like the rest of audit/. Separate from `diff.py` (which reads the files and
+builds the report) so that the rule registry can judge `LayerDiff` records without
+importing the module that imports the registry.
+
+Definitions (side A is "before", side B "after"; every maximum runs over channels c):
+
+  scale s          max(max_c |gamma_a,c|, 1e-3): the layer's output scale on side A
+                   (1 when the layer has no affine weight); the floor keeps a layer whose
+                   gammas all died from turning any change into infinity
+  weight change    max_c |gamma_b,c - gamma_a,c| / s           (dimensionless)
+  bias change      max_c |beta_b,c - beta_a,c| / s             (dimensionless: beta moves
+                   the output by that many units of the layer's scale)
+  mean shift       max_c |mu_b,c - mu_a,c| / sqrt(var_a,c + eps)   (in standard
+                   deviations of side A's statistics)
+  var log-ratio    max_c |ln((var_b,c + eps) / (var_a,c + eps))|   (natural log; 0.69 is
+                   a factor 2 in either direction)
+  batches change   num_batches_tracked_b - num_batches_tracked_a (None when either side
+                   has no counter)
+
+`eps` is side A's (the module's own when the file holds modules, else --eps or 1e-5).
+"Identical" means bit-identical: every stored value has the same IEEE bit pattern once
+widened exactly to float64 (the readers' widening is exact and one-to-one, so -0.0 and
+0.0 differ, a NaN equals only the same NaN). A value changed by one ulp has moved.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+from bnaudit.audit.layers import BNLayer
+from bnaudit.config import Config
+
+SCALE_FLOOR = 1e-3
+
+# Verdicts of a matched layer; the rules BN101-BN103 report the first three.
+FROZEN_BUT_UPDATING = "frozen but updating"
+STALE = "stale statistics"
+RE_ESTIMATED = "re-estimated"
+TRAINED = "trained"
+UNCHANGED = "unchanged"
+VERDICTS = (FROZEN_BUT_UPDATING, STALE, RE_ESTIMATED, TRAINED, UNCHANGED)
+
+
+def bit_identical(a: list[float] | None, b: list[float] | None) -> bool:
+    """Both absent, or the same length and the same float64 bit pattern in every value."""
+    if a is None or b is None:
+        return a is None and b is None
+    if len(a) != len(b):
+        return False
+    if a == b and _all_finite_nonzero_safe(a):
+        return True  # the common case, compared in C; zeros and NaN need the bytes
+    return struct.pack(f"<{len(a)}d", *a) == struct.pack(f"<{len(b)}d", *b)
+
+
+def _all_finite_nonzero_safe(values: list[float]) -> bool:
+    """== agrees with bit identity when no value is NaN (NaN != NaN) and none is a zero
+    (-0.0 == 0.0); the sum check is one C-speed pass."""
+    return math.isfinite(sum(values)) and 0.0 not in values
+
+
+def layer_scale(layer: BNLayer) -> float:
+    """s = max(max_c |gamma_c|, 1e-3), or 1 without an affine weight."""
+    if layer.weight is None or not layer.weight:
+        return 1.0
+    finite = [abs(w) for w in layer.weight if math.isfinite(w)]
+    return max(max(finite, default=0.0), SCALE_FLOOR)
+
+
+def max_abs_change(a: list[float] | None, b: list[float] | None, scale: float) -> float | None:
+    """max_c |b_c - a_c| / scale; None when either side lacks the values or their lengths
+    differ; NaN when a value is NaN."""
+    if a is None or b is None or len(a) != len(b) or not a:
+        return None
+    return max(abs(y - x) for x, y in zip(a, b)) / scale
+
+
+def mean_shift(a: BNLayer, b: BNLayer) -> float | None:
+    """max_c |mu_b,c - mu_a,c| / sqrt(var_a,c + eps_a): in side A's standard deviations."""
+    if a.num_features != b.num_features or not a.num_features:
+        return None
+    worst = 0.0
+    for ma, mb, va in zip(a.running_mean, b.running_mean, a.running_var):
+        denominator = va + a.eps
+        if not (denominator > 0) or math.isnan(ma) or math.isnan(mb):
+            return math.nan  # a negative or NaN variance: the shift has no meaning
+        worst = max(worst, abs(mb - ma) / math.sqrt(denominator))
+    return worst
+
+
+def var_log_ratio(a: BNLayer, b: BNLayer) -> float | None:
+    """max_c |ln((var_b,c + eps_a) / (var_a,c + eps_a))| (natural log)."""
+    if a.num_features != b.num_features or not a.num_features:
+        return None
+    worst = 0.0
+    for va, vb in zip(a.running_var, b.running_var):
+        da, db = va + a.eps, vb + a.eps
+        if not (da > 0 and db > 0) or math.isinf(da) or math.isinf(db):
+            return math.nan
+        worst = max(worst, abs(math.log(db / da)))
+    return worst
+
+
+@dataclass(frozen=True)
+class LayerDiff:
+    """One layer present on both sides with the same channel count.
+
+    `*_identical`: that tensor bit-identical on both sides (both absent counts as
+    identical). `batches_change` is B's counter minus A's. `verdict` is
+    one of VERDICTS (see `classify`). eps and momentum are each side's (modules' own or
+    assumed: `settings_known` is True only when both sides hold modules).
+    """
+
+    name: str
+    kind: str
+    num_features: int
+    weight_change: float | None
+    bias_change: float | None
+    mean_shift: float | None
+    var_log_ratio: float | None
+    batches_a: int | None
+    batches_b: int | None
+    weight_identical: bool
+    bias_identical: bool
+    mean_identical: bool
+    var_identical: bool
+    verdict: str
+    eps_a: float
+    eps_b: float
+    momentum_a: float | None
+    momentum_b: float | None
+    settings_known: bool
+    recalibrated: bool = False
+    # False when a side is an EMA copy: its counter is not a count of batches (timm
+    # averages it towards 0, torchvision halves it, AveragedModel leaves 1)
+    counter_meaningful: bool = True
+
+    @property
+    def stats_identical(self) -> bool:
+        return self.mean_identical and self.var_identical
+
+    @property
+    def batches_change(self) -> int | None:
+        if self.batches_a is None or self.batches_b is None:
+            return None
+        return self.batches_b - self.batches_a
+
+    @property
+    def params_identical(self) -> bool:
+        return self.weight_identical and self.bias_identical
+
+    @property
+    def moved(self) -> list[str]:
+        """What changed, in words: "weight", "bias", "running_mean", "running_var", "counter"."""
+        flags = (
+            ("weight", self.weight_identical),
+            ("bias", self.bias_identical),
+            ("running_mean", self.mean_identical),
+            ("running_var", self.var_identical),
+        )
+        out = [name for name, identical in flags if not identical]
+        if self.batches_change:
+            out.append("num_batches_tracked")
+        return out
+
+
+def classify(params_identical: bool, stats_identical: bool, batches_change: int | None, recalibrated: bool) -> str:
+    """The verdict of a layer.
+
+    unchanged            parameters and statistics bit-identical (the counter may have
+                         grown: momentum 0 counts without updating)
+    frozen but updating  parameters identical, statistics moved, counter grew
+    re-estimated         statistics moved while the counter was reset, replaced or is
+                         unknown (parameters identical or not), or bnaudit's provenance
+                         record names the layer
+    stale statistics     parameters moved, statistics identical, counter not grown
+    trained              everything else that moved (parameters and statistics with the
+                         counter grown or unchanged, e.g. an EMA copy's counter)
+    """
+    grew = batches_change is not None and batches_change > 0
+    if params_identical and stats_identical:
+        return UNCHANGED
+    if stats_identical:
+        return TRAINED if grew else STALE
+    if recalibrated:
+        return RE_ESTIMATED
+    if params_identical:
+        return FROZEN_BUT_UPDATING if grew else RE_ESTIMATED
+    if batches_change is not None and batches_change < 0:
+        return RE_ESTIMATED
+    return TRAINED
+
+
+def compare_layers(a: BNLayer, b: BNLayer, recalibrated: bool = False, counter_meaningful: bool = True) -> LayerDiff:
+    """The LayerDiff of two layers of the same name and channel count; without a
+    meaningful counter (an EMA side) the verdict ignores the counters."""
+    scale = layer_scale(a)
+    same = {
+        "weight": bit_identical(a.weight, b.weight),
+        "bias": bit_identical(a.bias, b.bias),
+        "mean": bit_identical(a.running_mean, b.running_mean),
+        "var": bit_identical(a.running_var, b.running_var),
+    }
+    ta, tb = a.num_batches_tracked, b.num_batches_tracked
+    change = None if ta is None or tb is None else tb - ta
+    return LayerDiff(
+        name=a.name,
+        kind=b.kind,
+        num_features=a.num_features,
+        weight_change=max_abs_change(a.weight, b.weight, scale),
+        bias_change=max_abs_change(a.bias, b.bias, scale),
+        mean_shift=mean_shift(a, b),
+        var_log_ratio=var_log_ratio(a, b),
+        batches_a=a.num_batches_tracked,
+        batches_b=b.num_batches_tracked,
+        weight_identical=same["weight"],
+        bias_identical=same["bias"],
+        mean_identical=same["mean"],
+        var_identical=same["var"],
+        verdict=classify(
+            same["weight"] and same["bias"],
+            same["mean"] and same["var"],
+            change if counter_meaningful else None,
+            recalibrated,
+        ),
+        eps_a=a.eps,
+        eps_b=b.eps,
+        momentum_a=a.momentum,
+        momentum_b=b.momentum,
+        settings_known=not a.settings_assumed and not b.settings_assumed,
+        recalibrated=recalibrated,
+        counter_meaningful=counter_meaningful,
+    )
+
+
+@dataclass(frozen=True)
+class DiffContext:
+    """What the diff rules (BN1xx) judge: matched layers, layers on one side only,
+    channel-count changes, the settings and bnaudit's provenance record of side B."""
+
+    layers: list[LayerDiff]
+    config: Config
+    only_a: list[str] = field(default_factory=list)
+    only_b: list[str] = field(default_factory=list)
+    reshaped: list[tuple[str, int, int]] = field(default_factory=list)  # name, C on A, C on B
+    provenance: str = ""  # "bnaudit recalibrate (method ..., N samples, date)" when B has the record
+
+
+def matches(name: str, globs: tuple[str, ...]) -> bool:
+    """Whether a layer name matches one of the globs (fnmatch, case-sensitive: `*`
+    crosses dots, so `backbone.*` is every layer under backbone)."""
+    return any(fnmatchcase(name, g) for g in globs)
+
+
+def describe_group(names: list[str], all_names: list[str], limit: int = 4) -> str:
+    """A short name for a group of layers among `all_names`: the shortest dotted prefixes
+    that cover the group and no other layer (`backbone.*`), or the names themselves.
+
+    >>> describe_group(["b.0.bn", "b.1.bn"], ["b.0.bn", "b.1.bn", "head.bn"])
+    'b.*'
+    """
+    group = set(names)
+    others = [n for n in all_names if n not in group]
+    shown: list[str] = []
+    for name in names:
+        parts = name.split(".")
+        label = name
+        for i in range(1, len(parts)):
+            prefix = ".".join(parts[:i]) + "."
+            if not any(o.startswith(prefix) for o in others):
+                label = prefix + "*"
+                break
+        if label not in shown:
+            shown.append(label)
+    more = f" and {len(shown) - limit} more" if len(shown) > limit else ""
+    return ", ".join(shown[:limit]) + more
