@@ -103,7 +103,7 @@ def inspect(
         list[str],
         typer.Argument(
             metavar="PATHS...",
-            help="Checkpoint files or directories (searched for .pt .pth .ckpt .bin .tar .safetensors).",
+            help="Checkpoint files, shard indexes (*.safetensors.index.json) or directories (searched for .pt .pth .ckpt .bin .tar .safetensors and shard indexes).",
         ),
     ],
     output_format: Annotated[
@@ -116,7 +116,11 @@ def inspect(
         ),
     ] = None,
     exit_zero: Annotated[
-        bool, typer.Option("--exit-zero", help="Exit 0 even when findings are at or above --fail-on.")
+        bool,
+        typer.Option(
+            "--exit-zero",
+            help="Exit 0 even when findings are at or above --fail-on, or a file found in a scanned folder cannot be read (2 stays for usage errors and unreadable files you named).",
+        ),
     ] = False,
     select: Annotated[
         Optional[list[str]],
@@ -193,8 +197,7 @@ def inspect(
         # emitting stays inside the boundary: the values it prints come from the files
         output.emit(report, output_format.value, sys.stdout, quiet=quiet)
     output.emit_diagnostics(report, sys.stderr)
-    code = report.exit_code()
-    raise typer.Exit(0 if exit_zero and code == 1 else code)
+    raise typer.Exit(report.exit_code(exit_zero=exit_zero))
 
 
 def _code_list(values: list[str] | None) -> list[str] | None:

@@ -68,6 +68,8 @@ def inspect_to_json(report: InspectReport) -> dict[str, Any]:
                 ],
                 "findings": [finding_to_json(f) for f in file.findings],
                 "error": file.error,
+                "skipped": file.skipped,
+                "notes": file.notes,
             }
         )
     return {"version": __version__, "config": report.config.as_dict(), "files": files, "summary": report.summary()}

@@ -85,6 +85,15 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
                 }
             )
             continue
+        if file.skipped:
+            notifications.append(
+                {
+                    "level": "note",
+                    "message": {"text": f"{file.path}: skipped: {file.skipped}: not model weights"},
+                    "locations": [{"physicalLocation": {"artifactLocation": location}}],
+                }
+            )
+            continue
         for finding in file.findings:
             where: dict[str, Any] = {"physicalLocation": {"artifactLocation": location}}
             if finding.layer is not None:
@@ -119,7 +128,7 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
                 },
                 "invocations": [
                     {
-                        "executionSuccessful": not notifications,
+                        "executionSuccessful": not any(n["level"] == "error" for n in notifications),
                         "toolExecutionNotifications": notifications,
                     }
                 ],

@@ -96,6 +96,12 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
         if file.error:
             console.print(_cell(f"{file.path}: error: {file.error}", style="bold red"), soft_wrap=True)
             continue
+        if file.skipped:
+            if not quiet:
+                console.print(
+                    _cell(f"{file.path}: skipped: {file.skipped}: not model weights", style="dim"), soft_wrap=True
+                )
+            continue
         if quiet:
             continue
         title = _cell(file.path, style="bold")
@@ -110,7 +116,7 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
             console.print(_cell(f"  {file.settings}", style="dim"))
         if file.provenance:
             console.print(_cell(f"  {file.provenance}", style="dim"))
-        for note in file.not_loaded:
+        for note in [*file.notes, *file.not_loaded]:
             console.print(_cell(f"  {note}", style="dim"))
         if file.layers:
             console.print(_layer_table(file, console))
@@ -126,6 +132,8 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> 
     )
     if s["unreadable"]:
         line += f", {s['unreadable']} unreadable file(s)"
+    if report.skipped:
+        line += f", {len(report.skipped)} skipped (not model weights)"
     worst = "error" if s["errors"] or s["unreadable"] else "warning" if s["warnings"] else "ok"
     console.print(Text(line, style=SEVERITY_STYLE[worst]), soft_wrap=True)
 
