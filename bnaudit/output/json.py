@@ -154,6 +154,7 @@ def _confidence_to_json(report: Any) -> dict[str, Any]:
         "gap_interval": _interval(report.gap_interval),
         "gap_significant": report.gap_significant,
         "preprocessing_mismatch": report.preprocessing_mismatch,
+        "notes": list(report.notes),
         "input": {
             "mean": None if report.input_mean is None else [json_number(v) for v in report.input_mean],
             "std": None if report.input_std is None else [json_number(v) for v in report.input_std],

@@ -166,6 +166,8 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     title.append(printable(f"  ({report.model})"), style="dim")
     console.print(title)
     console.print(_cell(f"data: {report.data}", style="dim"))
+    for note in getattr(report, "notes", []):
+        console.print(_cell(f"note: {note}", style="dim"))
     order = f"shuffled with seed {report.seed}" if report.shuffle else "file order, --no-shuffle"
     skipped = f", {report.skipped} unreadable image(s) skipped" if report.skipped else ""
     console.print(

@@ -61,6 +61,7 @@ from bnaudit.runtime.attribution import (
 )
 from bnaudit.runtime.confidence import difference_interval, wilson
 from bnaudit.runtime.data import make_loader
+from bnaudit.runtime.inputs import input_problem
 from bnaudit.runtime.models import (
     forward,
     load_forward,
@@ -151,6 +152,7 @@ class GapReport:
     implied_mean: list[float] | None = None
     implied_std: list[float] | None = None
     preprocessing_mismatch: bool = False
+    notes: list[str] = field(default_factory=list)
 
     @property
     def findings(self) -> list[Finding]:
@@ -229,6 +231,8 @@ def measure_model_gap(
     accumulated = {name: ChannelStats() for name in hooked}
     totals = _Totals()
     batches = 0
+    # --grayscale applies to image folders only: elsewhere it is no fix to suggest
+    grayscale = stream.options.grayscale if getattr(stream.source, "is_images", False) else None
     # the model's own input, per channel: what the preprocessing produced
     input_stats = ChannelStats()
     example: Any = None
@@ -243,11 +247,11 @@ def measure_model_gap(
 
             # called within this iteration only: the defaults pin this batch for the linter
             def run_train(inputs: Any = inputs, batch: Any = batch) -> Any:
-                return _run(model, inputs, forward_fn, batch.index, norms, train=True)
+                return _run(model, inputs, forward_fn, batch.index, norms, train=True, grayscale=grayscale)
 
             def run_eval(inputs: Any = inputs, batch: Any = batch) -> Any:
                 with record_bn_inputs(hooked) as stats:
-                    out = _run(model, inputs, forward_fn, batch.index, norms, train=False)
+                    out = _run(model, inputs, forward_fn, batch.index, norms, train=False, grayscale=grayscale)
                 for name, s in stats.items():
                     accumulated[name].merge(s.count, s.mean, s.m2)
                 return out
@@ -285,6 +289,7 @@ def measure_model_gap(
         skipped=stream.skipped,
         non_finite={"train_mode": totals.non_finite_train, "eval_mode": totals.non_finite_eval},
         labelled=labelled,
+        notes=list(getattr(stream, "notes", [])),
         train_interval=wilson(totals.correct_train, labelled) if labelled else None,
         eval_interval=wilson(totals.correct_eval, labelled) if labelled else None,
         gap_interval=difference_interval(totals.correct_train, totals.correct_eval, labelled) if labelled else None,
@@ -367,7 +372,15 @@ def _probe_first_layer(model: Any, first: Any, example: Any, forward_fn: Any) ->
     return z0.numpy(), step.numpy()
 
 
-def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict[str, Any], train: bool) -> Any:
+def _run(
+    model: Any,
+    inputs: Any,
+    forward_fn: Any,
+    index: int,
+    norms: dict[str, Any],
+    train: bool,
+    grayscale: bool | None = None,
+) -> Any:
     """One forward in the requested mode; a failure names the layer and the shape it got."""
 
     def call() -> Any:
@@ -381,6 +394,9 @@ def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict[str, 
     except BnauditError:
         raise
     except Exception as exc:
+        problem = input_problem(model, inputs, grayscale) if forward_fn is None else None
+        if problem is not None:
+            raise BnauditError(f"batch {index}: {problem}") from None
         where = _locate_failure(model, call)
         mode = "train mode (batch statistics)" if train else "eval mode"
         raise BnauditError(
@@ -752,10 +768,12 @@ def measure_gap(
     config: Config | None = None,
     progress: Callable[[int, int], None] | None = None,
     max_gap: float | None = None,
+    strict: bool = False,
 ) -> GapReport:
     """Load the model and the data (`options`: a `bnaudit.DataOptions`) and measure the gap
     (see the module docstring). `config` (None: the defaults) decides which inspect findings
-    the report carries; `max_gap` is stored on the report for `GapReport.exit_code`.
+    the report carries; `max_gap` and `strict` (a gap that is not significant fails too)
+    are stored on the report for `GapReport.exit_code`.
 
     >>> import bnaudit                                                      # doctest: +SKIP
     >>> bnaudit.measure_gap("model.pt", bnaudit.DataOptions(path="val.safetensors"),
@@ -773,6 +791,7 @@ def measure_gap(
         raise BnauditError(NEEDS_LABELS)
     report = measure_model_gap(runnable, stream, target, forward_fn, config, progress)
     report.max_gap = max_gap
+    report.strict = strict
     if max_gap is not None and report.gap is None:
         raise BnauditError(NEEDS_LABELS)
     return report
