@@ -187,6 +187,7 @@ def test_max_gap_is_not_tripped_by_an_insignificant_gap_unless_strict(tmp_path, 
     loose = cli(*args)
     assert loose.exit_code == 0, loose.output
     assert "not significant" in loose.output
+    assert "exceeds --max-gap -0.005 but its 95% interval contains 0" in " ".join(loose.output.split())
     assert cli(*args, "--strict").exit_code == 1
     state = torch.load(HEALTHY)
     state["features.4.running_var"][5] = 1e-9
@@ -307,7 +308,7 @@ def test_inputs_of_another_dtype_name_the_expected_one(tmp_path, cli):
     result = cli("gap", HEALTHY, "--arch", ARCH, "--data", str(tmp_path / "i64.npz"))
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [
-        "bnaudit: error: batch 0: the inputs are int64 but the model expects float32 (the dtype of its parameters): "
+        "bnaudit: error: batch 0: layer 'features.0' (Conv2d) got input shape [64, 1, 8, 8]: the inputs are int64 but the model expects float32 (the dtype of its parameters): "
         "store the inputs as float32 (uint8 images are converted to [0, 1] by themselves)"
     ]
 

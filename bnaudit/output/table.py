@@ -190,8 +190,9 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     if report.gap is not None:
         significant = report.gap_significant is not False
         style = "bold red" if report.gap > 0.01 and significant else "green"
-        words = f"gap {report.gap * 100:+.1f} points [{_span(report.gap_interval, signed=True)}], n = {report.labelled}"
-        parts.append(Text(words + ("" if significant else ", not significant"), style=style))
+        words = f"gap {report.gap * 100:+.1f} points (95% CI {_span(report.gap_interval, signed=True)}, n = {report.labelled}"
+        # on a line of its own: with its interval it leaves no room for the other measures
+        console.print(Text(words + (")" if significant else ", not significant)"), style=style))
     if report.agreement is not None:
         parts.append(Text(f"agreement {_percent(report.agreement)}"))
     if report.divergence is not None:

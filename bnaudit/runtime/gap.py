@@ -394,10 +394,10 @@ def _run(
     except BnauditError:
         raise
     except Exception as exc:
+        where = _locate_failure(model, call)
         problem = input_problem(model, inputs, grayscale) if forward_fn is None else None
         if problem is not None:
-            raise BnauditError(f"batch {index}: {problem}") from None
-        where = _locate_failure(model, call)
+            raise BnauditError(f"batch {index}: {where}{problem}") from None
         mode = "train mode (batch statistics)" if train else "eval mode"
         raise BnauditError(
             f"batch {index}: the model rejects the batch in {mode}: {where}{exception_line(exc)}"
@@ -792,6 +792,12 @@ def measure_gap(
     report = measure_model_gap(runnable, stream, target, forward_fn, config, progress)
     report.max_gap = max_gap
     report.strict = strict
+    if max_gap is not None and report.gap is not None and report.gap > max_gap and not report.gap_significant:
+        verdict = "fails with --strict" if strict else "passes (--strict would fail it)"
+        report.diagnosis.append(
+            f"The gap exceeds --max-gap {max_gap:g} but its 95% interval contains 0: not significant, so the "
+            f"check {verdict}."
+        )
     if max_gap is not None and report.gap is None:
         raise BnauditError(NEEDS_LABELS)
     return report
