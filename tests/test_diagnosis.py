@@ -308,7 +308,8 @@ def test_inputs_of_another_dtype_name_the_expected_one(tmp_path, cli):
     result = cli("gap", HEALTHY, "--arch", ARCH, "--data", str(tmp_path / "i64.npz"))
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [
-        "bnaudit: error: batch 0: layer 'features.0' (Conv2d) got input shape [64, 1, 8, 8]: the inputs are int64 but the model expects float32 (the dtype of its parameters): "
+        "bnaudit: error: batch 0: the model rejects the batch in train mode (batch statistics): "
+        "layer 'features.0' (Conv2d) got input shape [64, 1, 8, 8]: the inputs are int64 but the model expects float32 (the dtype of its parameters): "
         "store the inputs as float32 (uint8 images are converted to [0, 1] by themselves)"
     ]
 

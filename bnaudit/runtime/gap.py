@@ -395,12 +395,10 @@ def _run(
         raise
     except Exception as exc:
         where = _locate_failure(model, call)
-        problem = input_problem(model, inputs, grayscale) if forward_fn is None else None
-        if problem is not None:
-            raise BnauditError(f"batch {index}: {where}{problem}") from None
         mode = "train mode (batch statistics)" if train else "eval mode"
+        problem = input_problem(model, inputs, grayscale) if forward_fn is None else None
         raise BnauditError(
-            f"batch {index}: the model rejects the batch in {mode}: {where}{exception_line(exc)}"
+            f"batch {index}: the model rejects the batch in {mode}: {where}{problem or exception_line(exc)}"
         ) from None
     try:
         return output_tensor(output)
