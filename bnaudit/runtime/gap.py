@@ -297,7 +297,7 @@ def measure_model_gap(
     if input_stats.count >= 2:
         report.input_mean = [float(v) for v in input_stats.mean.cpu()]
         report.input_std = [math.sqrt(max(float(v), 0.0)) for v in input_stats.var.cpu()]
-    report.preprocessing_mismatch = _preprocessing_suspect(report)
+    report.preprocessing_mismatch = _preprocessing_suspect(report, statistics_mature(runnable))
     if report.preprocessing_mismatch and report.input_mean is not None and report.input_std is not None:
         first_name = min((d for d in layers if d.drift is not None), key=lambda d: d.position).name
         first = norms[first_name]
@@ -323,10 +323,17 @@ def _image_like(inputs: Any) -> bool:
     return isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.dtype.is_floating_point
 
 
-def _preprocessing_suspect(report: GapReport) -> bool:
+def statistics_mature(runnable: Any) -> bool:
+    """No BN002 (reset) and no BN003 (immature) finding under the default configuration:
+    a project that ignores those rules in its reports must not turn a reset checkpoint
+    into a suspected input."""
+    codes = {f.code for f in audit_checkpoint(runnable.checkpoint, Config(), runnable.facts).findings}
+    return not codes & {"BN002", "BN003"}
+
+
+def _preprocessing_suspect(report: GapReport, mature: bool) -> bool:
     """The preprocessing pattern of `bnaudit.runtime.attribution` on mature statistics."""
-    codes = {f.code for f in report.inspection.findings}
-    if codes & {"BN002", "BN003"}:
+    if not mature:
         return False
     measured = sorted((d for d in report.layers if d.drift is not None), key=lambda d: d.position)
     if not measured or measured[0].position != 0:

@@ -25,14 +25,13 @@ from typing import Any, ClassVar
 import torch
 
 from bnaudit import __version__
-from bnaudit.audit.audit import audit_checkpoint
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.atomic import check_output
 from bnaudit.formats.write import save_like
 from bnaudit.runtime.attribution import BROAD_FRACTION, channel_scores, is_large
 from bnaudit.runtime.data import make_loader
-from bnaudit.runtime.gap import GapReport, measure_model_gap
+from bnaudit.runtime.gap import GapReport, measure_model_gap, statistics_mature
 from bnaudit.runtime.models import (
     forward as run_forward,
 )
@@ -263,7 +262,7 @@ def recalibrate_checkpoint(
                 )
             if not allow_input_mismatch:
                 # every rank holds the same merged statistics: all refuse alike
-                suspicion = input_mismatch(runnable, calibration, config)
+                suspicion = input_mismatch(runnable, calibration)
                 if suspicion:
                     raise BnauditError(suspicion)
             if rank != 0:
@@ -314,10 +313,11 @@ def recalibrate_checkpoint(
             )
 
 
-def input_mismatch(runnable: Any, calibration: Calibration, config: Config) -> str | None:
+def input_mismatch(runnable: Any, calibration: Calibration) -> str | None:
     """Why the calibration data looks wrongly preprocessed, or None.
 
-    Only for mature statistics (inspect finds no BN002 reset and no BN003 immature: those
+    Only for mature statistics (`gap.statistics_mature`: no BN002 reset and no BN003 immature
+    under the default configuration, whatever the project ignores: those
     describe no data, so any data disagrees with them). The first BN layer sees the input
     after one linear stage; when it is large by `bnaudit.runtime.attribution.is_large`
     on its channel means (mean shift or variance log-ratio >= DRIFT_LARGE) and at least
@@ -331,8 +331,7 @@ def input_mismatch(runnable: Any, calibration: Calibration, config: Config) -> s
     layer = next((x for x in calibration.layers if x.name == first_name), None)
     if layer is None:
         return None
-    codes = {f.code for f in audit_checkpoint(runnable.checkpoint, config, runnable.facts).findings}
-    if codes & {"BN002", "BN003"}:
+    if not statistics_mature(runnable):
         return None
     d = drift(layer.data_mean, layer.data_var, layer.old_mean, layer.old_var, layer.eps)
     scores = channel_scores(layer.data_mean, layer.data_var, layer.old_mean, layer.old_var, layer.eps)
