@@ -314,13 +314,15 @@ def test_inputs_of_another_dtype_name_the_expected_one(tmp_path, cli):
     ]
 
 
-def test_channel_count_mismatch_names_both_counts_and_the_option(cli):
-    rgb = cli("gap", HEALTHY, "--arch", ARCH, "--data", IMAGES)
+@pytest.mark.parametrize("command", ["gap", "recalibrate"])
+def test_channel_count_mismatch_names_both_counts_and_the_option(cli, tmp_path, command):
+    extra = ("-o", str(tmp_path / "out.pt")) if command == "recalibrate" else ()
+    rgb = cli(command, HEALTHY, "--arch", ARCH, "--data", IMAGES, *extra)
     assert rgb.exit_code == 2
     assert "the inputs have 3 channel(s) but the model's first layer features.0 expects 1: pass --grayscale" in (
         rgb.stderr
     )
-    assert len(rgb.stderr.strip().splitlines()) == 1
+    assert len(rgb.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.pt").exists()
 
 
 def test_text_labels_in_a_custom_dataset_are_one_line(tmp_path, monkeypatch):
@@ -338,3 +340,16 @@ def test_text_labels_in_a_custom_dataset_are_one_line(tmp_path, monkeypatch):
         "--dataset textlabels:make: item 0 has the label 'cat': labels must be integer class indices "
         "(map the class names to 0..K-1 in the dataset)"
     )
+
+
+def test_one_broken_channel_in_the_first_layer_is_not_called_preprocessing(tmp_path):
+    # The first layer is large, but through one channel (1 of 8), not broadly: a broken
+    # statistic, where re-estimating is the right advice.
+    state = torch.load(HEALTHY)
+    state["features.1.running_var"][3] = 1e-9
+    torch.save(state, tmp_path / "first.pt")
+    report = _gap(str(tmp_path / "first.pt"), path=VAL)
+    assert report.layers[0].name == "features.1" and report.layers[0].origin
+    assert report.layers[0].broad == pytest.approx(1 / 8)
+    assert not report.preprocessing_mismatch
+    assert any(line.startswith("Drift starts at features.1, where BN004") for line in report.diagnosis)

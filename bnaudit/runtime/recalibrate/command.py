@@ -32,6 +32,7 @@ from bnaudit.formats.write import save_like
 from bnaudit.runtime.attribution import BROAD_FRACTION, channel_scores, is_large
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.gap import GapReport, measure_model_gap, statistics_mature
+from bnaudit.runtime.inputs import input_problem
 from bnaudit.runtime.models import (
     forward as run_forward,
 )
@@ -232,9 +233,18 @@ def recalibrate_checkpoint(
                 eval_before = _measure(runnable, eval_data, target, forward_fn, config)
             model.to(target)
 
+            # --grayscale applies to image folders only: elsewhere it is no fix to suggest
+            grayscale = options.grayscale if getattr(stream.source, "is_images", False) else None
+
             def run(module: Any, batch: Any) -> Any:
-                inputs = batch.inputs if hasattr(batch, "inputs") else batch
-                return run_forward(module, to_device(inputs, target), forward_fn)
+                inputs = to_device(batch.inputs if hasattr(batch, "inputs") else batch, target)
+                try:
+                    return run_forward(module, inputs, forward_fn)
+                except Exception:
+                    problem = input_problem(module, inputs, grayscale) if forward_fn is None else None
+                    if problem is None:
+                        raise
+                    raise BnauditError(f"batch {getattr(batch, 'index', 0)}: {problem}") from None
 
             calibration = recalibrate_module(
                 model,
