@@ -244,7 +244,9 @@ def recalibrate_checkpoint(
                     problem = input_problem(module, inputs, grayscale) if forward_fn is None else None
                     if problem is None:
                         raise
-                    raise BnauditError(f"batch {getattr(batch, 'index', 0)}: {problem}") from None
+                    raise BnauditError(
+                        f"batch {getattr(batch, 'index', 0)}: the model rejects the batch: {problem}"
+                    ) from None
 
             calibration = recalibrate_module(
                 model,
