@@ -395,9 +395,16 @@ def gap(
         typer.Option(
             "--max-gap",
             metavar="FRACTION",
-            help="Exit 1 when the gap (train-mode minus eval-mode accuracy, a fraction) exceeds this.",
+            help="Exit 1 when the gap (train-mode minus eval-mode accuracy, a fraction) exceeds this and is significant (see --strict).",
         ),
     ] = None,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="With --max-gap: exit 1 on a gap above it even when it is not significant (its 95% interval contains 0).",
+        ),
+    ] = False,
     output_format: Annotated[Format, typer.Option("--format", "-f", help="Report format.")] = Format.table,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no per-layer table.")] = False,
     debug: DebugOpt = False,
@@ -438,6 +445,7 @@ def gap(
                 config=config,
                 progress=update,
                 max_gap=max_gap,
+                strict=strict,
             )
         code = report.exit_code()  # before the report: --max-gap without labels is an error
         output.emit(report, output_format.value, sys.stdout, quiet=quiet)
@@ -501,6 +509,13 @@ def recalibrate(
         ),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --output if it exists.")] = False,
+    allow_input_mismatch: Annotated[
+        bool,
+        typer.Option(
+            "--allow-input-mismatch",
+            help="Write even when the data disagrees with mature statistics at the first BN layer (the sign of wrong preprocessing).",
+        ),
+    ] = False,
     batch_size: BatchSizeOpt = 64,
     num_samples: NumSamplesOpt = None,
     seed: SeedOpt = 0,
@@ -573,6 +588,7 @@ def recalibrate(
                 config=config,
                 progress=update,
                 warn=warn,
+                allow_input_mismatch=allow_input_mismatch,
             )
         if report is None:  # another rank than 0 under torchrun: rank 0 reports
             raise typer.Exit(0)
