@@ -2,13 +2,13 @@
 
     python benchmarks/run.py            # full run (about 1 GiB of extra tensors, ~2.5 GB of disk)
     python benchmarks/run.py --quick    # smaller inputs, fewer repeats
-    python benchmarks/run.py --only 1,2 # some targets only
+    python benchmarks/run.py --only 1,2 # some targets only (8: sharded checkpoint through its index)
 
 Every input is built here, in a temporary folder deleted at the end: a ResNet-50-shaped
 state dict (53 BN layers, 25.6 M parameters) with and without 1 GiB of other tensors,
 written as .safetensors and as a torch.save zip (and a before/after pair of it for
-`bnaudit diff`, target 7); a small ResNet for 32x32 inputs; a
-tensor file and synthetic image folders for gap and recalibrate.
+`bnaudit diff`, target 7, and the +extra one in Hugging Face shards with its index, target
+8); a small ResNet for 32x32 inputs; a tensor file and synthetic image folders for gap and recalibrate.
 
 Each measurement is one fresh process: wall time from start to exit, peak RSS from
 `os.wait4` (the ru_maxrss of that one child; DataLoader workers are its children, so
@@ -447,10 +447,44 @@ def build_one_layer(path: str) -> str:
     return path
 
 
+def build_resnet50_shards(tmp: str, extra_bytes: int) -> dict:
+    """The ResNet-50 state dict with and without `extra_bytes` of other tensors, unsharded
+    and sharded the Hugging Face way (`model-0000k-of-0000N.safetensors` of at most ~1/4 of
+    the total each, plus `model.safetensors.index.json`): BN layers land in several shards."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    state = resnet50_state_dict()
+    big = with_extra_tensors(state, extra_bytes)
+    files = {"small": os.path.join(tmp, "resnet50.safetensors"), "big": os.path.join(tmp, "resnet50_big.safetensors")}
+    save_file(state, files["small"])
+    save_file(big, files["big"])
+    folder = os.path.join(tmp, "sharded")
+    os.makedirs(folder)
+    limit = sum(t.numel() * t.element_size() for t in big.values()) // 4 + 1
+    shards: list[dict] = [{}]
+    for name, tensor in big.items():
+        if shards[-1] and sum(t.numel() * t.element_size() for t in shards[-1].values()) + tensor.nbytes > limit:
+            shards.append({})
+        shards[-1][name] = tensor
+    weight_map = {}
+    for k, part in enumerate(shards):
+        shard = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(part, os.path.join(folder, shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    index = {"metadata": {"total_size": sum(t.nbytes for t in big.values())}, "weight_map": weight_map}
+    files["sharded"] = os.path.join(folder, "model.safetensors.index.json")
+    with open(files["sharded"], "w") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return {"files": files, "shards": len(shards)}
+
+
 BUILDERS = {
     f.__name__: f
     for f in (
         build_resnet50_files,
+        build_resnet50_shards,
         build_resnet50_pair,
         build_one_layer,
         build_small_model,
@@ -552,6 +586,32 @@ def target_7_diff_size_independence(tmp: str, extra_bytes: int, repeats: int) ->
     finally:
         for path in files.values():
             os.remove(path)
+
+
+def target_8_sharded(tmp: str, extra_bytes: int, repeats: int) -> None:
+    """Size independence through a shard index: the sharded +extra checkpoint costs what
+    the unsharded one without the extra tensors costs (only BN tensors are read)."""
+    built = build("build_resnet50_shards", tmp, extra_bytes)
+    files, gib = built["files"], extra_bytes / GiB
+    runs = compare(
+        {name: [PY, "-m", "bnaudit", "inspect", path, "--format", "json"] for name, path in files.items()},
+        repeats,
+    )
+    t = {k: median_wall(v) for k, v in runs.items()}
+    m = {k: median_rss(v) for k, v in runs.items()}
+    what = f"inspect {built['shards']} shards (+{gib:g} GiB) vs unsharded without"
+    line("8", f"{what}, wall time", t["sharded"] / t["small"], 1.3, f"{fmt_s(t['sharded'])} vs {fmt_s(t['small'])}")
+    line("8", f"{what}, peak RSS", m["sharded"] / m["small"], 1.3, f"{fmt_mb(m['sharded'])} vs {fmt_mb(m['small'])}")
+    line(
+        "8",
+        f"inspect sharded vs unsharded, both +{gib:g} GiB",
+        None,
+        None,
+        f"time {t['sharded'] / t['big']:.2f}x ({fmt_s(t['big'])} unsharded), "
+        f"peak RSS {m['sharded'] / m['big']:.2f}x ({fmt_mb(m['big'])} unsharded)",
+    )
+    for path in files.values():
+        shutil.rmtree(os.path.dirname(path)) if path.endswith(".index.json") else os.remove(path)
 
 
 def target_2_startup(tmp: str, st_resnet: str | None, pt_resnet: str | None, repeats: int) -> None:
@@ -783,7 +843,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.build:  # a child started by build()
         print(json.dumps(BUILDERS[args.build[0]](*json.loads(args.build[1]))))
         return 0
-    only = {int(x) for x in args.only.split(",")} if args.only else {1, 2, 3, 4, 5, 6, 7}
+    only = {int(x) for x in args.only.split(",")} if args.only else {1, 2, 3, 4, 5, 6, 7, 8}
     repeats = args.repeats or (3 if args.quick else 5)
     extra_bytes = 256 * MiB if args.quick else GiB
     samples = 512 if args.quick else 2048
@@ -808,6 +868,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 os.remove(files[key])
         if 7 in only:
             target_7_diff_size_independence(tmp, extra_bytes, repeats)
+        if 8 in only:
+            target_8_sharded(tmp, extra_bytes, repeats)
         if only & {3, 4, 5, 6}:
             folder = os.path.join(tmp, "model")
             os.makedirs(folder)

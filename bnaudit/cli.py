@@ -106,7 +106,7 @@ def inspect(
         list[str],
         typer.Argument(
             metavar="PATHS...",
-            help="Checkpoint files or directories (searched for .pt .pth .ckpt .bin .tar .safetensors).",
+            help="Checkpoint files, shard indexes (*.safetensors.index.json) or directories (searched for .pt .pth .ckpt .bin .tar .safetensors and shard indexes).",
         ),
     ],
     output_format: Annotated[
@@ -119,7 +119,11 @@ def inspect(
         ),
     ] = None,
     exit_zero: Annotated[
-        bool, typer.Option("--exit-zero", help="Exit 0 even when findings are at or above --fail-on.")
+        bool,
+        typer.Option(
+            "--exit-zero",
+            help="Exit 0 even when findings are at or above --fail-on, or a file found in a scanned folder cannot be read (2 stays for usage errors and unreadable files you named).",
+        ),
     ] = False,
     select: Annotated[
         Optional[list[str]],
@@ -207,8 +211,7 @@ def inspect(
         # emitting stays inside the boundary: the values it prints come from the files
         output.emit(report, output_format.value, sys.stdout, quiet=quiet, all_layers=all_layers)
     output.emit_diagnostics(report, sys.stderr, output_format.value)
-    code = report.exit_code()
-    raise typer.Exit(0 if exit_zero and code == 1 else code)
+    raise typer.Exit(report.exit_code(exit_zero=exit_zero))
 
 
 def _code_list(values: list[str] | None) -> list[str] | None:
@@ -420,9 +423,16 @@ def gap(
         typer.Option(
             "--max-gap",
             metavar="FRACTION",
-            help="Exit 1 when the gap (train-mode minus eval-mode accuracy, a fraction) exceeds this.",
+            help="Exit 1 when the gap (train-mode minus eval-mode accuracy, a fraction) exceeds this and is significant (see --strict).",
         ),
     ] = None,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="With --max-gap: exit 1 on a gap above it even when it is not significant (its 95% interval contains 0).",
+        ),
+    ] = False,
     output_format: Annotated[Format, typer.Option("--format", "-f", help="Report format.")] = Format.table,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no per-layer table.")] = False,
     debug: DebugOpt = False,
@@ -463,6 +473,7 @@ def gap(
                 config=config,
                 progress=update,
                 max_gap=max_gap,
+                strict=strict,
             )
         code = report.exit_code()  # before the report: --max-gap without labels is an error
         output.emit(report, output_format.value, sys.stdout, quiet=quiet)
@@ -526,6 +537,13 @@ def recalibrate(
         ),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --output if it exists.")] = False,
+    allow_input_mismatch: Annotated[
+        bool,
+        typer.Option(
+            "--allow-input-mismatch",
+            help="Write even when the data disagrees with mature statistics at the first BN layer (the sign of wrong preprocessing).",
+        ),
+    ] = False,
     batch_size: BatchSizeOpt = 64,
     num_samples: NumSamplesOpt = None,
     seed: SeedOpt = 0,
@@ -598,6 +616,7 @@ def recalibrate(
                 config=config,
                 progress=update,
                 warn=warn,
+                allow_input_mismatch=allow_input_mismatch,
             )
         if report is None:  # another rank than 0 under torchrun: rank 0 reports
             raise typer.Exit(0)

@@ -9,13 +9,25 @@ checkpoint per failure that bnaudit's rules describe, each made the way it happe
 in real life. Deterministic: same seeds, same data split, same values.
 
 Data split (fixed permutation, seed 0): 1097 train / 300 calibration / 400 validation.
+
+Real layouts (issue #12): `sharded/` (the healthy weights as Hugging Face writes a sharded
+checkpoint: three `model-0000k-of-00003.safetensors` and `model.safetensors.index.json`,
+features.1's running_mean and running_var in different shards) and `checkpoint-3/` (a
+Hugging Face Trainer folder after 3 AdamW fine-tuning steps on the calibration split:
+model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth, training_args.bin,
+trainer_state.json). `python sample_models/generate.py --layouts-only` rewrites just these,
+from the committed healthy.safetensors and calibration data (no scikit-learn needed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 import torch
@@ -81,11 +93,106 @@ def save_st(sd, name: str, metadata: dict[str, str] | None = None) -> None:
     save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(HERE, name), metadata=metadata)
 
 
+def write_sharded(healthy: dict[str, torch.Tensor], folder: str, cuts: tuple[str, ...]) -> None:
+    """`healthy` as huggingface_hub / transformers shard it: shards named
+    `model-0000k-of-0000N.safetensors` with `{"format": "pt"}` metadata, and the index
+    `{"metadata": {"total_size": bytes}, "weight_map": {tensor: shard}}` (indent 2, sorted
+    keys, trailing newline). Shards start at the names in `cuts`."""
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    names = list(healthy)
+    bounds = [0, *(names.index(c) for c in cuts), len(names)]
+    n = len(bounds) - 1
+    weight_map: dict[str, str] = {}
+    for k in range(n):
+        shard = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        part = {name: healthy[name].contiguous() for name in names[bounds[k] : bounds[k + 1]]}
+        save_file(part, os.path.join(folder, shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in healthy.values())},
+        "weight_map": weight_map,
+    }
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+TRAINING_ARGS = """
+import dataclasses
+
+
+@dataclasses.dataclass
+class TrainingArguments:
+    output_dir: str = "digits-finetune"
+    learning_rate: float = 1e-3
+    per_device_train_batch_size: int = 64
+    max_steps: int = 3
+"""
+
+
+def write_trainer_checkpoint(healthy: dict[str, torch.Tensor], x, y, folder: str, steps: int = 3) -> None:
+    """What `transformers.Trainer._save_checkpoint` leaves after `steps` AdamW steps with a
+    linear-decay LambdaLR: the model, optimizer and scheduler state dicts, the RNG state
+    (python / numpy / cpu) and the pickled training arguments (a dataclass of a module
+    that is deleted afterwards, as a user's project is absent where the folder is audited)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    model = digits_net()
+    model.load_state_dict(healthy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
+    model.train()
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        idx = torch.randperm(len(y), generator=g)[:BATCH]
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+    save_file(state(model), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    torch.save(optimizer.state_dict(), os.path.join(folder, "optimizer.pt"))
+    torch.save(scheduler.state_dict(), os.path.join(folder, "scheduler.pt"))
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    torch.save(rng, os.path.join(folder, "rng_state.pth"))
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "digits_training_args.py"), "w") as f:
+            f.write(TRAINING_ARGS)
+        sys.path.insert(0, tmp)
+        try:
+            import digits_training_args
+
+            torch.save(digits_training_args.TrainingArguments(), os.path.join(folder, "training_args.bin"))
+        finally:
+            sys.path.remove(tmp)
+            sys.modules.pop("digits_training_args", None)
+    trainer_state = {"global_step": steps, "epoch": steps * BATCH / len(y), "log_history": [], "max_steps": steps}
+    with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+        f.write(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")
+
+
+def write_layouts(healthy: dict[str, torch.Tensor], xc, yc) -> None:
+    write_sharded(healthy, os.path.join(HERE, "sharded"), cuts=("features.1.running_var", "head.2.weight"))
+    write_trainer_checkpoint(healthy, xc, yc, os.path.join(HERE, "checkpoint-3"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images-per-class", type=int, default=10)
+    parser.add_argument(
+        "--layouts-only", action="store_true", help="rewrite sharded/ and checkpoint-3/ from healthy.safetensors"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.layouts_only:
+        from safetensors.torch import load_file
+
+        calib = load_file(os.path.join(HERE, "data", "digits_calib.safetensors"))
+        write_layouts(load_file(os.path.join(HERE, "healthy.safetensors")), calib["inputs"], calib["labels"])
+        return
     (xt, yt), (xc, yc), (xv, yv) = load_digits_split()
     model = train(xt, yt)
     healthy = state(model)
@@ -167,6 +274,7 @@ def main() -> None:
         {"inputs": xc.contiguous(), "labels": yc.contiguous()}, os.path.join(data_dir, "digits_calib.safetensors")
     )
     write_image_folder(xv, yv, os.path.join(data_dir, "digits_images"), args.images_per_class)
+    write_layouts(healthy, xc, yc)
 
 
 def fine_tune_frozen_backbone(pretrained, x, y, epochs: int = 2) -> dict[str, torch.Tensor]:

@@ -231,9 +231,18 @@ def test_drift_matches_hooks_written_in_the_test(world):
         assert d.mean_shift == pytest.approx(z.mean().item(), rel=1e-9)
         assert d.max_mean_shift == pytest.approx(z.max().item(), rel=1e-9)
         assert d.var_log_ratio == pytest.approx(ratio.mean().item(), rel=1e-9)
-    # Ranked by drift = mean_shift + var_log_ratio, worst first.
-    drifts = [d.drift for d in report.layers]
-    assert drifts == sorted(drifts, reverse=True)
+        # per channel: the worst channels are the largest shift_c + log_var_c, in order
+        score = z + ratio
+        top = score.argsort(descending=True)[: len(d.worst)]
+        assert [c.index for c in d.worst] == top.tolist()
+        assert [c.score for c in d.worst] == pytest.approx(score[top].tolist(), rel=1e-9)
+        assert d.peak == pytest.approx(score.max().item(), rel=1e-9)
+    # Ranked origins first (the shifted layer, where the drift starts), then by the worst
+    # channel's drift.
+    assert [d.name for d in report.layers if d.origin] == ["features.4"]
+    assert report.layers[0].name == "features.4"
+    peaks = [d.peak for d in report.layers[1:]]
+    assert peaks == sorted(peaks, reverse=True)
     assert [d.drift for d in report.layers] == [d.mean_shift + d.var_log_ratio for d in report.layers]
     # The moved running_mean (3 running stds) shows as the largest mean shift; the first
     # layer, untouched, stays small.
@@ -359,7 +368,10 @@ def test_dead_channel_where_drift_starts_is_blamed(world, tmp_path):
     assert any(line.startswith("Drift starts at features.4, where BN004") for line in report.diagnosis)
 
 
-def test_drift_from_the_first_layer_on_is_called_stale_statistics(world, tmp_path):
+def test_drift_from_the_first_layer_on_suspects_the_input_first(world, tmp_path):
+    # Every channel of the first layer off by one ratio, the later layers inheriting it:
+    # what wrong preprocessing looks like. Mature statistics (no BN003): the input is the
+    # suspect, and re-estimating the statistics is not the advice (issue #13).
     def scale_first(state):
         state["features.1.running_var"] *= 8.0  # the counter stays high: no BN003
 
@@ -370,7 +382,9 @@ def test_drift_from_the_first_layer_on_is_called_stale_statistics(world, tmp_pat
     assert "BN003" not in {f.code for f in report.findings}
     first = next(d for d in report.layers if d.name == "features.1")
     assert first.var_log_ratio == pytest.approx(math.log(8.0), abs=0.3)  # var_data ~ var_run / 8
-    assert any(line.startswith("Drift is large from the first BN layer on (features.1") for line in report.diagnosis)
+    assert report.preprocessing_mismatch
+    assert report.diagnosis[0].startswith("Suspect the input preprocessing before the statistics")
+    assert not any("recalibrat" in line.lower() for line in report.diagnosis)
 
 
 def test_healthy_model_needs_nothing(world):

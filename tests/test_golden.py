@@ -42,6 +42,9 @@ CASES: dict[str, tuple[list[str], int]] = {
         ],
         1,
     ),
+    # issue #12: a sharded checkpoint through its folder, a Trainer folder with skipped files
+    "inspect_layouts": (["inspect", "sample_models/sharded/", "sample_models/checkpoint-3/"], 0),
+    "inspect_shard_alone": (["inspect", "sample_models/sharded/model-00001-of-00003.safetensors"], 0),
     "rules": (["rules"], 0),
     "gap": (["gap", "sample_models/reset_stats.pt", *ARCH, "--data", VAL, "--batch-size", "32"], 0),
     "recalibrate": (

@@ -686,6 +686,9 @@ def test_odd_shapes_recalibrate_matches_an_independent_computation(
         str(out),
         "-f",
         "json",
+        # the fixture's mature statistics are random, so the data disagrees with them at the
+        # first layer: the input-mismatch guard (issue #13) would refuse; this test is about the numbers
+        "--allow-input-mismatch",
     )
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)

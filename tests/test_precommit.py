@@ -161,3 +161,53 @@ def test_quiet_hook_names_the_file_layer_and_rule_that_failed(project, env):
     assert "2 files, 4 BN layers: 1 error, 0 warnings, 0 infos" in lines
     assert not any("┃" in line for line in lines)  # no tables with -q
     assert commit_count(project, env) == 2  # the config commit only: the broken one was blocked
+
+
+def test_hook_commits_a_trainer_folder_with_a_sharded_model(project, env):
+    """Issue #12: a training-run folder (shards split a BN layer, optimizer / scheduler / RNG
+    state next to them) is committed: one checkpoint audited through its staged index, the
+    rest skipped, nothing blocks; a broken index does block."""
+    import json
+    import random
+
+    import numpy as np
+
+    folder = project / "models" / "checkpoint-500"
+    folder.mkdir()
+    state = healthy_state()
+    names = list(state)
+    cut = names.index("backbone.bn1.running_var")  # backbone.bn1 split across the two shards
+    weight_map = {}
+    for k, part in enumerate((names[:cut], names[cut:])):
+        shard = f"model-{k + 1:05d}-of-00002.safetensors"
+        save_safetensors({n: state[n] for n in part}, folder / shard, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())}}
+    index["weight_map"] = weight_map
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    params = [torch.nn.Parameter(torch.randn(4))]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    params[0].sum().backward()
+    optimizer.step()
+    save_torch(optimizer.state_dict(), folder / "optimizer.pt")
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    save_torch(rng, folder / "rng_state.pth")
+    git(project, env, "add", "-A")
+    ok = run(["git", "commit", "-m", "checkpoint-500"], project, env)
+    output = ok.stdout + ok.stderr
+    assert ok.returncode == 0, output
+    assert commit_count(project, env) == 2
+    # what the hook saw: the index (standing for both shards) and the two skipped files
+    verbose = run([sys.executable, "-m", "pre_commit", "run", "--all-files", "--verbose"], project, env)
+    assert verbose.returncode == 0, verbose.stdout + verbose.stderr
+    summary = "3 files, 2 BN layers: 0 errors, 0 warnings, 0 infos, 2 skipped (not model weights)"
+    assert summary in verbose.stdout and "model-00001-of-00002" not in verbose.stdout
+
+    index["weight_map"]["head.bn.weight"] = "../../elsewhere.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    git(project, env, "add", "-A")
+    blocked = run(["git", "commit", "-m", "broken index"], project, env)
+    output = blocked.stdout + blocked.stderr
+    assert blocked.returncode != 0 and "exit code: 2" in output
+    assert "leaves the index's folder ('..')" in output
+    assert commit_count(project, env) == 2

@@ -186,8 +186,15 @@ def test_cli_format_sarif_and_exit_codes(cli, workspace, validator):
     log = json.loads(result.stdout)
     assert validator.is_valid(log) and len(log["runs"][0]["results"]) == 3
     assert cli("inspect", "models/two bad.pt", "--format", "sarif", "--exit-zero").exit_code == 0
+    # issue #12: --exit-zero is 0 for an unreadable file a folder scan found (still reported
+    # as an error notification), 2 for an unreadable file the user named
     unreadable = cli("inspect", "models", "--format", "sarif", "--exit-zero")
-    assert unreadable.exit_code == 2 and validator.is_valid(json.loads(unreadable.stdout))
+    assert unreadable.exit_code == 0 and validator.is_valid(log := json.loads(unreadable.stdout))
+    assert [n["level"] for n in log["runs"][0]["invocations"][0]["toolExecutionNotifications"]] == ["error"]
+    assert log["runs"][0]["invocations"][0]["executionSuccessful"] is False
+    assert cli("inspect", "models", "--format", "sarif").exit_code == 2
+    named = cli("inspect", "models/junk.pt", "--format", "sarif", "--exit-zero")
+    assert named.exit_code == 2 and validator.is_valid(json.loads(named.stdout))
 
 
 def test_severity_overrides_set_result_and_rule_levels(workspace):

@@ -103,8 +103,8 @@ def test_gap_json_position_and_the_table_number_use_the_same_base():
     numbers = {}
     for line in table.splitlines():
         cells = [c.strip() for c in line.split("│")]
-        if len(cells) == 8 and cells[1].isdigit():
-            numbers[cells[0]] = int(cells[1])
+        if len(cells) > 2 and cells[1].rstrip("*").isdigit():  # "1*" marks the origin of the drift
+            numbers[cells[0]] = int(cells[1].rstrip("*"))
     assert numbers == {layer["name"]: layer["position"] for layer in doc["layers"]}
     # the forward order: features.1 is the first BN layer of the digits network
     assert numbers["features.1"] == 1 and numbers["head.2"] == 3

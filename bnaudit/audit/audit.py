@@ -1,12 +1,16 @@
 """`inspect`: paths -> checkpoint -> layers -> rules -> InspectReport.
 
-A directory expands to every file under it whose name ends in a checkpoint suffix;
-a file named explicitly is read whatever its name. One unreadable file becomes a
-FileReport with `error` set; the others are still audited.
+A directory expands to every file under it whose name ends in a checkpoint suffix,
+plus shard indexes (a sharded checkpoint is audited once, through its index, also when
+its shards are named next to it) and accelerate's `random_states_N.pkl`; a file named
+explicitly is read whatever its name. One unreadable file becomes a FileReport with
+`error` set; the others are still audited. Optimizer, scheduler and RNG state and
+pickled training arguments become a FileReport with `skipped` set (formats/classify.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -14,36 +18,47 @@ from typing import Any
 from bnaudit.audit.layers import ModuleFacts, discover_layers, facts_from_module_infos
 from bnaudit.audit.provenance import recalibration_provenance
 from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
-from bnaudit.audit.rules import RuleContext, run_rules
+from bnaudit.audit.rules import Finding, RuleContext, run_rules
 from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM, Config
 from bnaudit.errors import BnauditError
+from bnaudit.formats.classify import SCANNED_NAMES, NotModelWeights
 from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.read import read_checkpoint
+from bnaudit.formats.shards import index_beside, is_index, series_members
 from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES
 
 
-def _expand_paths(paths: Iterable[str], config: Config | None = None) -> list[str]:
-    """Files to audit, in the order given; directories walked in sorted order; minus
-    the files `config.exclude` names (see `Config.excludes`)."""
-    out: list[str] = []
-    for path in paths:
-        if os.path.isdir(path):
-            found: list[str] = []
+def _scan_directory(path: str) -> list[str]:
+    """Files under `path` to audit, walked in sorted order: names with a checkpoint suffix,
+    shard indexes (each standing for its shards, which are then not listed on their own)
+    and the training-run files `formats.classify.SCANNED_NAMES` recognises."""
+    found: list[str] = []
 
-            # A folder that cannot be listed is kept as an entry of its own, so it is
-            # reported (as unreadable) instead of silently contributing nothing.
-            def unlistable(err: OSError, into: list[str] = found) -> None:
-                into.append(err.filename)
+    # A folder that cannot be listed is kept as an entry of its own, so it is
+    # reported (as unreadable) instead of silently contributing nothing.
+    def unlistable(err: OSError, into: list[str] = found) -> None:
+        into.append(err.filename)
 
-            for root, dirs, files in os.walk(path, onerror=unlistable):
-                dirs.sort()
-                found += [os.path.join(root, f) for f in sorted(files) if f.lower().endswith(CHECKPOINT_SUFFIXES)]
-            if not found:
-                raise BnauditError(f"{path}: directory holds no checkpoint files ({' '.join(CHECKPOINT_SUFFIXES)})")
-            out += found
-        else:
-            out.append(path)
-    return [p for p in out if not (config and config.excludes(p))]
+    for root, dirs, files in os.walk(path, onerror=unlistable):
+        dirs.sort()
+        found += [
+            os.path.join(root, f)
+            for f in sorted(files)
+            if f.lower().endswith(CHECKPOINT_SUFFIXES) or is_index(f) or SCANNED_NAMES.match(f)
+        ]
+    if not found:
+        raise BnauditError(f"{path}: directory holds no checkpoint files ({' '.join(CHECKPOINT_SUFFIXES)})")
+    return _without_indexed_shards(found)
+
+
+def _without_indexed_shards(paths: list[str]) -> list[str]:
+    """`paths` minus the shards of an index that is also in `paths`: a sharded checkpoint
+    is audited once, through its index."""
+    members: set[str] = set()
+    for p in paths:
+        if is_index(p):
+            members |= series_members(p)
+    return [p for p in paths if is_index(p) or os.path.realpath(p) not in members]
 
 
 def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | None = None) -> FileReport:
@@ -57,6 +72,16 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
         RuleContext(discovery, config, is_ema=ckpt.is_ema, module=module, recalibrated=provenance.layers)
     )
     report = FileReport(ckpt.path)
+    if ckpt.shards:
+        report.notes.append(f"{ckpt.shards} shards read as one checkpoint through the index")
+    if ckpt.shard_of is not None:
+        k, n = ckpt.shard_of
+        index = index_beside(ckpt.path)
+        report.notes.append(
+            f"shard {k} of {n} read alone: missing buffers are info "
+            + (f"(whole checkpoint: {os.path.basename(index)})" if index else "(no index beside it)")
+        )
+        findings = [_possibly_split(f, k, n) if f.code == "BN001" else f for f in findings]
     report.provenance = provenance.note
     report.format, report.key, report.other_keys = ckpt.format, ckpt.key, ckpt.other_keys
     report.prefix, report.is_ema = ckpt.prefix, ckpt.is_ema
@@ -71,6 +96,15 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
     return report
 
 
+def _possibly_split(finding: Finding, k: int, n: int) -> Finding:
+    """BN001 on a shard read without its index: the missing buffers may sit in another shard."""
+    return dataclasses.replace(
+        finding,
+        severity="info",
+        message=f"{finding.message} (possibly split across shards: this file is shard {k} of {n})",
+    )
+
+
 def audit_file(
     path: str,
     config: Config,
@@ -78,8 +112,10 @@ def audit_file(
     trust_pickle: bool = False,
     model: Any = None,
     debug: bool = False,
+    named: bool = True,
 ) -> FileReport:
-    """Audit one checkpoint; a user-caused problem becomes `FileReport.error`.
+    """Audit one checkpoint; a user-caused problem becomes `FileReport.error`, a file that
+    is not model weights `FileReport.skipped`. `named`: the user named it (not a scan).
 
     `model` (an nn.Module built from --arch, possibly on the meta device) is compared
     with the checkpoint key by key; a file that holds its own modules (TorchScript, a
@@ -96,15 +132,21 @@ def audit_file(
             ckpt, module = match_checkpoint(ckpt, model)
         elif ckpt.holds_module and ckpt.modules:
             module = facts_from_module_infos(ckpt.modules)
-        return audit_checkpoint(ckpt, config, module)
+        report = audit_checkpoint(ckpt, config, module)
+    except NotModelWeights as exc:
+        return FileReport(path, skipped=exc.what, named=named)
     except BnauditError as exc:
-        return FileReport(path, error=str(exc).removeprefix(f"{path}: "))
+        return FileReport(path, error=str(exc).removeprefix(f"{path}: "), named=named)
     except Exception as exc:
         if debug:
             raise
         return FileReport(
-            path, error=f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)"
+            path,
+            error=f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
+            named=named,
         )
+    report.named = named
+    return report
 
 
 def inspect(
@@ -134,18 +176,26 @@ def inspect(
         raise BnauditError("--arch-kwargs needs --arch")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    files: list[FileReport] = []
+    # (path, named by the user, error of an unusable directory)
+    targets: list[tuple[str, bool, str | None]] = []
     for path in [os.fspath(p) for p in paths]:
-        pattern = None if os.path.isdir(path) else config.exclusion(path)
-        if pattern is not None:
+        if not os.path.isdir(path):
+            targets.append((path, True, None))
+            continue
+        try:
+            targets += [(p, False, None) for p in _scan_directory(path)]
+        except BnauditError as exc:
+            targets.append((path, True, str(exc).removeprefix(f"{path}: ")))
+    kept = set(_without_indexed_shards([p for p, _, error in targets if error is None]))
+    files: list[FileReport] = []
+    for path, named, error in targets:
+        if error is not None:
+            files.append(FileReport(path, error=error))
+        elif named and (pattern := config.exclusion(path)) is not None:
             # named explicitly: say so instead of auditing nothing in silence
             where = f" in {config.source}" if config.source else ""
             files.append(FileReport(path, excluded=f'excluded by the configuration (exclude "{pattern}"{where})'))
-            continue
-        try:
-            expanded = _expand_paths([path], config)
-        except BnauditError as exc:
-            files.append(FileReport(path, error=str(exc).removeprefix(f"{path}: ")))
-            continue
-        files += [audit_file(p, config, key=key, trust_pickle=trust_pickle, model=model, debug=debug) for p in expanded]
+        elif path in kept and not config.excludes(path):
+            report = audit_file(path, config, key=key, trust_pickle=trust_pickle, model=model, debug=debug, named=named)
+            files.append(report)
     return InspectReport(files, config)

@@ -4,7 +4,8 @@ Plain dataclasses with everything the emitters of bnaudit.output print, computed
 once (min / median / max of the statistics, eval gains, near-eps channels), so that
 table, JSON and SARIF cannot disagree. Statistics are summarised without NaNs;
 `InspectReport.exit_code` is 2 for an unreadable file, 1 for a finding at or above
-`fail_on`, else 0.
+`fail_on`, else 0 (with `exit_zero`: 2 only for an unreadable file the user named);
+files skipped as not model weights never count.
 """
 
 from __future__ import annotations
@@ -85,6 +86,14 @@ class FileReport:
     error: str | None = None
     # Named on the command line but excluded by the configuration: why (not audited).
     excluded: str | None = None
+    # Recognisably not model weights (optimizer, scheduler, RNG state, training
+    # arguments): what it is. Never audited, never an exit code.
+    skipped: str | None = None
+    # False for a file a directory scan found; True for one the user named (an
+    # unreadable named file is exit 2 even with --exit-zero).
+    named: bool = True
+    # What the reader says about the layout (shards joined, a shard read alone).
+    notes: list[str] = field(default_factory=list)
 
     def layer_status(self, name: str) -> str:
         severities = [f.severity for f in self.findings if f.layer == name]
@@ -116,8 +125,19 @@ class InspectReport:
             "unreadable": sum(1 for f in self.files if f.error),
         }
 
-    def exit_code(self, fail_on: str | None = None) -> int:
-        """2 if a file could not be read, 1 if a finding is at or above fail_on, else 0."""
+    @property
+    def skipped(self) -> list[FileReport]:
+        return [f for f in self.files if f.skipped]
+
+    def exit_code(self, fail_on: str | None = None, exit_zero: bool = False) -> int:
+        """2 if a file could not be read, 1 if a finding is at or above fail_on, else 0.
+
+        `exit_zero`: 0 unless a file the user named could not be read (an unreadable
+        file found by a directory scan is reported, not an exit code). Skipped non-weight
+        files never count.
+        """
+        if exit_zero:
+            return 2 if any(f.error and f.named for f in self.files) else 0
         if any(f.error for f in self.files):
             return 2
         threshold = severity_rank(fail_on or self.config.fail_on)

@@ -111,6 +111,10 @@ class Checkpoint:
     # Objects outside the state dict left unloaded by the stand-in reader, one note each
     # ("hyper_parameters holds omegaconf.DictConfig: not loaded").
     not_loaded: list[str] = field(default_factory=list)
+    # Sharded layouts (formats/shards.py): how many files an index joined into this
+    # checkpoint (0: one file), or (k, N) for one shard read without its index.
+    shards: int = 0
+    shard_of: tuple[int, int] | None = None
 
 
 def recalibration_record(metadata: Mapping[str, str]) -> dict[str, Any] | None:

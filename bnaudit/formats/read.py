@@ -9,21 +9,32 @@ from __future__ import annotations
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.allowlist import load_torch_object
-from bnaudit.formats.containers import checkpoint_from_object, strip_wrapper_prefix
+from bnaudit.formats.classify import NotModelWeights, kind_from_object, kind_from_refusal
+from bnaudit.formats.containers import checkpoint_from_object, find_state_dicts, strip_wrapper_prefix
 from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.safetensors import read_safetensors
+from bnaudit.formats.shards import is_index, read_sharded, shard_position
 from bnaudit.formats.sniff import sniff_format
-from bnaudit.formats.standins import with_stand_ins_checked
+from bnaudit.formats.standins import stand_ins_in, with_stand_ins_checked
 
 
 def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = False) -> Checkpoint:
-    """Open `path` read-only and return its (chosen) state dict as lazy tensors."""
+    """Open `path` read-only and return its (chosen) state dict as lazy tensors.
+
+    A shard index (`*.safetensors.index.json`, `*.bin.index.json`) is read as the one
+    checkpoint its shards make; a file that is recognisably not model weights (optimizer,
+    scheduler, RNG state, training arguments) raises `NotModelWeights`.
+    """
+    if is_index(path):
+        if key is not None:
+            raise BnauditError(f"{path}: --key does not apply to sharded checkpoints")
+        return read_sharded(path, trust_pickle=trust_pickle)
     fmt = sniff_format(path)
     if fmt == "safetensors":
         tensors, metadata = read_safetensors(path)
         if key is not None:
             raise BnauditError(f"{path}: --key does not apply to safetensors files")
-        ckpt = Checkpoint(path, fmt, tensors, metadata=metadata)
+        ckpt = Checkpoint(path, fmt, tensors, metadata=metadata, shard_of=shard_position(path))
         return strip_wrapper_prefix(ckpt)
     if fmt == "torchscript":
         from bnaudit.formats.torchscript import read_torchscript, script_metadata
@@ -32,5 +43,31 @@ def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = Fals
         if key is not None:
             raise BnauditError(f"{path}: --key does not apply to TorchScript archives")
         return Checkpoint(path, fmt, tensors, modules=modules, holds_module=True, metadata=script_metadata(path))
-    obj = load_torch_object(path, trust_pickle=trust_pickle, mmap=fmt == "torch-zip", stand_ins=True)
-    return with_stand_ins_checked(path, obj, lambda: checkpoint_from_object(path, fmt, obj, key))
+    try:
+        obj = load_torch_object(path, trust_pickle=trust_pickle, mmap=fmt == "torch-zip", stand_ins=True)
+    except BnauditError:
+        what = None if trust_pickle else kind_from_refusal(path)
+        if what is None:
+            raise
+        raise NotModelWeights(path, what) from None
+
+    # Pickled training arguments are known by their name and the classes the pickle names
+    # (left as stand-ins): asked only where the file is not plainly a model.
+    def by_name() -> str | None:
+        return kind_from_refusal(path) if not trust_pickle and stand_ins_in(obj) else None
+
+    if not find_state_dicts(obj):  # with or without --key: nothing here is a model
+        what = by_name() or kind_from_object(path, obj)
+        if what is not None:
+            raise NotModelWeights(path, what)
+    try:
+        ckpt = with_stand_ins_checked(path, obj, lambda: checkpoint_from_object(path, fmt, obj, key))
+    except NotModelWeights:
+        raise
+    except BnauditError:
+        what = by_name()
+        if what is None:
+            raise
+        raise NotModelWeights(path, what) from None
+    ckpt.shard_of = shard_position(path)
+    return ckpt

@@ -67,6 +67,10 @@ def save_like(
     Written atomically (see `atomic_write`); the input is never opened for writing.
     Non-finite statistics are refused, naming the layer.
     """
+    if ckpt.shards:  # one file per shard would have to be rewritten and re-indexed
+        raise BnauditError(
+            f"{ckpt.path}: writing a sharded checkpoint is not supported; recalibrate a single-file copy"
+        )
     check_output(output, ckpt.path, force)
     target = output_format(ckpt.format, output)
     check_writable(ckpt, output, trust_pickle)

@@ -112,4 +112,6 @@ def summary_line(report: InspectReport) -> str:
         line += f", {plural(s['unreadable'], 'unreadable file')}"
     if s["excluded"]:
         line += f", {plural(s['excluded'], 'excluded file')}"
+    if report.skipped:
+        line += f", {len(report.skipped)} skipped (not model weights)"
     return line

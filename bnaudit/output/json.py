@@ -69,6 +69,8 @@ def inspect_to_json(report: InspectReport) -> dict[str, Any]:
                 "findings": [finding_to_json(f) for f in file.findings],
                 "error": file.error,
                 "excluded": file.excluded,
+                "skipped": file.skipped,
+                "notes": file.notes,
             }
         )
     return {"version": __version__, "config": report.config.as_dict(), "files": files, "summary": report.summary()}
@@ -112,11 +114,57 @@ def gap_to_json(report: Any) -> dict[str, Any]:
                 "var_log_ratio": json_number(d.var_log_ratio),
                 "drift": json_number(d.drift),
                 "note": d.note,
+                **_attribution_to_json(d),
             }
             for d in report.layers
         ],
+        **_confidence_to_json(report),
         "findings": [finding_to_json(f) for f in report.findings],
         "diagnosis": list(report.diagnosis),
+    }
+
+
+def _attribution_to_json(d: Any) -> dict[str, Any]:
+    """A layer's origin flag, worst-channel drift and top channels (bnaudit.runtime.attribution)."""
+    return {
+        "origin": d.origin,
+        "peak": json_number(d.peak),
+        "worst_channels": [
+            {
+                "index": c.index,
+                "data_mean": json_number(c.data_mean),
+                "data_var": json_number(c.data_var),
+                "running_mean": json_number(c.running_mean),
+                "running_var": json_number(c.running_var),
+                "shift": json_number(c.shift),
+                "log_var_ratio": json_number(c.log_var_ratio),
+                "drift": json_number(c.score),
+            }
+            for c in d.worst
+        ],
+    }
+
+
+def _interval(pair: Any) -> Any:
+    return None if pair is None else [json_number(pair[0]), json_number(pair[1])]
+
+
+def _confidence_to_json(report: Any) -> dict[str, Any]:
+    """Sample counts and 95% intervals (bnaudit.runtime.confidence), and the input diagnosis."""
+    return {
+        "labelled": report.labelled,
+        "train_mode_interval": _interval(report.train_interval),
+        "eval_mode_interval": _interval(report.eval_interval),
+        "gap_interval": _interval(report.gap_interval),
+        "gap_significant": report.gap_significant,
+        "preprocessing_mismatch": report.preprocessing_mismatch,
+        "notes": list(report.notes),
+        "input": {
+            "mean": None if report.input_mean is None else [json_number(v) for v in report.input_mean],
+            "std": None if report.input_std is None else [json_number(v) for v in report.input_std],
+            "implied_mean": None if report.implied_mean is None else [json_number(v) for v in report.implied_mean],
+            "implied_std": None if report.implied_std is None else [json_number(v) for v in report.implied_std],
+        },
     }
 
 

@@ -98,6 +98,15 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
                 }
             )
             continue
+        if file.skipped:
+            notifications.append(
+                {
+                    "level": "note",
+                    "message": {"text": f"{file.path}: skipped: {file.skipped}: not model weights"},
+                    "locations": [{"physicalLocation": {"artifactLocation": location}}],
+                }
+            )
+            continue
         for finding in file.findings:
             where: dict[str, Any] = {"physicalLocation": {"artifactLocation": location}}
             if finding.layer is not None:

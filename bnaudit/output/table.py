@@ -127,6 +127,8 @@ def file_status(file: FileReport) -> str:
         return "unreadable"
     if file.excluded:
         return "excluded"
+    if file.skipped:
+        return "skipped"
     severities = {f.severity for f in file.findings}
     return next((s for s in ("error", "warning", "info") if s in severities), "ok")
 
@@ -157,7 +159,7 @@ def _files_table(files: list[FileReport], console: Any) -> Any:
     table = Table(show_edge=False, pad_edge=False, header_style="bold")
     for i, header in enumerate(headers):
         table.add_column(header, justify="right" if i in (2, 3) else "left", no_wrap=True)
-    styles = {**SEVERITY_STYLE, "unreadable": "bold red", "excluded": "dim"}
+    styles = {**SEVERITY_STYLE, "unreadable": "bold red", "excluded": "dim", "skipped": "dim"}
     for row in rows:
         table.add_row(
             Text(shorten_middle(row[0], room)), Text(row[1]), row[2], row[3], Text(row[4], style=styles[row[4]])
@@ -181,7 +183,7 @@ def _file_detail(file: FileReport, console: Any, columns: tuple[_Column, ...]) -
         console.print(_cell(f"  {file.settings}", style="dim"))
     if file.provenance:
         console.print(_cell(f"  {file.provenance}", style="dim"))
-    for note in file.not_loaded:
+    for note in [*file.notes, *file.not_loaded]:
         console.print(_cell(f"  {note}", style="dim"))
     if file.layers:
         console.print(_layer_table(file, console, columns))
@@ -210,7 +212,11 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False, all
         console.print(Text(summary, style=SEVERITY_STYLE[worst]), soft_wrap=True)
         return
     several = len(report.files) > 1
-    shown = [f for f in report.files if not f.error and not f.excluded and (not several or all_layers or f.findings)]
+    shown = [
+        f
+        for f in report.files
+        if not f.error and not f.excluded and not f.skipped and (not several or all_layers or f.findings)
+    ]
     columns, dropped = _layer_layout([f for f in shown if f.layers], console.width)
     if several:
         console.print(_files_table(report.files, console))
@@ -220,6 +226,10 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False, all
             continue  # said once, on stderr (output.emit_diagnostics)
         if file.excluded:
             console.print(_cell(f"{file.path}: {file.excluded}", style="dim"), soft_wrap=True)
+        elif file.skipped:
+            console.print(
+                _cell(f"{file.path}: skipped: {file.skipped}: not model weights", style="dim"), soft_wrap=True
+            )
         elif any(file is f for f in shown):
             _file_detail(file, console, columns)
     if several and not all_layers and len(shown) < s["files"] - s["unreadable"]:
@@ -279,6 +289,8 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     title.append(printable(f"  ({report.model})"), style="dim")
     console.print(title)
     console.print(_cell(f"data: {report.data}", style="dim"))
+    for note in getattr(report, "notes", []):
+        console.print(_cell(f"note: {note}", style="dim"))
     order = f"shuffled with seed {report.seed}" if report.shuffle else "file order, --no-shuffle"
     skipped = f", {plural(report.skipped, 'unreadable image')} skipped" if report.skipped else ""
     console.print(
@@ -293,13 +305,17 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     modes.add_column("mode")
     modes.add_column("BatchNorm normalises with")
     modes.add_column("accuracy", justify="right")
-    modes.add_row("train", "batch statistics", _percent(report.train_accuracy))
-    modes.add_row("eval", "running statistics", _percent(report.eval_accuracy))
+    modes.add_column("95% CI (Wilson)", justify="right")
+    modes.add_row("train", "batch statistics", _percent(report.train_accuracy), _span(report.train_interval))
+    modes.add_row("eval", "running statistics", _percent(report.eval_accuracy), _span(report.eval_interval))
     console.print(modes)
     parts = []
     if report.gap is not None:
-        style = "bold red" if report.gap > 0.01 else "green"
-        parts.append(Text(f"gap {report.gap * 100:+.1f} points", style=style))
+        significant = report.gap_significant is not False
+        style = "bold red" if report.gap > 0.01 and significant else "green"
+        words = f"gap {report.gap * 100:+.1f} points (95% CI {_span(report.gap_interval, signed=True)}, n = {report.labelled}"
+        # on a line of its own: with its interval it leaves no room for the other measures
+        console.print(Text(words + (")" if significant else ", not significant)"), style=style))
     if report.agreement is not None:
         parts.append(Text(f"agreement {_percent(report.agreement)}"))
     if report.divergence is not None:
@@ -309,49 +325,12 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
         console.print(Text("  ·  ").join(parts))
     console.print()
 
-    if report.layers and not quiet:
-        table = Table(
-            title="per-layer drift: eval-mode inputs against running statistics, worst first",
-            title_justify="left",
-            title_style="bold",
-            show_edge=False,
-            pad_edge=False,
-            header_style="bold",
-        )
-        columns: tuple[tuple[str, Justify], ...] = (
-            ("layer", "left"),
-            ("#", "right"),
-            ("kind", "left"),
-            ("C", "right"),
-            ("mean shift", "right"),
-            ("max shift", "right"),
-            ("var log-ratio", "right"),
-            ("drift", "right"),
-        )
-        for col, justify in columns:
-            table.add_column(col, justify=justify, overflow="fold")
-        worst = report.layers[0] if report.layers and report.layers[0].drift is not None else None
-        for d in report.layers:
-            if d.drift is None:
-                style = "dim"
-            elif worst is not None and d is worst and d.large:
-                style = "bold red"
-            elif d.large:
-                style = "yellow"
-            else:
-                style = ""
-            table.add_row(
-                _cell(d.name),
-                str(d.position + 1),
-                _cell(d.kind),
-                str(d.channels),
-                _f2(d.mean_shift),
-                _f2(d.max_mean_shift),
-                _f2(d.var_log_ratio),
-                _f2(d.drift) if d.drift is not None else _cell(d.note or "-"),
-                style=style,
-            )
-        console.print(table)
+    unmeasured = [d for d in report.layers if d.note == "not measured (TorchScript)"]
+    if report.layers and not quiet and len(unmeasured) == len(report.layers):
+        console.print(_cell(_scripted_line(len(report.layers)), style="dim"))
+        console.print()
+    elif report.layers and not quiet:
+        console.print(_drift_table(report.layers))
         console.print()
 
     if report.findings:
@@ -366,6 +345,80 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     for line in report.diagnosis:
         bullets.add_row("-", _cell(line))
     console.print(bullets)
+
+
+def _span(pair: tuple[float, float] | None, signed: bool = False) -> str:
+    """A 95% interval in percent (points when `signed`)."""
+    if pair is None:
+        return "-"
+    if signed:
+        return f"{pair[0] * 100:+.1f} to {pair[1] * 100:+.1f}"
+    return f"{pair[0] * 100:.1f}-{pair[1] * 100:.1f}%"
+
+
+def _scripted_line(layers: int) -> str:
+    return (
+        f"per-layer drift: not measured for the {plural(layers, 'BN layer')}: TorchScript modules run no hooks; "
+        "pass the state dict with --arch MODULE:CALLABLE to see it"
+    )
+
+
+def _worst_channel(d: Any) -> str:
+    """`index: shift_c + log_var_c` of the layer's worst channel (bnaudit.runtime.attribution)."""
+    if not d.worst:
+        return "-"
+    c = d.worst[0]
+    return f"{c.index}: {_f2(c.score)}"
+
+
+def _drift_table(layers: list[Any]) -> Any:
+    """Per-layer drift, origins first (their # marked *), then by the worst channel's drift;
+    "worst ch" is `index: shift_c + log_var_c` of that channel."""
+    from rich.table import Table
+
+    table = Table(
+        title="per-layer drift: eval-mode inputs against running statistics; * origin of the drift",
+        title_justify="left",
+        title_style="bold",
+        show_edge=False,
+        pad_edge=False,
+        header_style="bold",
+    )
+    columns: tuple[tuple[str, Justify], ...] = (
+        ("layer", "left"),
+        ("#", "right"),
+        ("kind", "left"),
+        ("C", "right"),
+        ("mean shift", "right"),
+        ("max shift", "right"),
+        ("var log-ratio", "right"),
+        ("drift", "right"),
+        ("worst ch", "right"),
+    )
+    for col, justify in columns:
+        table.add_column(col, justify=justify, overflow="fold")
+    for d in layers:
+        if d.drift is None:
+            style = "dim"
+        elif d.origin:
+            style = "bold red"
+        elif d.large:
+            style = "yellow"
+        else:
+            style = ""
+        table.add_row(
+            _cell(d.name),
+            f"{d.position + 1}{'*' if d.origin else ''}",
+            _cell(d.kind),
+            str(d.channels),
+            _f2(d.mean_shift),
+            _f2(d.max_mean_shift),
+            _f2(d.var_log_ratio),
+            _f2(d.drift) if d.drift is not None else _cell(d.note or "-"),
+            _worst_channel(d),
+            style=style,
+        )
+    return table
 
 
 def _arrow(before: float | None, after: float | None) -> Any:

@@ -7,13 +7,19 @@
                      one channel (default RGB), `--mean`/`--std` normalise (x - mean) / std
   a tensor file      `.safetensors`, or `.pt` loaded with weights_only, holding `inputs`
                      (N, ...) and optionally `labels` (N,) integer class indices
-  a folder of shards such tensor files, concatenated in sorted name order
+  a numpy file      `.npy` (inputs only, no labels), or `.npz` holding `inputs`/`labels`,
+                     `x`/`y`, or a single array (inputs, no labels); never unpickled
+                     (allow_pickle=False). Uncompressed arrays are read batch by batch
+                     from the file like tensor files; compressed `.npz` members (np.savez_compressed)
+                     cannot be read in place and are decompressed whole
+  a folder of shards such tensor or numpy files, concatenated in sorted name order
 or `--dataset MODULE:CALLABLE` returns a map-style torch Dataset.
 
 Items are `input` or `(input, label)` where the label is an int (or 0-d integer tensor);
 a dict item's "label" / "labels" entry is the label and the rest is the input. An input is
 a tensor, a tuple of tensors (the model's positional arguments) or a dict (keyword
-arguments). Samples are drawn in an order shuffled by `--seed` (or file order with
+arguments). `uint8` inputs (images as stored) become float32 x / 255 in [0, 1], with a
+note in the report. Samples are drawn in an order shuffled by `--seed` (or file order with
 `--no-shuffle`), capped by `--num-samples`, cut into batches of `--batch-size`; a last
 batch of one sample joins the previous batch (training-mode BatchNorm cannot normalise
 one sample of a (N, C) input). Loading runs in `--workers` DataLoader processes.
@@ -44,12 +50,16 @@ from bnaudit.formats.sniff import sniff_format
 from bnaudit.formats.torchscript import stored_tensors
 from bnaudit.runtime.models import exit_message, import_callable
 from bnaudit.runtime.norms import concat_batches, merge_trailing_singleton_plan
+from bnaudit.runtime.numpy_files import StoredRows, open_numpy
 from bnaudit.text import plural
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
 
-TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
+NUMPY_SUFFIXES = (".npy", ".npz")
+
+
+TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth", *NUMPY_SUFFIXES)
 
 
 LABEL_KEYS = ("label", "labels")
@@ -140,6 +150,18 @@ def _is_label(value: Any) -> bool:
         and not value.dtype.is_complex
         and value.dtype != torch.bool
     )
+
+
+def _text_label(item: Any) -> str | None:
+    """The label of an (input, label) pair or a dict item when it is text, else None."""
+    label: Any = None
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        label = item[1]
+    elif isinstance(item, Mapping):
+        label = next((item[k] for k in LABEL_KEYS if k in item), None)
+    if isinstance(label, (str, bytes, np.str_)):
+        return str(label)
+    return None
 
 
 def split_item(item: Any) -> tuple[Any, Any]:
@@ -372,8 +394,13 @@ class FileRows:
 
 
 def _open_shard(path: str) -> _Shard:
-    fmt = sniff_format(path)
-    if fmt == "safetensors":
+    fmt = "numpy" if path.lower().endswith(NUMPY_SUFFIXES) else sniff_format(path)
+    if fmt == "numpy":
+        tensors = {
+            k: FileRows(v.path, v.offset, v.dtype, v.shape) if isinstance(v, StoredRows) else v
+            for k, v in open_numpy(path).items()
+        }
+    elif fmt == "safetensors":
         tensors = _open_safetensors(path)
     elif fmt in ("torch-zip", "torch-legacy"):
         tensors = _open_torch_tensors(path, fmt)
@@ -472,9 +499,16 @@ class CustomSource(_Source):
             raise BnauditError(f"--dataset {spec}: the dataset is empty")
         self.length = n
         try:
-            _, label = split_item(dataset[0])
+            first = dataset[0]
+            _, label = split_item(first)
         except Exception as exc:
             raise BnauditError(f"--dataset {spec}: reading item 0 failed: {type(exc).__name__}: {exc}") from None
+        text = _text_label(first)
+        if text is not None:
+            raise BnauditError(
+                f"--dataset {spec}: item 0 has the label {text!r}: labels must be integer class indices "
+                "(map the class names to 0..K-1 in the dataset)"
+            )
         self.has_labels = label is not None
         self.description = f"--dataset {spec} ({n} samples" + (", labelled)" if self.has_labels else ", no labels)")
 
@@ -636,6 +670,9 @@ class _Collate:
             return _BadBatch(f"cannot stack the samples into a batch ({' '.join(str(exc).split())})")
         labels = None
         if with_labels[0]:
+            text = next((item.label for item in good if isinstance(item.label, (str, bytes, np.str_))), None)
+            if text is not None:
+                return _BadBatch(f"labels must be integer class indices, got the text {str(text)!r}")
             try:
                 labels = torch.as_tensor([int(item.label) for item in good], dtype=torch.int64)
             except (TypeError, ValueError) as exc:
@@ -703,6 +740,7 @@ class BatchStream:
     options: DataOptions
     plan: list[list[int]]
     skipped: int = 0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def description(self) -> str:
@@ -745,6 +783,11 @@ class BatchStream:
             self.skipped += skipped
             if not origins:
                 continue
+            if isinstance(inputs, torch.Tensor) and inputs.dtype == torch.uint8:
+                # images as stored: models take floats in [0, 1] (what ImageFolder gives)
+                inputs = inputs.to(torch.float32).div_(255.0)
+                if UINT8_NOTE not in self.notes:
+                    self.notes.append(UINT8_NOTE)
             batch = Batch(emitted, inputs, labels, len(origins), origins, skipped)
             # The plan already joined a last batch of one sample (norms'
             # rule); only --skip-bad can shrink another batch to one: the same rule
@@ -762,6 +805,9 @@ class BatchStream:
         if held is None:
             raise BnauditError(f"{self.description}: every image was unreadable and skipped")
         yield held
+
+
+UINT8_NOTE = "inputs are uint8: converted to float32 x / 255 in [0, 1]"
 
 
 def _surviving(loader: Any) -> Iterator[Any]:

@@ -22,13 +22,24 @@ per-channel mean mu_d and unbiased variance var_d over all samples, float64, mer
 with `bnaudit.runtime.stats.ChannelStats`) with its running statistics mu_r, var_r:
 
   mean_shift, max_mean_shift, var_log_ratio   as `bnaudit.runtime.stats.Drift` defines them
-  drift           mean_shift + var_log_ratio (the ranking key: both are 0 when the stored
-                  statistics describe the data; a shift of one running std and a variance
-                  off by a factor e weigh alike)
+  drift           mean_shift + var_log_ratio (both are 0 when the stored statistics
+                  describe the data; a shift of one running std and a variance off by a
+                  factor e weigh alike)
+  worst, peak     the channels with the largest shift_c + log_var_c and that largest value
+                  (`bnaudit.runtime.attribution`, which also decides which layers are
+                  ORIGINS of the drift and when the input itself is the likelier suspect)
+
+Layers are ranked origins first (in forward order), then by peak, largest first: a
+single broken channel dominates its layer, and the layer where drift starts comes before
+the layers that only inherit it.
+
+Accuracies carry 95% Wilson intervals and the gap Newcombe's interval
+(`bnaudit.runtime.confidence`); a gap whose interval contains 0 is "not significant".
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
@@ -40,7 +51,17 @@ from bnaudit.audit.report import FileReport
 from bnaudit.audit.rules import Finding
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
+from bnaudit.runtime.attribution import (
+    ChannelDrift,
+    channel_scores,
+    find_origins,
+    first_layer_mismatch,
+    implied_input,
+    is_large,
+)
+from bnaudit.runtime.confidence import difference_interval, wilson
 from bnaudit.runtime.data import make_loader
+from bnaudit.runtime.inputs import input_problem
 from bnaudit.runtime.models import (
     forward,
     load_forward,
@@ -52,11 +73,6 @@ from bnaudit.runtime.models import (
 from bnaudit.runtime.norms import batch_stats_mode, eval_mode, norm_modules
 from bnaudit.runtime.stats import ChannelStats, drift, record_bn_inputs
 from bnaudit.text import exception_line, layer_list, plural
-
-# mean_shift or var_log_ratio at or above this: the layer's stored statistics do not
-# describe the data (half a running std off, or a variance off by a factor 1.65).
-DRIFT_LARGE = 0.5
-
 
 # An accuracy difference (or disagreement) of at least one point is worth explaining.
 GAP_NOTABLE = 0.01
@@ -83,6 +99,10 @@ class LayerDrift:
     max_mean_shift: float | None
     var_log_ratio: float | None
     note: str | None = None
+    worst: tuple[ChannelDrift, ...] = ()
+    peak: float | None = None
+    broad: float = 0.0
+    origin: bool = False
 
     @property
     def drift(self) -> float | None:
@@ -92,7 +112,7 @@ class LayerDrift:
 
     @property
     def large(self) -> bool:
-        return any(v is not None and v >= DRIFT_LARGE for v in (self.mean_shift, self.var_log_ratio))
+        return is_large(self.mean_shift, self.var_log_ratio, self.peak)
 
 
 @dataclass
@@ -122,18 +142,40 @@ class GapReport:
     skipped: int = 0
     non_finite: dict[str, int] = field(default_factory=dict)
     max_gap: float | None = None
+    strict: bool = False
+    labelled: int = 0
+    train_interval: tuple[float, float] | None = None
+    eval_interval: tuple[float, float] | None = None
+    gap_interval: tuple[float, float] | None = None
+    input_mean: list[float] | None = None
+    input_std: list[float] | None = None
+    implied_mean: list[float] | None = None
+    implied_std: list[float] | None = None
+    preprocessing_mismatch: bool = False
+    notes: list[str] = field(default_factory=list)
 
     @property
     def findings(self) -> list[Finding]:
         return self.inspection.findings
 
+    @property
+    def gap_significant(self) -> bool | None:
+        """Whether the gap's 95% interval excludes 0 (None without labels)."""
+        if self.gap_interval is None:
+            return None
+        low, high = self.gap_interval
+        return low > 0 or high < 0
+
     def exit_code(self) -> int:
-        """1 when the report has a `max_gap` and the gap exceeds it, else 0."""
+        """1 when the report has a `max_gap` and the gap exceeds it, else 0. A gap that is
+        not significant (its 95% interval contains 0) passes unless `strict`."""
         if self.max_gap is None:
             return 0
         if self.gap is None:
             raise BnauditError(NEEDS_LABELS)
-        return 1 if self.gap > self.max_gap else 0
+        if self.gap <= self.max_gap:
+            return 0
+        return 1 if self.strict or self.gap_significant else 0
 
 
 NEEDS_LABELS = "--max-gap needs labelled data (the gap is an accuracy difference)"
@@ -189,18 +231,27 @@ def measure_model_gap(
     accumulated = {name: ChannelStats() for name in hooked}
     totals = _Totals()
     batches = 0
+    # --grayscale applies to image folders only: elsewhere it is no fix to suggest
+    grayscale = stream.options.grayscale if getattr(stream.source, "is_images", False) else None
+    # the model's own input, per channel: what the preprocessing produced
+    input_stats = ChannelStats()
+    example: Any = None
     with eval_mode(model), torch.no_grad():
         for batch in stream:
             inputs = to_device(batch.inputs, device)
+            if _image_like(inputs):
+                input_stats.update(inputs)
+                if example is None:
+                    example = inputs[:1]
             labels = None if batch.labels is None else batch.labels.to(device)
 
             # called within this iteration only: the defaults pin this batch for the linter
             def run_train(inputs: Any = inputs, batch: Any = batch) -> Any:
-                return _run(model, inputs, forward_fn, batch.index, norms, train=True)
+                return _run(model, inputs, forward_fn, batch.index, norms, train=True, grayscale=grayscale)
 
             def run_eval(inputs: Any = inputs, batch: Any = batch) -> Any:
                 with record_bn_inputs(hooked) as stats:
-                    out = _run(model, inputs, forward_fn, batch.index, norms, train=False)
+                    out = _run(model, inputs, forward_fn, batch.index, norms, train=False, grayscale=grayscale)
                 for name, s in stats.items():
                     accumulated[name].merge(s.count, s.mean, s.m2)
                 return out
@@ -216,6 +267,7 @@ def measure_model_gap(
             if progress is not None:
                 progress(batches, stream.num_batches)
     layers = _drift(norms, accumulated, hooked)
+    labelled = totals.labelled
     report = GapReport(
         checkpoint=runnable.checkpoint.path,
         model=runnable.describe(),
@@ -236,12 +288,106 @@ def measure_model_gap(
         inspection=inspection,
         skipped=stream.skipped,
         non_finite={"train_mode": totals.non_finite_train, "eval_mode": totals.non_finite_eval},
+        labelled=labelled,
+        notes=list(getattr(stream, "notes", [])),
+        train_interval=wilson(totals.correct_train, labelled) if labelled else None,
+        eval_interval=wilson(totals.correct_eval, labelled) if labelled else None,
+        gap_interval=difference_interval(totals.correct_train, totals.correct_eval, labelled) if labelled else None,
     )
+    if input_stats.count >= 2:
+        report.input_mean = [float(v) for v in input_stats.mean.cpu()]
+        report.input_std = [math.sqrt(max(float(v), 0.0)) for v in input_stats.var.cpu()]
+    report.preprocessing_mismatch = _preprocessing_suspect(report, statistics_mature(runnable))
+    if report.preprocessing_mismatch and report.input_mean is not None and report.input_std is not None:
+        first_name = min((d for d in layers if d.drift is not None), key=lambda d: d.position).name
+        first = norms[first_name]
+        stats = accumulated[first_name]
+        implied = implied_input(
+            report.input_mean,
+            report.input_std,
+            _probe_first_layer(model, first, example, forward_fn),
+            stats.mean.cpu(),
+            stats.var.cpu(),
+            first.running_mean.detach().double().cpu(),
+            first.running_var.detach().double().cpu(),
+        )
+        if implied is not None:
+            report.implied_mean, report.implied_std = implied
     report.diagnosis = diagnose(report, scripted=runnable.scripted)
     return report
 
 
-def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict[str, Any], train: bool) -> Any:
+def _image_like(inputs: Any) -> bool:
+    """A floating tensor with a channel dimension (N, C, ...): its per-channel statistics
+    are the model's input statistics."""
+    return isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.dtype.is_floating_point
+
+
+def statistics_mature(runnable: Any) -> bool:
+    """No BN002 (reset) and no BN003 (immature) finding under the default configuration:
+    a project that ignores those rules in its reports must not turn a reset checkpoint
+    into a suspected input."""
+    codes = {f.code for f in audit_checkpoint(runnable.checkpoint, Config(), runnable.facts).findings}
+    return not codes & {"BN002", "BN003"}
+
+
+def _preprocessing_suspect(report: GapReport, mature: bool) -> bool:
+    """The preprocessing pattern of `bnaudit.runtime.attribution` on mature statistics."""
+    if not mature:
+        return False
+    measured = sorted((d for d in report.layers if d.drift is not None), key=lambda d: d.position)
+    if not measured or measured[0].position != 0:
+        return False
+    return first_layer_mismatch([d.large for d in measured], measured[0].broad)
+
+
+class _Reached(Exception):
+    """Raised by a pre-hook to stop a forward once the first BN layer has its input."""
+
+
+def _probe_first_layer(model: Any, first: Any, example: Any, forward_fn: Any) -> tuple[Any, Any] | None:
+    """The first BN layer's per-channel input mean for constant inputs 0, 1 and 2 (shape of
+    `example`), as (z0, z1 - z0); None when the path to it is not affine in the input
+    (z2 - z1 differs from z1 - z0) or the model cannot run on such inputs."""
+    if example is None:
+        return None
+    seen: list[Any] = []
+
+    def hook(_module: Any, args: tuple[Any, ...]) -> None:
+        x = args[0].detach().to(torch.float64)
+        seen.append(x.transpose(0, 1).reshape(x.shape[1], -1).mean(dim=1).cpu())
+        raise _Reached
+
+    handle = first.register_forward_pre_hook(hook)
+    try:
+        for value in (0.0, 1.0, 2.0):
+            batch = torch.full((2, *example.shape[1:]), value, dtype=example.dtype, device=example.device)
+            try:
+                forward(model, batch, forward_fn)
+            except _Reached:
+                pass
+    except Exception:
+        return None
+    finally:
+        handle.remove()
+    if len(seen) != 3:
+        return None
+    z0, z1, z2 = seen
+    step = z1 - z0
+    if not torch.allclose(z2 - z1, step, rtol=1e-3, atol=1e-6 * float(step.abs().max().clamp_min(1.0))):
+        return None
+    return z0.numpy(), step.numpy()
+
+
+def _run(
+    model: Any,
+    inputs: Any,
+    forward_fn: Any,
+    index: int,
+    norms: dict[str, Any],
+    train: bool,
+    grayscale: bool | None = None,
+) -> Any:
     """One forward in the requested mode; a failure names the layer and the shape it got."""
 
     def call() -> Any:
@@ -257,8 +403,9 @@ def _run(model: Any, inputs: Any, forward_fn: Any, index: int, norms: dict[str, 
     except Exception as exc:
         where = _locate_failure(model, call)
         mode = "train mode (batch statistics)" if train else "eval mode"
+        problem = input_problem(model, inputs, grayscale) if forward_fn is None else None
         raise BnauditError(
-            f"batch {index}: the model rejects the batch in {mode}: {where}{exception_line(exc)}"
+            f"batch {index}: the model rejects the batch in {mode}: {where}{problem or exception_line(exc)}"
         ) from None
     try:
         return output_tensor(output)
@@ -388,13 +535,10 @@ def _drift(norms: dict[str, Any], accumulated: dict[str, Any], hooked: dict[str,
                 )
             )
             continue
-        d = drift(
-            stats.mean.cpu(),
-            stats.var.cpu(),
-            mean_run.detach().double().cpu(),
-            var_run.detach().double().cpu(),
-            float(module.eps),
-        )
+        data_mean, data_var = stats.mean.cpu(), stats.var.cpu()
+        run_mean, run_var = mean_run.detach().double().cpu(), var_run.detach().double().cpu()
+        d = drift(data_mean, data_var, run_mean, run_var, float(module.eps))
+        scores = channel_scores(data_mean, data_var, run_mean, run_var, float(module.eps))
         layers.append(
             LayerDrift(
                 name,
@@ -405,11 +549,32 @@ def _drift(norms: dict[str, Any], accumulated: dict[str, Any], hooked: dict[str,
                 d.mean_shift,
                 d.max_mean_shift,
                 d.var_log_ratio,
+                worst=scores.worst,
+                peak=scores.peak,
+                broad=scores.broad,
             )
         )
-    return sorted(
-        layers, key=lambda d: (d.drift is None, -(d.drift or 0.0) if d.drift is not None else 0.0, d.position)
-    )
+    return rank_layers(layers)
+
+
+def rank_layers(layers: list[LayerDrift]) -> list[LayerDrift]:
+    """Mark the origins (`bnaudit.runtime.attribution.find_origins`, forward order) and
+    rank: origins first in forward order, then measured layers by peak (largest first),
+    then the unmeasured ones."""
+    measured = sorted((d for d in layers if d.drift is not None), key=lambda d: d.position)
+    origins = find_origins([d.large for d in measured], [d.peak for d in measured])
+    marked = {d.name: replace(d, origin=o) for d, o in zip(measured, origins, strict=True)}
+    layers = [marked.get(d.name, d) for d in layers]
+
+    def key(d: LayerDrift) -> tuple[int, float, int]:
+        if d.drift is None:
+            return (2, 0.0, d.position)
+        if d.origin:
+            return (0, 0.0, d.position)
+        peak = d.peak if d.peak is not None else math.inf
+        return (1, -peak, d.position)
+
+    return sorted(layers, key=key)
 
 
 def _pct(x: float | None) -> str:
@@ -429,33 +594,25 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
     eval_loses = gap > GAP_NOTABLE if gap is not None else (agreement is not None and agreement < 1 - GAP_NOTABLE)
     eval_wins = gap is not None and gap < -GAP_NOTABLE
 
+    if report.preprocessing_mismatch:
+        lines.append(_preprocessing_line(report, ordered))
+
     if gap is not None:
         if eval_loses:
             lines.append(
                 f"Eval mode loses {gap * 100:.1f} accuracy points: {_pct(report.eval_accuracy)} with the stored "
-                f"statistics against {_pct(report.train_accuracy)} with batch statistics."
+                f"statistics against {_pct(report.train_accuracy)} with batch statistics{_gap_confidence(report)}."
             )
         elif eval_wins:
             lines.append(
                 f"Eval mode is {-gap * 100:.1f} points better than batch statistics "
-                f"({_pct(report.eval_accuracy)} against {_pct(report.train_accuracy)})."
+                f"({_pct(report.eval_accuracy)} against {_pct(report.train_accuracy)}){_gap_confidence(report)}."
             )
         else:
             lines.append(
                 f"Eval mode and batch statistics give the same accuracy within {GAP_NOTABLE * 100:.0f} point "
-                f"({_pct(report.eval_accuracy)} and {_pct(report.train_accuracy)})."
+                f"({_pct(report.eval_accuracy)} and {_pct(report.train_accuracy)}){_gap_confidence(report)}."
             )
-    elif agreement is not None:
-        lines.append(
-            f"No labels: the two modes agree on {_pct(agreement)} of the predictions "
-            f"(mean KL divergence {report.divergence:.3g})."
-        )
-    else:
-        lines.append(
-            f"No labels and no class scores: the outputs of the two modes differ by "
-            f"{report.divergence:.3g} (mean relative L2 distance)."
-        )
-
     reset = [f.layer for f in by_code.get("BN002", []) if f.layer]
     if reset:
         lines.append(
@@ -471,28 +628,38 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
         )
     dead = by_code.get("BN004", [])
     dead_layers = [f.layer for f in dead if f.layer]
-    if large and not reset and not immature:
-        first = large[0]
+    origins = [d for d in ordered if d.origin]
+    if origins and not reset and not immature and not report.preprocessing_mismatch:
+        first = origins[0]
+        channel = _channel_words(first)
         if first.name in dead_layers:
             lines.append(
                 f"Drift starts at {first.name}, where BN004 found channels with a running variance near eps: "
                 "the data reaching them still varies, so eval mode multiplies it by their eval gain. "
-                "Recalibrate the statistics on representative data (or prune the channels)."
+                f"Recalibrate the statistics on representative data (or prune the channels).{channel}"
             )
         elif first.position == ordered[0].position:
             holds = " while batch statistics keep the accuracy" if eval_loses else ""
             lines.append(
                 f"Drift is large from the first BN layer on ({first.name}: mean shift {first.mean_shift:.2f}, "
-                f"variance log-ratio {first.var_log_ratio:.2f}){holds}: the stored statistics do not describe "
-                "this data (immature, or computed on other data). Recalibrate on representative data."
+                f"variance log-ratio {first.var_log_ratio:.2f}){holds}: the stored statistics do not "
+                f"describe this data (immature, or computed on other data). Recalibrate on representative data.{channel}"
             )
         else:
             before = ordered[: ordered.index(first)]
-            lines.append(
-                f"Drift starts at {first.name} (BN layer {first.position + 1}; the {plural(len(before), 'layer')} before "
-                f"it {'matches' if len(before) == 1 else 'match'} the data): a domain shift that shows from this depth on, or layers before it changed "
-                "after its statistics were recorded. Recalibrate on data of the target domain (AdaBN-style)."
+            later = len([d for d in ordered if d.large and d.position > first.position])
+            inherits = (
+                f"; the {plural(later, 'large layer')} after it inherit{'s' if later == 1 else ''} its drift"
+                if later
+                else ""
             )
+            lines.append(
+                f"Drift starts at {first.name} (BN layer {first.position + 1}; the {plural(len(before), 'layer')} "
+                f"before it {'matches' if len(before) == 1 else 'match'} the data{inherits}): a domain shift that "
+                "shows from this depth on, a broken statistic, or layers before it changed after its statistics were "
+                f"recorded. Recalibrate on data of the target domain (AdaBN-style).{channel}"
+            )
+        large = origins
     if dead_layers and not (large and large[0].name in dead_layers):
         lines.append(
             f"Dead channels (BN004) in {layer_list(dead_layers)}: running variance near eps, so eval mode "
@@ -533,6 +700,67 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
     return lines
 
 
+def _gap_confidence(report: GapReport) -> str:
+    """The sample count and the gap's 95% interval; "not significant" when it contains 0."""
+    if report.gap_interval is None:
+        return ""
+    low, high = report.gap_interval
+    words = (
+        f". Over {report.labelled} labelled samples the gap's 95% interval is {low * 100:+.1f} to "
+        f"{high * 100:+.1f} points"
+    )
+    if not report.gap_significant and abs(report.gap or 0.0) > GAP_NOTABLE:
+        return words + ": not significant, more labelled samples would tell"
+    return words
+
+
+def _channel_words(layer: LayerDrift) -> str:
+    """The worst channel of a layer in words: index, data against running statistics."""
+    if not layer.worst:
+        return ""
+    c = layer.worst[0]
+    return (
+        f" Worst channel of {layer.name}: {c.index} (data mean {c.data_mean:.3g}, variance {c.data_var:.3g} "
+        f"against running mean {c.running_mean:.3g}, variance {c.running_var:.3g}: shift {c.shift:.3g}, "
+        f"|log variance ratio| {c.log_var_ratio:.3g})."
+    )
+
+
+def _values(values: list[float] | None) -> str:
+    if not values:
+        return "?"
+    shown = ", ".join(f"{v:.3g}" for v in values[:4])
+    return shown + (f", ... ({len(values)} channels)" if len(values) > 4 else "")
+
+
+def _preprocessing_line(report: GapReport, ordered: list[LayerDrift]) -> str:
+    first = ordered[0]
+    later = ordered[1:]
+    persists = (
+        f", the drift persists through {sum(d.large for d in later)} of the {len(later)} later layers" if later else ""
+    )
+    text = (
+        f"Suspect the input preprocessing before the statistics: the first BN layer ({first.name}) already sees "
+        f"data unlike training in {first.broad * 100:.0f}% of its channels (mean shift {first.mean_shift:.2f}, "
+        f"variance log-ratio {first.var_log_ratio:.2f}){persists}, and inspect finds the stored statistics "
+        "mature."
+    )
+    if report.input_mean is not None:
+        text += f" Input per channel: mean {_values(report.input_mean)}, std {_values(report.input_std)}"
+        if report.implied_mean is not None:
+            text += (
+                f"; {first.name}'s running statistics imply about mean {_values(report.implied_mean)}, "
+                f"std {_values(report.implied_std)}"
+            )
+        text += "."
+    return text + (
+        " Check --mean/--std, the value scale (0-1 or 0-255), the channel order (RGB/BGR) and the image size "
+        "against the training pipeline; re-estimating the statistics on these inputs would fit them to the "
+        "mismatch and hurt correctly preprocessed data. Only if the preprocessing matches training were the "
+        f"statistics of {first.name} computed on other data."
+    )
+
+
 def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
@@ -550,10 +778,12 @@ def measure_gap(
     config: Config | None = None,
     progress: Callable[[int, int], None] | None = None,
     max_gap: float | None = None,
+    strict: bool = False,
 ) -> GapReport:
     """Load the model and the data (`options`: a `bnaudit.DataOptions`) and measure the gap
     (see the module docstring). `config` (None: the defaults) decides which inspect findings
-    the report carries; `max_gap` is stored on the report for `GapReport.exit_code`.
+    the report carries; `max_gap` and `strict` (a gap that is not significant fails too)
+    are stored on the report for `GapReport.exit_code`.
 
     >>> import bnaudit                                                      # doctest: +SKIP
     >>> bnaudit.measure_gap("model.pt", bnaudit.DataOptions(path="val.safetensors"),
@@ -571,6 +801,13 @@ def measure_gap(
         raise BnauditError(NEEDS_LABELS)
     report = measure_model_gap(runnable, stream, target, forward_fn, config, progress)
     report.max_gap = max_gap
+    report.strict = strict
+    if max_gap is not None and report.gap is not None and report.gap > max_gap and not report.gap_significant:
+        verdict = "fails with --strict" if strict else "passes (--strict would fail it)"
+        report.diagnosis.append(
+            f"The gap exceeds --max-gap {max_gap:g} but its 95% interval contains 0: not significant, so the "
+            f"check {verdict}."
+        )
     if max_gap is not None and report.gap is None:
         raise BnauditError(NEEDS_LABELS)
     return report

@@ -49,6 +49,7 @@ from bnaudit.formats.containers import (
 )
 from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.read import read_checkpoint
+from bnaudit.formats.shards import is_index
 from bnaudit.formats.sniff import sniff_format
 from bnaudit.runtime.norms import batchnorm_modules
 from bnaudit.text import exception_line, plural
@@ -317,6 +318,11 @@ def load_runnable(
         load_state(model, ckpt)
         model.eval()
         return RunnableModel(model, ckpt, facts, "arch", arch)
+    if is_index(checkpoint_path):
+        raise BnauditError(
+            f"{checkpoint_path}: a sharded checkpoint holds tensors, not a model: pass --arch MODULE:CALLABLE "
+            "(the function that builds the model)"
+        )
     fmt = sniff_format(checkpoint_path)
     if fmt == "torchscript":
         return _load_torchscript(checkpoint_path, key)

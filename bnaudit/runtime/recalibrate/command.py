@@ -29,8 +29,10 @@ from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.atomic import check_output
 from bnaudit.formats.write import check_writable, save_like, statistics_digests
+from bnaudit.runtime.attribution import BROAD_FRACTION, channel_scores, is_large
 from bnaudit.runtime.data import make_loader
-from bnaudit.runtime.gap import GapReport, measure_model_gap
+from bnaudit.runtime.gap import GapReport, measure_model_gap, statistics_mature
+from bnaudit.runtime.inputs import input_problem
 from bnaudit.runtime.models import (
     forward as run_forward,
 )
@@ -40,7 +42,7 @@ from bnaudit.runtime.models import (
     resolve_device,
     to_device,
 )
-from bnaudit.runtime.norms import SkippedLayer, classify_layers
+from bnaudit.runtime.norms import SkippedLayer, classify_layers, norm_modules
 from bnaudit.runtime.recalibrate.distributed import (
     device_for_rank,
     process_group,
@@ -158,12 +160,18 @@ def recalibrate_checkpoint(
     config: Config | None = None,
     progress: Callable[[int, int], None] | None = None,
     warn: Callable[[str], None] | None = None,
+    allow_input_mismatch: bool = False,
 ) -> RecalibrationReport | None:
     """Load the model, re-estimate its BN statistics on `options` (a `bnaudit.DataOptions`),
     write `output` (in the input's format unless its name says another: see
     `formats.write.output_format`), and report. `config` (None: the defaults) decides
     which inspect findings the --eval-data gap reports carry. Returns None on
     ranks other than 0 under torchrun (rank 0 writes and reports).
+
+    Before anything is written, `input_mismatch` compares the calibration data at the
+    first BN layer with its stored statistics; a mature checkpoint whose first layer
+    disagrees is refused (wrong preprocessing is the likelier cause) unless
+    `allow_input_mismatch`.
 
     >>> import bnaudit                                                        # doctest: +SKIP
     >>> bnaudit.recalibrate_checkpoint("model.pt", "model.recal.pt", bnaudit.DataOptions(path="calib/"),
@@ -227,9 +235,20 @@ def recalibrate_checkpoint(
                 eval_before = _measure(runnable, eval_data, target, forward_fn, config)
             model.to(target)
 
+            # --grayscale applies to image folders only: elsewhere it is no fix to suggest
+            grayscale = options.grayscale if getattr(stream.source, "is_images", False) else None
+
             def run(module: Any, batch: Any) -> Any:
-                inputs = batch.inputs if hasattr(batch, "inputs") else batch
-                return run_forward(module, to_device(inputs, target), forward_fn)
+                inputs = to_device(batch.inputs if hasattr(batch, "inputs") else batch, target)
+                try:
+                    return run_forward(module, inputs, forward_fn)
+                except Exception:
+                    problem = input_problem(module, inputs, grayscale) if forward_fn is None else None
+                    if problem is None:
+                        raise
+                    raise BnauditError(
+                        f"batch {getattr(batch, 'index', 0)}: the model rejects the batch: {problem}"
+                    ) from None
 
             calibration = recalibrate_module(
                 model,
@@ -255,6 +274,11 @@ def recalibrate_checkpoint(
                     + ")"
                     + (f"; does --forward {forward} call the model on the batch?" if unreached else "")
                 )
+            if not allow_input_mismatch:
+                # every rank holds the same merged statistics: all refuse alike
+                suspicion = input_mismatch(runnable, calibration)
+                if suspicion:
+                    raise BnauditError(suspicion)
             if rank != 0:
                 return None
             updates = {name: value for name, value in calibration.buffers().items() if name in ckpt.tensors}
@@ -304,6 +328,39 @@ def recalibrate_checkpoint(
                 eval_before=eval_before,
                 eval_after=eval_after,
             )
+
+
+def input_mismatch(runnable: Any, calibration: Calibration) -> str | None:
+    """Why the calibration data looks wrongly preprocessed, or None.
+
+    Only for mature statistics (`gap.statistics_mature`: no BN002 reset and no BN003 immature
+    under the default configuration, whatever the project ignores: those
+    describe no data, so any data disagrees with them). The first BN layer sees the input
+    after one linear stage; when it is large by `bnaudit.runtime.attribution.is_large`
+    on its channel means (mean shift or variance log-ratio >= DRIFT_LARGE) and at least
+    BROAD_FRACTION of its channels drift, the calibration data differs from the training
+    data at the input, and statistics fitted to it would break correctly preprocessed data.
+    """
+    norms = norm_modules(runnable.module)
+    if not norms:
+        return None
+    first_name = next(iter(norms))
+    layer = next((x for x in calibration.layers if x.name == first_name), None)
+    if layer is None:
+        return None
+    if not statistics_mature(runnable):
+        return None
+    d = drift(layer.data_mean, layer.data_var, layer.old_mean, layer.old_var, layer.eps)
+    scores = channel_scores(layer.data_mean, layer.data_var, layer.old_mean, layer.old_var, layer.eps)
+    if not is_large(d.mean_shift, d.var_log_ratio, None) or scores.broad < BROAD_FRACTION:
+        return None
+    return (
+        f"not written: the calibration data disagrees with the mature statistics of the first BN layer "
+        f"{first_name} in {scores.broad * 100:.0f}% of its channels (mean shift {d.mean_shift:.2f}, variance "
+        f"log-ratio {d.var_log_ratio:.2f}): the data is likelier preprocessed differently from training "
+        "(--mean/--std, 0-255 scale, channel order) than the statistics stale; check with `bnaudit gap`, or "
+        "pass --allow-input-mismatch if this data is what the model will see"
+    )
 
 
 def protect_inputs(output: str, inputs: Iterable[tuple[str, str | None]]) -> None:
