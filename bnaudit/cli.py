@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from bnaudit import __version__, fastcli, output
-from bnaudit.errors import BnauditError
+from bnaudit.errors import BnauditError, OutputClosed
 
 if TYPE_CHECKING:
     from bnaudit.runtime.data import DataOptions
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 # typer would import pydantic to convert each option; plain ones do not need it. On a
 # typer other than the one fastcli was written for this patches nothing (plain typer).
 fastcli.install()
+fastcli.metavars_as_given()
 
 _APP_SETTINGS: dict[str, Any] = dict(
     name="bnaudit",
@@ -34,6 +35,8 @@ _APP_SETTINGS: dict[str, Any] = dict(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    # help uses the terminal's whole width (click's default stops at 80 columns)
+    context_settings={"max_content_width": 10_000},
 )
 app = typer.Typer(**_APP_SETTINGS)
 
@@ -81,8 +84,8 @@ def user_errors(debug: bool, json_output: bool = False) -> Iterator[None]:
     except KeyboardInterrupt:
         output.emit_interrupted(sys.stderr)
         raise typer.Exit(130) from None
-    except typer.Exit:
-        raise
+    except (typer.Exit, OutputClosed):
+        raise  # OutputClosed: the reader left (`| head`); main() ends quietly
     except Exception as exc:  # a bug: one line unless the user asks for the traceback
         if debug:
             raise
@@ -159,7 +162,18 @@ def inspect(
             "--trust-pickle", help="Unpickle arbitrary classes: runs code from the file. Only for files you trust."
         ),
     ] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the summary line and errors.")] = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet", "-q", help="One line per finding (path: layer: CODE name: message) and the summary line."
+        ),
+    ] = False,
+    all_layers: Annotated[
+        bool,
+        typer.Option(
+            "--layers", help="With several files: a layer table for every file, not only those with findings."
+        ),
+    ] = False,
     debug: DebugOpt = False,
     arch: Annotated[
         Optional[str],
@@ -195,8 +209,8 @@ def inspect(
             paths, config, key=key, trust_pickle=trust_pickle, arch=arch, arch_kwargs=arch_kwargs, debug=debug
         )
         # emitting stays inside the boundary: the values it prints come from the files
-        output.emit(report, output_format.value, sys.stdout, quiet=quiet)
-    output.emit_diagnostics(report, sys.stderr)
+        output.emit(report, output_format.value, sys.stdout, quiet=quiet, all_layers=all_layers)
+    output.emit_diagnostics(report, sys.stderr, output_format.value)
     raise typer.Exit(report.exit_code(exit_zero=exit_zero))
 
 
@@ -212,11 +226,25 @@ def rules_command(
     code: Annotated[
         Optional[str], typer.Argument(metavar="[CODE]", help="A rule code, e.g. BN004: explain that rule.")
     ] = None,
+    config_file: Annotated[
+        Optional[str],
+        typer.Option(
+            "--config",
+            metavar="PATH",
+            help="Read this configuration file instead of the nearest bnaudit.toml / pyproject.toml [tool.bnaudit].",
+        ),
+    ] = None,
+    isolated: Annotated[bool, typer.Option("--isolated", help="Read no configuration file.")] = False,
     debug: DebugOpt = False,
 ) -> None:
     """List the rules, or explain one: what it detects, why it matters, how to fix and silence it."""
+    from bnaudit.audit.rules import RULES
+    from bnaudit.config import load_config
+
     with user_errors(debug):
-        output.render_rules(sys.stdout, code)
+        # severities as this project's configuration sets them
+        config = load_config(config_file=config_file, isolated=isolated, rule_codes=RULES)
+        output.render_rules(sys.stdout, code, overrides=config.severity)
 
 
 # ----------------------------------------------------------------------------- gap
@@ -691,21 +719,75 @@ def diff_command(
 
 
 def main() -> None:
+    """The `bnaudit` executable: one line for a usage error, quiet when the reader of
+    stdout goes away, the command's exit code otherwise."""
+    try:
+        code = _dispatch()
+    except OutputClosed:
+        # `bnaudit inspect ... | head -1`: the reader has what it wanted. Point stdout at
+        # devnull so that the interpreter's final flush cannot fail a second time.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        code = 0
+    sys.exit(code)
+
+
+def usage_error_line(exc: Exception) -> str:
+    """A command-line parsing error as one line: the option and the problem, in our words
+    (no validator prefix such as "Value error, "), and where the help is."""
+    import re
+
+    message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+    message = message.replace("Value error, ", "")
+    for pattern, words in (
+        (r"Input should be a valid number, unable to parse string as a number", "expected a number"),
+        (r"Input should be a valid integer, unable to parse string as an integer", "expected a whole number"),
+        (r"Input should be a valid integer, got a number with a fractional part", "expected a whole number"),
+    ):
+        message = re.sub(pattern, words, message)
+    message = re.sub(r"^Invalid value for '([^']+)': ", r"\1: ", message).rstrip(".")
+    ctx = getattr(exc, "ctx", None)
+    path = getattr(ctx, "command_path", None) or "bnaudit"
+    return f"{message} (see {path} --help)"
+
+
+def _dispatch() -> int:
+    """Run the command line; the exit code."""
+    command = _command()
+    try:
+        result = command.main(prog_name="bnaudit", standalone_mode=False)
+    except typer.Exit as exc:
+        return int(exc.exit_code)
+    except typer.Abort:
+        output.emit_interrupted(sys.stderr)
+        return 130
+    except Exception as exc:
+        # typer's parser errors (UsageError, BadParameter, NoSuchOption, ...): their base
+        # class is not public, but every one carries an exit code and a message
+        if type(exc).__module__.startswith("typer.") and hasattr(exc, "exit_code"):
+            if type(exc).__name__ == "NoArgsIsHelpError" and hasattr(exc, "show"):
+                exc.show()  # `bnaudit` alone: the help, as typer prints it
+            else:
+                output.emit_error(usage_error_line(exc), sys.stderr)
+            return int(exc.exit_code)
+        raise
+    return result if isinstance(result, int) else 0
+
+
+def _command() -> Any:
     # typer builds the options of every command before it runs one (gap and recalibrate
     # have dozens: 6 ms of each pre-commit run of inspect). When the first argument names
     # a command, the group is built with that command alone; anything else (--help, a
     # typo that deserves "did you mean") gets the whole group. The lean group is built
     # from typer internals, so only on the typer they were checked against (fastcli).
     if not fastcli.lean_group_supported(app):
-        app(prog_name="bnaudit")
-        return
+        return typer.main.get_command(app)
     named = [c for c in app.registered_commands if len(sys.argv) > 1 and _command_name(c) == sys.argv[1]]
     if not named:
-        app(prog_name="bnaudit")
-        return
+        return typer.main.get_command(app)
     lean = typer.Typer(**_APP_SETTINGS)
     lean.registered_callback, lean.registered_commands = app.registered_callback, named
-    typer.main.get_group(lean)(prog_name="bnaudit")  # a group even with one command, as the full app
+    return typer.main.get_group(lean)  # a group even with one command, as the full app
 
 
 def _command_name(info: typer.models.CommandInfo) -> str:

@@ -48,10 +48,12 @@ class Config:
 
     near_eps_factor  BN004 fires for channels with running_var < near_eps_factor * eps
     max_gain         BN004 is a warning when some such channel's eval gain >= max_gain
+    max_live_gain    BN004 is an error when a live channel's eval gain > max_live_gain
     max_init_weight  BN003 fires when (1 - momentum)^num_batches_tracked > max_init_weight
     eps, momentum    used where the file holds no modules (None: PyTorch's 1e-5, 0.1)
     select, ignore   rule-code prefixes: run only the selected rules, minus the ignored
     per_layer_ignores  layer-name glob -> rule-code prefixes not reported for those layers
+    severity         rule code -> the severity every finding of that rule is reported at
     exclude          file globs not audited (see `Config.excludes`)
     expect_frozen    diff: layer-name globs that must not change (BN101 error, BN105)
     expect_trained   diff: layer-name globs whose weights must change (BN105)
@@ -64,11 +66,13 @@ class Config:
     near_eps_factor: float = 10.0
     max_gain: float = 100.0
     max_init_weight: float = 0.05
+    max_live_gain: float = 100.0
     eps: float | None = None
     momentum: float | None = None
     select: tuple[str, ...] = ()
     ignore: tuple[str, ...] = ()
     per_layer_ignores: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    severity: dict[str, str] = field(default_factory=dict)
     exclude: tuple[str, ...] = ()
     expect_frozen: tuple[str, ...] = ()
     expect_trained: tuple[str, ...] = ()
@@ -81,11 +85,13 @@ class Config:
             "near-eps-factor": self.near_eps_factor,
             "max-gain": self.max_gain,
             "max-init-weight": self.max_init_weight,
+            "max-live-gain": self.max_live_gain,
             "eps": self.eps,
             "momentum": self.momentum,
             "select": list(self.select),
             "ignore": list(self.ignore),
             "per-layer-ignores": {k: list(v) for k, v in self.per_layer_ignores.items()},
+            "severity": dict(self.severity),
             "exclude": list(self.exclude),
             "expect-frozen": list(self.expect_frozen),
             "expect-trained": list(self.expect_trained),
@@ -105,8 +111,12 @@ class Config:
         `*.tmp.pt` exclude those names in every folder. Files named on the command line
         are excluded too, so a pre-commit hook, which names every staged file, honours it.
         """
+        return self.exclusion(path) is not None
+
+    def exclusion(self, path: str) -> str | None:
+        """The `exclude` glob that removes `path` (see `excludes`), or None."""
         if not self.exclude:
-            return False
+            return None
         absolute = os.path.abspath(path)
         relative = os.path.relpath(absolute, self.root)
         if relative == ".." or relative.startswith(".." + os.sep):
@@ -115,10 +125,10 @@ class Config:
         parts = posix.split("/")
         for pattern in self.exclude:
             if fnmatchcase(posix, pattern):
-                return True
+                return pattern
             if "/" not in pattern and any(fnmatchcase(part, pattern) for part in parts):
-                return True
-        return False
+                return pattern
+        return None
 
 
 # ----------------------------------------------------------------------------- keys
@@ -211,6 +221,23 @@ def _per_layer_ignores(value: Any, known: Collection[str]) -> dict[str, tuple[st
     return parsed
 
 
+def _severity_overrides(value: Any, known: Collection[str]) -> dict[str, str]:
+    """`{BN004 = "error"}`: exact rule codes (a prefix would silently re-rate rules added
+    later) mapped to a severity."""
+    if not isinstance(value, dict):
+        raise ValueError(f'expected a table of rule codes to severities, e.g. {{BN004 = "error"}}, got {value!r}')
+    parsed: dict[str, str] = {}
+    for code, severity in value.items():
+        upper = code.strip().upper()
+        if upper not in known:
+            raise ValueError(f"unknown rule code {code!r} (known: {', '.join(known)})")
+        try:
+            parsed[upper] = _severity(severity)
+        except ValueError as exc:
+            raise ValueError(f"{code}: {exc}") from None
+    return parsed
+
+
 def _globs(value: Any) -> tuple[str, ...]:
     return _strings(value, "file globs")
 
@@ -250,6 +277,12 @@ KEYS: dict[str, Key] = {
             "BN003: fires when the initial values still weigh (1-momentum)^t above this fraction",
         ),
         Key(
+            "max-live-gain",
+            "max_live_gain",
+            _ignoring_codes(_positive),
+            "BN004: error when a live near-eps channel (|running_mean| >= sqrt(var+eps)) has an eval gain above this",
+        ),
+        Key(
             "eps",
             "eps",
             _ignoring_codes(_positive),
@@ -273,6 +306,12 @@ KEYS: dict[str, Key] = {
             "per_layer_ignores",
             _per_layer_ignores,
             'layer-name glob -> rules not reported for matching layers, e.g. {"backbone.*" = ["BN003"]}',
+        ),
+        Key(
+            "severity",
+            "severity",
+            _severity_overrides,
+            'rule code -> the severity its findings are reported at, e.g. {BN004 = "error"}',
         ),
         Key(
             "exclude",

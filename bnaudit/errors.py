@@ -13,3 +13,11 @@ class BnauditError(Exception):
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(message.split()))
+
+
+class OutputClosed(Exception):
+    """The reader of the report went away (`bnaudit inspect ... | head -1`).
+
+    Not an OSError: typer turns a broken pipe into exit code 1 on its own, while the
+    CLI's entry point ends quietly with 0 (the reader has what it wanted).
+    """

@@ -166,6 +166,39 @@ def lean_group_supported(app: Any) -> bool:
     )
 
 
+def metavars_as_given() -> bool:
+    """Show an argument's metavar as written ("PATHS...") in help and usage lines.
+
+    typer 0.29 appends the Python type to an argument's metavar in help ("PATHS...
+    <list[str]>") and wraps it in braces in the usage line ("{PATHS...}..."): words about
+    our code, not about what to type. Only on the typer this was checked against; True
+    when applied (idempotent).
+    """
+    if not typer_is_tested_version():
+        return False
+    from typer import core
+
+    argument = getattr(core, "TyperArgument", None)
+    if argument is None or not all(hasattr(argument, n) for n in ("display_type_rich", "_usage_display_name")):
+        return False
+    if getattr(argument.display_type_rich, "_bnaudit_metavar", False):
+        return True
+    type_of, usage_of = argument.display_type_rich, argument._usage_display_name
+
+    def display_type_rich(self: Any, ctx: Any) -> Any:
+        return None if self.metavar is not None else type_of(self, ctx)
+
+    def usage_display_name(self: Any) -> Any:
+        if self.metavar is None:
+            return usage_of(self)
+        return self.metavar if self.required else f"[{self.metavar}]"
+
+    display_type_rich._bnaudit_metavar = True  # type: ignore[attr-defined]
+    argument.display_type_rich = display_type_rich
+    argument._usage_display_name = usage_display_name
+    return True
+
+
 def install() -> bool:
     """Route plain parameters of every typer command through the fast path.
 

@@ -242,11 +242,19 @@ def test_configuration_error_is_one_line_and_exit_2(cli, tmp_path, monkeypatch):
 
 @pytest.fixture
 def two_layer_checkpoint(tmp_path):
-    """backbone.0.bn and head.bn, both immature (t = 3: 0.9^3 = 72.9% > 5%, BN003), and
-    head.bn with one channel at var 0 (BN004, gain 1/sqrt(1e-5) = 316 >= 100: warning)."""
+    """backbone.0.bn and head.bn, both immature (t = 10: 0.9^10 = 34.9%, between 5% and 50%:
+    a BN003 warning), and head.bn with one dead channel at mean 0, var 0 (BN004, gain
+    1/sqrt(1e-5) = 316 >= 100: warning)."""
     state = {
-        **bn_entries("backbone.0.bn", 4, counter=3),
-        **bn_entries("head.bn", 4, var=torch.tensor([0.0, 1.0, 1.0, 1.0]), weight=torch.ones(4), counter=3),
+        **bn_entries("backbone.0.bn", 4, counter=10),
+        **bn_entries(
+            "head.bn",
+            4,
+            mean=torch.tensor([0.0, 0.1, -0.2, 0.3]),
+            var=torch.tensor([0.0, 1.0, 1.0, 1.0]),
+            weight=torch.ones(4),
+            counter=10,
+        ),
     }
     return save_torch(state, tmp_path / "model.pt")
 
@@ -314,8 +322,23 @@ def test_exclude_globs_are_relative_to_the_configuration_file(cli, tmp_path, mon
         save_torch(bn_entries("bn", 4), tmp_path / rel)
     monkeypatch.chdir(tmp_path / "models")  # the configuration is one folder up
     doc = json.loads(cli("inspect", ".", os.path.join("..", "runs", "a.pt"), "--format", "json").stdout)
-    assert [f["path"] for f in doc["files"]] == [os.path.join(".", "good.pt")]
+    # audited: good.pt; named on the command line but excluded: reported as such, not read
+    assert [(f["path"], f["excluded"]) for f in doc["files"]] == [
+        (os.path.join(".", "good.pt"), None),
+        (
+            os.path.join("..", "runs", "a.pt"),
+            f'excluded by the configuration (exclude "runs/*" in {tmp_path / "pyproject.toml"})',
+        ),
+    ]
+    assert doc["files"][1]["layers"] == [] and doc["summary"]["files"] == 1 and doc["summary"]["excluded"] == 1
     assert doc["config"]["exclude"] == ["runs/*", "*.tmp.pt", "scratch"]
+    table = cli("inspect", os.path.join("..", "runs", "a.pt"), "-q")
+    assert table.exit_code == 0
+    assert table.stdout.splitlines() == [
+        f'{os.path.join("..", "runs", "a.pt")}: excluded by the configuration (exclude "runs/*" in '
+        f"{tmp_path / 'pyproject.toml'})",
+        "0 files, 0 BN layers: 0 errors, 0 warnings, 0 infos, 1 excluded file",
+    ]
 
 
 def test_excludes_matches_components_and_relative_paths(tmp_path):
@@ -343,10 +366,15 @@ def test_exit_codes_with_fail_on_from_the_file_and_exit_zero(cli, tmp_path, monk
     assert cli("inspect", two_layer_checkpoint, str(broken), "--exit-zero").exit_code == 2
 
 
-def test_quiet_prints_summary_and_errors_only(cli, tmp_path, two_layer_checkpoint):
+def test_quiet_prints_one_line_per_finding_errors_and_the_summary(cli, tmp_path, two_layer_checkpoint):
     broken = write(tmp_path / "broken.pt", "not a checkpoint")
     result = cli("inspect", two_layer_checkpoint, str(broken), "--quiet", "--isolated")
     lines = result.stdout.strip().splitlines()
-    assert lines[0].startswith(f"{broken}: error: ")
-    assert lines[1:] == ["2 file(s), 2 BN layer(s): 0 error(s), 3 warning(s), 0 info(s), 1 unreadable file(s)"]
+    doc = json.loads(cli("inspect", two_layer_checkpoint, str(broken), "--format", "json", "--isolated").stdout)
+    findings = doc["files"][0]["findings"]
+    assert lines[:3] == [
+        f"{two_layer_checkpoint}: {f['layer']}: {f['code']} {f['name']}: {f['message']}" for f in findings
+    ]
+    assert lines[3:] == ["2 files, 2 BN layers: 0 errors, 3 warnings, 0 infos, 1 unreadable file"]
+    assert result.stderr.splitlines() == [f"bnaudit: error: {broken}: {doc['files'][1]['error']}"]
     assert result.exit_code == 2

@@ -319,7 +319,7 @@ def test_channel_count_mismatch_names_both_counts_and_the_option(cli, tmp_path, 
     extra = ("-o", str(tmp_path / "out.pt")) if command == "recalibrate" else ()
     rgb = cli(command, HEALTHY, "--arch", ARCH, "--data", IMAGES, *extra)
     assert rgb.exit_code == 2
-    assert "the inputs have 3 channel(s) but the model's first layer features.0 expects 1: pass --grayscale" in (
+    assert "the inputs have 3 channels but the model's first layer features.0 expects 1: pass --grayscale" in (
         rgb.stderr
     )
     assert len(rgb.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.pt").exists()

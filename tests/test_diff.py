@@ -241,8 +241,8 @@ def test_activation_checkpointing_counts_twice(tmp_path, digits, use_reentrant):
     assert {d.name: d.batches_change for d in report.layers} == increments
     [finding] = [f for f in report.findings if f.code == "BN104"]
     assert finding.severity == "warning" and finding.layer is None
-    assert "+15 in 2 layer(s) (blocks.0.*, blocks.2.*)" in finding.message
-    assert "+30 in 1 layer(s) (blocks.1.*): exactly 2x" in finding.message
+    assert "+15 in 2 layers (blocks.0.*, blocks.2.*)" in finding.message
+    assert "+30 in 1 layer (blocks.1.*): exactly 2x" in finding.message
 
 
 def test_recalibrate_output_against_its_input_is_re_estimated_with_provenance(tmp_path):
@@ -338,7 +338,7 @@ def test_cli_exit_codes_and_config_keys(frozen_pair, tmp_path, cli, monkeypatch)
     assert cli("diff", a, b, "--isolated", "--fail-on", "error", "--expect-frozen", "features.*").exit_code == 1
     assert cli("diff", a, b, "--isolated", "--ignore", "BN101").exit_code == 0
     table = cli("diff", a, b, "--isolated", width=100).stdout
-    assert "frozen but updating: 2 layer(s), features.*" in table and "trained: 1 layer(s), head.*" in table
+    assert "frozen but updating: 2 layers, features.*" in table and "trained: 1 layer, head.*" in table
     (tmp_path / "pyproject.toml").write_text('[tool.bnaudit]\nfail-on = "error"\nexpect-frozen = ["features.*"]\n')
     monkeypatch.chdir(tmp_path)
     result = cli("diff", a, b, "--format", "json")

@@ -306,7 +306,7 @@ def test_a_non_weight_file_named_explicitly_is_one_line_and_exit_0(tmp_path, tra
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert lines[0].startswith(f"{folder / name}: skipped: ") and lines[0].endswith(": not model weights")
-    assert lines[1] == "1 file(s), 0 BN layer(s): 0 error(s), 0 warning(s), 0 info(s), 1 skipped (not model weights)"
+    assert lines[1] == "1 file, 0 BN layers: 0 errors, 0 warnings, 0 infos, 1 skipped (not model weights)"
     assert result.stderr == ""
 
 

@@ -332,8 +332,10 @@ def test_arch_errors_are_one_line(pkg, tmp_path, arch, kwargs, fragment):
     result = CliRunner().invoke(app, args + ["--format", "json"])
     assert result.exit_code == 2, result.output
     assert fragment in json.loads(result.stdout)["error"]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bnaudit: error:") and fragment in lines[0]
+    assert result.stderr == ""  # said once: in the document
+    table = CliRunner().invoke(app, args)
+    lines = table.stderr.strip().splitlines()
+    assert table.stdout == "" and len(lines) == 1 and lines[0].startswith("bnaudit: error:") and fragment in lines[0]
 
 
 # ----------------------------------------------------------------------------- running

@@ -117,7 +117,7 @@ def test_hook_blocks_a_broken_checkpoint_and_passes_healthy_ones(project, env, t
     assert "Failed" in output and "exit code: 1" in output
     assert "models/finetuned.pt" in output and "BN002 initial-values" in output and "head.bn" in output
     # both staged checkpoints (the suffix matched in any case) went to one bnaudit call
-    assert "2 file(s), 4 BN layer(s): 1 error(s), 0 warning(s), 0 info(s)" in output
+    assert "2 files, 4 BN layers: 1 error, 0 warnings, 0 infos" in output
     assert commit_count(project, env) == 2  # the commit did not happen
 
     # pre-commit cloned the hook repository and built no environment for it
@@ -142,6 +142,25 @@ def test_hook_honours_the_projects_configuration(project, env):
     assert bad.returncode != 0
     assert "pyproject.toml [tool.bnaudit]: max-gain: expected a positive number, got -1" in output
     assert "exit code: 2" in output
+
+
+def test_quiet_hook_names_the_file_layer_and_rule_that_failed(project, env):
+    config = (project / ".pre-commit-config.yaml").read_text()
+    (project / ".pre-commit-config.yaml").write_text(config + "        args: [-q]\n")
+    git(project, env, "add", ".pre-commit-config.yaml")
+    git(project, env, "commit", "-q", "-m", "quiet hook")
+    save_torch(reset_state(), project / "models" / "finetuned.pt")
+    save_safetensors(healthy_state(), project / "models" / "healthy.safetensors")
+    git(project, env, "add", "-A")
+    blocked = run(["git", "commit", "-m", "broken"], project, env)
+    output = blocked.stdout + blocked.stderr
+    assert blocked.returncode != 0, output
+    lines = output.splitlines()
+    (finding,) = [line for line in lines if "BN002" in line]
+    assert finding.startswith("models/finetuned.pt: head.bn: BN002 initial-values: running_mean is 0")
+    assert "2 files, 4 BN layers: 1 error, 0 warnings, 0 infos" in lines
+    assert not any("┃" in line for line in lines)  # no tables with -q
+    assert commit_count(project, env) == 2  # the config commit only: the broken one was blocked
 
 
 def test_hook_commits_a_trainer_folder_with_a_sharded_model(project, env):
@@ -181,7 +200,7 @@ def test_hook_commits_a_trainer_folder_with_a_sharded_model(project, env):
     # what the hook saw: the index (standing for both shards) and the two skipped files
     verbose = run([sys.executable, "-m", "pre_commit", "run", "--all-files", "--verbose"], project, env)
     assert verbose.returncode == 0, verbose.stdout + verbose.stderr
-    summary = "3 file(s), 2 BN layer(s): 0 error(s), 0 warning(s), 0 info(s), 2 skipped (not model weights)"
+    summary = "3 files, 2 BN layers: 0 errors, 0 warnings, 0 infos, 2 skipped (not model weights)"
     assert summary in verbose.stdout and "model-00001-of-00002" not in verbose.stdout
 
     index["weight_map"]["head.bn.weight"] = "../../elsewhere.safetensors"

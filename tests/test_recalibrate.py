@@ -559,7 +559,7 @@ def test_cli_table_shows_before_after_and_held_out_side_by_side(world: dict) -> 
     assert "method sequential: 150 samples in 3 batches of 64" in text
     assert "old -> new statistics" in text and "eval-mode accuracy" in text
     assert f"{world['reset_acc'] * 100:.1f}%" in text
-    assert f"wrote {out}: 3 layer(s) recalibrated" in text
+    assert f"wrote {out}: 3 layers recalibrated" in text
     assert "only 150 calibration samples" in result.stderr
 
 

@@ -93,7 +93,7 @@ def test_recalibrated_output_raises_no_bn003_or_bn010(cli, tmp_path, fmt, batche
 
     assert bn003_bn010(out) == []
     (file,) = inspect(str(out)).files
-    assert file.provenance.startswith("statistics of 3 layer(s) re-estimated by bnaudit recalibrate (method exact,")
+    assert file.provenance.startswith("statistics of 3 layers re-estimated by bnaudit recalibrate (method exact,")
     ckpt = read_checkpoint(str(out))
     assert [ckpt.tensors[f"{layer}.num_batches_tracked"].read() for layer in LAYERS] == [[batches]] * 3
     record = json.loads(ckpt.metadata["bnaudit"])
@@ -176,7 +176,7 @@ def test_forged_record_changes_nothing_but_the_note(cli, tmp_path, forge):
     assert bn003_bn010(forged) == bn003_bn010(source)
     (file,) = inspect(str(forged)).files
     if forge in ("copied", "no-digests"):
-        assert "names 3 layer(s) whose statistics it does not match" in file.provenance
+        assert "names 3 layers whose statistics it does not match" in file.provenance
     else:
         assert file.provenance == ""
 
@@ -218,7 +218,7 @@ def test_pickled_whole_module_carries_the_record_as_an_attribute(cli, tmp_path):
     assert result.exit_code == 0, result.output
     assert bn003_bn010(out) == []
     (file,) = inspect(str(out)).files
-    assert file.provenance.startswith("statistics of 1 layer(s) re-estimated")
+    assert file.provenance.startswith("statistics of 1 layer re-estimated")
     loaded = torch.load(out, weights_only=False)
     assert json.loads(loaded["model"].bnaudit_recalibration)["recalibrated_layers"] == ["1"]
     assert list(loaded) == ["model", "epoch"]

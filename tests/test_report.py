@@ -140,7 +140,7 @@ def test_emit_renders_an_inspect_report_in_each_format_without_the_runtime():
     printed = json.loads(proc.stdout)
     assert printed["loaded"] == []
     table = printed["table"].splitlines()
-    assert table[-1] == "1 file(s), 3 BN layer(s): 0 error(s), 0 warning(s), 0 info(s)"
+    assert table[-1] == "1 file, 3 BN layers: 0 errors, 0 warnings, 0 infos"
     assert max(map(len, table)) <= 100 and any(line.startswith("head.2 ") for line in table)
     document = json.loads(printed["json"])
     assert [layer["name"] for layer in document["files"][0]["layers"]] == ["features.1", "features.4", "head.2"]

@@ -117,13 +117,14 @@ def test_bn002_not_folded_when_one_layer_has_real_statistics(tmp_path):
 # BN003 ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("t", [1, 3, 10, 28, 29, 100])
+@pytest.mark.parametrize("t", [1, 3, 6, 7, 10, 28, 29, 100])
 def test_bn003_fires_iff_initial_weight_above_5_percent(tmp_path, t):
     weight = 0.9**t  # hand arithmetic: 0.9^28 = 5.23%, 0.9^29 = 4.71%
     found = [f for f in findings(tmp_path, bn_entries("a", 4, counter=t)) if f.code == "BN003"]
     if weight > 0.05:
         (f,) = found
-        assert f"{weight * 100:.1f}%" in f.message and f.severity == "warning"
+        # error from 50% on: 0.9^6 = 53.1% is an error, 0.9^7 = 47.8% a warning
+        assert f"{weight * 100:.1f}%" in f.message and f.severity == ("error" if t <= 6 else "warning")
     else:
         assert found == []
     assert (t <= 28) == bool(found)
@@ -168,7 +169,9 @@ def test_bn003_skipped_for_cumulative_momentum_none(tmp_path):
 def test_bn004_warning_with_eval_gain_316_for_a_dead_channel(tmp_path):
     var = torch.tensor([0.5, 0.0, 2e-5, 1.0])
     weight = torch.tensor([1.0, 1.0, 1.0, 1.0])
-    (f,) = findings(tmp_path, bn_entries("a", 4, var=var, weight=weight))
+    # dead: |mean| < sqrt(var + eps) (0.00316 and 0.00548), so plausible, not an error
+    mean = torch.tensor([0.3, 0.0, -0.005, 0.2])
+    (f,) = findings(tmp_path, bn_entries("a", 4, mean=mean, var=var, weight=weight))
     assert (f.code, f.severity, f.channels) == ("BN004", "warning", (1, 2))
     gain_1 = 1 / math.sqrt(0 + 1e-5)  # 316.2
     gain_2 = 1 / math.sqrt(2e-5 + 1e-5)  # 182.6
@@ -252,7 +255,7 @@ def test_bn010_uneven_counters_name_the_groups(tmp_path):
     }
     (f,) = findings(tmp_path, state)
     assert (f.code, f.severity, f.layer) == ("BN010", "info", None)
-    assert "5000 in 2 layer(s) (backbone.*)" in f.message and "800 in 1 layer(s) (head.*)" in f.message
+    assert "5000 in 2 layers (backbone.*)" in f.message and "800 in 1 layer (head.*)" in f.message
 
 
 def test_bn010_quiet_for_equal_counters_and_missing_counters(tmp_path):
@@ -266,11 +269,12 @@ def test_bn010_quiet_for_equal_counters_and_missing_counters(tmp_path):
 def test_select_ignore_and_per_layer_ignores_filter_findings(tmp_path):
     state = {
         **bn_entries("backbone.bn", 4, counter=3),
-        **bn_entries("head.bn", 4, counter=3, var=torch.tensor([0.0, 1, 1, 1])),
+        **bn_entries("head.bn", 4, counter=3, mean=torch.tensor([0.0, 1, 1, 1]), var=torch.tensor([0.0, 1, 1, 1])),
     }
     all_codes = codes(findings(tmp_path, state))
-    assert ("BN003", "warning", "backbone.bn") in all_codes and ("BN004", "warning", "head.bn") in all_codes
+    # 0.9^3 = 72.9% >= 50%: BN003 errors; head.bn's channel 0 is dead (mean 0): BN004 warns
+    assert ("BN003", "error", "backbone.bn") in all_codes and ("BN004", "warning", "head.bn") in all_codes
     assert {c for c, _, _ in codes(findings(tmp_path, state, Config(select=("BN004",))))} == {"BN004"}
     assert "BN003" not in {c for c, _, _ in codes(findings(tmp_path, state, Config(ignore=("BN003",))))}
     kept = codes(findings(tmp_path, state, Config(per_layer_ignores={"backbone.*": ("BN003",)})))
-    assert ("BN003", "warning", "backbone.bn") not in kept and ("BN003", "warning", "head.bn") in kept
+    assert ("BN003", "error", "backbone.bn") not in kept and ("BN003", "error", "head.bn") in kept

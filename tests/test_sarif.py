@@ -43,10 +43,11 @@ def workspace(tmp_path, monkeypatch):
     models = tmp_path / "models"
     models.mkdir()
     var = torch.tensor([0.0, 1.0, 1.0])
+    mean = torch.tensor([0.0, 0.5, -0.5])  # channel 0 dead: mean 0 and var 0
     save_torch(
         {
-            **bn_entries("a.bn", 3, var=var, weight=torch.ones(3), counter=100),
-            **bn_entries("b.bn", 3, var=var, weight=torch.ones(3), counter=100),
+            **bn_entries("a.bn", 3, mean=mean, var=var, weight=torch.ones(3), counter=100),
+            **bn_entries("b.bn", 3, mean=mean, var=var, weight=torch.ones(3), counter=100),
             **bn_entries("c.bn", 3, counter=1000),
         },
         models / "two bad.pt",
@@ -114,7 +115,7 @@ def test_driver_describes_bnaudit_and_every_rule(workspace):
         first = rule.severity.split("/")[0].strip()  # the rules list their worst severity first
         assert descriptor["defaultConfiguration"]["level"] == levels[first]
     by_id = {r["id"]: r for r in driver["rules"]}
-    assert by_id["BN004"]["defaultConfiguration"]["level"] == "warning"
+    assert by_id["BN004"]["defaultConfiguration"]["level"] == "error"  # a live channel's gain
     assert by_id["BN009"]["defaultConfiguration"]["level"] == "note"
     assert by_id["BN001"]["defaultConfiguration"]["level"] == "error"
 
@@ -139,7 +140,7 @@ def test_results_carry_rule_level_message_and_locations(workspace):
     a, b, counters = results
     assert a["locations"][0]["logicalLocations"] == [{"name": "a.bn", "fullyQualifiedName": "a.bn", "kind": "module"}]
     assert b["locations"][0]["logicalLocations"][0]["name"] == "b.bn"
-    assert a["message"]["text"].startswith("a.bn: 1 channel(s) with running_var < 10*eps")
+    assert a["message"]["text"].startswith("a.bn: 1 channel with running_var < 10*eps")
     assert a["properties"] == {"channels": [0]}
     assert "logicalLocations" not in counters["locations"][0]  # a file-level finding
     assert counters["message"]["text"].startswith("num_batches_tracked differs between layers")
@@ -194,3 +195,19 @@ def test_cli_format_sarif_and_exit_codes(cli, workspace, validator):
     assert cli("inspect", "models", "--format", "sarif").exit_code == 2
     named = cli("inspect", "models/junk.pt", "--format", "sarif", "--exit-zero")
     assert named.exit_code == 2 and validator.is_valid(json.loads(named.stdout))
+
+
+def test_severity_overrides_set_result_and_rule_levels(workspace):
+    # the configuration re-rates BN004 (warning by its own logic here) and BN010 (info)
+    config = Config(severity={"BN004": "info", "BN010": "error"})
+    run = sarif_of("models", config=config)["runs"][0]
+    assert [(r["ruleId"], r["level"]) for r in run["results"]] == [
+        ("BN004", "note"),
+        ("BN004", "note"),
+        ("BN010", "error"),
+    ]
+    by_id = {r["id"]: r for r in run["tool"]["driver"]["rules"]}
+    assert by_id["BN004"]["defaultConfiguration"]["level"] == "note"
+    assert by_id["BN010"]["defaultConfiguration"]["level"] == "error"
+    assert "configured severity: error" in by_id["BN010"]["help"]["text"]
+    assert run["properties"]["config"]["severity"] == {"BN004": "info", "BN010": "error"}

@@ -203,7 +203,11 @@ def test_layer_names_that_look_like_markup_are_printed_verbatim(cli, tmp_path):
 def test_main_answers_as_the_whole_typer_group(numpy_safetensors, args):
     args = [a.format(st=numpy_safetensors) for a in args]
     env = fast_path_env(COLUMNS="100")
-    whole = "import sys; from bnaudit.cli import app; sys.argv[0] = 'bnaudit'; app(prog_name='bnaudit')"
+    # the same entry point (one-line usage errors, exit codes) with typer's whole group
+    whole = (
+        "import sys; from bnaudit import cli, fastcli; sys.argv[0] = 'bnaudit'; "
+        "fastcli.lean_group_supported = lambda app: False; cli.main()"
+    )
     runs = [
         subprocess.run(
             [sys.executable, *launch, *args],

@@ -1,4 +1,4 @@
-"""`inspect`: path(s) -> checkpoint -> layers -> rules -> InspectReport.
+"""`inspect`: paths -> checkpoint -> layers -> rules -> InspectReport.
 
 A directory expands to every file under it whose name ends in a checkpoint suffix,
 plus shard indexes (a sharded checkpoint is audited once, through its index, also when
@@ -92,9 +92,7 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
         eps = config.eps if config.eps is not None else DEFAULT_EPS
         momentum = config.momentum if config.momentum is not None else DEFAULT_MOMENTUM
         given = "given" if config.eps is not None or config.momentum is not None else "assumed"
-        report.settings = (
-            f"eps {eps:g} and momentum {momentum:g} {given}: a state dict does not store them (set --eps/--momentum)"
-        )
+        report.settings = f"eps {eps:g} and momentum {momentum:g} {given} (not in a state dict; set --eps/--momentum)"
     return report
 
 
@@ -193,6 +191,10 @@ def inspect(
     for path, named, error in targets:
         if error is not None:
             files.append(FileReport(path, error=error))
+        elif named and (pattern := config.exclusion(path)) is not None:
+            # named explicitly: say so instead of auditing nothing in silence
+            where = f" in {config.source}" if config.source else ""
+            files.append(FileReport(path, excluded=f'excluded by the configuration (exclude "{pattern}"{where})'))
         elif path in kept and not config.excludes(path):
             report = audit_file(path, config, key=key, trust_pickle=trust_pickle, model=model, debug=debug, named=named)
             files.append(report)

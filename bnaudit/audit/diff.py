@@ -30,6 +30,7 @@ from bnaudit.config import DEFAULT_EPS, SEVERITIES, Config, severity_rank
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import Checkpoint, recalibration_record
 from bnaudit.formats.read import read_checkpoint
+from bnaudit.text import plural
 
 
 @dataclass(frozen=True)
@@ -92,19 +93,20 @@ class DiffReport:
         lines = []
         if by[FROZEN_BUT_UPDATING]:
             lines.append(
-                f"{len(by[FROZEN_BUT_UPDATING])} layer(s) ({describe_group(by[FROZEN_BUT_UPDATING], every)}) kept "
-                "their weights but updated their running statistics: they ran in training mode while "
+                f"{plural(len(by[FROZEN_BUT_UPDATING]), 'layer')} ({describe_group(by[FROZEN_BUT_UPDATING], every)}) "
+                "kept their weights but updated their running statistics: they ran in training mode while "
                 "frozen. Put frozen modules in eval() after every model.train(), or accept the new statistics."
             )
         if by[STALE]:
             lines.append(
-                f"{len(by[STALE])} layer(s) ({describe_group(by[STALE], every)}) have new weights but the "
+                f"{plural(len(by[STALE]), 'layer')} ({describe_group(by[STALE], every)}) "
+                f"{'has' if len(by[STALE]) == 1 else 'have'} new weights but the "
                 "old statistics: averaged (EMA/SWA) or edited weights; run update_bn or bnaudit recalibrate."
             )
         if by[RE_ESTIMATED]:
             how = f" by {self.provenance}" if self.provenance else ""
             lines.append(
-                f"{len(by[RE_ESTIMATED])} layer(s) ({describe_group(by[RE_ESTIMATED], every)}) had their "
+                f"{plural(len(by[RE_ESTIMATED]), 'layer')} ({describe_group(by[RE_ESTIMATED], every)}) had their "
                 f"statistics re-estimated{how}."
             )
         if any(f.code == "BN104" for f in self.findings):
@@ -115,7 +117,9 @@ class DiffReport:
         if any(f.code == "BN106" and f.severity == "error" for f in self.findings):
             lines.append("eps changed: side B evaluates another function than side A was trained as.")
         if by[TRAINED] and not lines:
-            lines.append(f"{len(by[TRAINED])} layer(s) trained normally (weights, statistics and counter moved).")
+            lines.append(
+                f"{plural(len(by[TRAINED]), 'layer')} trained normally (weights, statistics and counter moved)."
+            )
         if not self.layers:
             lines.append("No BN layer is present on both sides.")
         elif len(by[UNCHANGED]) == len(self.layers):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bnaudit.formats.model import Checkpoint, recalibration_record, statistics_digest
+from bnaudit.text import plural
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,13 @@ def recalibration_provenance(ckpt: Checkpoint) -> Provenance:
     note = ""
     if verified:
         note = (
-            f"statistics of {len(verified)} layer(s) re-estimated by bnaudit recalibrate "
+            f"statistics of {plural(len(verified), 'layer')} re-estimated by bnaudit recalibrate "
             f"(method {record.get('method')}, {record.get('samples')} samples, {record.get('date')})"
         )
     stale = len(claimed) - len(verified)
     if stale:
         note += ("; " if note else "") + (
-            f"a bnaudit recalibrate record names {stale} layer(s) whose statistics it does not match "
+            f"a bnaudit recalibrate record names {plural(stale, 'layer')} whose statistics it does not match "
             "(changed since, or a record from another file): audited as usual"
         )
     return Provenance(verified, note)

@@ -84,6 +84,8 @@ class FileReport:
     layers: list[LayerSummary] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     error: str | None = None
+    # Named on the command line but excluded by the configuration: why (not audited).
+    excluded: str | None = None
     # Recognisably not model weights (optimizer, scheduler, RNG state, training
     # arguments): what it is. Never audited, never an exit code.
     skipped: str | None = None
@@ -110,9 +112,12 @@ class InspectReport:
         return [f for file in self.files for f in file.findings]
 
     def summary(self) -> dict[str, int]:
+        """Counts; `files` are the files audited or unreadable, `excluded` those named on
+        the command line that the configuration's `exclude` left out."""
         counts = {s: sum(1 for f in self.findings if f.severity == s) for s in SEVERITIES}
         return {
-            "files": len(self.files),
+            "files": sum(1 for f in self.files if f.excluded is None),
+            "excluded": sum(1 for f in self.files if f.excluded is not None),
             "layers": sum(len(f.layers) for f in self.files),
             "errors": counts["error"],
             "warnings": counts["warning"],

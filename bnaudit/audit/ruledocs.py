@@ -26,9 +26,19 @@ def find_rule(code: str) -> Rule:
     return rule
 
 
-def worst_severity(rule: Rule) -> str:
-    """The highest severity a rule can report ("error / warning" -> "error")."""
+def worst_severity(rule: Rule, overrides: dict[str, str] | None = None) -> str:
+    """The highest severity a rule can report ("error / warning" -> "error"), or the one
+    the configuration's `severity` table sets for it."""
+    if overrides and rule.code in overrides:
+        return overrides[rule.code]
     return max((s.strip() for s in rule.severity.split("/")), key=SEVERITIES.index)
+
+
+def shown_severity(rule: Rule, overrides: dict[str, str] | None = None) -> str:
+    """The severity column of `bnaudit rules`: the default, or the configured one and the default."""
+    if overrides and rule.code in overrides:
+        return f"{overrides[rule.code]} (configured)"
+    return rule.severity
 
 
 def _default_value(key: str) -> Any:
@@ -66,6 +76,9 @@ def _silence_lines(rule: Rule) -> list[str]:
     if rule.settings:
         tuned = ", ".join(f"{key} = {_toml_value(_default_value(key))}" for key in rule.settings)
         lines.append(f"tune it instead (defaults shown): {tuned}")
+    lines.append(
+        f'change its severity: severity = {{{code} = "info"}} under [tool.bnaudit] (or [severity] in bnaudit.toml)'
+    )
     worst = worst_severity(rule)
     if worst == "info":
         lines.append('info findings fail a run only with fail-on = "info"')
@@ -74,8 +87,9 @@ def _silence_lines(rule: Rule) -> list[str]:
     return lines
 
 
-def explain_rule(rule: Rule, markdown: bool = False) -> str:
-    """What a rule detects, why it matters, how to fix it, how to silence it."""
+def explain_rule(rule: Rule, markdown: bool = False, overrides: dict[str, str] | None = None) -> str:
+    """What a rule detects, why it matters, how to fix it, how to silence it; with the
+    configuration's severity `overrides`, the severity this project reports it at."""
     sections = [
         ("What it detects", [rule.summary]),
         ("Why it matters", [rule.explanation]),
@@ -93,7 +107,10 @@ def explain_rule(rule: Rule, markdown: bool = False) -> str:
                 out += paragraphs
             out.append("")
         return "\n".join(out).rstrip() + "\n"
-    out = [f"{rule.code} {rule.name}", f"default severity: {rule.severity}", ""]
+    out = [f"{rule.code} {rule.name}", f"default severity: {rule.severity}"]
+    if overrides and rule.code in overrides:
+        out.append(f"configured severity: {overrides[rule.code]} (every finding of the rule)")
+    out.append("")
     for title, paragraphs in sections:
         out.append(title)
         bullet = title == "How to silence it"

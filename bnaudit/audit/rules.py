@@ -8,6 +8,9 @@ Definitions used by every rule (and printed by the report):
   initial weight w = (1 - momentum)^t after t = num_batches_tracked updates: the share
                  the initial values (mean 0, var 1) still hold in the running buffers.
   near-eps       running_var_c < near_eps_factor * eps.
+  live channel   |running_mean_c| >= sqrt(running_var_c + eps): the channel's data sits at
+                 least one (eval-mode) standard deviation away from zero, so it carries a
+                 signal; a dead channel (constant zero input) keeps mean ~0 and var ~0.
 """
 
 from __future__ import annotations
@@ -17,14 +20,14 @@ import itertools
 import math
 import operator
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from bnaudit.audit import layerdiff
 from bnaudit.audit.layerdiff import DiffContext, LayerDiff, describe_group, matches
 from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
 from bnaudit.config import Config
-from bnaudit.text import listing
+from bnaudit.text import listing, plural
 
 if TYPE_CHECKING:
     from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
@@ -123,12 +126,22 @@ def _gain(gamma: float, var: float, eps: float) -> float:
     return math.nan
 
 
+def _is_live(layer: BNLayer, channel: int) -> bool:
+    """|running_mean_c| >= sqrt(running_var_c + eps): see "live channel" above."""
+    mean, var = layer.running_mean[channel], layer.running_var[channel]
+    return math.isfinite(mean) and abs(mean) >= math.sqrt(max(var, 0.0) + layer.eps)
+
+
 def near_eps_channels(layer: BNLayer, factor: float) -> list[int]:
     """Indices of channels with 0 <= running_var < factor * eps."""
     limit, var = factor * layer.eps, layer.running_var
     if _all_finite(var) and min(var, default=limit) >= limit:  # the common case: none
         return []
     return [c for c, v in enumerate(var) if 0 <= v < limit]  # NaN compares False
+
+
+# From here on the initial 0/1 outweigh everything the buffers have seen: an error.
+IMMATURE_ERROR_WEIGHT = 0.5
 
 
 def _initial_weight(momentum: float, updates: int) -> float:
@@ -202,7 +215,7 @@ def _check_missing_buffers(ctx: RuleContext) -> Iterator[Finding]:
         yield r.finding(
             "warning",
             None,
-            f"{len(suspected)} batch-norm-like parameter group(s) ({shown}) and no running "
+            f"{plural(len(suspected), 'batch-norm-like parameter group')} ({shown}) and no running "
             "statistics anywhere: parameters saved without buffers? (LayerNorm/GroupNorm named "
             "this way would be innocent)",
         )
@@ -259,11 +272,13 @@ def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
 @rule(
     "BN003",
     "immature-stats",
-    "warning",
+    "error / warning",
     "After t = num_batches_tracked updates the initial values still weigh (1-momentum)^t above the threshold.",
     "The running buffers start at mean 0 and variance 1 and move by new = (1-m)*old + m*batch. After t "
     "updates the initial values keep the weight (1-m)^t: 0.9^3 = 72.9% after 3 updates at momentum "
-    "0.1, still 4.2% after 30. A short fine-tune leaves buffers that describe no data. Default "
+    "0.1, still 4.2% after 30. A short fine-tune leaves buffers that describe no data. Error when "
+    "the initial values weigh 50% or more (the buffers are then more initialisation than data: two "
+    "updates at momentum 0.1 leave 81%), warning between the threshold and 50%. Default "
     "threshold 5% (`max-init-weight`). EMA copies are not checked (their counter means nothing), nor "
     "layers that the file's recalibration record says `bnaudit recalibrate` wrote (population "
     "statistics: their counter is the number of calibration batches).",
@@ -284,24 +299,30 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
         if weight > ctx.config.max_init_weight:
             assumed = " (assumed)" if layer.settings_assumed else ""
             yield r.finding(
-                "warning",
+                "error" if weight >= IMMATURE_ERROR_WEIGHT else "warning",
                 layer.name,
-                f"initial values still weigh {weight * 100:.1f}% after {t} update(s) at momentum {m:g}{assumed}",
+                f"initial values still weigh {weight * 100:.1f}% after {plural(t, 'update')} at momentum {m:g}{assumed}",
             )
 
 
 @rule(
     "BN004",
     "near-eps-variance",
-    "warning / info",
+    "error / warning / info",
     "Channels with running_var < 10*eps: eval mode multiplies them by |gamma|/sqrt(var+eps).",
     "A channel that died in training keeps a running variance near 0. In eval mode its deviation from "
     "running_mean is multiplied by the eval gain |gamma| / sqrt(var + eps): 1/sqrt(1e-5) = 316x for "
     "gamma 1 at eps 1e-5. Any input that moves that channel slightly is amplified hundreds of times "
     "and the model turns brittle. Warning when some such channel's gain is >= 100 (`max-gain`); info "
-    "when a small |gamma| mutes all of them. Threshold factor 10 (`near-eps-factor`).",
+    "when a small |gamma| mutes all of them. Error when such a channel is live, its "
+    "|running_mean| >= sqrt(running_var + eps), and its gain exceeds `max-live-gain` (100): a dead "
+    "channel (its input always 0) has mean ~0 as well as var ~0, so eval mode multiplies ~0 by the "
+    "gain and little happens; that is plausible and stays a warning. A channel whose mean sits many "
+    "standard deviations away from 0 carries a real signal, and a variance that small for it means "
+    "the statistics are broken (a corrupted or mis-converted buffer): every natural fluctuation of "
+    "the signal is multiplied hundreds of times. Threshold factor 10 (`near-eps-factor`).",
     "Prune the dead channels, or check the data that reaches the layer; `bnaudit gap` shows whether eval mode suffers.",
-    settings=("near-eps-factor", "max-gain", "eps"),
+    settings=("near-eps-factor", "max-gain", "max-live-gain", "eps"),
 )
 def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN004"]
@@ -313,16 +334,23 @@ def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
         all_gains = eval_gain(layer)
         gains = {c: all_gains[c] for c in channels}
         worst = max(g for g in gains.values() if not math.isnan(g)) if any(map(math.isfinite, gains.values())) else 0.0
-        severity = "warning" if worst >= cfg.max_gain else "info"
+        live = [c for c in channels if _is_live(layer, c) and gains[c] > cfg.max_live_gain]
+        severity = "error" if live else "warning" if worst >= cfg.max_gain else "info"
         # worst first, NaN last; sorted is stable, so ties keep channel order
         order = sorted(channels, key=lambda c: -(0.0 if math.isnan(gains[c]) else gains[c]))
         details = ", ".join(f"ch {c} (var {_fmt(layer.running_var[c])}, gain {gains[c]:.1f})" for c in order[:5])
         more = f" and {len(channels) - 5} more" if len(channels) > 5 else ""
-        tail = "" if severity == "warning" else f"; muted by small |gamma| (max gain {worst:.1f})"
+        if severity == "error":
+            tail = (
+                f"; ch {listing(live, 5)} {'is' if len(live) == 1 else 'are'} live (|mean| >= sqrt(var+eps)) "
+                f"with gain above {cfg.max_live_gain:g}"
+            )
+        else:
+            tail = "" if severity == "warning" else f"; muted by small |gamma| (max gain {worst:.1f})"
         yield r.finding(
             severity,
             layer.name,
-            f"{len(channels)} channel(s) with running_var < {cfg.near_eps_factor:g}*eps "
+            f"{plural(len(channels), 'channel')} with running_var < {cfg.near_eps_factor:g}*eps "
             f"({_fmt(cfg.near_eps_factor * layer.eps)}): {details}{more}{tail}",
             channels,
         )
@@ -367,7 +395,7 @@ def _check_invalid(ctx: RuleContext) -> Iterator[Finding]:
         var = layer.running_var
         negative = [] if _all_finite(var) and min(var, default=0.0) >= 0 else [i for i, v in enumerate(var) if v < 0]
         if negative:
-            problems.append(f"running_var is negative in {len(negative)} channel(s) ({listing(negative, 8)})")
+            problems.append(f"running_var is negative in {plural(len(negative), 'channel')} ({listing(negative, 8)})")
             bad.update(negative)
         if layer.num_batches_tracked is not None and layer.num_batches_tracked < 0:
             problems.append(f"num_batches_tracked is negative ({layer.num_batches_tracked})")
@@ -522,7 +550,7 @@ def _check_uneven_counters(ctx: RuleContext) -> Iterator[Finding]:
     if len(groups) < 2:
         return
     ordered = sorted(groups.items(), key=lambda kv: -len(kv[1]))
-    parts = [f"{t} in {len(names)} layer(s) ({_describe_names(names)})" for t, names in ordered[:6]]
+    parts = [f"{t} in {plural(len(names), 'layer')} ({_describe_names(names)})" for t, names in ordered[:6]]
     more = f"; and {len(ordered) - 6} more values" if len(ordered) > 6 else ""
     yield RULES["BN010"].finding("info", None, f"num_batches_tracked differs between layers: {'; '.join(parts)}{more}")
 
@@ -559,20 +587,20 @@ def _check_load_mismatch(ctx: RuleContext) -> Iterator[Finding]:
         yield r.finding(
             "error",
             None,
-            f"{len(missing)} key(s) of the model absent from the checkpoint keep "
-            f"their initial values: {listing(missing, 5)}",
+            f"{plural(len(missing), 'key')} of the model absent from the checkpoint "
+            f"{'keeps its initial value' if len(missing) == 1 else 'keep their initial values'}: {listing(missing, 5)}",
         )
     if facts.unexpected:
         yield r.finding(
             "warning",
             None,
-            f"{len(facts.unexpected)} checkpoint key(s) the model does not have: {listing(facts.unexpected, 5)}",
+            f"{plural(len(facts.unexpected), 'checkpoint key')} the model does not have: {listing(facts.unexpected, 5)}",
         )
     if missing_counters:
         yield r.finding(
             "info",
             None,
-            f"num_batches_tracked absent for {len(missing_counters)} layer(s) "
+            f"num_batches_tracked absent for {plural(len(missing_counters), 'layer')} "
             f"({listing((k.rpartition('.')[0] for k in missing_counters), 5)}): PyTorch fills it on load",
         )
 
@@ -604,11 +632,15 @@ def _ignored_for_layer(finding: Finding, cfg: Config) -> bool:
 
 
 def run_rules(ctx: RuleContext) -> list[Finding]:
-    """Every selected inspect rule's findings, in rule order."""
+    """Every selected inspect rule's findings, in rule order, at the configured severity."""
     findings: list[Finding] = []
+    overrides = ctx.config.severity
     for code, r in RULES.items():
         if r.command == "inspect" and _selected(code, ctx.config):
-            findings.extend(f for f in r.check(ctx) if not _ignored_for_layer(f, ctx.config))
+            found = [f for f in r.check(ctx) if not _ignored_for_layer(f, ctx.config)]
+            if code in overrides:
+                found = [replace(f, severity=overrides[code]) for f in found]
+            findings.extend(found)
     return findings
 
 
@@ -618,11 +650,15 @@ def run_rules(ctx: RuleContext) -> list[Finding]:
 
 
 def run_diff_rules(ctx: DiffContext) -> list[Finding]:
-    """Every selected diff rule's findings, in rule order."""
+    """Every selected diff rule's findings, in rule order, at the configured severity."""
     findings: list[Finding] = []
+    overrides = ctx.config.severity
     for code, r in RULES.items():
         if r.command == "diff" and _selected(code, ctx.config):
-            findings.extend(f for f in r.check(ctx) if not _ignored_for_layer(f, ctx.config))
+            found = [f for f in r.check(ctx) if not _ignored_for_layer(f, ctx.config)]
+            if code in overrides:
+                found = [replace(f, severity=overrides[code]) for f in found]
+            findings.extend(found)
     return findings
 
 
@@ -760,11 +796,11 @@ def _check_uneven_counting(ctx: DiffContext) -> Iterator[Finding]:
     # the increment most layers share is the baseline; ties go to the smaller increment
     ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
     base, base_names = ordered[0]
-    parts = [f"+{base} in {len(base_names)} layer(s) ({describe_group(base_names, every)})"]
+    parts = [f"+{base} in {plural(len(base_names), 'layer')} ({describe_group(base_names, every)})"]
     for change, names in ordered[1:6]:
         ratio = change / base
         ratio_text = f"exactly {ratio:g}x" if change % base == 0 or base % change == 0 else f"{ratio:.3g}x"
-        parts.append(f"+{change} in {len(names)} layer(s) ({describe_group(names, every)}): {ratio_text}")
+        parts.append(f"+{change} in {plural(len(names), 'layer')} ({describe_group(names, every)}): {ratio_text}")
     more = f"; and {len(ordered) - 6} more increments" if len(ordered) > 6 else ""
     twice = any(change == 2 * base for change in groups)
     hint = ": BN forwards run twice per step there (activation checkpointing?)" if twice else ""
@@ -849,4 +885,4 @@ def _check_layers_changed(ctx: DiffContext) -> Iterator[Finding]:
         yield r.finding("warning", name, f"channel count changed from {ca} to {cb}: the layer was replaced")
     for side, names in (("A", ctx.only_a), ("B", ctx.only_b)):
         if names:
-            yield r.finding("info", None, f"{len(names)} layer(s) only in {side}: {listing(names, 5)}")
+            yield r.finding("info", None, f"{plural(len(names), 'layer')} only in {side}: {listing(names, 5)}")

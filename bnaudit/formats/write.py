@@ -22,7 +22,7 @@ from bnaudit.formats.atomic import atomic_write, check_output
 from bnaudit.formats.model import MODULE_RECORD_ATTRIBUTE, Checkpoint, statistics_digest
 from bnaudit.formats.safetensors import SAFETENSORS_DTYPE_CODES, read_safetensors, read_safetensors_header
 from bnaudit.formats.torchscript import RECORD_EXTRA_FILE
-from bnaudit.text import exception_line
+from bnaudit.text import exception_line, plural
 
 # The only tensors bnaudit ever writes: the running statistics of a BN layer.
 _WRITABLE_LEAVES = ("running_mean", "running_var", "num_batches_tracked")
@@ -296,7 +296,7 @@ def _prepare_updates(ckpt: Checkpoint, updates: Mapping[str, Any]) -> dict[str, 
         if cast.is_floating_point() and not bool(torch.isfinite(cast).all()):
             bad = int((~torch.isfinite(cast)).sum())
             raise BnauditError(
-                f"layer {layer}: refusing to write a non-finite {leaf} ({bad} of {cast.numel()} channel(s) "
+                f"layer {layer}: refusing to write a non-finite {leaf} ({bad} of {plural(cast.numel(), 'channel')} "
                 f"NaN or Inf in {ref.dtype})"
             )
         prepared[name] = cast.contiguous()

@@ -24,6 +24,7 @@ import json as jsonlib  # not `json`: importing the submodule output.json rebind
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
+from bnaudit.errors import OutputClosed
 from bnaudit.text import printable
 
 FORMATS: dict[str, tuple[str, ...]] = {
@@ -42,28 +43,39 @@ def console(stream: IO[str], width: int | None = None) -> Any:
     """
     from rich.console import Console
 
-    return Console(file=stream, width=width, highlight=False, soft_wrap=False, markup=False, emoji=False)
+    out = Console(file=stream, width=width, highlight=False, soft_wrap=False, markup=False, emoji=False)
+    out.on_broken_pipe = _reader_left  # type: ignore[method-assign]  # rich would exit 1; the CLI ends with 0
+    return out
 
 
-def emit(report: Any, fmt: str, stream: IO[str], *, quiet: bool = False, width: int | None = None) -> None:
-    """Write `report` to `stream` in `fmt`; `quiet` and `width` apply to tables only."""
+def _reader_left() -> None:
+    """The reader of the stream went away (`bnaudit inspect ... | head -1`)."""
+    raise OutputClosed()
+
+
+def emit(
+    report: Any, fmt: str, stream: IO[str], *, quiet: bool = False, width: int | None = None, all_layers: bool = False
+) -> None:
+    """Write `report` to `stream` in `fmt`; `quiet` and `width` apply to tables only, and
+    `all_layers` (inspect's --layers: a layer table for every file) to inspect's table."""
     kind = str(getattr(report, "kind", ""))
     if fmt not in FORMATS.get(kind, ()):
         raise ValueError(f"no {fmt!r} emitter for a {kind!r} report")  # a bug in the caller
     if fmt == "table":
         from bnaudit.output import table
 
-        renderers = {
-            "inspect": table.render_inspect,
-            "gap": table.render_gap,
-            "recalibrate": table.render_recalibrate,
-            "diff": table.render_diff,
-        }
+        if kind == "inspect":
+            table.render_inspect(report, console(stream, width), quiet=quiet, all_layers=all_layers)
+            return
+        renderers = {"gap": table.render_gap, "recalibrate": table.render_recalibrate, "diff": table.render_diff}
         renderers[kind](report, console(stream, width), quiet=quiet)
         return
     document = _document(report, fmt)
-    stream.write(jsonlib.dumps(document, indent=2, allow_nan=False) + "\n")
-    stream.flush()
+    try:
+        stream.write(jsonlib.dumps(document, indent=2, allow_nan=False) + "\n")
+        stream.flush()
+    except BrokenPipeError:
+        raise OutputClosed() from None
 
 
 def _document(report: Any, fmt: str) -> dict[str, Any]:
@@ -93,11 +105,13 @@ def one_line(message: str) -> str:
 
 
 def emit_error(message: str, stream: IO[str], *, json_stream: IO[str] | None = None) -> None:
-    """`bnaudit: error: MESSAGE` on `stream`; with `json_stream` also `{"error": MESSAGE}`
-    there, so that a `--format json` consumer reads a document whatever happened."""
+    """An error said once: `bnaudit: error: MESSAGE` on `stream`, or, with `json_stream`
+    (--format json), only `{"error": MESSAGE}` there, so that a JSON consumer reads a
+    document whatever happened (and `2>&1` still parses)."""
     message = one_line(message)
     if json_stream is not None:
         _line(json_stream, jsonlib.dumps({"error": message}))
+        return
     _line(stream, f"bnaudit: error: {message}")
 
 
@@ -109,11 +123,14 @@ def emit_interrupted(stream: IO[str]) -> None:
     _line(stream, "bnaudit: interrupted")
 
 
-def emit_diagnostics(report: Any, stream: IO[str]) -> None:
-    """What a report has to say besides itself, one line each: the files inspect could not
-    read (the report shows them too; on stderr a hook's log shows them whatever the format)
-    and recalibrate's warnings."""
-    if report.kind == "inspect":
+def emit_diagnostics(report: Any, stream: IO[str], fmt: str = "table") -> None:
+    """What a report has to say besides itself, one line each: the files inspect could
+    not read and recalibrate's warnings.
+
+    An unreadable file is said once: with a table, here (the table marks the file
+    `unreadable`, and stderr is where a hook's log and a terminal show errors); with JSON
+    or SARIF, in the document only (`files[].error`, a notification)."""
+    if report.kind == "inspect" and fmt == "table":
         for file in report.files:
             if file.error:
                 emit_error(f"{file.path}: {file.error}", stream)
@@ -122,18 +139,20 @@ def emit_diagnostics(report: Any, stream: IO[str]) -> None:
             emit_warning(message, stream)
 
 
-def render_rules(stream: IO[str], code: str | None = None, *, width: int | None = None) -> None:
+def render_rules(
+    stream: IO[str], code: str | None = None, *, width: int | None = None, overrides: dict[str, str] | None = None
+) -> None:
     """`bnaudit rules`: one row per rule; with `code`, that rule explained (an unknown
-    code is a BnauditError)."""
+    code is a BnauditError). `overrides`: the configuration's rule -> severity table."""
     if code is not None:
         from bnaudit.audit.ruledocs import explain_rule, find_rule
 
-        stream.write(explain_rule(find_rule(code)))
+        stream.write(explain_rule(find_rule(code), overrides=overrides))
         stream.flush()
         return
     from bnaudit.output import table
 
-    table.render_rules(console(stream, width))
+    table.render_rules(console(stream, width), overrides)
 
 
 @contextlib.contextmanager

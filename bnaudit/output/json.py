@@ -68,6 +68,7 @@ def inspect_to_json(report: InspectReport) -> dict[str, Any]:
                 ],
                 "findings": [finding_to_json(f) for f in file.findings],
                 "error": file.error,
+                "excluded": file.excluded,
                 "skipped": file.skipped,
                 "notes": file.notes,
             }
@@ -104,7 +105,7 @@ def gap_to_json(report: Any) -> dict[str, Any]:
         "layers": [
             {
                 "name": d.name,
-                "position": d.position,
+                "position": d.position + 1,  # 1-based, as the table's # and the diagnosis count
                 "kind": d.kind,
                 "channels": d.channels,
                 "values": d.values,

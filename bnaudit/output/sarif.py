@@ -55,15 +55,19 @@ def _fingerprint(finding: Finding, uri: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-def rule_descriptor(code: str) -> dict[str, Any]:
+def rule_descriptor(code: str, overrides: dict[str, str] | None = None) -> dict[str, Any]:
+    """A SARIF reportingDescriptor; its default level honours the configured severity."""
     rule = RULES[code]
     return {
         "id": rule.code,
         "name": rule.name,
         "shortDescription": {"text": rule.summary},
         "fullDescription": {"text": rule.explanation},
-        "help": {"text": explain_rule(rule), "markdown": explain_rule(rule, markdown=True)},
-        "defaultConfiguration": {"level": LEVELS[worst_severity(rule)]},
+        "help": {
+            "text": explain_rule(rule, overrides=overrides),
+            "markdown": explain_rule(rule, markdown=True, overrides=overrides),
+        },
+        "defaultConfiguration": {"level": LEVELS[worst_severity(rule, overrides)]},
         "properties": {"tags": ["batchnorm", "pytorch", "checkpoint"]},
     }
 
@@ -76,6 +80,15 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
     notifications = []
     for file in report.files:
         location = _artifact_location(file.path, base)
+        if file.excluded:
+            notifications.append(
+                {
+                    "level": "note",
+                    "message": {"text": f"{file.path}: {file.excluded}"},
+                    "locations": [{"physicalLocation": {"artifactLocation": location}}],
+                }
+            )
+            continue
         if file.error:
             notifications.append(
                 {
@@ -123,7 +136,7 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
                         "version": __version__,
                         "semanticVersion": __version__,
                         "informationUri": INFORMATION_URI,
-                        "rules": [rule_descriptor(code) for code in codes],
+                        "rules": [rule_descriptor(code, report.config.severity) for code in codes],
                     }
                 },
                 "invocations": [

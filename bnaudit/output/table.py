@@ -14,21 +14,26 @@ from typing import Any, Literal
 
 from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
 from bnaudit.audit.rules import RULES, Finding
+from bnaudit.output.fit import FindingRow, collapse, concise_lines, shorten_middle, summary_line
 from bnaudit.output.grid import SEVERITY_STYLE, layout_grid
-from bnaudit.text import printable
+from bnaudit.text import plural, printable
 
 
-def render_rules(console: Any) -> None:
-    """`bnaudit rules`: one row per rule."""
+def render_rules(console: Any, overrides: dict[str, str] | None = None) -> None:
+    """`bnaudit rules`: one row per rule, severities as configured."""
     from rich.table import Table
 
+    from bnaudit.audit.ruledocs import shown_severity
+
+    rows = [(rule.code, rule.name, shown_severity(rule, overrides), rule.summary) for rule in RULES.values()]
     table = Table(show_edge=False, pad_edge=False, header_style="bold")
-    table.add_column("code", no_wrap=True)
-    table.add_column("name", no_wrap=True)
-    table.add_column("severity", no_wrap=True)
+    # min_width: rich would otherwise squeeze these to "BN0…" at 80 columns before
+    # wrapping the summaries, which wrap at spaces
+    for i, header in enumerate(("code", "name", "severity")):
+        table.add_column(header, no_wrap=True, min_width=max(len(header), *(len(row[i]) for row in rows)))
     table.add_column("fires when", overflow="fold")
-    for rule in RULES.values():
-        table.add_row(rule.code, rule.name, rule.severity, rule.summary)
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
     console.print(f"bnaudit rules CODE explains a rule ({len(RULES)} rules).")
 
@@ -48,29 +53,56 @@ def _g(x: float | None) -> str:
 
 _Column = tuple[str, Callable[[LayerSummary], str]]  # header, cell of a layer
 
+_C: _Column = ("C", lambda s: str(s.num_features))
+_BATCHES: _Column = ("batches", lambda s: "-" if s.num_batches_tracked is None else str(s.num_batches_tracked))
+_MEAN: _Column = ("mean range", lambda s: f"[{_g(s.mean_min)}, {_g(s.mean_max)}]")
+_VAR: _Column = ("var min / med / max", lambda s: f"{_g(s.var_min)} / {_g(s.var_median)} / {_g(s.var_max)}")
+_VAR_MIN: _Column = ("var min", lambda s: _g(s.var_min))
+_NEAR: _Column = ("near-eps", lambda s: str(s.near_eps_channels))
+_GAIN: _Column = ("max gain", lambda s: _g(s.max_eval_gain))
+# Widest first; each next one leaves out the least telling of what is left: the mean
+# range, then the counter and the median / max of the variance (near-eps and the gain
+# already say what a small variance does).
+_LAYOUTS: tuple[tuple[tuple[_Column, ...], tuple[str, ...]], ...] = (
+    ((_C, _BATCHES, _MEAN, _VAR, _NEAR, _GAIN), ()),
+    ((_C, _BATCHES, _VAR, _NEAR, _GAIN), ("mean range",)),
+    ((_C, _VAR_MIN, _NEAR, _GAIN), ("mean range", "batches", "var median / max")),
+)
+_NAME_MIN = 24  # the layer column gets at least this much before columns are dropped
 
-def _layer_table(file: FileReport, console: Any) -> Any:
-    """One row per layer, with the most columns that fit the terminal: numbers are
-    never folded across lines, the least telling columns go first."""
-    c: _Column = ("C", lambda s: str(s.num_features))
-    batches: _Column = ("batches", lambda s: "-" if s.num_batches_tracked is None else str(s.num_batches_tracked))
-    mean: _Column = ("mean range", lambda s: f"[{_g(s.mean_min)}, {_g(s.mean_max)}]")
-    var: _Column = ("var min / med / max", lambda s: f"{_g(s.var_min)} / {_g(s.var_median)} / {_g(s.var_max)}")
-    var_min: _Column = ("var min", lambda s: _g(s.var_min))
-    near: _Column = ("near-eps", lambda s: str(s.near_eps_channels))
-    gain: _Column = ("max gain", lambda s: _g(s.max_eval_gain))
-    layouts = ([c, batches, mean, var, near, gain], [c, batches, var, near, gain], [c, var_min, near, gain])
-    longest = max(len(s.name) for s in file.layers)
-    statuses = {s.name: file.layer_status(s.name) for s in file.layers}
-    for columns in layouts:
-        cells = [[cell(s) for s in file.layers] for _, cell in columns]
-        needed = min(longest, 24) + max(6, *map(len, statuses.values())) + 3 * (len(columns) + 1)
-        needed += sum(max(len(header), *map(len, col)) for (header, _), col in zip(columns, cells))
-        if needed <= console.width:
-            break
+
+def _layer_layout(files: list[FileReport], width: int) -> tuple[tuple[_Column, ...], tuple[str, ...]]:
+    """The widest layout whose layer table fits `width` for every file of the run (one
+    choice for all, so the tables of a run line up and drop the same columns), and the
+    columns it leaves out."""
+    for columns, dropped in _LAYOUTS:
+        needed = 0
+        for file in files:
+            longest = max(len(s.name) for s in file.layers)
+            statuses = [file.layer_status(s.name) for s in file.layers]
+            cells = [[cell(s) for s in file.layers] for _, cell in columns]
+            total = min(longest, _NAME_MIN) + max(6, *map(len, statuses)) + 3 * (len(columns) + 1)
+            total += sum(max(len(header), *map(len, col)) for (header, _), col in zip(columns, cells))
+            needed = max(needed, total)
+        if needed <= width:
+            return columns, dropped
+    return _LAYOUTS[-1]
+
+
+def _layer_table(file: FileReport, console: Any, columns: tuple[_Column, ...] | None = None) -> Any:
+    """One row per layer with `columns` (default: the widest that fit); numbers are never
+    folded across lines, and a name too long for what is left is shortened in the middle."""
+    if columns is None:
+        columns = _layer_layout([file], console.width)[0]
     headers = ["layer", *(header for header, _ in columns), "status"]
+    statuses = {s.name: file.layer_status(s.name) for s in file.layers}
     rows = [[printable(s.name), *(printable(cell(s)) for _, cell in columns), statuses[s.name]] for s in file.layers]
-    grid = layout_grid(headers, rows, console, min(longest, 24))
+    rest = sum(max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers) if i) + 3 * (len(headers) - 1)
+    room = max(console.width - rest, _NAME_MIN // 2, len(headers[0]))
+    for row in rows:
+        row[0] = shorten_middle(row[0], room)
+    longest = max(len(row[0]) for row in rows)
+    grid = layout_grid(headers, rows, console, min(longest, _NAME_MIN))
     if grid is not None:
         return grid
     from rich.table import (
@@ -79,7 +111,7 @@ def _layer_table(file: FileReport, console: Any) -> Any:
     from rich.text import Text
 
     table = Table(show_edge=False, pad_edge=False, header_style="bold")
-    table.add_column("layer", overflow="fold", min_width=min(longest, 24))
+    table.add_column("layer", overflow="fold", min_width=min(longest, _NAME_MIN))
     for header in headers[1:-1]:
         table.add_column(header, justify="right", no_wrap=True)
     table.add_column("status", no_wrap=True)
@@ -89,53 +121,127 @@ def _layer_table(file: FileReport, console: Any) -> Any:
     return table
 
 
-def render_inspect(report: InspectReport, console: Any, quiet: bool = False) -> None:
+def file_status(file: FileReport) -> str:
+    """A file's worst finding ("error", "warning", "info"), "ok", or "unreadable"."""
+    if file.error:
+        return "unreadable"
+    if file.excluded:
+        return "excluded"
+    if file.skipped:
+        return "skipped"
+    severities = {f.severity for f in file.findings}
+    return next((s for s in ("error", "warning", "info") if s in severities), "ok")
+
+
+def _worst_gain(file: FileReport) -> str:
+    gains = [s.max_eval_gain for s in file.layers if s.max_eval_gain is not None]
+    return _g(max(gains)) if gains else "-"
+
+
+def _files_table(files: list[FileReport], console: Any) -> Any:
+    """One line per file: path, format, BN layers, worst eval gain, status."""
+    from rich.table import Table
     from rich.text import Text
 
+    rows = [
+        [
+            printable(f.path),
+            printable(f.format or "-"),
+            "-" if f.error or f.excluded else str(len(f.layers)),
+            "-" if f.error or f.excluded else _worst_gain(f),
+            file_status(f),
+        ]
+        for f in files
+    ]
+    headers = ["file", "format", "layers", "worst gain", "status"]
+    rest = sum(max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers) if i) + 3 * (len(headers) - 1)
+    room = max(console.width - rest, 12)
+    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="right" if i in (2, 3) else "left", no_wrap=True)
+    styles = {**SEVERITY_STYLE, "unreadable": "bold red", "excluded": "dim", "skipped": "dim"}
+    for row in rows:
+        table.add_row(
+            Text(shorten_middle(row[0], room)), Text(row[1]), row[2], row[3], Text(row[4], style=styles[row[4]])
+        )
+    return table
+
+
+def _file_detail(file: FileReport, console: Any, columns: tuple[_Column, ...]) -> None:
+    """A file's title, its notes, its layer table and its findings."""
+    from rich.text import Text
+
+    title = _cell(file.path, style="bold")
+    where = f"{file.format}" + (f", key '{file.key}'" if file.key else "")
+    if file.prefix:
+        where += f", prefix '{file.prefix}' stripped"
+    title.append(printable(f"  ({where})"), style="dim")
+    console.print(title)
+    if file.other_keys:
+        console.print(_cell(f"  other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))
+    if file.settings:
+        console.print(_cell(f"  {file.settings}", style="dim"))
+    if file.provenance:
+        console.print(_cell(f"  {file.provenance}", style="dim"))
+    for note in [*file.notes, *file.not_loaded]:
+        console.print(_cell(f"  {note}", style="dim"))
+    if file.layers:
+        console.print(_layer_table(file, console, columns))
+    else:
+        console.print(Text("  no BatchNorm layers found", style="dim"))
+    if file.findings:
+        console.print(_findings_table(file.findings))
+    console.print()
+
+
+def render_inspect(report: InspectReport, console: Any, quiet: bool = False, all_layers: bool = False) -> None:
+    """The inspect table.
+
+    One file: its layer table and findings. Several: a files table (one line per file),
+    then the layer tables of the files with findings (of every file with `all_layers`).
+    `quiet`: one line per finding (`fit.concise_lines`) and the summary.
+    """
+    from rich.text import Text
+
+    s = report.summary()
+    worst = "error" if s["errors"] or s["unreadable"] else "warning" if s["warnings"] else "ok"
+    if quiet:
+        *lines, summary = concise_lines(report)
+        for line in lines:
+            console.print(_cell(line), soft_wrap=True)
+        console.print(Text(summary, style=SEVERITY_STYLE[worst]), soft_wrap=True)
+        return
+    several = len(report.files) > 1
+    shown = [
+        f
+        for f in report.files
+        if not f.error and not f.excluded and not f.skipped and (not several or all_layers or f.findings)
+    ]
+    columns, dropped = _layer_layout([f for f in shown if f.layers], console.width)
+    if several:
+        console.print(_files_table(report.files, console))
+        console.print()
     for file in report.files:
         if file.error:
-            console.print(_cell(f"{file.path}: error: {file.error}", style="bold red"), soft_wrap=True)
-            continue
-        if file.skipped:
-            if not quiet:
-                console.print(
-                    _cell(f"{file.path}: skipped: {file.skipped}: not model weights", style="dim"), soft_wrap=True
-                )
-            continue
-        if quiet:
-            continue
-        title = _cell(file.path, style="bold")
-        where = f"{file.format}" + (f", key '{file.key}'" if file.key else "")
-        if file.prefix:
-            where += f", prefix '{file.prefix}' stripped"
-        title.append(printable(f"  ({where})"), style="dim")
-        console.print(title)
-        if file.other_keys:
-            console.print(_cell(f"  other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))
-        if file.settings:
-            console.print(_cell(f"  {file.settings}", style="dim"))
-        if file.provenance:
-            console.print(_cell(f"  {file.provenance}", style="dim"))
-        for note in [*file.notes, *file.not_loaded]:
-            console.print(_cell(f"  {note}", style="dim"))
-        if file.layers:
-            console.print(_layer_table(file, console))
-        else:
-            console.print(Text("  no BatchNorm layers found", style="dim"))
-        if file.findings:
-            console.print(_findings_table(file.findings))
-        console.print()
-    s = report.summary()
-    line = (
-        f"{s['files']} file(s), {s['layers']} BN layer(s): {s['errors']} error(s), "
-        f"{s['warnings']} warning(s), {s['infos']} info(s)"
-    )
-    if s["unreadable"]:
-        line += f", {s['unreadable']} unreadable file(s)"
-    if report.skipped:
-        line += f", {len(report.skipped)} skipped (not model weights)"
-    worst = "error" if s["errors"] or s["unreadable"] else "warning" if s["warnings"] else "ok"
-    console.print(Text(line, style=SEVERITY_STYLE[worst]), soft_wrap=True)
+            continue  # said once, on stderr (output.emit_diagnostics)
+        if file.excluded:
+            console.print(_cell(f"{file.path}: {file.excluded}", style="dim"), soft_wrap=True)
+        elif file.skipped:
+            console.print(
+                _cell(f"{file.path}: skipped: {file.skipped}: not model weights", style="dim"), soft_wrap=True
+            )
+        elif any(file is f for f in shown):
+            _file_detail(file, console, columns)
+    if several and not all_layers and len(shown) < s["files"] - s["unreadable"]:
+        console.print(Text("files without findings are one line each; --layers shows their layer tables", style="dim"))
+    if dropped and any(f.layers for f in shown):
+        console.print(
+            Text(
+                f"dropped to fit {console.width} columns: {', '.join(dropped)}",
+                style="dim",
+            )
+        )
+    console.print(Text(summary_line(report), style=SEVERITY_STYLE[worst]), soft_wrap=True)
 
 
 def _percent(x: float | None) -> str:
@@ -150,19 +256,26 @@ Justify = Literal["left", "right"]
 
 
 def _findings_table(findings: list[Finding], title: str | None = None) -> Any:
+    """Findings, identical ones on several layers as one row (`fit.collapse`): words are
+    wrapped whole, codes and severities never, long layer names shortened in the middle."""
     from rich.table import Table
 
     table = Table(
         title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False, header_style="bold"
     )
-    for col in ("code", "severity", "layer", "message"):
-        table.add_column(col, overflow="fold")
-    for f in findings:
+    table.add_column("code", no_wrap=True)
+    table.add_column("severity", no_wrap=True)
+    table.add_column("layer", max_width=_NAME_MIN + 4)
+    table.add_column("message", overflow="fold")  # fold: only a word longer than the column
+    for row in collapse(findings):
+        shortened = FindingRow(
+            row.code, row.name, row.severity, tuple(shorten_middle(n, _NAME_MIN) for n in row.layers), row.message
+        )
         table.add_row(
-            _cell(f"{f.code} {f.name}"),
-            _cell(f.severity, style=SEVERITY_STYLE[f.severity]),
-            _cell(f.layer or "-"),
-            _cell(f.message),
+            _cell(f"{row.code} {row.name}"),
+            _cell(row.severity, style=SEVERITY_STYLE[row.severity]),
+            _cell(shortened.where()),
+            _cell(row.message),
         )
     return table
 
@@ -179,7 +292,7 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     for note in getattr(report, "notes", []):
         console.print(_cell(f"note: {note}", style="dim"))
     order = f"shuffled with seed {report.seed}" if report.shuffle else "file order, --no-shuffle"
-    skipped = f", {report.skipped} unreadable image(s) skipped" if report.skipped else ""
+    skipped = f", {plural(report.skipped, 'unreadable image')} skipped" if report.skipped else ""
     console.print(
         _cell(
             f"{report.samples} samples in {report.batches} batches of {report.batch_size} "
@@ -245,7 +358,7 @@ def _span(pair: tuple[float, float] | None, signed: bool = False) -> str:
 
 def _scripted_line(layers: int) -> str:
     return (
-        f"per-layer drift: not measured for the {layers} BN layer(s): TorchScript modules run no hooks; "
+        f"per-layer drift: not measured for the {plural(layers, 'BN layer')}: TorchScript modules run no hooks; "
         "pass the state dict with --arch MODULE:CALLABLE to see it"
     )
 
@@ -370,7 +483,12 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
         console.print(table)
         console.print()
     if report.skipped:
-        console.print(_cell(f"{len(report.skipped)} layer(s) kept their statistics:", style="bold"))
+        console.print(
+            _cell(
+                f"{plural(len(report.skipped), 'layer')} kept {'its' if len(report.skipped) == 1 else 'their'} statistics:",
+                style="bold",
+            )
+        )
         for s in report.skipped:
             console.print(_cell(f"  {s.name}: {s.reason}", style="dim"))
         console.print()
@@ -405,7 +523,7 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
         )
         console.print(table)
         console.print()
-    console.print(_cell(f"wrote {report.output}: {len(report.layers)} layer(s) recalibrated", style="green"))
+    console.print(_cell(f"wrote {report.output}: {plural(len(report.layers), 'layer')} recalibrated", style="green"))
 
 
 def _delta(x: float | None, identical: bool) -> str:
@@ -434,7 +552,7 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
         where = f"{side.format}" + (f", key '{side.key}'" if side.key else "")
         if side.prefix:
             where += f", prefix '{side.prefix}' stripped"
-        where += f", {side.layers} BN layer(s)"
+        where += f", {plural(side.layers, 'BN layer')}"
         title.append(printable(f"  ({where})"), style="dim")
         console.print(title)
     if report.settings:
@@ -475,7 +593,8 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
 
         console.print(
             _cell(
-                f"{len(unchanged)} unchanged layer(s) (bit-identical): {describe_group(unchanged, every)}", style="dim"
+                f"{plural(len(unchanged), 'unchanged layer')} (bit-identical): {describe_group(unchanged, every)}",
+                style="dim",
             )
         )
     if not quiet:
@@ -485,7 +604,7 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
         for side, names in (("A", report.only_a), ("B", report.only_b)):
             if names:
                 shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-                console.print(_cell(f"only in {side}: {len(names)} layer(s): {shown}", style="dim"))
+                console.print(_cell(f"only in {side}: {plural(len(names), 'layer')}: {shown}", style="dim"))
         console.print()
         if report.findings:
             console.print(_findings_table(report.findings))
@@ -496,7 +615,9 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
         for verdict, names in by.items():
             if names:
                 console.print(
-                    _cell(f"  {verdict}: {len(names)} layer(s), {groups[verdict]}", style=verdict_style[verdict])
+                    _cell(
+                        f"  {verdict}: {plural(len(names), 'layer')}, {groups[verdict]}", style=verdict_style[verdict]
+                    )
                 )
         console.print()
         console.print(Text("diagnosis", style="bold"))
@@ -512,7 +633,8 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
         console.print(_findings_table(errors))
     s = report.summary()
     line = (
-        f"{s['matched']} matched BN layer(s): {s['errors']} error(s), {s['warnings']} warning(s), {s['infos']} info(s)"
+        f"{plural(s['matched'], 'matched BN layer')}: {plural(s['errors'], 'error')}, "
+        f"{plural(s['warnings'], 'warning')}, {plural(s['infos'], 'info')}"
     )
     worst = "error" if s["errors"] else "warning" if s["warnings"] else "ok"
     console.print(Text(line, style=SEVERITY_STYLE[worst]), soft_wrap=True)

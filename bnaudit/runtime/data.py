@@ -51,6 +51,7 @@ from bnaudit.formats.torchscript import stored_tensors
 from bnaudit.runtime.models import exit_message, import_callable
 from bnaudit.runtime.norms import concat_batches, merge_trailing_singleton_plan
 from bnaudit.runtime.numpy_files import StoredRows, open_numpy
+from bnaudit.text import plural
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
@@ -210,13 +211,13 @@ class ImageFolderSource(_Source):
                 ]
         if not self.files:
             raise BnauditError(
-                f"{root}: no images ({' '.join(IMAGE_SUFFIXES)}) in its {len(self.classes)} class folder(s)"
+                f"{root}: no images ({' '.join(IMAGE_SUFFIXES)}) in its {plural(len(self.classes), 'class folder')}"
             )
         channels = 1 if options.grayscale else 3
         for option, values in (("--mean", options.mean), ("--std", options.std)):
             if values is not None and len(values) not in (1, channels):
                 raise BnauditError(
-                    f"{option} has {len(values)} values, the images have {channels} channel(s)"
+                    f"{option} has {plural(len(values), 'value')}, the images have {plural(channels, 'channel')}"
                     + ("" if options.grayscale else " (RGB; --grayscale gives 1)")
                 )
         self.image_size = options.image_size

@@ -72,7 +72,7 @@ from bnaudit.runtime.models import (
 )
 from bnaudit.runtime.norms import batch_stats_mode, eval_mode, norm_modules
 from bnaudit.runtime.stats import ChannelStats, drift, record_bn_inputs
-from bnaudit.text import exception_line, layer_list
+from bnaudit.text import exception_line, layer_list, plural
 
 # An accuracy difference (or disagreement) of at least one point is worth explaining.
 GAP_NOTABLE = 0.01
@@ -648,12 +648,16 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
         else:
             before = ordered[: ordered.index(first)]
             later = len([d for d in ordered if d.large and d.position > first.position])
-            inherits = f"; the {later} large layer(s) after it inherit its drift" if later else ""
+            inherits = (
+                f"; the {plural(later, 'large layer')} after it inherit{'s' if later == 1 else ''} its drift"
+                if later
+                else ""
+            )
             lines.append(
-                f"Drift starts at {first.name} (BN layer {first.position + 1}; the {len(before)} layer(s) "
-                f"before it match the data{inherits}): a domain shift that shows from this depth on, a broken "
-                "statistic, or layers before it changed after its statistics were recorded. Recalibrate on data of "
-                f"the target domain (AdaBN-style).{channel}"
+                f"Drift starts at {first.name} (BN layer {first.position + 1}; the {plural(len(before), 'layer')} "
+                f"before it {'matches' if len(before) == 1 else 'match'} the data{inherits}): a domain shift that "
+                "shows from this depth on, a broken statistic, or layers before it changed after its statistics were "
+                f"recorded. Recalibrate on data of the target domain (AdaBN-style).{channel}"
             )
         large = origins
     if dead_layers and not (large and large[0].name in dead_layers):
@@ -664,7 +668,8 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
     if "BN005" in by_code:
         lines.append("Invalid values in the statistics (BN005): eval-mode outputs of those channels are NaN or Inf.")
     if report.non_finite.get("eval_mode"):
-        lines.append(f"{report.non_finite['eval_mode']} sample(s) get NaN or Inf outputs in eval mode.")
+        count = report.non_finite["eval_mode"]
+        lines.append(f"{plural(count, 'sample')} {'gets' if count == 1 else 'get'} NaN or Inf outputs in eval mode.")
     if "BN006" in by_code:
         lines.append(
             "Some BatchNorm layers keep no running statistics (BN006): they use batch statistics in eval "

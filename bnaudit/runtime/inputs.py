@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from bnaudit.text import plural
+
 
 def input_problem(model: Any, inputs: Any, grayscale: bool | None) -> str | None:
     """Why `model` rejects the tensor `inputs`, or None when neither check explains it.
@@ -35,11 +37,11 @@ def input_problem(model: Any, inputs: Any, grayscale: bool | None) -> str | None
     if have == want:
         return None
     if grayscale is None:
-        fix = f"store the inputs with {want} channel(s)"
+        fix = f"store the inputs with {plural(want, 'channel')}"
     elif want == 1:
         fix = "pass --grayscale for one channel"
     elif grayscale and want == 3:
         fix = "drop --grayscale for RGB images"
     else:
-        fix = f"convert the images to {want} channel(s)"
-    return f"the inputs have {have} channel(s) but the model's first layer {name} expects {want}: {fix}"
+        fix = f"convert the images to {plural(want, 'channel')}"
+    return f"the inputs have {plural(have, 'channel')} but the model's first layer {name} expects {want}: {fix}"

@@ -52,7 +52,7 @@ from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.shards import is_index
 from bnaudit.formats.sniff import sniff_format
 from bnaudit.runtime.norms import batchnorm_modules
-from bnaudit.text import exception_line
+from bnaudit.text import exception_line, plural
 
 
 @dataclass
@@ -391,7 +391,7 @@ def resolve_device(name: str | None) -> Any:
         if not torch.cuda.is_available():
             raise BnauditError(f"--device {name}: no CUDA device is available here (use --device cpu or auto)")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise BnauditError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) present")
+            raise BnauditError(f"--device {name}: only {plural(torch.cuda.device_count(), 'CUDA device')} present")
     elif device.type != "cpu":
         raise BnauditError(f"--device must be cpu, cuda, cuda:N or auto, got '{name}'")
     return device

@@ -52,7 +52,7 @@ from bnaudit.runtime.recalibrate.distributed import (
     together,
 )
 from bnaudit.runtime.stats import ChannelStats
-from bnaudit.text import exception_line
+from bnaudit.text import exception_line, plural
 
 METHODS = ("exact", "sequential", "cumulative")
 
@@ -341,7 +341,7 @@ def _run_pass(
                     stopped.clear()
                 elif isinstance(exc, ValueError) and "Expected more than 1 value per channel" in str(exc):
                     raise BnauditError(
-                        f"batch {index}: {n} sample(s) give one value per channel, which a BatchNorm "
+                        f"batch {index}: {plural(n, 'sample')} {'gives' if n == 1 else 'give'} one value per channel, which a BatchNorm "
                         "layer cannot normalise in training mode; use --batch-size 2 or more "
                         "(or --method sequential)"
                     ) from None
@@ -380,7 +380,7 @@ def _store(name: str, module: Any, mean: np.ndarray, var: np.ndarray, batches: i
         bad = int((~torch.isfinite(value)).sum())
         if bad:
             raise BnauditError(
-                f"layer {name}: the new {what} is not finite in {bad} of {value.numel()} channel(s) "
+                f"layer {name}: the new {what} is not finite in {bad} of {plural(value.numel(), 'channel')} "
                 f"(in {str(value.dtype).removeprefix('torch.')}); nothing written: check the data and the "
                 "model for NaN/Inf activations"
             )
@@ -396,7 +396,7 @@ def _finish_layer(name: str, module: Any, record: LayerRecord, method: str, eps:
     stats = record.stats
     if stats.count < 2:
         raise BnauditError(
-            f"layer {name}: only {stats.count} value(s) per channel reached it; the variance needs at least 2"
+            f"layer {name}: only {plural(stats.count, 'value')} per channel reached it; the variance needs at least 2"
         )
     data_mean, data_var = to_numpy(stats.mean), to_numpy(stats.var)
     if method == "cumulative":
@@ -578,7 +578,7 @@ def recalibrate_module(
     few = [layer.name for layer in calibrated if layer.count < MIN_VALUES_PER_CHANNEL]
     if few:
         warnings.append(
-            f"fewer than {MIN_VALUES_PER_CHANNEL} values per channel reached {len(few)} layer(s) "
+            f"fewer than {MIN_VALUES_PER_CHANNEL} values per channel reached {plural(len(few), 'layer')} "
             f"({', '.join(few[:5])}{' ...' if len(few) > 5 else ''}): their statistics are noisy"
         )
     for layer in calibrated:

@@ -1,0 +1,93 @@
+"""Rewrite the README's example outputs from real runs of the commands they show.
+
+    python tools/readme_examples.py          # run every example, rewrite its block
+    python tools/readme_examples.py --check  # exit 1 if a shown output differs from a run
+
+An example is a block
+
+    <!-- begin example COLUMNS=100 bnaudit inspect sample_models/healthy.pt -->
+    ```
+    $ bnaudit inspect sample_models/healthy.pt
+    ...what the command printed...
+    ```
+    <!-- end example -->
+
+The command after `begin example` (optional VAR=value settings, then `bnaudit ...`) runs
+from the repository root, without colour, at the stated COLUMNS (100 when none is stated);
+stdout and stderr are shown as a terminal would show them, with trailing spaces trimmed.
+tests/test_readme_examples.py fails when a block differs from a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(REPO, "README.md")
+BLOCK = re.compile(r"(<!-- begin example (?P<command>[^\n]*?) -->\n)(?P<body>.*?)(<!-- end example -->)", re.DOTALL)
+DEFAULT_COLUMNS = "100"
+
+
+def run_example(command: str) -> str:
+    """The block body for `command`: a fenced `$ command` and what it printed."""
+    words = shlex.split(command)
+    settings = {}
+    while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+        name, _, value = words.pop(0).partition("=")
+        settings[name] = value
+    if not words or words[0] != "bnaudit":
+        raise ValueError(f"an example runs bnaudit: {command!r}")
+    env = {**os.environ, "COLUMNS": DEFAULT_COLUMNS, "NO_COLOR": "1", **settings}
+    env.pop("FORCE_COLOR", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bnaudit", *words[1:]],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # interleaved, as a terminal shows them
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    lines = [line.rstrip() for line in proc.stdout.rstrip("\n").splitlines()]
+    shown = shlex.join(words)
+    status = f"  # exit {proc.returncode}" if proc.returncode else ""
+    return "```\n" + f"$ {shown}{status}\n" + "\n".join(lines) + "\n```\n"
+
+
+def examples(text: str) -> list[tuple[str, str]]:
+    """(command, current body) of every example block in `text`."""
+    return [(m["command"], m["body"]) for m in BLOCK.finditer(text)]
+
+
+def update(text: str) -> str:
+    """`text` with every example block rewritten from a run."""
+    return BLOCK.sub(lambda m: m.group(1) + run_example(m["command"]) + m.group(4), text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only report whether the shown outputs are current")
+    args = parser.parse_args(argv)
+    with open(README, encoding="utf-8") as fh:
+        text = fh.read()
+    updated = update(text)
+    if updated == text:
+        print(f"{README}: {len(examples(text))} examples are current")
+        return 0
+    if args.check:
+        print(f"{README}: example output differs from a run; run python tools/readme_examples.py", file=sys.stderr)
+        return 1
+    with open(README, "w", encoding="utf-8") as fh:
+        fh.write(updated)
+    print(f"{README}: examples rewritten from real runs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
