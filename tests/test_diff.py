@@ -420,3 +420,14 @@ def test_live_against_its_ema_copy_ignores_the_ema_counter(tmp_path, pretrained,
         assert d.verdict == "trained" and not d.counter_meaningful
         assert_numbers(d, expected_numbers(live, averaged, name))
     assert report.findings == []
+
+
+def test_sarif_rule_levels_follow_the_configured_severity(frozen_pair):
+    """`[tool.bnaudit.severity]` re-rates diff rules in the driver's rule descriptors too,
+    as it does for inspect's (a code-scanning UI reads the default level from there)."""
+    a, b, _, _ = frozen_pair
+    log = diff_to_sarif(diff(a, b, Config(severity={"BN101": "info"})))
+    run = log["runs"][0]
+    by_id = {r["id"]: r for r in run["tool"]["driver"]["rules"]}
+    assert by_id["BN101"]["defaultConfiguration"]["level"] == "note"
+    assert {r["level"] for r in run["results"] if r["ruleId"] == "BN101"} == {"note"}

@@ -633,11 +633,17 @@ def _ignored_for_layer(finding: Finding, cfg: Config) -> bool:
 
 def run_rules(ctx: RuleContext) -> list[Finding]:
     """Every selected inspect rule's findings, in rule order, at the configured severity."""
+    return _run_command_rules("inspect", ctx, ctx.config)
+
+
+def _run_command_rules(command: str, ctx: Any, config: Config) -> list[Finding]:
+    """The findings of the selected rules of `command` (inspect, diff), in rule order, with
+    per-layer ignores applied and `[tool.bnaudit.severity]` overrides in force."""
     findings: list[Finding] = []
-    overrides = ctx.config.severity
+    overrides = config.severity
     for code, r in RULES.items():
-        if r.command == "inspect" and _selected(code, ctx.config):
-            found = [f for f in r.check(ctx) if not _ignored_for_layer(f, ctx.config)]
+        if r.command == command and _selected(code, config):
+            found = [f for f in r.check(ctx) if not _ignored_for_layer(f, config)]
             if code in overrides:
                 found = [replace(f, severity=overrides[code]) for f in found]
             findings.extend(found)
@@ -651,15 +657,7 @@ def run_rules(ctx: RuleContext) -> list[Finding]:
 
 def run_diff_rules(ctx: DiffContext) -> list[Finding]:
     """Every selected diff rule's findings, in rule order, at the configured severity."""
-    findings: list[Finding] = []
-    overrides = ctx.config.severity
-    for code, r in RULES.items():
-        if r.command == "diff" and _selected(code, ctx.config):
-            found = [f for f in r.check(ctx) if not _ignored_for_layer(f, ctx.config)]
-            if code in overrides:
-                found = [replace(f, severity=overrides[code]) for f in found]
-            findings.extend(found)
-    return findings
+    return _run_command_rules("diff", ctx, ctx.config)
 
 
 def _numbers_of(d: LayerDiff) -> str:

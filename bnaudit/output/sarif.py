@@ -30,6 +30,7 @@ from bnaudit import __version__
 from bnaudit.audit.report import InspectReport
 from bnaudit.audit.ruledocs import explain_rule, worst_severity
 from bnaudit.audit.rules import RULES, Finding
+from bnaudit.config import Config
 
 SCHEMA_URI = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
 
@@ -107,24 +108,39 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
                 }
             )
             continue
-        for finding in file.findings:
-            where: dict[str, Any] = {"physicalLocation": {"artifactLocation": location}}
-            if finding.layer is not None:
-                where["logicalLocations"] = [
-                    {"name": finding.layer, "fullyQualifiedName": finding.layer, "kind": "module"}
-                ]
-            result: dict[str, Any] = {
-                "ruleId": finding.code,
-                "level": LEVELS[finding.severity],
-                "message": {"text": f"{finding.layer}: {finding.message}" if finding.layer else finding.message},
-                "locations": [where],
-                "partialFingerprints": {"bnauditFinding/v1": _fingerprint(finding, location["uri"])},
-            }
-            if finding.code in RULES:
-                result["ruleIndex"] = codes.index(finding.code)
-            if finding.channels:
-                result["properties"] = {"channels": list(finding.channels)}
-            results.append(result)
+        results += [_result(finding, location, codes) for finding in file.findings]
+    return _log(base, codes, report.config, notifications, results, {"config": report.config.as_dict()})
+
+
+def _result(finding: Finding, location: dict[str, str], codes: list[str]) -> dict[str, Any]:
+    """One SARIF result: the finding at its file, the layer as a logical location."""
+    where: dict[str, Any] = {"physicalLocation": {"artifactLocation": location}}
+    if finding.layer is not None:
+        where["logicalLocations"] = [{"name": finding.layer, "fullyQualifiedName": finding.layer, "kind": "module"}]
+    result: dict[str, Any] = {
+        "ruleId": finding.code,
+        "level": LEVELS[finding.severity],
+        "message": {"text": f"{finding.layer}: {finding.message}" if finding.layer else finding.message},
+        "locations": [where],
+        "partialFingerprints": {"bnauditFinding/v1": _fingerprint(finding, location["uri"])},
+    }
+    if finding.code in RULES:
+        result["ruleIndex"] = codes.index(finding.code)
+    if finding.channels:
+        result["properties"] = {"channels": list(finding.channels)}
+    return result
+
+
+def _log(
+    base: str,
+    codes: list[str],
+    config: Config,
+    notifications: list[dict[str, Any]],
+    results: list[dict[str, Any]],
+    properties: dict[str, Any],
+) -> dict[str, Any]:
+    """A SARIF 2.1.0 log of one run: the driver describes every rule of the registry at
+    its configured severity; the run failed when a notification is an error."""
     return {
         "$schema": SCHEMA_URI,
         "version": "2.1.0",
@@ -136,7 +152,7 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
                         "version": __version__,
                         "semanticVersion": __version__,
                         "informationUri": INFORMATION_URI,
-                        "rules": [rule_descriptor(code, report.config.severity) for code in codes],
+                        "rules": [rule_descriptor(code, config.severity) for code in codes],
                     }
                 },
                 "invocations": [
@@ -147,7 +163,7 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
                 ],
                 "originalUriBaseIds": {"%SRCROOT%": {"uri": Path(base).as_uri().rstrip("/") + "/"}},
                 "results": results,
-                "properties": {"config": report.config.as_dict()},
+                "properties": properties,
             }
         ],
     }
@@ -159,42 +175,6 @@ def diff_to_sarif(report: Any, base: str | None = None) -> dict[str, Any]:
     base = os.path.abspath(base or os.getcwd())
     codes = list(RULES)
     location = _artifact_location(report.b.path, base)
-    results = []
-    for finding in report.findings:
-        where: dict[str, Any] = {"physicalLocation": {"artifactLocation": location}}
-        if finding.layer is not None:
-            where["logicalLocations"] = [{"name": finding.layer, "fullyQualifiedName": finding.layer, "kind": "module"}]
-        results.append(
-            {
-                "ruleId": finding.code,
-                "ruleIndex": codes.index(finding.code),
-                "level": LEVELS[finding.severity],
-                "message": {"text": f"{finding.layer}: {finding.message}" if finding.layer else finding.message},
-                "locations": [where],
-                "partialFingerprints": {"bnauditFinding/v1": _fingerprint(finding, location["uri"])},
-            }
-        )
-    return {
-        "$schema": SCHEMA_URI,
-        "version": "2.1.0",
-        "runs": [
-            {
-                "tool": {
-                    "driver": {
-                        "name": "bnaudit",
-                        "version": __version__,
-                        "semanticVersion": __version__,
-                        "informationUri": INFORMATION_URI,
-                        "rules": [rule_descriptor(code) for code in codes],
-                    }
-                },
-                "invocations": [{"executionSuccessful": True, "toolExecutionNotifications": []}],
-                "originalUriBaseIds": {"%SRCROOT%": {"uri": Path(base).as_uri().rstrip("/") + "/"}},
-                "results": results,
-                "properties": {
-                    "config": report.config.as_dict(),
-                    "compared": {"a": report.a.path, "b": report.b.path},
-                },
-            }
-        ],
-    }
+    results = [_result(finding, location, codes) for finding in report.findings]
+    properties = {"config": report.config.as_dict(), "compared": {"a": report.a.path, "b": report.b.path}}
+    return _log(base, codes, report.config, [], results, properties)
