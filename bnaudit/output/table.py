@@ -29,13 +29,60 @@ def render_rules(console: Any, overrides: dict[str, str] | None = None) -> None:
     table = Table(show_edge=False, pad_edge=False, header_style="bold")
     # min_width: rich would otherwise squeeze these to "BN0…" at 80 columns before
     # wrapping the summaries, which wrap at spaces
-    for i, header in enumerate(("code", "name", "severity")):
+    for i, header in enumerate(("code", "name")):
         table.add_column(header, no_wrap=True, min_width=max(len(header), *(len(row[i]) for row in rows)))
+    table.add_column("severity")  # "error / warning / info" may wrap at its spaces
     table.add_column("fires when", overflow="fold")
     for row in rows:
         table.add_row(*row)
-    console.print(table)
+    console.print(_fit(table, console.width))
     console.print(f"bnaudit rules CODE explains a rule ({len(RULES)} rules).")
+
+
+def _fit(table: Any, width: int) -> Any:
+    """`table` with column widths chosen so that it wraps only at spaces within `width`.
+
+    rich narrows the widest wrapping column first and, past that, every column evenly, down
+    to folding a word inside ("track_running_stats=Fal / se:") or cutting a number ("0.006…").
+    Here a wrapping column keeps at least its longest word (header included) and the widest
+    ones give way first; `no_wrap` columns keep their width. Where even that does not fit,
+    rich's own narrowing is left to do what it can. Grids and tables that fit are untouched.
+    """
+    from rich.cells import cell_len
+    from rich.table import Table
+    from rich.text import Text
+
+    if not isinstance(table, Table) or table.box is None:  # a fast grid (grid.py) or a bullet grid
+        return table
+
+    def plain(cell: Any) -> str:
+        return cell.plain if isinstance(cell, Text) else str(cell)
+
+    columns = table.columns
+    widest: list[int] = []
+    least: list[int] = []
+    for column in columns:
+        texts = [plain(column.header), *(plain(c) for c in column._cells)]
+        lines = [line for t in texts for line in t.splitlines()]
+        most = max(map(cell_len, lines), default=1)
+        word = max((cell_len(w) for t in texts for w in t.split()), default=1)
+        if column.max_width is not None:
+            most = min(most, max(column.max_width, word))
+        widest.append(most)
+        least.append(most if column.no_wrap else max(word, column.min_width or 0))
+    extra = table._extra_width + sum(table._get_padding_width(i) for i in range(len(columns)))
+    if sum(widest) + extra <= width or sum(least) + extra > width:
+        return table
+    widths = list(widest)
+    while sum(widths) + extra > width:
+        i = max(range(len(widths)), key=lambda j: (widths[j] - least[j] > 0, widths[j]))
+        widths[i] -= 1
+    for column, w in zip(columns, widths):
+        if not column.no_wrap:
+            column.width = w
+            column.min_width = None
+            column.max_width = None
+    return table
 
 
 def _cell(text: str, style: str = "") -> Any:
@@ -186,11 +233,11 @@ def _file_detail(file: FileReport, console: Any, columns: tuple[_Column, ...]) -
     for note in [*file.notes, *file.not_loaded]:
         console.print(_cell(f"  {note}", style="dim"))
     if file.layers:
-        console.print(_layer_table(file, console, columns))
+        console.print(_fit(_layer_table(file, console, columns), console.width))
     else:
         console.print(Text("  no BatchNorm layers found", style="dim"))
     if file.findings:
-        console.print(_findings_table(file.findings))
+        console.print(_fit(_findings_table(file.findings), console.width))
     console.print()
 
 
@@ -219,7 +266,7 @@ def render_inspect(report: InspectReport, console: Any, quiet: bool = False, all
     ]
     columns, dropped = _layer_layout([f for f in shown if f.layers], console.width)
     if several:
-        console.print(_files_table(report.files, console))
+        console.print(_fit(_files_table(report.files, console), console.width))
         console.print()
     for file in report.files:
         if file.error:
@@ -308,7 +355,7 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     modes.add_column("95% CI (Wilson)", justify="right")
     modes.add_row("train", "batch statistics", _percent(report.train_accuracy), _span(report.train_interval))
     modes.add_row("eval", "running statistics", _percent(report.eval_accuracy), _span(report.eval_interval))
-    console.print(modes)
+    console.print(_fit(modes, console.width))
     parts = []
     if report.gap is not None:
         significant = report.gap_significant is not False
@@ -330,11 +377,11 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
         console.print(_cell(_scripted_line(len(report.layers)), style="dim"))
         console.print()
     elif report.layers and not quiet:
-        console.print(_drift_table(report.layers))
+        console.print(_fit(_drift_table(report.layers), console.width))
         console.print()
 
     if report.findings:
-        console.print(_findings_table(report.findings, "inspect findings for this checkpoint"))
+        console.print(_fit(_findings_table(report.findings, "inspect findings for this checkpoint"), console.width))
         console.print()
 
     console.print(Text("diagnosis", style="bold"))
@@ -480,7 +527,7 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
                 _arrow(c.before.max_mean_shift, c.after.max_mean_shift),
                 _arrow(c.before.var_log_ratio, c.after.var_log_ratio),
             )
-        console.print(table)
+        console.print(_fit(table, console.width))
         console.print()
     if report.skipped:
         console.print(
@@ -521,7 +568,7 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
             "-" if before.divergence is None else f"{before.divergence:.3g}",
             "-" if after.divergence is None else f"{after.divergence:.3g}",
         )
-        console.print(table)
+        console.print(_fit(table, console.width))
         console.print()
     console.print(_cell(f"wrote {report.output}: {plural(len(report.layers), 'layer')} recalibrated", style="green"))
 
@@ -573,8 +620,8 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
         table = Table(show_edge=False, pad_edge=False, header_style="bold")
         table.add_column("layer", overflow="fold", min_width=min(24, max(len(d.name) for d in changed)))
         for header in ("C", "Δweight", "Δbias", "mean shift", "var log-ratio", "Δbatches"):
-            table.add_column(header, justify="right", no_wrap=True)
-        table.add_column("verdict", no_wrap=True)
+            table.add_column(header, justify="right")  # headers wrap at spaces, numbers have none
+        table.add_column("verdict")
         for d in changed:
             table.add_row(
                 _cell(d.name),
@@ -586,7 +633,7 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
                 _batches_delta(d),
                 Text(d.verdict, style=verdict_style[d.verdict]),
             )
-        console.print(table)
+        console.print(_fit(table, console.width))
     every = [d.name for d in report.layers]
     if unchanged and not quiet:
         from bnaudit.audit.layerdiff import describe_group
@@ -607,7 +654,7 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
                 console.print(_cell(f"only in {side}: {plural(len(names), 'layer')}: {shown}", style="dim"))
         console.print()
         if report.findings:
-            console.print(_findings_table(report.findings))
+            console.print(_fit(_findings_table(report.findings), console.width))
             console.print()
         console.print(Text("summary by verdict", style="bold"))
         by = report.layers_by_verdict()
@@ -630,7 +677,7 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
         console.print()
     errors = [f for f in report.findings if f.severity == "error"]
     if quiet and errors:  # -q: a CI log still shows what failed
-        console.print(_findings_table(errors))
+        console.print(_fit(_findings_table(errors), console.width))
     s = report.summary()
     line = (
         f"{plural(s['matched'], 'matched BN layer')}: {plural(s['errors'], 'error')}, "

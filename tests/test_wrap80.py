@@ -1,0 +1,61 @@
+"""At 80 columns, tables wrap only at spaces: every token of a table line at 80 columns is
+a whole token of the same command's output at a width where nothing wraps (a word folded
+inside would leave fragments such as "track_running_stats=Fal" that the wide output lacks).
+Note lines under a file title keep their indent when they wrap."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+from conftest import SAMPLES
+
+BOX = "│┃━─╇┼╋╀╂┿"
+
+
+def _tokens(text: str) -> set[str]:
+    for ch in BOX:
+        text = text.replace(ch, " ")
+    return set(text.split())
+
+
+def _table_tokens(text: str) -> set[str]:
+    return _tokens("\n".join(line for line in text.splitlines() if "│" in line or "┃" in line))
+
+
+def _shortened(token: str, whole: set[str]) -> bool:
+    """A name shortened in the middle on purpose ("sample…s/immature.pt"), not one cut at its end."""
+    head, sep, tail = token.partition("…")
+    return bool(sep and head and tail) and any(w.startswith(head) and w.endswith(tail) for w in whole)
+
+
+def _check(cli, *args: str) -> None:
+    narrow = cli(*args, width=80)
+    wide = cli(*args, width=1000)
+    assert narrow.exit_code == wide.exit_code, narrow.output
+    assert any("│" in line for line in narrow.output.splitlines()), narrow.output
+    assert all(len(line) <= 80 for line in narrow.output.splitlines() if "│" in line), narrow.output
+    whole = _tokens(wide.output)
+    broken = {t for t in _table_tokens(narrow.output) - whole if not _shortened(t, whole)}
+    assert not broken, f"tokens split at 80 columns: {sorted(broken)}\n{narrow.output}"
+
+
+def test_rules_wrap_at_spaces(cli):
+    _check(cli, "rules")
+
+
+SAMPLE_FILES = sorted(p for p in glob.glob(os.path.join(SAMPLES, "*")) if p.endswith((".pt", ".pth", ".safetensors")))
+
+
+@pytest.mark.parametrize("path", SAMPLE_FILES, ids=os.path.basename)
+def test_inspect_wraps_at_spaces(cli, path):
+    _check(cli, "inspect", path)
+
+
+def test_inspect_several_wraps_at_spaces(cli):
+    _check(cli, "inspect", *SAMPLE_FILES)
+
+
+def test_diff_wraps_at_spaces(cli):
+    _check(cli, "diff", os.path.join(SAMPLES, "pretrained.safetensors"), os.path.join(SAMPLES, "finetuned.pt"))
