@@ -59,3 +59,32 @@ def test_inspect_several_wraps_at_spaces(cli):
 
 def test_diff_wraps_at_spaces(cli):
     _check(cli, "diff", os.path.join(SAMPLES, "pretrained.safetensors"), os.path.join(SAMPLES, "finetuned.pt"))
+
+
+def _note_lines(output: str, first_note: str) -> list[str]:
+    """The lines from the one starting with `first_note` (indented) to the next blank or table line."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("  " + first_note))
+    block = []
+    for line in lines[start:]:
+        if not line.strip() or "┃" in line or "│" in line:
+            break
+        block.append(line)
+    return block
+
+
+@pytest.mark.parametrize("width", [44, 60])
+def test_inspect_notes_keep_their_indent_when_wrapped(cli, width):
+    result = cli("inspect", os.path.join(SAMPLES, "sharded"), width=width)
+    notes = _note_lines(result.output, "eps")
+    assert len(notes) > 2, result.output  # the two notes wrap at this width
+    assert all(line.startswith("  ") and not line.startswith("   ") for line in notes), result.output
+    assert any(line.strip().startswith("3 shards read") for line in notes), result.output
+
+
+def test_diff_notes_keep_their_indent_when_wrapped(cli):
+    pair = (os.path.join(SAMPLES, "pretrained.safetensors"), os.path.join(SAMPLES, "finetuned.pt"))
+    result = cli("diff", *pair, width=44)
+    notes = _note_lines(result.output, "eps")
+    assert len(notes) > 1, result.output
+    assert all(line.startswith("  ") for line in notes), result.output

@@ -92,6 +92,13 @@ def _cell(text: str, style: str = "") -> Any:
     return Text(printable(text), style=style)
 
 
+def _indented(text: str, style: str = "dim") -> Any:
+    """A note under a title: two spaces in, and its wrapped lines keep them."""
+    from rich.padding import Padding
+
+    return Padding(_cell(text, style=style), (0, 0, 0, 2), expand=False)
+
+
 def _g(x: float | None) -> str:
     if x is None:
         return "-"
@@ -225,13 +232,13 @@ def _file_detail(file: FileReport, console: Any, columns: tuple[_Column, ...]) -
     title.append(printable(f"  ({where})"), style="dim")
     console.print(title)
     if file.other_keys:
-        console.print(_cell(f"  other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))
+        console.print(_indented(f"other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))
     if file.settings:
-        console.print(_cell(f"  {file.settings}", style="dim"))
+        console.print(_indented(f"{file.settings}", style="dim"))
     if file.provenance:
-        console.print(_cell(f"  {file.provenance}", style="dim"))
+        console.print(_indented(f"{file.provenance}", style="dim"))
     for note in [*file.notes, *file.not_loaded]:
-        console.print(_cell(f"  {note}", style="dim"))
+        console.print(_indented(f"{note}", style="dim"))
     if file.layers:
         console.print(_fit(_layer_table(file, console, columns), console.width))
     else:
@@ -537,7 +544,7 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
             )
         )
         for s in report.skipped:
-            console.print(_cell(f"  {s.name}: {s.reason}", style="dim"))
+            console.print(_indented(f"{s.name}: {s.reason}", style="dim"))
         console.print()
 
     before, after = report.eval_before, report.eval_after
@@ -603,9 +610,9 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
         title.append(printable(f"  ({where})"), style="dim")
         console.print(title)
     if report.settings:
-        console.print(_cell(f"  {report.settings}", style="dim"))
+        console.print(_indented(f"{report.settings}", style="dim"))
     if report.provenance:
-        console.print(_cell(f"  B: statistics written by {report.provenance}", style="dim"))
+        console.print(_indented(f"B: statistics written by {report.provenance}", style="dim"))
     console.print()
     verdict_style = {
         "frozen but updating": "yellow",
@@ -662,8 +669,8 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
         for verdict, names in by.items():
             if names:
                 console.print(
-                    _cell(
-                        f"  {verdict}: {plural(len(names), 'layer')}, {groups[verdict]}", style=verdict_style[verdict]
+                    _indented(
+                        f"{verdict}: {plural(len(names), 'layer')}, {groups[verdict]}", style=verdict_style[verdict]
                     )
                 )
         console.print()
