@@ -893,3 +893,32 @@ def test_cli_keeps_imported_objects_out_of_gc_walks_only_while_it_runs(world: di
     # one forward per batch (150 samples / 50): torch and everything imported were frozen
     assert len(counts) == 3 and min(counts) > 10_000
     assert gc.get_freeze_count() == 0  # and given back to the collector afterwards
+
+
+def test_cli_table_shows_the_wilson_intervals_of_its_json(world: dict) -> None:
+    """The --eval-data table shows each accuracy's 95% Wilson interval and the gap's
+    interval, the numbers its JSON holds, and the sample count."""
+    root = world["root"]
+    common = (
+        str(root / "reset.safetensors"),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(root / "calib.safetensors"),
+        "--eval-data",
+        str(root / "val.safetensors"),
+    )
+    doc = json.loads(run_cli(*common, "-o", str(root / "ci.json.safetensors"), "--format", "json").stdout)
+    result = run_cli(*common, "-o", str(root / "ci.table.safetensors"))
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[0].strip(): line for line in result.stdout.splitlines() if "│" in line}
+    for side in ("before", "after"):
+        ev = doc["eval"][side]
+        low, high = ev["eval_mode_interval"]
+        assert f"{low * 100:.1f}-{high * 100:.1f}%" in rows["eval-mode accuracy"]
+        low, high = ev["train_mode_interval"]
+        assert f"{low * 100:.1f}-{high * 100:.1f}%" in rows["train-mode accuracy"]
+        low, high = ev["gap_interval"]
+        assert f"{low * 100:+.1f} to {high * 100:+.1f}" in rows["gap (points)"]
+    assert "95% CI (Wilson)" in result.stdout
+    assert f"n = {doc['eval']['after']['labelled']} labelled samples" in result.stdout

@@ -560,21 +560,43 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
         )
         table.add_column("", justify="left")
         table.add_column("old", justify="right")
+        table.add_column("95% CI (Wilson)", justify="right")
         table.add_column("new", justify="right")
-        table.add_row("eval-mode accuracy", _percent(before.eval_accuracy), _percent(after.eval_accuracy))
-        table.add_row("train-mode accuracy", _percent(before.train_accuracy), _percent(after.train_accuracy))
+        table.add_column("95% CI (Wilson)", justify="right")
+        table.add_row(
+            "eval-mode accuracy",
+            _percent(before.eval_accuracy),
+            _span(before.eval_interval),
+            _percent(after.eval_accuracy),
+            _span(after.eval_interval),
+        )
+        table.add_row(
+            "train-mode accuracy",
+            _percent(before.train_accuracy),
+            _span(before.train_interval),
+            _percent(after.train_accuracy),
+            _span(after.train_interval),
+        )
         table.add_row(
             "gap (points)",
             "-" if before.gap is None else f"{before.gap * 100:+.1f}",
+            _span(before.gap_interval, signed=True),
             "-" if after.gap is None else f"{after.gap * 100:+.1f}",
+            _span(after.gap_interval, signed=True),
         )
-        table.add_row("agreement", _percent(before.agreement), _percent(after.agreement))
+        table.add_row("agreement", _percent(before.agreement), "", _percent(after.agreement), "")
         kind = "KL(eval || train)" if after.divergence_kind == "kl" else "relative L2"
         table.add_row(
             f"divergence ({kind})",
             "-" if before.divergence is None else f"{before.divergence:.3g}",
+            "",
             "-" if after.divergence is None else f"{after.divergence:.3g}",
+            "",
         )
+        if after.labelled:
+            table.caption = f"n = {after.labelled} labelled samples"
+            table.caption_justify = "left"
+            table.caption_style = "dim"
         console.print(_fit(table, console.width))
         console.print()
     console.print(_cell(f"wrote {report.output}: {plural(len(report.layers), 'layer')} recalibrated", style="green"))
