@@ -922,3 +922,20 @@ def test_cli_table_shows_the_wilson_intervals_of_its_json(world: dict) -> None:
         assert f"{low * 100:+.1f} to {high * 100:+.1f}" in rows["gap (points)"]
     assert "95% CI (Wilson)" in result.stdout
     assert f"n = {doc['eval']['after']['labelled']} labelled samples" in result.stdout
+
+
+def test_record_date_follows_source_date_epoch(world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SOURCE_DATE_EPOCH fixes the record's date (reproducible outputs, the README's examples)."""
+    from safetensors import safe_open
+
+    root = world["root"]
+    dates = []
+    for epoch in ("1764460800", "1700000000"):
+        monkeypatch.setenv("SOURCE_DATE_EPOCH", epoch)
+        out = tmp_path / f"{epoch}.safetensors"
+        args = ("--arch", world["arch"], "--data", str(root / "calib.safetensors"), "-o", str(out))
+        result = run_cli(str(root / "reset.safetensors"), *args)
+        assert result.exit_code == 0, result.output
+        with safe_open(str(out), "pt") as f:
+            dates.append(json.loads(f.metadata()["bnaudit"])["date"])
+    assert dates == ["2025-11-30T00:00:00+00:00", "2023-11-14T22:13:20+00:00"]

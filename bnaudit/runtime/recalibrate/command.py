@@ -100,6 +100,18 @@ class RecalibrationReport:
     eval_after: GapReport | None = None
 
 
+def _record_date() -> str:
+    """The record's UTC date: now, or SOURCE_DATE_EPOCH where set (reproducible outputs,
+    https://reproducible-builds.org/specs/source-date-epoch/; the README's examples use it)."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    when = (
+        datetime.datetime.fromtimestamp(int(epoch), datetime.UTC)
+        if epoch.isdigit()
+        else datetime.datetime.now(datetime.UTC)
+    )
+    return when.replace(microsecond=0).isoformat()
+
+
 def layer_changes(calibration: Calibration, model: Any) -> list[LayerChange]:
     """Before/after drift of every recalibrated layer; `after` uses the statistics as
     stored (in the buffers' dtype), read back from `model`."""
@@ -299,7 +311,7 @@ def recalibrate_checkpoint(
                 # whose statistics changed since (bnaudit.audit.provenance)
                 "digests": statistics_digests(ckpt, updates, [layer.name for layer in calibration.layers]),
                 "bnaudit_version": __version__,
-                "date": datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
+                "date": _record_date(),
             }
             save_like(ckpt, updates, output, force=force, provenance=provenance, trust_pickle=trust_pickle)
             eval_after = None
