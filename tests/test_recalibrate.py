@@ -939,3 +939,22 @@ def test_record_date_follows_source_date_epoch(world: dict, tmp_path: Path, monk
         with safe_open(str(out), "pt") as f:
             dates.append(json.loads(f.metadata()["bnaudit"])["date"])
     assert dates == ["2025-11-30T00:00:00+00:00", "2023-11-14T22:13:20+00:00"]
+
+
+def test_one_batch_is_singular(world: dict, tmp_path: Path) -> None:
+    root = world["root"]
+    result = run_cli(
+        str(root / "reset.safetensors"),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(root / "calib.safetensors"),
+        "--num-samples",
+        "32",
+        "--batch-size",
+        "32",
+        "-o",
+        str(tmp_path / "one.safetensors"),
+    )
+    assert result.exit_code == 0, result.output
+    assert "method exact: 32 samples in 1 batch of 32 " in result.stdout

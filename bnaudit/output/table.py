@@ -349,7 +349,7 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     skipped = f", {plural(report.skipped, 'unreadable image')} skipped" if report.skipped else ""
     console.print(
         _cell(
-            f"{report.samples} samples in {report.batches} batches of {report.batch_size} "
+            f"{plural(report.samples, 'sample')} in {plural(report.batches, 'batch', 'batches')} of {report.batch_size} "
             f"({order}), device {report.device}{skipped}"
         )
     )
@@ -500,7 +500,7 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
     ranks = f" on {report.world_size} ranks" if report.world_size > 1 else ""
     console.print(
         _cell(
-            f"method {report.method}: {report.samples} samples in {report.batches} batches of "
+            f"method {report.method}: {plural(report.samples, 'sample')} in {plural(report.batches, 'batch', 'batches')} of "
             f"{report.batch_size} ({order}), device {report.device}{ranks}"
         )
     )
