@@ -16,11 +16,17 @@ The command after `begin example` (optional VAR=value settings, then `bnaudit ..
 from the repository root, without colour, at the stated COLUMNS (100 when none is stated);
 stdout and stderr are shown as a terminal would show them, with trailing spaces trimmed.
 tests/test_readme_examples.py fails when a block differs from a run.
+
+Examples that write files write them under SCRATCH (created before each run), e.g.
+`bnaudit recalibrate ... -o /tmp/bnaudit-readme/reset.recal.pt --force`; a later example may
+read what an earlier one wrote (`bnaudit inspect /tmp/bnaudit-readme/reset.recal.pt`), and
+`prerequisites()` names the earlier ones to run first when an example is run alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import shlex
@@ -31,6 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
 BLOCK = re.compile(r"(<!-- begin example (?P<command>[^\n]*?) -->\n)(?P<body>.*?)(<!-- end example -->)", re.DOTALL)
 DEFAULT_COLUMNS = "100"
+SCRATCH = "/tmp/bnaudit-readme"
 
 
 def run_example(command: str) -> str:
@@ -42,6 +49,7 @@ def run_example(command: str) -> str:
         settings[name] = value
     if not words or words[0] != "bnaudit":
         raise ValueError(f"an example runs bnaudit: {command!r}")
+    os.makedirs(SCRATCH, exist_ok=True)
     env = {**os.environ, "COLUMNS": DEFAULT_COLUMNS, "NO_COLOR": "1", **settings}
     env.pop("FORCE_COLOR", None)
     proc = subprocess.run(
@@ -63,6 +71,23 @@ def run_example(command: str) -> str:
 def examples(text: str) -> list[tuple[str, str]]:
     """(command, current body) of every example block in `text`."""
     return [(m["command"], m["body"]) for m in BLOCK.finditer(text)]
+
+
+def _written(command: str) -> set[str]:
+    """The SCRATCH files `command` writes (its -o/--output)."""
+    words = shlex.split(command)
+    return {
+        after
+        for before, after in itertools.pairwise(words)
+        if before in ("-o", "--output") and after.startswith(SCRATCH + "/")
+    }
+
+
+def prerequisites(command: str, commands: list[str]) -> list[str]:
+    """The examples before `command` in `commands` that write a SCRATCH file it names."""
+    names = set(shlex.split(command))
+    earlier = commands[: commands.index(command)]
+    return [c for c in earlier if _written(c) & (names - _written(command))]
 
 
 def update(text: str) -> str:
