@@ -88,3 +88,9 @@ def test_diff_notes_keep_their_indent_when_wrapped(cli):
     notes = _note_lines(result.output, "eps")
     assert len(notes) > 1, result.output
     assert all(line.startswith("  ") for line in notes), result.output
+
+
+def test_gap_wraps_at_spaces(cli):
+    net = os.path.join(SAMPLES, "digits_net.py") + ":digits_net"
+    data = os.path.join(SAMPLES, "data", "digits_val.safetensors")
+    _check(cli, "gap", os.path.join(SAMPLES, "dead_channel.safetensors"), "--arch", net, "--data", data)
