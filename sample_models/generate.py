@@ -15,7 +15,9 @@ checkpoint: three `model-0000k-of-00003.safetensors` and `model.safetensors.inde
 features.1's running_mean and running_var in different shards) and `checkpoint-3/` (a
 Hugging Face Trainer folder after 3 AdamW fine-tuning steps on the calibration split:
 model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth, training_args.bin,
-trainer_state.json). `python sample_models/generate.py --layouts-only` rewrites just these,
+trainer_state.json), and `lightning/last.ckpt` (a Lightning-style container whose
+hyper_parameters and args pickle classes of a project module that does not exist where the file
+is audited). `python sample_models/generate.py --layouts-only` rewrites just these,
 from the committed healthy.safetensors and calibration data (no scikit-learn needed).
 """
 
@@ -174,16 +176,70 @@ def write_trainer_checkpoint(healthy: dict[str, torch.Tensor], x, y, folder: str
         f.write(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")
 
 
+PROJECT_CONFIG = """
+import dataclasses
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    lr: float = 3e-3
+    batch_size: int = 64
+    epochs: int = 12
+
+
+class RunArgs:
+    def __init__(self, seed: int = 0, run_name: str = "digits") -> None:
+        self.seed, self.run_name = seed, run_name
+"""
+
+
+def write_lightning_checkpoint(healthy: dict[str, torch.Tensor], path: str) -> None:
+    """What a LightningModule's `trainer.save_checkpoint` writes: the state dict under
+    `state_dict` with the `model.` prefix of the module attribute, and `hyper_parameters`
+    / `args` holding classes of the user's project (`myproject.config`, written to a
+    temporary folder and gone afterwards, as it is where the checkpoint is audited)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        os.makedirs(os.path.join(tmp, "myproject"))
+        open(os.path.join(tmp, "myproject", "__init__.py"), "w").close()
+        with open(os.path.join(tmp, "myproject", "config.py"), "w") as f:
+            f.write(PROJECT_CONFIG)
+        sys.path.insert(0, tmp)
+        try:
+            from myproject.config import RunArgs, TrainConfig
+
+            checkpoint = {
+                "epoch": 11,
+                "global_step": 216,
+                "pytorch-lightning_version": "2.4.0",
+                "state_dict": {f"model.{k}": v for k, v in healthy.items()},
+                "loops": {"fit_loop": {"epoch_progress": {"current": {"completed": 11}}}},
+                "callbacks": {},
+                "optimizer_states": [],
+                "lr_schedulers": [],
+                "hyper_parameters": {"config": TrainConfig()},
+                "args": RunArgs(),
+            }
+            torch.save(checkpoint, path)
+        finally:
+            sys.path.remove(tmp)
+            for name in ("myproject.config", "myproject"):
+                sys.modules.pop(name, None)
+
+
 def write_layouts(healthy: dict[str, torch.Tensor], xc, yc) -> None:
     write_sharded(healthy, os.path.join(HERE, "sharded"), cuts=("features.1.running_var", "head.2.weight"))
     write_trainer_checkpoint(healthy, xc, yc, os.path.join(HERE, "checkpoint-3"))
+    write_lightning_checkpoint(healthy, os.path.join(HERE, "lightning", "last.ckpt"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images-per-class", type=int, default=10)
     parser.add_argument(
-        "--layouts-only", action="store_true", help="rewrite sharded/ and checkpoint-3/ from healthy.safetensors"
+        "--layouts-only",
+        action="store_true",
+        help="rewrite sharded/, checkpoint-3/ and lightning/ from healthy.safetensors",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)

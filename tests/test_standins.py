@@ -318,3 +318,20 @@ def test_recalibrate_refuses_before_any_work_to_write_back_objects_it_never_load
     line = one_error_line(result, str(path))
     assert "hyper_parameters holds standin_project.HParams: not loaded" in line and "--trust-pickle" in line
     assert not out.exists()
+
+
+def test_the_committed_lightning_sample_audits_with_its_project_classes_left_unloaded():
+    """sample_models/lightning/last.ckpt pickles classes of a `myproject` package that
+    does not exist here: the state dict is audited (prefix stripped) and the two objects
+    are named as not loaded, without importing anything."""
+    assert importlib.util.find_spec("myproject") is None
+    report = inspect(os.path.join(REPO, "sample_models", "lightning", "last.ckpt"))
+    (file,) = report.files
+    assert file.error is None and file.key == "state_dict" and file.prefix == "model."
+    assert [s.name for s in file.layers] == ["features.1", "features.4", "head.2"]
+    assert file.findings == []
+    assert file.not_loaded == [
+        "hyper_parameters/config holds myproject.config.TrainConfig: not loaded",
+        "args holds myproject.config.RunArgs: not loaded",
+    ]
+    assert "myproject" not in sys.modules and "myproject.config" not in sys.modules
