@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickletools
 import re
 import zipfile
 from collections.abc import Mapping
@@ -251,6 +250,8 @@ def _pickle_globals(data: bytes) -> list[str]:
 
 
 def _scan_pickle(stream: io.BytesIO, found: list[str]) -> None:
+    import pickletools  # here: only files that may be training-run pickles are scanned
+
     strings: list[Any] = []
     memo: dict[Any, Any] = {}
     for op, arg, _ in pickletools.genops(stream):

@@ -8,14 +8,12 @@ torch (through `torch.load`); safetensors and TorchScript are read without it.
 from __future__ import annotations
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.classify import NotModelWeights, kind_from_object, kind_from_refusal
 from bnaudit.formats.containers import checkpoint_from_object, find_state_dicts, strip_wrapper_prefix
 from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.safetensors import read_safetensors
 from bnaudit.formats.shards import is_index, read_sharded, shard_position
 from bnaudit.formats.sniff import sniff_format
-from bnaudit.formats.standins import stand_ins_in, with_stand_ins_checked
 
 
 def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = False) -> Checkpoint:
@@ -43,6 +41,16 @@ def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = Fals
         if key is not None:
             raise BnauditError(f"{path}: --key does not apply to TorchScript archives")
         return Checkpoint(path, fmt, tensors, modules=modules, holds_module=True, metadata=script_metadata(path))
+    return _read_torch_save(path, fmt, key, trust_pickle)
+
+
+def _read_torch_save(path: str, fmt: str, key: str | None, trust_pickle: bool) -> Checkpoint:
+    """A torch.save file (zip or legacy) through the allow-listed or stand-in unpickler."""
+    # here: the unpicklers (and pickletools, zipfile's machinery) cost about 8 ms of start-up
+    # that inspect of a safetensors file never needs
+    from bnaudit.formats.allowlist import load_torch_object
+    from bnaudit.formats.standins import stand_ins_in, with_stand_ins_checked
+
     try:
         obj = load_torch_object(path, trust_pickle=trust_pickle, mmap=fmt == "torch-zip", stand_ins=True)
     except BnauditError:

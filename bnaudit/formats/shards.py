@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.containers import find_state_dicts, strip_wrapper_prefix, wrap_candidate
 from bnaudit.formats.model import Checkpoint, TensorRef
 from bnaudit.formats.safetensors import read_safetensors
@@ -176,6 +175,9 @@ def _shard_tensors(shard: str, trust_pickle: bool) -> tuple[str, dict[str, Tenso
         return (fmt, *read_safetensors(shard))
     if fmt not in ("torch-zip", "torch-legacy"):
         raise BnauditError(f"{shard}: a {fmt} file cannot be a shard")
+    # here: the unpicklers cost start-up that safetensors shards never need
+    from bnaudit.formats.allowlist import load_torch_object
+
     obj = load_torch_object(shard, trust_pickle=trust_pickle, mmap=fmt == "torch-zip")
     candidates = find_state_dicts(obj)
     if "" not in candidates:

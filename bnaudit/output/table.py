@@ -48,11 +48,13 @@ def _fit(table: Any, width: int) -> Any:
     ones give way first; `no_wrap` columns keep their width. Where even that does not fit,
     rich's own narrowing is left to do what it can. Grids and tables that fit are untouched.
     """
+    if getattr(table, "box", None) is None:  # a fast grid (grid.py, a Text) or a bullet grid
+        return table  # before importing rich.table: the layer grid of inspect must not pay for it
     from rich.cells import cell_len
     from rich.table import Table
     from rich.text import Text
 
-    if not isinstance(table, Table) or table.box is None:  # a fast grid (grid.py) or a bullet grid
+    if not isinstance(table, Table):
         return table
 
     def plain(cell: Any) -> str:
