@@ -53,11 +53,8 @@ def load_digits_split():
     return (x[:1097], y[:1097]), (x[1097:1397], y[1097:1397]), (x[1397:], y[1397:])
 
 
-def train(x, y, epochs: int = 12):
-    torch.manual_seed(0)
-    model = digits_net()
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(1)
+def run_epochs(model, opt, x, y, epochs: int, g) -> None:
+    """`epochs` shuffled passes in train() mode, batches of BATCH (a lone last sample skipped)."""
     model.train()
     for _ in range(epochs):
         for idx in torch.randperm(len(y), generator=g).split(BATCH):
@@ -67,6 +64,14 @@ def train(x, y, epochs: int = 12):
             opt.zero_grad()
             loss.backward()
             opt.step()
+
+
+def train(x, y, epochs: int = 12):
+    torch.manual_seed(0)
+    model = digits_net()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(1)
+    run_epochs(model, opt, x, y, epochs, g)
     return model
 
 
@@ -343,15 +348,7 @@ def fine_tune_frozen_backbone(pretrained, x, y, epochs: int = 2) -> dict[str, to
         p.requires_grad_(False)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     g = torch.Generator().manual_seed(4)
-    model.train()
-    for _ in range(epochs):
-        for idx in torch.randperm(len(y), generator=g).split(BATCH):
-            if len(idx) < 2:
-                continue
-            loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    run_epochs(model, opt, x, y, epochs, g)
     return state(model)
 
 

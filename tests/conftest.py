@@ -66,6 +66,39 @@ def train_classifier(model, x, y, steps: int = 80, lr: float = 0.03, batch: int 
     return model
 
 
+def count_data_reads(monkeypatch) -> list[int]:
+    """Route `open` in bnaudit.runtime.data through a file that records the byte count of
+    every `readinto`: the list that fills as data is read."""
+    import bnaudit.runtime.data as data
+
+    read: list[int] = []
+    real_open = open
+
+    class Counting:
+        def __init__(self, *args, **kwargs):
+            self.file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def seek(self, offset):
+            return self.file.seek(offset)
+
+        def readinto(self, buffer):
+            n = self.file.readinto(buffer)
+            read.append(n)
+            return n
+
+        def read(self, n=-1):
+            return self.file.read(n)
+
+    monkeypatch.setattr(data, "open", Counting, raising=False)
+    return read
+
+
 def default_sigint() -> None:
     """preexec_fn for children a test interrupts with SIGINT.
 

@@ -10,6 +10,7 @@ import uuid
 import numpy as np
 import pytest
 import torch
+from conftest import count_data_reads
 from PIL import Image
 from safetensors.torch import save_file
 from typer.testing import CliRunner
@@ -170,7 +171,6 @@ def test_tensor_file_batches_read_only_their_rows(tmp_path, monkeypatch, fmt):
     map would leave every page read resident, so peak RSS would grow with the samples
     streamed), from safetensors and torch.save zip files alike, a view into a larger
     storage too. The values are the file's, in the shuffled order."""
-    import bnaudit.runtime.data as data
 
     x = torch.arange(40 * 3 * 4, dtype=torch.float32).reshape(40, 3, 4)
     y = torch.arange(40) % 3
@@ -180,31 +180,7 @@ def test_tensor_file_batches_read_only_their_rows(tmp_path, monkeypatch, fmt):
     else:  # the view: rows 5.. of a larger tensor, saved with its whole storage
         padded = torch.cat([torch.full((5, 3, 4), -1.0), x])
         torch.save({"inputs": padded[5:] if fmt == "torch-zip-view" else x, "labels": y}, path)
-    read: list[int] = []
-    real_open = open
-
-    class Counting:
-        def __init__(self, *args, **kwargs):
-            self.file = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.file.close()
-
-        def seek(self, offset):
-            return self.file.seek(offset)
-
-        def readinto(self, buffer):
-            n = self.file.readinto(buffer)
-            read.append(n)
-            return n
-
-        def read(self, n=-1):
-            return self.file.read(n)
-
-    monkeypatch.setattr(data, "open", Counting, raising=False)
+    read = count_data_reads(monkeypatch)
     stream = make_loader(DataOptions(path=str(path), batch_size=8, seed=3))
     batches = list(stream)
     order = torch.cat([b.labels for b in batches])  # labels are row % 3: check rows via inputs

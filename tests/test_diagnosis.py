@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import count_data_reads
 from safetensors.numpy import load_file
 
 from bnaudit.errors import BnauditError
@@ -217,37 +218,6 @@ def test_torchscript_gap_prints_one_line_instead_of_empty_rows(tmp_path, cli):
 # ------------------------------------------------------------------ data
 
 
-def _count_reads(monkeypatch):
-    import bnaudit.runtime.data as data
-
-    read: list[int] = []
-    real_open = open
-
-    class Counting:
-        def __init__(self, *args, **kwargs):
-            self.file = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.file.close()
-
-        def seek(self, offset):
-            return self.file.seek(offset)
-
-        def readinto(self, buffer):
-            n = self.file.readinto(buffer)
-            read.append(n)
-            return n
-
-        def read(self, n=-1):
-            return self.file.read(n)
-
-    monkeypatch.setattr(data, "open", Counting, raising=False)
-    return read
-
-
 @pytest.mark.parametrize("kind", ["npy", "npz", "npz-xy", "npz-compressed", "npz-single"])
 def test_numpy_files_read_batch_by_batch(tmp_path, monkeypatch, kind):
     x = np.arange(40 * 3 * 4, dtype=np.float32).reshape(40, 3, 4)
@@ -263,7 +233,7 @@ def test_numpy_files_read_batch_by_batch(tmp_path, monkeypatch, kind):
         np.savez_compressed(path, inputs=x, labels=y)
     else:
         np.savez(path, images=x)
-    read = _count_reads(monkeypatch)
+    read = count_data_reads(monkeypatch)
     stream = make_loader(DataOptions(path=str(path), batch_size=8, seed=3))
     batches = list(stream)
     inputs = torch.cat([b.inputs for b in batches])

@@ -750,7 +750,7 @@ def _fmt_opt(x: float | None) -> str:
     "Statistics that moved while the counter did not grow (or fell: `update_bn` and "
     "`bnaudit recalibrate` reset it and count their own batches) were re-estimated rather than "
     "trained. That is usually the fix for stale statistics; the finding names bnaudit's "
-    "provenance record when side B carries one (safetensors metadata written by `bnaudit recalibrate`).",
+    "provenance record when side B carries one (`bnaudit recalibrate` writes it into every format).",
     "Nothing to fix; check that the calibration data matched the data the model will see.",
     command="diff",
 )

@@ -33,8 +33,7 @@ from typing import Any, ClassVar
 from bnaudit.errors import BnauditError
 from bnaudit.formats.legacy import LegacyLayout, LegacyStorage, whole_model_refusal
 from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, TensorRef, file_slice_ref
-from bnaudit.formats.safetensors import is_count
-from bnaudit.formats.torchscript import ArchiveUnpickler, open_archive_pickle
+from bnaudit.formats.torchscript import ArchiveUnpickler, check_tensor_record, open_archive_pickle
 from bnaudit.text import exception_line
 
 
@@ -185,9 +184,18 @@ def read_with_stand_ins(path: str, allowed: Callable[[str], Any]) -> Any:
     """The object a torch.save zip archive holds, every global that `allowed` (a dotted
     name -> object or None) does not give replaced by a `StandIn`, tensors as lazy
     `TensorRef`s. A pickle that calls a stand-in is refused, naming it."""
-    try:
+
+    def load() -> Any:
         archive, root, data = open_archive_pickle(path)
         return _StandInUnpickler(data, archive, root, allowed).load()
+
+    return _unpickled(path, load)
+
+
+def _unpickled(path: str, load: Callable[[], Any]) -> Any:
+    """`load()`, its failures as one line each: a call of a stand-in names the global."""
+    try:
+        return load()
     except BnauditError:
         raise
     except CalledStandIn as exc:
@@ -288,15 +296,7 @@ class _LegacyStandInUnpickler(_StandInUnpickler):
         return storage
 
     def _rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> TensorRef:
-        if not (
-            isinstance(storage, LegacyStorage)
-            and is_count(offset)
-            and isinstance(size, tuple)
-            and isinstance(stride, tuple)
-            and len(size) == len(stride)
-            and all(is_count(x) for x in size + stride)
-        ):
-            raise pickle.UnpicklingError("malformed tensor record")
+        check_tensor_record(storage, offset, size, stride, LegacyStorage)
         numel = math.prod(size)
         if numel and offset + numel > storage.numel:
             raise pickle.UnpicklingError("tensor runs past its storage")
@@ -318,11 +318,4 @@ class _LegacyStandInUnpickler(_StandInUnpickler):
 
 def read_legacy_with_stand_ins(path: str, layout: LegacyLayout, allowed: Callable[[str], Any]) -> Any:
     """`read_with_stand_ins` for a legacy torch.save file taken apart by `legacy_layout`."""
-    try:
-        return _LegacyStandInUnpickler(path, layout, allowed).load()
-    except BnauditError:
-        raise
-    except CalledStandIn as exc:
-        raise _called_refusal(path, exc.name) from None
-    except Exception as exc:  # forged bytes fail anywhere in the pickle machine
-        raise BnauditError(f"{path}: cannot unpickle safely ({exception_line(exc, with_type=False)})") from None
+    return _unpickled(path, lambda: _LegacyStandInUnpickler(path, layout, allowed).load())

@@ -91,7 +91,7 @@ class _ScriptUnpickler(pickle._Unpickler):
     def _rebuild_tensor(
         self, storage: _StorageRef, offset: int, size: tuple[int, ...], stride: tuple[int, ...], *_: Any
     ) -> TensorRef:
-        _check_record(storage, offset, size, stride)
+        check_tensor_record(storage, offset, size, stride, _StorageRef)
         archive = self.archive
 
         def read() -> list[float]:
@@ -112,11 +112,12 @@ class _ScriptUnpickler(pickle._Unpickler):
         return TensorRef("", tuple(size), storage.dtype, read)
 
 
-def _check_record(storage: Any, offset: Any, size: Any, stride: Any) -> None:
-    # Checked before anything is read: a negative or mismatched stride would read
-    # outside the storage.
+def check_tensor_record(storage: Any, offset: Any, size: Any, stride: Any, storage_type: type = object) -> None:
+    """A pickled tensor record (storage, offset, size, stride) of well-formed types:
+    checked before anything is read, since a negative or mismatched stride would read
+    outside the storage."""
     if not (
-        isinstance(storage, _StorageRef)
+        isinstance(storage, storage_type)
         and is_count(offset)
         and isinstance(size, tuple)
         and isinstance(stride, tuple)
@@ -159,7 +160,7 @@ class _RecordUnpickler(_ScriptUnpickler):
     def _rebuild_tensor(
         self, storage: _StorageRef, offset: int, size: tuple[int, ...], stride: tuple[int, ...], *_: Any
     ) -> Any:
-        _check_record(storage, offset, size, stride)
+        check_tensor_record(storage, offset, size, stride, _StorageRef)
         return (storage, offset, size, stride)
 
 

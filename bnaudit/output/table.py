@@ -19,14 +19,23 @@ from bnaudit.output.grid import SEVERITY_STYLE, layout_grid
 from bnaudit.text import plural, printable
 
 
+def _bordered(title: str | None = None) -> Any:
+    """The one table style of bnaudit's reports: header rule and column lines, no outer
+    edge, a bold header and a bold left-aligned title."""
+    from rich.table import Table
+
+    return Table(
+        title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False, header_style="bold"
+    )
+
+
 def render_rules(console: Any, overrides: dict[str, str] | None = None) -> None:
     """`bnaudit rules`: one row per rule, severities as configured."""
-    from rich.table import Table
 
     from bnaudit.audit.ruledocs import shown_severity
 
     rows = [(rule.code, rule.name, shown_severity(rule, overrides), rule.summary) for rule in RULES.values()]
-    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    table = _bordered()
     # min_width: rich would otherwise squeeze these to "BN0…" at 80 columns before
     # wrapping the summaries, which wrap at spaces
     for i, header in enumerate(("code", "name")):
@@ -161,12 +170,9 @@ def _layer_table(file: FileReport, console: Any, columns: tuple[_Column, ...] | 
     grid = layout_grid(headers, rows, console, min(longest, _NAME_MIN))
     if grid is not None:
         return grid
-    from rich.table import (
-        Table,  # here: with its fractions and decimal, 5 ms of start-up
-    )
     from rich.text import Text
 
-    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    table = _bordered()
     table.add_column("layer", overflow="fold", min_width=min(longest, _NAME_MIN))
     for header in headers[1:-1]:
         table.add_column(header, justify="right", no_wrap=True)
@@ -196,7 +202,6 @@ def _worst_gain(file: FileReport) -> str:
 
 def _files_table(files: list[FileReport], console: Any) -> Any:
     """One line per file: path, format, BN layers, worst eval gain, status."""
-    from rich.table import Table
     from rich.text import Text
 
     rows = [
@@ -212,7 +217,7 @@ def _files_table(files: list[FileReport], console: Any) -> Any:
     headers = ["file", "format", "layers", "worst gain", "status"]
     rest = sum(max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers) if i) + 3 * (len(headers) - 1)
     room = max(console.width - rest, 12)
-    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    table = _bordered()
     for i, header in enumerate(headers):
         table.add_column(header, justify="right" if i in (2, 3) else "left", no_wrap=True)
     styles = {**SEVERITY_STYLE, "unreadable": "bold red", "excluded": "dim", "skipped": "dim"}
@@ -314,11 +319,8 @@ Justify = Literal["left", "right"]
 def _findings_table(findings: list[Finding], title: str | None = None) -> Any:
     """Findings, identical ones on several layers as one row (`fit.collapse`): words are
     wrapped whole, codes and severities never, long layer names shortened in the middle."""
-    from rich.table import Table
 
-    table = Table(
-        title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False, header_style="bold"
-    )
+    table = _bordered(title)
     table.add_column("code", no_wrap=True)
     table.add_column("severity", no_wrap=True)
     table.add_column("layer", max_width=_NAME_MIN + 4)
@@ -357,7 +359,7 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     )
     console.print()
 
-    modes = Table(show_edge=False, pad_edge=False, header_style="bold")
+    modes = _bordered()
     modes.add_column("mode")
     modes.add_column("BatchNorm normalises with")
     modes.add_column("accuracy", justify="right")
@@ -430,16 +432,8 @@ def _worst_channel(d: Any) -> str:
 def _drift_table(layers: list[Any]) -> Any:
     """Per-layer drift, origins first (their # marked *), then by the worst channel's drift;
     "worst ch" is `index: shift_c + log_var_c` of that channel."""
-    from rich.table import Table
 
-    table = Table(
-        title="per-layer drift: eval-mode inputs against running statistics; * origin of the drift",
-        title_justify="left",
-        title_style="bold",
-        show_edge=False,
-        pad_edge=False,
-        header_style="bold",
-    )
+    table = _bordered("per-layer drift: eval-mode inputs against running statistics; * origin of the drift")
     columns: tuple[tuple[str, Justify], ...] = (
         ("layer", "left"),
         ("#", "right"),
@@ -489,7 +483,6 @@ def _arrow(before: float | None, after: float | None) -> Any:
 def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
     """Rich rendering: what was written, the per-layer before/after drift, skipped
     layers, and with --eval-data the two gap reports side by side."""
-    from rich.table import Table
 
     title = _cell(report.input, style="bold")
     title.append(" -> ", style="dim")
@@ -509,14 +502,7 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
     console.print()
 
     if not quiet:
-        table = Table(
-            title="per-layer drift against the calibration data: old -> new statistics",
-            title_justify="left",
-            title_style="bold",
-            show_edge=False,
-            pad_edge=False,
-            header_style="bold",
-        )
+        table = _bordered("per-layer drift against the calibration data: old -> new statistics")
         columns: tuple[tuple[str, Justify], ...] = (
             ("layer", "left"),
             ("C", "right"),
@@ -552,14 +538,7 @@ def render_recalibrate(report: Any, console: Any, quiet: bool = False) -> None:
     before, after = report.eval_before, report.eval_after
     if before is not None and after is not None:
         console.print(_cell(f"held-out data: {after.data}", style="dim"))
-        table = Table(
-            title="gap on the held-out data: old -> new checkpoint",
-            title_justify="left",
-            title_style="bold",
-            show_edge=False,
-            pad_edge=False,
-            header_style="bold",
-        )
+        table = _bordered("gap on the held-out data: old -> new checkpoint")
         table.add_column("", justify="left")
         table.add_column("old", justify="right")
         table.add_column("95% CI (Wilson)", justify="right")
@@ -648,7 +627,7 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
     changed = [d for d in report.layers if d.verdict != "unchanged"]
     unchanged = [d.name for d in report.layers if d.verdict == "unchanged"]
     if changed and not quiet:
-        table = Table(show_edge=False, pad_edge=False, header_style="bold")
+        table = _bordered()
         table.add_column("layer", overflow="fold", min_width=min(24, max(len(d.name) for d in changed)))
         for header in ("C", "Δweight", "Δbias", "mean shift", "var log-ratio", "Δbatches"):
             table.add_column(header, justify="right")  # headers wrap at spaces, numbers have none

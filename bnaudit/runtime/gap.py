@@ -501,39 +501,19 @@ def _drift(norms: dict[str, Any], accumulated: dict[str, Any], hooked: dict[str,
         kind = getattr(module, "original_name", None) or type(module).__name__
         channels = int(getattr(module, "num_features", 0) or 0)
         mean_run, var_run = getattr(module, "running_mean", None), getattr(module, "running_var", None)
+
+        def unmeasured(values: int, note: str) -> LayerDrift:
+            return LayerDrift(name, position, kind, channels, values, None, None, None, note)  # noqa: B023 (called at once)
+
         if name not in hooked:
-            layers.append(LayerDrift(name, position, kind, channels, 0, None, None, None, "not measured (TorchScript)"))
+            layers.append(unmeasured(0, "not measured (TorchScript)"))
             continue
         stats = accumulated[name]
         if mean_run is None or var_run is None:
-            layers.append(
-                LayerDrift(
-                    name,
-                    position,
-                    kind,
-                    channels,
-                    stats.count,
-                    None,
-                    None,
-                    None,
-                    "no running statistics (track_running_stats=False)",
-                )
-            )
+            layers.append(unmeasured(stats.count, "no running statistics (track_running_stats=False)"))
             continue
         if stats.count < 2:
-            layers.append(
-                LayerDrift(
-                    name,
-                    position,
-                    kind,
-                    channels,
-                    stats.count,
-                    None,
-                    None,
-                    None,
-                    "not reached by the data" if stats.count == 0 else "too few values",
-                )
-            )
+            layers.append(unmeasured(stats.count, "not reached by the data" if stats.count == 0 else "too few values"))
             continue
         data_mean, data_var = stats.mean.cpu(), stats.var.cpu()
         run_mean, run_var = mean_run.detach().double().cpu(), var_run.detach().double().cpu()
