@@ -440,10 +440,15 @@ def gap(
     """Measure the train-mode vs eval-mode gap on data and find the BN layer responsible."""
     from bnaudit.audit.rules import RULES
     from bnaudit.config import load_config
+    from bnaudit.runtime.distributed import reporting
     from bnaudit.runtime.gap import measure_gap
+    from bnaudit.runtime.models import resolve_device
 
     json_output = output_format is Format.json
-    with user_errors(debug, json_output):
+    # under torchrun every rank measures its share and holds the same report (so exit
+    # codes agree); rank 0 alone prints it, errors included in JSON
+    rank = int(os.environ.get("RANK", "0"))
+    with user_errors(debug, json_output and rank == 0):
         options = data_options(
             data,
             dataset,
@@ -460,23 +465,26 @@ def gap(
         )
         # The inspect findings shown with the gap follow the project's configuration too.
         config = load_config(rule_codes=RULES)
-        with frozen_imports(), output.progress("gap", sys.stderr, quiet=quiet or json_output) as update:
-            report = measure_gap(
-                checkpoint,
-                options,
-                arch=arch,
-                arch_kwargs=arch_kwargs,
-                key=key,
-                trust_pickle=trust_pickle,
-                forward=forward,
-                device=device,
-                config=config,
-                progress=update,
-                max_gap=max_gap,
-                strict=strict,
-            )
-        code = report.exit_code()  # before the report: --max-gap without labels is an error
-        output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+        quiet_bar = quiet or json_output or rank != 0
+        with frozen_imports(), reporting(resolve_device(device)):
+            with output.progress("gap", sys.stderr, quiet=quiet_bar) as update:
+                report = measure_gap(
+                    checkpoint,
+                    options,
+                    arch=arch,
+                    arch_kwargs=arch_kwargs,
+                    key=key,
+                    trust_pickle=trust_pickle,
+                    forward=forward,
+                    device=device,
+                    config=config,
+                    progress=update,
+                    max_gap=max_gap,
+                    strict=strict,
+                )
+            code = report.exit_code()  # before the report: --max-gap without labels is an error
+            if rank == 0:
+                output.emit(report, output_format.value, sys.stdout, quiet=quiet)
     raise typer.Exit(code)
 
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from bnaudit.runtime.data import batch_indices
+from bnaudit.runtime.distributed import shard_batches
 from bnaudit.runtime.norms import (
     batchnorm_modules,
     classify_layers,
@@ -16,7 +17,6 @@ from bnaudit.runtime.norms import (
     merge_trailing_singleton_plan,
     norm_modules,
 )
-from bnaudit.runtime.recalibrate.distributed import shard_plan
 
 # torch.jit.script warns that TorchScript is deprecated; it is still a format users ship
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
@@ -109,11 +109,22 @@ def test_a_last_batch_of_one_joins_the_previous_one_in_streams_and_plans(sizes: 
     assert [i for b in merge_trailing_singleton_plan(plan) for i in b] == list(range(start))
 
 
-def test_data_plans_and_rank_shards_follow_the_same_rule() -> None:
+def test_data_plans_join_a_last_batch_of_one_and_rank_shards_keep_whole_batches() -> None:
     # 9 samples in batches of 4: 4, 4, 1 -> 4, 5
     assert [len(b) for b in batch_indices(9, 4, shuffle=False)] == [4, 5]
-    # rank 1 of 2 over 0..10: 1, 3, 5, 7, 9 in batches of 2: 2, 2, 1 -> 2, 3
-    assert shard_plan([list(range(11))], 2, rank=1, world=2) == [[1, 3], [5, 7, 9]]
+    # 21 samples in batches of 4: 4, 4, 4, 4, 5; two ranks take 3 and 2 whole batches
+    plan = batch_indices(21, 4, shuffle=False)
+    assert shard_batches(plan, 0, 2) == (0, plan[:3])
+    assert shard_batches(plan, 1, 2) == (3, plan[3:])
+    for world in (1, 2, 3, 4, 7):
+        shards = [shard_batches(plan, rank, world) for rank in range(world)]
+        # the plan's own batches, each on exactly one rank, in order, numbered as in the plan
+        assert [b for _, batches in shards for b in batches] == plan
+        assert all(plan[first : first + len(batches)] == batches for first, batches in shards)
+        sizes = [len(batches) for _, batches in shards]
+        assert max(sizes) - min(sizes) <= 1 and sizes[0] >= 1
+    # more ranks than batches: the last ranks have none
+    assert [len(shard_batches(plan, rank, 7)[1]) for rank in range(7)] == [1, 1, 1, 1, 1, 0, 0]
 
 
 def test_concat_batches_keeps_every_sample_of_both_halves() -> None:

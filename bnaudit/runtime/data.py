@@ -733,7 +733,9 @@ class BatchStream:
     """The batches of one pass over the data: iterate once, in a fixed order.
 
     `batches` is the planned number of batches; `skipped` counts the images skipped
-    with --skip-bad once the stream has been iterated.
+    with --skip-bad once the stream has been iterated. `first_index` numbers the plan's
+    first batch (nonzero for a rank's shard of a run under torchrun, so that batch numbers
+    in messages are those of the whole run).
     """
 
     source: _Source
@@ -741,6 +743,7 @@ class BatchStream:
     plan: list[list[int]]
     skipped: int = 0
     notes: list[str] = field(default_factory=list)
+    first_index: int = 0
 
     @property
     def description(self) -> str:
@@ -778,7 +781,7 @@ class BatchStream:
         emitted = 0
         for number, raw in enumerate(_surviving(loader)):
             if isinstance(raw, _BadBatch):
-                raise BnauditError(f"batch {number}: {raw.message}")
+                raise BnauditError(f"batch {self.first_index + number}: {raw.message}")
             inputs, labels, origins, skipped = raw
             self.skipped += skipped
             if not origins:
@@ -788,7 +791,7 @@ class BatchStream:
                 inputs = inputs.to(torch.float32).div_(255.0)
                 if UINT8_NOTE not in self.notes:
                     self.notes.append(UINT8_NOTE)
-            batch = Batch(emitted, inputs, labels, len(origins), origins, skipped)
+            batch = Batch(self.first_index + emitted, inputs, labels, len(origins), origins, skipped)
             # The plan already joined a last batch of one sample (norms'
             # rule); only --skip-bad can shrink another batch to one: the same rule
             # joins it to a neighbour, where the inputs can be joined.
@@ -800,7 +803,7 @@ class BatchStream:
             else:
                 yield held
                 emitted += 1
-                batch.index = emitted
+                batch.index = self.first_index + emitted
                 held = batch
         if held is None:
             raise BnauditError(f"{self.description}: every image was unreadable and skipped")

@@ -35,10 +35,21 @@ the layers that only inherit it.
 
 Accuracies carry 95% Wilson intervals and the gap Newcombe's interval
 (`bnaudit.runtime.confidence`); a gap whose interval contains 0 is "not significant".
+
+Under torchrun (`bnaudit.runtime.distributed`) every rank plans the same batches from the
+seed and scores a contiguous block of WHOLE batches: a train-mode output depends on which
+samples share its batch, so the ranks must run exactly the single process's batches. The
+ranks then combine what a single process accumulates: the sample, label, correct (both
+modes), agreement and non-finite counts and the batch and skipped counts are summed
+(exact integers); the divergence sums are added in rank order (float64 rounding); every
+BN layer's and the input's per-channel (count, mean, M2) are Chan-merged
+(`stats.all_gather_merge`: float64 rounding). Every rank then builds the same report, so
+accuracy, gap and agreement equal a single process's exactly and exit codes agree.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -61,6 +72,14 @@ from bnaudit.runtime.attribution import (
 )
 from bnaudit.runtime.confidence import difference_interval, wilson
 from bnaudit.runtime.data import make_loader
+from bnaudit.runtime.distributed import (
+    device_for_rank,
+    distributed,
+    gather_objects,
+    process_group,
+    shard_batches,
+    together,
+)
 from bnaudit.runtime.inputs import input_problem
 from bnaudit.runtime.models import (
     forward,
@@ -71,7 +90,7 @@ from bnaudit.runtime.models import (
     to_device,
 )
 from bnaudit.runtime.norms import batch_stats_mode, eval_mode, norm_modules
-from bnaudit.runtime.stats import ChannelStats, drift, record_bn_inputs
+from bnaudit.runtime.stats import ChannelStats, all_gather_merge, drift, record_bn_inputs
 from bnaudit.text import exception_line, layer_list, plural
 
 # An accuracy difference (or disagreement) of at least one point is worth explaining.
@@ -198,6 +217,46 @@ class _Totals:
     classifier: bool | None = None
     non_finite_train: int = 0
     non_finite_eval: int = 0
+    batches: int = 0
+    skipped: int = 0
+    notes: list[str] = field(default_factory=list)
+    output_batch: int = 0  # the first batch scored (the first output shape, in messages)
+
+
+def _reduce_totals(totals: _Totals) -> _Totals:
+    """Every rank's totals combined (see the module docstring): counts summed, the
+    divergence sums added in rank order, notes joined in order of appearance. Collective;
+    raises on every rank alike when two ranks disagree on whether outputs are class scores."""
+    parts = gather_objects(totals)
+    combined = _Totals()
+    for name in _COUNTS:
+        setattr(combined, name, sum(getattr(p, name) for p in parts))
+    for p in parts:
+        combined.divergence_sum += p.divergence_sum
+        combined.notes += [n for n in p.notes if n not in combined.notes]
+        if p.classifier is None:  # a rank without batches
+            continue
+        if combined.classifier is None:
+            combined.classifier, combined.output_batch = p.classifier, p.output_batch
+        elif p.classifier != combined.classifier:
+            raise BnauditError(
+                f"batch {p.output_batch}: the output shape differs from that of batch {combined.output_batch} "
+                "(class scores in one, not in the other)"
+            )
+    return combined
+
+
+_COUNTS = (
+    "samples",
+    "labelled",
+    "correct_train",
+    "correct_eval",
+    "agree",
+    "non_finite_train",
+    "non_finite_eval",
+    "batches",
+    "skipped",
+)
 
 
 def measure_model_gap(
@@ -208,6 +267,7 @@ def measure_model_gap(
     config: Config | None = None,
     progress: Callable[[int, int], None] | None = None,
     train_first: bool = True,
+    shard: bool = True,
 ) -> GapReport:
     """Run every batch of `stream` through `runnable.module` in both modes (see module doc).
 
@@ -215,6 +275,11 @@ def measure_model_gap(
     `bnaudit.runtime.data.BatchStream`. `train_first` only chooses which pass runs first
     on each batch: the result is the same either way, because the train-mode pass
     restores the buffers it changes.
+
+    Under torch.distributed (an initialised process group) each rank scores its share of
+    whole batches and every rank returns the report of all of them (module docstring);
+    collective, so every rank must call it. `shard=False` measures all of `stream` in this
+    process alone, as one rank may (recalibrate's --eval-data on rank 0).
     """
     device = resolve_device(device) if isinstance(device, str) else device
     if stream.batch_size < 2:
@@ -230,14 +295,16 @@ def measure_model_gap(
     hooked = {} if runnable.scripted else norms
     accumulated = {name: ChannelStats() for name in hooked}
     totals = _Totals()
-    batches = 0
     # --grayscale applies to image folders only: elsewhere it is no fix to suggest
     grayscale = stream.options.grayscale if getattr(stream.source, "is_images", False) else None
     # the model's own input, per channel: what the preprocessing produced
     input_stats = ChannelStats()
     example: Any = None
-    with eval_mode(model), torch.no_grad():
-        for batch in stream:
+    rank, world = distributed() if shard else (0, 1)
+    first_batch, mine = shard_batches(stream.plan, rank, world)
+    local = stream if world == 1 else replace(stream, plan=mine, first_index=first_batch)
+    with eval_mode(model), torch.no_grad(), together() if world > 1 else contextlib.nullcontext():
+        for batch in local if mine else ():
             inputs = to_device(batch.inputs, device)
             if _image_like(inputs):
                 input_stats.update(inputs)
@@ -263,9 +330,14 @@ def measure_model_gap(
                 out_eval = run_eval()
                 out_train = run_train()
             _compare(out_train, out_eval, labels, batch, totals)
-            batches += 1
+            totals.batches += 1
             if progress is not None:
-                progress(batches, stream.num_batches)
+                progress(totals.batches, len(mine))
+    totals.skipped, totals.notes = local.skipped, list(getattr(local, "notes", []))
+    if world > 1:
+        totals = _reduce_totals(totals)
+        accumulated, input_stats = _reduce_stats(accumulated, input_stats)
+        example = _shared_example(example, device)
     layers = _drift(norms, accumulated, hooked)
     labelled = totals.labelled
     report = GapReport(
@@ -274,7 +346,7 @@ def measure_model_gap(
         data=stream.description,
         samples=totals.samples,
         batch_size=stream.batch_size,
-        batches=batches,
+        batches=totals.batches,
         seed=stream.options.seed,
         shuffle=stream.options.shuffle,
         device=str(device),
@@ -286,10 +358,10 @@ def measure_model_gap(
         divergence_kind="kl" if totals.classifier else "relative_l2",
         layers=layers,
         inspection=inspection,
-        skipped=stream.skipped,
+        skipped=totals.skipped,
         non_finite={"train_mode": totals.non_finite_train, "eval_mode": totals.non_finite_eval},
         labelled=labelled,
-        notes=list(getattr(stream, "notes", [])),
+        notes=totals.notes,
         train_interval=wilson(totals.correct_train, labelled) if labelled else None,
         eval_interval=wilson(totals.correct_eval, labelled) if labelled else None,
         gap_interval=difference_interval(totals.correct_train, totals.correct_eval, labelled) if labelled else None,
@@ -315,6 +387,34 @@ def measure_model_gap(
             report.implied_mean, report.implied_std = implied
     report.diagnosis = diagnose(report, scripted=runnable.scripted)
     return report
+
+
+def _reduce_stats(
+    accumulated: dict[str, ChannelStats], input_stats: ChannelStats
+) -> tuple[dict[str, ChannelStats], ChannelStats]:
+    """Every rank's per-channel statistics of each BN layer's input and of the model's
+    input, Chan-merged (`stats.all_gather_merge`). A channel count that only some ranks
+    know (a rank without batches saw nothing) is agreed first. Collective."""
+    names = list(accumulated)
+    known = gather_objects([_channels(accumulated[n]) for n in names] + [_channels(input_stats)])
+    channels = [max(counts[i] for counts in known) for i in range(len(names) + 1)]
+    merged = {n: all_gather_merge(accumulated[n], c) if c else ChannelStats() for n, c in zip(names, channels)}
+    return merged, all_gather_merge(input_stats, channels[-1]) if channels[-1] else ChannelStats()
+
+
+def _shared_example(example: Any, device: Any) -> Any:
+    """The input probe needs only an example's shape and dtype (`_probe_first_layer`): the
+    first rank's, on every rank, so that a rank without batches builds the same report.
+    Collective."""
+    known = [e for e in gather_objects(None if example is None else (tuple(example.shape), example.dtype)) if e]
+    if example is not None or not known:
+        return example
+    shape, dtype = known[0]
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _channels(stats: ChannelStats) -> int:
+    return int(stats.mean.numel()) if stats.count else 0
 
 
 def _image_like(inputs: Any) -> bool:
@@ -467,7 +567,7 @@ def _compare(out_train: Any, out_eval: Any, labels: Any, batch: Any, totals: _To
         )
     classifier = evals.dim() == 2 and evals.shape[1] >= 2
     if totals.classifier is None:
-        totals.classifier = classifier
+        totals.classifier, totals.output_batch = classifier, batch.index
     elif totals.classifier != classifier:
         raise BnauditError(f"batch {batch.index}: the output shape changed to {list(evals.shape)}")
     n = batch.size
@@ -765,6 +865,10 @@ def measure_gap(
     the report carries; `max_gap` and `strict` (a gap that is not significant fails too)
     are stored on the report for `GapReport.exit_code`.
 
+    Under torchrun (WORLD_SIZE > 1) it joins the process group for the measurement (gloo
+    on the CPU, nccl with one GPU per rank for CUDA); each rank scores its share of whole
+    batches and every rank returns the same report of all the samples (module docstring).
+
     >>> import bnaudit                                                      # doctest: +SKIP
     >>> bnaudit.measure_gap("model.pt", bnaudit.DataOptions(path="val.safetensors"),
     ...                     arch="mypkg.models:net").gap                    # doctest: +SKIP
@@ -779,7 +883,8 @@ def measure_gap(
     stream = make_loader(replace(options, pin_memory=target.type == "cuda"))
     if max_gap is not None and stream.has_labels is False:
         raise BnauditError(NEEDS_LABELS)
-    report = measure_model_gap(runnable, stream, target, forward_fn, config, progress)
+    with process_group(target):
+        report = measure_model_gap(runnable, stream, device_for_rank(target), forward_fn, config, progress)
     report.max_gap = max_gap
     report.strict = strict
     if max_gap is not None and report.gap is not None and report.gap > max_gap and not report.gap_significant:

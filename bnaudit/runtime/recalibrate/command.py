@@ -31,6 +31,7 @@ from bnaudit.formats.atomic import check_output
 from bnaudit.formats.write import check_writable, save_like, statistics_digests
 from bnaudit.runtime.attribution import BROAD_FRACTION, channel_scores, is_large
 from bnaudit.runtime.data import make_loader
+from bnaudit.runtime.distributed import device_for_rank, process_group, shard_batches
 from bnaudit.runtime.gap import GapReport, measure_model_gap, statistics_mature
 from bnaudit.runtime.inputs import input_problem
 from bnaudit.runtime.models import (
@@ -43,11 +44,6 @@ from bnaudit.runtime.models import (
     to_device,
 )
 from bnaudit.runtime.norms import SkippedLayer, classify_layers, norm_modules
-from bnaudit.runtime.recalibrate.distributed import (
-    device_for_rank,
-    process_group,
-    shard_plan,
-)
 from bnaudit.runtime.recalibrate.methods import (
     METHODS,
     Calibration,
@@ -239,7 +235,7 @@ def recalibrate_checkpoint(
             stream = make_loader(dataclasses.replace(options, pin_memory=target.type == "cuda"))
             batches: Any = stream
             if world > 1:
-                plan = shard_plan(stream.plan, options.batch_size, rank, world)
+                plan = shard_batches(stream.plan, rank, world)[1]
                 batches = dataclasses.replace(stream, plan=plan) if plan else []
             eval_before = None
             model = runnable.module
@@ -404,6 +400,7 @@ def _same_data(a: Any, b: Any) -> bool:
 
 
 def _measure(runnable: Any, options: Any, device: Any, forward_fn: Any, config: Config) -> GapReport:
-    """The gap report of a model on held-out data."""
+    """The gap report of a model on held-out data, measured in this process alone (under
+    torchrun only rank 0 evaluates: it alone has the written checkpoint to reload)."""
     stream = make_loader(dataclasses.replace(options, pin_memory=device.type == "cuda"))
-    return measure_model_gap(runnable, stream, device, forward_fn, config)
+    return measure_model_gap(runnable, stream, device, forward_fn, config, shard=False)

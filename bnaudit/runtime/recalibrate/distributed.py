@@ -1,29 +1,28 @@
-"""Recalibration under torchrun: each rank calibrates its own shard of the samples, and
+"""Recalibration under torchrun: each rank calibrates its own shard of whole batches, and
 the ranks' statistics are merged exactly.
 
-Rank r of W takes every W-th sample of the one global order (`shard_plan`), so no sample
-is seen twice or left out. After a pass each rank holds per-layer (count, mean, M2); they
-are all-gathered and Chan-merged in rank order (`stats.all_gather_merge`), so every rank
-ends with the population statistics of all samples, equal to one process seeing them all
-to float64 rounding. Counters (samples, batches, calls) are summed, maxima taken; the
-cumulative method's sums of batch means and variances are summed. Every collective runs
-on every rank in the same order; `together` turns one rank's failure into an error on
-all ranks instead of a hang. Without torch.distributed all of this is a no-op.
+Rank r of W takes a contiguous block of the single-process run's batches
+(`bnaudit.runtime.distributed.shard_batches`), so no sample is seen twice or left out and
+every batch holds the samples it holds in one process. After a pass each rank holds
+per-layer (count, mean, M2); they are all-gathered and Chan-merged in rank order
+(`stats.all_gather_merge`), so every rank ends with the population statistics of all
+samples, equal to one process seeing them all to float64 rounding. Counters (samples,
+batches, calls) are summed, maxima taken; the cumulative method's sums of batch means and
+variances are summed. Every collective runs on every rank in the same order. Process
+groups, devices, sharding and failures are `bnaudit.runtime.distributed`'s. Without
+torch.distributed all of this is a no-op.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from bnaudit.errors import BnauditError
-from bnaudit.runtime.norms import merge_trailing_singleton_plan, num_features
+from bnaudit.runtime.distributed import collective_device, distributed
+from bnaudit.runtime.norms import num_features
 from bnaudit.runtime.stats import ChannelStats, all_gather_merge
 
 
@@ -49,39 +48,11 @@ class PassResult:
     max_batch: int = 0
 
 
-def distributed() -> tuple[int, int]:
-    """(rank, world size) when torch.distributed is initialised, else (0, 1)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-@contextlib.contextmanager
-def together() -> Iterator[None]:
-    """Under torch.distributed, a failure on one rank ends the work on every rank
-    (rather than leaving the others waiting in the next collective)."""
-    if distributed()[1] == 1:
-        yield
-        return
-    failure: BaseException | None = None
-    try:
-        yield
-    except Exception as exc:
-        failure = exc
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([int(failure is not None)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if failure is not None:
-        raise failure
-    if int(flag.item()):
-        raise BnauditError("another rank failed (its error is in that rank's output)")
-
-
 def reduce_pass(result: PassResult, observed: dict[str, Any], cumulative: bool) -> PassResult:
     """Combine every rank's pass exactly (collective; same layer order on every rank)."""
     if distributed()[1] == 1:
         return result
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = collective_device()
     names = list(observed)
     counts = torch.tensor(
         [[result.samples, result.batches]] + [[result.records[n].batches, result.records[n].calls] for n in names],
@@ -111,38 +82,3 @@ def reduce_pass(result: PassResult, observed: dict[str, Any], cumulative: bool) 
             new.mean_sum, new.var_sum = sums[0].cpu(), sums[1].cpu()
         merged.records[name] = new
     return merged
-
-
-def shard_plan(plan: list[list[int]], batch_size: int, rank: int, world: int) -> list[list[int]]:
-    """This rank's batches: every `world`-th sample of the global order (no sample on
-    two ranks, none left out), cut into batches, a last batch of one sample merged."""
-    order = [index for batch in plan for index in batch]
-    mine = order[rank::world]
-    return merge_trailing_singleton_plan([mine[i : i + batch_size] for i in range(0, len(mine), batch_size)])
-
-
-@contextlib.contextmanager
-def process_group(device: Any) -> Iterator[tuple[int, int]]:
-    """Under torchrun (WORLD_SIZE > 1): join the process group (nccl for CUDA, gloo for
-    the CPU) for the block and yield (rank, world size); otherwise (0, 1)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        yield 0, 1
-        return
-    if dist.is_initialized():  # the caller set it up
-        yield dist.get_rank(), dist.get_world_size()
-        return
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    try:
-        yield dist.get_rank(), dist.get_world_size()
-    finally:
-        dist.destroy_process_group()
-
-
-def device_for_rank(device: Any) -> Any:
-    """Under torchrun each rank takes its own GPU (LOCAL_RANK)."""
-    if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % max(torch.cuda.device_count(), 1))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return device

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bnaudit.errors import BnauditError
+from bnaudit.runtime.distributed import distributed, together
 from bnaudit.runtime.norms import (
     SkippedLayer,
     batch_len,
@@ -44,13 +45,7 @@ from bnaudit.runtime.norms import (
     plain_batchnorm_forward,
     regime,
 )
-from bnaudit.runtime.recalibrate.distributed import (
-    LayerRecord,
-    PassResult,
-    distributed,
-    reduce_pass,
-    together,
-)
+from bnaudit.runtime.recalibrate.distributed import LayerRecord, PassResult, reduce_pass
 from bnaudit.runtime.stats import ChannelStats
 from bnaudit.text import exception_line, plural
 

@@ -1,0 +1,232 @@
+"""`gap` under torchrun --nproc-per-node 2 (gloo, CPU): the ranks score the single-process
+batches and their report is the single-process report."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from bnaudit.output.json import gap_to_json
+from bnaudit.runtime.data import DataOptions, batch_indices
+from bnaudit.runtime.gap import measure_gap
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+
+# The architecture, importable by --arch in both the ranks and this process.
+ARCH = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
+            nn.Conv2d(6, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+        )
+""")
+
+# Runs `measure_gap` (the API, which joins the process group itself) on every rank and
+# saves each rank's reports as JSON documents with their exit codes.
+WORKER = textwrap.dedent("""
+    import json
+    import os
+
+    import torch
+    from bnaudit.output.json import gap_to_json
+    from bnaudit.runtime.data import DataOptions
+    from bnaudit.runtime.gap import measure_gap
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, size, count in (("odd", 8, None), ("one_batch", 2, 3)):
+        options = DataOptions(path="val.safetensors", batch_size=size, num_samples=count)
+        report = measure_gap("model.safetensors", options, arch="arch.py:build", max_gap=0.0, strict=True)
+        out[name] = {"json": gap_to_json(report), "exit": report.exit_code()}
+    with open(f"rank{os.environ['RANK']}.json", "w") as f:
+        json.dump(out, f)
+""")
+
+SAMPLES = 41  # batches of 8: 8, 8, 8, 8, 1 -> the last one joins: 8, 8, 8, 9 (3 + 2 batches)
+
+
+def _data(n: int, shift: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Four classes, each a different mean pattern over the three channels, plus noise."""
+    labels = torch.randint(0, 4, (n,), generator=generator)
+    patterns = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+    x = patterns[labels][:, :, None, None] * 1.5 + torch.randn(n, 3, 6, 6, generator=generator)
+    return x * (1.0 + shift) + shift, labels
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model trained a little (so running statistics are real EMAs), held-out data from a
+    shifted distribution (so eval mode and batch statistics disagree), and both ranks'
+    results."""
+    folder = tmp_path_factory.mktemp("distgap")
+    (folder / "arch.py").write_text(ARCH)
+    namespace: dict[str, Any] = {}
+    exec(ARCH, namespace)
+    model = namespace["build"]()
+    g = torch.Generator().manual_seed(1)
+    optimiser = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model.train()
+    for _ in range(60):
+        x, y = _data(32, 0.0, g)
+        optimiser.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimiser.step()
+    save_file(model.state_dict(), str(folder / "model.safetensors"))
+    x, y = _data(SAMPLES, 0.6, g)
+    save_file({"inputs": x.contiguous(), "labels": y}, str(folder / "val.safetensors"))
+    (folder / "worker.py").write_text(WORKER)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "worker.py"],
+        cwd=folder,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return folder
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def _ranks(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def _single(folder: Path, size: int, count: int | None) -> Any:
+    cwd = os.getcwd()
+    os.chdir(folder)  # --arch arch.py:build and the data paths are relative, as in the ranks
+    try:
+        options = DataOptions(path="val.safetensors", batch_size=size, num_samples=count)
+        return measure_gap("model.safetensors", options, arch="arch.py:build", max_gap=0.0, strict=True)
+    finally:
+        os.chdir(cwd)
+
+
+def _model_and_data(folder: Path) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    namespace: dict[str, Any] = {}
+    exec(ARCH, namespace)
+    model = namespace["build"]()
+    model.load_state_dict(load_file(str(folder / "model.safetensors")))
+    data = load_file(str(folder / "val.safetensors"))
+    return model, data["inputs"], data["labels"]
+
+
+def test_ranks_count_what_a_plain_loop_over_the_single_process_batches_counts(folder: Path) -> None:
+    # independent of bnaudit's passes: plain train() / eval() forwards of the planned batches
+    model, x, y = _model_and_data(folder)
+    plan = batch_indices(SAMPLES, 8, None, shuffle=True, seed=0)
+    assert [len(b) for b in plan] == [8, 8, 8, 8, 9]
+    train_model, eval_model = copy.deepcopy(model).train(), copy.deepcopy(model).eval()
+    correct_train = correct_eval = agree = 0
+    with torch.no_grad():
+        for batch in plan:
+            pred_t = train_model(x[batch]).argmax(dim=1)
+            pred_e = eval_model(x[batch]).argmax(dim=1)
+            correct_train += int((pred_t == y[batch]).sum())
+            correct_eval += int((pred_e == y[batch]).sum())
+            agree += int((pred_t == pred_e).sum())
+    assert correct_train != correct_eval  # the shifted data makes the two modes differ
+    for rank in _ranks(folder):
+        doc = rank["odd"]["json"]
+        assert doc["samples"] == doc["labelled"] == SAMPLES and doc["batches"] == 5
+        assert doc["train_mode"]["accuracy"] == correct_train / SAMPLES
+        assert doc["eval_mode"]["accuracy"] == correct_eval / SAMPLES
+        assert doc["agreement"] == agree / SAMPLES
+
+
+def _assert_same_report(ranked: dict[str, Any], single: dict[str, Any]) -> None:
+    # counts, accuracies, agreement, intervals: integers and functions of integers, exact
+    for key in ("samples", "labelled", "batches", "skipped", "train_mode", "eval_mode", "gap", "agreement"):
+        assert ranked[key] == single[key], key
+    for key in ("train_mode_interval", "eval_mode_interval", "gap_interval", "gap_significant", "notes"):
+        assert ranked[key] == single[key], key
+    # a sum of per-sample float64 KL values added in another order: float64 rounding
+    assert ranked["divergence"] == pytest.approx(single["divergence"], rel=1e-12, abs=0)
+    # Each batch's float32 forward is the same computation in both runs (same samples, one
+    # thread), so the BN inputs are bit-identical; only the float64 accumulation differs
+    # (another shift, Chan merges grouped by rank). Its relative error is a few float64
+    # epsilons (2.2e-16) times the values per channel merged (<= 41 * 36) times the
+    # conditioning (mean / std)^2 (< 100 here): < 1e-10. A wrong merge (averaging the ranks'
+    # variances, dropping a rank) is off by more than 1e-3.
+    assert [layer["name"] for layer in ranked["layers"]] == [layer["name"] for layer in single["layers"]]
+    for a, b in zip(ranked["layers"], single["layers"], strict=True):
+        assert a["values"] == b["values"] and a["origin"] == b["origin"], a["name"]
+        for key in ("mean_shift", "max_mean_shift", "var_log_ratio", "peak"):
+            assert a[key] == pytest.approx(b[key], rel=1e-10, abs=1e-12), (a["name"], key)
+        for ca, cb in zip(a["worst_channels"], b["worst_channels"], strict=True):
+            assert ca["index"] == cb["index"]
+            assert ca["data_var"] == pytest.approx(cb["data_var"], rel=1e-10), a["name"]
+    for key in ("mean", "std"):
+        assert ranked["input"][key] == pytest.approx(single["input"][key], rel=1e-10, abs=1e-12), key
+    assert ranked["diagnosis"] == single["diagnosis"]
+
+
+def test_two_ranks_report_what_one_process_reports(folder: Path) -> None:
+    single = _single(folder, 8, None)
+    reference = gap_to_json(single)
+    assert reference["batches"] == 5 and reference["samples"] == SAMPLES
+    drifting = [layer for layer in reference["layers"] if layer["mean_shift"] is not None]
+    assert len(drifting) == 2 and all(layer["mean_shift"] > 0.05 for layer in drifting)
+    for rank in _ranks(folder):
+        _assert_same_report(rank["odd"]["json"], reference)
+        assert rank["odd"]["exit"] == single.exit_code() == 1  # the gap exceeds --max-gap 0
+
+
+def test_a_rank_without_batches_still_joins_and_the_report_is_one_process_s(folder: Path) -> None:
+    # 3 samples in batches of 2: 2, 1 -> one batch of 3; rank 1 scores nothing
+    assert [len(b) for b in batch_indices(SAMPLES, 2, 3)] == [3]
+    single = _single(folder, 2, 3)
+    reference = gap_to_json(single)
+    for rank in _ranks(folder):
+        doc = rank["one_batch"]["json"]
+        assert doc["samples"] == 3 and doc["batches"] == 1
+        _assert_same_report(doc, reference)
+        assert rank["one_batch"]["exit"] == single.exit_code()
+
+
+def test_torchrun_cli_prints_one_report_equal_to_one_process_s(folder: Path) -> None:
+    command = ["gap", "model.safetensors", "--arch", "arch.py:build", "--data", "val.safetensors", "--batch-size", "8"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bnaudit"]
+    ranks = subprocess.run(
+        [*launch, *command, "--format", "json", "--max-gap", "0", "--strict"],
+        cwd=folder,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    # --max-gap 0 fails on both ranks; rank 0 still prints its whole report first
+    assert ranks.returncode == 1, ranks.stderr[-3000:]
+    doc = json.loads(ranks.stdout)  # one JSON document: rank 1 printed nothing
+    one = subprocess.run(
+        [sys.executable, "-m", "bnaudit", *command, "--format", "json", "--max-gap", "0", "--strict"],
+        cwd=folder,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert one.returncode == 1, one.stderr[-3000:]
+    _assert_same_report(doc, json.loads(one.stdout))
