@@ -5,6 +5,8 @@ Public API (the CLI is a thin layer over it):
     bnaudit.inspect(paths, config=None, key=None, trust_pickle=False) -> InspectReport
     bnaudit.diff(path_a, path_b, config=None, key_a=None, key_b=None, trust_pickle=False) -> DiffReport
     bnaudit.measure_gap(checkpoint, DataOptions(path=...), arch=..., config=..., max_gap=...) -> GapReport
+    bnaudit.measure_invariance(checkpoint, DataOptions(path=...), arch=..., batch_sizes=[1, 8, 64])
+        -> InvarianceReport
     bnaudit.recalibrate_checkpoint(checkpoint, output, DataOptions(path=...), arch=..., config=...)
         -> RecalibrationReport
     bnaudit.recalibrate_module(model, batches, method="exact") -> Calibration   (an nn.Module in place)
@@ -24,6 +26,7 @@ __all__ = [
     "diff",
     "inspect",
     "measure_gap",
+    "measure_invariance",
     "recalibrate_checkpoint",
     "recalibrate_module",
 ]
@@ -33,6 +36,7 @@ _LAZY = {
     "inspect": ("bnaudit.audit.audit", "inspect"),
     "diff": ("bnaudit.audit.diff", "diff"),
     "measure_gap": ("bnaudit.runtime.gap", "measure_gap"),
+    "measure_invariance": ("bnaudit.runtime.invariance", "measure_invariance"),
     "recalibrate_checkpoint": ("bnaudit.runtime.recalibrate.command", "recalibrate_checkpoint"),
     "recalibrate_module": ("bnaudit.runtime.recalibrate.methods", "recalibrate_module"),
     "Config": ("bnaudit.config", "Config"),

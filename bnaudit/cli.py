@@ -248,7 +248,7 @@ def rules_command(
 
 
 # ----------------------------------------------------------------------------- gap
-# Options shared by the commands that run a model on data (gap, recalibrate).
+# Options shared by the commands that run a model on data (gap, invariance, recalibrate).
 
 ArchOpt = Annotated[
     Optional[str],
@@ -486,6 +486,104 @@ def gap(
             if rank == 0:
                 output.emit(report, output_format.value, sys.stdout, quiet=quiet)
     raise typer.Exit(code)
+
+
+# ----------------------------------------------------------------------------- invariance
+
+
+@app.command()
+def invariance(
+    checkpoint: Annotated[
+        str,
+        typer.Argument(
+            metavar="CHECKPOINT", help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module."
+        ),
+    ],
+    data: DataOpt = None,
+    dataset: DatasetOpt = None,
+    arch: ArchOpt = None,
+    arch_kwargs: ArchKwargsOpt = None,
+    key: KeyOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    forward: ForwardOpt = None,
+    batch_sizes: Annotated[
+        Optional[str],
+        typer.Option(
+            "--batch-sizes",
+            metavar="B1,B2,...",
+            help="Batch sizes to score each sample in, comma list; 1 scores it alone (default: 1 and --batch-size).",
+        ),
+    ] = None,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", metavar="N", help="Samples per batch when --batch-sizes is not given.")
+    ] = 64,
+    num_samples: Annotated[
+        int, typer.Option("--num-samples", metavar="N", help="Samples to score in every arrangement.")
+    ] = 256,
+    seed: Annotated[
+        int, typer.Option("--seed", metavar="SEED", help="Seed of the sample order and of the other companions.")
+    ] = 0,
+    no_shuffle: NoShuffleOpt = False,
+    device: DeviceOpt = "cpu",
+    workers: WorkersOpt = 0,
+    image_size: ImageSizeOpt = None,
+    grayscale: GrayscaleOpt = False,
+    mean: MeanOpt = None,
+    std: StdOpt = None,
+    skip_bad: SkipBadOpt = False,
+    fail_on: Annotated[
+        Optional[Severity],
+        typer.Option(help="Exit 1 also when an inspect finding of the checkpoint is at or above this severity."),
+    ] = None,
+    exit_zero: Annotated[
+        bool, typer.Option("--exit-zero", help="Exit 0 even when outputs depend on the batch (2 stays for errors).")
+    ] = False,
+    output_format: Annotated[Format, typer.Option("--format", "-f", help="Report format.")] = Format.table,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no arrangement table.")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Test whether a prediction depends on the other samples in its batch, and find where."""
+    from bnaudit.audit.rules import RULES
+    from bnaudit.config import load_config
+    from bnaudit.runtime.invariance import measure_invariance, parse_batch_sizes
+
+    json_output = output_format is Format.json
+    with user_errors(debug, json_output):
+        options = data_options(
+            data,
+            dataset,
+            batch_size,
+            num_samples,
+            seed,
+            no_shuffle,
+            workers,
+            image_size,
+            grayscale,
+            mean,
+            std,
+            skip_bad,
+        )
+        sizes = parse_batch_sizes(batch_sizes, batch_size)
+        # The inspect findings shown with the verdict follow the project's configuration too.
+        config = load_config(rule_codes=RULES)
+        with frozen_imports(), output.progress("invariance", sys.stderr, quiet=quiet or json_output) as update:
+            report = measure_invariance(
+                checkpoint,
+                options,
+                arch=arch,
+                arch_kwargs=arch_kwargs,
+                key=key,
+                trust_pickle=trust_pickle,
+                forward=forward,
+                device=device,
+                config=config,
+                progress=update,
+                batch_sizes=sizes,
+                fail_on=fail_on.value if fail_on else None,
+                exit_zero=exit_zero,
+            )
+        output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+    raise typer.Exit(report.exit_code())
 
 
 # ----------------------------------------------------------------------------- recalibrate

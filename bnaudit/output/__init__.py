@@ -1,12 +1,14 @@
 """One emitter interface for every report kind; the only place that knows rich, JSON and SARIF.
 
-    emit(report, fmt, stream)          inspect, diff: table / json / sarif; gap, recalibrate: table / json
+    emit(report, fmt, stream)          inspect, diff: table / json / sarif; gap, invariance,
+                                       recalibrate: table / json
     emit_diagnostics(report, stream)   what a report has to say on stderr (unreadable files, warnings)
     emit_error / emit_warning          the CLI's one-line messages
     render_rules(stream, code)         `bnaudit rules` and `bnaudit rules CODE`
     progress(description, stream)      a progress bar while gap or recalibrate runs
 
-A report says which emitter renders it with its `kind` ("inspect", "gap", "recalibrate", "diff"),
+A report says which emitter renders it with its `kind` ("inspect", "gap", "invariance",
+"recalibrate", "diff"),
 so this package never imports the torch-heavy modules that build gap and recalibrate
 reports: `--help`, `rules` and `inspect` of a safetensors file stay torch-free.
 
@@ -30,6 +32,7 @@ from bnaudit.text import printable
 FORMATS: dict[str, tuple[str, ...]] = {
     "inspect": ("table", "json", "sarif"),
     "gap": ("table", "json"),
+    "invariance": ("table", "json"),
     "recalibrate": ("table", "json"),
     "diff": ("table", "json", "sarif"),
 }
@@ -67,7 +70,12 @@ def emit(
         if kind == "inspect":
             table.render_inspect(report, console(stream, width), quiet=quiet, all_layers=all_layers)
             return
-        renderers = {"gap": table.render_gap, "recalibrate": table.render_recalibrate, "diff": table.render_diff}
+        renderers = {
+            "gap": table.render_gap,
+            "invariance": table.render_invariance,
+            "recalibrate": table.render_recalibrate,
+            "diff": table.render_diff,
+        }
         renderers[kind](report, console(stream, width), quiet=quiet)
         return
     document = _document(report, fmt)
@@ -88,6 +96,7 @@ def _document(report: Any, fmt: str) -> dict[str, Any]:
     builders = {
         "inspect": documents.inspect_to_json,
         "gap": documents.gap_to_json,
+        "invariance": documents.invariance_to_json,
         "recalibrate": documents.recalibrate_to_json,
         "diff": documents.diff_to_json,
     }

@@ -124,6 +124,82 @@ def gap_to_json(report: Any) -> dict[str, Any]:
     }
 
 
+def invariance_to_json(report: Any) -> dict[str, Any]:
+    """The `bnaudit invariance --format json` document (bnaudit.runtime.invariance defines
+    every figure; accuracies and shares as fractions, null where they do not apply)."""
+    return {
+        "version": __version__,
+        "checkpoint": report.checkpoint,
+        "model": report.model,
+        "data": report.data,
+        "samples": report.samples,
+        "batch_sizes": list(report.batch_sizes),
+        "seed": report.seed,
+        "shuffle": report.shuffle,
+        "device": report.device,
+        "dtype": report.dtype,
+        "skipped": report.skipped,
+        "verdict": report.verdict,
+        "reference": report.reference,
+        "norm": report.norm,
+        "arrangements": [
+            {
+                "name": a.name,
+                "batch_size": a.batch_size,
+                "order": a.order,
+                "batches": a.batches,
+                "max_deviation": json_number(a.max_deviation),
+                "coupled_samples": a.coupled,
+                "changed_predictions": a.changed,
+                "accuracy": json_number(a.accuracy),
+            }
+            for a in report.arrangements
+        ],
+        "noise": {
+            "screen": report.screen,
+            "floor": report.floor,
+            "flagged": report.flagged,
+            "cleared_by_float64": report.cleared,
+            "float64_rescored": report.float64,
+            "float64_noise": json_number(report.float64_noise),
+            "float64_note": report.float64_note,
+        },
+        "coupled_samples": report.coupled,
+        "max_deviation": json_number(report.max_deviation),
+        "max_deviation_sample": report.max_deviation_sample,
+        "classifier": report.classifier,
+        "changed_predictions": report.changed,
+        "changed_share": json_number(report.changed_share),
+        "kl": None
+        if report.max_kl is None
+        else {"max": json_number(report.max_kl), "mean": json_number(report.mean_kl)},
+        "labelled": report.labelled,
+        "accuracy_alone": json_number(report.accuracy("alone")),
+        "accuracy_in_batch": json_number(_largest_batch_accuracy(report)),
+        "failures": dict(report.failures),
+        "coupling": [
+            {
+                "module": s.module,
+                "kind": s.kind,
+                "cause": s.cause,
+                "reason": s.reason,
+                "sample": s.sample,
+                "arrangement": s.arrangement,
+            }
+            for s in report.sites
+        ],
+        "notes": list(report.notes),
+        "findings": [finding_to_json(f) for f in report.findings],
+        "diagnosis": list(report.diagnosis),
+    }
+
+
+def _largest_batch_accuracy(report: Any) -> Any:
+    """Accuracy in the natural batches of the largest batch size (None without labels)."""
+    natural = [a for a in report.arrangements if a.order == "natural"]
+    return natural[-1].accuracy if natural else None
+
+
 def _attribution_to_json(d: Any) -> dict[str, Any]:
     """A layer's origin flag, worst-channel drift and top channels (bnaudit.runtime.attribution)."""
     return {

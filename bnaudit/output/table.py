@@ -405,6 +405,116 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     console.print(bullets)
 
 
+def render_invariance(report: Any, console: Any, quiet: bool = False) -> None:
+    """Rich rendering: header, verdict, one row per arrangement, the noise floor, the
+    coupling sites, findings, diagnosis."""
+    from rich.table import Table
+    from rich.text import Text
+
+    title = _cell(report.checkpoint, style="bold")
+    title.append(printable(f"  ({report.model})"), style="dim")
+    console.print(title)
+    console.print(_cell(f"data: {report.data}", style="dim"))
+    for note in report.notes:
+        console.print(_cell(f"note: {note}", style="dim"))
+    order = f"shuffled with seed {report.seed}" if report.shuffle else "file order, --no-shuffle"
+    skipped = f", {plural(report.skipped, 'unreadable image')} skipped" if report.skipped else ""
+    sizes = ", ".join(str(s) for s in report.batch_sizes)
+    console.print(
+        _cell(
+            f"{plural(report.samples, 'sample')} ({order}), batch sizes {sizes}, "
+            f"{plural(len(report.arrangements), 'arrangement')}, device {report.device}, "
+            f"{report.dtype} outputs{skipped}"
+        )
+    )
+    console.print()
+    if report.verdict == "coupled":
+        words = f"coupled: {report.coupled} of {plural(report.samples, 'sample')} depend on their batch companions"
+        if report.failures:
+            words += (
+                " (and the model cannot score one sample alone)"
+                if report.coupled
+                else (": the model cannot score one sample alone")
+            )
+        console.print(Text(words, style="bold red"))
+    else:
+        console.print(Text("invariant: no output depends on its batch companions", style="bold green"))
+    console.print()
+
+    if not quiet:
+        table = _bordered(f"outputs against the reference ({report.reference}), per arrangement")
+        columns: tuple[tuple[str, Justify], ...] = (
+            ("arrangement", "left"),
+            ("batches", "right"),
+            ("max deviation", "right"),
+            ("coupled", "right"),
+            ("changed", "right"),
+            ("accuracy", "right"),
+        )
+        for col, justify in columns:
+            table.add_column(col, justify=justify)
+        for a in report.arrangements:
+            reference = a.name == report.reference
+            table.add_row(
+                a.name + (" *" if reference else ""),
+                str(a.batches),
+                "-" if reference else f"{a.max_deviation:.2g}",
+                "-" if reference else str(a.coupled),
+                "-" if reference or a.changed is None else str(a.changed),
+                _percent(a.accuracy),
+                style="red" if a.coupled else "",
+            )
+        console.print(_fit(table, console.width))
+        console.print(Text("* reference; deviation: " + report.norm, style="dim"))
+        for name, message in report.failures.items():
+            console.print(_cell(f"{name}: failed: {message}", style="red"))
+        console.print()
+
+    where = f" ({report.max_deviation_sample})" if report.max_deviation_sample else ""
+    parts = [Text(f"largest deviation {report.max_deviation:.3g}{where}")]
+    if report.changed is not None:
+        parts.append(Text(f"predictions changed {report.changed} ({_percent(report.changed_share)})"))
+    if report.max_kl is not None:
+        parts.append(Text(f"KL(reference || arrangement) max {report.max_kl:.3g}, mean {report.mean_kl:.3g}"))
+    console.print(Text("  ·  ").join(parts))
+    rescored = (
+        f"{report.flagged} flagged, {report.cleared} cleared by float64 re-scoring"
+        if report.float64
+        else f"{report.flagged} flagged" + (", not re-scored in float64" if report.flagged else "")
+    )
+    noise = f", largest float64 noise {report.float64_noise:.2g}" if report.float64_noise is not None else ""
+    console.print(
+        _cell(
+            f"noise floor: screen {report.screen:.2g} ({report.dtype}), float64 floor {report.floor:.2g}; "
+            f"{rescored}{noise}",
+            style="dim",
+        )
+    )
+    console.print()
+
+    if report.sites:
+        sites = _bordered("where samples meet")
+        sites.add_column("module", overflow="fold")
+        sites.add_column("kind")
+        sites.add_column("why", overflow="fold")
+        for site in report.sites:
+            sites.add_row(_cell(site.module), _cell(site.kind), _cell(site.reason))
+        console.print(_fit(sites, console.width))
+        console.print()
+
+    if report.findings:
+        console.print(_fit(_findings_table(report.findings, "inspect findings for this checkpoint"), console.width))
+        console.print()
+
+    console.print(Text("diagnosis", style="bold"))
+    bullets = Table.grid(padding=(0, 1))
+    bullets.add_column(width=3, justify="right")
+    bullets.add_column()
+    for line in report.diagnosis:
+        bullets.add_row("-", _cell(line))
+    console.print(bullets)
+
+
 def _span(pair: tuple[float, float] | None, signed: bool = False) -> str:
     """A 95% interval in percent (points when `signed`)."""
     if pair is None:

@@ -313,3 +313,67 @@ def regime(model: Any, batch_stat_layers: Iterable[Any]) -> Iterator[None]:
 def num_features(module: Any) -> int:
     """Channels of a layer with running statistics (the length of running_mean)."""
     return int(module.running_mean.shape[0])
+
+
+def batch_statistics_reason(module: Any) -> str | None:
+    """Why a module normalises by the statistics of its batch in the mode it is in now
+    (None: it does not, or it is no BatchNorm layer).
+
+    Eager BatchNorm uses batch statistics when `training` is set or when it keeps no
+    running statistics (`track_running_stats=False`, or running_mean / running_var
+    None): PyTorch's forward passes `training or running_mean is None` to the kernel. A
+    scripted BatchNorm without a running_mean buffer does the same.
+    """
+    if not is_batchnorm(module):
+        return None
+    cls = _script_class(module) if is_script(module) else type(module).__name__
+    if is_script(module):
+        if "running_mean" not in dict(module.named_buffers(recurse=False)):
+            return f"{cls} without running statistics normalises by the statistics of the batch, in eval mode too"
+        return None
+    if not module.track_running_stats or module.running_mean is None or module.running_var is None:
+        return (
+            f"{cls} with track_running_stats=False: it keeps no running statistics, so it normalises by the "
+            "statistics of the batch in eval mode too"
+        )
+    if module.training:
+        return f"{cls} in training mode normalises by the statistics of the batch"
+    return None
+
+
+# aten operators that normalise by batch statistics when their `training` argument
+# (the sixth, index 5, in each schema) is true
+_BATCH_NORM_OPS = ("aten::batch_norm", "aten::_batch_norm_impl_index", "aten::native_batch_norm")
+_TRAINING_ARG = 5
+
+
+@dataclass(frozen=True)
+class ScriptedBatchStatCall:
+    """A batch-normalisation call in a TorchScript graph whose `training` argument is the
+    constant True: `.eval()` cannot change it (tracing in training mode bakes it in)."""
+
+    module: str
+    kind: str
+    op: str
+
+
+def scripted_batch_stat_calls(model: Any) -> list[ScriptedBatchStatCall]:
+    """The graph nodes of every (sub)module of a TorchScript model that call batch
+    normalisation with training=True as a constant, in module registration order."""
+    calls: list[ScriptedBatchStatCall] = []
+    if not is_script(model):
+        return calls
+    for name, module in model.named_modules():
+        try:
+            graph = module.graph
+        except Exception:  # a module without a compiled forward
+            continue
+        nodes = [n for op in _BATCH_NORM_OPS for n in graph.findAllNodes(op, True)]  # recurse into blocks
+        for node in nodes:
+            args = list(node.inputs())
+            if len(args) <= _TRAINING_ARG:
+                continue
+            training = args[_TRAINING_ARG]
+            if training.node().kind() == "prim::Constant" and training.toIValue() is True:
+                calls.append(ScriptedBatchStatCall(name or "(model)", _script_class(module), node.kind()))
+    return calls
