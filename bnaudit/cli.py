@@ -545,10 +545,13 @@ def invariance(
     """Test whether a prediction depends on the other samples in its batch, and find where."""
     from bnaudit.audit.rules import RULES
     from bnaudit.config import load_config
+    from bnaudit.runtime.distributed import reporting
     from bnaudit.runtime.invariance import measure_invariance, parse_batch_sizes
+    from bnaudit.runtime.models import resolve_device
 
     json_output = output_format is Format.json
-    with user_errors(debug, json_output):
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun: rank 0 alone prints (as gap)
+    with user_errors(debug, json_output and rank == 0):
         options = data_options(
             data,
             dataset,
@@ -566,23 +569,26 @@ def invariance(
         sizes = parse_batch_sizes(batch_sizes, batch_size)
         # The inspect findings shown with the verdict follow the project's configuration too.
         config = load_config(rule_codes=RULES)
-        with frozen_imports(), output.progress("invariance", sys.stderr, quiet=quiet or json_output) as update:
-            report = measure_invariance(
-                checkpoint,
-                options,
-                arch=arch,
-                arch_kwargs=arch_kwargs,
-                key=key,
-                trust_pickle=trust_pickle,
-                forward=forward,
-                device=device,
-                config=config,
-                progress=update,
-                batch_sizes=sizes,
-                fail_on=fail_on.value if fail_on else None,
-                exit_zero=exit_zero,
-            )
-        output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+        quiet_bar = quiet or json_output or rank != 0
+        with frozen_imports(), reporting(resolve_device(device)):
+            with output.progress("invariance", sys.stderr, quiet=quiet_bar) as update:
+                report = measure_invariance(
+                    checkpoint,
+                    options,
+                    arch=arch,
+                    arch_kwargs=arch_kwargs,
+                    key=key,
+                    trust_pickle=trust_pickle,
+                    forward=forward,
+                    device=device,
+                    config=config,
+                    progress=update,
+                    batch_sizes=sizes,
+                    fail_on=fail_on.value if fail_on else None,
+                    exit_zero=exit_zero,
+                )
+            if rank == 0:
+                output.emit(report, output_format.value, sys.stdout, quiet=quiet)
     raise typer.Exit(report.exit_code())
 
 

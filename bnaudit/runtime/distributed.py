@@ -143,3 +143,37 @@ def gather_objects(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def first_error(message: str | None) -> str | None:
+    """The first rank's error message (rank order), on every rank; None when no rank
+    failed. For a step whose failure is itself a finding (a model that cannot score one
+    sample alone): every rank records the same one. Collective."""
+    return next((m for m in gather_objects(message) if m is not None), None)
+
+
+def combine_rows(rows: Any, filled: Any) -> tuple[Any, Any]:
+    """One (N, ...) tensor whose rows were filled on different ranks, every rank's other
+    rows zero (`rows` None on a rank that filled none), and the (N,) bool mask of the
+    rows each filled: the rows summed across ranks, in float64 and back to their dtype,
+    and the masks joined. Each row is filled on one rank only, so its sum adds zeros to
+    one value: exact. Identical on every rank; (rows, filled) as given without
+    torch.distributed. Collective."""
+    if distributed()[1] == 1:
+        return rows, filled
+    shapes = [s for s in gather_objects(None if rows is None else (tuple(rows.shape), rows.dtype)) if s is not None]
+    if not shapes:
+        return rows, filled
+    if any(s != shapes[0] for s in shapes):
+        raise BnauditError(
+            "the model's outputs differ in shape between batches: "
+            + ", ".join(sorted({str(list(s[0][1:])) for s in shapes}))
+        )
+    shape, dtype = shapes[0]
+    device = collective_device()
+    wide = torch.float64 if dtype.is_floating_point else torch.int64
+    total = torch.zeros(shape, dtype=wide, device=device) if rows is None else rows.to(device, wide)
+    dist.all_reduce(total)
+    mask = filled.to(device, torch.int64)
+    dist.all_reduce(mask)
+    return total.to("cpu", dtype), mask.cpu() > 0

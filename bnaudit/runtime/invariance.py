@@ -18,10 +18,17 @@ B of --batch-sizes:
 (for B >= 2 a last batch of one sample joins the one before it, `norms.merge_trailing_
 singleton`). Each arrangement fills one output tensor (N, ...) indexed by sample
 position, batch by batch (`score_arrangement`); every statistic is computed from these
-tensors afterwards. That is where work may be split: a process that scores only its
-share of whole batches (`Arrangement.batches[rank::world]`) and zeroes the other rows
-gives tensors that sum, across processes, to the single-process ones (`filled` says
-which rows a process scored), and `compare_outputs` then runs once on the sums.
+tensors afterwards.
+
+Under torchrun (`score_everywhere`, `bnaudit.runtime.distributed`) every rank reads the N
+samples (they are few, and any batch of the "other companions" arrangements may hold any
+of them), plans the same arrangements from the seed, and scores a contiguous block of
+each arrangement's WHOLE batches: a coupled model's output depends on its companions, so
+the batches must be the single process's. The other rows stay zero and the tensors are
+summed across ranks, which adds zeros to each value: the combined tensors equal a single
+process's to the last bit wherever the forward of one batch is deterministic, so every
+statistic, the verdict and the located coupling are the single process's, on every rank (the flagged samples' float64 re-scoring is split the same
+way; the few traced forwards of `locate_coupling` run on every rank).
 
 Statistics, per sample i with reference output r_i (alone; the first arrangement where
 the model cannot score one sample alone) and output y_a,i in arrangement a:
@@ -81,6 +88,14 @@ from bnaudit.audit.rules import Finding
 from bnaudit.config import Config, severity_rank
 from bnaudit.errors import BnauditError
 from bnaudit.runtime.data import make_loader
+from bnaudit.runtime.distributed import (
+    combine_rows,
+    device_for_rank,
+    distributed,
+    first_error,
+    process_group,
+    shard_batches,
+)
 from bnaudit.runtime.models import forward, load_forward, load_runnable, output_tensor, resolve_device, to_device
 from bnaudit.runtime.norms import (
     batch_statistics_reason,
@@ -258,16 +273,18 @@ def score_arrangement(
     float64: bool = False,
     positions: set[int] | None = None,
     batches: list[list[int]] | None = None,
+    first_batch: int = 0,
     progress: Callable[[], None] | None = None,
 ) -> tuple[Any, Any]:
     """Outputs (N, ...) on the CPU indexed by sample position, filled batch by batch, and
     the boolean mask (N,) of the rows filled (zeros elsewhere). `batches` (default: all
-    of the arrangement's) limits the batches run; `positions` keeps only the batches that
-    hold one of them. Errors name the arrangement and the batch."""
+    of the arrangement's) limits the batches run (`first_batch`: the arrangement's number
+    of the first of them); `positions` keeps only the batches that hold one of them.
+    Errors name the arrangement and the batch."""
     n = len(samples)
     outputs: Any = None
     filled = torch.zeros(n, dtype=torch.bool)
-    for number, rows in enumerate(arrangement.batches if batches is None else batches):
+    for number, rows in enumerate(arrangement.batches if batches is None else batches, start=first_batch):
         if positions is not None and not positions.intersection(rows):
             continue
         try:
@@ -469,6 +486,28 @@ def _float64_copy(model: Any) -> tuple[Any, str | None]:
         return None, f"no float64 copy of the model ({exception_line(exc)})"
 
 
+def score_everywhere(model: Any, samples: Samples, arrangement: Arrangement, **options: Any) -> Any:
+    """`score_arrangement`'s outputs (N, ...) for all of the arrangement's batches. Under
+    torch.distributed each rank scores its contiguous block of whole batches
+    (`bnaudit.runtime.distributed.shard_batches`: the batches and their companions are the
+    single process's) and the zero-filled rows are summed across ranks, exactly
+    (`combine_rows`); every rank ends with the same tensor, or the same error. Collective."""
+    rank, world = distributed()
+    if world == 1:
+        return score_arrangement(model, samples, arrangement, **options)[0]
+    first, mine = shard_batches(arrangement.batches, rank, world)
+    out = filled = None
+    try:
+        out, filled = score_arrangement(model, samples, arrangement, batches=mine, first_batch=first, **options)
+        error = None
+    except BnauditError as exc:
+        error = str(exc)
+    error = first_error(error)
+    if error is not None:
+        raise BnauditError(error)
+    return combine_rows(out, filled)[0]
+
+
 def measure_model_invariance(
     runnable: Any,
     stream: Any,
@@ -492,7 +531,8 @@ def measure_model_invariance(
     if n < 2:
         raise BnauditError("invariance needs at least 2 samples")
     arrangements = plan_arrangements(n, sizes, stream.options.seed)
-    total = sum(len(a.batches) for a in arrangements)
+    rank, world = distributed()
+    total = sum(len(shard_batches(a.batches, rank, world)[1]) for a in arrangements)  # this rank's share
     done = 0
 
     def step() -> None:
@@ -506,15 +546,13 @@ def measure_model_invariance(
     with eval_mode(model), torch.no_grad(), preserved_buffers(model):
         for arrangement in arrangements:
             try:
-                out, _ = score_arrangement(
-                    model, samples, arrangement, device=device, forward_fn=forward_fn, progress=step
-                )
+                out = score_everywhere(model, samples, arrangement, device=device, forward_fn=forward_fn, progress=step)
             except BnauditError as exc:
                 if arrangement.order != "alone":
                     raise
                 # a model that cannot score one sample alone is itself batch-dependent
                 failures[arrangement.name] = str(exc)
-                done += len(arrangement.batches) - 1
+                done += len(shard_batches(arrangement.batches, rank, world)[1]) - 1
                 continue
             scored.append((arrangement, out))
         # batch sizes include one of 2 or more: two arrangements besides "alone"
@@ -536,7 +574,7 @@ def measure_model_invariance(
                 positions = set(flagged)
                 try:
                     with preserved_buffers(model64), eval_mode(model64):
-                        ref64, _ = score_arrangement(
+                        ref64 = score_everywhere(
                             model64,
                             samples,
                             reference_arrangement,
@@ -546,7 +584,7 @@ def measure_model_invariance(
                             positions=positions,
                         )
                         outs64 = [
-                            score_arrangement(
+                            score_everywhere(
                                 model64,
                                 samples,
                                 a,
@@ -554,7 +592,7 @@ def measure_model_invariance(
                                 forward_fn=forward_fn,
                                 float64=True,
                                 positions=positions,
-                            )[0]
+                            )
                             for a, _ in others
                         ]
                 except BnauditError as exc:
@@ -978,7 +1016,9 @@ def measure_invariance(
     """Load the model and the data (`options`: a `bnaudit.DataOptions`; `num_samples`
     None reads 256) and measure whether outputs depend on their batch companions (module
     docstring). `batch_sizes` default to [1, options.batch_size]; `fail_on` and
-    `exit_zero` are stored for `InvarianceReport.exit_code`.
+    `exit_zero` are stored for `InvarianceReport.exit_code`. Under torchrun (WORLD_SIZE >
+    1) it joins the process group and every rank returns the same report (module
+    docstring).
 
     >>> import bnaudit                                                      # doctest: +SKIP
     >>> bnaudit.measure_invariance("model.pt", bnaudit.DataOptions(path="val.safetensors"),
@@ -992,7 +1032,10 @@ def measure_invariance(
     forward_fn = load_forward(forward)
     runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
     stream = make_loader(replace(options, pin_memory=target.type == "cuda"))
-    report = measure_model_invariance(runnable, stream, target, forward_fn, config, progress, sizes)
+    with process_group(target):
+        report = measure_model_invariance(
+            runnable, stream, device_for_rank(target), forward_fn, config, progress, sizes
+        )
     report.fail_on = fail_on
     report.exit_zero = exit_zero
     return report
