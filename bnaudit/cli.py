@@ -466,7 +466,9 @@ def gap(
         # The inspect findings shown with the gap follow the project's configuration too.
         config = load_config(rule_codes=RULES)
         quiet_bar = quiet or json_output or rank != 0
-        with frozen_imports(), reporting(resolve_device(device)):
+        # errors are said inside `reporting`, before the ranks wait for each other: torchrun
+        # stops the other ranks as soon as one exits
+        with frozen_imports(), reporting(resolve_device(device)), user_errors(debug, json_output and rank == 0):
             with output.progress("gap", sys.stderr, quiet=quiet_bar) as update:
                 report = measure_gap(
                     checkpoint,
@@ -570,7 +572,8 @@ def invariance(
         # The inspect findings shown with the verdict follow the project's configuration too.
         config = load_config(rule_codes=RULES)
         quiet_bar = quiet or json_output or rank != 0
-        with frozen_imports(), reporting(resolve_device(device)):
+        # errors are said before the ranks wait for each other (as in gap)
+        with frozen_imports(), reporting(resolve_device(device)), user_errors(debug, json_output and rank == 0):
             with output.progress("invariance", sys.stderr, quiet=quiet_bar) as update:
                 report = measure_invariance(
                     checkpoint,

@@ -230,3 +230,41 @@ def test_torchrun_cli_prints_one_report_equal_to_one_process_s(folder: Path) -> 
     )
     assert one.returncode == 1, one.stderr[-3000:]
     _assert_same_report(doc, json.loads(one.stdout))
+
+
+FORWARD = textwrap.dedent("""
+    def refuse_marked(model, inputs):
+        if float(inputs.abs().max()) > 1e3:
+            raise ValueError("a marked sample")
+        return model(inputs)
+""")
+
+
+def test_a_failure_on_one_rank_ends_every_rank_with_its_message(folder: Path) -> None:
+    from safetensors.torch import load_file
+
+    # one sample of batch 4 (rank 1's second batch) makes the --forward function fail
+    (folder / "marked.py").write_text(FORWARD)
+    data = load_file(str(folder / "val.safetensors"))
+    marked = batch_indices(SAMPLES, 8, None, shuffle=True, seed=0)[4][0]
+    data["inputs"][marked] = 1e4
+    save_file(data, str(folder / "val_marked.safetensors"))
+    command = ["gap", "model.safetensors", "--arch", "arch.py:build", "--data", "val_marked.safetensors"]
+    command += ["--batch-size", "8", "--forward", "marked.py:refuse_marked", "--format", "json"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bnaudit"]
+    ranks = subprocess.run([*launch, *command], cwd=folder, env=_env(), capture_output=True, text=True, timeout=300)
+    one = subprocess.run(
+        [sys.executable, "-m", "bnaudit", *command], cwd=folder, env=_env(), capture_output=True, text=True, timeout=300
+    )
+    assert one.returncode == 2
+    error = json.loads(one.stdout)["error"]
+    assert error.startswith("batch 4: ") and "a marked sample" in error
+    # rank 0 scored its batches without fault and prints the failing rank's message, with
+    # the batch numbered as one process numbers it; both ranks exit 2 (torchrun: 1)
+    assert ranks.returncode != 0
+    assert json.loads(ranks.stdout) == {"error": f"rank 1: {error}"}
+    # rank 1 says it in one line on stderr; torchrun's summary lists the exit code 2 (of the
+    # rank that ended first: it stops the other, which has said its error by then)
+    assert f"bnaudit: error: {error}\n" in ranks.stderr
+    assert "exitcode  : 2" in ranks.stderr
+    assert "[rank0]" not in ranks.stderr and "[rank1]" not in ranks.stderr  # no rank's traceback

@@ -53,8 +53,10 @@ def collective_device() -> Any:
 @contextlib.contextmanager
 def together() -> Iterator[None]:
     """Under torch.distributed, a failure on one rank ends the work on every rank
-    (rather than leaving the others waiting in the next collective). Collective: every
-    rank enters and leaves the block the same number of times."""
+    (rather than leaving the others waiting in the next collective): the failing rank
+    raises its own exception, every other rank a `BnauditError` with the first failing
+    rank's message, so rank 0's one-line error (or JSON error document) says what went
+    wrong. Collective: every rank enters and leaves the block the same number of times."""
     if distributed()[1] == 1:
         yield
         return
@@ -63,12 +65,12 @@ def together() -> Iterator[None]:
         yield
     except Exception as exc:
         failure = exc
-    flag = torch.tensor([int(failure is not None)], device=collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    messages = gather_objects(None if failure is None else str(failure) or type(failure).__name__)
     if failure is not None:
         raise failure
-    if int(flag.item()):
-        raise BnauditError("another rank failed (its error is in that rank's output)")
+    for rank, message in enumerate(messages):
+        if message is not None:
+            raise BnauditError(f"rank {rank}: {message}")
 
 
 @contextlib.contextmanager
