@@ -2,7 +2,8 @@
 
     python benchmarks/run.py            # full run (about 1 GiB of extra tensors, ~2.5 GB of disk)
     python benchmarks/run.py --quick    # smaller inputs, fewer repeats
-    python benchmarks/run.py --only 1,2 # some targets only (8: sharded checkpoint through its index)
+    python benchmarks/run.py --only 1,2 # some targets only (8: sharded checkpoint through its index,
+                                        # 9: invariance against a plain loop)
 
 Every input is built here, in a temporary folder deleted at the end: a ResNet-50-shaped
 state dict (53 BN layers, 25.6 M parameters) with and without 1 GiB of other tensors,
@@ -287,6 +288,17 @@ def net():
         in_c = out_c
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(in_c, 10)]
     return nn.Sequential(*layers)
+
+
+def wide_net():
+    """net() with twice the channels (about 4x the compute): compute-heavy per sample."""
+    layers = [nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU()]
+    in_c = 32
+    for out_c, stride in ((32, 1), (32, 1), (64, 2), (64, 1), (128, 2), (128, 1)):
+        layers.append(Block(in_c, out_c, stride))
+        in_c = out_c
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(in_c, 10)]
+    return nn.Sequential(*layers)
 '''
 
 # The plain-PyTorch references bnaudit is compared with: same model, checkpoint, data
@@ -340,6 +352,25 @@ def build_small_model(folder: str) -> str:
             module.running_var.copy_(0.5 + torch.rand(module.num_features, generator=g))
             module.num_batches_tracked.fill_(1000)
     path = os.path.join(folder, "small_resnet.pt")
+    torch.save(model.state_dict(), path)
+    return path
+
+
+def build_wide_model(folder: str) -> str:
+    """bench_model.wide_net with running statistics as a trained model might hold them."""
+    import torch
+
+    sys.path.insert(0, folder)
+    from bench_model import wide_net  # type: ignore[import-not-found]
+
+    model = wide_net()
+    g = torch.Generator().manual_seed(1)
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean.copy_(torch.randn(module.num_features, generator=g) * 0.1)
+            module.running_var.copy_(0.5 + torch.rand(module.num_features, generator=g))
+            module.num_batches_tracked.fill_(1000)
+    path = os.path.join(folder, "wide_resnet.pt")
     torch.save(model.state_dict(), path)
     return path
 
@@ -501,6 +532,7 @@ BUILDERS = {
         build_resnet50_pair,
         build_one_layer,
         build_small_model,
+        build_wide_model,
         build_tensor_data,
         build_image_folder,
     )
@@ -771,6 +803,57 @@ def target_4_gap(w: Workload, repeats: int, samples: int) -> None:
     )
 
 
+# invariance's arrangements written out as a plain loop: the same 256 samples (the first
+# of the seeded order), alone, in their natural batches of 64 and in batches of 64 of a
+# seeded permutation; outputs only, nothing compared.
+REF_ARRANGEMENTS = """
+import sys, torch
+sys.path.insert(0, {folder!r})
+from bench_model import wide_net
+from safetensors.torch import load_file
+model = wide_net()
+model.load_state_dict(torch.load({ckpt!r}, map_location="cpu", weights_only=True))
+model.eval()
+inputs = load_file({data!r})["inputs"]
+order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(0))[:{samples}]
+x = inputs[order]
+n = len(x)
+perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+outputs = []
+with torch.no_grad():
+    for arrangement in ([torch.tensor([i]) for i in range(n)], torch.arange(n).split({batch}), perm.split({batch})):
+        out = torch.empty(n, 10)
+        for idx in arrangement:
+            out[idx] = model(x[idx])
+        outputs.append(out)
+print(float(outputs[1].sub(outputs[0]).abs().max()))
+"""
+INVARIANCE_SAMPLES = 256
+
+
+def target_9_invariance(w: Workload, ckpt: str, repeats: int) -> None:
+    what = "invariance (256 samples) vs a plain loop, same arrangements"
+    if not command_exists("invariance"):
+        return skip("9", what, "no `bnaudit invariance` command on this branch yet")
+    path = os.path.join(w.folder, "ref_arrangements.py")
+    with open(path, "w") as f:
+        f.write(
+            REF_ARRANGEMENTS.format(folder=w.folder, ckpt=ckpt, data=w.data, samples=INVARIANCE_SAMPLES, batch=w.batch)
+        )
+    arch = f"{os.path.join(w.folder, 'bench_model.py')}:wide_net"
+    cmd = [PY, "-m", "bnaudit", "invariance", ckpt, "--arch", arch, "--data", w.data]
+    cmd += ["--num-samples", str(INVARIANCE_SAMPLES), "--batch-sizes", f"1,{w.batch}", "--format", "json"]
+    runs = compare({"loop": [PY, path], "invariance": cmd}, repeats, env=child_env(ONE_THREAD))
+    t_ref, t_inv = median_wall(runs["loop"]), median_wall(runs["invariance"])
+    line(
+        "9",
+        what,
+        t_inv / t_ref,
+        1.25,
+        f"{fmt_s(t_inv)} vs {fmt_s(t_ref)}, wide ResNet, batch sizes 1 and {w.batch}, whole processes",
+    )
+
+
 def target_5_memory(
     w: Workload,
     small: str,
@@ -857,7 +940,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.build:  # a child started by build()
         print(json.dumps(BUILDERS[args.build[0]](*json.loads(args.build[1]))))
         return 0
-    only = {int(x) for x in args.only.split(",")} if args.only else {1, 2, 3, 4, 5, 6, 7, 8}
+    only = {int(x) for x in args.only.split(",")} if args.only else {1, 2, 3, 4, 5, 6, 7, 8, 9}
     repeats = args.repeats or (3 if args.quick else 5)
     extra_bytes = 256 * MiB if args.quick else GiB
     samples = 512 if args.quick else 2048
@@ -884,7 +967,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             target_7_diff_size_independence(tmp, extra_bytes, repeats)
         if 8 in only:
             target_8_sharded(tmp, extra_bytes, repeats)
-        if only & {3, 4, 5, 6}:
+        if only & {3, 4, 5, 6, 9}:
             folder = os.path.join(tmp, "model")
             os.makedirs(folder)
             ckpt = build("build_small_model", folder)
@@ -894,6 +977,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 target_3_recalibrate(w, repeats, samples)
             if 4 in only:
                 target_4_gap(w, repeats, samples)
+            if 9 in only:
+                target_9_invariance(w, build("build_wide_model", folder), repeats)
             if only & {5, 6}:
                 small = build("build_image_folder", os.path.join(tmp, "images_small"), n_images)
                 large = build("build_image_folder", os.path.join(tmp, "images_large"), n_images * 10)

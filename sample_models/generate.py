@@ -17,7 +17,9 @@ Hugging Face Trainer folder after 3 AdamW fine-tuning steps on the calibration s
 model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth, training_args.bin,
 trainer_state.json), and `lightning/last.ckpt` (a Lightning-style container whose
 hyper_parameters and args pickle classes of a project module that does not exist where the file
-is audited). `python sample_models/generate.py --layouts-only` rewrites just these,
+is audited), and `traced_train.pt` (the healthy model traced with its BatchNorm layers in
+training mode: batch-dependent predictions for `bnaudit invariance`).
+`python sample_models/generate.py --layouts-only` rewrites just these,
 from the committed healthy.safetensors and calibration data (no scikit-learn needed).
 """
 
@@ -232,10 +234,28 @@ def write_lightning_checkpoint(healthy: dict[str, torch.Tensor], path: str) -> N
                 sys.modules.pop(name, None)
 
 
+def write_traced_in_training_mode(healthy: dict[str, torch.Tensor], x, path: str) -> None:
+    """The healthy model exported with torch.jit.trace while its BatchNorm layers were in
+    training mode (a trace taken inside the training loop): the graph calls batch_norm
+    with training=True as a constant, so `.eval()` after loading changes nothing and every
+    prediction depends on its batch (`bnaudit invariance`). Dropout was in eval mode, so
+    the archive's outputs are deterministic."""
+    import warnings
+
+    model = digits_net()
+    model.load_state_dict(healthy)
+    bn_train_only(model)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TracerWarning: BN's batch-size check becomes a constant
+        traced = torch.jit.trace(model, x[:BATCH], check_trace=False)
+    torch.jit.save(traced, path)
+
+
 def write_layouts(healthy: dict[str, torch.Tensor], xc, yc) -> None:
     write_sharded(healthy, os.path.join(HERE, "sharded"), cuts=("features.1.running_var", "head.2.weight"))
     write_trainer_checkpoint(healthy, xc, yc, os.path.join(HERE, "checkpoint-3"))
     write_lightning_checkpoint(healthy, os.path.join(HERE, "lightning", "last.ckpt"))
+    write_traced_in_training_mode(healthy, xc, os.path.join(HERE, "traced_train.pt"))
 
 
 def main() -> None:
@@ -244,7 +264,7 @@ def main() -> None:
     parser.add_argument(
         "--layouts-only",
         action="store_true",
-        help="rewrite sharded/, checkpoint-3/ and lightning/ from healthy.safetensors",
+        help="rewrite sharded/, checkpoint-3/, lightning/ and traced_train.pt from healthy.safetensors",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -75,6 +75,7 @@ def run_cli(args: list[str], *, plain: bool) -> tuple[int, str, str]:
         ["inspeect"],
         ["--version"],
         ["gap"],
+        ["invariance"],
     ],
 )
 def test_fast_path_answers_as_plain_typer(args):

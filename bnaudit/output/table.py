@@ -497,8 +497,14 @@ def render_invariance(report: Any, console: Any, quiet: bool = False) -> None:
         sites.add_column("module", overflow="fold")
         sites.add_column("kind")
         sites.add_column("why", overflow="fold")
+        groups: dict[str, list[Any]] = {}
         for site in report.sites:
-            sites.add_row(_cell(site.module), _cell(site.kind), _cell(site.reason))
+            # one row per reason: a whole graph traced in training mode is one finding
+            groups.setdefault(site.reason.replace(site.kind, "{kind}"), []).append(site)
+        for group in groups.values():
+            kinds = list(dict.fromkeys(s.kind for s in group))
+            reason = group[0].reason if len(group) == 1 else group[0].reason.replace(f"{group[0].kind} ", "")
+            sites.add_row(_cell(", ".join(s.module for s in group)), _cell(", ".join(kinds)), _cell(reason))
         console.print(_fit(sites, console.width))
         console.print()
 
