@@ -50,13 +50,24 @@ WORKER = textwrap.dedent("""
 
     torch.set_num_threads(1)
     out = {}
-    for name, size, count in (("odd", 8, None), ("one_batch", 2, 3)):
+    for name, size, count, fwd, limit in CONFIGS:
         options = DataOptions(path="val.safetensors", batch_size=size, num_samples=count)
-        report = measure_gap("model.safetensors", options, arch="arch.py:build", max_gap=0.0, strict=True)
+        report = measure_gap("model.safetensors", options, arch="arch.py:build", forward=fwd, max_gap=limit, strict=True)
         out[name] = {"json": gap_to_json(report), "exit": report.exit_code()}
     with open(f"rank{os.environ['RANK']}.json", "w") as f:
         json.dump(out, f)
 """)
+
+# (name, batch size, samples, --forward, --max-gap): 41 samples in batches of 8 (a failed
+# check: exit 1); 3 samples in batches of 2 (one batch of 3: rank 1 has none); a head that
+# is no classifier (relative L2, no accuracy).
+CONFIGS = (
+    ("odd", 8, None, None, 0.0),
+    ("one_batch", 2, 3, None, None),
+    ("regression", 8, None, "head.py:first_output", None),
+)
+WORKER = WORKER.replace("CONFIGS", repr(CONFIGS))
+HEAD = "def first_output(model, inputs):\n    return model(inputs)[:, :1]\n"
 
 SAMPLES = 41  # batches of 8: 8, 8, 8, 8, 1 -> the last one joins: 8, 8, 8, 9 (3 + 2 batches)
 
@@ -91,6 +102,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     x, y = _data(SAMPLES, 0.6, g)
     save_file({"inputs": x.contiguous(), "labels": y}, str(folder / "val.safetensors"))
     (folder / "worker.py").write_text(WORKER)
+    (folder / "head.py").write_text(HEAD)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "worker.py"],
         cwd=folder,
@@ -112,12 +124,14 @@ def _ranks(folder: Path) -> list[dict[str, Any]]:
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
-def _single(folder: Path, size: int, count: int | None) -> Any:
+def _single(folder: Path, size: int, count: int | None, forward: str | None = None, limit: float | None = None) -> Any:
     cwd = os.getcwd()
     os.chdir(folder)  # --arch arch.py:build and the data paths are relative, as in the ranks
     try:
         options = DataOptions(path="val.safetensors", batch_size=size, num_samples=count)
-        return measure_gap("model.safetensors", options, arch="arch.py:build", max_gap=0.0, strict=True)
+        return measure_gap(
+            "model.safetensors", options, arch="arch.py:build", forward=forward, max_gap=limit, strict=True
+        )
     finally:
         os.chdir(cwd)
 
@@ -184,7 +198,7 @@ def _assert_same_report(ranked: dict[str, Any], single: dict[str, Any]) -> None:
 
 
 def test_two_ranks_report_what_one_process_reports(folder: Path) -> None:
-    single = _single(folder, 8, None)
+    single = _single(folder, 8, None, limit=0.0)
     reference = gap_to_json(single)
     assert reference["batches"] == 5 and reference["samples"] == SAMPLES
     drifting = [layer for layer in reference["layers"] if layer["mean_shift"] is not None]
@@ -204,6 +218,15 @@ def test_a_rank_without_batches_still_joins_and_the_report_is_one_process_s(fold
         assert doc["samples"] == 3 and doc["batches"] == 1
         _assert_same_report(doc, reference)
         assert rank["one_batch"]["exit"] == single.exit_code()
+
+
+def test_a_head_that_is_no_classifier_combines_its_relative_l2_divergence(folder: Path) -> None:
+    reference = gap_to_json(_single(folder, 8, None, "head.py:first_output"))
+    assert reference["divergence_kind"] == "relative_l2" and reference["agreement"] is None
+    assert reference["divergence"] > 0.01  # the shifted data moves the output
+    for rank in _ranks(folder):
+        _assert_same_report(rank["regression"]["json"], reference)
+        assert rank["regression"]["json"]["divergence_kind"] == "relative_l2"
 
 
 def test_torchrun_cli_prints_one_report_equal_to_one_process_s(folder: Path) -> None:
