@@ -43,9 +43,9 @@ def distributed() -> tuple[int, int]:
     return 0, 1
 
 
-def collective_device() -> Any:
+def collective_device(group: Any = None) -> Any:
     """Where the tensors of a collective live: the rank's GPU under nccl, else the CPU."""
-    if dist.get_backend() == "nccl":
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bnaudit.runtime.distributed import collective_device
+
 
 @dataclass(frozen=True)
 class Drift:
@@ -195,8 +197,7 @@ def all_gather_merge(stats: ChannelStats, num_channels: int, group: Any = None) 
     A rank that saw nothing contributes count 0. Collective: every rank must call it,
     in the same order. gloo needs CPU tensors, nccl CUDA ones.
     """
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = collective_device(group)
     packed = torch.zeros(2 * num_channels + 1, dtype=torch.float64, device=device)
     if stats.count:
         # counts are integers below 2^53 in any realistic run: exact in float64
