@@ -81,6 +81,7 @@ from bnaudit.audit.rules import Finding
 from bnaudit.config import Config, severity_rank
 from bnaudit.errors import BnauditError
 from bnaudit.runtime.data import make_loader
+from bnaudit.runtime.inputs import input_problem
 from bnaudit.runtime.models import forward, load_forward, load_runnable, output_tensor, resolve_device, to_device
 from bnaudit.runtime.norms import (
     batch_statistics_reason,
@@ -259,11 +260,13 @@ def score_arrangement(
     positions: set[int] | None = None,
     batches: list[list[int]] | None = None,
     progress: Callable[[], None] | None = None,
+    grayscale: bool | None = None,
 ) -> tuple[Any, Any]:
     """Outputs (N, ...) on the CPU indexed by sample position, filled batch by batch, and
     the boolean mask (N,) of the rows filled (zeros elsewhere). `batches` (default: all
     of the arrangement's) limits the batches run; `positions` keeps only the batches that
-    hold one of them. Errors name the arrangement and the batch."""
+    hold one of them. Errors name the arrangement and the batch; `grayscale` (--grayscale
+    for image folders, None for other data) shapes the advice for a channel mismatch."""
     n = len(samples)
     outputs: Any = None
     filled = torch.zeros(n, dtype=torch.bool)
@@ -275,9 +278,11 @@ def score_arrangement(
         except BnauditError as exc:
             raise BnauditError(f"{arrangement.name}, batch {number}: {exc}") from None
         except Exception as exc:
+            # the words gap uses for inputs a model cannot take (dtype, channels)
+            problem = input_problem(model, take(samples.inputs, rows), grayscale) if forward_fn is None else None
             raise BnauditError(
-                f"{arrangement.name}, batch {number}: the model rejects a batch of "
-                f"{plural(len(rows), 'sample')}: {exception_line(exc)}"
+                f"{arrangement.name}, batch {number}: the model rejects the batch "
+                f"({plural(len(rows), 'sample')}): {problem or exception_line(exc)}"
             ) from None
         if outputs is None:
             outputs = torch.zeros((n, *out.shape[1:]), dtype=out.dtype)
@@ -488,6 +493,8 @@ def measure_model_invariance(
     model = runnable.module
     model.to(device)
     samples = read_samples(stream)
+    # --grayscale applies to image folders only: elsewhere it is no fix to suggest
+    grayscale = stream.options.grayscale if getattr(stream.source, "is_images", False) else None
     n = len(samples)
     if n < 2:
         raise BnauditError("invariance needs at least 2 samples")
@@ -507,7 +514,13 @@ def measure_model_invariance(
         for arrangement in arrangements:
             try:
                 out, _ = score_arrangement(
-                    model, samples, arrangement, device=device, forward_fn=forward_fn, progress=step
+                    model,
+                    samples,
+                    arrangement,
+                    device=device,
+                    forward_fn=forward_fn,
+                    progress=step,
+                    grayscale=grayscale,
                 )
             except BnauditError as exc:
                 if arrangement.order != "alone":
@@ -785,8 +798,11 @@ def locate_coupling(
             arrangement = others[row][0]
             batch = next(b for b in arrangement.batches if position in b)
             ref_batch = next(b for b in reference_arrangement.batches if position in b)
-            a = _trace(model, samples, batch, batch.index(position), device, forward_fn, float64)
-            r = _trace(model, samples, ref_batch, ref_batch.index(position), device, forward_fn, float64)
+            try:
+                a = _trace(model, samples, batch, batch.index(position), device, forward_fn, float64)
+                r = _trace(model, samples, ref_batch, ref_batch.index(position), device, forward_fn, float64)
+            except Exception:  # the batches ran before; a hook-incompatible model stays unlocated
+                continue
             site = _first_coupling(a, r, threshold)
             if site is None:
                 continue
