@@ -23,8 +23,9 @@ share of whole batches (`Arrangement.batches[rank::world]`) and zeroes the other
 gives tensors that sum, across processes, to the single-process ones (`filled` says
 which rows a process scored), and `compare_outputs` then runs once on the sums.
 
-Statistics, per sample i with reference output r_i (alone; the first arrangement where
-the model cannot score one sample alone) and output y_a,i in arrangement a:
+Statistics, per sample i with reference output r_i (alone; the first other arrangement
+when --batch-sizes lacks 1 or the model cannot score one sample alone) and output y_a,i in
+arrangement a:
 
   deviation     d_i = max_a ||y_a,i - r_i||_inf / max(||r_i||_inf, tiny)
                 the infinity norm (largest absolute change of any output value, relative
@@ -474,6 +475,115 @@ def _float64_copy(model: Any) -> tuple[Any, str | None]:
         return None, f"no float64 copy of the model ({exception_line(exc)})"
 
 
+def score_arrangements(
+    model: Any,
+    samples: Samples,
+    arrangements: list[Arrangement],
+    *,
+    device: Any = "cpu",
+    forward_fn: Any = None,
+    progress: Callable[[int, int], None] | None = None,
+    grayscale: bool | None = None,
+    batches_of: Callable[[Arrangement], list[list[int]]] | None = None,
+) -> tuple[list[tuple[Arrangement, Any]], dict[str, str]]:
+    """Every arrangement's outputs (N, ...) by sample position, and the arrangements that
+    failed: a model that cannot score one sample alone is batch-dependent itself, so a
+    failure of "alone" is recorded (name -> message), any other failure is an error.
+
+    `batches_of(arrangement)` chooses the batches to run (default: all); rows of the
+    batches not run stay zero. This is the hook for work split across processes: each
+    runs its share of whole batches and the zero-filled tensors are summed."""
+    total = sum(len(a.batches if batches_of is None else batches_of(a)) for a in arrangements)
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    scored: list[tuple[Arrangement, Any]] = []
+    failures: dict[str, str] = {}
+    for arrangement in arrangements:
+        batches = None if batches_of is None else batches_of(arrangement)
+        before = done
+        try:
+            out, _ = score_arrangement(
+                model,
+                samples,
+                arrangement,
+                device=device,
+                forward_fn=forward_fn,
+                batches=batches,
+                progress=step,
+                grayscale=grayscale,
+            )
+        except BnauditError as exc:
+            if arrangement.order != "alone":
+                raise
+            failures[arrangement.name] = str(exc)
+            done = before + len(arrangement.batches if batches is None else batches)
+            continue
+        scored.append((arrangement, out))
+    return scored, failures
+
+
+@dataclass
+class Float64Check:
+    """The flagged samples re-scored in float64 (module docstring): `coupled` (N,) bool;
+    `deviations` (A, N) float64 deviations (zero for samples not flagged) or None where no
+    float64 run was possible (`note` says why; the screen then decides); `noise` the
+    largest float64 deviation of the samples it cleared; `model` the float64 copy."""
+
+    coupled: Any
+    deviations: Any = None
+    noise: float | None = None
+    note: str | None = None
+    model: Any = None
+
+
+def check_in_float64(
+    model: Any,
+    samples: Samples,
+    reference: Arrangement,
+    others: list[Arrangement],
+    flagged: list[int],
+    *,
+    device: Any = "cpu",
+    forward_fn: Any = None,
+) -> Float64Check:
+    """Re-score the batches holding a flagged sample, in every arrangement, with a float64
+    copy of the model; coupled: float64 deviation > FLOOR."""
+    n = len(samples)
+    coupled = torch.zeros(n, dtype=torch.bool)
+    if not flagged:
+        return Float64Check(coupled)
+    index = torch.as_tensor(flagged, dtype=torch.long)
+    model64, note = _float64_copy(model)
+    if model64 is not None:
+        positions = set(flagged)
+        try:
+            with preserved_buffers(model64), eval_mode(model64):
+                rescored = [
+                    score_arrangement(
+                        model64, samples, a, device=device, forward_fn=forward_fn, float64=True, positions=positions
+                    )[0]
+                    for a in (reference, *others)
+                ]
+        except BnauditError as exc:
+            model64, note = None, f"the model does not run in float64 ({exc})"
+    if model64 is None:
+        coupled[index] = True
+        return Float64Check(coupled, note=note)
+    flagged_cmp = compare_outputs([o[index] for o in rescored[1:]], rescored[0][index])
+    deviations = torch.zeros((len(others), n), dtype=torch.float64)
+    deviations[:, index] = flagged_cmp.deviations
+    coupled[index] = flagged_cmp.deviation > FLOOR
+    cleared = ~(flagged_cmp.deviation > FLOOR)
+    noise = float(flagged_cmp.deviation[cleared].max()) if bool(cleared.any()) else None
+    return Float64Check(coupled, deviations, noise, None, model64)
+
+
 def measure_model_invariance(
     runnable: Any,
     stream: Any,
@@ -485,7 +595,11 @@ def measure_model_invariance(
 ) -> InvarianceReport:
     """Read the samples of `stream` once and score them in every arrangement (module
     docstring). `runnable` is a `bnaudit.runtime.models.RunnableModel`, `stream` a
-    `bnaudit.runtime.data.BatchStream`."""
+    `bnaudit.runtime.data.BatchStream`.
+
+    Steps: `read_samples`, `plan_arrangements`, `score_arrangements` (the bulk of the
+    work, and the only step that would be split across processes), `compare_outputs`,
+    `check_in_float64` and `locate_coupling` on the flagged few, `diagnose`."""
     device = resolve_device(device) if isinstance(device, str) else device
     config = config or Config()
     sizes = check_batch_sizes(batch_sizes or [1, stream.batch_size])
@@ -499,103 +613,39 @@ def measure_model_invariance(
     if n < 2:
         raise BnauditError("invariance needs at least 2 samples")
     arrangements = plan_arrangements(n, sizes, stream.options.seed)
-    total = sum(len(a.batches) for a in arrangements)
-    done = 0
-
-    def step() -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, total)
-
-    scored: list[tuple[Arrangement, Any]] = []
-    failures: dict[str, str] = {}
     with eval_mode(model), torch.no_grad(), preserved_buffers(model):
-        for arrangement in arrangements:
-            try:
-                out, _ = score_arrangement(
-                    model,
-                    samples,
-                    arrangement,
-                    device=device,
-                    forward_fn=forward_fn,
-                    progress=step,
-                    grayscale=grayscale,
-                )
-            except BnauditError as exc:
-                if arrangement.order != "alone":
-                    raise
-                # a model that cannot score one sample alone is itself batch-dependent
-                failures[arrangement.name] = str(exc)
-                done += len(arrangement.batches) - 1
-                continue
-            scored.append((arrangement, out))
+        scored, failures = score_arrangements(
+            model, samples, arrangements, device=device, forward_fn=forward_fn, progress=progress, grayscale=grayscale
+        )
         # batch sizes include one of 2 or more: two arrangements besides "alone"
         reference_arrangement, reference = scored[0]
         others = scored[1:]
         comparison = compare_outputs([out for _, out in others], reference)
-        dtype = reference.dtype
-        screen = screen_for(dtype)
-        deviation = comparison.deviation
-        flagged = [int(i) for i in torch.nonzero(deviation > screen).flatten()]
-        coupled_mask = torch.zeros(n, dtype=torch.bool)
-        deviations64 = None
-        float64_noise = None
-        note = None
-        model64 = None
-        if flagged:
-            model64, note = _float64_copy(model) if dtype != torch.float64 else (model, None)
-            if model64 is not None:
-                positions = set(flagged)
-                try:
-                    with preserved_buffers(model64), eval_mode(model64):
-                        ref64, _ = score_arrangement(
-                            model64,
-                            samples,
-                            reference_arrangement,
-                            device=device,
-                            forward_fn=forward_fn,
-                            float64=True,
-                            positions=positions,
-                        )
-                        outs64 = [
-                            score_arrangement(
-                                model64,
-                                samples,
-                                a,
-                                device=device,
-                                forward_fn=forward_fn,
-                                float64=True,
-                                positions=positions,
-                            )[0]
-                            for a, _ in others
-                        ]
-                except BnauditError as exc:
-                    model64, note = None, f"the model does not run in float64 ({exc})"
-            if model64 is not None:
-                index = torch.as_tensor(flagged, dtype=torch.long)
-                cmp64 = compare_outputs([o[index] for o in outs64], ref64[index])
-                deviations64 = torch.zeros_like(comparison.deviations)
-                deviations64[:, index] = cmp64.deviations
-                coupled_mask[index] = cmp64.deviation > FLOOR
-                cleared = ~(cmp64.deviation > FLOOR)
-                if bool(cleared.any()):
-                    float64_noise = float(cmp64.deviation[cleared].max())
-            else:
-                coupled_mask[torch.as_tensor(flagged, dtype=torch.long)] = True
+        screen = screen_for(reference.dtype)
+        flagged = [int(i) for i in torch.nonzero(comparison.deviation > screen).flatten()]
+        check = check_in_float64(
+            model,
+            samples,
+            reference_arrangement,
+            [a for a, _ in others],
+            flagged,
+            device=device,
+            forward_fn=forward_fn,
+        )
         sites: list[CouplingSite] = []
-        if bool(coupled_mask.any()) or failures:
+        if bool(check.coupled.any()) or failures:
+            precise = check.model is not None
             sites = locate_coupling(
-                model64 if model64 is not None else model,
+                check.model if precise else model,
                 samples,
                 reference_arrangement,
                 others,
-                deviations64 if deviations64 is not None else comparison.deviations,
-                coupled_mask,
-                FLOOR if model64 is not None else screen,
+                check.deviations if precise else comparison.deviations,
+                check.coupled,
+                FLOOR if precise else screen,
                 device=device,
                 forward_fn=forward_fn,
-                float64=model64 is not None,
+                float64=precise,
             )
     report = _build_report(
         runnable,
@@ -607,15 +657,15 @@ def measure_model_invariance(
         others,
         reference,
         comparison,
-        coupled_mask,
+        check.coupled,
         flagged,
-        deviations64,
+        check.deviations,
         screen,
         inspection,
     )
-    report.float64 = bool(flagged) and model64 is not None
-    report.float64_noise = float64_noise
-    report.float64_note = note
+    report.float64 = check.model is not None
+    report.float64_noise = check.noise
+    report.float64_note = check.note
     report.sites = sites
     report.failures = failures
     report.diagnosis = diagnose(report)
