@@ -103,6 +103,32 @@ def as_float32(model, inputs):
     return model(inputs.float())
 
 
+class KeywordNet(InvNet):
+    """Takes its image as a keyword argument: batches are dicts."""
+
+    def forward(self, image):
+        return super().forward(image)
+
+
+def keyword_net():
+    return KeywordNet(untracked=True)
+
+
+class DictItems(torch.utils.data.Dataset):
+    def __init__(self):
+        self.data = torch.load(__file__.replace("invnet.py", "dict_data.pt"))
+
+    def __len__(self):
+        return len(self.data["inputs"])
+
+    def __getitem__(self, i):
+        return {"image": self.data["inputs"][i], "label": int(self.data["labels"][i])}
+
+
+def dict_items():
+    return DictItems()
+
+
 def flat_untracked_net():
     """BN1d without running statistics on (N, C) features: cannot score one sample."""
     return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3, track_running_stats=False), nn.Linear(3, 2))
@@ -342,6 +368,22 @@ def test_mixing_in_the_models_own_forward_names_the_model(world, tmp_path):
     assert report.verdict == "coupled"
     assert [(s.module, s.kind, s.cause) for s in report.sites] == [("(model)", "RootMixer", "model_code")]
     assert any(line.startswith("RootMixer.forward: ") for line in report.diagnosis)
+
+
+def test_dict_batches_are_re_batched_sample_by_sample(world, monkeypatch):
+    torch.save({"inputs": world["x"][:40], "labels": world["y"][:40]}, world["root"] / "dict_data.pt")
+    monkeypatch.syspath_prepend(str(world["root"]))
+    state = world["models"]["untracked_net"].state_dict()
+    save_file(state, world["root"] / "keyword.safetensors")
+    options = DataOptions(dataset="invnet:dict_items", batch_size=8)
+    report = measure_invariance(str(world["root"] / "keyword.safetensors"), options, arch=_arch(world, "keyword_net"))
+    # the same model as untracked_net, fed by keyword: the same deviations as a direct run
+    ref = _independent(world["models"]["untracked_net"], world["x"][:40], [1, 8])
+    assert report.max_deviation == pytest.approx(float(ref["dev"].max()), rel=1e-5)
+    assert report.accuracy("alone") == pytest.approx(
+        float((ref["alone"].argmax(1) == world["y"][:40][ref["order"]]).double().mean())
+    )
+    assert [s.module for s in report.sites] == ["features.4"]
 
 
 def test_without_batch_size_1_the_first_batching_is_the_reference(world):

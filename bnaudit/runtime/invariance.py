@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -86,6 +87,7 @@ from bnaudit.runtime.inputs import input_problem
 from bnaudit.runtime.models import forward, load_forward, load_runnable, output_tensor, resolve_device, to_device
 from bnaudit.runtime.norms import (
     batch_statistics_reason,
+    concat_batches,
     eval_mode,
     is_script,
     merge_trailing_singleton_plan,
@@ -136,8 +138,6 @@ def parse_batch_sizes(text: str | None, default: int) -> list[int]:
         sizes = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise BnauditError(f"--batch-sizes must be a comma-separated list of whole numbers, got '{text}'") from None
-    if not sizes or any(s < 1 for s in sizes):
-        raise BnauditError(f"--batch-sizes must list batch sizes of at least 1, got '{text}'")
     return check_batch_sizes(sizes)
 
 
@@ -163,8 +163,9 @@ class Samples:
         return len(self.origins)
 
 
-def read_samples(stream: Any, progress: Callable[[int, int], None] | None = None) -> Samples:
-    """Every sample of the stream, in its order, as one `Samples`."""
+def read_samples(stream: Any) -> Samples:
+    """Every sample of the stream, in its order, as one `Samples` (joined as
+    `norms.concat_batches` joins batches)."""
     inputs: list[Any] = []
     labels: list[Any] = []
     origins: list[str] = []
@@ -173,23 +174,14 @@ def read_samples(stream: Any, progress: Callable[[int, int], None] | None = None
         labels.append(batch.labels)
         origins.extend(batch.origins)
     labelled = all(label is not None for label in labels)
-    return Samples(_join_all(inputs), torch.cat(labels) if labelled and labels else None, origins)
-
-
-def _join_all(parts: list[Any]) -> Any:
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(parts)
-    if isinstance(first, Mapping):
-        return {k: _join_all([p[k] for p in parts]) for k in first}
-    if isinstance(first, tuple):
-        joined = [_join_all([p[i] for p in parts]) for i in range(len(first))]
-        return type(first)(*joined) if hasattr(first, "_fields") else tuple(joined)
-    if isinstance(first, list):
-        if all(isinstance(x, torch.Tensor) for x in first):
-            return [_join_all([p[i] for p in parts]) for i in range(len(first))]
-        return [x for p in parts for x in p]
-    return first  # a per-batch constant
+    joined = functools.reduce(concat_batches, inputs)
+    if joined is None:
+        kind = type(inputs[0]).__name__
+        raise BnauditError(
+            f"the inputs are {kind} batches, which invariance cannot re-batch sample by sample: give tensors, "
+            "or tuples or dicts of tensors"
+        )
+    return Samples(joined, torch.cat(labels) if labelled and labels else None, origins)
 
 
 def take(inputs: Any, rows: list[int]) -> Any:
