@@ -284,7 +284,7 @@ def test_inputs_of_another_dtype_name_the_expected_one(tmp_path, cli):
     ]
 
 
-@pytest.mark.parametrize("command", ["gap", "recalibrate"])
+@pytest.mark.parametrize("command", ["gap", "invariance", "recalibrate"])
 def test_channel_count_mismatch_names_both_counts_and_the_option(cli, tmp_path, command):
     extra = ("-o", str(tmp_path / "out.pt")) if command == "recalibrate" else ()
     rgb = cli(command, HEALTHY, "--arch", ARCH, "--data", IMAGES, *extra)

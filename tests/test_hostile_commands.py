@@ -258,7 +258,7 @@ def test_the_payload_files_are_live(tmp_path: Path, kind: str) -> None:
     assert marker.exists()
 
 
-@pytest.mark.parametrize("cmd", ["gap", "recalibrate"])
+@pytest.mark.parametrize("cmd", ["gap", "invariance", "recalibrate"])
 @pytest.mark.parametrize("arch", [None, "hostile_net:net"])
 @pytest.mark.parametrize("kind", ["zip", "legacy", "pickle"])
 def test_pickle_payload_checkpoint_is_refused_without_running_it(
@@ -329,7 +329,7 @@ def test_torchscript_is_not_loaded_when_arch_builds_the_model(
 # ----------------------------------------------------------------------------- non-finite data
 
 
-@pytest.mark.parametrize("cmd", ["gap", "recalibrate"])
+@pytest.mark.parametrize("cmd", ["gap", "invariance", "recalibrate"])
 @pytest.mark.parametrize("data, sample", [("nan.safetensors", 9), ("inf.safetensors", 14)])
 def test_non_finite_data_stops_naming_the_batch_and_sample(
     at_world: Path, tmp_path: Path, cmd: str, data: str, sample: int
@@ -355,7 +355,7 @@ def test_non_finite_data_stops_naming_the_batch_and_sample(
     assert not out.exists()
 
 
-@pytest.mark.parametrize("cmd", ["gap", "recalibrate"])
+@pytest.mark.parametrize("cmd", ["gap", "invariance", "recalibrate"])
 @pytest.mark.parametrize("factory, batch, item", [("images_nan_at_5", 2, 5), ("images_inf_at_6", 3, 6)])
 @pytest.mark.parametrize("workers", ["0", "1"])
 def test_non_finite_items_of_a_custom_dataset_name_the_batch(
@@ -469,7 +469,7 @@ USER_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("cmd", ["gap", "recalibrate"])
+@pytest.mark.parametrize("cmd", ["gap", "invariance", "recalibrate"])
 @pytest.mark.parametrize("args, fragment", USER_ERRORS, ids=[f"{i}" for i in range(len(USER_ERRORS))])
 def test_user_errors_are_one_line_exit_2_and_json(
     at_world: Path, tmp_path: Path, cmd: str, args: list[str], fragment: str
@@ -505,7 +505,7 @@ def test_forward_returning_no_tensor(at_world: Path, tmp_path: Path, forward: st
         assert not out.exists()
 
 
-@pytest.mark.parametrize("cmd", ["gap", "recalibrate"])
+@pytest.mark.parametrize("cmd", ["gap", "invariance", "recalibrate"])
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_cuda_without_a_gpu_is_one_line(at_world: Path, tmp_path: Path, cmd: str, device: str) -> None:
     if torch.cuda.is_available():

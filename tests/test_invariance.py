@@ -81,6 +81,54 @@ def regression_untracked_net():
     return InvNet(classes=1, untracked=True)
 
 
+class RootMixer(nn.Module):
+    """Mixes samples in its own forward, between submodules: a batch mean subtracted."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = InvNet().features
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(16, 3))
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(h - 0.5 * h.mean(dim=0, keepdim=True))
+
+
+def root_mixer_net():
+    return RootMixer()
+
+
+def as_float32(model, inputs):
+    """A --forward that insists on float32 inputs: no float64 run possible."""
+    return model(inputs.float())
+
+
+class KeywordNet(InvNet):
+    """Takes its image as a keyword argument: batches are dicts."""
+
+    def forward(self, image):
+        return super().forward(image)
+
+
+def keyword_net():
+    return KeywordNet(untracked=True)
+
+
+class DictItems(torch.utils.data.Dataset):
+    def __init__(self):
+        self.data = torch.load(__file__.replace("invnet.py", "dict_data.pt"))
+
+    def __len__(self):
+        return len(self.data["inputs"])
+
+    def __getitem__(self, i):
+        return {"image": self.data["inputs"][i], "label": int(self.data["labels"][i])}
+
+
+def dict_items():
+    return DictItems()
+
+
 def flat_untracked_net():
     """BN1d without running statistics on (N, C) features: cannot score one sample."""
     return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3, track_running_stats=False), nn.Linear(3, 2))
@@ -309,6 +357,59 @@ def test_model_that_cannot_score_one_sample_alone_is_coupled(world, tmp_path):
     assert report.verdict == "coupled" and list(report.failures) == ["alone"]
     assert report.reference == "in batch (8)"
     assert any("cannot score one sample alone" in line for line in report.diagnosis)
+
+
+def test_mixing_in_the_models_own_forward_names_the_model(world, tmp_path):
+    torch.manual_seed(0)
+    model = world["ns"]["root_mixer_net"]()
+    save_file(model.state_dict(), tmp_path / "root.safetensors")
+    options = DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=8, num_samples=32)
+    report = measure_invariance(str(tmp_path / "root.safetensors"), options, arch=_arch(world, "root_mixer_net"))
+    assert report.verdict == "coupled"
+    assert [(s.module, s.kind, s.cause) for s in report.sites] == [("(model)", "RootMixer", "model_code")]
+    assert any(line.startswith("RootMixer.forward: ") for line in report.diagnosis)
+
+
+def test_dict_batches_are_re_batched_sample_by_sample(world, monkeypatch):
+    torch.save({"inputs": world["x"][:40], "labels": world["y"][:40]}, world["root"] / "dict_data.pt")
+    monkeypatch.syspath_prepend(str(world["root"]))
+    state = world["models"]["untracked_net"].state_dict()
+    save_file(state, world["root"] / "keyword.safetensors")
+    options = DataOptions(dataset="invnet:dict_items", batch_size=8)
+    report = measure_invariance(str(world["root"] / "keyword.safetensors"), options, arch=_arch(world, "keyword_net"))
+    # the same model as untracked_net, fed by keyword: the same deviations as a direct run
+    ref = _independent(world["models"]["untracked_net"], world["x"][:40], [1, 8])
+    assert report.max_deviation == pytest.approx(float(ref["dev"].max()), rel=1e-5)
+    assert report.accuracy("alone") == pytest.approx(
+        float((ref["alone"].argmax(1) == world["y"][:40][ref["order"]]).double().mean())
+    )
+    assert [s.module for s in report.sites] == ["features.4"]
+
+
+def test_without_batch_size_1_the_first_batching_is_the_reference(world):
+    report = _measure(world, "untracked_net", sizes=[8, 64])
+    assert report.reference == "in batch (8)" and report.accuracy("alone") is None
+    assert [a.name for a in report.arrangements] == [
+        "in batch (8)",
+        "other companions (8)",
+        "in batch (64)",
+        "other companions (64)",
+    ]
+    assert report.verdict == "coupled" and [s.module for s in report.sites] == ["features.4"]
+
+
+def test_without_a_float64_run_the_screen_decides_and_says_so(world):
+    options = DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=8, num_samples=32)
+    report = measure_invariance(
+        str(world["root"] / "untracked_net.safetensors"),
+        options,
+        arch=_arch(world, "untracked_net"),
+        forward=f"{world['root'] / 'invnet.py'}:as_float32",
+    )
+    assert not report.float64 and report.float64_note and "float64" in report.float64_note
+    assert report.verdict == "coupled" and report.coupled == report.flagged > 0
+    assert any("screen decided alone" in line for line in report.diagnosis)
+    assert [s.module for s in report.sites] == ["features.4"]  # located in float32 against the screen
 
 
 # ----------------------------------------------------------------------------- nothing changes

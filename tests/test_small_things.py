@@ -44,7 +44,7 @@ def test_usage_errors_are_one_line_in_our_words(args, line):
     assert "Value error" not in proc.stderr and "Input should be" not in proc.stderr
 
 
-@pytest.mark.parametrize("command", ["inspect", "rules", "gap", "recalibrate"])
+@pytest.mark.parametrize("command", ["inspect", "rules", "gap", "invariance", "recalibrate"])
 def test_help_uses_a_wide_terminal_and_shows_no_python_types(command):
     out = bnaudit(command, "--help", columns=250).stdout
     assert not re.search(r"<(list\[|int>|float>|str>|bool>)|\{[A-Z]+", out), out

@@ -20,18 +20,20 @@ singleton`). Each arrangement fills one output tensor (N, ...) indexed by sample
 position, batch by batch (`score_arrangement`); every statistic is computed from these
 tensors afterwards.
 
-Under torchrun (`score_everywhere`, `bnaudit.runtime.distributed`) every rank reads the N
+Under torchrun (`score_arrangement`, `bnaudit.runtime.distributed`) every rank reads the N
 samples (they are few, and any batch of the "other companions" arrangements may hold any
 of them), plans the same arrangements from the seed, and scores a contiguous block of
 each arrangement's WHOLE batches: a coupled model's output depends on its companions, so
 the batches must be the single process's. The other rows stay zero and the tensors are
 summed across ranks, which adds zeros to each value: the combined tensors equal a single
 process's to the last bit wherever the forward of one batch is deterministic, so every
-statistic, the verdict and the located coupling are the single process's, on every rank (the flagged samples' float64 re-scoring is split the same
-way; the few traced forwards of `locate_coupling` run on every rank).
+statistic, the verdict and the located coupling are the single process's, on every rank
+(the flagged samples' float64 re-scoring is split the same way; the few traced forwards of
+`locate_coupling` run on every rank).
 
-Statistics, per sample i with reference output r_i (alone; the first arrangement where
-the model cannot score one sample alone) and output y_a,i in arrangement a:
+Statistics, per sample i with reference output r_i (alone; the first other arrangement
+when --batch-sizes lacks 1 or the model cannot score one sample alone) and output y_a,i in
+arrangement a:
 
   deviation     d_i = max_a ||y_a,i - r_i||_inf / max(||r_i||_inf, tiny)
                 the infinity norm (largest absolute change of any output value, relative
@@ -74,6 +76,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -96,9 +99,11 @@ from bnaudit.runtime.distributed import (
     process_group,
     shard_batches,
 )
+from bnaudit.runtime.inputs import input_problem
 from bnaudit.runtime.models import forward, load_forward, load_runnable, output_tensor, resolve_device, to_device
 from bnaudit.runtime.norms import (
     batch_statistics_reason,
+    concat_batches,
     eval_mode,
     is_script,
     merge_trailing_singleton_plan,
@@ -149,8 +154,6 @@ def parse_batch_sizes(text: str | None, default: int) -> list[int]:
         sizes = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise BnauditError(f"--batch-sizes must be a comma-separated list of whole numbers, got '{text}'") from None
-    if not sizes or any(s < 1 for s in sizes):
-        raise BnauditError(f"--batch-sizes must list batch sizes of at least 1, got '{text}'")
     return check_batch_sizes(sizes)
 
 
@@ -176,8 +179,9 @@ class Samples:
         return len(self.origins)
 
 
-def read_samples(stream: Any, progress: Callable[[int, int], None] | None = None) -> Samples:
-    """Every sample of the stream, in its order, as one `Samples`."""
+def read_samples(stream: Any) -> Samples:
+    """Every sample of the stream, in its order, as one `Samples` (joined as
+    `norms.concat_batches` joins batches)."""
     inputs: list[Any] = []
     labels: list[Any] = []
     origins: list[str] = []
@@ -186,23 +190,14 @@ def read_samples(stream: Any, progress: Callable[[int, int], None] | None = None
         labels.append(batch.labels)
         origins.extend(batch.origins)
     labelled = all(label is not None for label in labels)
-    return Samples(_join_all(inputs), torch.cat(labels) if labelled and labels else None, origins)
-
-
-def _join_all(parts: list[Any]) -> Any:
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(parts)
-    if isinstance(first, Mapping):
-        return {k: _join_all([p[k] for p in parts]) for k in first}
-    if isinstance(first, tuple):
-        joined = [_join_all([p[i] for p in parts]) for i in range(len(first))]
-        return type(first)(*joined) if hasattr(first, "_fields") else tuple(joined)
-    if isinstance(first, list):
-        if all(isinstance(x, torch.Tensor) for x in first):
-            return [_join_all([p[i] for p in parts]) for i in range(len(first))]
-        return [x for p in parts for x in p]
-    return first  # a per-batch constant
+    joined = functools.reduce(concat_batches, inputs)
+    if joined is None:
+        kind = type(inputs[0]).__name__
+        raise BnauditError(
+            f"the inputs are {kind} batches, which invariance cannot re-batch sample by sample: give tensors, "
+            "or tuples or dicts of tensors"
+        )
+    return Samples(joined, torch.cat(labels) if labelled and labels else None, origins)
 
 
 def take(inputs: Any, rows: list[int]) -> Any:
@@ -273,14 +268,67 @@ def score_arrangement(
     float64: bool = False,
     positions: set[int] | None = None,
     batches: list[list[int]] | None = None,
-    first_batch: int = 0,
     progress: Callable[[], None] | None = None,
+    grayscale: bool | None = None,
 ) -> tuple[Any, Any]:
     """Outputs (N, ...) on the CPU indexed by sample position, filled batch by batch, and
     the boolean mask (N,) of the rows filled (zeros elsewhere). `batches` (default: all
-    of the arrangement's) limits the batches run (`first_batch`: the arrangement's number
-    of the first of them); `positions` keeps only the batches that hold one of them.
-    Errors name the arrangement and the batch."""
+    of the arrangement's) limits the batches run; `positions` keeps only the batches that
+    hold one of them. Errors name the arrangement and the batch; `grayscale` (--grayscale
+    for image folders, None for other data) shapes the advice for a channel mismatch.
+
+    Under torch.distributed, with `batches` None, it is collective: each rank runs its
+    share of the arrangement's whole batches (`rank_share`) and the zero-filled rows are
+    summed across ranks (`bnaudit.runtime.distributed.combine_rows`: each row comes from
+    one rank, so the sums are exact); every rank returns the same outputs, or raises the
+    same error (the first failing rank's)."""
+    options: dict[str, Any] = {
+        "device": device,
+        "forward_fn": forward_fn,
+        "float64": float64,
+        "positions": positions,
+        "progress": progress,
+        "grayscale": grayscale,
+    }
+    rank, world = distributed()
+    if world == 1 or batches is not None:
+        return _score_locally(model, samples, arrangement, batches=batches, **options)
+    first, mine = shard_batches(arrangement.batches, rank, world)
+    outputs = filled = None
+    try:
+        outputs, filled = _score_locally(model, samples, arrangement, batches=mine, first_batch=first, **options)
+        error = None
+    except BnauditError as exc:
+        error = str(exc)
+    error = first_error(error)
+    if error is not None:
+        raise BnauditError(error)
+    return combine_rows(outputs, filled)
+
+
+def rank_share(arrangement: Arrangement) -> list[list[int]]:
+    """The arrangement's batches this process runs: all of them, or under torch.distributed
+    this rank's contiguous block of whole batches (`bnaudit.runtime.distributed.shard_batches`)."""
+    rank, world = distributed()
+    return shard_batches(arrangement.batches, rank, world)[1]
+
+
+def _score_locally(
+    model: Any,
+    samples: Samples,
+    arrangement: Arrangement,
+    *,
+    device: Any = "cpu",
+    forward_fn: Any = None,
+    float64: bool = False,
+    positions: set[int] | None = None,
+    batches: list[list[int]] | None = None,
+    progress: Callable[[], None] | None = None,
+    grayscale: bool | None = None,
+    first_batch: int = 0,
+) -> tuple[Any, Any]:
+    """`score_arrangement` in this process alone; `first_batch` numbers the first of
+    `batches` in messages (the arrangement's own number for a rank's share)."""
     n = len(samples)
     outputs: Any = None
     filled = torch.zeros(n, dtype=torch.bool)
@@ -292,9 +340,11 @@ def score_arrangement(
         except BnauditError as exc:
             raise BnauditError(f"{arrangement.name}, batch {number}: {exc}") from None
         except Exception as exc:
+            # the words gap uses for inputs a model cannot take (dtype, channels)
+            problem = input_problem(model, take(samples.inputs, rows), grayscale) if forward_fn is None else None
             raise BnauditError(
-                f"{arrangement.name}, batch {number}: the model rejects a batch of "
-                f"{plural(len(rows), 'sample')}: {exception_line(exc)}"
+                f"{arrangement.name}, batch {number}: the model rejects the batch "
+                f"({plural(len(rows), 'sample')}): {problem or exception_line(exc)}"
             ) from None
         if outputs is None:
             outputs = torch.zeros((n, *out.shape[1:]), dtype=out.dtype)
@@ -486,26 +536,113 @@ def _float64_copy(model: Any) -> tuple[Any, str | None]:
         return None, f"no float64 copy of the model ({exception_line(exc)})"
 
 
-def score_everywhere(model: Any, samples: Samples, arrangement: Arrangement, **options: Any) -> Any:
-    """`score_arrangement`'s outputs (N, ...) for all of the arrangement's batches. Under
-    torch.distributed each rank scores its contiguous block of whole batches
-    (`bnaudit.runtime.distributed.shard_batches`: the batches and their companions are the
-    single process's) and the zero-filled rows are summed across ranks, exactly
-    (`combine_rows`); every rank ends with the same tensor, or the same error. Collective."""
-    rank, world = distributed()
-    if world == 1:
-        return score_arrangement(model, samples, arrangement, **options)[0]
-    first, mine = shard_batches(arrangement.batches, rank, world)
-    out = filled = None
-    try:
-        out, filled = score_arrangement(model, samples, arrangement, batches=mine, first_batch=first, **options)
-        error = None
-    except BnauditError as exc:
-        error = str(exc)
-    error = first_error(error)
-    if error is not None:
-        raise BnauditError(error)
-    return combine_rows(out, filled)[0]
+def score_arrangements(
+    model: Any,
+    samples: Samples,
+    arrangements: list[Arrangement],
+    *,
+    device: Any = "cpu",
+    forward_fn: Any = None,
+    progress: Callable[[int, int], None] | None = None,
+    grayscale: bool | None = None,
+    batches_of: Callable[[Arrangement], list[list[int]]] | None = None,
+) -> tuple[list[tuple[Arrangement, Any]], dict[str, str]]:
+    """Every arrangement's outputs (N, ...) by sample position, and the arrangements that
+    failed: a model that cannot score one sample alone is batch-dependent itself, so a
+    failure of "alone" is recorded (name -> message), any other failure is an error.
+
+    `batches_of(arrangement)` chooses the batches to run (default: all, or under
+    torch.distributed this rank's share, combined across ranks by `score_arrangement`);
+    rows of the batches not run stay zero."""
+    total = sum(len(rank_share(a) if batches_of is None else batches_of(a)) for a in arrangements)
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    scored: list[tuple[Arrangement, Any]] = []
+    failures: dict[str, str] = {}
+    for arrangement in arrangements:
+        batches = None if batches_of is None else batches_of(arrangement)
+        before = done
+        try:
+            out, _ = score_arrangement(
+                model,
+                samples,
+                arrangement,
+                device=device,
+                forward_fn=forward_fn,
+                batches=batches,
+                progress=step,
+                grayscale=grayscale,
+            )
+        except BnauditError as exc:
+            if arrangement.order != "alone":
+                raise
+            failures[arrangement.name] = str(exc)
+            done = before + len(rank_share(arrangement) if batches is None else batches)
+            continue
+        scored.append((arrangement, out))
+    return scored, failures
+
+
+@dataclass
+class Float64Check:
+    """The flagged samples re-scored in float64 (module docstring): `coupled` (N,) bool;
+    `deviations` (A, N) float64 deviations (zero for samples not flagged) or None where no
+    float64 run was possible (`note` says why; the screen then decides); `noise` the
+    largest float64 deviation of the samples it cleared; `model` the float64 copy."""
+
+    coupled: Any
+    deviations: Any = None
+    noise: float | None = None
+    note: str | None = None
+    model: Any = None
+
+
+def check_in_float64(
+    model: Any,
+    samples: Samples,
+    reference: Arrangement,
+    others: list[Arrangement],
+    flagged: list[int],
+    *,
+    device: Any = "cpu",
+    forward_fn: Any = None,
+) -> Float64Check:
+    """Re-score the batches holding a flagged sample, in every arrangement, with a float64
+    copy of the model; coupled: float64 deviation > FLOOR."""
+    n = len(samples)
+    coupled = torch.zeros(n, dtype=torch.bool)
+    if not flagged:
+        return Float64Check(coupled)
+    index = torch.as_tensor(flagged, dtype=torch.long)
+    model64, note = _float64_copy(model)
+    if model64 is not None:
+        positions = set(flagged)
+        try:
+            with preserved_buffers(model64), eval_mode(model64):
+                rescored = [
+                    score_arrangement(
+                        model64, samples, a, device=device, forward_fn=forward_fn, float64=True, positions=positions
+                    )[0]
+                    for a in (reference, *others)
+                ]
+        except BnauditError as exc:
+            model64, note = None, f"the model does not run in float64 ({exc})"
+    if model64 is None:
+        coupled[index] = True
+        return Float64Check(coupled, note=note)
+    flagged_cmp = compare_outputs([o[index] for o in rescored[1:]], rescored[0][index])
+    deviations = torch.zeros((len(others), n), dtype=torch.float64)
+    deviations[:, index] = flagged_cmp.deviations
+    coupled[index] = flagged_cmp.deviation > FLOOR
+    cleared = ~(flagged_cmp.deviation > FLOOR)
+    noise = float(flagged_cmp.deviation[cleared].max()) if bool(cleared.any()) else None
+    return Float64Check(coupled, deviations, noise, None, model64)
 
 
 def measure_model_invariance(
@@ -519,7 +656,13 @@ def measure_model_invariance(
 ) -> InvarianceReport:
     """Read the samples of `stream` once and score them in every arrangement (module
     docstring). `runnable` is a `bnaudit.runtime.models.RunnableModel`, `stream` a
-    `bnaudit.runtime.data.BatchStream`."""
+    `bnaudit.runtime.data.BatchStream`.
+
+    Steps: `read_samples`, `plan_arrangements`, `score_arrangements` (the bulk of the
+    work), `compare_outputs`, `check_in_float64` and `locate_coupling` on the flagged few,
+    `diagnose`. Under torch.distributed the scoring of both `score_arrangements` and
+    `check_in_float64` is split across ranks (`score_arrangement`); collective, so every
+    rank must call it, and every rank returns the same report."""
     device = resolve_device(device) if isinstance(device, str) else device
     config = config or Config()
     sizes = check_batch_sizes(batch_sizes or [1, stream.batch_size])
@@ -527,100 +670,45 @@ def measure_model_invariance(
     model = runnable.module
     model.to(device)
     samples = read_samples(stream)
+    # --grayscale applies to image folders only: elsewhere it is no fix to suggest
+    grayscale = stream.options.grayscale if getattr(stream.source, "is_images", False) else None
     n = len(samples)
     if n < 2:
         raise BnauditError("invariance needs at least 2 samples")
     arrangements = plan_arrangements(n, sizes, stream.options.seed)
-    rank, world = distributed()
-    total = sum(len(shard_batches(a.batches, rank, world)[1]) for a in arrangements)  # this rank's share
-    done = 0
-
-    def step() -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, total)
-
-    scored: list[tuple[Arrangement, Any]] = []
-    failures: dict[str, str] = {}
     with eval_mode(model), torch.no_grad(), preserved_buffers(model):
-        for arrangement in arrangements:
-            try:
-                out = score_everywhere(model, samples, arrangement, device=device, forward_fn=forward_fn, progress=step)
-            except BnauditError as exc:
-                if arrangement.order != "alone":
-                    raise
-                # a model that cannot score one sample alone is itself batch-dependent
-                failures[arrangement.name] = str(exc)
-                done += len(shard_batches(arrangement.batches, rank, world)[1]) - 1
-                continue
-            scored.append((arrangement, out))
+        scored, failures = score_arrangements(
+            model, samples, arrangements, device=device, forward_fn=forward_fn, progress=progress, grayscale=grayscale
+        )
         # batch sizes include one of 2 or more: two arrangements besides "alone"
         reference_arrangement, reference = scored[0]
         others = scored[1:]
         comparison = compare_outputs([out for _, out in others], reference)
-        dtype = reference.dtype
-        screen = screen_for(dtype)
-        deviation = comparison.deviation
-        flagged = [int(i) for i in torch.nonzero(deviation > screen).flatten()]
-        coupled_mask = torch.zeros(n, dtype=torch.bool)
-        deviations64 = None
-        float64_noise = None
-        note = None
-        model64 = None
-        if flagged:
-            model64, note = _float64_copy(model) if dtype != torch.float64 else (model, None)
-            if model64 is not None:
-                positions = set(flagged)
-                try:
-                    with preserved_buffers(model64), eval_mode(model64):
-                        ref64 = score_everywhere(
-                            model64,
-                            samples,
-                            reference_arrangement,
-                            device=device,
-                            forward_fn=forward_fn,
-                            float64=True,
-                            positions=positions,
-                        )
-                        outs64 = [
-                            score_everywhere(
-                                model64,
-                                samples,
-                                a,
-                                device=device,
-                                forward_fn=forward_fn,
-                                float64=True,
-                                positions=positions,
-                            )
-                            for a, _ in others
-                        ]
-                except BnauditError as exc:
-                    model64, note = None, f"the model does not run in float64 ({exc})"
-            if model64 is not None:
-                index = torch.as_tensor(flagged, dtype=torch.long)
-                cmp64 = compare_outputs([o[index] for o in outs64], ref64[index])
-                deviations64 = torch.zeros_like(comparison.deviations)
-                deviations64[:, index] = cmp64.deviations
-                coupled_mask[index] = cmp64.deviation > FLOOR
-                cleared = ~(cmp64.deviation > FLOOR)
-                if bool(cleared.any()):
-                    float64_noise = float(cmp64.deviation[cleared].max())
-            else:
-                coupled_mask[torch.as_tensor(flagged, dtype=torch.long)] = True
+        screen = screen_for(reference.dtype)
+        flagged = [int(i) for i in torch.nonzero(comparison.deviation > screen).flatten()]
+        check = check_in_float64(
+            model,
+            samples,
+            reference_arrangement,
+            [a for a, _ in others],
+            flagged,
+            device=device,
+            forward_fn=forward_fn,
+        )
         sites: list[CouplingSite] = []
-        if bool(coupled_mask.any()) or failures:
+        if bool(check.coupled.any()) or failures:
+            precise = check.model is not None
             sites = locate_coupling(
-                model64 if model64 is not None else model,
+                check.model if precise else model,
                 samples,
                 reference_arrangement,
                 others,
-                deviations64 if deviations64 is not None else comparison.deviations,
-                coupled_mask,
-                FLOOR if model64 is not None else screen,
+                check.deviations if precise else comparison.deviations,
+                check.coupled,
+                FLOOR if precise else screen,
                 device=device,
                 forward_fn=forward_fn,
-                float64=model64 is not None,
+                float64=precise,
             )
     report = _build_report(
         runnable,
@@ -632,15 +720,15 @@ def measure_model_invariance(
         others,
         reference,
         comparison,
-        coupled_mask,
+        check.coupled,
         flagged,
-        deviations64,
+        check.deviations,
         screen,
         inspection,
     )
-    report.float64 = bool(flagged) and model64 is not None
-    report.float64_noise = float64_noise
-    report.float64_note = note
+    report.float64 = check.model is not None
+    report.float64_noise = check.noise
+    report.float64_note = check.note
     report.sites = sites
     report.failures = failures
     report.diagnosis = diagnose(report)
@@ -823,8 +911,11 @@ def locate_coupling(
             arrangement = others[row][0]
             batch = next(b for b in arrangement.batches if position in b)
             ref_batch = next(b for b in reference_arrangement.batches if position in b)
-            a = _trace(model, samples, batch, batch.index(position), device, forward_fn, float64)
-            r = _trace(model, samples, ref_batch, ref_batch.index(position), device, forward_fn, float64)
+            try:
+                a = _trace(model, samples, batch, batch.index(position), device, forward_fn, float64)
+                r = _trace(model, samples, ref_batch, ref_batch.index(position), device, forward_fn, float64)
+            except Exception:  # the batches ran before; a hook-incompatible model stays unlocated
+                continue
             site = _first_coupling(a, r, threshold)
             if site is None:
                 continue
