@@ -252,6 +252,24 @@ def test_arrangements_cut_natural_and_seeded_orders_into_whole_batches():
         assert sorted(i for b in a.batches for i in b) == list(range(9))
 
 
+def test_shares_of_whole_batches_sum_to_the_single_run(world):
+    # what a split across processes relies on: each share of whole batches fills its rows,
+    # zeros elsewhere, and the shares add up to one run's outputs exactly
+    runnable = load_runnable(str(world["root"] / "untracked_net.safetensors"), arch=_arch(world, "untracked_net"))
+    stream = make_loader(DataOptions(path=str(world["root"] / "val.safetensors"), num_samples=40))
+    samples = invariance.read_samples(stream)
+    plan = plan_arrangements(len(samples), [1, 8], seed=0)
+    model = runnable.module
+    with torch.no_grad():
+        whole, _ = invariance.score_arrangements(model, samples, plan)
+        shares = [
+            invariance.score_arrangements(model, samples, plan, batches_of=lambda a, r=rank: a.batches[r::2])[0]
+            for rank in range(2)
+        ]
+    for (arrangement, out), (_, a), (_, b) in zip(whole, *shares, strict=True):
+        assert torch.equal(a + b, out), arrangement.name
+
+
 # ----------------------------------------------------------------------------- invariant
 
 

@@ -274,7 +274,8 @@ def score_arrangement(
     """Outputs (N, ...) on the CPU indexed by sample position, filled batch by batch, and
     the boolean mask (N,) of the rows filled (zeros elsewhere). `batches` (default: all
     of the arrangement's) limits the batches run; `positions` keeps only the batches that
-    hold one of them. Errors name the arrangement and the batch; `grayscale` (--grayscale
+    hold one of them; outputs are None when no batch ran (the shape is known only from a
+    run). Errors name the arrangement and the batch; `grayscale` (--grayscale
     for image folders, None for other data) shapes the advice for a channel mismatch.
 
     Under torch.distributed, with `batches` None, it is collective: each rank runs its
