@@ -84,9 +84,21 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
     )
     provenance = recalibration_provenance(ckpt)
     findings = run_rules(
-        RuleContext(discovery, config, is_ema=ckpt.is_ema, module=module, recalibrated=provenance.layers)
+        RuleContext(
+            discovery,
+            config,
+            is_ema=ckpt.is_ema,
+            module=module,
+            recalibrated=provenance.layers,
+            unauditable=tuple(ckpt.unauditable),
+            folded=ckpt.folded,
+        )
     )
     report = FileReport(ckpt.path)
+    if ckpt.format == "onnx":
+        producer = ckpt.metadata.get("onnx.producer") or "an unnamed producer"
+        opset = ckpt.metadata.get("onnx.opset") or "?"
+        report.notes.append(f"ONNX model from {producer}, opset {opset}: eps and momentum from its nodes")
     if ckpt.shards:
         report.notes.append(f"{ckpt.shards} shards read as one checkpoint through the index")
     if ckpt.shard_of is not None:
