@@ -54,6 +54,10 @@ class RuleContext:
     # Layers whose statistics `bnaudit recalibrate` wrote (population statistics, not
     # an EMA: their counter is the number of calibration batches).
     recalibrated: frozenset[str] = frozenset()
+    # Exported graphs (ONNX): BatchNormalization nodes whose statistics are not constants,
+    # one note each, and the evidence of BN folded into Conv nodes (Checkpoint.folded).
+    unauditable: tuple[str, ...] = ()
+    folded: str | None = None
 
 
 @dataclass(frozen=True)
@@ -451,9 +455,11 @@ _RETAINED_FRACTION_MOMENTUM = 0.5
     "which weighs early, untrained batches as much as late ones. Keras (0.99) and ONNX (0.9) call "
     "the retained fraction momentum; passed straight to PyTorch (HF MobileNetV2's 0.997) each batch "
     "replaces 99.7% of the statistics, which then describe the last batch only: a warning. Needs the "
-    "module; eps and momentum are never saved in a state dict.",
-    "Set the intended momentum on the module (PyTorch's 0.1 = 1 - Keras's 0.9), or recalibrate with "
-    "`bnaudit recalibrate`, which does not depend on momentum.",
+    "module; eps and momentum are never saved in a state dict. An ONNX BatchNormalization node's "
+    "momentum m (retained fraction) is translated to PyTorch's 1 - m first, and the message says so: "
+    "ONNX 0.1 (PyTorch's 0.1 written unconverted) is PyTorch 0.9.",
+    "Set the intended momentum on the module (PyTorch's 0.1 = 1 - Keras's 0.9; ONNX's 0.9), or "
+    "recalibrate with `bnaudit recalibrate`, which does not depend on momentum.",
 )
 def _check_update_config(ctx: RuleContext) -> Iterator[Finding]:
     if ctx.module is None:
@@ -478,6 +484,15 @@ def _check_update_config(ctx: RuleContext) -> Iterator[Finding]:
                 "(the counter still counts); they stay as loaded",
             )
         elif m > _RETAINED_FRACTION_MOMENTUM:
+            if info.class_name == "BatchNormalization":  # an ONNX node: its momentum was translated
+                yield r.finding(
+                    "warning",
+                    name,
+                    f"ONNX momentum {1 - m:.3g} = PyTorch {m:g} (ONNX stores the retained fraction): each "
+                    f"batch would replace {m * 100:.1f}% of the statistics; PyTorch's {1 - m:.3g} written "
+                    f"unconverted, meant as ONNX {m:g}?",
+                )
+                continue
             yield r.finding(
                 "warning",
                 name,
@@ -603,6 +618,85 @@ def _check_load_mismatch(ctx: RuleContext) -> Iterator[Finding]:
             f"num_batches_tracked absent for {plural(len(missing_counters), 'layer')} "
             f"({listing((k.rpartition('.')[0] for k in missing_counters), 5)}): PyTorch fills it on load",
         )
+
+
+@rule(
+    "BN012",
+    "training-mode-export",
+    "error",
+    "An exported BatchNormalization node normalises with the batch's statistics (training mode).",
+    "An inference graph should normalise with the stored running statistics. A BatchNormalization "
+    "node in training mode (BatchNormalization-14/15 `training_mode=1`; -7 and -9 with the "
+    "training-mode outputs mean/var/saved_mean/saved_var; -6 and older with `is_test=0` or without "
+    "`is_test`, whose default is training) normalises every batch with its own mean and variance: "
+    "a prediction depends on its batch companions, a batch of one normalises to beta, and some "
+    "execution providers refuse the node outright. Exporters leave it this way when the model was "
+    "exported in training mode (`torch.onnx.export(..., training=TrainingMode.TRAINING)`, or "
+    "`model.eval()` forgotten with TrainingMode.PRESERVE). The finding names the node, its "
+    "version and the opset.",
+    "Export again from `model.eval()` (torch.onnx.export's default TrainingMode.EVAL), or set "
+    "`training_mode` to 0 and drop the extra outputs with the onnx package.",
+)
+def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
+    if ctx.module is None:
+        return
+    r = RULES["BN012"]
+    for name, info in ctx.module.norms.items():
+        if info.training_mode:
+            why = info.training_reason or "training mode"
+            where = f" ({info.source})" if info.source else ""
+            yield r.finding(
+                "error",
+                name,
+                f"{why}: normalises with each batch's statistics, so predictions depend on their "
+                f"batch companions{where}",
+            )
+
+
+@rule(
+    "BN013",
+    "statistics-not-constant",
+    "info",
+    "An exported BatchNormalization node's scale, B, mean or variance is not a constant: it cannot be audited.",
+    "bnaudit reads the statistics a BatchNormalization node uses from initializers and Constant "
+    "nodes (through Identity nodes). A node whose inputs are graph inputs (statistics fed at run "
+    "time) or computed by other nodes has no stored values to check, so none of the other rules "
+    "can speak for it. The finding names the node and which input is not a constant.",
+    "Audit the checkpoint the graph was exported from; or export with the statistics as "
+    "initializers (`torch.onnx.export(..., export_params=True)`, the default).",
+)
+def _check_not_constant(ctx: RuleContext) -> Iterator[Finding]:
+    r = RULES["BN013"]
+    for note in ctx.unauditable:
+        yield r.finding("info", None, note)
+
+
+@rule(
+    "BN014",
+    "folded-export",
+    "info",
+    "An exported graph has no BatchNormalization node but Conv nodes with constant weights and bias: BN was folded.",
+    "Both torch exporters fold BatchNorm into the preceding convolution by default (the legacy "
+    "exporter with constant folding, the dynamo exporter with its optimiser): the Conv's weights "
+    "become W*gamma/sqrt(var+eps) per output channel and its bias beta + (b - mean)*gamma/sqrt(var+eps). "
+    "The statistics then no longer exist as such and cannot be audited from the export. The test is "
+    "honest about what it sees: a graph without any BatchNormalization node that has at least one "
+    "Conv node whose weight and bias are both constants. A network that had no BatchNorm and "
+    "convolutions with their own bias matches as well, so the line says 'if the model had "
+    "BatchNorm'; a graph without BatchNormalization and without such a Conv gets no finding.",
+    "Audit the checkpoint instead (`bnaudit inspect model.pt`), and check the folding against it "
+    "with `bnaudit diff model.pt model.onnx`; or export with BN nodes kept "
+    "(`do_constant_folding=False`, or `optimize=False` with dynamo=True) to audit the export itself.",
+)
+def _check_folded_export(ctx: RuleContext) -> Iterator[Finding]:
+    if ctx.folded is None or ctx.discovery.layers or ctx.unauditable:
+        return
+    yield RULES["BN014"].finding(
+        "info",
+        None,
+        f"no BatchNormalization node; {ctx.folded}: if the model had BatchNorm, the exporter folded its "
+        "statistics into these convolutions and they cannot be audited from the export: audit the checkpoint",
+    )
 
 
 def _describe_names(names: list[str]) -> str:
