@@ -95,6 +95,7 @@ class DiffReport:
             "only_a": len(self.only_a),
             "only_b": len(self.only_b),
             "reshaped": len(self.reshaped),
+            **({"folded": len(self.export.folded), "unpaired": len(self.export.unpaired)} if self.export else {}),
             "errors": counts["error"],
             "warnings": counts["warning"],
             "infos": counts["info"],
