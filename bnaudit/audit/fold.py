@@ -28,7 +28,7 @@ Definitions of what `fold_layer` reports:
                    (t^_c the export's bias; the denominator is the size of the terms the
                    exporter added, so rounding stays ~1e-7 whatever the channel's scale)
   implied eps      eps^_c = (gamma_c / s^_c)^2 - var_c, from the channel where it is best
-                   determined: its uncertainty is about 2 (var_c + eps) * FOLD_RTOL, so a
+                   determined: its uncertainty is about 2 (var_c + eps) * SCALE_PRECISION (1e-6), so a
                    channel whose variance dwarfs eps cannot tell eps apart from 0. The eps
                    is "not determinable" when no channel pins it within a factor 2.
 
@@ -46,6 +46,9 @@ from dataclasses import dataclass
 
 WEIGHT_RTOL = 1e-5
 FOLD_RTOL = 1e-5
+# The precision of a recovered scale s^_c: float32 folding and least squares give ~1e-7
+# (measured on both torch exporters' output); 1e-6 keeps a margin.
+SCALE_PRECISION = 1e-6
 
 
 def float32(x: float) -> float:
@@ -124,7 +127,7 @@ def implied_eps(
     scales: Sequence[float | None], gamma: Sequence[float] | None, var: Sequence[float], eps: float
 ) -> tuple[float | None, str, bool]:
     """(eps^, how, consistent): eps^_c = (gamma_c / s^_c)^2 - var_c from the channel that
-    determines it best (smallest var_c + eps: uncertainty ~2 (var_c + eps) FOLD_RTOL);
+    determines it best (smallest var_c + eps: uncertainty ~2 (var_c + eps) SCALE_PRECISION);
     `consistent` is False when the determinable channels disagree beyond their
     uncertainties (no single eps explains the folded scales: the statistics differ)."""
     n = len(var)
@@ -135,7 +138,7 @@ def implied_eps(
         if s is None or s == 0 or g[c] == 0 or not math.isfinite(var[c]) or var[c] < 0:
             continue
         estimate = (g[c] / s) ** 2 - var[c]
-        uncertainty = 2 * (var[c] + max(eps, abs(estimate))) * FOLD_RTOL
+        uncertainty = 2 * (var[c] + max(eps, abs(estimate))) * SCALE_PRECISION
         estimates.append((uncertainty, estimate, c))
     if not estimates:
         return None, "not determinable: no channel with a recoverable scale and a non-zero gamma", True
