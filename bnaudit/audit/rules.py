@@ -679,23 +679,26 @@ def _check_not_constant(ctx: RuleContext) -> Iterator[Finding]:
     "Both torch exporters fold BatchNorm into the preceding convolution by default (the legacy "
     "exporter with constant folding, the dynamo exporter with its optimiser): the Conv's weights "
     "become W*gamma/sqrt(var+eps) per output channel and its bias beta + (b - mean)*gamma/sqrt(var+eps). "
-    "The statistics then no longer exist as such and cannot be audited from the export. The test is "
-    "honest about what it sees: a graph without any BatchNormalization node that has at least one "
-    "Conv node whose weight and bias are both constants. A network that had no BatchNorm and "
-    "convolutions with their own bias matches as well, so the line says 'if the model had "
-    "BatchNorm'; a graph without BatchNormalization and without such a Conv gets no finding.",
+    "The statistics then no longer exist as such and cannot be audited from the export. What the "
+    "test sees: a graph without any BatchNormalization node that has at least one Conv node whose "
+    "weight and bias are both constants; or, in any graph, Conv nodes whose weight torch's legacy "
+    "exporter computed by constant folding (it names such tensors `onnx::Conv_N` instead of the "
+    "module's parameter; BN after a Linear layer stays a node and is audited). A network that had "
+    "no BatchNorm and convolutions with their own bias matches the first test as well, so the line "
+    "says 'if the model had BatchNorm there'; a graph without BatchNormalization and without such "
+    "a Conv gets no finding.",
     "Audit the checkpoint instead (`bnaudit inspect model.pt`), and check the folding against it "
     "with `bnaudit diff model.pt model.onnx`; or export with BN nodes kept "
     "(`do_constant_folding=False`, or `optimize=False` with dynamo=True) to audit the export itself.",
 )
 def _check_folded_export(ctx: RuleContext) -> Iterator[Finding]:
-    if ctx.folded is None or ctx.discovery.layers or ctx.unauditable:
+    if ctx.folded is None:
         return
     yield RULES["BN014"].finding(
         "info",
         None,
-        f"no BatchNormalization node; {ctx.folded}: if the model had BatchNorm, the exporter folded its "
-        "statistics into these convolutions and they cannot be audited from the export: audit the checkpoint",
+        f"{ctx.folded}: if the model had BatchNorm there, the exporter folded its statistics into these "
+        "convolutions and they cannot be audited from the export: audit the checkpoint",
     )
 
 

@@ -99,12 +99,7 @@ class OnnxModel:
         return None if make is None else make()
 
     def nodes(self) -> Iterator[tuple[str, Any]]:
-        yield from _walk_graph(self.proto.graph, "main")
-        for function in self.proto.functions:
-            where = f"function:{function.domain + '.' if function.domain else ''}{function.name}"
-            for node in function.node:
-                yield where, node
-                yield from _subgraph_nodes(node, where)
+        yield from _with_function_nodes(self.proto)
 
 
 def _walk_graph(graph: Any, where: str) -> Iterator[tuple[str, Any]]:
@@ -176,9 +171,10 @@ def load_onnx(path: str) -> OnnxModel:
 def _with_function_nodes(proto: Any) -> Iterator[tuple[str, Any]]:
     yield from _walk_graph(proto.graph, "main")
     for function in proto.functions:
+        where = f"function:{function.name}"
         for node in function.node:
-            yield f"function:{function.name}", node
-            yield from _subgraph_nodes(node, f"function:{function.name}")
+            yield where, node
+            yield from _subgraph_nodes(node, where)
 
 
 def _add_constant(
@@ -475,9 +471,11 @@ def read_onnx(path: str) -> Checkpoint:
     """The BatchNormalization nodes of an ONNX model as a Checkpoint (format "onnx").
 
     One layer per node whose four statistics inputs are constants; nodes fed by graph inputs
-    or computed values are listed in `Checkpoint.unauditable`; `Checkpoint.folded` describes
-    the evidence when the graph has no BatchNormalization node but Conv nodes with constant
-    weights and bias (an exporter folded BN into them).
+    or computed values are listed in `Checkpoint.unauditable`. `Checkpoint.folded` describes
+    the evidence that an exporter folded BN into Conv nodes: the graph has no
+    BatchNormalization node but Conv nodes with constant weights and bias, or (in any graph)
+    Conv nodes whose weights torch's legacy exporter computed by constant folding (named
+    `onnx::Conv_N` instead of the module's parameter).
     """
     onnx = _import_onnx()
     model = load_onnx(path)
@@ -488,7 +486,8 @@ def read_onnx(path: str) -> Checkpoint:
     modules: dict[str, ModuleInfo] = {}
     unauditable: list[str] = []
     bn_nodes = 0
-    convs: list[str] = []
+    convs: list[str] = []  # Conv nodes whose weight and bias are constants
+    computed: list[str] = []  # ... whose weight the exporter computed by constant folding
     for index, (where, node) in enumerate(model.nodes()):
         if node.domain not in ("", "ai.onnx"):
             continue
@@ -499,6 +498,10 @@ def read_onnx(path: str) -> Checkpoint:
                 and all(model.initializer(_resolve(n, identities)) is not None for n in node.input[1:3])
             ):
                 convs.append(node.name or f"Conv_{index}")
+                # torch's legacy exporter names the tensors its constant folding computed
+                # "onnx::Conv_17": a weight that is no module parameter, folded BN's signature
+                if _resolve(node.input[1], identities).startswith("onnx::"):
+                    computed.append(node.name or f"Conv_{index}")
             continue
         if node.op_type != "BatchNormalization":
             continue
@@ -560,8 +563,12 @@ def read_onnx(path: str) -> Checkpoint:
         unauditable=unauditable,
     )
     if bn_nodes == 0 and convs:
-        ckpt.folded = (
-            f"{len(convs)} Conv node{'s' if len(convs) != 1 else ''} with constant weights and bias "
-            f"({', '.join(convs[:3])}{', ...' if len(convs) > 3 else ''})"
-        )
+        ckpt.folded = f"no BatchNormalization node; {_conv_list(convs)} with constant weights and bias"
+    elif computed:
+        ckpt.folded = f"{_conv_list(computed)} with weights computed by the exporter's constant folding (onnx::Conv_*)"
     return ckpt
+
+
+def _conv_list(names: list[str]) -> str:
+    shown = ", ".join(printable(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"{len(names)} Conv node{'s' if len(names) != 1 else ''} ({shown})"
