@@ -277,6 +277,27 @@ def write_onnx_samples(healthy: dict[str, torch.Tensor], folder: str) -> None:
         )
 
 
+def write_onnx_folded_sample(healthy: dict[str, torch.Tensor], folder: str) -> None:
+    """onnx/folded.onnx: the healthy model exported with torch's defaults (dynamo=True, its
+    optimiser on), which folds every BatchNorm into the Conv or Linear before it: no
+    BatchNormalization node is left, and `bnaudit diff healthy.pt onnx/folded.onnx` verifies
+    the folding itself."""
+    import contextlib
+    import io
+    import warnings
+
+    os.makedirs(folder, exist_ok=True)
+    model = digits_net()
+    model.load_state_dict(healthy)
+    model.eval()
+    from safetensors.torch import load_file
+
+    example = load_file(os.path.join(HERE, "data", "digits_val.safetensors"))["inputs"][:2]
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (example,), os.path.join(folder, "folded.onnx"), dynamo=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images-per-class", type=int, default=10)
@@ -292,6 +313,7 @@ def main() -> None:
         from safetensors.torch import load_file
 
         write_onnx_samples(load_file(os.path.join(HERE, "healthy.safetensors")), os.path.join(HERE, "onnx"))
+        write_onnx_folded_sample(load_file(os.path.join(HERE, "healthy.safetensors")), os.path.join(HERE, "onnx"))
         return
     if args.layouts_only:
         from safetensors.torch import load_file
@@ -382,6 +404,7 @@ def main() -> None:
     write_image_folder(xv, yv, os.path.join(data_dir, "digits_images"), args.images_per_class)
     write_layouts(healthy, xc, yc)
     write_onnx_samples(healthy, os.path.join(HERE, "onnx"))
+    write_onnx_folded_sample(healthy, os.path.join(HERE, "onnx"))
 
 
 def fine_tune_frozen_backbone(pretrained, x, y, epochs: int = 2) -> dict[str, torch.Tensor]:

@@ -671,9 +671,10 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
         if report.findings:
             console.print(_fit(_findings_table(report.findings), console.width))
             console.print()
-        console.print(Text("summary by verdict", style="bold"))
         by = report.layers_by_verdict()
         groups = report.groups()
+        if report.layers:
+            console.print(Text("summary by verdict", style="bold"))
         for verdict, names in by.items():
             if names:
                 console.print(
@@ -681,7 +682,8 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
                         f"{verdict}: {plural(len(names), 'layer')}, {groups[verdict]}", style=verdict_style[verdict]
                     )
                 )
-        console.print()
+        if report.layers:
+            console.print()
         console.print(Text("diagnosis", style="bold"))
         bullets = Table.grid(padding=(0, 1))
         bullets.add_column(width=3, justify="right")
