@@ -498,6 +498,9 @@ def test_external_data_is_read_and_not_audited_on_its_own(external, exports):
     report = inspect(str(external.parent))  # a directory scan: weights.bin belongs to the model
     assert [os.path.basename(f.path) for f in report.files] == ["model.onnx"]
     assert codes(report) == [] and report.exit_code() == 0
+    # named together (a pre-commit hook passes every staged file): still audited once
+    report = inspect([str(external), str(external.parent / "weights.bin")])
+    assert [os.path.basename(f.path) for f in report.files] == ["model.onnx"]
 
 
 def relocate(path: Path, location: str, name: str = "features.1.running_var") -> None:
@@ -605,3 +608,36 @@ def test_rules_command_documents_the_onnx_rules():
     for code, words in (("BN012", "training_mode"), ("BN013", "graph inputs"), ("BN014", "fold")):
         out = cli("rules", code).stdout
         assert out.startswith(code) and words in out
+
+
+# ----------------------------------------------------------------------------- other commands
+
+
+SAMPLE_ONNX = str(REPO / "sample_models" / "onnx" / "digits.onnx")
+SAMPLE_ARCH = f"{REPO / 'sample_models' / 'digits_net.py'}:digits_net"
+SAMPLE_VAL = str(REPO / "sample_models" / "data" / "digits_val.safetensors")
+
+
+@pytest.mark.parametrize("arch", [True, False])
+def test_gap_and_recalibrate_refuse_an_onnx_model(tmp_path, arch):
+    # read_checkpoint yields only the BN tensors of a graph: loaded into --arch they would
+    # leave every conv at its random initial value
+    extra = ["--arch", SAMPLE_ARCH] if arch else []
+    one_line_error(cli("gap", SAMPLE_ONNX, *extra, "--data", SAMPLE_VAL), "an ONNX model cannot be run here")
+    out = tmp_path / "out.pt"
+    result = cli("recalibrate", SAMPLE_ONNX, *extra, "--data", SAMPLE_VAL, "-o", str(out))
+    one_line_error(result, "an ONNX model cannot be run here")
+    assert not out.exists()
+
+
+def test_onnx_model_given_as_data_is_named(tmp_path):
+    healthy = str(REPO / "sample_models" / "healthy.pt")
+    result = cli("gap", healthy, "--arch", SAMPLE_ARCH, "--data", SAMPLE_ONNX)
+    one_line_error(result, "an ONNX model, not a tensor file")
+
+
+def test_inspect_arch_leaves_an_onnx_graph_to_its_own_nodes():
+    path = str(REPO / "sample_models" / "onnx" / "digits_training.onnx")
+    report = inspect(path, arch=SAMPLE_ARCH)
+    assert codes(report) == [("BN012", n) for n in ("features.1", "features.4", "head.2")]  # no BN011 noise
+    assert any("--arch not used" in note for note in report.files[0].notes)

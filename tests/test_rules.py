@@ -38,7 +38,7 @@ def test_registry_has_the_documented_codes_and_names():
         "BN010": "uneven-counters",
         "BN011": "load-mismatch",
         "BN012": "training-mode-export",
-        "BN013": "statistics-not-constant",
+        "BN013": "stats-not-constant",
         "BN014": "folded-export",
         "BN101": "frozen-but-updating",
         "BN102": "stale-statistics",

@@ -153,13 +153,18 @@ def audit_file(
     try:
         ckpt = read_checkpoint(path, key=key, trust_pickle=trust_pickle)
         module = None
-        if model is not None:
+        # an ONNX graph holds only its BN tensors (no conv weights to match against --arch)
+        # and names its own nodes' settings: --arch would only add noise there
+        arch_used = model is not None and ckpt.format != "onnx"
+        if arch_used:
             from bnaudit.runtime.models import match_checkpoint
 
             ckpt, module = match_checkpoint(ckpt, model)
         elif ckpt.holds_module and ckpt.modules:
             module = facts_from_module_infos(ckpt.modules)
         report = audit_checkpoint(ckpt, config, module)
+        if model is not None and not arch_used:
+            report.notes.append("--arch not used for an ONNX model: its nodes carry their own settings")
     except NotModelWeights as exc:
         return FileReport(path, skipped=exc.what, named=named)
     except BnauditError as exc:
@@ -213,7 +218,7 @@ def inspect(
             targets += [(p, False, None) for p in _scan_directory(path)]
         except BnauditError as exc:
             targets.append((path, True, str(exc).removeprefix(f"{path}: ")))
-    kept = set(_without_indexed_shards([p for p, _, error in targets if error is None]))
+    kept = set(_without_external_data(_without_indexed_shards([p for p, _, error in targets if error is None])))
     files: list[FileReport] = []
     for path, named, error in targets:
         if error is not None:

@@ -655,7 +655,7 @@ def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
 
 @rule(
     "BN013",
-    "statistics-not-constant",
+    "stats-not-constant",
     "info",
     "An exported BatchNormalization node's scale, B, mean or variance is not a constant: it cannot be audited.",
     "bnaudit reads the statistics a BatchNormalization node uses from initializers and Constant "
@@ -675,7 +675,7 @@ def _check_not_constant(ctx: RuleContext) -> Iterator[Finding]:
     "BN014",
     "folded-export",
     "info",
-    "An exported graph has no BatchNormalization node but Conv nodes with constant weights and bias: BN was folded.",
+    "Exported Conv nodes hold BN folded into their weights: no BatchNormalization node left, or weights made by constant folding.",
     "Both torch exporters fold BatchNorm into the preceding convolution by default (the legacy "
     "exporter with constant folding, the dynamo exporter with its optimiser): the Conv's weights "
     "become W*gamma/sqrt(var+eps) per output channel and its bias beta + (b - mean)*gamma/sqrt(var+eps). "
