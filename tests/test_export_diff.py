@@ -386,3 +386,55 @@ def test_cli_formats_and_usage_errors(folder, cli):
     }
     no_arch = cli("diff", a, b, "--data", "x.safetensors", "--isolated")
     assert no_arch.exit_code == 2 and "--data needs --arch" in no_arch.output
+
+
+def test_export_as_side_a_is_compared_the_same_way(folder, tmp_path):
+    path = rewrite(
+        folder / "legacy_kept.onnx",
+        tmp_path / "reset.onnx",
+        lambda m: set_initializer(m, "features.1.running_var", np.ones(8, np.float32)),
+    )
+    report = diff(path, str(folder / "model.pt"))
+    assert report.export.export_side == "a" and report.a.format == "onnx"
+    assert codes(report) == {("BN108", "error", "features.1")}
+
+
+def test_float64_checkpoint_equals_its_float32_export(folder, trained, tmp_path):
+    save_torch(
+        {k: v.double() if v.is_floating_point() else v for k, v in trained.state_dict().items()}, tmp_path / "f64.pt"
+    )
+    for name in ("legacy_kept", "dynamo_folded"):
+        report = diff(str(tmp_path / "f64.pt"), str(folder / f"{name}.onnx"))
+        assert report.findings == [], name
+
+
+def test_layer_without_a_conv_to_pair_is_bn113(folder, trained, tmp_path):
+    sd = {k: v for k, v in trained.state_dict().items() if k != "features.0.weight"}
+    save_torch(sd, tmp_path / "no_conv.pt")
+    report = diff(str(tmp_path / "no_conv.pt"), str(folder / "dynamo_folded.onnx"))
+    assert codes(report) == {("BN113", "warning", "features.1")}
+    assert "no conv with 8 output channels" in report.findings[0].message
+    assert report.exit_code() == 1
+
+
+def test_without_onnxruntime_parity_is_one_line_exit_2(folder, data_file, cli, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime raises ImportError
+    result = cli(
+        "diff",
+        str(folder / "model.pt"),
+        str(folder / "legacy_kept.onnx"),
+        "--arch",
+        ARCH,
+        "--data",
+        data_file,
+        "--isolated",
+    )
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and 'pip install "bnaudit[onnx]"' in result.output
+
+
+def test_malformed_export_is_one_line_exit_2(folder, tmp_path, cli):
+    data = (folder / "legacy_kept.onnx").read_bytes()
+    (tmp_path / "torn.onnx").write_bytes(data[: len(data) // 2])
+    result = cli("diff", str(folder / "model.pt"), str(tmp_path / "torn.onnx"), "--isolated")
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output

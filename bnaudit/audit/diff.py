@@ -291,7 +291,8 @@ def _export_diagnosis(check: ExportCheck, findings: list[Finding]) -> list[str]:
             parts.append(f"{plural(kept, 'BatchNormalization node')} equal to the checkpoint's layers")
         if good_folds:
             eps = [f.check.implied_eps for f in good_folds if f.check.implied_eps is not None]
-            implied = f" (implied eps {min(eps):.2g} to {max(eps):.2g})" if eps else ""
+            low, high = f"{min(eps, default=0):.2g}", f"{max(eps, default=0):.2g}"
+            implied = "" if not eps else f" (implied eps {low})" if low == high else f" (implied eps {low} to {high})"
             parts.append(f"{plural(len(good_folds), 'layer')} folded exactly as the checkpoint's BN{implied}")
         if parts:
             lines.append("The export matches the checkpoint: " + "; ".join(parts) + ".")

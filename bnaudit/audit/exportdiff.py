@@ -82,6 +82,7 @@ class KeptNode:
     settings_assumed: bool
     training_mode: bool
     mismatches: tuple[TensorMismatch, ...]
+    training_reason: str = ""  # what in the node says training ("training_mode=1", "is_test absent")
 
 
 @dataclass(frozen=True)
@@ -308,6 +309,7 @@ def kept_node(ref: BNLayer, node: BNLayer, info: Any, matched_by: str) -> KeptNo
         settings_assumed=ref.settings_assumed,
         training_mode=bool(getattr(info, "training_mode", False)),
         mismatches=tuple(mismatches),
+        training_reason=str(getattr(info, "training_reason", None) or ""),
     )
 
 

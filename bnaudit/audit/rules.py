@@ -1122,7 +1122,8 @@ def _check_export_training(ctx: DiffContext) -> Iterator[Finding]:
             yield r.finding(
                 "error",
                 node.name,
-                f"{node.source} normalises with batch statistics (training mode): predictions depend on batch companions",
+                f"{node.source}: training mode ({node.training_reason or 'training_mode=1'}), it normalises with "
+                "each batch's statistics, so predictions depend on batch companions",
             )
 
 

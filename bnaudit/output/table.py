@@ -653,7 +653,8 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
 
         console.print(
             _cell(
-                f"{plural(len(unchanged), 'unchanged layer')} (bit-identical): {describe_group(unchanged, every)}",
+                f"{plural(len(unchanged), 'unchanged layer')} "
+                f"({'equal to the checkpoint' if report.export else 'bit-identical'}): {describe_group(unchanged, every)}",
                 style="dim",
             )
         )
