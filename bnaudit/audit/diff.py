@@ -4,6 +4,12 @@ Both sides are read exactly as `inspect` reads them (every format and container,
 prefixes stripped, only the BN tensors read), so the cost does not grow with the rest of
 the checkpoint. Layers are matched by name. The numbers and verdicts are defined in
 `bnaudit.audit.layerdiff`; the findings come from the diff rules (BN1xx) of the registry.
+
+When exactly one side is an ONNX export, the other is its reference checkpoint:
+BatchNormalization nodes are matched by name, exporter scope, then order and channel
+count, and folded layers are verified (`bnaudit.audit.exportdiff`, `bnaudit.audit.fold`;
+rules BN108-BN114). BN101-BN104 and BN106, which read training between two checkpoints,
+stay silent there.
 """
 
 from __future__ import annotations
