@@ -326,6 +326,21 @@ def test_variance_alone_reset_is_read_as_ones(exports, tmp_path):
     assert layers["features.1"].var_min == layers["features.1"].var_max == 1.0
 
 
+def test_nan_and_negative_variance_in_a_node(exports, tmp_path):
+    def corrupt(model):
+        tensor = init(model, bn_node(model, 1).input[4])
+        values = numpy_helper.to_array(tensor).copy()
+        values[0], values[3] = np.nan, -0.5
+        tensor.CopyFrom(numpy_helper.from_array(values, tensor.name))
+
+    path = edited(exports["dynamo-kept"], tmp_path / "nan.onnx", corrupt)
+    var = own_bn_nodes(path)[1]["stats"][3]
+    bad = sorted(int(c) for c in np.flatnonzero(~np.isfinite(var) | (var < 0)))
+    report = inspect(str(path))
+    assert codes(report) == [("BN005", "features.4")]
+    assert list(report.files[0].findings[0].channels) == bad == [0, 3]
+
+
 def test_fp16_statistics_are_read_exactly_and_flagged(exports, tmp_path):
     def half(model):
         for name in bn_node(model, 1).input[1:5]:
