@@ -326,6 +326,21 @@ def test_variance_alone_reset_is_read_as_ones(exports, tmp_path):
     assert layers["features.1"].var_min == layers["features.1"].var_max == 1.0
 
 
+def test_nan_and_negative_variance_in_a_node(exports, tmp_path):
+    def corrupt(model):
+        tensor = init(model, bn_node(model, 1).input[4])
+        values = numpy_helper.to_array(tensor).copy()
+        values[0], values[3] = np.nan, -0.5
+        tensor.CopyFrom(numpy_helper.from_array(values, tensor.name))
+
+    path = edited(exports["dynamo-kept"], tmp_path / "nan.onnx", corrupt)
+    var = own_bn_nodes(path)[1]["stats"][3]
+    bad = sorted(int(c) for c in np.flatnonzero(~np.isfinite(var) | (var < 0)))
+    report = inspect(str(path))
+    assert codes(report) == [("BN005", "features.4")]
+    assert list(report.files[0].findings[0].channels) == bad == [0, 3]
+
+
 def test_fp16_statistics_are_read_exactly_and_flagged(exports, tmp_path):
     def half(model):
         for name in bn_node(model, 1).input[1:5]:
@@ -641,3 +656,25 @@ def test_inspect_arch_leaves_an_onnx_graph_to_its_own_nodes():
     report = inspect(path, arch=SAMPLE_ARCH)
     assert codes(report) == [("BN012", n) for n in ("features.1", "features.4", "head.2")]  # no BN011 noise
     assert any("--arch not used" in note for note in report.files[0].notes)
+
+
+def test_subgraphs_nested_past_protobufs_depth_limit_are_one_line(tmp_path):
+    # written field by field: the onnx package itself refuses to build such a model
+    def field(number: int, payload: bytes) -> bytes:
+        def varint(n: int) -> bytes:
+            out = b""
+            while True:
+                out += bytes([(n & 0x7F) | (0x80 if n > 0x7F else 0)])
+                n >>= 7
+                if not n:
+                    return out
+
+        return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+    graph = b""
+    for _ in range(300):
+        attribute = field(1, b"then_branch") + field(6, graph) + bytes([0xA0, 0x01, 5])  # name, g, type GRAPH
+        graph = field(1, field(5, attribute))  # GraphProto.node{attribute}
+    path = tmp_path / "deep.onnx"
+    path.write_bytes(b"\x08\x08" + field(7, graph))  # ir_version 8, graph
+    one_line_error(cli("inspect", str(path)), "malformed ONNX protobuf")
