@@ -2,14 +2,15 @@
 
     python benchmarks/run.py            # full run (about 1 GiB of extra tensors, ~2.5 GB of disk)
     python benchmarks/run.py --quick    # smaller inputs, fewer repeats
-    python benchmarks/run.py --only 1,2 # some targets only (8: sharded checkpoint through its index,
-                                        # 9: invariance against a plain loop)
+    python benchmarks/run.py --only 1,2 # some targets only (8: sharded checkpoint through its index;
+                                        # 9: invariance against a plain loop;
+                                        # 10: .onnx with external data, needs the onnx extra)
 
 Every input is built here, in a temporary folder deleted at the end: a ResNet-50-shaped
 state dict (53 BN layers, 25.6 M parameters) with and without 1 GiB of other tensors,
 written as .safetensors and as a torch.save zip (and a before/after pair of it for
 `bnaudit diff`, target 7, and the +extra one in Hugging Face shards with its index, target
-8); a small ResNet for 32x32 inputs; a tensor file and synthetic image folders for gap and recalibrate.
+8, and as an ONNX graph with its tensors as external data, target 9); a small ResNet for 32x32 inputs; a tensor file and synthetic image folders for gap and recalibrate.
 
 Each measurement is one fresh process: wall time from start to exit, peak RSS from
 `os.wait4` (the ru_maxrss of that one child; DataLoader workers are its children, so
@@ -524,10 +525,81 @@ def build_resnet50_shards(tmp: str, extra_bytes: int) -> dict:
     return {"files": files, "shards": len(shards)}
 
 
+def build_resnet50_onnx(tmp: str, extra_bytes: int) -> dict:
+    """A ResNet-50-shaped ONNX graph (each conv a Conv node followed by its BatchNormalization
+    node; the graph is read, never run) whose every tensor is external data in one
+    `weights.bin` beside it, written twice: as is, and with `extra_bytes` of other
+    initializers placed in the middle of weights.bin (after layer2's tensors, so BN tensors
+    lie on both sides). The extra bytes are a hole in a sparse file: reading them would cost
+    as much as any bytes, while writing them costs nothing. Needs the onnx package."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    state = {k: v.numpy() for k, v in resnet50_state_dict().items() if not k.endswith("num_batches_tracked")}
+    files = {}
+    for label, extra in (("small", 0), ("big", extra_bytes)):
+        folder = os.path.join(tmp, f"onnx_{label}")
+        os.makedirs(folder)
+        data_path = os.path.join(folder, "weights.bin")
+        inits, nodes, offset = [], [], 0
+        chunk = 64 * MiB
+
+        def external(name: str, dims: list[int], nbytes: int, at: int) -> TensorProto:
+            tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=dims)
+            tensor.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", "weights.bin"), ("offset", str(at)), ("length", str(nbytes))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+            return tensor
+
+        with open(data_path, "wb") as f:
+            placed = False
+            for name, array in state.items():
+                if extra and not placed and name.startswith("layer3."):
+                    for i in range(max(1, extra // chunk)):
+                        inits.append(external(f"extra.tables.{i}.weight", [chunk // 4 // 1024, 1024], chunk, offset))
+                        offset += chunk
+                    f.truncate(offset)  # a hole: sparse on every common file system
+                    f.seek(offset)
+                    placed = True
+                raw = np.ascontiguousarray(array, dtype="<f4").tobytes()
+                inits.append(external(name, list(array.shape), len(raw), offset))
+                f.write(raw)
+                offset += len(raw)
+        previous = "input"
+        for name in state:
+            if name.endswith(".running_mean"):
+                bn = name.removesuffix(".running_mean")
+                conv = bn.replace("bn", "conv").replace("downsample.1", "downsample.0")
+                nodes.append(helper.make_node("Conv", [previous, f"{conv}.weight"], [f"{conv}.out"], name=conv))
+                nodes.append(
+                    helper.make_node(
+                        "BatchNormalization",
+                        [f"{conv}.out", f"{bn}.weight", f"{bn}.bias", f"{bn}.running_mean", f"{bn}.running_var"],
+                        [f"{bn}.out"],
+                        name=bn,
+                    )
+                )
+                previous = f"{bn}.out"
+        graph = helper.make_graph(
+            nodes,
+            "resnet50",
+            [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 224, 224])],
+            [helper.make_tensor_value_info(previous, TensorProto.FLOAT, None)],
+            inits,
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="bnaudit-bench")
+        files[label] = os.path.join(folder, "model.onnx")
+        onnx.save(model, files[label])
+    return {"files": files, "bn_layers": sum(1 for k in state if k.endswith(".running_mean"))}
+
+
 BUILDERS = {
     f.__name__: f
     for f in (
         build_resnet50_files,
+        build_resnet50_onnx,
         build_resnet50_shards,
         build_resnet50_pair,
         build_one_layer,
@@ -657,6 +729,29 @@ def target_8_sharded(tmp: str, extra_bytes: int, repeats: int) -> None:
     )
     for path in files.values():
         shutil.rmtree(os.path.dirname(path)) if path.endswith(".index.json") else os.remove(path)
+
+
+def target_10_onnx_external_data(tmp: str, extra_bytes: int, repeats: int) -> None:
+    """Size independence for ONNX external data: inspect of a model whose weights.bin holds
+    +extra_bytes of other initializers costs what the same model without them costs (only
+    the BN tensors' byte ranges are read)."""
+    try:
+        import onnx  # noqa: F401
+    except ImportError:
+        skip("10", "inspect .onnx with external data", 'the onnx package is not installed (pip install "bnaudit[onnx]")')
+        return
+    built = build("build_resnet50_onnx", tmp, extra_bytes)
+    files, gib = built["files"], extra_bytes / GiB
+    runs = compare(
+        {name: [PY, "-m", "bnaudit", "inspect", path, "--format", "json"] for name, path in files.items()}, repeats
+    )
+    t = {k: median_wall(v) for k, v in runs.items()}
+    m = {k: median_rss(v) for k, v in runs.items()}
+    what = f"inspect .onnx: +{gib:g} GiB external data vs without"
+    line("10", f"{what}, wall time", t["big"] / t["small"], 1.3, f"{fmt_s(t['big'])} vs {fmt_s(t['small'])}")
+    line("10", f"{what}, peak RSS", m["big"] / m["small"], 1.3, f"{fmt_mb(m['big'])} vs {fmt_mb(m['small'])}")
+    for path in files.values():
+        shutil.rmtree(os.path.dirname(path))
 
 
 def target_2_startup(tmp: str, st_resnet: str | None, pt_resnet: str | None, repeats: int) -> None:
@@ -940,7 +1035,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.build:  # a child started by build()
         print(json.dumps(BUILDERS[args.build[0]](*json.loads(args.build[1]))))
         return 0
-    only = {int(x) for x in args.only.split(",")} if args.only else {1, 2, 3, 4, 5, 6, 7, 8, 9}
+    only = {int(x) for x in args.only.split(",")} if args.only else {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
     repeats = args.repeats or (3 if args.quick else 5)
     extra_bytes = 256 * MiB if args.quick else GiB
     samples = 512 if args.quick else 2048
@@ -967,6 +1062,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             target_7_diff_size_independence(tmp, extra_bytes, repeats)
         if 8 in only:
             target_8_sharded(tmp, extra_bytes, repeats)
+        if 10 in only:
+            target_10_onnx_external_data(tmp, extra_bytes, repeats)
         if only & {3, 4, 5, 6, 9}:
             folder = os.path.join(tmp, "model")
             os.makedirs(folder)

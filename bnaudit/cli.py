@@ -810,9 +810,29 @@ def diff_command(
     ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the summary line and errors.")] = False,
     debug: DebugOpt = False,
+    arch: Annotated[
+        Optional[str],
+        typer.Option(
+            "--arch",
+            metavar="MODULE:CALLABLE",
+            help="A checkpoint against its ONNX export: the model (folded layers paired through its graph, its real eps).",
+        ),
+    ] = None,
+    arch_kwargs: ArchKwargsOpt = None,
+    data: Annotated[
+        Optional[str],
+        typer.Option(
+            "--data",
+            metavar="PATH",
+            help="With --arch, a checkpoint against its ONNX export: run both (torch eval, onnxruntime CPU) on this data and compare the outputs.",
+        ),
+    ] = None,
+    batch_size: BatchSizeOpt = 64,
+    num_samples: NumSamplesOpt = None,
 ) -> None:
     """Compare the BatchNorm state of two checkpoints: frozen layers that kept updating,
-    averaged weights with stale statistics, double-counted batches."""
+    averaged weights with stale statistics, double-counted batches; or a checkpoint with its
+    ONNX export (nodes, folding, and with --arch and --data the outputs)."""
     from bnaudit.audit.diff import diff as run_diff
     from bnaudit.audit.rules import RULES
     from bnaudit.config import load_config
@@ -827,7 +847,24 @@ def diff_command(
             "--expect-trained": expect_trained or None,
         }
         config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=RULES)
-        report = run_diff(path_a, path_b, config, key_a=key_a, key_b=key_b, trust_pickle=trust_pickle)
+        if data is not None and arch is None:
+            raise BnauditError("--data needs --arch (the model to run the checkpoint with)")
+        if arch is not None or arch_kwargs is not None:
+            if arch is None:
+                raise BnauditError("--arch-kwargs needs --arch")
+            from bnaudit.formats.sniff import sniff_format
+            from bnaudit.runtime.exportparity import diff_export
+
+            if sniff_format(path_b) != "onnx":
+                raise BnauditError(f"--arch applies to a checkpoint against its ONNX export: {path_b} is not ONNX")
+            options = None
+            if data is not None:
+                options = data_options(data, None, batch_size, num_samples, 0, True, 0, None, False, None, None, False)
+            report = diff_export(
+                path_a, path_b, config, arch, arch_kwargs, options, key=key_a, trust_pickle=trust_pickle
+            )
+        else:
+            report = run_diff(path_a, path_b, config, key_a=key_a, key_b=key_b, trust_pickle=trust_pickle)
         output.emit(report, output_format.value, sys.stdout, quiet=quiet)
     code = report.exit_code()
     raise typer.Exit(0 if exit_zero and code == 1 else code)

@@ -21,6 +21,12 @@ is audited), and `traced_train.pt` (the healthy model traced with its BatchNorm 
 training mode: batch-dependent predictions for `bnaudit invariance`).
 `python sample_models/generate.py --layouts-only` rewrites just these,
 from the committed healthy.safetensors and calibration data (no scikit-learn needed).
+
+ONNX exports (issue #16): `onnx/digits.onnx` (the healthy model exported in eval mode with
+its BatchNormalization nodes kept: the legacy exporter with do_constant_folding=False) and
+`onnx/digits_training.onnx` (the same model exported with TrainingMode.TRAINING, as users do
+by mistake: BatchNormalization nodes with training_mode=1). Needs the onnx extra at generation
+time (`pip install "bnaudit[onnx]"`); `--onnx-only` rewrites just these from healthy.safetensors.
 """
 
 from __future__ import annotations
@@ -258,6 +264,60 @@ def write_layouts(healthy: dict[str, torch.Tensor], xc, yc) -> None:
     write_traced_in_training_mode(healthy, xc, os.path.join(HERE, "traced_train.pt"))
 
 
+def write_onnx_samples(healthy: dict[str, torch.Tensor], folder: str) -> None:
+    """The healthy model exported to ONNX with its BatchNormalization nodes kept, once in eval
+    mode and once in training mode (the exporter's TrainingMode.TRAINING). The legacy exporter
+    (dynamo=False) with do_constant_folding=False keeps the nodes and names the statistics
+    after their modules (`features.1.running_mean`). Tracing in training mode runs one forward
+    that updates the running statistics (the exported ones are then 0.9 * trained + 0.1 * those
+    of the example batch, as in any such export); it works on a copy."""
+    import copy
+    import warnings
+
+    os.makedirs(folder, exist_ok=True)
+    model = digits_net()
+    model.load_state_dict(healthy)
+    model.eval()
+    from safetensors.torch import load_file
+
+    # two validation images: the training-mode trace needs a batch of more than one
+    example = load_file(os.path.join(HERE, "data", "digits_val.safetensors"))["inputs"][:2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy exporter's deprecation notice
+        torch.onnx.export(
+            model, (example,), os.path.join(folder, "digits.onnx"), dynamo=False, do_constant_folding=False
+        )
+        torch.onnx.export(
+            copy.deepcopy(model),
+            (example,),
+            os.path.join(folder, "digits_training.onnx"),
+            dynamo=False,
+            do_constant_folding=False,
+            training=torch.onnx.TrainingMode.TRAINING,
+        )
+
+
+def write_onnx_folded_sample(healthy: dict[str, torch.Tensor], folder: str) -> None:
+    """onnx/folded.onnx: the healthy model exported with torch's defaults (dynamo=True, its
+    optimiser on), which folds every BatchNorm into the Conv or Linear before it: no
+    BatchNormalization node is left, and `bnaudit diff healthy.pt onnx/folded.onnx` verifies
+    the folding itself."""
+    import contextlib
+    import io
+    import warnings
+
+    os.makedirs(folder, exist_ok=True)
+    model = digits_net()
+    model.load_state_dict(healthy)
+    model.eval()
+    from safetensors.torch import load_file
+
+    example = load_file(os.path.join(HERE, "data", "digits_val.safetensors"))["inputs"][:2]
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (example,), os.path.join(folder, "folded.onnx"), dynamo=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images-per-class", type=int, default=10)
@@ -266,8 +326,15 @@ def main() -> None:
         action="store_true",
         help="rewrite sharded/, checkpoint-3/, lightning/ and traced_train.pt from healthy.safetensors",
     )
+    parser.add_argument("--onnx-only", action="store_true", help="rewrite onnx/ from healthy.safetensors")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.onnx_only:
+        from safetensors.torch import load_file
+
+        write_onnx_samples(load_file(os.path.join(HERE, "healthy.safetensors")), os.path.join(HERE, "onnx"))
+        write_onnx_folded_sample(load_file(os.path.join(HERE, "healthy.safetensors")), os.path.join(HERE, "onnx"))
+        return
     if args.layouts_only:
         from safetensors.torch import load_file
 
@@ -356,6 +423,8 @@ def main() -> None:
     )
     write_image_folder(xv, yv, os.path.join(data_dir, "digits_images"), args.images_per_class)
     write_layouts(healthy, xc, yc)
+    write_onnx_samples(healthy, os.path.join(HERE, "onnx"))
+    write_onnx_folded_sample(healthy, os.path.join(HERE, "onnx"))
 
 
 def fine_tune_frozen_backbone(pretrained, x, y, epochs: int = 2) -> dict[str, torch.Tensor]:

@@ -185,6 +185,8 @@ def test_sample_models_show_every_rule(cli):
     assert by_file["fp16_buffers.safetensors"] == {"BN008"}
     assert by_file["converted.safetensors"] == {"BN009"}
     assert by_file["partially_frozen.pt"] == {"BN010"}
+    assert by_file["digits.onnx"] == set()  # sample_models/onnx/: the healthy model exported in eval mode
+    assert by_file["digits_training.onnx"] == {"BN012"}  # ... and in training mode
 
 
 def test_installed_executable_runs_in_a_subprocess(hand_made):

@@ -294,8 +294,9 @@ def test_json_document(frozen_pair, cli):
     doc = json.loads(result.stdout)
     assert set(doc) == {
         "version", "config", "a", "b", "settings", "provenance", "layers", "only_a", "only_b",
-        "reshaped", "groups", "findings", "diagnosis", "summary",
+        "reshaped", "export", "groups", "findings", "diagnosis", "summary",
     }  # fmt: skip
+    assert doc["export"] is None  # set only for a checkpoint against its ONNX export
     assert doc["a"] == {"path": a, "format": "safetensors", "key": None, "prefix": None, "layers": 3}
     assert doc["b"]["format"] == "torch-zip"
     layer = doc["layers"][0]

@@ -37,6 +37,9 @@ def test_registry_has_the_documented_codes_and_names():
         "BN009": "counter-zero",
         "BN010": "uneven-counters",
         "BN011": "load-mismatch",
+        "BN012": "training-mode-export",
+        "BN013": "stats-not-constant",
+        "BN014": "folded-export",
         "BN101": "frozen-but-updating",
         "BN102": "stale-statistics",
         "BN103": "re-estimated",
@@ -44,6 +47,13 @@ def test_registry_has_the_documented_codes_and_names():
         "BN105": "expectation-violated",
         "BN106": "settings-changed",
         "BN107": "layers-changed",
+        "BN108": "export-tensors-differ",
+        "BN109": "export-eps-differs",
+        "BN110": "export-momentum-unconverted",
+        "BN111": "export-training-mode",
+        "BN112": "folded-mismatch",
+        "BN113": "export-unpaired",
+        "BN114": "export-output-deviates",
     }
 
 

@@ -1,8 +1,9 @@
 """`inspect`: paths -> checkpoint -> layers -> rules -> InspectReport.
 
-A directory expands to every file under it whose name ends in a checkpoint suffix,
-plus shard indexes (a sharded checkpoint is audited once, through its index, also when
-its shards are named next to it) and accelerate's `random_states_N.pkl`; a file named
+A directory expands to every file under it whose name ends in a checkpoint suffix
+(`.onnx` included, without the external-data files its models refer to), plus shard
+indexes (a sharded checkpoint is audited once, through its index, also when its shards
+are named next to it) and accelerate's `random_states_N.pkl`; a file named
 explicitly is read whatever its name. One unreadable file becomes a FileReport with
 `error` set; the others are still audited. Optimizer, scheduler and RNG state and
 pickled training arguments become a FileReport with `skipped` set (formats/classify.py).
@@ -48,7 +49,21 @@ def _scan_directory(path: str) -> list[str]:
         ]
     if not found:
         raise BnauditError(f"{path}: directory holds no checkpoint files ({' '.join(CHECKPOINT_SUFFIXES)})")
-    return _without_indexed_shards(found)
+    return _without_external_data(_without_indexed_shards(found))
+
+
+def _without_external_data(paths: list[str]) -> list[str]:
+    """`paths` minus the external-data files (`weights.bin`, ...) of the ONNX models among
+    them: those bytes belong to their model, not to a checkpoint of their own."""
+    models = [p for p in paths if p.lower().endswith(".onnx")]
+    if not models:
+        return paths
+    from bnaudit.formats.onnx import external_data_files
+
+    data: set[str] = set()
+    for model in models:
+        data |= external_data_files(model)
+    return [p for p in paths if os.path.realpath(p) not in data]
 
 
 def _without_indexed_shards(paths: list[str]) -> list[str]:
@@ -69,9 +84,21 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
     )
     provenance = recalibration_provenance(ckpt)
     findings = run_rules(
-        RuleContext(discovery, config, is_ema=ckpt.is_ema, module=module, recalibrated=provenance.layers)
+        RuleContext(
+            discovery,
+            config,
+            is_ema=ckpt.is_ema,
+            module=module,
+            recalibrated=provenance.layers,
+            unauditable=tuple(ckpt.unauditable),
+            folded=ckpt.folded,
+        )
     )
     report = FileReport(ckpt.path)
+    if ckpt.format == "onnx":
+        producer = ckpt.metadata.get("onnx.producer") or "an unnamed producer"
+        opset = ckpt.metadata.get("onnx.opset") or "?"
+        report.notes.append(f"ONNX model from {producer}, opset {opset}: eps and momentum from its nodes")
     if ckpt.shards:
         report.notes.append(f"{ckpt.shards} shards read as one checkpoint through the index")
     if ckpt.shard_of is not None:
@@ -126,13 +153,18 @@ def audit_file(
     try:
         ckpt = read_checkpoint(path, key=key, trust_pickle=trust_pickle)
         module = None
-        if model is not None:
+        # an ONNX graph holds only its BN tensors (no conv weights to match against --arch)
+        # and names its own nodes' settings: --arch would only add noise there
+        arch_used = model is not None and ckpt.format != "onnx"
+        if arch_used:
             from bnaudit.runtime.models import match_checkpoint
 
             ckpt, module = match_checkpoint(ckpt, model)
         elif ckpt.holds_module and ckpt.modules:
             module = facts_from_module_infos(ckpt.modules)
         report = audit_checkpoint(ckpt, config, module)
+        if model is not None and not arch_used:
+            report.notes.append("--arch not used for an ONNX model: its nodes carry their own settings")
     except NotModelWeights as exc:
         return FileReport(path, skipped=exc.what, named=named)
     except BnauditError as exc:
@@ -186,7 +218,7 @@ def inspect(
             targets += [(p, False, None) for p in _scan_directory(path)]
         except BnauditError as exc:
             targets.append((path, True, str(exc).removeprefix(f"{path}: ")))
-    kept = set(_without_indexed_shards([p for p, _, error in targets if error is None]))
+    kept = set(_without_external_data(_without_indexed_shards([p for p, _, error in targets if error is None])))
     files: list[FileReport] = []
     for path, named, error in targets:
         if error is not None:

@@ -4,15 +4,33 @@ Both sides are read exactly as `inspect` reads them (every format and container,
 prefixes stripped, only the BN tensors read), so the cost does not grow with the rest of
 the checkpoint. Layers are matched by name. The numbers and verdicts are defined in
 `bnaudit.audit.layerdiff`; the findings come from the diff rules (BN1xx) of the registry.
+
+When exactly one side is an ONNX export, the other is its reference checkpoint:
+BatchNormalization nodes are matched by name, exporter scope, then order and channel
+count, and folded layers are verified (`bnaudit.audit.exportdiff`, `bnaudit.audit.fold`;
+rules BN108-BN114). BN101-BN104 and BN106, which read training between two checkpoints,
+stay silent there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from bnaudit.audit.exportdiff import (
+    ExportCheck,
+    ParityResult,
+    Unpaired,
+    fold_checks,
+    kept_node,
+    match_by_order,
+    match_layers,
+)
 from bnaudit.audit.layerdiff import (
+    EXPORT_DIFFERS,
     FROZEN_BUT_UPDATING,
     RE_ESTIMATED,
     STALE,
@@ -59,6 +77,8 @@ class DiffReport:
     findings: list[Finding] = field(default_factory=list)
     settings: str = ""  # set when eps was assumed for a side without modules
     provenance: str = ""  # bnaudit's recalibration record of side B, in words
+    # set when one side is an ONNX export of the other (bnaudit.audit.exportdiff)
+    export: ExportCheck | None = None
 
     def layers_by_verdict(self) -> dict[str, list[str]]:
         """Verdict -> layer names, for every verdict (empty lists included), in VERDICTS order."""
@@ -81,6 +101,7 @@ class DiffReport:
             "only_a": len(self.only_a),
             "only_b": len(self.only_b),
             "reshaped": len(self.reshaped),
+            **({"folded": len(self.export.folded), "unpaired": len(self.export.unpaired)} if self.export else {}),
             "errors": counts["error"],
             "warnings": counts["warning"],
             "infos": counts["info"],
@@ -116,13 +137,15 @@ class DiffReport:
             )
         if any(f.code == "BN106" and f.severity == "error" for f in self.findings):
             lines.append("eps changed: side B evaluates another function than side A was trained as.")
+        if self.export is not None:
+            lines.extend(_export_diagnosis(self.export, self.findings))
         if by[TRAINED] and not lines:
             lines.append(
                 f"{plural(len(by[TRAINED]), 'layer')} trained normally (weights, statistics and counter moved)."
             )
-        if not self.layers:
+        if not self.layers and (self.export is None or not self.export.folded):
             lines.append("No BN layer is present on both sides.")
-        elif len(by[UNCHANGED]) == len(self.layers):
+        elif len(by[UNCHANGED]) == len(self.layers) and self.export is None:
             lines.append("Every matched layer is bit-identical on both sides.")
         return lines
 
@@ -149,8 +172,20 @@ def _recalibration(ckpt: Checkpoint) -> tuple[frozenset[str], str]:
     return frozenset(n for n in names if isinstance(n, str)), described
 
 
-def diff_checkpoints(a: Checkpoint, b: Checkpoint, config: Config) -> DiffReport:
-    """Compare two opened checkpoints layer by layer (see bnaudit.audit.layerdiff)."""
+def diff_checkpoints(
+    a: Checkpoint,
+    b: Checkpoint,
+    config: Config,
+    producers: Mapping[str, str] | None = None,
+    parity: ParityResult | None = None,
+) -> DiffReport:
+    """Compare two opened checkpoints layer by layer (see bnaudit.audit.layerdiff).
+
+    When exactly one side is an ONNX export, the other is its reference checkpoint and the
+    comparison is `bnaudit.audit.exportdiff`'s: `producers` (BN layer -> conv, from the
+    model graph with --arch) pairs folded layers, `parity` is the outputs' comparison."""
+    if (a.format == "onnx") != (b.format == "onnx"):
+        return _diff_export(a, b, config, producers, parity)
     layers_a = discover_layers(a, eps=config.eps, momentum=config.momentum).layers
     layers_b = discover_layers(b, eps=config.eps, momentum=config.momentum).layers
     by_name_b = {layer.name: layer for layer in layers_b}
@@ -178,6 +213,100 @@ def diff_checkpoints(a: Checkpoint, b: Checkpoint, config: Config) -> DiffReport
     return report
 
 
+def _diff_export(
+    a: Checkpoint,
+    b: Checkpoint,
+    config: Config,
+    producers: Mapping[str, str] | None,
+    parity: ParityResult | None,
+) -> DiffReport:
+    """A checkpoint against its ONNX export (either side): kept BatchNormalization nodes
+    matched and compared, folded layers verified, the rest listed as unpaired."""
+    from bnaudit.formats.onnx import load_onnx
+
+    export_side = "a" if a.format == "onnx" else "b"
+    ref, exp = (b, a) if export_side == "a" else (a, b)
+    layers_ref = discover_layers(ref, eps=config.eps, momentum=config.momentum).layers
+    layers_exp = discover_layers(exp).layers
+    pairs, left_ref, left_exp = match_layers(layers_ref, layers_exp, {})
+    model = load_onnx(exp.path)
+    folded, unpaired, kept_elsewhere, how = fold_checks(ref, left_ref, model, producers)
+    unpaired_names = {u.name for u in unpaired}
+    candidates = [layer for layer in left_ref if layer in kept_elsewhere or layer.name in unpaired_names]
+    by_order, _, left_exp = match_by_order(candidates, left_exp)
+    ordered = {r.name for r, _, _ in by_order}
+    unpaired = [u for u in unpaired if u.name not in ordered]
+    unpaired += [
+        Unpaired(layer.name, "its conv feeds a BatchNormalization node that could not be matched")
+        for layer in kept_elsewhere
+        if layer.name not in ordered
+    ]
+    pairs += by_order
+    kinds = [m for _, _, m in pairs]
+    check = ExportCheck(
+        export_side=export_side,
+        producer=exp.metadata.get("onnx.producer", ""),
+        opset=_int(exp.metadata.get("onnx.opset")),
+        matching=", then ".join(dict.fromkeys(kinds)),
+        pairing=how if folded or unpaired else "",
+        folded=folded,
+        unpaired=unpaired,
+        unauditable=list(getattr(exp, "unauditable", [])),
+        parity=parity,
+    )
+    diffs = []
+    for r, e, matched_by in pairs:
+        node = kept_node(r, e, exp.modules.get(e.name), matched_by)
+        check.nodes.append(node)
+        first, second = (e, r) if export_side == "a" else (r, e)
+        d = compare_layers(first, second, counter_meaningful=False)
+        diffs.append(dataclasses.replace(d, name=r.name, verdict=EXPORT_DIFFERS if node.mismatches else UNCHANGED))
+    side_ref, side_exp = _side(ref, layers_ref), _side(exp, layers_exp)
+    report = DiffReport(
+        side_exp if export_side == "a" else side_ref, side_ref if export_side == "a" else side_exp, config
+    )
+    report.layers = diffs
+    report.export = check
+    only_exp = [layer.name for layer in left_exp]
+    report.only_a, report.only_b = (only_exp, []) if export_side == "a" else ([], only_exp)
+    context = DiffContext(report.layers, config, report.only_a, report.only_b, [], export=check)
+    report.findings = run_diff_rules(context)
+    if any(layer.settings_assumed for layer in layers_ref):
+        eps = config.eps if config.eps is not None else DEFAULT_EPS
+        given = "given" if config.eps is not None else "assumed"
+        report.settings = f"eps {eps:g} {given} for the checkpoint, which holds no modules (set --eps)"
+    return report
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _export_diagnosis(check: ExportCheck, findings: list[Finding]) -> list[str]:
+    """The export's state in plain words."""
+    lines = []
+    bad = {f.code for f in findings if f.severity in ("error", "warning")}
+    kept = len(check.nodes)
+    good_folds = [f for f in check.folded if f.check.matches]
+    if not bad & {"BN108", "BN109", "BN110", "BN111", "BN112", "BN113", "BN114"}:
+        parts = []
+        if kept:
+            parts.append(f"{plural(kept, 'BatchNormalization node')} equal to the checkpoint's layers")
+        if good_folds:
+            eps = [f.check.implied_eps for f in good_folds if f.check.implied_eps is not None]
+            low, high = f"{min(eps, default=0):.2g}", f"{max(eps, default=0):.2g}"
+            implied = "" if not eps else f" (implied eps {low})" if low == high else f" (implied eps {low} to {high})"
+            parts.append(f"{plural(len(good_folds), 'layer')} folded exactly as the checkpoint's BN{implied}")
+        if parts:
+            lines.append("The export matches the checkpoint: " + "; ".join(parts) + ".")
+    if check.parity is not None and check.parity.deviates:
+        lines.append(f"The outputs deviate beyond float32 rounding; {check.explanation()}.")
+    return lines
+
+
 def diff(
     path_a: str | os.PathLike[str],
     path_b: str | os.PathLike[str],
@@ -185,6 +314,9 @@ def diff(
     key_a: str | None = None,
     key_b: str | None = None,
     trust_pickle: bool = False,
+    producers: Mapping[str, str] | None = None,
+    parity: ParityResult | None = None,
+    checkpoint_a: Checkpoint | None = None,
 ) -> DiffReport:
     """What happened to the BatchNorm state between two checkpoints.
 
@@ -195,13 +327,16 @@ def diff(
     {'frozen but updating': 'features.*', 'trained': 'head.*'}
     """
     config = config or Config()
-    sides = []
+    sides: list[Checkpoint] = []
     for path, key in ((os.fspath(path_a), key_a), (os.fspath(path_b), key_b)):
+        if checkpoint_a is not None and not sides:
+            sides.append(checkpoint_a)  # loaded with --arch: its modules carry the real eps and momentum
+            continue
         ckpt = read_checkpoint(path, key=key, trust_pickle=trust_pickle)
         sides.append(ckpt)
-    report = diff_checkpoints(sides[0], sides[1], config)
+    report = diff_checkpoints(sides[0], sides[1], config, producers, parity)
     for side in (report.a, report.b):
-        if side.layers == 0:
+        if side.layers == 0 and not (report.export is not None and side.format == "onnx"):
             raise BnauditError(
                 f"{side.path}: no BatchNorm layers found" + (f" under key '{side.key}'" if side.key else "")
             )

@@ -32,6 +32,7 @@ import struct
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
+from bnaudit.audit.exportdiff import ExportCheck
 from bnaudit.audit.layers import BNLayer
 from bnaudit.config import Config
 
@@ -43,7 +44,10 @@ STALE = "stale statistics"
 RE_ESTIMATED = "re-estimated"
 TRAINED = "trained"
 UNCHANGED = "unchanged"
-VERDICTS = (FROZEN_BUT_UPDATING, STALE, RE_ESTIMATED, TRAINED, UNCHANGED)
+# A checkpoint against its export (bnaudit.audit.exportdiff): a kept BatchNormalization
+# node whose tensors differ from the checkpoint's beyond float32 rounding (rule BN108).
+EXPORT_DIFFERS = "differs from checkpoint"
+VERDICTS = (FROZEN_BUT_UPDATING, STALE, RE_ESTIMATED, TRAINED, EXPORT_DIFFERS, UNCHANGED)
 
 
 def bit_identical(a: list[float] | None, b: list[float] | None) -> bool:
@@ -248,6 +252,7 @@ class DiffContext:
     only_b: list[str] = field(default_factory=list)
     reshaped: list[tuple[str, int, int]] = field(default_factory=list)  # name, C on A, C on B
     provenance: str = ""  # "bnaudit recalibrate (method ..., N samples, date)" when B has the record
+    export: ExportCheck | None = None  # one side is an ONNX export of the other
 
 
 def matches(name: str, globs: tuple[str, ...]) -> bool:

@@ -54,6 +54,10 @@ class RuleContext:
     # Layers whose statistics `bnaudit recalibrate` wrote (population statistics, not
     # an EMA: their counter is the number of calibration batches).
     recalibrated: frozenset[str] = frozenset()
+    # Exported graphs (ONNX): BatchNormalization nodes whose statistics are not constants,
+    # one note each, and the evidence of BN folded into Conv nodes (Checkpoint.folded).
+    unauditable: tuple[str, ...] = ()
+    folded: str | None = None
 
 
 @dataclass(frozen=True)
@@ -451,9 +455,11 @@ _RETAINED_FRACTION_MOMENTUM = 0.5
     "which weighs early, untrained batches as much as late ones. Keras (0.99) and ONNX (0.9) call "
     "the retained fraction momentum; passed straight to PyTorch (HF MobileNetV2's 0.997) each batch "
     "replaces 99.7% of the statistics, which then describe the last batch only: a warning. Needs the "
-    "module; eps and momentum are never saved in a state dict.",
-    "Set the intended momentum on the module (PyTorch's 0.1 = 1 - Keras's 0.9), or recalibrate with "
-    "`bnaudit recalibrate`, which does not depend on momentum.",
+    "module; eps and momentum are never saved in a state dict. An ONNX BatchNormalization node's "
+    "momentum m (retained fraction) is translated to PyTorch's 1 - m first, and the message says so: "
+    "ONNX 0.1 (PyTorch's 0.1 written unconverted) is PyTorch 0.9.",
+    "Set the intended momentum on the module (PyTorch's 0.1 = 1 - Keras's 0.9; ONNX's 0.9), or "
+    "recalibrate with `bnaudit recalibrate`, which does not depend on momentum.",
 )
 def _check_update_config(ctx: RuleContext) -> Iterator[Finding]:
     if ctx.module is None:
@@ -478,6 +484,15 @@ def _check_update_config(ctx: RuleContext) -> Iterator[Finding]:
                 "(the counter still counts); they stay as loaded",
             )
         elif m > _RETAINED_FRACTION_MOMENTUM:
+            if info.class_name == "BatchNormalization":  # an ONNX node: its momentum was translated
+                yield r.finding(
+                    "warning",
+                    name,
+                    f"ONNX momentum {1 - m:.3g} = PyTorch {m:g} (ONNX stores the retained fraction): each "
+                    f"batch would replace {m * 100:.1f}% of the statistics; PyTorch's {1 - m:.3g} written "
+                    f"unconverted, meant as ONNX {m:g}?",
+                )
+                continue
             yield r.finding(
                 "warning",
                 name,
@@ -603,6 +618,88 @@ def _check_load_mismatch(ctx: RuleContext) -> Iterator[Finding]:
             f"num_batches_tracked absent for {plural(len(missing_counters), 'layer')} "
             f"({listing((k.rpartition('.')[0] for k in missing_counters), 5)}): PyTorch fills it on load",
         )
+
+
+@rule(
+    "BN012",
+    "training-mode-export",
+    "error",
+    "An exported BatchNormalization node normalises with the batch's statistics (training mode).",
+    "An inference graph should normalise with the stored running statistics. A BatchNormalization "
+    "node in training mode (BatchNormalization-14/15 `training_mode=1`; -7 and -9 with the "
+    "training-mode outputs mean/var/saved_mean/saved_var; -6 and older with `is_test=0` or without "
+    "`is_test`, whose default is training) normalises every batch with its own mean and variance: "
+    "a prediction depends on its batch companions, a batch of one normalises to beta, and some "
+    "execution providers refuse the node outright. Exporters leave it this way when the model was "
+    "exported in training mode (`torch.onnx.export(..., training=TrainingMode.TRAINING)`, or "
+    "`model.eval()` forgotten with TrainingMode.PRESERVE). The finding names the node, its "
+    "version and the opset.",
+    "Export again from `model.eval()` (torch.onnx.export's default TrainingMode.EVAL), or set "
+    "`training_mode` to 0 and drop the extra outputs with the onnx package.",
+)
+def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
+    if ctx.module is None:
+        return
+    r = RULES["BN012"]
+    for name, info in ctx.module.norms.items():
+        if info.training_mode:
+            why = info.training_reason or "training mode"
+            where = f" ({info.source})" if info.source else ""
+            yield r.finding(
+                "error",
+                name,
+                f"{why}: normalises with each batch's statistics, so predictions depend on their "
+                f"batch companions{where}",
+            )
+
+
+@rule(
+    "BN013",
+    "stats-not-constant",
+    "info",
+    "An exported BatchNormalization node's scale, B, mean or variance is not a constant: it cannot be audited.",
+    "bnaudit reads the statistics a BatchNormalization node uses from initializers and Constant "
+    "nodes (through Identity nodes). A node whose inputs are graph inputs (statistics fed at run "
+    "time) or computed by other nodes has no stored values to check, so none of the other rules "
+    "can speak for it. The finding names the node and which input is not a constant.",
+    "Audit the checkpoint the graph was exported from; or export with the statistics as "
+    "initializers (`torch.onnx.export(..., export_params=True)`, the default).",
+)
+def _check_not_constant(ctx: RuleContext) -> Iterator[Finding]:
+    r = RULES["BN013"]
+    for note in ctx.unauditable:
+        yield r.finding("info", None, note)
+
+
+@rule(
+    "BN014",
+    "folded-export",
+    "info",
+    "Exported Conv nodes hold BN folded into their weights: no BatchNormalization node left, or weights made by constant folding.",
+    "Both torch exporters fold BatchNorm into the preceding convolution by default (the legacy "
+    "exporter with constant folding, the dynamo exporter with its optimiser): the Conv's weights "
+    "become W*gamma/sqrt(var+eps) per output channel and its bias beta + (b - mean)*gamma/sqrt(var+eps). "
+    "The statistics then no longer exist as such and cannot be audited from the export. What the "
+    "test sees: a graph without any BatchNormalization node that has at least one Conv node whose "
+    "weight and bias are both constants; or, in any graph, Conv nodes whose weight torch's legacy "
+    "exporter computed by constant folding (it names such tensors `onnx::Conv_N` instead of the "
+    "module's parameter; BN after a Linear layer stays a node and is audited). A network that had "
+    "no BatchNorm and convolutions with their own bias matches the first test as well, so the line "
+    "says 'if the model had BatchNorm there'; a graph without BatchNormalization and without such "
+    "a Conv gets no finding.",
+    "Audit the checkpoint instead (`bnaudit inspect model.pt`), and check the folding against it "
+    "with `bnaudit diff model.pt model.onnx`; or export with BN nodes kept "
+    "(`do_constant_folding=False`, or `optimize=False` with dynamo=True) to audit the export itself.",
+)
+def _check_folded_export(ctx: RuleContext) -> Iterator[Finding]:
+    if ctx.folded is None:
+        return
+    yield RULES["BN014"].finding(
+        "info",
+        None,
+        f"{ctx.folded}: if the model had BatchNorm there, the exporter folded its statistics into these "
+        "convolutions and they cannot be audited from the export: audit the checkpoint",
+    )
 
 
 def _describe_names(names: list[str]) -> str:
@@ -853,6 +950,8 @@ def _check_expectations(ctx: DiffContext) -> Iterator[Finding]:
 )
 def _check_settings_changed(ctx: DiffContext) -> Iterator[Finding]:
     r = RULES["BN106"]
+    if ctx.export is not None:
+        return  # a checkpoint against its export: BN109 and BN110 say it in ONNX's terms
     for d in ctx.layers:
         if not d.settings_known:
             continue
@@ -884,3 +983,240 @@ def _check_layers_changed(ctx: DiffContext) -> Iterator[Finding]:
     for side, names in (("A", ctx.only_a), ("B", ctx.only_b)):
         if names:
             yield r.finding("info", None, f"{plural(len(names), 'layer')} only in {side}: {listing(names, 5)}")
+
+
+# ----------------------------------------------------------------------------- diff: exports
+# A checkpoint against its ONNX export (bnaudit.audit.exportdiff): the side that is not
+# ONNX is the reference; definitions of the numbers in exportdiff and bnaudit.audit.fold.
+
+
+def _eps_words(eps: float, assumed: bool) -> str:
+    return f"{eps:g}" + (" (assumed: the checkpoint holds no modules; set --eps)" if assumed else "")
+
+
+@rule(
+    "BN108",
+    "export-tensors-differ",
+    "error / warning",
+    "A BatchNormalization node's scale, B, mean or var differs from the checkpoint layer's beyond float32 rounding.",
+    "An export is meant to compute what the checkpoint computes. A node whose tensors are not the checkpoint's "
+    "(compared value by value after rounding both to float32, so a float64 checkpoint exported in float32 is "
+    "equal) was exported from other weights: statistics reset or never loaded before export, an older or "
+    "EMA copy, an edited graph. Error; warning when the only difference is that the export stores the values "
+    "in a narrower type (float16, bfloat16: each value is the checkpoint's rounded), which costs precision "
+    "(about 1e-3 relative for float16) but not correctness. The diff table shows these layers with the verdict "
+    "'differs from checkpoint' and the usual mean shift and var log-ratio (bnaudit.audit.layerdiff); BN101-BN104, "
+    "which read training between two checkpoints, stay silent for an export.",
+    "Export again from the model with the checkpoint loaded (`model.load_state_dict(...)`, `model.eval()`), "
+    "and keep the statistics in float32.",
+    command="diff",
+)
+def _check_export_tensors(ctx: DiffContext) -> Iterator[Finding]:
+    if ctx.export is None:
+        return
+    r = RULES["BN108"]
+    for node in ctx.export.nodes:
+        for m in node.mismatches:
+            if m.rounding:
+                yield r.finding(
+                    "warning",
+                    node.name,
+                    f"{m.tensor} stored as {m.export_dtype} in the export: the checkpoint's values rounded "
+                    f"(max relative error {_fmt(m.max_rel)} in {plural(m.channels, 'channel')})",
+                )
+                continue
+            what = f"{m.tensor} differs from the checkpoint's in {plural(m.channels, 'channel')} (max |difference| {_fmt(m.max_abs)})"
+            if m.initial:
+                initial = "1" if m.tensor in ("weight", "running_var") else "0"
+                what += f": the export holds {initial} in every channel (reset or never loaded before export)"
+            yield r.finding("error", node.name, what)
+
+
+@rule(
+    "BN109",
+    "export-eps-differs",
+    "error",
+    "A BatchNormalization node's epsilon is not the checkpoint module's eps.",
+    "eps is a constructor argument: no state dict stores it, and an exporter writes whatever the module "
+    "object held at export time. A node with another epsilon normalises with sqrt(var + eps') instead of "
+    "sqrt(var + eps): a model trained at 1e-5 and run at 1e-3 (a Keras convention) changes every channel "
+    "whose variance is not far above 1e-3. The reference is the checkpoint module's eps when the file holds "
+    "modules (TorchScript, a pickled model, --arch), else --eps (default 1e-5, said as assumed). Both are "
+    "compared as float32, the type of the ONNX attribute.",
+    "Build the model with the eps it was trained with before exporting, or pass --eps when the checkpoint "
+    "was trained with another one.",
+    settings=("eps",),
+    command="diff",
+)
+def _check_export_eps(ctx: DiffContext) -> Iterator[Finding]:
+    if ctx.export is None:
+        return
+    r = RULES["BN109"]
+    from bnaudit.audit.fold import float32
+
+    for node in ctx.export.nodes:
+        if float32(node.eps_export) != float32(node.eps_checkpoint):
+            yield r.finding(
+                "error",
+                node.name,
+                f"epsilon {float32(node.eps_export):.3g} in the export, eps "
+                f"{_eps_words(node.eps_checkpoint, node.settings_assumed)} in the checkpoint",
+            )
+
+
+@rule(
+    "BN110",
+    "export-momentum-unconverted",
+    "warning",
+    "A BatchNormalization node's momentum is not 1 - the checkpoint's PyTorch momentum.",
+    "ONNX (like Keras) stores the retained fraction: running = momentum * running + (1 - momentum) * batch, "
+    "default 0.9. PyTorch stores the update fraction, default 0.1. An export that writes PyTorch's 0.1 "
+    "unconverted tells every runtime that trains or fine-tunes the graph to keep only 10% of the running "
+    "statistics per batch. Inference is unaffected, hence a warning. Reported when the module is known "
+    "and 1 - ONNX momentum differs from its momentum, and, when the checkpoint holds no modules, when the "
+    "node's momentum equals the assumed PyTorch value (0.1, unconverted).",
+    "Write momentum as 1 - PyTorch momentum (torch.onnx.export does this itself).",
+    command="diff",
+)
+def _check_export_momentum(ctx: DiffContext) -> Iterator[Finding]:
+    if ctx.export is None:
+        return
+    r = RULES["BN110"]
+    for node in ctx.export.nodes:
+        onnx_m, torch_m = node.momentum_onnx, node.momentum_checkpoint
+        if onnx_m is None or torch_m is None:
+            continue  # cumulative average (momentum=None) has no ONNX counterpart
+        converted = 1.0 - torch_m
+        if abs(onnx_m - converted) <= 1e-6:
+            continue
+        unconverted = abs(onnx_m - torch_m) <= 1e-6
+        if node.settings_assumed and not unconverted:
+            continue
+        words = (
+            f"momentum {onnx_m:.3g} in the export (ONNX convention: the retained fraction), expected "
+            f"{converted:.3g} = 1 - PyTorch momentum {torch_m:g}"
+        )
+        if unconverted:
+            words += ": PyTorch's value written without conversion"
+        yield r.finding("warning", node.name, words)
+
+
+@rule(
+    "BN111",
+    "export-training-mode",
+    "error",
+    "A BatchNormalization node of the export runs in training mode (training_mode=1, or is_test unset before opset 7).",
+    "A node in training mode normalises with the statistics of the batch it is given, not the stored ones: "
+    "predictions depend on the other samples of the batch, a batch of one is normalised to beta, and some "
+    "execution providers refuse the node. torch.onnx.export writes it when the model was exported in "
+    "train() mode (or with training=TrainingMode.TRAINING).",
+    "Call model.eval() before torch.onnx.export (and leave `training` at its default).",
+    command="diff",
+)
+def _check_export_training(ctx: DiffContext) -> Iterator[Finding]:
+    if ctx.export is None:
+        return
+    r = RULES["BN111"]
+    for node in ctx.export.nodes:
+        if node.training_mode:
+            yield r.finding(
+                "error",
+                node.name,
+                f"{node.source}: training mode ({node.training_reason or 'training_mode=1'}), it normalises with "
+                "each batch's statistics, so predictions depend on batch companions",
+            )
+
+
+@rule(
+    "BN112",
+    "folded-mismatch",
+    "error",
+    "A Conv the exporter folded BN into does not carry gamma/sqrt(var+eps) and beta + (b - mean)*gamma/sqrt(var+eps) of the checkpoint.",
+    "Both torch exporters fold eval-mode BN into the preceding Conv (or Linear) by default, so the export "
+    "has no BatchNormalization node to read. The folding can still be checked: the exported weight must be "
+    "the checkpoint conv's weight scaled per output channel by s = gamma/sqrt(var + eps), and its bias must "
+    "be t = beta + (b - mean) * s (b the conv's own bias, 0 without one). bnaudit recovers s by least "
+    "squares over each channel's weights and compares both with the checkpoint's BN (relative tolerance "
+    "1e-5, float32 folding stays below 1e-6). It also solves for the eps the export implies, "
+    "eps' = (gamma/s)^2 - var, on the channel that determines it best. A mismatch means the model was "
+    "exported with other statistics (reset, stale, another checkpoint's) or another eps; the finding says "
+    "which the numbers fit. Exported weights that are not a per-channel scaling of the conv's are reported too.",
+    "Export again from the model with the checkpoint loaded, in eval mode, with the eps it was trained with.",
+    settings=("eps",),
+    command="diff",
+)
+def _check_folded(ctx: DiffContext) -> Iterator[Finding]:
+    if ctx.export is None:
+        return
+    r = RULES["BN112"]
+    for f in ctx.export.folded:
+        c = f.check
+        if c.matches:
+            continue
+        numbers = []
+        if c.scale_error is not None:
+            numbers.append(f"scale error {_fmt(c.scale_error)}")
+        if c.shift_error is not None:
+            numbers.append(f"shift error {_fmt(c.shift_error)}")
+        if c.implied_eps is not None:
+            numbers.append(f"implied eps {c.implied_eps:.3g}")
+        detail = f" ({', '.join(numbers)}; worst channel {c.worst_channel})" if numbers else ""
+        yield r.finding("error", f.name, f"folded into {f.node}: {c.cause}{detail}")
+
+
+@rule(
+    "BN113",
+    "export-unpaired",
+    "warning / info",
+    "A checkpoint BN layer has neither a BatchNormalization node nor a conv it was folded into (warning), or an export node cannot be audited (info).",
+    "Every checkpoint BN layer should appear in the export either as a BatchNormalization node (matched by "
+    "name, the exporter's scope in the node's name, then order and channel count) or folded into the conv "
+    "that feeds it (found with --arch from the model graph, else from the checkpoint's key order and channel "
+    "counts, then its export node by initializer name, exporter scope, or order among convs of that shape). "
+    "A layer paired with neither could not be checked: a changed architecture, or an exporter that renamed "
+    "everything and reordered the graph. Export convs whose weights equal no checkpoint weight and feed no "
+    "BatchNormalization node are listed too (folded from a BN that could not be paired). Info: nodes whose "
+    "statistics are not constants (graph inputs, computed) cannot be compared.",
+    "Pass --arch so pairing follows the model graph, or export with do_constant_folding=False / optimize=False "
+    "to keep the BatchNormalization nodes.",
+    command="diff",
+)
+def _check_export_unpaired(ctx: DiffContext) -> Iterator[Finding]:
+    if ctx.export is None:
+        return
+    r = RULES["BN113"]
+    for u in ctx.export.unpaired:
+        layer = None if u.name.startswith("node ") else u.name
+        text = u.reason if layer is not None else f"{u.name}: {u.reason}"
+        yield r.finding("warning", layer, f"could not be checked: {text}" if layer else text)
+    for note in ctx.export.unauditable:
+        yield r.finding("info", None, f"cannot be compared: {note}")
+
+
+@rule(
+    "BN114",
+    "export-output-deviates",
+    "error",
+    "With --arch and --data: the export's outputs (onnxruntime, CPU) deviate from the checkpoint's (torch, eval mode) beyond float32 rounding.",
+    "Reading the tensors cannot see everything an export changes. With --arch and --data, diff runs the "
+    "checkpoint in torch (eval mode) and the export in onnxruntime (CPU execution provider only, no custom "
+    "operators) on the same batches, and compares the largest relative output deviation, "
+    "max |y_onnx - y_torch| / max |y_torch| per sample, with a floor: 10x what float32 rounding alone gives "
+    "(the float32 model against a float64 re-run of itself), at least 1e-6. A correct export stays below the "
+    "floor; argmax agreement alone can hide a training-mode export on easy data. The finding says whether "
+    "the BatchNormalization nodes (training mode, eps, tensors) or the folding explain the deviation.",
+    "Fix what the other export findings name; if none, compare the operators (torch.onnx.verification).",
+    command="diff",
+)
+def _check_export_outputs(ctx: DiffContext) -> Iterator[Finding]:
+    if ctx.export is None or ctx.export.parity is None:
+        return
+    p = ctx.export.parity
+    if not p.deviates:
+        return
+    yield RULES["BN114"].finding(
+        "error",
+        None,
+        f"largest relative output deviation {_fmt(p.max_deviation)} (floor {_fmt(p.floor)}), argmax agreement "
+        f"{p.agreement * 100:.1f}% on {plural(p.samples, 'sample')}: {ctx.export.explanation()}",
+    )

@@ -87,13 +87,24 @@ class TensorRef:
 
 @dataclass(frozen=True)
 class ModuleInfo:
-    """What a pickled or scripted module says about one normalisation layer."""
+    """What a pickled or scripted module (or an exported graph's node) says about one
+    normalisation layer.
+
+    `momentum` is always in PyTorch's convention (the weight of the new batch); an ONNX
+    node's retained fraction m is stored as 1 - m. `training_mode` (exported graphs only):
+    the node normalises with the batch's statistics, `training_reason` says what in the node
+    says so ("training_mode=1"). `source` names where the settings came from ("node 'X' in
+    main graph, BatchNormalization-15, opset 17"). None: the format cannot say.
+    """
 
     class_name: str
     eps: float | None
     momentum: float | None  # None: cumulative average (momentum=None)
     track_running_stats: bool | None = None
     momentum_known: bool = True
+    training_mode: bool | None = None
+    source: str | None = None
+    training_reason: str | None = None
 
 
 @dataclass
@@ -115,6 +126,11 @@ class Checkpoint:
     # checkpoint (0: one file), or (k, N) for one shard read without its index.
     shards: int = 0
     shard_of: tuple[int, int] | None = None
+    # Exported graphs (formats/onnx.py): BatchNormalization nodes whose statistics are not
+    # constants, one printable note each; and, for a graph without any BatchNormalization
+    # node, the evidence that an exporter folded BN into its Conv nodes (else None).
+    unauditable: list[str] = field(default_factory=list)
+    folded: str | None = None
 
 
 def recalibration_record(metadata: Mapping[str, str]) -> dict[str, Any] | None:

@@ -2,7 +2,8 @@
 
 The one entry point for readers: sniff, dispatch to the format's reader, pick the
 state dict inside a container and strip wrapper prefixes. Only torch.save files import
-torch (through `torch.load`); safetensors and TorchScript are read without it.
+torch (through `torch.load`); safetensors and TorchScript are read without it, ONNX models
+with the `onnx` package (an optional extra).
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = Fals
             raise BnauditError(f"{path}: --key does not apply to safetensors files")
         ckpt = Checkpoint(path, fmt, tensors, metadata=metadata, shard_of=shard_position(path))
         return strip_wrapper_prefix(ckpt)
+    if fmt == "onnx":
+        from bnaudit.formats.onnx import read_onnx
+
+        if key is not None:
+            raise BnauditError(f"{path}: --key does not apply to ONNX models")
+        return read_onnx(path)
     if fmt == "torchscript":
         from bnaudit.formats.torchscript import read_torchscript, script_metadata
 

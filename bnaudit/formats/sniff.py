@@ -4,8 +4,10 @@
                     it has `data.pkl`; entries claiming more bytes than the file are refused
   byte 8 is `{`     safetensors (8-byte header length, then the JSON header)
   byte 0 is 0x80    a pickle: legacy (pre-1.6) torch.save
+  protobuf fields   ONNX: a ModelProto starts with field 1 (ir_version, a varint: byte 0x08)
+                    followed by further ModelProto fields of the right wire types
 Anything else, a folder, a pipe or a device is refused with one line. Only the first
-16 bytes (and a zip's directory) are read here, so a wrong file costs next to nothing.
+64 bytes (and a zip's directory) are read here, so a wrong file costs next to nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import zipfile
 from bnaudit.errors import BnauditError
 from bnaudit.text import exception_line
 
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar", ".safetensors")
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar", ".safetensors", ".onnx")
 
 
 def sniff_format(path: str) -> str:
@@ -31,7 +33,7 @@ def sniff_format(path: str) -> str:
         if not stat.S_ISREG(mode):
             raise BnauditError(f"{path}: not a regular file (a pipe, socket or device)")
         with open(path, "rb") as f:
-            head = f.read(16)
+            head = f.read(64)
     except IsADirectoryError:
         if not os.access(path, os.R_OK | os.X_OK):
             raise BnauditError(f"{path}: directory cannot be listed (permission denied)") from None
@@ -50,7 +52,53 @@ def sniff_format(path: str) -> str:
         return "safetensors"
     if head[:1] == b"\x80":
         return "torch-legacy"
-    raise BnauditError(f"{path}: not a checkpoint (neither torch.save, TorchScript nor safetensors)")
+    if looks_like_onnx(head):
+        return "onnx"
+    raise BnauditError(f"{path}: not a checkpoint (neither torch.save, TorchScript, safetensors nor ONNX)")
+
+
+# ModelProto's fields and their wire types (0 varint, 2 length-delimited): ir_version 1,
+# producer_name 2, producer_version 3, domain 4, model_version 5, doc_string 6, graph 7,
+# opset_import 8, metadata_props 14, training_info 20, functions 25, configuration 26
+_MODEL_FIELDS = {1: 0, 2: 2, 3: 2, 4: 2, 5: 0, 6: 2, 7: 2, 8: 2, 14: 2, 20: 2, 25: 2, 26: 2}
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int] | None:
+    value, shift = 0, 0
+    while pos < len(data) and shift < 64:
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        pos += 1
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    return None
+
+
+def looks_like_onnx(head: bytes) -> bool:
+    """An ONNX ModelProto from its first bytes: ir_version (field 1, varint, 1..100) first, as
+    every exporter writes it, then only ModelProto fields with their wire types, at least one
+    of them, as far as `head` reaches. Cheap and strict enough that a pickle, zip or
+    safetensors header never passes (they are recognised before this check anyway)."""
+    if head[:1] != b"\x08":
+        return False
+    parsed = _varint(head, 1)
+    if parsed is None or not 1 <= parsed[0] <= 100:
+        return False
+    pos, fields = parsed[1], 0
+    while pos < len(head):
+        tag = _varint(head, pos)
+        if tag is None:
+            break  # cut off by the end of head
+        number, wire = tag[0] >> 3, tag[0] & 7
+        if _MODEL_FIELDS.get(number) != wire:
+            return False
+        fields += 1
+        value = _varint(head, tag[1])
+        if value is None:
+            break
+        pos = value[1] + (value[0] if wire == 2 else 0)
+    return fields >= 1
 
 
 def _sniff_zip(path: str) -> str:

@@ -334,8 +334,85 @@ def diff_to_json(report: Any) -> dict[str, Any]:
         "only_a": list(report.only_a),
         "only_b": list(report.only_b),
         "reshaped": [{"name": n, "a": ca, "b": cb} for n, ca, cb in report.reshaped],
+        "export": _export_to_json(report.export),
         "groups": report.groups(),
         "findings": [finding_to_json(f) for f in report.findings],
         "diagnosis": report.diagnosis(),
         "summary": report.summary(),
+    }
+
+
+def _export_to_json(check: Any) -> dict[str, Any] | None:
+    """A checkpoint against its export (bnaudit.audit.exportdiff, numbers: bnaudit.audit.fold)."""
+    if check is None:
+        return None
+    p = check.parity
+    return {
+        "export_side": check.export_side,
+        "producer": check.producer or None,
+        "opset": check.opset,
+        "matching": check.matching or None,
+        "pairing": check.pairing or None,
+        "nodes": [
+            {
+                "name": n.name,
+                "node": n.node,
+                "source": n.source,
+                "matched_by": n.matched_by,
+                "eps": {"export": json_number(n.eps_export), "checkpoint": json_number(n.eps_checkpoint)},
+                "momentum": {
+                    "onnx": json_number(n.momentum_onnx),
+                    "checkpoint": json_number(n.momentum_checkpoint),
+                },
+                "settings_assumed": n.settings_assumed,
+                "training_mode": n.training_mode,
+                "mismatches": [
+                    {
+                        "tensor": m.tensor,
+                        "export_dtype": m.export_dtype,
+                        "channels": m.channels,
+                        "max_abs": json_number(m.max_abs),
+                        "max_rel": json_number(m.max_rel),
+                        "rounding": m.rounding,
+                        "initial": m.initial,
+                    }
+                    for m in n.mismatches
+                ],
+            }
+            for n in check.nodes
+        ],
+        "folded": [
+            {
+                "name": f.name,
+                "conv": f.conv,
+                "node": f.node,
+                "pairing": f.pairing,
+                "channels": f.check.channels,
+                "eps": json_number(f.eps),
+                "scaled_copy": f.check.scaled_copy,
+                "residual": json_number(f.check.residual),
+                "scale_error": json_number(f.check.scale_error),
+                "shift_error": json_number(f.check.shift_error),
+                "implied_eps": json_number(f.check.implied_eps),
+                "implied_eps_note": f.check.eps_note,
+                "matches": f.check.matches,
+                "cause": f.check.cause or None,
+            }
+            for f in check.folded
+        ],
+        "unpaired": [{"name": u.name, "reason": u.reason} for u in check.unpaired],
+        "unauditable": list(check.unauditable),
+        "parity": None
+        if p is None
+        else {
+            "samples": p.samples,
+            "batches": p.batches,
+            "agreement": json_number(p.agreement),
+            "max_deviation": json_number(p.max_deviation),
+            "floor": json_number(p.floor),
+            "deviates": p.deviates,
+            "batch_size": p.batch_size,
+            "padded": p.padded,
+            "explanation": check.explanation() if p.deviates else None,
+        },
     }

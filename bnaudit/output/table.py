@@ -732,8 +732,11 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
         console.print(_indented(f"{report.settings}", style="dim"))
     if report.provenance:
         console.print(_indented(f"B: statistics written by {report.provenance}", style="dim"))
+    if report.export is not None:
+        _export_header(report.export, console)
     console.print()
     verdict_style = {
+        "differs from checkpoint": "red",
         "frozen but updating": "yellow",
         "stale statistics": "yellow",
         "re-estimated": "cyan",
@@ -766,10 +769,13 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
 
         console.print(
             _cell(
-                f"{plural(len(unchanged), 'unchanged layer')} (bit-identical): {describe_group(unchanged, every)}",
+                f"{plural(len(unchanged), 'unchanged layer')} "
+                f"({'equal to the checkpoint' if report.export else 'bit-identical'}): {describe_group(unchanged, every)}",
                 style="dim",
             )
         )
+    if report.export is not None and not quiet:
+        _export_body(report.export, console)
     if not quiet:
         if report.reshaped:
             for name, ca, cb in report.reshaped:
@@ -782,9 +788,10 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
         if report.findings:
             console.print(_fit(_findings_table(report.findings), console.width))
             console.print()
-        console.print(Text("summary by verdict", style="bold"))
         by = report.layers_by_verdict()
         groups = report.groups()
+        if report.layers:
+            console.print(Text("summary by verdict", style="bold"))
         for verdict, names in by.items():
             if names:
                 console.print(
@@ -792,7 +799,8 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
                         f"{verdict}: {plural(len(names), 'layer')}, {groups[verdict]}", style=verdict_style[verdict]
                     )
                 )
-        console.print()
+        if report.layers:
+            console.print()
         console.print(Text("diagnosis", style="bold"))
         bullets = Table.grid(padding=(0, 1))
         bullets.add_column(width=3, justify="right")
@@ -805,9 +813,61 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
     if quiet and errors:  # -q: a CI log still shows what failed
         console.print(_fit(_findings_table(errors), console.width))
     s = report.summary()
+    folded = f", {plural(s['folded'], 'folded layer')}" if "folded" in s else ""
     line = (
-        f"{plural(s['matched'], 'matched BN layer')}: {plural(s['errors'], 'error')}, "
+        f"{plural(s['matched'], 'matched BN layer')}{folded}: {plural(s['errors'], 'error')}, "
         f"{plural(s['warnings'], 'warning')}, {plural(s['infos'], 'info')}"
     )
     worst = "error" if s["errors"] else "warning" if s["warnings"] else "ok"
     console.print(Text(line, style=SEVERITY_STYLE[worst]), soft_wrap=True)
+
+
+def _export_header(check: Any, console: Any) -> None:
+    """How a checkpoint was matched with its export, under the two sides' lines."""
+    side = check.export_side.upper()
+    facts = [f"{side} is an ONNX export" + (f" by {check.producer}" if check.producer else "")]
+    if check.opset is not None:
+        facts.append(f"opset {check.opset}")
+    if check.matching:
+        facts.append(f"BatchNormalization nodes matched by {check.matching}")
+    if check.pairing:
+        facts.append(f"folded layers paired by {check.pairing}")
+    console.print(_indented("; ".join(facts), style="dim"))
+
+
+def _export_body(check: Any, console: Any) -> None:
+    """The folded layers (one row each), the unpaired ones and the output comparison."""
+    from rich.text import Text
+
+    if check.folded:
+        table = _bordered()
+        table.add_column("folded layer", overflow="fold", min_width=min(24, max(len(f.name) for f in check.folded)))
+        table.add_column("into", overflow="fold")
+        for header in ("C", "scale err", "shift err", "implied eps"):
+            table.add_column(header, justify="right")
+        table.add_column("status")
+        for f in check.folded:
+            c = f.check
+            table.add_row(
+                _cell(f.name),
+                _cell(f.node),
+                str(c.channels),
+                _g(c.scale_error),
+                _g(c.shift_error),
+                "-" if c.implied_eps is None else f"{c.implied_eps:.2g}",
+                Text("matches", style="green") if c.matches else Text("MISMATCH", style="red"),
+            )
+        console.print(_fit(table, console.width))
+    for u in check.unpaired:
+        console.print(_cell(f"not paired: {u.name}: {u.reason}", style="yellow"))
+    p = check.parity
+    if p is not None:
+        style = "red" if p.deviates else "green"
+        fixed = f", fixed batch size {p.batch_size} ({p.padded} padding samples)" if p.batch_size else ""
+        console.print(
+            _cell(
+                f"outputs (torch eval vs onnxruntime CPU) on {plural(p.samples, 'sample')}{fixed}: argmax agreement "
+                f"{p.agreement * 100:.1f}%, largest relative deviation {_g(p.max_deviation)} (float32 floor {_g(p.floor)})",
+                style=style,
+            )
+        )

@@ -300,6 +300,15 @@ def load_state(model: Any, ckpt: Checkpoint) -> None:
     model.load_state_dict(state, strict=False)
 
 
+# read_checkpoint gives only an ONNX graph's BatchNormalization tensors: loaded into --arch
+# they would leave every other weight at its random initial value, and the measurement would
+# be of a model nobody trained.
+_ONNX_NOT_RUNNABLE = (
+    "{path}: an ONNX model cannot be run here (only its BatchNormalization statistics are read): "
+    "give the PyTorch checkpoint it was exported from; audit the export with `bnaudit inspect`"
+)
+
+
 def load_runnable(
     checkpoint_path: str,
     arch: str | None = None,
@@ -312,6 +321,8 @@ def load_runnable(
         raise BnauditError("--arch-kwargs needs --arch")
     if arch is not None:
         ckpt = read_checkpoint(checkpoint_path, key=key, trust_pickle=trust_pickle)
+        if ckpt.format == "onnx":
+            raise BnauditError(_ONNX_NOT_RUNNABLE.format(path=checkpoint_path))
         model = build_arch(arch, arch_kwargs)
         ckpt, facts = match_checkpoint(ckpt, model)
         check_fits(ckpt, facts, arch)
@@ -324,6 +335,8 @@ def load_runnable(
             "(the function that builds the model)"
         )
     fmt = sniff_format(checkpoint_path)
+    if fmt == "onnx":
+        raise BnauditError(_ONNX_NOT_RUNNABLE.format(path=checkpoint_path))
     if fmt == "torchscript":
         return _load_torchscript(checkpoint_path, key)
     if fmt == "safetensors":

@@ -1,0 +1,547 @@
+"""A checkpoint against its export: the part of `bnaudit diff` that knows about ONNX.
+
+Torch- and numpy-free, like the rest of audit/: the export's tensors come from
+`bnaudit.formats.onnx` (`read_onnx` for the BatchNormalization nodes, `load_onnx` for the
+Conv/Gemm nodes that folding left), the checkpoint's from any reader.
+
+Three things are checked (the rules BN108-BN114 of the registry judge the records here):
+
+  kept nodes     every BatchNormalization node matched to a checkpoint layer (by name:
+                 exporters keep `layer1.0.bn1.running_mean` as initializer names; then by
+                 exporter scope (`/layer1/layer1.0/bn1/...` node names); then by order and
+                 channel count among the layers left): its tensors against the checkpoint's
+                 beyond float32 rounding, its epsilon against the checkpoint's eps, its
+                 momentum against the converted one, its training_mode.
+  folded layers  every checkpoint BN layer without a node: the conv that feeds it (the
+                 model graph with --arch, else the checkpoint's key order: the last weight
+                 with C output channels before the layer), that conv's node in the export
+                 (initializer name, exporter scope, else order among convs of that shape),
+                 and the folding itself (bnaudit.audit.fold).
+  unpaired       layers and export convs that could not be paired, and why.
+
+"Equal beyond float32 rounding": both values rounded to float32 are the same float32 (NaN
+equals NaN), so a float64 checkpoint exported in float32 is equal, a float16 export is not.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from bnaudit.audit.fold import FoldCheck, float32, fold_layer
+from bnaudit.audit.layers import BNLayer
+from bnaudit.formats.model import Checkpoint, TensorRef
+
+CONV_OPS = ("Conv", "Gemm", "MatMul")
+
+# pairing words, said in the report
+BY_NAME = "names"
+BY_SCOPE = "exporter scopes"
+BY_ORDER = "order and shape"
+
+
+@dataclass(frozen=True)
+class TensorMismatch:
+    """One tensor of a kept node that differs from the checkpoint's beyond float32 rounding.
+
+    channels   how many channels differ
+    max_abs    max_c |export_c - checkpoint_c|
+    max_rel    max_c |export_c - checkpoint_c| / max(|checkpoint_c|, 1e-30)
+    rounding   the export's values are the checkpoint's rounded to the export's dtype
+               (float16 statistics): precision lost, not other values
+    initial    the export holds the initial value in every channel (mean/bias 0, var/weight 1)
+    """
+
+    tensor: str
+    export_dtype: str
+    channels: int
+    max_abs: float
+    max_rel: float
+    rounding: bool
+    initial: bool
+
+
+@dataclass(frozen=True)
+class KeptNode:
+    """A BatchNormalization node of the export matched to a checkpoint BN layer.
+
+    eps_checkpoint / momentum_checkpoint: the checkpoint module's (or --eps / PyTorch's
+    defaults when the file holds no modules: `assumed`). momentum_onnx is the node's own
+    attribute (ONNX convention: the retained fraction, 1 - PyTorch momentum)."""
+
+    name: str
+    node: str
+    source: str
+    matched_by: str
+    eps_export: float
+    eps_checkpoint: float
+    momentum_onnx: float | None
+    momentum_checkpoint: float | None
+    settings_assumed: bool
+    training_mode: bool
+    mismatches: tuple[TensorMismatch, ...]
+    training_reason: str = ""  # what in the node says training ("training_mode=1", "is_test absent")
+
+
+@dataclass(frozen=True)
+class FoldedLayer:
+    """A checkpoint BN layer folded into an export conv (numbers: bnaudit.audit.fold)."""
+
+    name: str
+    conv: str  # the checkpoint conv (module name)
+    node: str  # the export node
+    pairing: str  # how the conv was found, and how its node
+    eps: float  # the checkpoint's eps it was checked against
+    eps_assumed: bool
+    check: FoldCheck
+
+
+@dataclass(frozen=True)
+class Unpaired:
+    name: str  # a checkpoint layer, or an export node ("node X")
+    reason: str
+
+
+@dataclass(frozen=True)
+class ParityResult:
+    """Outputs of the checkpoint (torch, eval mode) and the export (onnxruntime, CPU) on the
+    same samples.
+
+    relative deviation of a sample  max_k |y_onnx,k - y_torch,k| / max_k |y_torch,k|
+    floor                           FLOOR_FACTOR x the largest relative deviation of the
+                                    float32 torch outputs from a float64 re-run of the same
+                                    model (what float32 rounding alone gives), at least 1e-6
+    agreement                       share of samples whose argmax is the same
+    """
+
+    samples: int
+    batches: int
+    agreement: float
+    max_deviation: float
+    floor: float
+    batch_size: int | None  # the export's fixed batch size, None when dynamic
+    padded: int  # samples added (copies of a batch's last one) to fill fixed-size batches
+
+    @property
+    def deviates(self) -> bool:
+        return not self.max_deviation <= self.floor
+
+
+@dataclass
+class ExportCheck:
+    """What `diff` found comparing a checkpoint with its ONNX export."""
+
+    export_side: str  # "a" or "b"
+    producer: str
+    opset: int | None
+    matching: str  # how kept nodes were matched: "names", "order and shape", ... or "" (none kept)
+    pairing: str  # how convs were paired with folded layers
+    nodes: list[KeptNode] = field(default_factory=list)
+    folded: list[FoldedLayer] = field(default_factory=list)
+    unpaired: list[Unpaired] = field(default_factory=list)
+    unauditable: list[str] = field(default_factory=list)
+    parity: ParityResult | None = None
+
+    def explanation(self) -> str:
+        """Whether the BatchNormalization nodes (or the folding) explain an output deviation."""
+        training = [n.name for n in self.nodes if n.training_mode]
+        if training:
+            return (
+                f"{len(training)} BatchNormalization node(s) run in training mode ({', '.join(training[:3])}): "
+                "onnxruntime normalises with each batch's own statistics"
+            )
+        eps = [n.name for n in self.nodes if float32(n.eps_export) != float32(n.eps_checkpoint)]
+        if eps:
+            return f"BatchNormalization nodes with another eps: {', '.join(eps[:3])}"
+        stats = [n.name for n in self.nodes if n.mismatches]
+        if stats:
+            return f"BatchNormalization nodes whose tensors differ from the checkpoint's: {', '.join(stats[:3])}"
+        folded = [f.name for f in self.folded if not f.check.matches]
+        if folded:
+            return f"layers folded with other statistics or eps: {', '.join(folded[:3])}"
+        return "the BatchNormalization nodes and the folding match the checkpoint: the deviation comes from other operators"
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def _rows(values: list[float], shape: tuple[int, ...], out_last: bool) -> list[list[float]]:
+    """Per-output-channel rows of a weight: (O, ...) row-major, or (I, O) when `out_last`."""
+    if out_last:
+        out = shape[-1]
+        return [values[c::out] for c in range(out)]
+    out = shape[0]
+    size = len(values) // out if out else 0
+    return [values[c * size : (c + 1) * size] for c in range(out)]
+
+
+def _f32_equal(a: float, b: float) -> bool:
+    x, y = float32(a), float32(b)
+    return x == y or (math.isnan(x) and math.isnan(y))
+
+
+def _round_to(value: float, dtype: str) -> float:
+    import struct
+
+    if dtype == "float16":
+        try:
+            return float(struct.unpack("<e", struct.pack("<e", value))[0])
+        except OverflowError:
+            return math.copysign(math.inf, value)
+    if dtype == "bfloat16":
+        bits = struct.unpack("<I", struct.pack("<f", float32(value)))[0]
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # round half to even
+        return float(struct.unpack("<f", struct.pack("<I", bits))[0])
+    return float32(value)
+
+
+def compare_tensor(
+    tensor: str, checkpoint: list[float] | None, export: list[float] | None, export_dtype: str
+) -> TensorMismatch | None:
+    """None when equal beyond float32 rounding (both absent counts as equal; an absent
+    affine parameter counts as its initial value, as ONNX requires scale and B)."""
+    initial = 1.0 if tensor in ("weight", "running_var") else 0.0
+    if checkpoint is None and export is None:
+        return None
+    n = len(export if export is not None else checkpoint or [])
+    a = checkpoint if checkpoint is not None else [initial] * n
+    b = export if export is not None else [initial] * n
+    if len(a) != len(b):
+        return TensorMismatch(tensor, export_dtype, max(len(a), len(b)), math.inf, math.inf, False, False)
+    differ = [c for c in range(len(a)) if not _f32_equal(a[c], b[c])]
+    if not differ:
+        return None
+    max_abs = max(abs(b[c] - a[c]) for c in differ)
+    max_rel = max(abs(b[c] - a[c]) / max(abs(a[c]), 1e-30) for c in differ)
+    rounding = all(_f32_equal(_round_to(a[c], export_dtype), b[c]) for c in range(len(a)))
+    return TensorMismatch(
+        tensor, export_dtype, len(differ), max_abs, max_rel, rounding, bool(b) and all(v == initial for v in b)
+    )
+
+
+# ----------------------------------------------------------------------------- kept nodes
+
+
+def _scope_parts(name: str) -> list[str]:
+    """`/layer1/layer1.0/bn1/BatchNormalization` -> the parts a module name can be among."""
+    return [p for p in name.split("/") if p]
+
+
+def _scope_name(name: str, candidates: set[str]) -> str | None:
+    """The module name the exporter's scope path (legacy exporter node names such as
+    `/features/features.1/BatchNormalization`) names among `candidates`, if any."""
+    parts = _scope_parts(name)
+    if len(parts) < 2:
+        return None
+    found = [p for p in parts if p in candidates]
+    if found:
+        return found[-1]
+    joined = ".".join(parts[:-1])
+    return joined if joined in candidates else None
+
+
+def match_layers(
+    checkpoint: list[BNLayer], export: list[BNLayer], sources: Mapping[str, str]
+) -> tuple[list[tuple[BNLayer, BNLayer, str]], list[BNLayer], list[BNLayer]]:
+    """(pairs with how each was matched, checkpoint layers left, export layers left).
+
+    Names first, then the exporter's scope in the node's name (`sources`: export layer ->
+    its node's name), then whatever is left on both sides by order when the channel
+    counts agree one to one."""
+    by_name = {layer.name: layer for layer in checkpoint}
+    pairs: list[tuple[BNLayer, BNLayer, str]] = []
+    used: set[str] = set()
+    left_export: list[BNLayer] = []
+    for layer in export:
+        own = by_name.get(layer.name)
+        if own is not None and own.name not in used:
+            pairs.append((own, layer, BY_NAME))
+            used.add(own.name)
+        else:
+            left_export.append(layer)
+    still: list[BNLayer] = []
+    for layer in left_export:
+        scope = _scope_name(sources.get(layer.name, layer.name), set(by_name) - used)
+        if scope is not None:
+            pairs.append((by_name[scope], layer, BY_SCOPE))
+            used.add(scope)
+        else:
+            still.append(layer)
+    left_checkpoint = [layer for layer in checkpoint if layer.name not in used]
+    return pairs, left_checkpoint, still
+
+
+def match_by_order(
+    left_checkpoint: list[BNLayer], left_export: list[BNLayer]
+) -> tuple[list[tuple[BNLayer, BNLayer, str]], list[BNLayer], list[BNLayer]]:
+    """Pairs by position when both sides have as many layers left and each pair agrees in
+    channel count; otherwise no pair (a guess would hide a renamed layer's problem)."""
+    same = left_export and len(left_checkpoint) == len(left_export)
+    if same and all(a.num_features == b.num_features for a, b in zip(left_checkpoint, left_export)):
+        return [(a, b, BY_ORDER) for a, b in zip(left_checkpoint, left_export)], [], []
+    return [], left_checkpoint, left_export
+
+
+def kept_node(ref: BNLayer, node: BNLayer, info: Any, matched_by: str) -> KeptNode:
+    """Compare one matched BatchNormalization node with its checkpoint layer."""
+    mismatches = []
+    for tensor, a, b in (
+        ("weight", ref.weight, node.weight),
+        ("bias", ref.bias, node.bias),
+        ("running_mean", ref.running_mean, node.running_mean),
+        ("running_var", ref.running_var, node.running_var),
+    ):
+        found = compare_tensor(tensor, a, b, node.stats_dtype)
+        if found is not None:
+            mismatches.append(found)
+    momentum = getattr(info, "momentum", None)
+    return KeptNode(
+        name=ref.name,
+        node=node.name,
+        source=str(getattr(info, "source", None) or node.name),
+        matched_by=matched_by,
+        eps_export=node.eps,
+        eps_checkpoint=ref.eps,
+        momentum_onnx=None if momentum is None else 1.0 - momentum,
+        momentum_checkpoint=ref.momentum,
+        settings_assumed=ref.settings_assumed,
+        training_mode=bool(getattr(info, "training_mode", False)),
+        mismatches=tuple(mismatches),
+        training_reason=str(getattr(info, "training_reason", None) or ""),
+    )
+
+
+# ----------------------------------------------------------------------------- folded layers
+
+
+@dataclass(frozen=True)
+class ConvNode:
+    """A Conv / Gemm / MatMul node of the export with a constant weight."""
+
+    name: str
+    weight_name: str
+    weight: TensorRef
+    out_last: bool  # weight laid out (I, O): Gemm without transB, MatMul
+    bias: TensorRef | None
+    weight_factor: float  # Gemm's alpha
+    bias_factor: float  # Gemm's beta
+    feeds_batchnorm: bool
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The weight's shape with the output channels first (as torch stores it)."""
+        s = self.weight.shape
+        return (s[-1], *s[:-1]) if self.out_last else s
+
+
+def _attribute(node: Any, name: str, default: float) -> float:
+    for a in node.attribute:
+        if a.name == name:
+            return float(a.i) if a.type == 2 else float(a.f)  # AttributeProto.INT = 2
+    return default
+
+
+def conv_nodes(model: Any) -> list[ConvNode]:
+    """The export's Conv, Gemm and MatMul nodes whose weight is a constant, in graph order
+    (a MatMul's bias is the constant of the Add that consumes it, where there is one)."""
+    nodes = list(model.nodes())
+    consumers: dict[str, list[Any]] = {}
+    for _, node in nodes:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    found = []
+    for where, node in nodes:
+        if node.op_type not in CONV_OPS or len(node.input) < 2:
+            continue
+        weight = model.initializer(node.input[1])
+        if weight is None or len(weight.shape) < 2:
+            continue
+        if node.op_type == "MatMul" and len(weight.shape) != 2:
+            continue
+        bias_name = node.input[2] if len(node.input) > 2 and node.input[2] else None
+        out_last = node.op_type == "MatMul" or (node.op_type == "Gemm" and _attribute(node, "transB", 0) == 0)
+        outputs = list(node.output)
+        after = [c for o in outputs for c in consumers.get(o, [])]
+        if node.op_type == "MatMul":
+            for c in after:
+                if c.op_type == "Add":
+                    other = [i for i in c.input if i not in outputs]
+                    if other and model.initializer(other[0]) is not None:
+                        bias_name = other[0]
+                        outputs = list(c.output)
+                        after = [x for o in outputs for x in consumers.get(o, [])]
+                    break
+        bias = model.initializer(bias_name) if bias_name else None
+        name = node.name or f"{node.op_type} node writing {outputs[0] if outputs else '?'}"
+        if where != "main":
+            name = f"{name} ({where})"
+        gemm = node.op_type == "Gemm"
+        found.append(
+            ConvNode(
+                name=name,
+                weight_name=node.input[1],
+                weight=weight,
+                out_last=out_last,
+                bias=bias,
+                weight_factor=_attribute(node, "alpha", 1.0) if gemm else 1.0,
+                bias_factor=_attribute(node, "beta", 1.0) if gemm else 1.0,
+                feeds_batchnorm=any(c.op_type == "BatchNormalization" for c in after),
+            )
+        )
+    return found
+
+
+def checkpoint_producers(ckpt: Checkpoint, layers: list[BNLayer]) -> dict[str, str]:
+    """BN layer -> the conv feeding it, from the checkpoint's key order: the last weight of
+    two or more dimensions with C output channels before the layer's first tensor (modules
+    register their parameters in definition order, conv before its BN)."""
+    keys = list(ckpt.tensors)
+    position = {k: i for i, k in enumerate(keys)}
+    out: dict[str, str] = {}
+    for layer in layers:
+        first = min((position[k] for k in keys if k.startswith(layer.name + ".")), default=None)
+        if first is None:
+            continue
+        for key in reversed(keys[:first]):
+            ref = ckpt.tensors[key]
+            if key.endswith(".weight") and len(ref.shape) >= 2 and ref.shape[0] == layer.num_features:
+                out[layer.name] = key.removesuffix(".weight")
+                break
+    return out
+
+
+def _pair_nodes(
+    convs: list[str], ckpt: Checkpoint, nodes: list[ConvNode]
+) -> tuple[dict[str, tuple[ConvNode, str]], dict[str, str]]:
+    """Checkpoint conv -> (its export node, how found), and conv -> why none was found."""
+    paired: dict[str, tuple[ConvNode, str]] = {}
+    taken: set[int] = set()
+    by_weight = {n.weight_name: i for i, n in enumerate(nodes)}
+    for conv in convs:
+        i = by_weight.get(conv + ".weight")
+        if i is not None and i not in taken:
+            paired[conv] = (nodes[i], "initializer name")
+            taken.add(i)
+    for conv in convs:
+        if conv in paired:
+            continue
+        for i, n in enumerate(nodes):
+            if i not in taken and conv in _scope_parts(n.name):
+                paired[conv] = (n, "exporter scope")
+                taken.add(i)
+                break
+    why: dict[str, str] = {}
+    left = [c for c in convs if c not in paired]
+    shapes = {c: ckpt.tensors[c + ".weight"].shape for c in left}
+    for shape in dict.fromkeys(shapes.values()):
+        group = [c for c in left if shapes[c] == shape]
+        free = [i for i, n in enumerate(nodes) if i not in taken and n.out_shape == shape]
+        if len(free) == len(group):
+            for c, i in zip(group, free):
+                paired[c] = (nodes[i], "order among convs of that shape")
+                taken.add(i)
+        else:
+            for c in group:
+                why[c] = (
+                    f"{len(group)} checkpoint conv(s) of shape {list(shape)} left to pair, "
+                    f"{len(free)} export conv(s) of that shape"
+                )
+    return paired, why
+
+
+def fold_checks(
+    ckpt: Checkpoint,
+    layers: list[BNLayer],
+    model: Any,
+    producers: Mapping[str, str] | None = None,
+) -> tuple[list[FoldedLayer], list[Unpaired], list[BNLayer], str]:
+    """Verify the folding of checkpoint BN `layers` that have no node in the export.
+
+    `producers` (BN layer -> conv module name, from the model graph with --arch) replaces
+    the key-order guess. Returns the folded layers, the layers and export convs that could
+    not be paired (with why), the layers whose conv still feeds a BatchNormalization node
+    in the export (a renamed node, left for matching by order), and how pairing was done."""
+    how_conv = "the model graph (--arch)" if producers is not None else "checkpoint key order and channel counts"
+    feeding = dict(producers) if producers is not None else checkpoint_producers(ckpt, layers)
+    nodes = conv_nodes(model)
+    convs = [feeding[layer.name] for layer in layers if layer.name in feeding]
+    convs = [c for c in dict.fromkeys(convs) if c + ".weight" in ckpt.tensors]
+    paired, why = _pair_nodes(convs, ckpt, nodes)
+    folded: list[FoldedLayer] = []
+    unpaired: list[Unpaired] = []
+    kept_elsewhere: list[BNLayer] = []
+    for layer in layers:
+        conv = feeding.get(layer.name)
+        if conv is None:
+            unpaired.append(
+                Unpaired(layer.name, f"no BatchNormalization node, and no conv with {layer.num_features} output "
+                         f"channels feeds it ({how_conv})")
+            )  # fmt: skip
+            continue
+        if conv + ".weight" not in ckpt.tensors:
+            unpaired.append(Unpaired(layer.name, f"its conv {conv} has no weight in the checkpoint"))
+            continue
+        if conv not in paired:
+            reason = why.get(conv, "no export conv found")
+            unpaired.append(Unpaired(layer.name, f"no BatchNormalization node; its conv {conv}: {reason}"))
+            continue
+        node, how_node = paired[conv]
+        if node.feeds_batchnorm:
+            kept_elsewhere.append(layer)  # not folded: a BatchNormalization node follows, under another name
+            continue
+        folded.append(_fold(ckpt, layer, conv, node, f"conv by {how_conv}, its node by {how_node}"))
+    used = {paired[c][0].name for c in paired}
+    unpaired.extend(_unexplained_nodes(ckpt, [n for n in nodes if n.name not in used and not n.feeds_batchnorm]))
+    return folded, unpaired, kept_elsewhere, how_conv
+
+
+def _fold(ckpt: Checkpoint, layer: BNLayer, conv: str, node: ConvNode, pairing: str) -> FoldedLayer:
+    weight_ref = ckpt.tensors[conv + ".weight"]
+    bias_ref = ckpt.tensors.get(conv + ".bias")
+    export_rows = _rows(node.weight.read(), node.weight.shape, node.out_last)
+    if node.weight_factor != 1.0:
+        export_rows = [[x * node.weight_factor for x in row] for row in export_rows]
+    export_bias = node.bias.read() if node.bias is not None else None
+    if export_bias is not None and node.bias_factor != 1.0:
+        export_bias = [x * node.bias_factor for x in export_bias]
+    if export_bias is not None and len(export_bias) != layer.num_features:
+        export_bias = None if len(export_bias) != 1 else export_bias * layer.num_features
+    checkpoint_rows = _rows(weight_ref.read(), weight_ref.shape, False)
+    conv_bias = bias_ref.read() if bias_ref is not None and bias_ref.shape == (layer.num_features,) else None
+    check = fold_layer(
+        export_rows,
+        export_bias,
+        checkpoint_rows,
+        conv_bias,
+        layer.weight,
+        layer.bias,
+        layer.running_mean,
+        layer.running_var,
+        layer.eps,
+    )
+    return FoldedLayer(layer.name, conv, node.name, pairing, layer.eps, layer.settings_assumed, check)
+
+
+def _unexplained_nodes(ckpt: Checkpoint, nodes: list[ConvNode]) -> Iterator[Unpaired]:
+    """Export convs paired with no folded layer whose weight is not a checkpoint weight
+    (same name or shape, equal beyond float32 rounding): folded from something the
+    checkpoint does not hold."""
+    by_shape: dict[tuple[int, ...], list[TensorRef]] = {}
+    for key, ref in ckpt.tensors.items():
+        if key.endswith("weight") and len(ref.shape) >= 2:
+            by_shape.setdefault(ref.shape, []).append(ref)
+    for node in nodes:
+        candidates = by_shape.get(node.out_shape, [])
+        if not candidates:
+            continue  # no checkpoint weight of that shape: another layer type, nothing to say
+        rows = _rows(node.weight.read(), node.weight.shape, node.out_last)
+        values = [x * node.weight_factor for row in rows for x in row]
+        if any(all(map(_f32_equal, ref.read(), values)) for ref in candidates):
+            continue
+        yield Unpaired(
+            f"node {node.name}",
+            f"export conv with weight shape {list(node.out_shape)} equals no checkpoint weight and feeds no "
+            "BatchNormalization node: folded from a BN it could not be paired with",
+        )

@@ -1,0 +1,165 @@
+"""`diff model.pt model.onnx --arch ... --data ...`: run both and compare their outputs.
+
+The checkpoint runs in torch (eval mode, the model --arch builds), the export in
+onnxruntime (an optional extra) with only the CPU execution provider and no custom
+operator library, on the same batches (`bnaudit.runtime.data.make_loader`). Numbers
+(`bnaudit.audit.exportdiff.ParityResult`):
+
+  relative deviation of a sample  max_k |y_onnx,k - y_torch,k| / max_k |y_torch,k|
+  floor                           FLOOR_FACTOR x the largest relative deviation of the float32
+                                  torch outputs from a float64 copy of the model on the same
+                                  batch (float32 rounding alone), at least FLOOR_MIN
+  agreement                       share of samples with the same argmax
+
+An export with a fixed batch dimension gets batches of exactly that size: a short batch is
+filled with copies of its last sample, whose outputs are dropped (said in the report).
+
+Also here, because it needs the model: `bn_producers`, the conv that feeds each BN module
+in the model graph (torch.fx), used to pair folded layers with --arch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from bnaudit.audit.diff import DiffReport, diff
+from bnaudit.audit.exportdiff import ParityResult
+from bnaudit.config import Config
+from bnaudit.errors import BnauditError
+from bnaudit.formats.onnx import load_onnx
+from bnaudit.runtime.data import DataOptions, make_loader
+from bnaudit.runtime.models import load_runnable, output_tensor
+from bnaudit.runtime.norms import batchnorm_modules
+
+FLOOR_FACTOR = 10.0
+FLOOR_MIN = 1e-6
+ONNXRUNTIME_EXTRA = 'pip install "bnaudit[onnx]"'
+_CONV_TYPES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)
+
+
+def bn_producers(model: Any) -> dict[str, str]:
+    """BN module name -> the Conv/Linear module whose output it normalises, from the model
+    graph (torch.fx symbolic trace); where tracing fails, module order: the last Conv/Linear
+    with as many output channels registered before the BN."""
+    norms = batchnorm_modules(model)
+    modules = dict(model.named_modules())
+    try:
+        import torch.fx
+
+        graph = torch.fx.symbolic_trace(model).graph
+        found: dict[str, str] = {}
+        for node in graph.nodes:
+            if node.op == "call_module" and node.target in norms and node.args:
+                source = node.args[0]
+                if getattr(source, "op", None) == "call_module" and isinstance(modules.get(source.target), _CONV_TYPES):
+                    found[str(node.target)] = str(source.target)
+        return found
+    except Exception:  # user code that fx cannot trace: fall back to definition order
+        pass
+    found = {}
+    last: dict[int, str] = {}
+    for name, module in modules.items():
+        if isinstance(module, _CONV_TYPES):
+            channels = module.out_features if isinstance(module, torch.nn.Linear) else module.out_channels
+            last[channels] = name
+        elif name in norms and getattr(norms[name], "num_features", None) in last:
+            found[name] = last[norms[name].num_features]
+    return found
+
+
+def _session(path: str) -> Any:
+    try:
+        import onnxruntime  # type: ignore[import-untyped]  # onnxruntime ships no type information
+    except ImportError:
+        raise BnauditError(f"running an ONNX export needs onnxruntime: {ONNXRUNTIME_EXTRA}") from None
+    load_onnx(path)  # external-data locations validated before onnxruntime opens any file
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        return onnxruntime.InferenceSession(path, sess_options=options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime's own errors: one line naming the file
+        raise BnauditError(f"{path}: onnxruntime cannot run it: {str(exc).splitlines()[0][:300]}") from None
+
+
+def _relative(y: Any, ref: Any) -> Any:
+    """Per sample: max |y - ref| / max |ref| (float64)."""
+    y, ref = y.double().flatten(1), ref.double().flatten(1)
+    scale = ref.abs().amax(dim=1).clamp_min(1e-30)
+    return (y - ref).abs().amax(dim=1) / scale
+
+
+def measure_parity(session: Any, model: Any, options: DataOptions) -> ParityResult:
+    """Run the torch model (eval) and the onnxruntime session on the same batches."""
+    inputs = session.get_inputs()
+    if len(inputs) != 1:
+        raise BnauditError(f"the export takes {len(inputs)} inputs; output comparison needs a model with one")
+    name = inputs[0].name
+    first_dim = inputs[0].shape[0] if inputs[0].shape else None
+    fixed = first_dim if isinstance(first_dim, int) and first_dim > 0 else None
+    wide = copy.deepcopy(model).double().eval()
+    model.eval()
+    samples = batches = padded = agree = 0
+    worst = 0.0
+    rounding = 0.0
+    options.validate()
+    with torch.no_grad():
+        for batch in make_loader(options):
+            x = batch.inputs
+            if not isinstance(x, torch.Tensor):
+                raise BnauditError("output comparison needs batches of one tensor")
+            x = x.float()
+            chunks = [x] if fixed is None else list(torch.split(x, fixed))
+            for chunk in chunks:
+                n = len(chunk)
+                feed = chunk
+                if fixed is not None and n < fixed:
+                    feed = torch.cat([chunk, chunk[-1:].expand(fixed - n, *chunk.shape[1:])])
+                    padded += fixed - n
+                y_torch = output_tensor(model(feed))[:n].float()
+                y_wide = output_tensor(wide(feed.double()))[:n]
+                y_onnx = torch.from_numpy(session.run(None, {name: feed.numpy()})[0])[:n].float()
+                if y_onnx.shape != y_torch.shape:
+                    raise BnauditError(
+                        f"the export's output has shape {list(y_onnx.shape)}, the model's {list(y_torch.shape)}"
+                    )
+                worst = max(worst, float(_relative(y_onnx, y_torch).max()))
+                rounding = max(rounding, float(_relative(y_torch, y_wide).max()))
+                agree += int((y_onnx.flatten(1).argmax(1) == y_torch.flatten(1).argmax(1)).sum())
+                samples += n
+            batches += 1
+    if samples == 0:
+        raise BnauditError("the data holds no samples")
+    return ParityResult(
+        samples=samples,
+        batches=batches,
+        agreement=agree / samples,
+        max_deviation=worst,
+        floor=max(FLOOR_FACTOR * rounding, FLOOR_MIN),
+        batch_size=fixed,
+        padded=padded,
+    )
+
+
+def diff_export(
+    checkpoint: str,
+    export: str,
+    config: Config,
+    arch: str,
+    arch_kwargs: str | Mapping[str, Any] | None = None,
+    data: DataOptions | None = None,
+    key: str | None = None,
+    trust_pickle: bool = False,
+) -> DiffReport:
+    """`diff checkpoint export --arch ...`: folded layers paired through the model graph,
+    the checkpoint's real eps/momentum from the model's modules, and with `data` the
+    outputs of both compared."""
+    runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
+    producers = bn_producers(runnable.module)
+    parity = None
+    if data is not None:
+        parity = measure_parity(_session(export), runnable.module, data)
+    return diff(checkpoint, export, config, producers=producers, parity=parity, checkpoint_a=runnable.checkpoint)
