@@ -738,7 +738,9 @@ def target_10_onnx_external_data(tmp: str, extra_bytes: int, repeats: int) -> No
     try:
         import onnx  # noqa: F401
     except ImportError:
-        skip("10", "inspect .onnx with external data", 'the onnx package is not installed (pip install "bnaudit[onnx]")')
+        skip(
+            "10", "inspect .onnx with external data", 'the onnx package is not installed (pip install "bnaudit[onnx]")'
+        )
         return
     built = build("build_resnet50_onnx", tmp, extra_bytes)
     files, gib = built["files"], extra_bytes / GiB
