@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
@@ -438,56 +438,78 @@ def gap(
     debug: DebugOpt = False,
 ) -> None:
     """Measure the train-mode vs eval-mode gap on data and find the BN layer responsible."""
+
+    def measure(options: DataOptions, config: Any, progress: Any) -> Any:
+        from bnaudit.runtime.gap import measure_gap
+
+        return measure_gap(
+            checkpoint,
+            options,
+            arch=arch,
+            arch_kwargs=arch_kwargs,
+            key=key,
+            trust_pickle=trust_pickle,
+            forward=forward,
+            device=device,
+            config=config,
+            progress=progress,
+            max_gap=max_gap,
+            strict=strict,
+        )
+
+    data_args = (
+        data,
+        dataset,
+        batch_size,
+        num_samples,
+        seed,
+        no_shuffle,
+        workers,
+        image_size,
+        grayscale,
+        mean,
+        std,
+        skip_bad,
+    )
+    raise typer.Exit(_measure_and_emit("gap", measure, data_args, device, output_format, quiet, debug))
+
+
+def _measure_and_emit(
+    what: str,
+    measure: Callable[[DataOptions, Any, Any], Any],
+    data_args: tuple[Any, ...],
+    device: str,
+    output_format: Format,
+    quiet: bool,
+    debug: bool,
+) -> int:
+    """gap and invariance: data options, the project's configuration (the inspect findings shown
+    with the measurement follow it too), the measurement, the report; the exit code.
+
+    Under torchrun every rank measures its share and holds the same report, so exit codes
+    agree; rank 0 alone prints it, errors included in JSON. Errors are said inside `reporting`,
+    before the ranks wait for each other: torchrun stops the other ranks as soon as one exits.
+    The exit code is asked before the report is printed: a report may find its own options
+    wrong (gap's --max-gap without labels is an error, exit 2).
+    """
     from bnaudit.audit.rules import RULES
     from bnaudit.config import load_config
     from bnaudit.runtime.distributed import reporting
-    from bnaudit.runtime.gap import measure_gap
     from bnaudit.runtime.models import resolve_device
 
     json_output = output_format is Format.json
-    # under torchrun every rank measures its share and holds the same report (so exit
-    # codes agree); rank 0 alone prints it, errors included in JSON
     rank = int(os.environ.get("RANK", "0"))
     with user_errors(debug, json_output and rank == 0):
-        options = data_options(
-            data,
-            dataset,
-            batch_size,
-            num_samples,
-            seed,
-            no_shuffle,
-            workers,
-            image_size,
-            grayscale,
-            mean,
-            std,
-            skip_bad,
-        )
-        # The inspect findings shown with the gap follow the project's configuration too.
+        options = data_options(*data_args)
         config = load_config(rule_codes=RULES)
         quiet_bar = quiet or json_output or rank != 0
-        # errors are said inside `reporting`, before the ranks wait for each other: torchrun
-        # stops the other ranks as soon as one exits
         with frozen_imports(), reporting(resolve_device(device)), user_errors(debug, json_output and rank == 0):
-            with output.progress("gap", sys.stderr, quiet=quiet_bar) as update:
-                report = measure_gap(
-                    checkpoint,
-                    options,
-                    arch=arch,
-                    arch_kwargs=arch_kwargs,
-                    key=key,
-                    trust_pickle=trust_pickle,
-                    forward=forward,
-                    device=device,
-                    config=config,
-                    progress=update,
-                    max_gap=max_gap,
-                    strict=strict,
-                )
-            code = report.exit_code()  # before the report: --max-gap without labels is an error
+            with output.progress(what, sys.stderr, quiet=quiet_bar) as update:
+                report = measure(options, config, update)
+            code: int = report.exit_code()
             if rank == 0:
                 output.emit(report, output_format.value, sys.stdout, quiet=quiet)
-    raise typer.Exit(code)
+    return code
 
 
 # ----------------------------------------------------------------------------- invariance
@@ -545,54 +567,41 @@ def invariance(
     debug: DebugOpt = False,
 ) -> None:
     """Test whether a prediction depends on the other samples in its batch, and find where."""
-    from bnaudit.audit.rules import RULES
-    from bnaudit.config import load_config
-    from bnaudit.runtime.distributed import reporting
-    from bnaudit.runtime.invariance import measure_invariance, parse_batch_sizes
-    from bnaudit.runtime.models import resolve_device
 
-    json_output = output_format is Format.json
-    rank = int(os.environ.get("RANK", "0"))  # under torchrun: rank 0 alone prints (as gap)
-    with user_errors(debug, json_output and rank == 0):
-        options = data_options(
-            data,
-            dataset,
-            batch_size,
-            num_samples,
-            seed,
-            no_shuffle,
-            workers,
-            image_size,
-            grayscale,
-            mean,
-            std,
-            skip_bad,
+    def measure(options: DataOptions, config: Any, progress: Any) -> Any:
+        from bnaudit.runtime.invariance import measure_invariance, parse_batch_sizes
+
+        return measure_invariance(
+            checkpoint,
+            options,
+            arch=arch,
+            arch_kwargs=arch_kwargs,
+            key=key,
+            trust_pickle=trust_pickle,
+            forward=forward,
+            device=device,
+            config=config,
+            progress=progress,
+            batch_sizes=parse_batch_sizes(batch_sizes, batch_size),
+            fail_on=fail_on.value if fail_on else None,
+            exit_zero=exit_zero,
         )
-        sizes = parse_batch_sizes(batch_sizes, batch_size)
-        # The inspect findings shown with the verdict follow the project's configuration too.
-        config = load_config(rule_codes=RULES)
-        quiet_bar = quiet or json_output or rank != 0
-        # errors are said before the ranks wait for each other (as in gap)
-        with frozen_imports(), reporting(resolve_device(device)), user_errors(debug, json_output and rank == 0):
-            with output.progress("invariance", sys.stderr, quiet=quiet_bar) as update:
-                report = measure_invariance(
-                    checkpoint,
-                    options,
-                    arch=arch,
-                    arch_kwargs=arch_kwargs,
-                    key=key,
-                    trust_pickle=trust_pickle,
-                    forward=forward,
-                    device=device,
-                    config=config,
-                    progress=update,
-                    batch_sizes=sizes,
-                    fail_on=fail_on.value if fail_on else None,
-                    exit_zero=exit_zero,
-                )
-            if rank == 0:
-                output.emit(report, output_format.value, sys.stdout, quiet=quiet)
-    raise typer.Exit(report.exit_code())
+
+    data_args = (
+        data,
+        dataset,
+        batch_size,
+        num_samples,
+        seed,
+        no_shuffle,
+        workers,
+        image_size,
+        grayscale,
+        mean,
+        std,
+        skip_bad,
+    )
+    raise typer.Exit(_measure_and_emit("invariance", measure, data_args, device, output_format, quiet, debug))
 
 
 # ----------------------------------------------------------------------------- recalibrate
