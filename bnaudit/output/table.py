@@ -340,7 +340,6 @@ def _findings_table(findings: list[Finding], title: str | None = None) -> Any:
 
 def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
     """Rich rendering: header, the two modes, per-layer drift (worst first), findings, diagnosis."""
-    from rich.table import Table
     from rich.text import Text
 
     title = _cell(report.checkpoint, style="bold")
@@ -391,24 +390,12 @@ def render_gap(report: Any, console: Any, quiet: bool = False) -> None:
         console.print(_fit(_drift_table(report.layers), console.width))
         console.print()
 
-    if report.findings:
-        console.print(_fit(_findings_table(report.findings, "inspect findings for this checkpoint"), console.width))
-        console.print()
-
-    console.print(Text("diagnosis", style="bold"))
-    # A grid keeps wrapped lines indented under their bullet.
-    bullets = Table.grid(padding=(0, 1))
-    bullets.add_column(width=3, justify="right")
-    bullets.add_column()
-    for line in report.diagnosis:
-        bullets.add_row("-", _cell(line))
-    console.print(bullets)
+    _findings_and_diagnosis(console, report.findings, report.diagnosis)
 
 
 def render_invariance(report: Any, console: Any, quiet: bool = False) -> None:
     """Rich rendering: header, verdict, one row per arrangement, the noise floor, the
     coupling sites, findings, diagnosis."""
-    from rich.table import Table
     from rich.text import Text
 
     title = _cell(report.checkpoint, style="bold")
@@ -508,17 +495,7 @@ def render_invariance(report: Any, console: Any, quiet: bool = False) -> None:
         console.print(_fit(sites, console.width))
         console.print()
 
-    if report.findings:
-        console.print(_fit(_findings_table(report.findings, "inspect findings for this checkpoint"), console.width))
-        console.print()
-
-    console.print(Text("diagnosis", style="bold"))
-    bullets = Table.grid(padding=(0, 1))
-    bullets.add_column(width=3, justify="right")
-    bullets.add_column()
-    for line in report.diagnosis:
-        bullets.add_row("-", _cell(line))
-    console.print(bullets)
+    _findings_and_diagnosis(console, report.findings, report.diagnosis)
 
 
 def _span(pair: tuple[float, float] | None, signed: bool = False) -> str:
@@ -717,7 +694,6 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
     """Rich rendering of a DiffReport: both sides, one row per layer that changed
     (unchanged layers folded into one line), one-side-only and reshaped layers, the
     findings, a summary by verdict with its layer groups, and the diagnosis."""
-    from rich.table import Table
     from rich.text import Text
 
     for label, side in (("A", report.a), ("B", report.b)):
@@ -801,13 +777,7 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
                 )
         if report.layers:
             console.print()
-        console.print(Text("diagnosis", style="bold"))
-        bullets = Table.grid(padding=(0, 1))
-        bullets.add_column(width=3, justify="right")
-        bullets.add_column()
-        for line in report.diagnosis():
-            bullets.add_row("-", _cell(line))
-        console.print(bullets)
+        _diagnosis(console, report.diagnosis())
         console.print()
     errors = [f for f in report.findings if f.severity == "error"]
     if quiet and errors:  # -q: a CI log still shows what failed
@@ -871,3 +841,26 @@ def _export_body(check: Any, console: Any) -> None:
                 style=style,
             )
         )
+
+
+def _findings_and_diagnosis(console: Any, findings: list[Finding], diagnosis: list[str]) -> None:
+    """The end of a measurement's report (gap, invariance): the checkpoint's inspect
+    findings, then the diagnosis."""
+    if findings:
+        console.print(_fit(_findings_table(findings, "inspect findings for this checkpoint"), console.width))
+        console.print()
+    _diagnosis(console, diagnosis)
+
+
+def _diagnosis(console: Any, lines: list[str]) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    console.print(Text("diagnosis", style="bold"))
+    # A grid keeps wrapped lines indented under their bullet.
+    bullets = Table.grid(padding=(0, 1))
+    bullets.add_column(width=3, justify="right")
+    bullets.add_column()
+    for line in lines:
+        bullets.add_row("-", _cell(line))
+    console.print(bullets)
