@@ -31,10 +31,13 @@ import math
 import struct
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING
 
-from bnaudit.audit.exportdiff import ExportCheck
 from bnaudit.audit.layers import BNLayer
 from bnaudit.config import Config
+
+if TYPE_CHECKING:  # the export check's modules are needed only when one side is an export
+    from bnaudit.audit.exportdiff import ExportCheck
 
 SCALE_FLOOR = 1e-3
 
