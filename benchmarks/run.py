@@ -338,40 +338,31 @@ print(correct / len(inputs))
 
 
 def build_small_model(folder: str) -> str:
-    import torch
-
     with open(os.path.join(folder, "bench_model.py"), "w") as f:
         f.write(BENCH_MODEL)
-    sys.path.insert(0, folder)
-    from bench_model import net  # type: ignore[import-not-found]
-
-    model = net()
-    g = torch.Generator().manual_seed(1)
-    for module in model.modules():
-        if isinstance(module, torch.nn.BatchNorm2d):
-            module.running_mean.copy_(torch.randn(module.num_features, generator=g) * 0.1)
-            module.running_var.copy_(0.5 + torch.rand(module.num_features, generator=g))
-            module.num_batches_tracked.fill_(1000)
-    path = os.path.join(folder, "small_resnet.pt")
-    torch.save(model.state_dict(), path)
-    return path
+    return _save_with_statistics(folder, "net", "small_resnet.pt")
 
 
 def build_wide_model(folder: str) -> str:
-    """bench_model.wide_net with running statistics as a trained model might hold them."""
+    """bench_model.wide_net (bench_model.py written by build_small_model)."""
+    return _save_with_statistics(folder, "wide_net", "wide_resnet.pt")
+
+
+def _save_with_statistics(folder: str, builder: str, name: str) -> str:
+    """bench_model.<builder>() with running statistics as a trained model might hold them."""
     import torch
 
     sys.path.insert(0, folder)
-    from bench_model import wide_net  # type: ignore[import-not-found]
+    import bench_model  # type: ignore[import-not-found]
 
-    model = wide_net()
+    model = getattr(bench_model, builder)()
     g = torch.Generator().manual_seed(1)
     for module in model.modules():
         if isinstance(module, torch.nn.BatchNorm2d):
             module.running_mean.copy_(torch.randn(module.num_features, generator=g) * 0.1)
             module.running_var.copy_(0.5 + torch.rand(module.num_features, generator=g))
             module.num_batches_tracked.fill_(1000)
-    path = os.path.join(folder, "wide_resnet.pt")
+    path = os.path.join(folder, name)
     torch.save(model.state_dict(), path)
     return path
 

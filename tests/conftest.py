@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -130,3 +131,16 @@ def cli():
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+def run_ranks(args: list[str], cwd, ranks: int = 2) -> subprocess.CompletedProcess[str]:
+    """`python ARGS` in `cwd` under `torch.distributed.run --standalone --nproc-per-node
+    ranks` (gloo on the CPU), or as one plain process with `ranks=1`: this checkout first
+    on the path, one intra-op thread each, and no rank variables inherited from a caller
+    that runs under torchrun itself."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
+    return subprocess.run(
+        [sys.executable, *launch, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_ranks
 
 from bnaudit.runtime.recalibrate.methods import recalibrate_module
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
 
 # The model and data of both sides; the first BN sees the raw input, so its statistics
 # do not depend on any float32 computation that could vary with the batch. The
@@ -70,24 +68,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     folder = tmp_path_factory.mktemp("dist")
     script, result = folder / "worker.py", folder / "result.pt"
     script.write_text(WORKER)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(script),
-            str(result),
-        ],
-        cwd=folder,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_ranks([str(script), str(result)], folder)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(result, weights_only=False)
 
@@ -164,7 +145,6 @@ def test_torchrun_cli_writes_once_what_one_process_writes(tmp_path: Path) -> Non
     (tmp_path / "shared_model.py").write_text(SHARED)
     save_file(ns["build"]().state_dict(), str(tmp_path / "model.safetensors"))
     save_file({"inputs": ns["samples"]()}, str(tmp_path / "calib.safetensors"))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     common = [
         "recalibrate",
         "model.safetensors",
@@ -177,37 +157,9 @@ def test_torchrun_cli_writes_once_what_one_process_writes(tmp_path: Path) -> Non
         "--batch-size",
         "16",
     ]
-    ranks = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "bnaudit",
-            *common,
-            "-o",
-            "ranks.safetensors",
-            "--format",
-            "json",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    ranks = run_ranks(["-m", "bnaudit", *common, "-o", "ranks.safetensors", "--format", "json"], tmp_path)
     assert ranks.returncode == 0, ranks.stderr[-3000:]
-    one = subprocess.run(
-        [sys.executable, "-m", "bnaudit", *common, "-o", "one.safetensors"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    one = run_ranks(["-m", "bnaudit", *common, "-o", "one.safetensors"], tmp_path, ranks=1)
     assert one.returncode == 0, one.stderr[-3000:]
     import json
 
@@ -240,27 +192,11 @@ def test_torchrun_exact_recalibration_runs_the_single_process_batches(tmp_path: 
     (tmp_path / "shared_model.py").write_text(SHARED)
     save_file(ns["build"]().state_dict(), str(tmp_path / "model.safetensors"))
     save_file({"inputs": ns["samples"]()}, str(tmp_path / "calib.safetensors"))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     common = ["recalibrate", "model.safetensors", "--arch", "shared_model.py:build", "--data", "calib.safetensors"]
     common += ["--method", "exact", "--batch-size", "16", "--quiet"]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bnaudit"]
-    ranks = subprocess.run(
-        [*launch, *common, "-o", "ranks.safetensors"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    ranks = run_ranks(["-m", "bnaudit", *common, "-o", "ranks.safetensors"], tmp_path)
     assert ranks.returncode == 0, ranks.stderr[-3000:]
-    one = subprocess.run(
-        [sys.executable, "-m", "bnaudit", *common, "-o", "one.safetensors"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    one = run_ranks(["-m", "bnaudit", *common, "-o", "one.safetensors"], tmp_path, ranks=1)
     assert one.returncode == 0, one.stderr[-3000:]
     a, b = load_file(str(tmp_path / "ranks.safetensors")), load_file(str(tmp_path / "one.safetensors"))
     for name in a:

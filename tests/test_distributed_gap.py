@@ -6,14 +6,13 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import run_ranks
 from safetensors.torch import save_file
 
 from bnaudit.output.json import gap_to_json
@@ -21,7 +20,6 @@ from bnaudit.runtime.data import DataOptions, batch_indices
 from bnaudit.runtime.gap import measure_gap
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
 
 # The architecture, importable by --arch in both the ranks and this process.
 ARCH = textwrap.dedent("""
@@ -103,21 +101,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     save_file({"inputs": x.contiguous(), "labels": y}, str(folder / "val.safetensors"))
     (folder / "worker.py").write_text(WORKER)
     (folder / "head.py").write_text(HEAD)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "worker.py"],
-        cwd=folder,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_ranks(["worker.py"], folder)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return folder
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 def _ranks(folder: Path) -> list[dict[str, Any]]:
@@ -231,26 +217,11 @@ def test_a_head_that_is_no_classifier_combines_its_relative_l2_divergence(folder
 
 def test_torchrun_cli_prints_one_report_equal_to_one_process_s(folder: Path) -> None:
     command = ["gap", "model.safetensors", "--arch", "arch.py:build", "--data", "val.safetensors", "--batch-size", "8"]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bnaudit"]
-    ranks = subprocess.run(
-        [*launch, *command, "--format", "json", "--max-gap", "0", "--strict"],
-        cwd=folder,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    ranks = run_ranks(["-m", "bnaudit", *command, "--format", "json", "--max-gap", "0", "--strict"], folder)
     # --max-gap 0 fails on both ranks; rank 0 still prints its whole report first
     assert ranks.returncode == 1, ranks.stderr[-3000:]
     doc = json.loads(ranks.stdout)  # one JSON document: rank 1 printed nothing
-    one = subprocess.run(
-        [sys.executable, "-m", "bnaudit", *command, "--format", "json", "--max-gap", "0", "--strict"],
-        cwd=folder,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    one = run_ranks(["-m", "bnaudit", *command, "--format", "json", "--max-gap", "0", "--strict"], folder, ranks=1)
     assert one.returncode == 1, one.stderr[-3000:]
     _assert_same_report(doc, json.loads(one.stdout))
 
@@ -274,11 +245,8 @@ def test_a_failure_on_one_rank_ends_every_rank_with_its_message(folder: Path) ->
     save_file(data, str(folder / "val_marked.safetensors"))
     command = ["gap", "model.safetensors", "--arch", "arch.py:build", "--data", "val_marked.safetensors"]
     command += ["--batch-size", "8", "--forward", "marked.py:refuse_marked", "--format", "json"]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bnaudit"]
-    ranks = subprocess.run([*launch, *command], cwd=folder, env=_env(), capture_output=True, text=True, timeout=300)
-    one = subprocess.run(
-        [sys.executable, "-m", "bnaudit", *command], cwd=folder, env=_env(), capture_output=True, text=True, timeout=300
-    )
+    ranks = run_ranks(["-m", "bnaudit", *command], folder)
+    one = run_ranks(["-m", "bnaudit", *command], folder, ranks=1)
     assert one.returncode == 2
     error = json.loads(one.stdout)["error"]
     assert error.startswith("batch 4: ") and "a marked sample" in error

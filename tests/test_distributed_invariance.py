@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import run_ranks
 from safetensors.torch import save_file
 
 from bnaudit.output.json import invariance_to_json
@@ -20,7 +19,6 @@ from bnaudit.runtime.data import DataOptions
 from bnaudit.runtime.invariance import measure_invariance, plan_arrangements
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
 
 # Three architectures, importable by --arch in the ranks and here: batch-independent in
 # eval mode; coupled through a BatchNorm2d without running statistics (it still scores a
@@ -80,11 +78,6 @@ WORKER = textwrap.dedent("""
 """).replace("CASES", repr(CASES))
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One trained state dict (the three architectures share its keys: BN layers without
@@ -112,14 +105,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     x, y = data(21)
     save_file({"inputs": x.contiguous(), "labels": y}, str(folder / "val.safetensors"))
     (folder / "worker.py").write_text(WORKER)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "worker.py"],
-        cwd=folder,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_ranks(["worker.py"], folder)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return folder
 
@@ -169,11 +155,8 @@ def test_the_cases_test_what_they_name(folder: Path) -> None:
 def test_torchrun_cli_prints_one_invariance_report_equal_to_one_process_s(folder: Path) -> None:
     command = ["invariance", "model.safetensors", "--arch", "arch.py:deep", "--data", "val.safetensors"]
     command += ["--batch-sizes", "1,4", "--num-samples", "21", "--format", "json"]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bnaudit"]
-    ranks = subprocess.run([*launch, *command], cwd=folder, env=_env(), capture_output=True, text=True, timeout=300)
+    ranks = run_ranks(["-m", "bnaudit", *command], folder)
     assert ranks.returncode == 1, ranks.stderr[-3000:]  # coupled: exit 1, after rank 0 printed
-    one = subprocess.run(
-        [sys.executable, "-m", "bnaudit", *command], cwd=folder, env=_env(), capture_output=True, text=True, timeout=300
-    )
+    one = run_ranks(["-m", "bnaudit", *command], folder, ranks=1)
     assert one.returncode == 1, one.stderr[-3000:]
     assert json.loads(ranks.stdout) == json.loads(one.stdout)  # one document: rank 1 printed nothing
