@@ -288,3 +288,20 @@ def test_select_ignore_and_per_layer_ignores_filter_findings(tmp_path):
     assert "BN003" not in {c for c, _, _ in codes(findings(tmp_path, state, Config(ignore=("BN003",))))}
     kept = codes(findings(tmp_path, state, Config(per_layer_ignores={"backbone.*": ("BN003",)})))
     assert ("BN003", "error", "backbone.bn") not in kept and ("BN003", "error", "head.bn") in kept
+
+
+def test_bn007_translates_momentum_only_for_exported_nodes(tmp_path):
+    """A scripted module whose class happens to be called BatchNormalization keeps PyTorch's
+    convention: only an exported node (ModuleInfo.source) had its momentum translated."""
+    from torch import nn
+
+    from bnaudit.audit.audit import inspect
+
+    class BatchNormalization(nn.BatchNorm2d):
+        pass
+
+    model = nn.Sequential(nn.Conv2d(1, 2, 1), BatchNormalization(2, momentum=0.9)).eval()
+    path = str(tmp_path / "scripted.pt")
+    torch.jit.save(torch.jit.script(model), path)
+    [bn007] = [f for f in inspect(path).findings if f.code == "BN007"]
+    assert bn007.message.startswith("momentum 0.9: each batch replaces 90.0%")  # not "ONNX momentum 0.1 = ..."

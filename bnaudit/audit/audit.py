@@ -31,8 +31,9 @@ from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES
 
 def _scan_directory(path: str) -> list[str]:
     """Files under `path` to audit, walked in sorted order: names with a checkpoint suffix,
-    shard indexes (each standing for its shards, which are then not listed on their own)
-    and the training-run files `formats.classify.SCANNED_NAMES` recognises."""
+    shard indexes and the training-run files `formats.classify.SCANNED_NAMES` recognises.
+    `inspect` then drops, once for every target, the shards an index stands for and the
+    external-data files of ONNX models."""
     found: list[str] = []
 
     # A folder that cannot be listed is kept as an entry of its own, so it is
@@ -49,7 +50,7 @@ def _scan_directory(path: str) -> list[str]:
         ]
     if not found:
         raise BnauditError(f"{path}: directory holds no checkpoint files ({' '.join(CHECKPOINT_SUFFIXES)})")
-    return _without_external_data(_without_indexed_shards(found))
+    return found
 
 
 def _without_external_data(paths: list[str]) -> list[str]:

@@ -484,7 +484,7 @@ def _check_update_config(ctx: RuleContext) -> Iterator[Finding]:
                 "(the counter still counts); they stay as loaded",
             )
         elif m > _RETAINED_FRACTION_MOMENTUM:
-            if info.class_name == "BatchNormalization":  # an ONNX node: its momentum was translated
+            if info.source is not None:  # an exported node (ModuleInfo.source): its momentum was translated
                 yield r.finding(
                     "warning",
                     name,

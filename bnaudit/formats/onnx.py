@@ -37,7 +37,7 @@ from typing import Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, ModuleInfo, TensorRef, decode_values, read_into
-from bnaudit.text import exception_line, printable
+from bnaudit.text import exception_line, listing, plural, printable
 
 ONNX_EXTRA = 'pip install "bnaudit[onnx]"'
 
@@ -88,7 +88,6 @@ class OnnxModel:
     """
 
     path: str
-    folder: str
     opset: int | None
     proto: Any = field(repr=False)
     producer: str = ""
@@ -137,35 +136,42 @@ def load_onnx(path: str) -> OnnxModel:
     leave the model's folder are refused (BnauditError, one line), as are files larger than
     protobuf's 2 GiB limit and bytes that do not parse.
     """
+    proto = _parse(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    constants: dict[str, Callable[[], TensorRef]] = {}
+    for _where, graph in _all_graphs(proto.graph):
+        for tensor in graph.initializer:
+            _add_constant(constants, path, folder, tensor.name, tensor)
+    for _where, node in _with_function_nodes(proto):
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.output) == 1:
+            _add_constant_node(constants, path, folder, node)
+    producer = " ".join(p for p in (proto.producer_name, proto.producer_version) if p)
+    return OnnxModel(path, int(opset) if opset is not None else None, proto, producer, constants)
+
+
+def _parse(path: str) -> Any:
+    """The ModelProto of `path` (external data not loaded): files over protobuf's limit,
+    bytes that do not parse and a model without a graph are refused with one line."""
     onnx = _import_onnx()
     try:
         size = os.stat(path).st_size
+        if size > PROTOBUF_LIMIT:
+            raise BnauditError(
+                f"{path}: {size} bytes, more than protobuf's 2 GiB limit for one ONNX file "
+                "(large models keep their weights as external data): refused"
+            )
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as exc:
         raise BnauditError(f"{path}: cannot open ({exc.strerror or exc})") from None
-    if size > PROTOBUF_LIMIT:
-        raise BnauditError(
-            f"{path}: {size} bytes, more than protobuf's 2 GiB limit for one ONNX file "
-            "(large models keep their weights as external data): refused"
-        )
-    with open(path, "rb") as f:
-        data = f.read()
     try:
         proto = onnx.ModelProto.FromString(data)
     except Exception as exc:  # DecodeError, RecursionError from nesting: a malformed file
         raise BnauditError(f"{path}: malformed ONNX protobuf ({exception_line(exc, with_type=False)})") from None
     if not proto.HasField("graph"):
         raise BnauditError(f"{path}: malformed ONNX model (no graph)")
-    folder = os.path.dirname(os.path.abspath(path))
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
-    constants: dict[str, Callable[[], TensorRef]] = {}
-    for where, graph in _all_graphs(proto.graph):
-        for tensor in graph.initializer:
-            _add_constant(constants, path, folder, tensor.name, tensor, where)
-    for where, node in _with_function_nodes(proto):
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.output) == 1:
-            _add_constant_node(constants, path, folder, node, where)
-    producer = " ".join(p for p in (proto.producer_name, proto.producer_version) if p)
-    return OnnxModel(path, folder, int(opset) if opset is not None else None, proto, producer, constants)
+    return proto
 
 
 def _with_function_nodes(proto: Any) -> Iterator[tuple[str, Any]]:
@@ -178,7 +184,7 @@ def _with_function_nodes(proto: Any) -> Iterator[tuple[str, Any]]:
 
 
 def _add_constant(
-    constants: dict[str, Callable[[], TensorRef]], path: str, folder: str, name: str, tensor: Any, where: str
+    constants: dict[str, Callable[[], TensorRef]], path: str, folder: str, name: str, tensor: Any
 ) -> None:
     if name in constants:
         return  # the main graph's (or the first) constant of that name wins
@@ -186,13 +192,11 @@ def _add_constant(
     constants[name] = reader
 
 
-def _add_constant_node(
-    constants: dict[str, Callable[[], TensorRef]], path: str, folder: str, node: Any, where: str
-) -> None:
+def _add_constant_node(constants: dict[str, Callable[[], TensorRef]], path: str, folder: str, node: Any) -> None:
     name = node.output[0]
     for attr in node.attribute:
         if attr.name == "value" and attr.HasField("t"):
-            _add_constant(constants, path, folder, name, attr.t, where)
+            _add_constant(constants, path, folder, name, attr.t)
         elif attr.name == "value_float":
             value = [float(attr.f)]
             constants.setdefault(name, _values_ref(name, (), "float32", value))
@@ -213,18 +217,17 @@ def _tensor_reader(path: str, folder: str, name: str, tensor: Any) -> Callable[[
         raise BnauditError(f"{path}: tensor '{printable(name)}' has a negative dimension {list(shape)}")
     dtype = _ONNX_DTYPES.get(tensor.data_type)
     count = math.prod(shape)
-    if tensor.data_location == _EXTERNAL:
-        location, offset, length = _external_entry(path, folder, name, tensor)
-        if dtype is None:
-            return lambda: _unsupported(path, name, tensor.data_type, shape)
+    external = _external_entry(path, folder, name, tensor) if tensor.data_location == _EXTERNAL else None
+    if dtype is None:
+        return lambda: _unsupported(path, name, tensor.data_type, shape)
+    if external is not None:
+        location, offset, length = external
         nbytes = count * _ITEMSIZE[dtype]
         if length is not None and length != nbytes:
             raise BnauditError(
                 f"{path}: tensor '{printable(name)}' claims {length} bytes of external data for shape {list(shape)} ({dtype})"
             )
         return lambda: _external_ref(path, location, name, offset, nbytes, dtype, shape)
-    if dtype is None:
-        return lambda: _unsupported(path, name, tensor.data_type, shape)
     return lambda: TensorRef(name, shape, dtype, lambda: _embedded_values(path, name, tensor, dtype, count))
 
 
@@ -301,9 +304,6 @@ def _embedded_values(path: str, name: str, tensor: Any, dtype: str, count: int) 
         raw = tensor.raw_data
         if len(raw) != count * _ITEMSIZE[dtype]:
             raise BnauditError(f"{path}: tensor '{printable(name)}' has {len(raw)} bytes for {count} values of {dtype}")
-        if dtype in ("uint16", "uint32", "uint64"):
-            code = {"uint16": "H", "uint32": "I", "uint64": "Q"}[dtype]
-            return [float(v) for v in struct.unpack(f"<{count}{code}", raw)]
         return decode_values(raw, dtype)
     if dtype == "float32":
         values: list[float] = [float(v) for v in tensor.float_data]
@@ -328,12 +328,8 @@ def external_data_files(path: str) -> set[str]:
     so that a directory scan does not audit them as checkpoints of their own; empty when
     the model cannot be read (its own report says why)."""
     try:
-        onnx = _import_onnx()
-        if os.path.getsize(path) > PROTOBUF_LIMIT:
-            return set()
-        with open(path, "rb") as f:
-            proto = onnx.ModelProto.FromString(f.read())
-    except Exception:  # unreadable here: reported when the model itself is read
+        proto = _parse(path)
+    except BnauditError:  # unreadable here: reported when the model itself is read
         return set()
     folder = os.path.dirname(os.path.abspath(path))
     found: set[str] = set()
@@ -570,5 +566,4 @@ def read_onnx(path: str) -> Checkpoint:
 
 
 def _conv_list(names: list[str]) -> str:
-    shown = ", ".join(printable(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
-    return f"{len(names)} Conv node{'s' if len(names) != 1 else ''} ({shown})"
+    return f"{plural(len(names), 'Conv node')} ({listing(printable(n) for n in names)})"

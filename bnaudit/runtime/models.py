@@ -319,24 +319,23 @@ def load_runnable(
     """A runnable model (in eval mode, on the CPU) from a checkpoint and optional --arch."""
     if arch is None and arch_kwargs is not None:
         raise BnauditError("--arch-kwargs needs --arch")
+    # from the bytes, before any reader: refused with or without --arch and without the onnx extra
+    fmt = None if is_index(checkpoint_path) else sniff_format(checkpoint_path)
+    if fmt == "onnx":
+        raise BnauditError(_ONNX_NOT_RUNNABLE.format(path=checkpoint_path))
     if arch is not None:
         ckpt = read_checkpoint(checkpoint_path, key=key, trust_pickle=trust_pickle)
-        if ckpt.format == "onnx":
-            raise BnauditError(_ONNX_NOT_RUNNABLE.format(path=checkpoint_path))
         model = build_arch(arch, arch_kwargs)
         ckpt, facts = match_checkpoint(ckpt, model)
         check_fits(ckpt, facts, arch)
         load_state(model, ckpt)
         model.eval()
         return RunnableModel(model, ckpt, facts, "arch", arch)
-    if is_index(checkpoint_path):
+    if fmt is None:
         raise BnauditError(
             f"{checkpoint_path}: a sharded checkpoint holds tensors, not a model: pass --arch MODULE:CALLABLE "
             "(the function that builds the model)"
         )
-    fmt = sniff_format(checkpoint_path)
-    if fmt == "onnx":
-        raise BnauditError(_ONNX_NOT_RUNNABLE.format(path=checkpoint_path))
     if fmt == "torchscript":
         return _load_torchscript(checkpoint_path, key)
     if fmt == "safetensors":
