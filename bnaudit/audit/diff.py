@@ -228,8 +228,8 @@ def _diff_export(
     ref, exp = (b, a) if export_side == "a" else (a, b)
     layers_ref = discover_layers(ref, eps=config.eps, momentum=config.momentum).layers
     layers_exp = discover_layers(exp).layers
-    pairs, left_ref, left_exp = match_layers(layers_ref, layers_exp, {})
-    model = load_onnx(exp.path)
+    pairs, left_ref, left_exp = match_layers(layers_ref, layers_exp)
+    model = exp.graph if exp.graph is not None else load_onnx(exp.path)
     folded, unpaired, kept_elsewhere, how = fold_checks(ref, left_ref, model, producers)
     unpaired_names = {u.name for u in unpaired}
     candidates = [layer for layer in left_ref if layer in kept_elsewhere or layer.name in unpaired_names]
@@ -302,6 +302,9 @@ def _export_diagnosis(check: ExportCheck, findings: list[Finding]) -> list[str]:
             parts.append(f"{plural(len(good_folds), 'layer')} folded exactly as the checkpoint's BN{implied}")
         if parts:
             lines.append("The export matches the checkpoint: " + "; ".join(parts) + ".")
+    elif check.parity is None or not check.parity.deviates:
+        causes = check.causes() or ["see the findings above (momentum convention, layers not paired)"]
+        lines.append("The export differs from the checkpoint: " + "; ".join(causes) + ".")
     if check.parity is not None and check.parity.deviates:
         lines.append(f"The outputs deviate beyond float32 rounding; {check.explanation()}.")
     return lines

@@ -94,7 +94,6 @@ class FoldedLayer:
     node: str  # the export node
     pairing: str  # how the conv was found, and how its node
     eps: float  # the checkpoint's eps it was checked against
-    eps_assumed: bool
     check: FoldCheck
 
 
@@ -146,22 +145,32 @@ class ExportCheck:
 
     def explanation(self) -> str:
         """Whether the BatchNormalization nodes (or the folding) explain an output deviation."""
+        causes = self.causes()
+        if causes:
+            return causes[0]
+        return "the BatchNormalization nodes and the folding match the checkpoint: the deviation comes from other operators"
+
+    def causes(self) -> list[str]:
+        """What in the export's BN arithmetic differs from the checkpoint, weightiest first."""
         training = [n.name for n in self.nodes if n.training_mode]
+        eps = [n.name for n in self.nodes if float32(n.eps_export) != float32(n.eps_checkpoint)]
+        stats = [n.name for n in self.nodes if n.mismatches]
+        folded = [f.name for f in self.folded if not f.check.matches]
+        causes = []
         if training:
-            return (
+            causes.append(
                 f"{len(training)} BatchNormalization node(s) run in training mode ({', '.join(training[:3])}): "
                 "onnxruntime normalises with each batch's own statistics"
             )
-        eps = [n.name for n in self.nodes if float32(n.eps_export) != float32(n.eps_checkpoint)]
         if eps:
-            return f"BatchNormalization nodes with another eps: {', '.join(eps[:3])}"
-        stats = [n.name for n in self.nodes if n.mismatches]
+            causes.append(f"BatchNormalization nodes with another eps: {', '.join(eps[:3])}")
         if stats:
-            return f"BatchNormalization nodes whose tensors differ from the checkpoint's: {', '.join(stats[:3])}"
-        folded = [f.name for f in self.folded if not f.check.matches]
+            causes.append(
+                f"BatchNormalization nodes whose tensors differ from the checkpoint's: {', '.join(stats[:3])}"
+            )
         if folded:
-            return f"layers folded with other statistics or eps: {', '.join(folded[:3])}"
-        return "the BatchNormalization nodes and the folding match the checkpoint: the deviation comes from other operators"
+            causes.append(f"layers folded with other statistics or eps: {', '.join(folded[:3])}")
+        return causes
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -243,13 +252,13 @@ def _scope_name(name: str, candidates: set[str]) -> str | None:
 
 
 def match_layers(
-    checkpoint: list[BNLayer], export: list[BNLayer], sources: Mapping[str, str]
+    checkpoint: list[BNLayer], export: list[BNLayer]
 ) -> tuple[list[tuple[BNLayer, BNLayer, str]], list[BNLayer], list[BNLayer]]:
     """(pairs with how each was matched, checkpoint layers left, export layers left).
 
-    Names first, then the exporter's scope in the node's name (`sources`: export layer ->
-    its node's name), then whatever is left on both sides by order when the channel
-    counts agree one to one."""
+    Names first, then the exporter's scope in the export layer's name (`read_onnx` names a
+    layer after its node where no initializer kept the module name), then whatever is
+    left on both sides by order when the channel counts agree one to one."""
     by_name = {layer.name: layer for layer in checkpoint}
     pairs: list[tuple[BNLayer, BNLayer, str]] = []
     used: set[str] = set()
@@ -263,7 +272,7 @@ def match_layers(
             left_export.append(layer)
     still: list[BNLayer] = []
     for layer in left_export:
-        scope = _scope_name(sources.get(layer.name, layer.name), set(by_name) - used)
+        scope = _scope_name(layer.name, set(by_name) - used)
         if scope is not None:
             pairs.append((by_name[scope], layer, BY_SCOPE))
             used.add(scope)
@@ -521,7 +530,7 @@ def _fold(ckpt: Checkpoint, layer: BNLayer, conv: str, node: ConvNode, pairing: 
         layer.running_var,
         layer.eps,
     )
-    return FoldedLayer(layer.name, conv, node.name, pairing, layer.eps, layer.settings_assumed, check)
+    return FoldedLayer(layer.name, conv, node.name, pairing, layer.eps, check)
 
 
 def _unexplained_nodes(ckpt: Checkpoint, nodes: list[ConvNode]) -> Iterator[Unpaired]:

@@ -131,6 +131,9 @@ class Checkpoint:
     # node, the evidence that an exporter folded BN into its Conv nodes (else None).
     unauditable: list[str] = field(default_factory=list)
     folded: str | None = None
+    # The parsed graph of an ONNX model (formats.onnx.OnnxModel): diff pairs folded convs
+    # from it without parsing the file again.
+    graph: Any = field(default=None, repr=False, compare=False)
 
 
 def recalibration_record(metadata: Mapping[str, str]) -> dict[str, Any] | None:

@@ -557,6 +557,7 @@ def read_onnx(path: str) -> Checkpoint:
         holds_module=True,
         metadata={"onnx.producer": model.producer, "onnx.opset": str(model.opset) if model.opset is not None else ""},
         unauditable=unauditable,
+        graph=model,
     )
     if bn_nodes == 0 and convs:
         ckpt.folded = f"no BatchNormalization node; {_conv_list(convs)} with constant weights and bias"

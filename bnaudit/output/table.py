@@ -828,8 +828,6 @@ def _export_body(check: Any, console: Any) -> None:
                 Text("matches", style="green") if c.matches else Text("MISMATCH", style="red"),
             )
         console.print(_fit(table, console.width))
-    for u in check.unpaired:
-        console.print(_cell(f"not paired: {u.name}: {u.reason}", style="yellow"))
     p = check.parity
     if p is not None:
         style = "red" if p.deviates else "green"
