@@ -1,7 +1,7 @@
 """Running one measurement on many processes under torchrun, with a single process's result.
 
 Every command that runs under `python -m torch.distributed.run --nproc-per-node N`
-(recalibrate, gap) follows the same steps, all here:
+(recalibrate, gap, invariance) follows the same steps, all here:
 
   process_group    join the group (gloo on the CPU, nccl for CUDA), left at exit
   device_for_rank  one GPU per rank, by LOCAL_RANK
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -100,7 +101,7 @@ def _leave() -> None:
 @contextlib.contextmanager
 def reporting(device: Any) -> Iterator[int]:
     """For a command under torchrun whose ranks all end with the same report and exit
-    code (gap): hold the process group (`process_group`) around the measurement and rank
+    code (gap, invariance): hold the process group (`process_group`) around the measurement and rank
     0's printing, yield this rank, and on leaving wait for every rank (a barrier). torchrun
     stops the remaining ranks as soon as one exits non-zero, so without the wait rank 0
     could be stopped while it prints the report of a failed check (exit 1)."""
@@ -119,6 +120,16 @@ def device_for_rank(device: Any) -> Any:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
+
+
+def shard_stream(stream: Any, rank: int, world: int) -> Any:
+    """Rank `rank`'s share of a `bnaudit.runtime.data.BatchStream` (`shard_batches`), its
+    batches numbered as the whole run numbers them (errors name the same batch on any
+    world size); the stream itself with one rank."""
+    if world == 1:
+        return stream
+    first, mine = shard_batches(stream.plan, rank, world)
+    return dataclasses.replace(stream, plan=mine, first_index=stream.first_index + first)
 
 
 def shard_batches(plan: list[list[int]], rank: int, world: int) -> tuple[int, list[list[int]]]:

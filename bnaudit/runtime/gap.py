@@ -77,7 +77,7 @@ from bnaudit.runtime.distributed import (
     distributed,
     gather_objects,
     process_group,
-    shard_batches,
+    shard_stream,
     together,
 )
 from bnaudit.runtime.inputs import input_problem
@@ -301,8 +301,8 @@ def measure_model_gap(
     input_stats = ChannelStats()
     example: Any = None
     rank, world = distributed() if shard else (0, 1)
-    first_batch, mine = shard_batches(stream.plan, rank, world)
-    local = stream if world == 1 else replace(stream, plan=mine, first_index=first_batch)
+    local = shard_stream(stream, rank, world)
+    mine = local.plan
     with eval_mode(model), torch.no_grad(), together() if world > 1 else contextlib.nullcontext():
         for batch in local if mine else ():
             inputs = to_device(batch.inputs, device)

@@ -267,13 +267,11 @@ def score_arrangement(
     forward_fn: Any = None,
     float64: bool = False,
     positions: set[int] | None = None,
-    batches: list[list[int]] | None = None,
     progress: Callable[[], None] | None = None,
     grayscale: bool | None = None,
 ) -> tuple[Any, Any]:
     """Outputs (N, ...) on the CPU indexed by sample position, filled batch by batch, and
-    the boolean mask (N,) of the rows filled (zeros elsewhere). `batches` (default: all
-    of the arrangement's) limits the batches run; `positions` keeps only the batches that
+    the boolean mask (N,) of the rows filled (zeros elsewhere). `positions` keeps only the batches that
     hold one of them; outputs are None when no batch ran (the shape is known only from a
     run). Errors name the arrangement and the batch; `grayscale` (--grayscale
     for image folders, None for other data) shapes the advice for a channel mismatch.
@@ -292,8 +290,8 @@ def score_arrangement(
         "grayscale": grayscale,
     }
     rank, world = distributed()
-    if world == 1 or batches is not None:
-        return _score_locally(model, samples, arrangement, batches=batches, **options)
+    if world == 1:
+        return _score_locally(model, samples, arrangement, **options)
     first, mine = shard_batches(arrangement.batches, rank, world)
     outputs = filled = None
     try:
@@ -546,16 +544,13 @@ def score_arrangements(
     forward_fn: Any = None,
     progress: Callable[[int, int], None] | None = None,
     grayscale: bool | None = None,
-    batches_of: Callable[[Arrangement], list[list[int]]] | None = None,
 ) -> tuple[list[tuple[Arrangement, Any]], dict[str, str]]:
     """Every arrangement's outputs (N, ...) by sample position, and the arrangements that
     failed: a model that cannot score one sample alone is batch-dependent itself, so a
     failure of "alone" is recorded (name -> message), any other failure is an error.
-
-    `batches_of(arrangement)` chooses the batches to run (default: all, or under
-    torch.distributed this rank's share, combined across ranks by `score_arrangement`);
-    rows of the batches not run stay zero."""
-    total = sum(len(rank_share(a) if batches_of is None else batches_of(a)) for a in arrangements)
+    Under torch.distributed each rank runs its share of every arrangement's batches
+    (`rank_share`), combined across ranks by `score_arrangement`."""
+    total = sum(len(rank_share(a)) for a in arrangements)
     done = 0
 
     def step() -> None:
@@ -567,7 +562,6 @@ def score_arrangements(
     scored: list[tuple[Arrangement, Any]] = []
     failures: dict[str, str] = {}
     for arrangement in arrangements:
-        batches = None if batches_of is None else batches_of(arrangement)
         before = done
         try:
             out, _ = score_arrangement(
@@ -576,7 +570,6 @@ def score_arrangements(
                 arrangement,
                 device=device,
                 forward_fn=forward_fn,
-                batches=batches,
                 progress=step,
                 grayscale=grayscale,
             )
@@ -584,7 +577,7 @@ def score_arrangements(
             if arrangement.order != "alone":
                 raise
             failures[arrangement.name] = str(exc)
-            done = before + len(rank_share(arrangement) if batches is None else batches)
+            done = before + len(rank_share(arrangement))
             continue
         scored.append((arrangement, out))
     return scored, failures

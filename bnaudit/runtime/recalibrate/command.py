@@ -31,7 +31,7 @@ from bnaudit.formats.atomic import check_output
 from bnaudit.formats.write import check_writable, save_like, statistics_digests
 from bnaudit.runtime.attribution import BROAD_FRACTION, channel_scores, is_large
 from bnaudit.runtime.data import make_loader
-from bnaudit.runtime.distributed import device_for_rank, process_group, shard_batches
+from bnaudit.runtime.distributed import device_for_rank, process_group, shard_stream
 from bnaudit.runtime.gap import GapReport, measure_model_gap, statistics_mature
 from bnaudit.runtime.inputs import input_problem
 from bnaudit.runtime.models import (
@@ -233,10 +233,8 @@ def recalibrate_checkpoint(
                 if f"{name}.running_mean" not in ckpt.tensors or f"{name}.running_var" not in ckpt.tensors
             ]
             stream = make_loader(dataclasses.replace(options, pin_memory=target.type == "cuda"))
-            batches: Any = stream
-            if world > 1:
-                plan = shard_batches(stream.plan, rank, world)[1]
-                batches = dataclasses.replace(stream, plan=plan) if plan else []
+            local = shard_stream(stream, rank, world)
+            batches: Any = local if world == 1 or local.plan else []
             eval_before = None
             model = runnable.module
             if eval_data is not None and rank == 0:
