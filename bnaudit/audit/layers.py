@@ -7,15 +7,16 @@ affine gamma and beta, normally length C) and an optional integer
 (no counter), fused QAT `*.bn.*` sub-modules, quantized BN (`scale`, `zero_point`)
 and tracked InstanceNorm alike. Groups that only look similar are skipped:
 statistics of different lengths (e3nn), float64 normalisers with a `count`
-sibling (RL observation normalisers), and BatchRenorm's `running_std`.
+sibling (RL observation normalisers), and BatchRenorm's `running_std`. Which key
+group is which, and which module is a BatchNorm, is `audit.normkinds`'s answer.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
+from bnaudit.audit.normkinds import NormKind, group_kind, looks_like_batchnorm_name, module_kind
 from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM
 from bnaudit.formats.model import Checkpoint, ModuleInfo, TensorRef
 
@@ -66,7 +67,8 @@ class ModuleFacts:
     norms        every normalisation module that holds or could hold running statistics
                  (its class, eps, momentum, track_running_stats), by state-dict prefix
     batch_norms  the names among `norms` that normalise over the batch (BatchNorm*d,
-                 SyncBatchNorm, ...), as opposed to InstanceNorm
+                 SyncBatchNorm, ...: `audit.normkinds`), as opposed to InstanceNorm and
+                 frozen BatchNorm
     missing      state keys of the model absent from the checkpoint
     unexpected   checkpoint keys the model does not have
     mismatched   (key, checkpoint shape, model shape) where both hold a key with different shapes
@@ -83,8 +85,16 @@ def facts_from_module_infos(modules: dict[str, ModuleInfo]) -> ModuleFacts:
     """ModuleFacts of a file that holds its own modules (nothing can be missing)."""
     return ModuleFacts(
         norms=dict(modules),
-        batch_norms=frozenset(n for n, info in modules.items() if "BatchNorm" in info.class_name),
+        batch_norms=frozenset(n for n, info in modules.items() if module_kind(info) is NormKind.BATCH_NORM),
     )
+
+
+def _kind(group: dict[str, TensorRef], module: ModuleInfo | None) -> str:
+    """The layer's kind in words: its module's class when known, else its key group's."""
+    if module is not None:
+        return module.class_name
+    found = group_kind(group)
+    return found.label if found is not None else "BatchNorm"
 
 
 @dataclass(frozen=True)
@@ -104,10 +114,6 @@ def _group(tensors: dict[str, TensorRef]) -> dict[str, dict[str, TensorRef]]:
     return groups
 
 
-def _is_stat_vector(ref: TensorRef | None) -> bool:
-    return ref is not None and ref.is_floating and len(ref.shape) == 1
-
-
 def _counter(ref: TensorRef | None) -> int | None:
     if ref is None or not ref.is_integer or math.prod(ref.shape) != 1:  # math.prod: no int64 wrap-around
         return None
@@ -123,28 +129,6 @@ def _vector(ref: TensorRef | None) -> list[float] | None:
     if ref is None or len(ref.shape) != 1 or not (ref.is_floating or ref.is_integer):
         return None
     return _floats(ref)
-
-
-def _kind(group: dict[str, TensorRef], module: ModuleInfo | None) -> str:
-    if module is not None:
-        return module.class_name
-    if "scale" in group and "zero_point" in group:
-        return "QuantizedBatchNorm"
-    if "num_batches_tracked" not in group:
-        return "BatchNorm (no counter)"
-    return "BatchNorm"
-
-
-_BN_LIKE = (
-    r"(^|[._])(bn|bn\d+|bn_\d+|batchnorm\w*|batch_norm\w*|norm_bn\w*)$",
-    r"(^|\.)downsample\.1$",
-    r"_bn\d*$",
-)
-
-
-def _looks_like_bn_name(prefix: str) -> bool:
-    low = prefix.lower()
-    return any(re.search(p, low) for p in _BN_LIKE)
 
 
 def discover_layers(
@@ -163,23 +147,17 @@ def discover_layers(
     groups = _group(ckpt.tensors)
     any_stats = False
     for prefix, group in groups.items():
-        mean_ref, var_ref = group.get("running_mean"), group.get("running_var")
-        if mean_ref is not None or var_ref is not None:
+        kind = group_kind(group)
+        if kind is not None:
             any_stats = True
-        if mean_ref is not None and var_ref is not None:
-            if not (_is_stat_vector(mean_ref) and _is_stat_vector(var_ref)):
-                continue
-            if mean_ref.shape != var_ref.shape:
-                continue  # e3nn-style norms: not BN
-            if "count" in group and mean_ref.dtype == "float64":
-                continue  # RL observation normaliser
-            if "running_std" in group:
-                continue  # BatchRenorm
-            layers.append(_make_layer(prefix, group, ckpt.modules.get(prefix), eps, momentum, momentum_given))
-        elif (mean_ref is not None or var_ref is not None) and "running_std" not in group and "count" not in group:
-            present = tuple(k for k in _STAT_NAMES if k in group)
-            missing = tuple(k for k in ("running_mean", "running_var") if k not in group)
-            incomplete.append(IncompleteGroup(prefix, present, missing))
+            if kind.kind is NormKind.NOT_NORM:
+                continue  # a look-alike (BatchRenorm, e3nn, RL observation normaliser)
+            if "running_mean" in group and "running_var" in group:
+                layers.append(_make_layer(prefix, group, ckpt.modules.get(prefix), eps, momentum, momentum_given))
+            else:
+                present = tuple(k for k in _STAT_NAMES if k in group)
+                missing = tuple(k for k in ("running_mean", "running_var") if k not in group)
+                incomplete.append(IncompleteGroup(prefix, present, missing))
         elif "num_batches_tracked" in group and _counter(group["num_batches_tracked"]) is not None:
             incomplete.append(IncompleteGroup(prefix, ("num_batches_tracked",), ("running_mean", "running_var")))
     suspected: list[str] = []
@@ -191,7 +169,7 @@ def discover_layers(
                 and b is not None
                 and len(w.shape) == 1
                 and w.shape == b.shape
-                and _looks_like_bn_name(prefix)
+                and looks_like_batchnorm_name(prefix)
             ):
                 suspected.append(prefix)
     return Discovery(layers, incomplete, suspected)

@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from bnaudit.audit.normkinds import NormKind, classify
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import (
     MODULE_RECORD_ATTRIBUTE,
@@ -194,14 +195,19 @@ def strip_wrapper_prefix(ckpt: Checkpoint) -> Checkpoint:
 
 
 def module_infos(model: Any) -> dict[str, ModuleInfo]:
-    """eps / momentum / tracking of every normalisation module of an nn.Module."""
+    """eps / momentum / tracking of every module of an nn.Module that holds or could hold
+    running statistics: a normalisation module of the table (`audit.normkinds`), or any
+    other module with a running_mean (BN001 checks those too)."""
     infos: dict[str, ModuleInfo] = {}
     for name, mod in model.named_modules():
-        if hasattr(mod, "running_mean") or hasattr(mod, "track_running_stats"):
+        bases = tuple(f"{c.__module__}.{c.__qualname__}" for c in type(mod).__mro__[1:] if c is not object)
+        known = classify(type(mod).__name__, bases) is not NormKind.NOT_NORM
+        if known or hasattr(mod, "running_mean") or hasattr(mod, "track_running_stats"):
             momentum = getattr(mod, "momentum", None)
             tracking = getattr(mod, "track_running_stats", None)
             infos[name] = ModuleInfo(
                 class_name=type(mod).__name__,
+                bases=bases,
                 eps=real_or_none(getattr(mod, "eps", None)),
                 momentum=real_or_none(momentum),
                 track_running_stats=tracking if isinstance(tracking, bool) else None,

@@ -95,6 +95,12 @@ class ModuleInfo:
     the node normalises with the batch's statistics, `training_reason` says what in the node
     says so ("training_mode=1"). `source` names where the settings came from ("node 'X' in
     main graph, BatchNormalization-15, opset 17"). None: the format cannot say.
+
+    What `audit.normkinds.module_kind` classifies it by: `class_name` (a TorchScript
+    module's original class, an ONNX node's op type), `bases` (the qualified names of its
+    base classes, nearest first, where the class itself is known: a pickled module) and
+    `calls` (the normalisation operators its own code calls, canonical names: a
+    TorchScript module, whose base classes are lost).
     """
 
     class_name: str
@@ -105,6 +111,8 @@ class ModuleInfo:
     training_mode: bool | None = None
     source: str | None = None
     training_reason: str | None = None
+    bases: tuple[str, ...] = ()
+    calls: tuple[str, ...] = ()
 
 
 @dataclass

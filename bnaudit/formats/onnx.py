@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from bnaudit.audit.normkinds import NormKind, norm_op
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, ModuleInfo, TensorRef, decode_values, read_into
 from bnaudit.text import exception_line, listing, plural, printable
@@ -499,7 +500,8 @@ def read_onnx(path: str) -> Checkpoint:
                 if _resolve(node.input[1], identities).startswith("onnx::"):
                     computed.append(node.name or f"Conv_{index}")
             continue
-        if node.op_type != "BatchNormalization":
+        op = norm_op(f"onnx::{node.op_type}")
+        if op is None or op.kind is not NormKind.BATCH_NORM:
             continue
         bn_nodes += 1
         opset = function_opsets.get(where.split("/")[0], model.opset)
@@ -541,13 +543,14 @@ def read_onnx(path: str) -> Checkpoint:
         for leaf, ref in refs.items():
             tensors[f"{name}.{leaf}"] = ref.renamed(f"{name}.{leaf}")
         modules[name] = ModuleInfo(
-            class_name="BatchNormalization",
+            class_name=node.op_type,
             eps=eps,
             momentum=_f32(1.0 - onnx_momentum),
             track_running_stats=True,
             training_mode=mode.training,
             source=source,
             training_reason=mode.why,
+            calls=(op.name,),
         )
     ckpt = Checkpoint(
         path,

@@ -3,7 +3,9 @@
 `read_torchscript` unpickles an archive's `data.pkl` with inert stand-ins for its
 `__torch__` classes and resolves tensors to the zip records that hold their bytes; eps
 and momentum come from the archive's code files (`Final` constants), since a scripted
-BN module stores them there. `stored_tensors` finds where the top-level tensors of a
+BN module stores them there, and so do the normalisation operators each class calls
+(a scripted module keeps only its class name: `class MyBN(nn.BatchNorm2d)` is `MyBN`,
+whose code calls `torch.nn.functional.batch_norm`), which `audit.normkinds` classifies by. `stored_tensors` finds where the top-level tensors of a
 torch.save zip lie, so data files can be streamed row by row. A global that could run
 code is refused: bnaudit never runs TorchScript to inspect it.
 """
@@ -18,6 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
+from bnaudit.audit.normkinds import norm_calls
 from bnaudit.errors import BnauditError
 from bnaudit.formats.containers import real_or_none
 from bnaudit.formats.model import (
@@ -255,7 +258,7 @@ def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleI
         raise BnauditError(f"{path}: unreadable TorchScript archive ({exception_line(exc, with_type=False)})") from None
     tensors: dict[str, TensorRef] = {}
     modules: dict[str, ModuleInfo] = {}
-    constants = _ScriptConstants(archive, root)
+    classes = _ScriptClasses(archive, root)
     # A module may be shared (visited under each of its names, as state_dict does),
     # but a forged archive can nest shared nodes so that the paths double per level.
     budget = [_MAX_SCRIPT_VISITS]
@@ -268,7 +271,8 @@ def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleI
             raise BnauditError(
                 f"{path}: TorchScript archive names more than {_MAX_SCRIPT_VISITS} modules (forged nesting?)"
             )
-        attrs = {**constants.of(node.qualname), **getattr(node, "attrs", {})}
+        code = classes.of(node.qualname)
+        attrs = {**code.constants, **getattr(node, "attrs", {})}
         cls = node.qualname.rsplit(".", 1)[-1]
         if "running_mean" in attrs or "track_running_stats" in attrs:
             eps, momentum = attrs.get("eps"), attrs.get("momentum")
@@ -279,6 +283,7 @@ def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleI
                 real_or_none(momentum),
                 tracking if isinstance(tracking, bool) else None,
                 momentum_known="momentum" in attrs and (momentum is None or real_or_none(momentum) is not None),
+                calls=code.calls,
             )
         for name, value in attrs.items():
             if not isinstance(name, str):
@@ -298,11 +303,23 @@ def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleI
     return tensors, modules
 
 
-class _ScriptConstants:
-    """`Final` class constants (eps, momentum, ...) from an archive's code files.
+@dataclass(frozen=True)
+class _ScriptClass:
+    constants: dict[str, Any]
+    calls: tuple[str, ...]
+
+
+_NO_CLASS = _ScriptClass({}, ())
+
+
+class _ScriptClasses:
+    """What an archive's code files say of each class: its `Final` constants (eps,
+    momentum, ...) and the normalisation operators its methods call.
 
     TorchScript compiles BatchNorm's eps and momentum into its code as
-    `eps : Final[float] = 0.001`; the file is read as text, never executed.
+    `eps : Final[float] = 0.001`, and a BatchNorm's forward as a call of
+    `__torch__.torch.nn.functional.batch_norm` (scripted) or `torch.batch_norm` (traced);
+    the file is read as text, never executed.
     """
 
     _CLASS_RE = re.compile(r"^class (\w+)\(", re.MULTILINE)
@@ -312,9 +329,9 @@ class _ScriptConstants:
 
     def __init__(self, archive: zipfile.ZipFile, root: str) -> None:
         self.archive, self.root = archive, root
-        self.cache: dict[str, dict[str, dict[str, Any]]] = {}
+        self.cache: dict[str, dict[str, _ScriptClass]] = {}
 
-    def of(self, qualname: str) -> dict[str, Any]:
+    def of(self, qualname: str) -> _ScriptClass:
         module, _, cls = qualname.rpartition(".")
         if module not in self.cache:
             entry = f"{self.root}/code/{module.replace('.', '/')}.py"
@@ -323,17 +340,18 @@ class _ScriptConstants:
             except KeyError:
                 source = ""
             self.cache[module] = self._parse(source)
-        return self.cache[module].get(cls, {})
+        return self.cache[module].get(cls, _NO_CLASS)
 
-    def _parse(self, source: str) -> dict[str, dict[str, Any]]:
-        classes: dict[str, dict[str, Any]] = {}
+    def _parse(self, source: str) -> dict[str, _ScriptClass]:
+        classes: dict[str, _ScriptClass] = {}
         starts = [(m.start(), m.group(1)) for m in self._CLASS_RE.finditer(source)]
         for i, (start, name) in enumerate(starts):
             end = starts[i + 1][0] if i + 1 < len(starts) else len(source)
+            body = source[start:end]
             values: dict[str, Any] = {}
-            for key, literal in self._FINAL_RE.findall(source[start:end]):
+            for key, literal in self._FINAL_RE.findall(body):
                 values[key] = _literal(literal.strip())
-            classes[name] = values
+            classes[name] = _ScriptClass(values, norm_calls(body))
         return classes
 
 

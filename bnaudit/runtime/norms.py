@@ -3,19 +3,23 @@ are joined: the one place in bnaudit that decides these.
 
 Definitions (every other runtime module asks the functions here):
 
-  BatchNorm layer   an eager module that is a torch `_BatchNorm` (BatchNorm1d/2d/3d, their
-                    Lazy variants, SyncBatchNorm and every subclass), or a TorchScript
-                    module whose original class is named BatchNorm* / SyncBatchNorm*
-                    (`is_batchnorm`). For channel c it computes
+  BatchNorm layer   a module of kind "batch norm" in the one table, `audit.normkinds`
+                    (`norm_kind`, `is_batchnorm`): an eager module by its class and base
+                    classes, and among torch's `_BatchNorm` (BatchNorm1d/2d/3d, their
+                    Lazy variants, SyncBatchNorm and every subclass), whose forward the
+                    switching below relies on; a TorchScript module by the name of its
+                    original class, or where the table does not know it, by the
+                    normalisation its code calls (`class MyBN(nn.BatchNorm2d)` scripts
+                    to a `MyBN` that calls F.batch_norm). For channel c it computes
 
                       y = (x - mu_c) / sqrt(var_c + eps) * weight_c + bias_c
 
                     with mu_c and the biased variance var_c of the batch in training mode
                     (it then updates running_mean / running_var by momentum, storing the
                     unbiased variance), and running_mean_c / running_var_c in eval mode.
-  norm layer        a BatchNorm layer or an InstanceNorm (any torch `_NormBase`; in
-                    TorchScript a class named InstanceNorm*): every layer whose output
-                    depends on the mode (`is_norm`, `norm_modules`). gap switches them all.
+  norm layer        a BatchNorm layer or an InstanceNorm (kind "instance norm"; eager, a
+                    torch `_NormBase`): every layer whose output depends on the mode
+                    (`is_norm`, `norm_modules`). gap switches them all.
   recalibratable    a BatchNorm layer that keeps running statistics (`classify_layers`);
                     frozen BN (statistics as buffers of a module without a training mode),
                     tracked InstanceNorm (its running_var averages per-instance variances)
@@ -34,8 +38,8 @@ and streams of batches all follow this rule through that one function.
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
-import re
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -44,14 +48,19 @@ from typing import Any
 import torch
 from torch.nn.modules import batchnorm as _torch_batchnorm
 
+from bnaudit.audit.normkinds import (
+    NormKind,
+    batch_norm_ops_with_training_argument,
+    class_kind,
+    classify,
+    norm_calls,
+    own_method_calls,
+)
+
 # torch's private base classes are the only complete answer to "is this BatchNorm"
 # (every BatchNorm*, SyncBatchNorm and user subclass derives from them); read here only.
 _BATCHNORM = _torch_batchnorm._BatchNorm
 _NORM_BASE = _torch_batchnorm._NormBase
-
-# TorchScript modules keep only the name of the class they were scripted from.
-_SCRIPT_BATCHNORM = re.compile(r"(Sync)?BatchNorm\w*")
-_SCRIPT_INSTANCENORM = re.compile(r"InstanceNorm\w*")
 
 
 @dataclass(frozen=True)
@@ -70,18 +79,69 @@ def _script_class(module: Any) -> str:
     return getattr(module, "original_name", "") or ""
 
 
+@functools.lru_cache(maxsize=256)
+def _eager_kind(cls: type) -> NormKind:
+    bases = tuple(f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__[1:] if c is not object)
+    return classify(cls.__name__, bases)
+
+
+def _script_kind(module: Any) -> NormKind:
+    # TorchScript keeps the original class's name, not its bases: a name the table does
+    # not know is classified by the normalisation its code calls, when it holds (or could
+    # hold) running statistics, as the archive reader does (formats/torchscript.py)
+    name = _script_class(module)
+    known = class_kind([name])
+    if known is not None:
+        return known
+    own = dict(module.named_buffers(recurse=False))
+    if "running_mean" not in own and not hasattr(module, "track_running_stats"):
+        return NormKind.NOT_NORM
+    return classify(name, calls=norm_calls(_own_code(module)))
+
+
+_MAX_OWN_METHODS = 32
+
+
+def _own_code(module: Any) -> str:
+    """The code of a scripted module's forward and of the own methods it calls (an
+    InstanceNorm's forward calls `_apply_instance_norm`, which calls F.instance_norm)."""
+    pending: list[str] = ["forward"]
+    seen: set[str] = set()
+    parts: list[str] = []
+    while pending and len(seen) < _MAX_OWN_METHODS:
+        method = pending.pop(0)
+        seen.add(method)
+        try:
+            code = getattr(module, method).code
+        except Exception:  # a module without a compiled forward, or an attribute that is no method
+            continue
+        parts.append(code)
+        pending += [m for m in own_method_calls(code) if m not in seen and m not in pending]
+    return "\n".join(parts)
+
+
+def norm_kind(module: Any) -> NormKind:
+    """The kind of a module in `audit.normkinds`'s table (see the module docstring);
+    an eager module that is not a torch `_NormBase` is at most frozen."""
+    if is_script(module):
+        return _script_kind(module)
+    cls: type = type(module)
+    kind = _eager_kind(cls)
+    if kind is NormKind.BATCH_NORM and not isinstance(module, _BATCHNORM):
+        return NormKind.NOT_NORM  # named like BatchNorm but not torch's: its mode cannot be switched here
+    if kind is NormKind.INSTANCE_NORM and not isinstance(module, _NORM_BASE):
+        return NormKind.NOT_NORM
+    return kind
+
+
 def is_batchnorm(module: Any) -> bool:
     """A BatchNorm layer (see the module docstring)."""
-    if isinstance(module, _BATCHNORM):
-        return True
-    return is_script(module) and _SCRIPT_BATCHNORM.fullmatch(_script_class(module)) is not None
+    return norm_kind(module) is NormKind.BATCH_NORM
 
 
 def is_norm(module: Any) -> bool:
     """A norm layer: BatchNorm or InstanceNorm, whose output depends on the mode."""
-    if isinstance(module, _NORM_BASE) or is_batchnorm(module):
-        return True
-    return is_script(module) and _SCRIPT_INSTANCENORM.fullmatch(_script_class(module)) is not None
+    return norm_kind(module).switches_with_mode
 
 
 def batchnorm_modules(model: Any) -> dict[str, Any]:
@@ -341,10 +401,9 @@ def batch_statistics_reason(module: Any) -> str | None:
     return None
 
 
-# aten operators that normalise by batch statistics when their `training` argument
-# (the sixth, index 5, in each schema) is true
-_BATCH_NORM_OPS = ("aten::batch_norm", "aten::_batch_norm_impl_index", "aten::native_batch_norm")
-_TRAINING_ARG = 5
+# aten operators that normalise by batch statistics when their `training` argument is
+# true (audit.normkinds): node kind -> index of that argument
+_BATCH_NORM_OPS = {op.name: op.training_arg for op in batch_norm_ops_with_training_argument()}
 
 
 @dataclass(frozen=True)
@@ -368,12 +427,12 @@ def scripted_batch_stat_calls(model: Any) -> list[ScriptedBatchStatCall]:
             graph = module.graph
         except Exception:  # a module without a compiled forward
             continue
-        nodes = [n for op in _BATCH_NORM_OPS for n in graph.findAllNodes(op, True)]  # recurse into blocks
-        for node in nodes:
+        nodes = [(n, arg) for op, arg in _BATCH_NORM_OPS.items() for n in graph.findAllNodes(op, True)]  # in blocks too
+        for node, training_arg in nodes:
             args = list(node.inputs())
-            if len(args) <= _TRAINING_ARG:
+            if training_arg is None or len(args) <= training_arg:
                 continue
-            training = args[_TRAINING_ARG]
+            training = args[training_arg]
             if training.node().kind() == "prim::Constant" and training.toIValue() is True:
                 calls.append(ScriptedBatchStatCall(name or "(model)", _script_class(module), node.kind()))
     return calls
