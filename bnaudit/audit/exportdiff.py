@@ -32,6 +32,7 @@ from typing import Any
 
 from bnaudit.audit.fold import FoldCheck, float32, fold_layer
 from bnaudit.audit.layers import BNLayer
+from bnaudit.audit.normkinds import NormKind, onnx_op_kind
 from bnaudit.formats.model import Checkpoint, TensorRef
 
 CONV_OPS = ("Conv", "Gemm", "MatMul")
@@ -396,7 +397,7 @@ def conv_nodes(model: Any) -> list[ConvNode]:
                 bias=bias,
                 weight_factor=_attribute(node, "alpha", 1.0) if gemm else 1.0,
                 bias_factor=_attribute(node, "beta", 1.0) if gemm else 1.0,
-                feeds_batchnorm=any(c.op_type == "BatchNormalization" for c in after),
+                feeds_batchnorm=any(onnx_op_kind(c.op_type) is NormKind.BATCH_NORM for c in after),
             )
         )
     return found

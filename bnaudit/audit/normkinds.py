@@ -195,6 +195,19 @@ def op_kind(name: str) -> NormKind:
     return NOT if op is None else op.kind
 
 
+def onnx_op(op_type: str) -> NormOp | None:
+    """The normalisation operator an ONNX node of the default domain is, by its op type
+    (`BatchNormalization`); None if it is none. The op type comes from the file: it is
+    looked up in the ONNX namespace only, so an op type spelled `aten::batch_norm` is none."""
+    return norm_op(f"onnx::{op_type}")
+
+
+def onnx_op_kind(op_type: str) -> NormKind:
+    """The kind of an ONNX node of the default domain (see `onnx_op`)."""
+    op = onnx_op(op_type)
+    return NOT if op is None else op.kind
+
+
 def batch_norm_ops_with_training_argument() -> tuple[NormOp, ...]:
     """The `aten::` BatchNorm operators whose training argument decides the statistics."""
     return tuple(op for op in OPS if op.kind is BN and op.training_arg is not None and op.name.startswith("aten::"))

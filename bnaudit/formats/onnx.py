@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from bnaudit.audit.normkinds import NormKind, norm_op
+from bnaudit.audit.normkinds import NormKind, onnx_op
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, ModuleInfo, TensorRef, decode_values, read_into
 from bnaudit.text import exception_line, listing, plural, printable
@@ -500,7 +500,7 @@ def read_onnx(path: str) -> Checkpoint:
                 if _resolve(node.input[1], identities).startswith("onnx::"):
                     computed.append(node.name or f"Conv_{index}")
             continue
-        op = norm_op(f"onnx::{node.op_type}")
+        op = onnx_op(node.op_type)
         if op is None or op.kind is not NormKind.BATCH_NORM:
             continue
         bn_nodes += 1

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bnaudit.audit.normkinds import NormKind, op_kind
 from bnaudit.errors import BnauditError
 from bnaudit.runtime.distributed import distributed, together
 from bnaudit.runtime.norms import (
@@ -142,21 +143,6 @@ class _StopForward(Exception):
     """Raised from an observer to end a forward pass early (sequential method)."""
 
 
-_BN_OPS = {
-    "native_batch_norm",
-    "_native_batch_norm_legit",
-    "_native_batch_norm_legit_no_training",
-    "_native_batch_norm_legit_functional",
-    "cudnn_batch_norm",
-    "miopen_batch_norm",
-    "_batch_norm_with_update",
-    "_batch_norm_with_update_functional",
-    "_batch_norm_no_update",
-    "batch_norm",
-    "_batch_norm_impl_index",
-}
-
-
 @contextlib.contextmanager
 def _observe(
     model: Any, layers: dict[str, Any], callback: Callable[[str, Any], Any], fused: Collection[str] = ()
@@ -190,7 +176,7 @@ def _observe(
         def __torch_dispatch__(
             self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
         ) -> Any:
-            if func.overloadpacket.__name__ in _BN_OPS and len(args) > 3 and isinstance(args[3], torch.Tensor):
+            if op_kind(func.name()) is NormKind.BATCH_NORM and len(args) > 3 and isinstance(args[3], torch.Tensor):
                 name = by_buffer.get(args[3].data_ptr())
                 if name is not None:
                     batch = callback(name, args[0])
