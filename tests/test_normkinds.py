@@ -33,6 +33,7 @@ from bnaudit.audit.normkinds import (
     own_method_calls,
 )
 from bnaudit.cli import app
+from bnaudit.formats.containers import module_infos
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.runtime.norms import batchnorm_modules, classify_layers, norm_modules
 
@@ -314,3 +315,24 @@ def test_key_groups_of_real_state_dicts(tmp_path) -> None:
     }
     assert looks_like_batchnorm_name("layer1.0.bn1") and looks_like_batchnorm_name("layer1.0.downsample.1")
     assert not looks_like_batchnorm_name("encoder.norm1") and not looks_like_batchnorm_name("abnormal")
+
+
+class BatchRenorm2d(nn.BatchNorm2d):
+    """A BatchRenorm built on BatchNorm2d: the table's look-alike, whatever its base."""
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's: a BatchNorm2d with an activation child."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.act = nn.ReLU()
+
+
+def test_eager_modules_get_the_tables_answer_by_their_class_and_bases() -> None:
+    model = nn.Sequential(MyBN(4), BatchRenorm2d(4), BatchNormAct2d(4), MyIN(4), nn.LayerNorm(4))
+    assert list(batchnorm_modules(model)) == ["0", "2"]
+    assert list(norm_modules(model)) == ["0", "2", "3"]
+    # and the pickled-module reader records the same bases for the audit
+    infos = module_infos(model)
+    assert sorted(facts_from_module_infos(infos).batch_norms) == ["0", "2"]

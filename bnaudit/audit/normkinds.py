@@ -101,9 +101,9 @@ CLASSES: Mapping[str, NormKind] = {
 class Statistics(enum.Enum):
     """Which statistics an operator normalises by."""
 
-    BATCH = "the batch's"
+    BATCH = "its input's own statistics"
     RUNNING = "the running statistics"
-    ARGUMENT = "the batch's when its training argument is true, else the running statistics"
+    ARGUMENT = "its input's own statistics when its training argument (or attribute) is true, else the running ones"
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ OPS: tuple[NormOp, ...] = (
     NormOp("torch.nn.functional.batch_norm", BN, _ARG, 5),
     NormOp("torch.nn.functional.instance_norm", IN, _ARG, 5, "use_input_stats"),
     # ONNX (domain "" / ai.onnx): training_mode (-14, -15) or is_test (-6) decide
-    NormOp("onnx::BatchNormalization", BN, Statistics.RUNNING, None, "training_mode=0"),
+    NormOp("onnx::BatchNormalization", BN, _ARG, None, "attribute training_mode (-14, -15), is_test (-6)"),
     NormOp("onnx::InstanceNormalization", IN, Statistics.BATCH),
 )
 

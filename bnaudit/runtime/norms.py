@@ -1,5 +1,6 @@
-"""Which modules are BatchNorm, how to switch them between statistics, and how batches
-are joined: the one place in bnaudit that decides these.
+"""Which modules are BatchNorm (the table of `audit.normkinds`, applied to live modules),
+how to switch them between statistics, and how batches are joined: the one place in
+bnaudit's runtime that decides these.
 
 Definitions (every other runtime module asks the functions here):
 
@@ -57,8 +58,8 @@ from bnaudit.audit.normkinds import (
     own_method_calls,
 )
 
-# torch's private base classes are the only complete answer to "is this BatchNorm"
-# (every BatchNorm*, SyncBatchNorm and user subclass derives from them); read here only.
+# torch's private base classes: the switching below relies on their forward (every
+# BatchNorm*, SyncBatchNorm and user subclass derives from them); read here only.
 _BATCHNORM = _torch_batchnorm._BatchNorm
 _NORM_BASE = _torch_batchnorm._NormBase
 
@@ -121,14 +122,15 @@ def _own_code(module: Any) -> str:
 
 
 def norm_kind(module: Any) -> NormKind:
-    """The kind of a module in `audit.normkinds`'s table (see the module docstring);
-    an eager module that is not a torch `_NormBase` is at most frozen."""
+    """The kind of a module in `audit.normkinds`'s table (see the module docstring). An
+    eager module the table calls BatchNorm (InstanceNorm) that does not derive from torch's
+    `_BatchNorm` (`_NormBase`) counts as no norm: its mode cannot be switched here."""
     if is_script(module):
         return _script_kind(module)
     cls: type = type(module)
     kind = _eager_kind(cls)
     if kind is NormKind.BATCH_NORM and not isinstance(module, _BATCHNORM):
-        return NormKind.NOT_NORM  # named like BatchNorm but not torch's: its mode cannot be switched here
+        return NormKind.NOT_NORM
     if kind is NormKind.INSTANCE_NORM and not isinstance(module, _NORM_BASE):
         return NormKind.NOT_NORM
     return kind
