@@ -147,10 +147,10 @@ def discover_layers(
     groups = _group(ckpt.tensors)
     any_stats = False
     for prefix, group in groups.items():
-        kind = group_kind(group)
-        if kind is not None:
+        found = group_kind(group)
+        if found is not None:
             any_stats = True
-            if kind.kind is NormKind.NOT_NORM:
+            if found.kind is NormKind.NOT_NORM:
                 continue  # a look-alike (BatchRenorm, e3nn, RL observation normaliser)
             if "running_mean" in group and "running_var" in group:
                 layers.append(_make_layer(prefix, group, ckpt.modules.get(prefix), eps, momentum, momentum_given))
