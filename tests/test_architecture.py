@@ -215,7 +215,7 @@ TORCH_FREE = sorted(
     m
     for m in MODULES
     if m.startswith(("bnaudit.formats", "bnaudit.audit", "bnaudit.output"))
-    or m in ("bnaudit", "bnaudit.config", "bnaudit.text", "bnaudit.errors")
+    or m in ("bnaudit", "bnaudit.config", "bnaudit.text", "bnaudit.errors", "bnaudit.normkinds")
 )
 
 

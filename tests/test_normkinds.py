@@ -1,4 +1,4 @@
-"""One answer to "is this a BatchNorm, and which kind" (audit/normkinds.py): the table pinned
+"""One answer to "is this a BatchNorm, and which kind" (bnaudit/normkinds.py): the table pinned
 class by class and op by op, and the same answer from every place that asks."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from bnaudit.audit.audit import inspect
 from bnaudit.audit.layers import facts_from_module_infos
-from bnaudit.audit.normkinds import (
+from bnaudit.normkinds import (
     CLASSES,
     OPS,
     GroupKind,

@@ -32,7 +32,7 @@ from typing import Any
 
 from bnaudit.audit.fold import FoldCheck, float32, fold_layer
 from bnaudit.audit.layers import BNLayer
-from bnaudit.audit.normkinds import NormKind, onnx_op_kind
+from bnaudit.normkinds import NormKind, onnx_op_kind
 from bnaudit.formats.model import Checkpoint, TensorRef
 
 CONV_OPS = ("Conv", "Gemm", "MatMul")

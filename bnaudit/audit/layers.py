@@ -8,7 +8,7 @@ affine gamma and beta, normally length C) and an optional integer
 and tracked InstanceNorm alike. Groups that only look similar are skipped:
 statistics of different lengths (e3nn), float64 normalisers with a `count`
 sibling (RL observation normalisers), and BatchRenorm's `running_std`. Which key
-group is which, and which module is a BatchNorm, is `audit.normkinds`'s answer.
+group is which, and which module is a BatchNorm, is `bnaudit.normkinds`'s answer.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bnaudit.audit.normkinds import NormKind, group_kind, looks_like_batchnorm_name, module_kind
+from bnaudit.normkinds import NormKind, group_kind, looks_like_batchnorm_name, module_kind
 from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM
 from bnaudit.formats.model import Checkpoint, ModuleInfo, TensorRef
 
@@ -67,7 +67,7 @@ class ModuleFacts:
     norms        every normalisation module that holds or could hold running statistics
                  (its class, eps, momentum, track_running_stats), by state-dict prefix
     batch_norms  the names among `norms` that normalise over the batch (BatchNorm*d,
-                 SyncBatchNorm, ...: `audit.normkinds`), as opposed to InstanceNorm and
+                 SyncBatchNorm, ...: `bnaudit.normkinds`), as opposed to InstanceNorm and
                  frozen BatchNorm
     missing      state keys of the model absent from the checkpoint
     unexpected   checkpoint keys the model does not have

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from bnaudit.audit.normkinds import NormKind, classify
+from bnaudit.normkinds import NormKind, classify
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import (
     MODULE_RECORD_ATTRIBUTE,
@@ -196,7 +196,7 @@ def strip_wrapper_prefix(ckpt: Checkpoint) -> Checkpoint:
 
 def module_infos(model: Any) -> dict[str, ModuleInfo]:
     """eps / momentum / tracking of every module of an nn.Module that holds or could hold
-    running statistics: a normalisation module of the table (`audit.normkinds`), or any
+    running statistics: a normalisation module of the table (`bnaudit.normkinds`), or any
     other module with a running_mean (BN001 checks those too)."""
     infos: dict[str, ModuleInfo] = {}
     for name, mod in model.named_modules():

@@ -96,7 +96,7 @@ class ModuleInfo:
     says so ("training_mode=1"). `source` names where the settings came from ("node 'X' in
     main graph, BatchNormalization-15, opset 17"). None: the format cannot say.
 
-    What `audit.normkinds.module_kind` classifies it by: `class_name` (a TorchScript
+    What `bnaudit.normkinds.module_kind` classifies it by: `class_name` (a TorchScript
     module's original class, an ONNX node's op type), `bases` (the qualified names of its
     base classes, nearest first, where the class itself is known: a pickled module) and
     `calls` (the normalisation operators its own code calls, canonical names: a

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from bnaudit.audit.normkinds import NormKind, onnx_op
+from bnaudit.normkinds import NormKind, onnx_op
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, ModuleInfo, TensorRef, decode_values, read_into
 from bnaudit.text import exception_line, listing, plural, printable

@@ -5,7 +5,7 @@
 and momentum come from the archive's code files (`Final` constants), since a scripted
 BN module stores them there, and so do the normalisation operators each class calls
 (a scripted module keeps only its class name: `class MyBN(nn.BatchNorm2d)` is `MyBN`,
-whose code calls `torch.nn.functional.batch_norm`), which `audit.normkinds` classifies by. `stored_tensors` finds where the top-level tensors of a
+whose code calls `torch.nn.functional.batch_norm`), which `bnaudit.normkinds` classifies by. `stored_tensors` finds where the top-level tensors of a
 torch.save zip lie, so data files can be streamed row by row. A global that could run
 code is refused: bnaudit never runs TorchScript to inspect it.
 """
@@ -20,7 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
-from bnaudit.audit.normkinds import norm_calls
+from bnaudit.normkinds import norm_calls
 from bnaudit.errors import BnauditError
 from bnaudit.formats.containers import real_or_none
 from bnaudit.formats.model import (

@@ -1,10 +1,10 @@
-"""Which modules are BatchNorm (the table of `audit.normkinds`, applied to live modules),
+"""Which modules are BatchNorm (the table of `bnaudit.normkinds`, applied to live modules),
 how to switch them between statistics, and how batches are joined: the one place in
 bnaudit's runtime that decides these.
 
 Definitions (every other runtime module asks the functions here):
 
-  BatchNorm layer   a module of kind "batch norm" in the one table, `audit.normkinds`
+  BatchNorm layer   a module of kind "batch norm" in the one table, `bnaudit.normkinds`
                     (`norm_kind`, `is_batchnorm`): an eager module by its class and base
                     classes, and among torch's `_BatchNorm` (BatchNorm1d/2d/3d, their
                     Lazy variants, SyncBatchNorm and every subclass), whose forward the
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch.nn.modules import batchnorm as _torch_batchnorm
 
-from bnaudit.audit.normkinds import (
+from bnaudit.normkinds import (
     NormKind,
     batch_norm_ops_with_training_argument,
     class_kind,
@@ -122,7 +122,7 @@ def _own_code(module: Any) -> str:
 
 
 def norm_kind(module: Any) -> NormKind:
-    """The kind of a module in `audit.normkinds`'s table (see the module docstring). An
+    """The kind of a module in `bnaudit.normkinds`'s table (see the module docstring). An
     eager module the table calls BatchNorm (InstanceNorm) that does not derive from torch's
     `_BatchNorm` (`_NormBase`) counts as no norm: its mode cannot be switched here."""
     if is_script(module):
@@ -404,7 +404,7 @@ def batch_statistics_reason(module: Any) -> str | None:
 
 
 # aten operators that normalise by batch statistics when their `training` argument is
-# true (audit.normkinds): node kind -> index of that argument
+# true (bnaudit.normkinds): node kind -> index of that argument
 _BATCH_NORM_OPS = {op.name: op.training_arg for op in batch_norm_ops_with_training_argument()}
 
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bnaudit.audit.normkinds import NormKind, op_kind
+from bnaudit.normkinds import NormKind, op_kind
 from bnaudit.errors import BnauditError
 from bnaudit.runtime.distributed import distributed, together
 from bnaudit.runtime.norms import (
