@@ -16,6 +16,9 @@ from typer.testing import CliRunner
 
 from bnaudit.audit.audit import inspect
 from bnaudit.audit.layers import facts_from_module_infos
+from bnaudit.cli import app
+from bnaudit.formats.containers import module_infos
+from bnaudit.formats.read import read_checkpoint
 from bnaudit.normkinds import (
     CLASSES,
     OPS,
@@ -32,9 +35,6 @@ from bnaudit.normkinds import (
     op_kind,
     own_method_calls,
 )
-from bnaudit.cli import app
-from bnaudit.formats.containers import module_infos
-from bnaudit.formats.read import read_checkpoint
 from bnaudit.runtime.norms import batchnorm_modules, classify_layers, norm_modules
 
 # torch.jit.script warns that TorchScript is deprecated; it is still a format users ship

@@ -32,8 +32,8 @@ from typing import Any
 
 from bnaudit.audit.fold import FoldCheck, float32, fold_layer
 from bnaudit.audit.layers import BNLayer
-from bnaudit.normkinds import NormKind, onnx_op_kind
 from bnaudit.formats.model import Checkpoint, TensorRef
+from bnaudit.normkinds import NormKind, onnx_op_kind
 
 CONV_OPS = ("Conv", "Gemm", "MatMul")
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bnaudit.normkinds import NormKind, group_kind, looks_like_batchnorm_name, module_kind
 from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM
 from bnaudit.formats.model import Checkpoint, ModuleInfo, TensorRef
+from bnaudit.normkinds import NormKind, group_kind, looks_like_batchnorm_name, module_kind
 
 _STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 

@@ -15,7 +15,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from bnaudit.normkinds import NormKind, classify
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import (
     MODULE_RECORD_ATTRIBUTE,
@@ -25,6 +24,7 @@ from bnaudit.formats.model import (
     record_from_state_dict_metadata,
     torch_ref,
 )
+from bnaudit.normkinds import NormKind, classify
 from bnaudit.text import exception_line
 
 

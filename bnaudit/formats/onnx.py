@@ -35,9 +35,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from bnaudit.normkinds import NormKind, onnx_op
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, ModuleInfo, TensorRef, decode_values, read_into
+from bnaudit.normkinds import NormKind, onnx_op
 from bnaudit.text import exception_line, listing, plural, printable
 
 ONNX_EXTRA = 'pip install "bnaudit[onnx]"'

@@ -20,7 +20,6 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
-from bnaudit.normkinds import norm_calls
 from bnaudit.errors import BnauditError
 from bnaudit.formats.containers import real_or_none
 from bnaudit.formats.model import (
@@ -32,6 +31,7 @@ from bnaudit.formats.model import (
 )
 from bnaudit.formats.safetensors import is_count
 from bnaudit.formats.sniff import check_zip_sizes
+from bnaudit.normkinds import norm_calls
 from bnaudit.text import exception_line
 
 

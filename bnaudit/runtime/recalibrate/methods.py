@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bnaudit.normkinds import NormKind, op_kind
 from bnaudit.errors import BnauditError
+from bnaudit.normkinds import NormKind, op_kind
 from bnaudit.runtime.distributed import distributed, together
 from bnaudit.runtime.norms import (
     SkippedLayer,
