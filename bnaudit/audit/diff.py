@@ -42,9 +42,10 @@ from bnaudit.audit.layerdiff import (
     compare_layers,
     describe_group,
 )
-from bnaudit.audit.layers import BNLayer, discover_layers
+from bnaudit.audit.layers import BNLayer, discover_layers, not_from_file
 from bnaudit.audit.rules import Finding, run_diff_rules
-from bnaudit.config import DEFAULT_EPS, SEVERITIES, Config, severity_rank
+from bnaudit.audit.settings import statement
+from bnaudit.config import SEVERITIES, Config, severity_rank
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import Checkpoint, recalibration_record
 from bnaudit.formats.read import read_checkpoint
@@ -75,7 +76,7 @@ class DiffReport:
     only_b: list[str] = field(default_factory=list)
     reshaped: list[tuple[str, int, int]] = field(default_factory=list)  # name, C on A, C on B
     findings: list[Finding] = field(default_factory=list)
-    settings: str = ""  # set when eps was assumed for a side without modules
+    settings: str = ""  # the eps / momentum not read from a file: given or assumed (audit.settings.statement)
     provenance: str = ""  # bnaudit's recalibration record of side B, in words
     # set when one side is an ONNX export of the other (bnaudit.audit.exportdiff)
     export: ExportCheck | None = None
@@ -186,8 +187,8 @@ def diff_checkpoints(
     model graph with --arch) pairs folded layers, `parity` is the outputs' comparison."""
     if (a.format == "onnx") != (b.format == "onnx"):
         return _diff_export(a, b, config, producers, parity)
-    layers_a = discover_layers(a, eps=config.eps, momentum=config.momentum).layers
-    layers_b = discover_layers(b, eps=config.eps, momentum=config.momentum).layers
+    layers_a = discover_layers(a, config.stated_settings()).layers
+    layers_b = discover_layers(b, config.stated_settings()).layers
     by_name_b = {layer.name: layer for layer in layers_b}
     names_a = {layer.name for layer in layers_a}
     recalibrated, provenance = _recalibration(b)
@@ -206,10 +207,7 @@ def diff_checkpoints(
     report.only_b = [layer.name for layer in layers_b if layer.name not in names_a]
     context = DiffContext(report.layers, config, report.only_a, report.only_b, report.reshaped, provenance=provenance)
     report.findings = run_diff_rules(context)
-    if any(layer.settings_assumed for layer in layers_a + layers_b):
-        eps = config.eps if config.eps is not None else DEFAULT_EPS
-        given = "given" if config.eps is not None else "assumed"
-        report.settings = f"eps {eps:g} {given} where a side holds no modules (set --eps)"
+    report.settings = statement(not_from_file(layers_a + layers_b), "a side holds no modules")
     return report
 
 
@@ -226,8 +224,8 @@ def _diff_export(
 
     export_side = "a" if a.format == "onnx" else "b"
     ref, exp = (b, a) if export_side == "a" else (a, b)
-    layers_ref = discover_layers(ref, eps=config.eps, momentum=config.momentum).layers
-    layers_exp = discover_layers(exp).layers
+    layers_ref = discover_layers(ref, config.stated_settings()).layers
+    layers_exp = discover_layers(exp).layers  # every node carries its own attributes
     pairs, left_ref, left_exp = match_layers(layers_ref, layers_exp)
     model = exp.graph if exp.graph is not None else load_onnx(exp.path)
     folded, unpaired, kept_elsewhere, how = fold_checks(ref, left_ref, model, producers)
@@ -271,10 +269,7 @@ def _diff_export(
     report.only_a, report.only_b = (only_exp, []) if export_side == "a" else ([], only_exp)
     context = DiffContext(report.layers, config, report.only_a, report.only_b, [], export=check)
     report.findings = run_diff_rules(context)
-    if any(layer.settings_assumed for layer in layers_ref):
-        eps = config.eps if config.eps is not None else DEFAULT_EPS
-        given = "given" if config.eps is not None else "assumed"
-        report.settings = f"eps {eps:g} {given} for the checkpoint, which holds no modules (set --eps)"
+    report.settings = statement(not_from_file(layers_ref), "the checkpoint holds no modules", also="--arch")
     return report
 
 

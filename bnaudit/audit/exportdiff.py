@@ -32,6 +32,7 @@ from typing import Any
 
 from bnaudit.audit.fold import FoldCheck, float32, fold_layer
 from bnaudit.audit.layers import BNLayer
+from bnaudit.audit.settings import Settings
 from bnaudit.formats.model import Checkpoint, TensorRef
 
 CONV_OPS = ("Conv", "Gemm", "MatMul")
@@ -67,8 +68,9 @@ class TensorMismatch:
 class KeptNode:
     """A BatchNormalization node of the export matched to a checkpoint BN layer.
 
-    eps_checkpoint / momentum_checkpoint: the checkpoint module's (or --eps / PyTorch's
-    defaults when the file holds no modules: `assumed`). momentum_onnx is the node's own
+    checkpoint: the checkpoint layer's eps and momentum with their provenance
+    (bnaudit.audit.settings: its module's, given, or PyTorch's defaults assumed), which
+    `eps_checkpoint` / `momentum_checkpoint` read. momentum_onnx is the node's own
     attribute (ONNX convention: the retained fraction, 1 - PyTorch momentum)."""
 
     name: str
@@ -76,13 +78,29 @@ class KeptNode:
     source: str
     matched_by: str
     eps_export: float
-    eps_checkpoint: float
     momentum_onnx: float | None
-    momentum_checkpoint: float | None
-    settings_assumed: bool
+    checkpoint: Settings
     training_mode: bool
     mismatches: tuple[TensorMismatch, ...]
     training_reason: str = ""  # what in the node says training ("training_mode=1", "is_test absent")
+
+    @property
+    def eps_checkpoint(self) -> float:
+        return self.checkpoint.eps_value
+
+    @property
+    def momentum_checkpoint(self) -> float | None:
+        return self.checkpoint.momentum.value
+
+    @property
+    def settings_assumed(self) -> bool:
+        """The checkpoint's eps or momentum not read from its file (given or assumed)."""
+        return not self.checkpoint.from_file
+
+    @property
+    def eps_differs(self) -> bool:
+        """The node's epsilon is not the checkpoint's eps, both as float32 (the attribute's type)."""
+        return float32(self.eps_export) != float32(self.eps_checkpoint)
 
 
 @dataclass(frozen=True)
@@ -153,7 +171,8 @@ class ExportCheck:
     def causes(self) -> list[str]:
         """What in the export's BN arithmetic differs from the checkpoint, weightiest first."""
         training = [n.name for n in self.nodes if n.training_mode]
-        eps = [n.name for n in self.nodes if float32(n.eps_export) != float32(n.eps_checkpoint)]
+        # an assumed eps says nothing about the export: only a known or given one can be its cause
+        eps = [n.name for n in self.nodes if n.eps_differs and not n.checkpoint.eps.assumed]
         stats = [n.name for n in self.nodes if n.mismatches]
         folded = [f.name for f in self.folded if not f.check.matches]
         causes = []
@@ -312,10 +331,8 @@ def kept_node(ref: BNLayer, node: BNLayer, info: Any, matched_by: str) -> KeptNo
         source=str(getattr(info, "source", None) or node.name),
         matched_by=matched_by,
         eps_export=node.eps,
-        eps_checkpoint=ref.eps,
         momentum_onnx=None if momentum is None else 1.0 - momentum,
-        momentum_checkpoint=ref.momentum,
-        settings_assumed=ref.settings_assumed,
+        checkpoint=ref.settings,
         training_mode=bool(getattr(info, "training_mode", False)),
         mismatches=tuple(mismatches),
         training_reason=str(getattr(info, "training_reason", None) or ""),

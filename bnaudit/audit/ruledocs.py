@@ -13,7 +13,8 @@ import textwrap
 from typing import Any
 
 from bnaudit.audit.rules import RULES, Rule
-from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM, KEYS, SEVERITIES, Config
+from bnaudit.audit.settings import DEFAULT_EPS, DEFAULT_MOMENTUM
+from bnaudit.config import KEYS, SEVERITIES, Config
 from bnaudit.errors import BnauditError
 
 _WIDTH = 88
