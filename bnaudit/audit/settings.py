@@ -188,3 +188,23 @@ def statement(settings: Iterable[tuple[str, Setting]], missing_from: str, also: 
         hint = "/".join(options) + (f" or {also}" if also else "")
         parts.append(f"{' and '.join(assumed)} assumed ({missing_from}; set {hint})")
     return "; ".join(parts)
+
+
+def assumed_note(name: str, setting: Setting, suggested: str, holder: str = "the checkpoint", also: str = "") -> str:
+    """The words of a comparison that met an assumed value (a note, never an error), e.g.
+
+      the checkpoint holds no modules, so its eps is not known (1e-05 assumed): pass --eps
+      0.001 if its model was built with it, or --arch to read the model's
+
+    `suggested`: the value the other side shows; `also`: another option that would tell."""
+    words = (
+        f"{holder} holds no modules, so its {name} is not known ({setting.text()} assumed): "
+        f"pass {OPTIONS[name]} {suggested} if its model was built with it"
+    )
+    return words + (f", or {also} to read the model's" if also else "")
+
+
+def provenance_words(setting: Setting) -> str:
+    """" (given by --eps)" for a value the user stated, "" for one read from the file: what a
+    finding adds so that a contradicted statement is recognisable as the user's."""
+    return f" (given by {setting.origin()})" if setting.given else ""

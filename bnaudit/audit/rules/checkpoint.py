@@ -223,7 +223,7 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
             continue
         weight = _initial_weight(m, t)
         if weight > ctx.config.max_init_weight:
-            assumed = " (assumed)" if layer.settings_assumed else ""
+            assumed = " (assumed)" if layer.settings.momentum.assumed else ""
             yield r.finding(
                 "error" if weight >= IMMATURE_ERROR_WEIGHT else "warning",
                 layer.name,

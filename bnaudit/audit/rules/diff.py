@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from bnaudit.audit import layerdiff
 from bnaudit.audit.layerdiff import DiffContext, LayerDiff, describe_group, matches
 from bnaudit.audit.rules.registry import RULES, Finding, rule, three_digits
+from bnaudit.audit.settings import assumed_note, provenance_words
 from bnaudit.text import listing, plural
 
 
@@ -194,12 +195,15 @@ def _check_expectations(ctx: DiffContext) -> Iterator[Finding]:
     "BN106",
     "settings-changed",
     "error / info",
-    "eps (error) or momentum (info) differs between the two sides' modules.",
+    "eps (error) or momentum (info) differs between the two sides (info when one side's value is only assumed).",
     "eps and momentum are constructor arguments, never saved in a state dict; only files that hold "
     "modules (TorchScript, pickled torch.nn) carry them. A changed eps changes the function eval "
     "mode computes, (x - mu) / sqrt(var + eps): a model evaluated with another eps than it was "
     "trained with computes another function (error). A changed momentum only changes how future "
-    "training updates the statistics (info).",
+    "training updates the statistics (info). A side without modules uses the eps and momentum given "
+    "by --eps / --momentum or the configuration, which count as known; without them PyTorch's "
+    "defaults are only assumed, and a difference from the other side's modules is an info that says "
+    "what to pass.",
     "Build the model with the eps it was trained with (a Keras port: 1e-3); set momentum deliberately.",
     command="diff",
 )
@@ -208,14 +212,29 @@ def _check_settings_changed(ctx: DiffContext) -> Iterator[Finding]:
     if ctx.export is not None:
         return  # a checkpoint against its export: BN109 and BN110 say it in ONNX's terms
     for d in ctx.layers:
-        if not d.settings_known:
-            continue
-        if d.eps_a != d.eps_b:
-            yield r.finding(
-                "error", d.name, f"eps changed from {d.eps_a:g} to {d.eps_b:g}: eval mode computes another function"
-            )
-        if d.momentum_a != d.momentum_b:
-            yield r.finding("info", d.name, f"momentum changed from {d.momentum_a} to {d.momentum_b}")
+        for name, a, b in (
+            ("eps", d.settings_a.eps, d.settings_b.eps),
+            ("momentum", d.settings_a.momentum, d.settings_b.momentum),
+        ):
+            if a.value == b.value:
+                continue
+            if a.assumed or b.assumed:  # both assumed: the same default, never different
+                (side, assumed), other = (("A", a), b) if a.assumed else (("B", b), a)
+                yield r.finding(
+                    "info",
+                    d.name,
+                    f"{name} {other.text()} on the other side; "
+                    + assumed_note(name, assumed, other.text(), holder=f"side {side}"),
+                )
+            elif name == "eps":
+                given = provenance_words(a) or provenance_words(b)
+                yield r.finding(
+                    "error",
+                    d.name,
+                    f"eps changed from {a.text()} to {b.text()}{given}: eval mode computes another function",
+                )
+            else:
+                yield r.finding("info", d.name, f"momentum changed from {a.value} to {b.value}")
 
 
 @rule(

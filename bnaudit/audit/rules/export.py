@@ -10,11 +10,8 @@ from collections.abc import Iterator
 
 from bnaudit.audit.layerdiff import DiffContext
 from bnaudit.audit.rules.registry import RULES, Finding, rule, three_digits
+from bnaudit.audit.settings import assumed_note, provenance_words
 from bnaudit.text import plural
-
-
-def _eps_words(eps: float, assumed: bool) -> str:
-    return f"{eps:g}" + (" (assumed: the checkpoint holds no modules; set --eps)" if assumed else "")
 
 
 @rule(
@@ -58,14 +55,17 @@ def _check_export_tensors(ctx: DiffContext) -> Iterator[Finding]:
 @rule(
     "BN109",
     "export-eps-differs",
-    "error",
-    "A BatchNormalization node's epsilon is not the checkpoint module's eps.",
+    "error / info",
+    "A BatchNormalization node's epsilon is not the checkpoint's eps (info when the checkpoint's eps is only assumed).",
     "eps is a constructor argument: no state dict stores it, and an exporter writes whatever the module "
     "object held at export time. A node with another epsilon normalises with sqrt(var + eps') instead of "
     "sqrt(var + eps): a model trained at 1e-5 and run at 1e-3 (a Keras convention) changes every channel "
     "whose variance is not far above 1e-3. The reference is the checkpoint module's eps when the file holds "
-    "modules (TorchScript, a pickled model, --arch), else --eps (default 1e-5, said as assumed). Both are "
-    "compared as float32, the type of the ONNX attribute.",
+    "modules (TorchScript, a pickled model, --arch), else the eps given by --eps or the configuration: an "
+    "error. A checkpoint without modules and without a given eps has no known eps (PyTorch's 1e-5 is only "
+    "assumed): then the difference is an info that says what to pass, since a correct export of a model "
+    "built with another eps looks exactly like this. Both are compared as float32, the type of the ONNX "
+    "attribute.",
     "Build the model with the eps it was trained with before exporting, or pass --eps when the checkpoint "
     "was trained with another one.",
     settings=("eps",),
@@ -78,26 +78,32 @@ def _check_export_eps(ctx: DiffContext) -> Iterator[Finding]:
     from bnaudit.audit.fold import float32
 
     for node in ctx.export.nodes:
-        if float32(node.eps_export) != float32(node.eps_checkpoint):
-            yield r.finding(
-                "error",
-                node.name,
-                f"epsilon {float32(node.eps_export):.3g} in the export, eps "
-                f"{_eps_words(node.eps_checkpoint, node.settings_assumed)} in the checkpoint",
-            )
+        if not node.eps_differs:
+            continue
+        seen, reference = f"{float32(node.eps_export):.3g}", node.checkpoint.eps
+        if reference.assumed:
+            note = assumed_note("eps", reference, seen, also="--arch")
+            yield r.finding("info", node.name, f"epsilon {seen} in the export; {note}")
+            continue
+        yield r.finding(
+            "error",
+            node.name,
+            f"epsilon {seen} in the export, eps {reference.text()}{provenance_words(reference)} in the checkpoint",
+        )
 
 
 @rule(
     "BN110",
     "export-momentum-unconverted",
-    "warning",
-    "A BatchNormalization node's momentum is not 1 - the checkpoint's PyTorch momentum.",
+    "warning / info",
+    "A BatchNormalization node's momentum is not 1 - the checkpoint's PyTorch momentum (info when that is only assumed).",
     "ONNX (like Keras) stores the retained fraction: running = momentum * running + (1 - momentum) * batch, "
     "default 0.9. PyTorch stores the update fraction, default 0.1. An export that writes PyTorch's 0.1 "
     "unconverted tells every runtime that trains or fine-tunes the graph to keep only 10% of the running "
-    "statistics per batch. Inference is unaffected, hence a warning. Reported when the module is known "
-    "and 1 - ONNX momentum differs from its momentum, and, when the checkpoint holds no modules, when the "
-    "node's momentum equals the assumed PyTorch value (0.1, unconverted).",
+    "statistics per batch. Inference is unaffected, hence a warning. The reference is the checkpoint "
+    "module's momentum, else the one given by --momentum or the configuration. A checkpoint without "
+    "modules and without a given momentum has no known momentum (PyTorch's 0.1 is only assumed): then a "
+    "difference is an info that says what to pass.",
     "Write momentum as 1 - PyTorch momentum (torch.onnx.export does this itself).",
     command="diff",
 )
@@ -113,11 +119,19 @@ def _check_export_momentum(ctx: DiffContext) -> Iterator[Finding]:
         if abs(onnx_m - converted) <= 1e-6:
             continue
         unconverted = abs(onnx_m - torch_m) <= 1e-6
-        if node.settings_assumed and not unconverted:
+        reference = node.checkpoint.momentum
+        if reference.assumed:
+            seen = f"{1.0 - onnx_m:.4g}"
+            note = assumed_note("momentum", reference, seen, also="--arch")
+            if unconverted:
+                note += f" (if it was built with {torch_m:g}, the export wrote PyTorch's value without conversion)"
+            yield r.finding(
+                "info", node.name, f"momentum {onnx_m:.3g} in the export (ONNX convention) = PyTorch {seen}; {note}"
+            )
             continue
         words = (
             f"momentum {onnx_m:.3g} in the export (ONNX convention: the retained fraction), expected "
-            f"{converted:.3g} = 1 - PyTorch momentum {torch_m:g}"
+            f"{converted:.3g} = 1 - PyTorch momentum {torch_m:g}{provenance_words(reference)}"
         )
         if unconverted:
             words += ": PyTorch's value written without conversion"
