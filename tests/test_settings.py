@@ -168,9 +168,9 @@ def test_diff_uses_the_configured_momentum(tmp_path, monkeypatch, cli):
     a = save_torch(bn_entries("bn", 4), tmp_path / "a.pt")
     b = save_torch(bn_entries("bn", 4, counter=200), tmp_path / "b.pt")
     doc = json.loads(cli("diff", a, b, "--format", "json").stdout)
-    assert doc["layers"][0]["momentum"] == {"a": 0.01, "b": 0.01}
+    assert doc["layers"][0]["momentum"] == {"a": 0.01, "b": 0.01, "source": {"a": "config", "b": "config"}}
     doc = json.loads(cli("diff", a, b, "--format", "json", "--momentum", "0.02").stdout)
-    assert doc["layers"][0]["momentum"] == {"a": 0.02, "b": 0.02}
+    assert doc["layers"][0]["momentum"] == {"a": 0.02, "b": 0.02, "source": {"a": "option", "b": "option"}}
     # against an export of a default-momentum model (ONNX 0.9), the configured 0.01 is the
     # user's statement: expected ONNX momentum 0.99, so BN110 warns
     model = keras_like(eps=1e-5)
@@ -206,3 +206,22 @@ def test_the_set_eps_hint_disappears_once_eps_is_given(keras, cli):
     report = diff(path, str(folder / "model.onnx"), Config(eps=1e-3))
     assert "set --eps" not in report.settings and "eps 0.001 given by --eps" in report.settings
     assert "set --momentum" in report.settings
+
+
+def test_assumed_eps_against_a_folded_export_is_a_note(keras, tmp_path):
+    folder, model = keras
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.zeros(2, 1, 8, 8),), str(tmp_path / "folded.onnx"), dynamo=True)
+    path = str(tmp_path / "folded.onnx")
+    assert not any(n.op_type == "BatchNormalization" for n in onnx.load(path).graph.node)  # all folded
+    checkpoint = str(folder / "model.pt")
+    report = diff(checkpoint, path, Config())
+    assert found(report) == sorted(("BN112", "info", name) for name in BN_NAMES)
+    assert report.exit_code() == 0
+    assert "1e-05 assumed" in report.findings[0].message and "--eps 0.001" in report.findings[0].message
+    assert not any("differs" in line for line in report.diagnosis())
+    given = diff(checkpoint, path, Config(eps=1e-5))
+    assert found(given) == sorted(("BN112", "error", name) for name in BN_NAMES)
+    assert "eps 0.001 instead of 1e-05" in given.findings[0].message
+    assert diff(checkpoint, path, Config(eps=1e-3)).findings == []

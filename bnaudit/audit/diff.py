@@ -44,7 +44,7 @@ from bnaudit.audit.layerdiff import (
 )
 from bnaudit.audit.layers import BNLayer, discover_layers, not_from_file
 from bnaudit.audit.rules import Finding, run_diff_rules
-from bnaudit.audit.settings import statement
+from bnaudit.audit.settings import OPTIONS, statement
 from bnaudit.config import SEVERITIES, Config, severity_rank
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import Checkpoint, recalibration_record
@@ -295,8 +295,23 @@ def _export_diagnosis(check: ExportCheck, findings: list[Finding]) -> list[str]:
             low, high = f"{min(eps, default=0):.2g}", f"{max(eps, default=0):.2g}"
             implied = "" if not eps else f" (implied eps {low})" if low == high else f" (implied eps {low} to {high})"
             parts.append(f"{plural(len(good_folds), 'layer')} folded exactly as the checkpoint's BN{implied}")
+        at_own_eps = [f for f in check.folded if f.fits_eps is not None]
+        if at_own_eps:
+            parts.append(f"{plural(len(at_own_eps), 'layer')} folded exactly as the checkpoint's BN at the export's eps")
         if parts:
             lines.append("The export matches the checkpoint: " + "; ".join(parts) + ".")
+    # the notes of comparisons against an assumed value (bnaudit.audit.settings): say once what would decide them
+    unsure = [
+        name
+        for name, codes in (("eps", ("BN109", "BN112")), ("momentum", ("BN110",)))
+        if any(f.code in codes and f.severity == "info" for f in findings)
+    ]
+    if unsure:
+        words = " and ".join(unsure)
+        lines.append(
+            f"The export's {words} could not be checked: the checkpoint holds no modules and no {words} was given "
+            f"(pass {'/'.join(OPTIONS[n] for n in unsure)}, or --arch)."
+        )
     elif check.parity is None or not check.parity.deviates:
         causes = check.causes() or ["see the findings above (momentum convention, layers not paired)"]
         lines.append("The export differs from the checkpoint: " + "; ".join(causes) + ".")

@@ -32,7 +32,7 @@ from typing import Any
 
 from bnaudit.audit.fold import FoldCheck, float32, fold_layer
 from bnaudit.audit.layers import BNLayer
-from bnaudit.audit.settings import Settings
+from bnaudit.audit.settings import Setting, Settings
 from bnaudit.formats.model import Checkpoint, TensorRef
 
 CONV_OPS = ("Conv", "Gemm", "MatMul")
@@ -111,8 +111,17 @@ class FoldedLayer:
     conv: str  # the checkpoint conv (module name)
     node: str  # the export node
     pairing: str  # how the conv was found, and how its node
-    eps: float  # the checkpoint's eps it was checked against
+    eps_setting: Setting  # the checkpoint's eps it was checked against, with its provenance
     check: FoldCheck
+    # where the checkpoint's eps is only assumed and the folding does not match it: the
+    # implied eps when folding at that eps matches exactly (the export is right, the
+    # assumption is not), else None
+    fits_eps: float | None = None
+
+    @property
+    def eps(self) -> float:
+        value = self.eps_setting.value
+        return float(value) if value is not None else math.nan
 
 
 @dataclass(frozen=True)
@@ -174,7 +183,7 @@ class ExportCheck:
         # an assumed eps says nothing about the export: only a known or given one can be its cause
         eps = [n.name for n in self.nodes if n.eps_differs and not n.checkpoint.eps.assumed]
         stats = [n.name for n in self.nodes if n.mismatches]
-        folded = [f.name for f in self.folded if not f.check.matches]
+        folded = [f.name for f in self.folded if not f.check.matches and f.fits_eps is None]
         causes = []
         if training:
             causes.append(
@@ -536,18 +545,26 @@ def _fold(ckpt: Checkpoint, layer: BNLayer, conv: str, node: ConvNode, pairing: 
         export_bias = None if len(export_bias) != 1 else export_bias * layer.num_features
     checkpoint_rows = _rows(weight_ref.read(), weight_ref.shape, False)
     conv_bias = bias_ref.read() if bias_ref is not None and bias_ref.shape == (layer.num_features,) else None
-    check = fold_layer(
-        export_rows,
-        export_bias,
-        checkpoint_rows,
-        conv_bias,
-        layer.weight,
-        layer.bias,
-        layer.running_mean,
-        layer.running_var,
-        layer.eps,
-    )
-    return FoldedLayer(layer.name, conv, node.name, pairing, layer.eps, check)
+    def check_at(eps: float) -> FoldCheck:
+        return fold_layer(
+            export_rows,
+            export_bias,
+            checkpoint_rows,
+            conv_bias,
+            layer.weight,
+            layer.bias,
+            layer.running_mean,
+            layer.running_var,
+            eps,
+        )
+
+    check = check_at(layer.eps)
+    fits = None
+    implied = check.implied_eps
+    if not check.matches and layer.settings.eps.assumed and implied is not None and implied > 0:
+        # an assumed eps cannot make a correct export wrong: does the export's own eps explain it all?
+        fits = implied if check_at(implied).matches else None
+    return FoldedLayer(layer.name, conv, node.name, pairing, layer.settings.eps, check, fits)
 
 
 def _unexplained_nodes(ckpt: Checkpoint, nodes: list[ConvNode]) -> Iterator[Unpaired]:

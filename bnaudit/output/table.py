@@ -825,7 +825,11 @@ def _export_body(check: Any, console: Any) -> None:
                 _g(c.scale_error),
                 _g(c.shift_error),
                 "-" if c.implied_eps is None else f"{c.implied_eps:.2g}",
-                Text("matches", style="green") if c.matches else Text("MISMATCH", style="red"),
+                Text("matches", style="green")
+                if c.matches
+                else Text(f"matches at eps {f.fits_eps:.2g}", style="yellow")
+                if f.fits_eps is not None
+                else Text("MISMATCH", style="red"),
             )
         console.print(_fit(table, console.width))
     p = check.parity

@@ -167,7 +167,7 @@ def _check_export_training(ctx: DiffContext) -> Iterator[Finding]:
 @rule(
     "BN112",
     "folded-mismatch",
-    "error",
+    "error / info",
     "A Conv the exporter folded BN into does not carry gamma/sqrt(var+eps) and beta + (b - mean)*gamma/sqrt(var+eps) of the checkpoint.",
     "Both torch exporters fold eval-mode BN into the preceding Conv (or Linear) by default, so the export "
     "has no BatchNormalization node to read. The folding can still be checked: the exported weight must be "
@@ -177,7 +177,9 @@ def _check_export_training(ctx: DiffContext) -> Iterator[Finding]:
     "1e-5, float32 folding stays below 1e-6). It also solves for the eps the export implies, "
     "eps' = (gamma/s)^2 - var, on the channel that determines it best. A mismatch means the model was "
     "exported with other statistics (reset, stale, another checkpoint's) or another eps; the finding says "
-    "which the numbers fit. Exported weights that are not a per-channel scaling of the conv's are reported too.",
+    "which the numbers fit. Exported weights that are not a per-channel scaling of the conv's are reported too. "
+    "When the checkpoint's eps is only assumed (no modules, no --eps) and folding at the implied eps matches "
+    "exactly, the export is consistent with a model built with that eps: an info that says what to pass.",
     "Export again from the model with the checkpoint loaded, in eval mode, with the eps it was trained with.",
     settings=("eps",),
     command="diff",
@@ -189,6 +191,11 @@ def _check_folded(ctx: DiffContext) -> Iterator[Finding]:
     for f in ctx.export.folded:
         c = f.check
         if c.matches:
+            continue
+        if f.fits_eps is not None:
+            seen = f"{f.fits_eps:.3g}"
+            note = assumed_note("eps", f.eps_setting, seen, also="--arch")
+            yield r.finding("info", f.name, f"folded exactly at eps {seen}; {note}")
             continue
         numbers = []
         if c.scale_error is not None:
