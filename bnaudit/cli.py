@@ -152,7 +152,8 @@ def inspect(
         Optional[str], typer.Option(metavar="KEY", help="Container key of the state dict to audit (e.g. model_ema).")
     ] = None,
     eps: Annotated[
-        Optional[float], typer.Option(metavar="EPS", help=f"BN eps where the file holds no modules (default {DEFAULT_EPS:g}).")
+        Optional[float],
+        typer.Option(metavar="EPS", help=f"BN eps where the file holds no modules (default {DEFAULT_EPS:g})."),
     ] = None,
     momentum: Annotated[
         Optional[float],
@@ -812,7 +813,8 @@ def diff_command(
     eps: Annotated[
         Optional[float],
         typer.Option(
-            metavar="EPS", help=f"BN eps where a file holds no modules (default {DEFAULT_EPS:g}): scales the mean shift."
+            metavar="EPS",
+            help=f"BN eps where a file holds no modules (default {DEFAULT_EPS:g}): scales the mean shift.",
         ),
     ] = None,
     momentum: Annotated[

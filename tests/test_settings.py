@@ -63,7 +63,11 @@ def script(model: nn.Module, path) -> str:
 
 def node_attribute(path, name: str) -> list[float]:
     return [
-        a.f for n in onnx.load(str(path)).graph.node if n.op_type == "BatchNormalization" for a in n.attribute if a.name == name
+        a.f
+        for n in onnx.load(str(path)).graph.node
+        if n.op_type == "BatchNormalization"
+        for a in n.attribute
+        if a.name == name
     ]
 
 
@@ -197,7 +201,9 @@ def test_the_set_eps_hint_disappears_once_eps_is_given(keras, cli):
     folder, _ = keras
     path = str(folder / "model.pt")
     doc = json.loads(cli("inspect", path, "--format", "json", "--isolated").stdout)
-    assert doc["files"][0]["settings"] == "eps 1e-05 and momentum 0.1 assumed (not in a state dict; set --eps/--momentum)"
+    assert (
+        doc["files"][0]["settings"] == "eps 1e-05 and momentum 0.1 assumed (not in a state dict; set --eps/--momentum)"
+    )
     doc = json.loads(cli("inspect", path, "--format", "json", "--isolated", "--eps", "1e-3").stdout)
     settings = doc["files"][0]["settings"]
     assert "eps 0.001 given by --eps" in settings and "set --eps" not in settings and "set --momentum" in settings

@@ -297,7 +297,9 @@ def _export_diagnosis(check: ExportCheck, findings: list[Finding]) -> list[str]:
             parts.append(f"{plural(len(good_folds), 'layer')} folded exactly as the checkpoint's BN{implied}")
         at_own_eps = [f for f in check.folded if f.fits_eps is not None]
         if at_own_eps:
-            parts.append(f"{plural(len(at_own_eps), 'layer')} folded exactly as the checkpoint's BN at the export's eps")
+            parts.append(
+                f"{plural(len(at_own_eps), 'layer')} folded exactly as the checkpoint's BN at the export's eps"
+            )
         if parts:
             lines.append("The export matches the checkpoint: " + "; ".join(parts) + ".")
     # the notes of comparisons against an assumed value (bnaudit.audit.settings): say once what would decide them

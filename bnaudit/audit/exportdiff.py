@@ -545,6 +545,7 @@ def _fold(ckpt: Checkpoint, layer: BNLayer, conv: str, node: ConvNode, pairing: 
         export_bias = None if len(export_bias) != 1 else export_bias * layer.num_features
     checkpoint_rows = _rows(weight_ref.read(), weight_ref.shape, False)
     conv_bias = bias_ref.read() if bias_ref is not None and bias_ref.shape == (layer.num_features,) else None
+
     def check_at(eps: float) -> FoldCheck:
         return fold_layer(
             export_rows,

@@ -196,7 +196,9 @@ def discover_layers(ckpt: Checkpoint, stated: Settings | None = None) -> Discove
                 continue  # RL observation normaliser
             if "running_std" in group:
                 continue  # BatchRenorm
-            layers.append(_make_layer(prefix, group, resolve(ckpt.modules.get(prefix), stated), ckpt.modules.get(prefix)))
+            layers.append(
+                _make_layer(prefix, group, resolve(ckpt.modules.get(prefix), stated), ckpt.modules.get(prefix))
+            )
         elif (mean_ref is not None or var_ref is not None) and "running_std" not in group and "count" not in group:
             present = tuple(k for k in _STAT_NAMES if k in group)
             missing = tuple(k for k in ("running_mean", "running_var") if k not in group)

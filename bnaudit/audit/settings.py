@@ -205,6 +205,6 @@ def assumed_note(name: str, setting: Setting, suggested: str, holder: str = "the
 
 
 def provenance_words(setting: Setting) -> str:
-    """" (given by --eps)" for a value the user stated, "" for one read from the file: what a
-    finding adds so that a contradicted statement is recognisable as the user's."""
+    """What a finding adds after a value the user stated, e.g. ' (given by --eps)', so that a
+    contradicted statement is recognisable as the user's; empty for a value read from the file."""
     return f" (given by {setting.origin()})" if setting.given else ""
