@@ -231,3 +231,31 @@ def test_assumed_eps_against_a_folded_export_is_a_note(keras, tmp_path):
     assert found(given) == sorted(("BN112", "error", name) for name in BN_NAMES)
     assert "eps 0.001 instead of 1e-05" in given.findings[0].message
     assert diff(checkpoint, path, Config(eps=1e-3)).findings == []
+
+
+ARCH_FILE = """
+from torch import nn
+
+
+def build(eps=1e-3):
+    layers = []
+    channels = 1
+    for _ in range(6):
+        layers += [nn.Conv2d(channels, 4, 3, padding=1), nn.BatchNorm2d(4, eps=eps), nn.ReLU()]
+        channels = 4
+    return nn.Sequential(*layers)
+"""
+
+
+def test_arch_gives_the_real_eps_against_the_export(keras, tmp_path, cli):
+    folder, _ = keras
+    (tmp_path / "arch.py").write_text(ARCH_FILE)
+    arch = f"{tmp_path / 'arch.py'}:build"
+    a, b = str(folder / "model.pt"), str(folder / "model.onnx")
+    right = cli("diff", a, b, "--arch", arch, "--isolated", "-f", "json")
+    assert right.exit_code == 0 and json.loads(right.stdout)["findings"] == []
+    wrong = cli("diff", a, b, "--arch", arch, "--arch-kwargs", '{"eps": 1e-5}', "--isolated", "-f", "json")
+    doc = json.loads(wrong.stdout)
+    assert wrong.exit_code == 1
+    assert sorted((f["code"], f["severity"]) for f in doc["findings"]) == [("BN109", "error")] * BLOCKS
+    assert {n["eps"]["checkpoint_source"] for n in doc["export"]["nodes"]} == {"module"}
