@@ -48,6 +48,7 @@ from bnaudit.config import DEFAULT_EPS, SEVERITIES, Config, severity_rank
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import Checkpoint, recalibration_record
 from bnaudit.formats.read import read_checkpoint
+from bnaudit.severity import Severity
 from bnaudit.text import plural
 
 
@@ -102,9 +103,9 @@ class DiffReport:
             "only_b": len(self.only_b),
             "reshaped": len(self.reshaped),
             **({"folded": len(self.export.folded), "unpaired": len(self.export.unpaired)} if self.export else {}),
-            "errors": counts["error"],
-            "warnings": counts["warning"],
-            "infos": counts["info"],
+            "errors": counts[Severity.ERROR],
+            "warnings": counts[Severity.WARNING],
+            "infos": counts[Severity.INFO],
         }
 
     def diagnosis(self) -> list[str]:

@@ -17,6 +17,7 @@ from bnaudit.audit.formulas import eval_gains, near_eps_channels
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.rules import Finding
 from bnaudit.config import SEVERITIES, Config, severity_rank
+from bnaudit.severity import Severity
 
 
 @dataclass(frozen=True)
@@ -122,9 +123,9 @@ class InspectReport:
             "files": sum(1 for f in self.files if f.excluded is None),
             "excluded": sum(1 for f in self.files if f.excluded is not None),
             "layers": sum(len(f.layers) for f in self.files),
-            "errors": counts["error"],
-            "warnings": counts["warning"],
-            "infos": counts["info"],
+            "errors": counts[Severity.ERROR],
+            "warnings": counts[Severity.WARNING],
+            "infos": counts[Severity.INFO],
             "unreadable": sum(1 for f in self.files if f.error),
         }
 
