@@ -29,14 +29,16 @@ from typing import Any
 
 from bnaudit.audit.settings import DEFAULT_EPS, DEFAULT_MOMENTUM, Settings, stated_settings
 from bnaudit.errors import BnauditError
+from bnaudit.severity import Severity
 
-SEVERITIES = ("info", "warning", "error")
+SEVERITIES: tuple[Severity, ...] = tuple(Severity)  # lowest first
 _CONFIG_FILE = "bnaudit.toml"
 _PYPROJECT = "pyproject.toml"
 
 
 def severity_rank(severity: str) -> int:
-    return SEVERITIES.index(severity)
+    """Severity.rank of a severity or its name: 0 info, 1 warning, 2 error."""
+    return Severity.parse(severity).rank
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class Config:
                      defaults, or given on the command line / by the caller)
     """
 
-    fail_on: str = "warning"
+    fail_on: Severity = Severity.WARNING
     near_eps_factor: float = 10.0
     max_gain: float = 100.0
     max_init_weight: float = 0.05
@@ -72,7 +74,7 @@ class Config:
     select: tuple[str, ...] = ()
     ignore: tuple[str, ...] = ()
     per_layer_ignores: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    severity: dict[str, str] = field(default_factory=dict)
+    severity: dict[str, Severity] = field(default_factory=dict)
     exclude: tuple[str, ...] = ()
     expect_frozen: tuple[str, ...] = ()
     expect_trained: tuple[str, ...] = ()
@@ -88,7 +90,7 @@ class Config:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "fail-on": self.fail_on,
+            "fail-on": str(self.fail_on),
             "near-eps-factor": self.near_eps_factor,
             "max-gain": self.max_gain,
             "max-init-weight": self.max_init_weight,
@@ -98,7 +100,7 @@ class Config:
             "select": list(self.select),
             "ignore": list(self.ignore),
             "per-layer-ignores": {k: list(v) for k, v in self.per_layer_ignores.items()},
-            "severity": dict(self.severity),
+            "severity": {code: str(severity) for code, severity in self.severity.items()},
             "exclude": list(self.exclude),
             "expect-frozen": list(self.expect_frozen),
             "expect-trained": list(self.expect_trained),
@@ -189,10 +191,8 @@ def _momentum(value: Any) -> float:
     return number
 
 
-def _severity(value: Any) -> str:
-    if not isinstance(value, str) or value not in SEVERITIES:
-        raise ValueError(f"expected one of {', '.join(SEVERITIES[::-1])}, got {value!r}")
-    return value
+def _severity(value: Any) -> Severity:
+    return Severity.parse(value)
 
 
 def _strings(value: Any, what: str) -> tuple[str, ...]:
@@ -228,12 +228,12 @@ def _per_layer_ignores(value: Any, known: Collection[str]) -> dict[str, tuple[st
     return parsed
 
 
-def _severity_overrides(value: Any, known: Collection[str]) -> dict[str, str]:
+def _severity_overrides(value: Any, known: Collection[str]) -> dict[str, Severity]:
     """`{BN004 = "error"}`: exact rule codes (a prefix would silently re-rate rules added
     later) mapped to a severity."""
     if not isinstance(value, dict):
         raise ValueError(f'expected a table of rule codes to severities, e.g. {{BN004 = "error"}}, got {value!r}')
-    parsed: dict[str, str] = {}
+    parsed: dict[str, Severity] = {}
     for code, severity in value.items():
         upper = code.strip().upper()
         if upper not in known:

@@ -28,6 +28,7 @@ from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.shards import index_beside, is_index, series_members
 from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES
+from bnaudit.severity import Severity
 
 
 def _scan_directory(path: str) -> list[str]:
@@ -123,7 +124,7 @@ def _possibly_split(finding: Finding, k: int, n: int) -> Finding:
     """BN001 on a shard read without its index: the missing buffers may sit in another shard."""
     return dataclasses.replace(
         finding,
-        severity="info",
+        severity=Severity.INFO,
         message=f"{finding.message} (possibly split across shards: this file is shard {k} of {n})",
     )
 

@@ -49,6 +49,7 @@ from bnaudit.config import SEVERITIES, Config, severity_rank
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import Checkpoint, recalibration_record
 from bnaudit.formats.read import read_checkpoint
+from bnaudit.severity import Severity
 from bnaudit.text import plural
 
 
@@ -103,9 +104,9 @@ class DiffReport:
             "only_b": len(self.only_b),
             "reshaped": len(self.reshaped),
             **({"folded": len(self.export.folded), "unpaired": len(self.export.unpaired)} if self.export else {}),
-            "errors": counts["error"],
-            "warnings": counts["warning"],
-            "infos": counts["info"],
+            "errors": counts[Severity.ERROR],
+            "warnings": counts[Severity.WARNING],
+            "infos": counts[Severity.INFO],
         }
 
     def diagnosis(self) -> list[str]:
@@ -306,7 +307,7 @@ def _export_diagnosis(check: ExportCheck, findings: list[Finding]) -> list[str]:
     unsure = [
         name
         for name, codes in (("eps", ("BN109", "BN112")), ("momentum", ("BN110",)))
-        if any(f.code in codes and f.severity == "info" for f in findings)
+        if any(f.code in codes and f.severity == Severity.INFO for f in findings)
     ]
     if unsure:
         words = " and ".join(unsure)

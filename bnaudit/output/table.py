@@ -9,7 +9,7 @@ Numbers and the fixed words of the tables are ours.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
@@ -29,7 +29,7 @@ def _bordered(title: str | None = None) -> Any:
     )
 
 
-def render_rules(console: Any, overrides: dict[str, str] | None = None) -> None:
+def render_rules(console: Any, overrides: Mapping[str, str] | None = None) -> None:
     """`bnaudit rules`: one row per rule, severities as configured."""
 
     from bnaudit.audit.ruledocs import shown_severity

@@ -8,7 +8,6 @@ kept in code order, the order of `bnaudit rules` and of every report's findings.
 """
 
 from bnaudit.audit.rules import checkpoint, diff, export, graph
-from bnaudit.audit.rules.checkpoint import eval_gain, near_eps_channels
 from bnaudit.audit.rules.registry import RULES, Finding, Rule, RuleContext, rule, run_diff_rules, run_rules
 
 __all__ = [
@@ -18,10 +17,8 @@ __all__ = [
     "RuleContext",
     "checkpoint",
     "diff",
-    "eval_gain",
     "export",
     "graph",
-    "near_eps_channels",
     "rule",
     "run_diff_rules",
     "run_rules",

@@ -1,13 +1,8 @@
 """The inspect rules on a checkpoint's BN layers (BN001-BN011).
 
-Definitions used by every rule (and printed by the report):
+The formulas (eval gain, initial weight, near-eps channels) are defined in
+bnaudit.audit.formulas; one definition is the rules' own:
 
-  eval gain      g_c = |gamma_c| / sqrt(running_var_c + eps)   (gamma_c = 1 without affine)
-                 the factor by which eval mode multiplies a channel's deviation from
-                 running_mean; a dead channel (var ~ 0, gamma 1) at eps 1e-5 gets 316x.
-  initial weight w = (1 - momentum)^t after t = num_batches_tracked updates: the share
-                 the initial values (mean 0, var 1) still hold in the running buffers.
-  near-eps       running_var_c < near_eps_factor * eps.
   live channel   |running_mean_c| >= sqrt(running_var_c + eps): the channel's data sits at
                  least one (eval-mode) standard deviation away from zero, so it carries a
                  signal; a dead channel (constant zero input) keeps mean ~0 and var ~0.
@@ -15,45 +10,14 @@ Definitions used by every rule (and printed by the report):
 
 from __future__ import annotations
 
-import itertools
 import math
-import operator
 from collections.abc import Iterator
 
+from bnaudit.audit.formulas import all_finite, eval_gains, initial_weight, near_eps_channels
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, rule, three_digits
+from bnaudit.severity import Severity
 from bnaudit.text import listing, plural
-
-
-def _all_finite(values: list[float]) -> bool:
-    """No NaN or Inf among the values: one C-speed sum (a sum that overflows only sends
-    the caller down its slower per-value path)."""
-    return math.isfinite(sum(values))
-
-
-def eval_gain(layer: BNLayer) -> list[float]:
-    """g_c = |gamma_c| / sqrt(running_var_c + eps); NaN where var is non-finite or < 0."""
-    var, eps = layer.running_var, layer.eps
-    gamma = layer.weight if layer.weight is not None and len(layer.weight) == len(var) else [1.0] * len(var)
-    if eps > 0 and _all_finite(var) and min(var, default=0.0) >= 0:  # every denominator > 0
-        # map over builtins: the loop runs in C, 3x faster than a comprehension
-        return list(
-            map(operator.truediv, map(abs, gamma), map(math.sqrt, map(operator.add, var, itertools.repeat(eps))))
-        )
-    return [_gain(g, v, eps) for g, v in zip(gamma, var)]
-
-
-def _gain(gamma: float, var: float, eps: float) -> float:
-    """|gamma| / sqrt(var + eps) in IEEE float64, as a vectorised library would give it
-    (x/0 = inf, 0/0 = NaN, sqrt of a negative = NaN), instead of Python's exceptions."""
-    if not math.isfinite(var) or var < 0:
-        return math.nan
-    denominator = var + eps
-    if denominator > 0:
-        return abs(gamma) / math.sqrt(denominator)
-    if denominator == 0:
-        return math.nan if gamma == 0 or math.isnan(gamma) else math.inf
-    return math.nan
 
 
 def _is_live(layer: BNLayer, channel: int) -> bool:
@@ -62,21 +26,8 @@ def _is_live(layer: BNLayer, channel: int) -> bool:
     return math.isfinite(mean) and abs(mean) >= math.sqrt(max(var, 0.0) + layer.eps)
 
 
-def near_eps_channels(layer: BNLayer, factor: float) -> list[int]:
-    """Indices of channels with 0 <= running_var < factor * eps."""
-    limit, var = factor * layer.eps, layer.running_var
-    if _all_finite(var) and min(var, default=limit) >= limit:  # the common case: none
-        return []
-    return [c for c, v in enumerate(var) if 0 <= v < limit]  # NaN compares False
-
-
 # From here on the initial 0/1 outweigh everything the buffers have seen: an error.
 IMMATURE_ERROR_WEIGHT = 0.5
-
-
-def _initial_weight(momentum: float, updates: int) -> float:
-    """w = (1 - momentum)^t: the weight the initial 0/1 values keep after t updates."""
-    return float((1.0 - momentum) ** updates)
 
 
 def _has_identity_stats(layer: BNLayer) -> bool:
@@ -100,7 +51,7 @@ def _has_initial_affine(layer: BNLayer) -> bool:
 @rule(
     "BN001",
     "missing-buffers",
-    "error / warning",
+    (Severity.ERROR, Severity.WARNING),
     "A layer lacks running_mean or running_var, or the file holds BN parameters without any buffers.",
     "Eval mode normalises with running_mean and running_var. A checkpoint saved without them "
     "(parameters only, a filtered state dict, `strict=False` on load) gives every BN layer the "
@@ -123,7 +74,7 @@ def _check_missing_buffers(ctx: RuleContext) -> Iterator[Finding]:
             absent = [s for s in ("running_mean", "running_var") if _join(name, s) in missing]
             if absent:
                 yield r.finding(
-                    "error",
+                    Severity.ERROR,
                     name,
                     f"the model's {ctx.module.norms[name].class_name} has no {' or '.join(absent)} in the "
                     "checkpoint: loading leaves the initial 0/1 and eval mode normalises with them",
@@ -131,7 +82,7 @@ def _check_missing_buffers(ctx: RuleContext) -> Iterator[Finding]:
         return
     for group in ctx.discovery.incomplete:
         yield r.finding(
-            "error",
+            Severity.ERROR,
             group.name,
             f"has {', '.join(group.present)} but no {' or '.join(group.missing)}",
         )
@@ -139,7 +90,7 @@ def _check_missing_buffers(ctx: RuleContext) -> Iterator[Finding]:
     if suspected:
         shown = ", ".join(suspected[:5]) + (f" and {len(suspected) - 5} more" if len(suspected) > 5 else "")
         yield r.finding(
-            "warning",
+            Severity.WARNING,
             None,
             f"{plural(len(suspected), 'batch-norm-like parameter group')} ({shown}) and no running "
             "statistics anywhere: parameters saved without buffers? (LayerNorm/GroupNorm named "
@@ -150,7 +101,7 @@ def _check_missing_buffers(ctx: RuleContext) -> Iterator[Finding]:
 @rule(
     "BN002",
     "initial-values",
-    "error",
+    Severity.ERROR,
     "running_mean is exactly 0 and running_var exactly 1 in every channel: statistics lost, reset or never loaded.",
     "Training never leaves the statistics at exactly 0 and 1 in every channel, so these values mean the "
     "buffers were reset (`reset_running_stats()`), never loaded, or never updated. Eval mode then "
@@ -174,7 +125,7 @@ def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
     )
     if folded:
         yield r.finding(
-            "info",
+            Severity.INFO,
             None,
             f"all {len(layers)} layers have identity statistics, trained weights and no counter: "
             "statistics folded into weight/bias (FrozenBatchNorm, Caffe2/detectron2 style)",
@@ -192,13 +143,13 @@ def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
             )
         if layer.num_batches_tracked:
             message += f" (num_batches_tracked = {layer.num_batches_tracked})"
-        yield r.finding("error", layer.name, message)
+        yield r.finding(Severity.ERROR, layer.name, message)
 
 
 @rule(
     "BN003",
     "immature-stats",
-    "error / warning",
+    (Severity.ERROR, Severity.WARNING),
     "After t = num_batches_tracked updates the initial values still weigh (1-momentum)^t above the threshold.",
     "The running buffers start at mean 0 and variance 1 and move by new = (1-m)*old + m*batch. After t "
     "updates the initial values keep the weight (1-m)^t: 0.9^3 = 72.9% after 3 updates at momentum "
@@ -221,11 +172,11 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
             continue
         if t is None or t <= 0 or m is None or not 0.0 < m < 1.0 or _has_identity_stats(layer):
             continue
-        weight = _initial_weight(m, t)
+        weight = initial_weight(m, t)
         if weight > ctx.config.max_init_weight:
             assumed = " (assumed)" if layer.settings.momentum.assumed else ""
             yield r.finding(
-                "error" if weight >= IMMATURE_ERROR_WEIGHT else "warning",
+                Severity.ERROR if weight >= IMMATURE_ERROR_WEIGHT else Severity.WARNING,
                 layer.name,
                 f"initial values still weigh {weight * 100:.1f}% after {plural(t, 'update')} at momentum {m:g}{assumed}",
             )
@@ -234,7 +185,7 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
 @rule(
     "BN004",
     "near-eps-variance",
-    "error / warning / info",
+    (Severity.ERROR, Severity.WARNING, Severity.INFO),
     "Channels with running_var < 10*eps: eval mode multiplies them by |gamma|/sqrt(var+eps).",
     "A channel that died in training keeps a running variance near 0. In eval mode its deviation from "
     "running_mean is multiplied by the eval gain |gamma| / sqrt(var + eps): 1/sqrt(1e-5) = 316x for "
@@ -254,27 +205,27 @@ def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN004"]
     cfg = ctx.config
     for layer in ctx.discovery.layers:
-        channels = near_eps_channels(layer, cfg.near_eps_factor)
+        channels = near_eps_channels(layer.running_var, layer.eps, cfg.near_eps_factor)
         if not channels:
             continue
-        all_gains = eval_gain(layer)
+        all_gains = eval_gains(layer.weight, layer.running_var, layer.eps)
         gains = {c: all_gains[c] for c in channels}
         worst = max(g for g in gains.values() if not math.isnan(g)) if any(map(math.isfinite, gains.values())) else 0.0
         live = [c for c in channels if _is_live(layer, c) and gains[c] > cfg.max_live_gain]
-        severity = "error" if live else "warning" if worst >= cfg.max_gain else "info"
+        severity = Severity.ERROR if live else Severity.WARNING if worst >= cfg.max_gain else Severity.INFO
         # worst first, NaN last; sorted is stable, so ties keep channel order
         order = sorted(channels, key=lambda c: -(0.0 if math.isnan(gains[c]) else gains[c]))
         details = ", ".join(
             f"ch {c} (var {three_digits(layer.running_var[c])}, gain {gains[c]:.1f})" for c in order[:5]
         )
         more = f" and {len(channels) - 5} more" if len(channels) > 5 else ""
-        if severity == "error":
+        if severity == Severity.ERROR:
             tail = (
                 f"; ch {listing(live, 5)} {'is' if len(live) == 1 else 'are'} live (|mean| >= sqrt(var+eps)) "
                 f"with gain above {cfg.max_live_gain:g}"
             )
         else:
-            tail = "" if severity == "warning" else f"; muted by small |gamma| (max gain {worst:.1f})"
+            tail = "" if severity == Severity.WARNING else f"; muted by small |gamma| (max gain {worst:.1f})"
         yield r.finding(
             severity,
             layer.name,
@@ -287,7 +238,7 @@ def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
 @rule(
     "BN005",
     "invalid-values",
-    "error",
+    Severity.ERROR,
     "NaN or Inf in a buffer or parameter, negative running_var or counter, or shapes that disagree.",
     "A NaN or Inf in running_mean/running_var makes every eval-mode output of the channel NaN; a "
     "negative variance makes sqrt(var + eps) NaN. These come from fp16 overflow, a diverged step or a "
@@ -313,7 +264,7 @@ def _check_invalid(ctx: RuleContext) -> Iterator[Finding]:
             if len(values) != c:
                 problems.append(f"{label} has {len(values)} values but the statistics have {c}")
                 continue
-            channels = [] if _all_finite(values) else [i for i, v in enumerate(values) if not math.isfinite(v)]
+            channels = [] if all_finite(values) else [i for i, v in enumerate(values) if not math.isfinite(v)]
             if channels:
                 nan = sum(1 for i in channels if math.isnan(values[i]))
                 inf = len(channels) - nan
@@ -321,14 +272,14 @@ def _check_invalid(ctx: RuleContext) -> Iterator[Finding]:
                 problems.append(f"{label} has {' and '.join(p for p in parts if p)} (channels {listing(channels, 8)})")
                 bad.update(channels)
         var = layer.running_var
-        negative = [] if _all_finite(var) and min(var, default=0.0) >= 0 else [i for i, v in enumerate(var) if v < 0]
+        negative = [] if all_finite(var) and min(var, default=0.0) >= 0 else [i for i, v in enumerate(var) if v < 0]
         if negative:
             problems.append(f"running_var is negative in {plural(len(negative), 'channel')} ({listing(negative, 8)})")
             bad.update(negative)
         if layer.num_batches_tracked is not None and layer.num_batches_tracked < 0:
             problems.append(f"num_batches_tracked is negative ({layer.num_batches_tracked})")
         if problems:
-            yield r.finding("error", layer.name, "; ".join(problems), sorted(bad))
+            yield r.finding(Severity.ERROR, layer.name, "; ".join(problems), sorted(bad))
 
 
 def _join(prefix: str, leaf: str) -> str:
@@ -338,7 +289,7 @@ def _join(prefix: str, leaf: str) -> str:
 @rule(
     "BN006",
     "batch-dependent-eval",
-    "warning",
+    Severity.WARNING,
     "A BatchNorm module has track_running_stats=False: eval mode still normalises with batch statistics.",
     "Without running statistics (`track_running_stats=False`) a BatchNorm layer normalises with the "
     "mean and variance of the current batch in eval mode too. A prediction then depends on the other "
@@ -356,7 +307,7 @@ def _check_batch_dependent(ctx: RuleContext) -> Iterator[Finding]:
     for name, info in ctx.module.norms.items():
         if name in ctx.module.batch_norms and info.track_running_stats is False:
             yield r.finding(
-                "warning",
+                Severity.WARNING,
                 name,
                 f"{info.class_name} with track_running_stats=False: eval mode normalises with the "
                 "statistics of each batch, so predictions depend on their batch companions",
@@ -371,7 +322,7 @@ _RETAINED_FRACTION_MOMENTUM = 0.5
 @rule(
     "BN007",
     "stats-update-config",
-    "warning / info",
+    (Severity.WARNING, Severity.INFO),
     "momentum 0 (buffers never update), None (cumulative average) or above 0.5 (a Keras/ONNX retained fraction?).",
     "PyTorch updates running statistics by new = (1 - m) * old + m * batch. With m = 0 training never "
     "changes them (the counter still counts), so they stay whatever was loaded; with m = None they "
@@ -395,14 +346,14 @@ def _check_update_config(ctx: RuleContext) -> Iterator[Finding]:
         m = info.momentum
         if m is None:
             yield r.finding(
-                "info",
+                Severity.INFO,
                 name,
                 "momentum None: running statistics are the cumulative average of "
                 "every batch since the last reset (factor 1/num_batches_tracked)",
             )
         elif m == 0:
             yield r.finding(
-                "info",
+                Severity.INFO,
                 name,
                 "momentum 0: training never updates the running statistics "
                 "(the counter still counts); they stay as loaded",
@@ -410,7 +361,7 @@ def _check_update_config(ctx: RuleContext) -> Iterator[Finding]:
         elif m > _RETAINED_FRACTION_MOMENTUM:
             if info.source is not None:  # an exported node (ModuleInfo.source): its momentum was translated
                 yield r.finding(
-                    "warning",
+                    Severity.WARNING,
                     name,
                     f"ONNX momentum {1 - m:.3g} = PyTorch {m:g} (ONNX stores the retained fraction): each "
                     f"batch would replace {m * 100:.1f}% of the statistics; PyTorch's {1 - m:.3g} written "
@@ -418,7 +369,7 @@ def _check_update_config(ctx: RuleContext) -> Iterator[Finding]:
                 )
                 continue
             yield r.finding(
-                "warning",
+                Severity.WARNING,
                 name,
                 f"momentum {m:g}: each batch replaces {m * 100:.1f}% of the "
                 f"statistics; a retained fraction (Keras/ONNX convention) meant as {1 - m:.3g}?",
@@ -428,7 +379,7 @@ def _check_update_config(ctx: RuleContext) -> Iterator[Finding]:
 @rule(
     "BN008",
     "low-precision-buffers",
-    "warning",
+    Severity.WARNING,
     "running statistics stored in float16 or bfloat16.",
     "float16 cannot hold a variance above 65504 (it becomes Inf) and resolves nothing below about "
     "6e-8, so a near-eps variance underflows to 0; bfloat16 keeps only 8 bits of mantissa, so "
@@ -441,13 +392,13 @@ def _check_low_precision(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN008"]
     for layer in ctx.discovery.layers:
         if layer.stats_dtype in ("float16", "bfloat16"):
-            yield r.finding("warning", layer.name, f"running statistics stored in {layer.stats_dtype}")
+            yield r.finding(Severity.WARNING, layer.name, f"running statistics stored in {layer.stats_dtype}")
 
 
 @rule(
     "BN009",
     "counter-zero",
-    "info",
+    Severity.INFO,
     "num_batches_tracked is 0 but the statistics are not the initial values.",
     "PyTorch increments num_batches_tracked on every training-mode forward, so 0 with real statistics "
     "means the values were written some other way: converted weights (e.g. from Keras or ONNX) or "
@@ -460,7 +411,7 @@ def _check_counter_zero(ctx: RuleContext) -> Iterator[Finding]:
     for layer in ctx.discovery.layers:
         if layer.num_batches_tracked == 0 and not _has_identity_stats(layer):
             yield r.finding(
-                "info",
+                Severity.INFO,
                 layer.name,
                 "num_batches_tracked is 0 but the statistics are not 0/1: converted weights or momentum 0",
             )
@@ -469,7 +420,7 @@ def _check_counter_zero(ctx: RuleContext) -> Iterator[Finding]:
 @rule(
     "BN010",
     "uneven-counters",
-    "info",
+    Severity.INFO,
     "num_batches_tracked differs between layers: part of the network was frozen or fine-tuned.",
     "Every BN layer of a network trained end to end sees the same number of training-mode forwards. "
     "Different counters mean some layers were frozen (norm_eval, FrozenBatchNorm, requires_grad off "
@@ -491,13 +442,15 @@ def _check_uneven_counters(ctx: RuleContext) -> Iterator[Finding]:
     ordered = sorted(groups.items(), key=lambda kv: -len(kv[1]))
     parts = [f"{t} in {plural(len(names), 'layer')} ({_describe_names(names)})" for t, names in ordered[:6]]
     more = f"; and {len(ordered) - 6} more values" if len(ordered) > 6 else ""
-    yield RULES["BN010"].finding("info", None, f"num_batches_tracked differs between layers: {'; '.join(parts)}{more}")
+    yield RULES["BN010"].finding(
+        Severity.INFO, None, f"num_batches_tracked differs between layers: {'; '.join(parts)}{more}"
+    )
 
 
 @rule(
     "BN011",
     "load-mismatch",
-    "error / warning / info",
+    (Severity.ERROR, Severity.WARNING, Severity.INFO),
     "The checkpoint does not fit the model: keys missing, unexpected, or of another shape.",
     "With the model known (--arch), its state dict is compared key by key with the checkpoint, as "
     "`load_state_dict(strict=True)` would. A parameter or buffer the checkpoint lacks keeps its "
@@ -518,26 +471,26 @@ def _check_load_mismatch(ctx: RuleContext) -> Iterator[Finding]:
     missing_counters = [k for k in facts.missing if k in counters]
     for key, file_shape, model_shape in facts.mismatched:
         yield r.finding(
-            "error",
+            Severity.ERROR,
             key.rpartition(".")[0] or None,
             f"'{key}' has shape {list(file_shape)} in the checkpoint but {list(model_shape)} in the model",
         )
     if missing:
         yield r.finding(
-            "error",
+            Severity.ERROR,
             None,
             f"{plural(len(missing), 'key')} of the model absent from the checkpoint "
             f"{'keeps its initial value' if len(missing) == 1 else 'keep their initial values'}: {listing(missing, 5)}",
         )
     if facts.unexpected:
         yield r.finding(
-            "warning",
+            Severity.WARNING,
             None,
             f"{plural(len(facts.unexpected), 'checkpoint key')} the model does not have: {listing(facts.unexpected, 5)}",
         )
     if missing_counters:
         yield r.finding(
-            "info",
+            Severity.INFO,
             None,
             f"num_batches_tracked absent for {plural(len(missing_counters), 'layer')} "
             f"({listing((k.rpartition('.')[0] for k in missing_counters), 5)}): PyTorch fills it on load",

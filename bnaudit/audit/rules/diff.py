@@ -10,6 +10,7 @@ from bnaudit.audit import layerdiff
 from bnaudit.audit.layerdiff import DiffContext, LayerDiff, describe_group, matches
 from bnaudit.audit.rules.registry import RULES, Finding, rule, three_digits
 from bnaudit.audit.settings import assumed_note, provenance_words
+from bnaudit.severity import Severity
 from bnaudit.text import listing, plural
 
 
@@ -31,7 +32,7 @@ def _counter_words(d: LayerDiff) -> str:
 @rule(
     "BN101",
     "frozen-but-updating",
-    "error / warning",
+    (Severity.ERROR, Severity.WARNING),
     "weight and bias bit-identical, running statistics moved and the counter grew: trained in train() while frozen.",
     "`requires_grad=False` stops the optimizer, not BatchNorm: a module left in training mode "
     "keeps moving running_mean and running_var towards every batch it sees (and counts the batches), "
@@ -49,7 +50,7 @@ def _check_frozen_updating(ctx: DiffContext) -> Iterator[Finding]:
         if d.verdict == layerdiff.FROZEN_BUT_UPDATING:
             expected = matches(d.name, ctx.config.expect_frozen)
             yield r.finding(
-                "error" if expected else "warning",
+                Severity.ERROR if expected else Severity.WARNING,
                 d.name,
                 f"weight and bias bit-identical but running statistics moved ({_numbers_of(d)}; "
                 f"{_counter_words(d)}): the module ran in training mode while its weights were frozen"
@@ -60,7 +61,7 @@ def _check_frozen_updating(ctx: DiffContext) -> Iterator[Finding]:
 @rule(
     "BN102",
     "stale-statistics",
-    "error / warning",
+    (Severity.ERROR, Severity.WARNING),
     "Parameters moved while the running statistics stayed bit-identical and the counter did not grow.",
     "Running statistics describe the activations of the weights they were measured with. Weights "
     "that were averaged (EMA, SWA's AveragedModel) or edited without training-mode forwards keep "
@@ -80,14 +81,15 @@ def _check_stale(ctx: DiffContext) -> Iterator[Finding]:
             continue
         changes = [c for c in (d.weight_change, d.bias_change) if c is not None]
         worst = max(changes, default=0.0)
-        severity = "error" if not worst <= limit else "warning"  # NaN counts as moved too far
+        severity = Severity.ERROR if not worst <= limit else Severity.WARNING  # NaN counts as moved too far
         yield r.finding(
             severity,
             d.name,
             f"{' and '.join(d.moved)} moved (weight change {_fmt_opt(d.weight_change)}, bias change "
             f"{_fmt_opt(d.bias_change)} of the layer's scale) while running statistics are bit-identical "
             f"and the counter did not grow: weights trained or averaged (EMA/SWA) without updating the "
-            f"statistics; recalibrate" + (f" (change above stale-max-change {limit:g})" if severity == "error" else ""),
+            f"statistics; recalibrate"
+            + (f" (change above stale-max-change {limit:g})" if severity == Severity.ERROR else ""),
         )
 
 
@@ -98,7 +100,7 @@ def _fmt_opt(x: float | None) -> str:
 @rule(
     "BN103",
     "re-estimated",
-    "info",
+    Severity.INFO,
     "Running statistics replaced while the counter was reset or replaced: a recalibration.",
     "Statistics that moved while the counter did not grow (or fell: `update_bn` and "
     "`bnaudit recalibrate` reset it and count their own batches) were re-estimated rather than "
@@ -117,13 +119,13 @@ def _check_re_estimated(ctx: DiffContext) -> Iterator[Finding]:
         else:
             how = "statistics re-estimated (a recalibration such as update_bn)"
         weights = "weights identical" if d.params_identical else "weights also moved"
-        yield r.finding("info", d.name, f"{how}: {_numbers_of(d)}; {_counter_words(d)}; {weights}")
+        yield r.finding(Severity.INFO, d.name, f"{how}: {_numbers_of(d)}; {_counter_words(d)}; {weights}")
 
 
 @rule(
     "BN104",
     "uneven-counting",
-    "warning",
+    Severity.WARNING,
     "Among layers whose counter grew, the increments differ (e.g. some at exactly twice the others').",
     "Every BN layer of a network trained end to end runs one training-mode forward per step, so "
     "their counters grow by the same amount. A group that grew by exactly twice as much ran its "
@@ -155,13 +157,13 @@ def _check_uneven_counting(ctx: DiffContext) -> Iterator[Finding]:
     more = f"; and {len(ordered) - 6} more increments" if len(ordered) > 6 else ""
     twice = any(change == 2 * base for change in groups)
     hint = ": BN forwards run twice per step there (activation checkpointing?)" if twice else ""
-    yield RULES["BN104"].finding("warning", None, f"counter increments differ: {'; '.join(parts)}{more}{hint}")
+    yield RULES["BN104"].finding(Severity.WARNING, None, f"counter increments differ: {'; '.join(parts)}{more}{hint}")
 
 
 @rule(
     "BN105",
     "expectation-violated",
-    "error",
+    Severity.ERROR,
     "A layer matched by --expect-frozen moved, or one matched by --expect-trained did not train.",
     "`expect-frozen` and `expect-trained` (layer-name globs, also --expect-frozen/--expect-trained) "
     "state what a run was meant to do. An expected-frozen layer whose weight, bias or statistics "
@@ -180,21 +182,21 @@ def _check_expectations(ctx: DiffContext) -> Iterator[Finding]:
         if matches(d.name, cfg.expect_frozen) and d.verdict != layerdiff.FROZEN_BUT_UPDATING and d.moved:
             if d.moved == ["num_batches_tracked"]:
                 continue  # the counter counts in train() even at momentum 0: nothing the layer computes moved
-            yield r.finding("error", d.name, f"expected frozen, but {', '.join(d.moved)} moved")
+            yield r.finding(Severity.ERROR, d.name, f"expected frozen, but {', '.join(d.moved)} moved")
         if matches(d.name, cfg.expect_trained) and d.params_identical:
             what = "weight and bias are" if d.verdict != layerdiff.UNCHANGED else "nothing is"
-            yield r.finding("error", d.name, f"expected to train, but {what} bit-identical")
+            yield r.finding(Severity.ERROR, d.name, f"expected to train, but {what} bit-identical")
     names = [d.name for d in ctx.layers] + ctx.only_a + ctx.only_b + [n for n, _, _ in ctx.reshaped]
     for option, globs in (("expect-frozen", cfg.expect_frozen), ("expect-trained", cfg.expect_trained)):
         for glob in globs:
             if not any(fnmatch.fnmatchcase(n, glob) for n in names):
-                yield r.finding("error", None, f"{option} glob {glob!r} matches no BN layer")
+                yield r.finding(Severity.ERROR, None, f"{option} glob {glob!r} matches no BN layer")
 
 
 @rule(
     "BN106",
     "settings-changed",
-    "error / info",
+    (Severity.ERROR, Severity.INFO),
     "eps (error) or momentum (info) differs between the two sides (info when one side's value is only assumed).",
     "eps and momentum are constructor arguments, never saved in a state dict; only files that hold "
     "modules (TorchScript, pickled torch.nn) carry them. A changed eps changes the function eval "
@@ -221,7 +223,7 @@ def _check_settings_changed(ctx: DiffContext) -> Iterator[Finding]:
             if a.assumed or b.assumed:  # both assumed: the same default, never different
                 (side, assumed), other = (("A", a), b) if a.assumed else (("B", b), a)
                 yield r.finding(
-                    "info",
+                    Severity.INFO,
                     d.name,
                     f"{name} {other.text()} on the other side; "
                     + assumed_note(name, assumed, other.text(), holder=f"side {side}"),
@@ -229,18 +231,18 @@ def _check_settings_changed(ctx: DiffContext) -> Iterator[Finding]:
             elif name == "eps":
                 given = provenance_words(a) or provenance_words(b)
                 yield r.finding(
-                    "error",
+                    Severity.ERROR,
                     d.name,
                     f"eps changed from {a.text()} to {b.text()}{given}: eval mode computes another function",
                 )
             else:
-                yield r.finding("info", d.name, f"momentum changed from {a.value} to {b.value}")
+                yield r.finding(Severity.INFO, d.name, f"momentum changed from {a.value} to {b.value}")
 
 
 @rule(
     "BN107",
     "layers-changed",
-    "warning / info",
+    (Severity.WARNING, Severity.INFO),
     "A layer's channel count changed (warning), or layers exist on one side only (info).",
     "Layers are matched by name after each side's wrapper prefix (module., _orig_mod., model.) is "
     "stripped. A layer whose channel count changed was replaced, not trained: its statistics "
@@ -253,7 +255,7 @@ def _check_settings_changed(ctx: DiffContext) -> Iterator[Finding]:
 def _check_layers_changed(ctx: DiffContext) -> Iterator[Finding]:
     r = RULES["BN107"]
     for name, ca, cb in ctx.reshaped:
-        yield r.finding("warning", name, f"channel count changed from {ca} to {cb}: the layer was replaced")
+        yield r.finding(Severity.WARNING, name, f"channel count changed from {ca} to {cb}: the layer was replaced")
     for side, names in (("A", ctx.only_a), ("B", ctx.only_b)):
         if names:
-            yield r.finding("info", None, f"{plural(len(names), 'layer')} only in {side}: {listing(names, 5)}")
+            yield r.finding(Severity.INFO, None, f"{plural(len(names), 'layer')} only in {side}: {listing(names, 5)}")

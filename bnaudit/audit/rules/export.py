@@ -11,13 +11,14 @@ from collections.abc import Iterator
 from bnaudit.audit.layerdiff import DiffContext
 from bnaudit.audit.rules.registry import RULES, Finding, rule, three_digits
 from bnaudit.audit.settings import assumed_note, provenance_words
+from bnaudit.severity import Severity
 from bnaudit.text import plural
 
 
 @rule(
     "BN108",
     "export-tensors-differ",
-    "error / warning",
+    (Severity.ERROR, Severity.WARNING),
     "A BatchNormalization node's scale, B, mean or var differs from the checkpoint layer's beyond float32 rounding.",
     "An export is meant to compute what the checkpoint computes. A node whose tensors are not the checkpoint's "
     "(compared value by value after rounding both to float32, so a float64 checkpoint exported in float32 is "
@@ -39,7 +40,7 @@ def _check_export_tensors(ctx: DiffContext) -> Iterator[Finding]:
         for m in node.mismatches:
             if m.rounding:
                 yield r.finding(
-                    "warning",
+                    Severity.WARNING,
                     node.name,
                     f"{m.tensor} stored as {m.export_dtype} in the export: the checkpoint's values rounded "
                     f"(max relative error {three_digits(m.max_rel)} in {plural(m.channels, 'channel')})",
@@ -49,13 +50,13 @@ def _check_export_tensors(ctx: DiffContext) -> Iterator[Finding]:
             if m.initial:
                 initial = "1" if m.tensor in ("weight", "running_var") else "0"
                 what += f": the export holds {initial} in every channel (reset or never loaded before export)"
-            yield r.finding("error", node.name, what)
+            yield r.finding(Severity.ERROR, node.name, what)
 
 
 @rule(
     "BN109",
     "export-eps-differs",
-    "error / info",
+    (Severity.ERROR, Severity.INFO),
     "A BatchNormalization node's epsilon is not the checkpoint's eps (info when the checkpoint's eps is only assumed).",
     "eps is a constructor argument: no state dict stores it, and an exporter writes whatever the module "
     "object held at export time. A node with another epsilon normalises with sqrt(var + eps') instead of "
@@ -83,10 +84,10 @@ def _check_export_eps(ctx: DiffContext) -> Iterator[Finding]:
         seen, reference = f"{float32(node.eps_export):.3g}", node.checkpoint.eps
         if reference.assumed:
             note = assumed_note("eps", reference, seen, also="--arch")
-            yield r.finding("info", node.name, f"epsilon {seen} in the export; {note}")
+            yield r.finding(Severity.INFO, node.name, f"epsilon {seen} in the export; {note}")
             continue
         yield r.finding(
-            "error",
+            Severity.ERROR,
             node.name,
             f"epsilon {seen} in the export, eps {reference.text()}{provenance_words(reference)} in the checkpoint",
         )
@@ -95,7 +96,7 @@ def _check_export_eps(ctx: DiffContext) -> Iterator[Finding]:
 @rule(
     "BN110",
     "export-momentum-unconverted",
-    "warning / info",
+    (Severity.WARNING, Severity.INFO),
     "A BatchNormalization node's momentum is not 1 - the checkpoint's PyTorch momentum (info when that is only assumed).",
     "ONNX (like Keras) stores the retained fraction: running = momentum * running + (1 - momentum) * batch, "
     "default 0.9. PyTorch stores the update fraction, default 0.1. An export that writes PyTorch's 0.1 "
@@ -126,7 +127,9 @@ def _check_export_momentum(ctx: DiffContext) -> Iterator[Finding]:
             if unconverted:
                 note += f" (if it was built with {torch_m:g}, the export wrote PyTorch's value without conversion)"
             yield r.finding(
-                "info", node.name, f"momentum {onnx_m:.3g} in the export (ONNX convention) = PyTorch {seen}; {note}"
+                Severity.INFO,
+                node.name,
+                f"momentum {onnx_m:.3g} in the export (ONNX convention) = PyTorch {seen}; {note}",
             )
             continue
         words = (
@@ -135,13 +138,13 @@ def _check_export_momentum(ctx: DiffContext) -> Iterator[Finding]:
         )
         if unconverted:
             words += ": PyTorch's value written without conversion"
-        yield r.finding("warning", node.name, words)
+        yield r.finding(Severity.WARNING, node.name, words)
 
 
 @rule(
     "BN111",
     "export-training-mode",
-    "error",
+    Severity.ERROR,
     "A BatchNormalization node of the export runs in training mode (training_mode=1, or is_test unset before opset 7).",
     "A node in training mode normalises with the statistics of the batch it is given, not the stored ones: "
     "predictions depend on the other samples of the batch, a batch of one is normalised to beta, and some "
@@ -157,7 +160,7 @@ def _check_export_training(ctx: DiffContext) -> Iterator[Finding]:
     for node in ctx.export.nodes:
         if node.training_mode:
             yield r.finding(
-                "error",
+                Severity.ERROR,
                 node.name,
                 f"{node.source}: training mode ({node.training_reason or 'training_mode=1'}), it normalises with "
                 "each batch's statistics, so predictions depend on batch companions",
@@ -167,7 +170,7 @@ def _check_export_training(ctx: DiffContext) -> Iterator[Finding]:
 @rule(
     "BN112",
     "folded-mismatch",
-    "error / info",
+    (Severity.ERROR, Severity.INFO),
     "A Conv the exporter folded BN into does not carry gamma/sqrt(var+eps) and beta + (b - mean)*gamma/sqrt(var+eps) of the checkpoint.",
     "Both torch exporters fold eval-mode BN into the preceding Conv (or Linear) by default, so the export "
     "has no BatchNormalization node to read. The folding can still be checked: the exported weight must be "
@@ -195,7 +198,7 @@ def _check_folded(ctx: DiffContext) -> Iterator[Finding]:
         if f.fits_eps is not None:
             seen = f"{f.fits_eps:.3g}"
             note = assumed_note("eps", f.eps_setting, seen, also="--arch")
-            yield r.finding("info", f.name, f"folded exactly at eps {seen}; {note}")
+            yield r.finding(Severity.INFO, f.name, f"folded exactly at eps {seen}; {note}")
             continue
         numbers = []
         if c.scale_error is not None:
@@ -205,13 +208,13 @@ def _check_folded(ctx: DiffContext) -> Iterator[Finding]:
         if c.implied_eps is not None:
             numbers.append(f"implied eps {c.implied_eps:.3g}")
         detail = f" ({', '.join(numbers)}; worst channel {c.worst_channel})" if numbers else ""
-        yield r.finding("error", f.name, f"folded into {f.node}: {c.cause}{detail}")
+        yield r.finding(Severity.ERROR, f.name, f"folded into {f.node}: {c.cause}{detail}")
 
 
 @rule(
     "BN113",
     "export-unpaired",
-    "warning / info",
+    (Severity.WARNING, Severity.INFO),
     "A checkpoint BN layer has neither a BatchNormalization node nor a conv it was folded into (warning), or an export node cannot be audited (info).",
     "Every checkpoint BN layer should appear in the export either as a BatchNormalization node (matched by "
     "name, the exporter's scope in the node's name, then order and channel count) or folded into the conv "
@@ -232,15 +235,15 @@ def _check_export_unpaired(ctx: DiffContext) -> Iterator[Finding]:
     for u in ctx.export.unpaired:
         layer = None if u.name.startswith("node ") else u.name
         text = u.reason if layer is not None else f"{u.name}: {u.reason}"
-        yield r.finding("warning", layer, f"could not be checked: {text}" if layer else text)
+        yield r.finding(Severity.WARNING, layer, f"could not be checked: {text}" if layer else text)
     for note in ctx.export.unauditable:
-        yield r.finding("info", None, f"cannot be compared: {note}")
+        yield r.finding(Severity.INFO, None, f"cannot be compared: {note}")
 
 
 @rule(
     "BN114",
     "export-output-deviates",
-    "error",
+    Severity.ERROR,
     "With --arch and --data: the export's outputs (onnxruntime, CPU) deviate from the checkpoint's (torch, eval mode) beyond float32 rounding.",
     "Reading the tensors cannot see everything an export changes. With --arch and --data, diff runs the "
     "checkpoint in torch (eval mode) and the export in onnxruntime (CPU execution provider only, no custom "
@@ -259,7 +262,7 @@ def _check_export_outputs(ctx: DiffContext) -> Iterator[Finding]:
     if not p.deviates:
         return
     yield RULES["BN114"].finding(
-        "error",
+        Severity.ERROR,
         None,
         f"largest relative output deviation {three_digits(p.max_deviation)} (floor {three_digits(p.floor)}), argmax agreement "
         f"{p.agreement * 100:.1f}% on {plural(p.samples, 'sample')}: {ctx.export.explanation()}",

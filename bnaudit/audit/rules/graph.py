@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, rule
+from bnaudit.severity import Severity
 
 
 @rule(
     "BN012",
     "training-mode-export",
-    "error",
+    Severity.ERROR,
     "An exported BatchNormalization node normalises with the batch's statistics (training mode).",
     "An inference graph should normalise with the stored running statistics. A BatchNormalization "
     "node in training mode (BatchNormalization-14/15 `training_mode=1`; -7 and -9 with the "
@@ -33,7 +34,7 @@ def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
             why = info.training_reason or "training mode"
             where = f" ({info.source})" if info.source else ""
             yield r.finding(
-                "error",
+                Severity.ERROR,
                 name,
                 f"{why}: normalises with each batch's statistics, so predictions depend on their "
                 f"batch companions{where}",
@@ -43,7 +44,7 @@ def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
 @rule(
     "BN013",
     "stats-not-constant",
-    "info",
+    Severity.INFO,
     "An exported BatchNormalization node's scale, B, mean or variance is not a constant: it cannot be audited.",
     "bnaudit reads the statistics a BatchNormalization node uses from initializers and Constant "
     "nodes (through Identity nodes). A node whose inputs are graph inputs (statistics fed at run "
@@ -55,13 +56,13 @@ def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
 def _check_not_constant(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN013"]
     for note in ctx.unauditable:
-        yield r.finding("info", None, note)
+        yield r.finding(Severity.INFO, None, note)
 
 
 @rule(
     "BN014",
     "folded-export",
-    "info",
+    Severity.INFO,
     "Exported Conv nodes hold BN folded into their weights: no BatchNormalization node left, or weights made by constant folding.",
     "Both torch exporters fold BatchNorm into the preceding convolution by default (the legacy "
     "exporter with constant folding, the dynamo exporter with its optimiser): the Conv's weights "
@@ -82,7 +83,7 @@ def _check_folded_export(ctx: RuleContext) -> Iterator[Finding]:
     if ctx.folded is None:
         return
     yield RULES["BN014"].finding(
-        "info",
+        Severity.INFO,
         None,
         f"{ctx.folded}: if the model had BatchNorm there, the exporter folded its statistics into these "
         "convolutions and they cannot be audited from the export: audit the checkpoint",

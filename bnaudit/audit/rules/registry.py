@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from bnaudit.config import Config
+from bnaudit.severity import Severity
 
 if TYPE_CHECKING:
     from bnaudit.audit.layerdiff import DiffContext
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 class Finding:
     code: str
     name: str
-    severity: str  # "error" | "warning" | "info"
+    severity: Severity
     layer: str | None  # None for file-level findings
     message: str
     channels: tuple[int, ...] = ()
@@ -52,7 +53,7 @@ class RuleContext:
 class Rule:
     code: str
     name: str
-    severity: str  # default severity; "error / warning" when it depends on the case
+    severities: tuple[Severity, ...]  # what its findings can be, worst first
     summary: str
     explanation: str
     fix: str
@@ -61,7 +62,16 @@ class Rule:
     settings: tuple[str, ...] = ()  # configuration keys (config.KEYS) that tune the rule
     command: str = "inspect"  # the command whose reports the rule speaks in: "inspect" or "diff"
 
-    def finding(self, severity: str, layer: str | None, message: str, channels: Iterable[int] = ()) -> Finding:
+    @property
+    def severity(self) -> str:
+        """The severities as `bnaudit rules` shows them: "error / warning" when it depends on the case."""
+        return " / ".join(self.severities)
+
+    @property
+    def worst_severity(self) -> Severity:
+        return max(self.severities)
+
+    def finding(self, severity: Severity, layer: str | None, message: str, channels: Iterable[int] = ()) -> Finding:
         return Finding(self.code, self.name, severity, layer, message, tuple(int(c) for c in channels))
 
 
@@ -73,15 +83,17 @@ _Check = TypeVar("_Check", bound=Callable[[Any], Iterable[Finding]])
 def rule(
     code: str,
     name: str,
-    severity: str,
+    severity: Severity | tuple[Severity, ...],
     summary: str,
     explanation: str,
     fix: str,
     settings: tuple[str, ...] = (),
     command: str = "inspect",
 ) -> Callable[[_Check], _Check]:
+    severities = severity if isinstance(severity, tuple) else (severity,)
+
     def register(check: _Check) -> _Check:
-        RULES[code] = Rule(code, name, severity, summary, explanation, fix, check, settings, command)
+        RULES[code] = Rule(code, name, severities, summary, explanation, fix, check, settings, command)
         # code order, whatever order the rule modules were imported in: the order of
         # `bnaudit rules` and of every report's findings
         ordered = sorted(RULES.items())
@@ -126,7 +138,7 @@ def _run_command_rules(command: str, ctx: Any, config: Config) -> list[Finding]:
         if r.command == command and _selected(code, config):
             found = [f for f in r.check(ctx) if not _ignored_for_layer(f, config)]
             if code in overrides:
-                found = [replace(f, severity=overrides[code]) for f in found]
+                found = [replace(f, severity=Severity.parse(overrides[code])) for f in found]
             findings.extend(found)
     return findings
 
