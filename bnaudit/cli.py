@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from bnaudit import __version__, fastcli, output
+from bnaudit.audit.settings import DEFAULT_EPS, DEFAULT_MOMENTUM
 from bnaudit.errors import BnauditError, OutputClosed
 
 if TYPE_CHECKING:
@@ -151,10 +152,12 @@ def inspect(
         Optional[str], typer.Option(metavar="KEY", help="Container key of the state dict to audit (e.g. model_ema).")
     ] = None,
     eps: Annotated[
-        Optional[float], typer.Option(metavar="EPS", help="BN eps where the file holds no modules (default 1e-5).")
+        Optional[float],
+        typer.Option(metavar="EPS", help=f"BN eps where the file holds no modules (default {DEFAULT_EPS:g})."),
     ] = None,
     momentum: Annotated[
-        Optional[float], typer.Option(metavar="M", help="BN momentum where the file holds no modules (default 0.1).")
+        Optional[float],
+        typer.Option(metavar="M", help=f"BN momentum where the file holds no modules (default {DEFAULT_MOMENTUM:g})."),
     ] = None,
     trust_pickle: Annotated[
         bool,
@@ -809,7 +812,17 @@ def diff_command(
     isolated: Annotated[bool, typer.Option("--isolated", help="Read no configuration file.")] = False,
     eps: Annotated[
         Optional[float],
-        typer.Option(metavar="EPS", help="BN eps where a file holds no modules (default 1e-5): scales the mean shift."),
+        typer.Option(
+            metavar="EPS",
+            help=f"BN eps where a file holds no modules (default {DEFAULT_EPS:g}): scales the mean shift.",
+        ),
+    ] = None,
+    momentum: Annotated[
+        Optional[float],
+        typer.Option(
+            metavar="M",
+            help=f"BN momentum where a file holds no modules (default {DEFAULT_MOMENTUM:g}): compared with the other side's.",
+        ),
     ] = None,
     trust_pickle: Annotated[
         bool,
@@ -850,6 +863,7 @@ def diff_command(
         overrides = {
             "--fail-on": fail_on.value if fail_on else None,
             "--eps": eps,
+            "--momentum": momentum,
             "--select": _code_list(select),
             "--ignore": _code_list(ignore),
             "--expect-frozen": expect_frozen or None,

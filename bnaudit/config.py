@@ -27,19 +27,18 @@ from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from bnaudit.audit.settings import DEFAULT_EPS, DEFAULT_MOMENTUM, Settings, stated_settings
 from bnaudit.errors import BnauditError
+from bnaudit.severity import Severity
 
-SEVERITIES = ("info", "warning", "error")
-# PyTorch's BatchNorm defaults, assumed where a file holds no modules (here, with the
-# other settings, so that the rule documentation can print them).
-DEFAULT_EPS = 1e-5
-DEFAULT_MOMENTUM = 0.1
+SEVERITIES: tuple[Severity, ...] = tuple(Severity)  # lowest first
 _CONFIG_FILE = "bnaudit.toml"
 _PYPROJECT = "pyproject.toml"
 
 
 def severity_rank(severity: str) -> int:
-    return SEVERITIES.index(severity)
+    """Severity.rank of a severity or its name: 0 info, 1 warning, 2 error."""
+    return Severity.parse(severity).rank
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,8 @@ class Config:
     max_gain         BN004 is a warning when some such channel's eval gain >= max_gain
     max_live_gain    BN004 is an error when a live channel's eval gain > max_live_gain
     max_init_weight  BN003 fires when (1 - momentum)^num_batches_tracked > max_init_weight
-    eps, momentum    used where the file holds no modules (None: PyTorch's 1e-5, 0.1)
+    eps, momentum    used where the file holds no modules (None: not stated, PyTorch's
+                     defaults assumed; see bnaudit.audit.settings and `stated_settings`)
     select, ignore   rule-code prefixes: run only the selected rules, minus the ignored
     per_layer_ignores  layer-name glob -> rule-code prefixes not reported for those layers
     severity         rule code -> the severity every finding of that rule is reported at
@@ -60,9 +60,11 @@ class Config:
     stale_max_change diff: BN102 is an error when the weight/bias change of a layer with
                      stale statistics exceeds this fraction of the layer's scale max|gamma|
     source           the configuration file these settings came from (None: none)
+    from_file        the fields whose value the configuration file set (the others are
+                     defaults, or given on the command line / by the caller)
     """
 
-    fail_on: str = "warning"
+    fail_on: Severity = Severity.WARNING
     near_eps_factor: float = 10.0
     max_gain: float = 100.0
     max_init_weight: float = 0.05
@@ -72,16 +74,23 @@ class Config:
     select: tuple[str, ...] = ()
     ignore: tuple[str, ...] = ()
     per_layer_ignores: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    severity: dict[str, str] = field(default_factory=dict)
+    severity: dict[str, Severity] = field(default_factory=dict)
     exclude: tuple[str, ...] = ()
     expect_frozen: tuple[str, ...] = ()
     expect_trained: tuple[str, ...] = ()
     stale_max_change: float = 0.1
     source: str | None = field(default=None, compare=False)
+    from_file: frozenset[str] = field(default=frozenset(), compare=False)
+
+    def stated_settings(self) -> Settings:
+        """eps and momentum as the user stated them (option or configuration file, with
+        their provenance), else PyTorch's defaults as assumed: what a layer uses when its
+        file holds no module (bnaudit.audit.settings.resolve)."""
+        return stated_settings(self.eps, self.momentum, self.from_file, self.source)
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "fail-on": self.fail_on,
+            "fail-on": str(self.fail_on),
             "near-eps-factor": self.near_eps_factor,
             "max-gain": self.max_gain,
             "max-init-weight": self.max_init_weight,
@@ -91,7 +100,7 @@ class Config:
             "select": list(self.select),
             "ignore": list(self.ignore),
             "per-layer-ignores": {k: list(v) for k, v in self.per_layer_ignores.items()},
-            "severity": dict(self.severity),
+            "severity": {code: str(severity) for code, severity in self.severity.items()},
             "exclude": list(self.exclude),
             "expect-frozen": list(self.expect_frozen),
             "expect-trained": list(self.expect_trained),
@@ -182,10 +191,8 @@ def _momentum(value: Any) -> float:
     return number
 
 
-def _severity(value: Any) -> str:
-    if not isinstance(value, str) or value not in SEVERITIES:
-        raise ValueError(f"expected one of {', '.join(SEVERITIES[::-1])}, got {value!r}")
-    return value
+def _severity(value: Any) -> Severity:
+    return Severity.parse(value)
 
 
 def _strings(value: Any, what: str) -> tuple[str, ...]:
@@ -221,12 +228,12 @@ def _per_layer_ignores(value: Any, known: Collection[str]) -> dict[str, tuple[st
     return parsed
 
 
-def _severity_overrides(value: Any, known: Collection[str]) -> dict[str, str]:
+def _severity_overrides(value: Any, known: Collection[str]) -> dict[str, Severity]:
     """`{BN004 = "error"}`: exact rule codes (a prefix would silently re-rate rules added
     later) mapped to a severity."""
     if not isinstance(value, dict):
         raise ValueError(f'expected a table of rule codes to severities, e.g. {{BN004 = "error"}}, got {value!r}')
-    parsed: dict[str, str] = {}
+    parsed: dict[str, Severity] = {}
     for code, severity in value.items():
         upper = code.strip().upper()
         if upper not in known:
@@ -286,13 +293,13 @@ KEYS: dict[str, Key] = {
             "eps",
             "eps",
             _ignoring_codes(_positive),
-            "BN eps where the file holds no modules (a state dict does not store it; default 1e-5)",
+            f"BN eps where the file holds no modules (a state dict does not store it; default {DEFAULT_EPS:g})",
         ),
         Key(
             "momentum",
             "momentum",
             _ignoring_codes(_momentum),
-            "BN momentum where the file holds no modules (default 0.1; a Keras port: 0.01)",
+            f"BN momentum where the file holds no modules (default {DEFAULT_MOMENTUM:g}; a Keras port: 0.01)",
         ),
         Key(
             "select",
@@ -461,9 +468,10 @@ def load_config(
             cli[KEYS[name].field] = KEYS[name].parse(value, rule_codes)
         except ValueError as exc:
             raise BnauditError(f"--{name}: {exc}") from None
+    from_file = frozenset(values) - frozenset(cli)
     if "select" in cli:
         values["ignore"] = ()
     if "ignore" in cli:
         cli["ignore"] = values.get("ignore", ()) + cli["ignore"]
     values.update(cli)
-    return Config(**values, source=str(source) if source is not None else None)
+    return Config(**values, source=str(source) if source is not None else None, from_file=from_file)

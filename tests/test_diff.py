@@ -284,7 +284,7 @@ def test_eps_changed_between_torchscript_exports_is_an_error(tmp_path, pretraine
     result = cli("diff", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--format", "json")
     assert result.exit_code == 1
     doc = json.loads(result.stdout)
-    assert doc["layers"][2]["eps"] == {"a": 1e-05, "b": 0.001, "known": True}
+    assert doc["layers"][2]["eps"] == {"a": 1e-05, "b": 0.001, "known": True, "source": {"a": "module", "b": "module"}}
 
 
 def test_json_document(frozen_pair, cli):

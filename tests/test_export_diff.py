@@ -186,9 +186,15 @@ def test_eps_rewritten_to_1e3_is_bn109(folder, tmp_path):
                         a.f = 1e-3
 
     path = rewrite(folder / "legacy_kept.onnx", tmp_path / "eps.onnx", edit)
+    # a state dict holds no eps: 1e-5 is only assumed, so the difference is a note
     report = diff(str(folder / "model.pt"), path)
-    assert codes(report) == {("BN109", "error", layer) for layer in BN_LAYERS}
-    assert "epsilon 0.001 in the export, eps 1e-05 (assumed" in report.findings[0].message
+    assert codes(report) == {("BN109", "info", layer) for layer in BN_LAYERS}
+    assert "epsilon 0.001 in the export; the checkpoint holds no modules" in report.findings[0].message
+    assert "(1e-05 assumed)" in report.findings[0].message
+    # the eps given by --eps is what the user says the model uses: 1e-5 is contradicted
+    given = diff(str(folder / "model.pt"), path, Config(eps=1e-5))
+    assert codes(given) == {("BN109", "error", layer) for layer in BN_LAYERS}
+    assert "epsilon 0.001 in the export, eps 1e-05 (given by --eps)" in given.findings[0].message
     # the module's own eps from --eps is the reference: 1e-3 then matches
     assert diff(str(folder / "model.pt"), path, Config(eps=1e-3)).findings == []
 
@@ -202,9 +208,13 @@ def test_momentum_written_in_pytorch_convention_is_bn110(folder, tmp_path):
                         a.f = 0.1
 
     path = rewrite(folder / "legacy_kept.onnx", tmp_path / "momentum.onnx", edit)
+    # a state dict holds no momentum: 0.1 is only assumed, so the difference is a note
     report = diff(str(folder / "model.pt"), path)
-    assert codes(report) == {("BN110", "warning", layer) for layer in BN_LAYERS}
-    assert "without conversion" in report.findings[0].message
+    assert codes(report) == {("BN110", "info", layer) for layer in BN_LAYERS}
+    assert "without conversion" in report.findings[0].message and "--momentum 0.9" in report.findings[0].message
+    given = diff(str(folder / "model.pt"), path, Config(momentum=0.1))
+    assert codes(given) == {("BN110", "warning", layer) for layer in BN_LAYERS}
+    assert "without conversion" in given.findings[0].message
 
 
 def test_one_reset_variance_is_bn108_on_that_layer_only(folder, tmp_path, trained):

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from bnaudit.audit.fold import expected_fold, fold_layer, implied_eps, recover_scales
+from bnaudit.audit.fold import best_implied_eps, fold_layer, recover_scales
+from bnaudit.audit.formulas import folded_conv
 
 # One BN layer of 2 channels: gamma (2, 1), beta (0.5, -1), mean (1, 0), var (3, 0.01), eps 1e-5.
 GAMMA, BETA, MEAN, VAR, EPS = [2.0, 1.0], [0.5, -1.0], [1.0, 0.0], [3.0, 0.01], 1e-5
@@ -23,7 +24,7 @@ def folded(eps: float = EPS, mean=MEAN, var=VAR):
 
 
 def test_expected_fold_is_gamma_over_sqrt_var_plus_eps():
-    s, t = expected_fold(GAMMA, BETA, MEAN, VAR, EPS, conv_bias=[0.25, 0.0])
+    s, t = folded_conv(GAMMA, BETA, MEAN, VAR, EPS, conv_bias=[0.25, 0.0])
     # channel 0: 2 / sqrt(3.00001); shift 0.5 + (0.25 - 1) * s0
     assert s[0] == pytest.approx(2 / math.sqrt(3.00001), rel=1e-15)
     assert t[0] == pytest.approx(0.5 - 0.75 * 2 / math.sqrt(3.00001), rel=1e-15)
@@ -87,5 +88,5 @@ def test_weights_that_are_not_a_scaled_copy():
 
 
 def test_eps_not_determinable_when_variances_dwarf_it():
-    eps_hat, how, consistent = implied_eps([1 / math.sqrt(1e4 + 1e-5)], [1.0], [1e4], 1e-5)
+    eps_hat, how, consistent = best_implied_eps([1 / math.sqrt(1e4 + 1e-5)], [1.0], [1e4], 1e-5)
     assert eps_hat is None and "not determinable" in how and consistent

@@ -8,6 +8,7 @@ from conftest import bn_entries, save_safetensors, save_torch
 from torch import nn
 
 from bnaudit.audit.layers import discover_layers
+from bnaudit.audit.settings import stated_settings
 from bnaudit.formats.read import read_checkpoint
 
 
@@ -116,8 +117,10 @@ def test_eps_and_momentum_options_replace_assumed_defaults(tmp_path):
     ckpt = read_checkpoint(save_safetensors(bn_entries("bn", 2), tmp_path / "m.safetensors"))
     default = discover_layers(ckpt).layers[0]
     assert (default.eps, default.momentum, default.settings_assumed) == (1e-5, 0.1, True)
-    given = discover_layers(ckpt, eps=1e-3, momentum=0.01, momentum_given=True).layers[0]
+    assert default.settings.eps.assumed and default.settings.momentum.assumed
+    given = discover_layers(ckpt, stated_settings(1e-3, 0.01)).layers[0]
     assert (given.eps, given.momentum) == (1e-3, 0.01)
+    assert given.settings.eps.given and given.settings.momentum.given and given.settings_assumed
 
 
 def test_low_precision_statistics_keep_their_stored_dtype(tmp_path):

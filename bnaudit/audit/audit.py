@@ -16,17 +16,19 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from bnaudit.audit.layers import ModuleFacts, discover_layers, facts_from_module_infos
+from bnaudit.audit.layers import ModuleFacts, discover_layers, facts_from_module_infos, not_from_file
 from bnaudit.audit.provenance import recalibration_provenance
 from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
 from bnaudit.audit.rules import Finding, RuleContext, run_rules
-from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM, Config
+from bnaudit.audit.settings import statement
+from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.classify import SCANNED_NAMES, NotModelWeights
 from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.shards import index_beside, is_index, series_members
 from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES
+from bnaudit.severity import Severity
 
 
 def _scan_directory(path: str) -> list[str]:
@@ -80,9 +82,7 @@ def _without_indexed_shards(paths: list[str]) -> list[str]:
 def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | None = None) -> FileReport:
     """Audit an opened checkpoint; `module` (when the model is known) makes BN001 exact and
     enables the module-only rules. Raises BnauditError for unreadable tensors."""
-    discovery = discover_layers(
-        ckpt, eps=config.eps, momentum=config.momentum, momentum_given=config.momentum is not None
-    )
+    discovery = discover_layers(ckpt, config.stated_settings())
     provenance = recalibration_provenance(ckpt)
     findings = run_rules(
         RuleContext(
@@ -116,11 +116,7 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
     report.not_loaded = list(ckpt.not_loaded)
     report.layers = [LayerSummary.of(layer, config.near_eps_factor) for layer in discovery.layers]
     report.findings = findings
-    if any(layer.settings_assumed for layer in discovery.layers):
-        eps = config.eps if config.eps is not None else DEFAULT_EPS
-        momentum = config.momentum if config.momentum is not None else DEFAULT_MOMENTUM
-        given = "given" if config.eps is not None or config.momentum is not None else "assumed"
-        report.settings = f"eps {eps:g} and momentum {momentum:g} {given} (not in a state dict; set --eps/--momentum)"
+    report.settings = statement(not_from_file(discovery.layers), "not in a state dict")
     return report
 
 
@@ -128,7 +124,7 @@ def _possibly_split(finding: Finding, k: int, n: int) -> Finding:
     """BN001 on a shard read without its index: the missing buffers may sit in another shard."""
     return dataclasses.replace(
         finding,
-        severity="info",
+        severity=Severity.INFO,
         message=f"{finding.message} (possibly split across shards: this file is shard {k} of {n})",
     )
 

@@ -42,12 +42,14 @@ from bnaudit.audit.layerdiff import (
     compare_layers,
     describe_group,
 )
-from bnaudit.audit.layers import BNLayer, discover_layers
+from bnaudit.audit.layers import BNLayer, discover_layers, not_from_file
 from bnaudit.audit.rules import Finding, run_diff_rules
-from bnaudit.config import DEFAULT_EPS, SEVERITIES, Config, severity_rank
+from bnaudit.audit.settings import OPTIONS, statement
+from bnaudit.config import SEVERITIES, Config, severity_rank
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import Checkpoint, recalibration_record
 from bnaudit.formats.read import read_checkpoint
+from bnaudit.severity import Severity
 from bnaudit.text import plural
 
 
@@ -75,7 +77,7 @@ class DiffReport:
     only_b: list[str] = field(default_factory=list)
     reshaped: list[tuple[str, int, int]] = field(default_factory=list)  # name, C on A, C on B
     findings: list[Finding] = field(default_factory=list)
-    settings: str = ""  # set when eps was assumed for a side without modules
+    settings: str = ""  # the eps / momentum not read from a file: given or assumed (audit.settings.statement)
     provenance: str = ""  # bnaudit's recalibration record of side B, in words
     # set when one side is an ONNX export of the other (bnaudit.audit.exportdiff)
     export: ExportCheck | None = None
@@ -102,9 +104,9 @@ class DiffReport:
             "only_b": len(self.only_b),
             "reshaped": len(self.reshaped),
             **({"folded": len(self.export.folded), "unpaired": len(self.export.unpaired)} if self.export else {}),
-            "errors": counts["error"],
-            "warnings": counts["warning"],
-            "infos": counts["info"],
+            "errors": counts[Severity.ERROR],
+            "warnings": counts[Severity.WARNING],
+            "infos": counts[Severity.INFO],
         }
 
     def diagnosis(self) -> list[str]:
@@ -186,8 +188,8 @@ def diff_checkpoints(
     model graph with --arch) pairs folded layers, `parity` is the outputs' comparison."""
     if (a.format == "onnx") != (b.format == "onnx"):
         return _diff_export(a, b, config, producers, parity)
-    layers_a = discover_layers(a, eps=config.eps, momentum=config.momentum).layers
-    layers_b = discover_layers(b, eps=config.eps, momentum=config.momentum).layers
+    layers_a = discover_layers(a, config.stated_settings()).layers
+    layers_b = discover_layers(b, config.stated_settings()).layers
     by_name_b = {layer.name: layer for layer in layers_b}
     names_a = {layer.name for layer in layers_a}
     recalibrated, provenance = _recalibration(b)
@@ -206,10 +208,7 @@ def diff_checkpoints(
     report.only_b = [layer.name for layer in layers_b if layer.name not in names_a]
     context = DiffContext(report.layers, config, report.only_a, report.only_b, report.reshaped, provenance=provenance)
     report.findings = run_diff_rules(context)
-    if any(layer.settings_assumed for layer in layers_a + layers_b):
-        eps = config.eps if config.eps is not None else DEFAULT_EPS
-        given = "given" if config.eps is not None else "assumed"
-        report.settings = f"eps {eps:g} {given} where a side holds no modules (set --eps)"
+    report.settings = statement(not_from_file(layers_a + layers_b), "a side holds no modules")
     return report
 
 
@@ -226,8 +225,8 @@ def _diff_export(
 
     export_side = "a" if a.format == "onnx" else "b"
     ref, exp = (b, a) if export_side == "a" else (a, b)
-    layers_ref = discover_layers(ref, eps=config.eps, momentum=config.momentum).layers
-    layers_exp = discover_layers(exp).layers
+    layers_ref = discover_layers(ref, config.stated_settings()).layers
+    layers_exp = discover_layers(exp).layers  # every node carries its own attributes
     pairs, left_ref, left_exp = match_layers(layers_ref, layers_exp)
     model = exp.graph if exp.graph is not None else load_onnx(exp.path)
     folded, unpaired, kept_elsewhere, how = fold_checks(ref, left_ref, model, producers)
@@ -271,10 +270,7 @@ def _diff_export(
     report.only_a, report.only_b = (only_exp, []) if export_side == "a" else ([], only_exp)
     context = DiffContext(report.layers, config, report.only_a, report.only_b, [], export=check)
     report.findings = run_diff_rules(context)
-    if any(layer.settings_assumed for layer in layers_ref):
-        eps = config.eps if config.eps is not None else DEFAULT_EPS
-        given = "given" if config.eps is not None else "assumed"
-        report.settings = f"eps {eps:g} {given} for the checkpoint, which holds no modules (set --eps)"
+    report.settings = statement(not_from_file(layers_ref), "the checkpoint holds no modules", also="--arch")
     return report
 
 
@@ -300,8 +296,25 @@ def _export_diagnosis(check: ExportCheck, findings: list[Finding]) -> list[str]:
             low, high = f"{min(eps, default=0):.2g}", f"{max(eps, default=0):.2g}"
             implied = "" if not eps else f" (implied eps {low})" if low == high else f" (implied eps {low} to {high})"
             parts.append(f"{plural(len(good_folds), 'layer')} folded exactly as the checkpoint's BN{implied}")
+        at_own_eps = [f for f in check.folded if f.fits_eps is not None]
+        if at_own_eps:
+            parts.append(
+                f"{plural(len(at_own_eps), 'layer')} folded exactly as the checkpoint's BN at the export's eps"
+            )
         if parts:
             lines.append("The export matches the checkpoint: " + "; ".join(parts) + ".")
+    # the notes of comparisons against an assumed value (bnaudit.audit.settings): say once what would decide them
+    unsure = [
+        name
+        for name, codes in (("eps", ("BN109", "BN112")), ("momentum", ("BN110",)))
+        if any(f.code in codes and f.severity == Severity.INFO for f in findings)
+    ]
+    if unsure:
+        words = " and ".join(unsure)
+        lines.append(
+            f"The export's {words} could not be checked: the checkpoint holds no modules and no {words} was given "
+            f"(pass {'/'.join(OPTIONS[n] for n in unsure)}, or --arch)."
+        )
     elif check.parity is None or not check.parity.deviates:
         causes = check.causes() or ["see the findings above (momentum convention, layers not paired)"]
         lines.append("The export differs from the checkpoint: " + "; ".join(causes) + ".")

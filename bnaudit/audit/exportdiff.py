@@ -32,6 +32,7 @@ from typing import Any
 
 from bnaudit.audit.fold import FoldCheck, float32, fold_layer
 from bnaudit.audit.layers import BNLayer
+from bnaudit.audit.settings import Setting, Settings
 from bnaudit.formats.model import Checkpoint, TensorRef
 from bnaudit.normkinds import NormKind, onnx_op_kind
 
@@ -68,8 +69,9 @@ class TensorMismatch:
 class KeptNode:
     """A BatchNormalization node of the export matched to a checkpoint BN layer.
 
-    eps_checkpoint / momentum_checkpoint: the checkpoint module's (or --eps / PyTorch's
-    defaults when the file holds no modules: `assumed`). momentum_onnx is the node's own
+    checkpoint: the checkpoint layer's eps and momentum with their provenance
+    (bnaudit.audit.settings: its module's, given, or PyTorch's defaults assumed), which
+    `eps_checkpoint` / `momentum_checkpoint` read. momentum_onnx is the node's own
     attribute (ONNX convention: the retained fraction, 1 - PyTorch momentum)."""
 
     name: str
@@ -77,13 +79,29 @@ class KeptNode:
     source: str
     matched_by: str
     eps_export: float
-    eps_checkpoint: float
     momentum_onnx: float | None
-    momentum_checkpoint: float | None
-    settings_assumed: bool
+    checkpoint: Settings
     training_mode: bool
     mismatches: tuple[TensorMismatch, ...]
     training_reason: str = ""  # what in the node says training ("training_mode=1", "is_test absent")
+
+    @property
+    def eps_checkpoint(self) -> float:
+        return self.checkpoint.eps_value
+
+    @property
+    def momentum_checkpoint(self) -> float | None:
+        return self.checkpoint.momentum.value
+
+    @property
+    def settings_assumed(self) -> bool:
+        """The checkpoint's eps or momentum not read from its file (given or assumed)."""
+        return not self.checkpoint.from_file
+
+    @property
+    def eps_differs(self) -> bool:
+        """The node's epsilon is not the checkpoint's eps, both as float32 (the attribute's type)."""
+        return float32(self.eps_export) != float32(self.eps_checkpoint)
 
 
 @dataclass(frozen=True)
@@ -94,8 +112,17 @@ class FoldedLayer:
     conv: str  # the checkpoint conv (module name)
     node: str  # the export node
     pairing: str  # how the conv was found, and how its node
-    eps: float  # the checkpoint's eps it was checked against
+    eps_setting: Setting  # the checkpoint's eps it was checked against, with its provenance
     check: FoldCheck
+    # where the checkpoint's eps is only assumed and the folding does not match it: the
+    # implied eps when folding at that eps matches exactly (the export is right, the
+    # assumption is not), else None
+    fits_eps: float | None = None
+
+    @property
+    def eps(self) -> float:
+        value = self.eps_setting.value
+        return float(value) if value is not None else math.nan
 
 
 @dataclass(frozen=True)
@@ -154,9 +181,10 @@ class ExportCheck:
     def causes(self) -> list[str]:
         """What in the export's BN arithmetic differs from the checkpoint, weightiest first."""
         training = [n.name for n in self.nodes if n.training_mode]
-        eps = [n.name for n in self.nodes if float32(n.eps_export) != float32(n.eps_checkpoint)]
+        # an assumed eps says nothing about the export: only a known or given one can be its cause
+        eps = [n.name for n in self.nodes if n.eps_differs and not n.checkpoint.eps.assumed]
         stats = [n.name for n in self.nodes if n.mismatches]
-        folded = [f.name for f in self.folded if not f.check.matches]
+        folded = [f.name for f in self.folded if not f.check.matches and f.fits_eps is None]
         causes = []
         if training:
             causes.append(
@@ -313,10 +341,8 @@ def kept_node(ref: BNLayer, node: BNLayer, info: Any, matched_by: str) -> KeptNo
         source=str(getattr(info, "source", None) or node.name),
         matched_by=matched_by,
         eps_export=node.eps,
-        eps_checkpoint=ref.eps,
         momentum_onnx=None if momentum is None else 1.0 - momentum,
-        momentum_checkpoint=ref.momentum,
-        settings_assumed=ref.settings_assumed,
+        checkpoint=ref.settings,
         training_mode=bool(getattr(info, "training_mode", False)),
         mismatches=tuple(mismatches),
         training_reason=str(getattr(info, "training_reason", None) or ""),
@@ -520,18 +546,27 @@ def _fold(ckpt: Checkpoint, layer: BNLayer, conv: str, node: ConvNode, pairing: 
         export_bias = None if len(export_bias) != 1 else export_bias * layer.num_features
     checkpoint_rows = _rows(weight_ref.read(), weight_ref.shape, False)
     conv_bias = bias_ref.read() if bias_ref is not None and bias_ref.shape == (layer.num_features,) else None
-    check = fold_layer(
-        export_rows,
-        export_bias,
-        checkpoint_rows,
-        conv_bias,
-        layer.weight,
-        layer.bias,
-        layer.running_mean,
-        layer.running_var,
-        layer.eps,
-    )
-    return FoldedLayer(layer.name, conv, node.name, pairing, layer.eps, check)
+
+    def check_at(eps: float) -> FoldCheck:
+        return fold_layer(
+            export_rows,
+            export_bias,
+            checkpoint_rows,
+            conv_bias,
+            layer.weight,
+            layer.bias,
+            layer.running_mean,
+            layer.running_var,
+            eps,
+        )
+
+    check = check_at(layer.eps)
+    fits = None
+    implied = check.implied_eps
+    if not check.matches and layer.settings.eps.assumed and implied is not None and implied > 0:
+        # an assumed eps cannot make a correct export wrong: does the export's own eps explain it all?
+        fits = implied if check_at(implied).matches else None
+    return FoldedLayer(layer.name, conv, node.name, pairing, layer.settings.eps, check, fits)
 
 
 def _unexplained_nodes(ckpt: Checkpoint, nodes: list[ConvNode]) -> Iterator[Unpaired]:

@@ -7,7 +7,8 @@ exporters fold eval-mode BN into the layer before it by default, so the export h
     b'_c = t_c
 
 with, for the checkpoint's BN (gamma, beta, running mean mu, running variance var, eps)
-and the conv's own bias b (0 without one):
+and the conv's own bias b (0 without one), the folded scale and bias of
+bnaudit.audit.formulas (`folded_conv`):
 
     expected scale   s_c = gamma_c / sqrt(var_c + eps)
     expected shift   t_c = beta_c + (b_c - mu_c) * s_c
@@ -27,7 +28,7 @@ Definitions of what `fold_layer` reports:
   shift error      max_c |t^_c - t_c| / (|beta_c| + |(b_c - mu_c) s_c| + |s_c|)
                    (t^_c the export's bias; the denominator is the size of the terms the
                    exporter added, so rounding stays ~1e-7 whatever the channel's scale)
-  implied eps      eps^_c = (gamma_c / s^_c)^2 - var_c, from the channel where it is best
+  implied eps      eps^_c = (gamma_c / s^_c)^2 - var_c (formulas.implied_eps), from the channel where it is best
                    determined: its uncertainty is about 2 (var_c + eps) * SCALE_PRECISION (1e-6), so a
                    channel whose variance dwarfs eps cannot tell eps apart from 0. The eps
                    is "not determinable" when no channel pins it within a factor 2.
@@ -43,6 +44,8 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from bnaudit.audit.formulas import folded_conv, implied_eps
 
 WEIGHT_RTOL = 1e-5
 FOLD_RTOL = 1e-5
@@ -99,34 +102,10 @@ def recover_scales(
     return scales, residual
 
 
-def expected_fold(
-    gamma: Sequence[float] | None,
-    beta: Sequence[float] | None,
-    mean: Sequence[float],
-    var: Sequence[float],
-    eps: float,
-    conv_bias: Sequence[float] | None,
-) -> tuple[list[float], list[float]]:
-    """(s_c, t_c): s_c = gamma_c / sqrt(var_c + eps), t_c = beta_c + (b_c - mu_c) s_c, in
-    float64 (gamma 1 and beta 0 without affine parameters, b 0 without a conv bias).
-    NaN where var_c + eps <= 0."""
-    n = len(mean)
-    g = list(gamma) if gamma is not None else [1.0] * n
-    bt = list(beta) if beta is not None else [0.0] * n
-    b = list(conv_bias) if conv_bias is not None else [0.0] * n
-    scales, shifts = [], []
-    for c in range(n):
-        d = var[c] + eps
-        s = g[c] / math.sqrt(d) if d > 0 else math.nan
-        scales.append(s)
-        shifts.append(bt[c] + (b[c] - mean[c]) * s)
-    return scales, shifts
-
-
-def implied_eps(
+def best_implied_eps(
     scales: Sequence[float | None], gamma: Sequence[float] | None, var: Sequence[float], eps: float
 ) -> tuple[float | None, str, bool]:
-    """(eps^, how, consistent): eps^_c = (gamma_c / s^_c)^2 - var_c from the channel that
+    """(eps^, how, consistent): eps^_c = formulas.implied_eps(gamma_c, s^_c, var_c) from the channel that
     determines it best (smallest var_c + eps: uncertainty ~2 (var_c + eps) SCALE_PRECISION);
     `consistent` is False when the determinable channels disagree beyond their
     uncertainties (no single eps explains the folded scales: the statistics differ)."""
@@ -137,7 +116,7 @@ def implied_eps(
         s = scales[c]
         if s is None or s == 0 or g[c] == 0 or not math.isfinite(var[c]) or var[c] < 0:
             continue
-        estimate = (g[c] / s) ** 2 - var[c]
+        estimate = implied_eps(g[c], s, var[c])
         uncertainty = 2 * (var[c] + max(eps, abs(estimate))) * SCALE_PRECISION
         estimates.append((uncertainty, estimate, c))
     if not estimates:
@@ -172,7 +151,7 @@ def fold_layer(
             n, False, residual, None, None, None, "", False,
             f"the exported weights are not the checkpoint conv's scaled per channel (residual {residual:.2g})",
         )  # fmt: skip
-    s_exp, t_exp = expected_fold(gamma, beta, mean, var, eps, conv_bias)
+    s_exp, t_exp = folded_conv(gamma, beta, mean, var, eps, conv_bias)
     shifts = list(export_bias) if export_bias is not None else [0.0] * n
     g = list(gamma) if gamma is not None else [1.0] * n
     bt = list(beta) if beta is not None else [0.0] * n
@@ -195,7 +174,7 @@ def fold_layer(
         if max(s_err, t_err) > worst:
             worst, worst_channel = max(s_err, t_err), c
     scale_error = max(scale_errors) if scale_errors else None
-    eps_hat, how, consistent = implied_eps(scales, gamma, var, eps)
+    eps_hat, how, consistent = best_implied_eps(scales, gamma, var, eps)
     matches = (scale_error is None or scale_error <= FOLD_RTOL) and shift_error <= FOLD_RTOL
     cause = ""
     if not matches:
@@ -225,7 +204,7 @@ def _cause(
     """What a mismatch points to: identity statistics folded in, another eps, or other
     statistics (stale, or another checkpoint's)."""
     n = len(mean)
-    s_id, t_id = expected_fold(gamma, beta, [0.0] * n, [1.0] * n, eps, conv_bias)
+    s_id, t_id = folded_conv(gamma, beta, [0.0] * n, [1.0] * n, eps, conv_bias)
     if all(s is None or _close(s, e) for s, e in zip(scales, s_id)) and all(
         abs(t - e) <= FOLD_RTOL * (abs(e) + abs(s) + 1e-30) for t, e, s in zip(shifts, t_id, s_id)
     ):
@@ -233,7 +212,7 @@ def _cause(
     scale_ok = scale_error is None or scale_error <= FOLD_RTOL
     if not scale_ok and eps_hat is not None and consistent and not _close(eps_hat, eps):
         # the scales fit one eps: do the shifts fit it too (same statistics, another eps)?
-        s_e, t_e = expected_fold(gamma, beta, mean, var, eps_hat, conv_bias)
+        s_e, t_e = folded_conv(gamma, beta, mean, var, eps_hat, conv_bias)
         if all(abs(t - e) <= 1e-4 * (abs(e) + abs(s) + 1e-30) for t, e, s in zip(shifts, t_e, s_e)):
             return f"the export folded these statistics with eps {eps_hat:.3g} instead of {eps:g}"
     if scale_ok:

@@ -19,7 +19,8 @@ Definitions (side A is "before", side B "after"; every maximum runs over channel
   batches change   num_batches_tracked_b - num_batches_tracked_a (None when either side
                    has no counter)
 
-`eps` is side A's (the module's own when the file holds modules, else --eps or 1e-5).
+`eps` is side A's (bnaudit.audit.settings: the module's own, else --eps or the configuration,
+else PyTorch's default).
 "Identical" means bit-identical: every stored value has the same IEEE bit pattern once
 widened exactly to float64 (the readers' widening is exact and one-to-one, so -0.0 and
 0.0 differ, a NaN equals only the same NaN). A value changed by one ulp has moved.
@@ -34,6 +35,7 @@ from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
 from bnaudit.audit.layers import BNLayer
+from bnaudit.audit.settings import Settings
 from bnaudit.config import Config
 
 if TYPE_CHECKING:  # the export check's modules are needed only when one side is an export
@@ -118,8 +120,8 @@ class LayerDiff:
 
     `*_identical`: that tensor bit-identical on both sides (both absent counts as
     identical). `batches_change` is B's counter minus A's. `verdict` is
-    one of VERDICTS (see `classify`). eps and momentum are each side's (modules' own or
-    assumed: `settings_known` is True only when both sides hold modules).
+    one of VERDICTS (see `classify`). `settings_a` / `settings_b`: each side's eps and
+    momentum with their provenance (bnaudit.audit.settings).
     """
 
     name: str
@@ -136,15 +138,33 @@ class LayerDiff:
     mean_identical: bool
     var_identical: bool
     verdict: str
-    eps_a: float
-    eps_b: float
-    momentum_a: float | None
-    momentum_b: float | None
-    settings_known: bool
+    settings_a: Settings
+    settings_b: Settings
     recalibrated: bool = False
     # False when a side is an EMA copy: its counter is not a count of batches (timm
     # averages it towards 0, torchvision halves it, AveragedModel leaves 1)
     counter_meaningful: bool = True
+
+    @property
+    def eps_a(self) -> float:
+        return self.settings_a.eps_value
+
+    @property
+    def eps_b(self) -> float:
+        return self.settings_b.eps_value
+
+    @property
+    def momentum_a(self) -> float | None:
+        return self.settings_a.momentum.value
+
+    @property
+    def momentum_b(self) -> float | None:
+        return self.settings_b.momentum.value
+
+    @property
+    def settings_known(self) -> bool:
+        """Both sides' eps and momentum read from their files."""
+        return self.settings_a.from_file and self.settings_b.from_file
 
     @property
     def stats_identical(self) -> bool:
@@ -234,11 +254,8 @@ def compare_layers(a: BNLayer, b: BNLayer, recalibrated: bool = False, counter_m
             change if counter_meaningful else None,
             recalibrated,
         ),
-        eps_a=a.eps,
-        eps_b=b.eps,
-        momentum_a=a.momentum,
-        momentum_b=b.momentum,
-        settings_known=not a.settings_assumed and not b.settings_assumed,
+        settings_a=a.settings,
+        settings_b=b.settings,
         recalibrated=recalibrated,
         counter_meaningful=counter_meaningful,
     )

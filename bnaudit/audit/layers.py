@@ -14,9 +14,10 @@ group is which, and which module is a BatchNorm, is `bnaudit.normkinds`'s answer
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM
+from bnaudit.audit.settings import Setting, Settings, resolve, stated_settings
 from bnaudit.formats.model import Checkpoint, ModuleInfo, TensorRef
 from bnaudit.normkinds import NormKind, group_kind, looks_like_batchnorm_name, module_kind
 
@@ -27,9 +28,10 @@ _STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 class BNLayer:
     """One BN layer's buffers and parameters as lists of Python floats (float64), one per channel.
 
-    `eps` and `momentum` are the module's own when the file holds modules, else the
-    assumed values (`settings_assumed` is then True). `momentum` None means a
-    cumulative average (PyTorch `momentum=None`).
+    `settings`: its eps and momentum with their provenance (bnaudit.audit.settings: the
+    module's or graph node's own, given by --eps/--momentum or the configuration, or
+    PyTorch's defaults assumed). `momentum` None means a cumulative average (PyTorch
+    `momentum=None`).
     """
 
     name: str
@@ -40,13 +42,35 @@ class BNLayer:
     bias: list[float] | None
     num_batches_tracked: int | None
     stats_dtype: str
-    eps: float
-    momentum: float | None
-    settings_assumed: bool
+    settings: Settings
 
     @property
     def num_features(self) -> int:
         return len(self.running_mean)
+
+    @property
+    def eps(self) -> float:
+        return self.settings.eps_value
+
+    @property
+    def momentum(self) -> float | None:
+        return self.settings.momentum.value
+
+    @property
+    def settings_assumed(self) -> bool:
+        """Not both read from the file: given or assumed (see `settings` for which)."""
+        return not self.settings.from_file
+
+
+def not_from_file(layers: Iterable[BNLayer]) -> list[tuple[str, Setting]]:
+    """("eps" / "momentum", Setting) for each setting some of `layers` did not read from
+    their file (given or assumed), first occurrence of each name: what a report says it used."""
+    found: dict[str, Setting] = {}
+    for layer in layers:
+        for name, setting in (("eps", layer.settings.eps), ("momentum", layer.settings.momentum)):
+            if not setting.known:
+                found.setdefault(name, setting)
+    return list(found.items())
 
 
 @dataclass(frozen=True)
@@ -131,17 +155,14 @@ def _vector(ref: TensorRef | None) -> list[float] | None:
     return _floats(ref)
 
 
-def discover_layers(
-    ckpt: Checkpoint,
-    eps: float | None = None,
-    momentum: float | None = None,
-    momentum_given: bool = False,
-) -> Discovery:
+def discover_layers(ckpt: Checkpoint, stated: Settings | None = None) -> Discovery:
     """BN layers of a checkpoint in file order, reading only their tensors.
 
-    `eps` / `momentum` (from --eps/--momentum) override the assumed defaults; the
-    values a file's own modules carry win over both, since they are the truth.
+    `stated`: eps and momentum for layers whose file does not hold them (`Config.stated_settings()`;
+    None: PyTorch's defaults, assumed). A file's own modules or nodes win, setting by
+    setting (bnaudit.audit.settings.resolve).
     """
+    stated = stated or stated_settings(None, None)
     layers: list[BNLayer] = []
     incomplete: list[IncompleteGroup] = []
     groups = _group(ckpt.tensors)
@@ -153,7 +174,9 @@ def discover_layers(
             if found.kind is NormKind.NOT_NORM:
                 continue  # a look-alike (BatchRenorm, e3nn, RL observation normaliser)
             if "running_mean" in group and "running_var" in group:
-                layers.append(_make_layer(prefix, group, ckpt.modules.get(prefix), eps, momentum, momentum_given))
+                layers.append(
+                    _make_layer(prefix, group, resolve(ckpt.modules.get(prefix), stated), ckpt.modules.get(prefix))
+                )
             else:
                 present = tuple(k for k in _STAT_NAMES if k in group)
                 missing = tuple(k for k in ("running_mean", "running_var") if k not in group)
@@ -175,36 +198,15 @@ def discover_layers(
     return Discovery(layers, incomplete, suspected)
 
 
-def _make_layer(
-    prefix: str,
-    group: dict[str, TensorRef],
-    module: ModuleInfo | None,
-    eps: float | None,
-    momentum: float | None,
-    momentum_given: bool,
-) -> BNLayer:
-    mean = _floats(group["running_mean"])
-    var = _floats(group["running_var"])
-    weight = _vector(group.get("weight"))
-    bias = _vector(group.get("bias"))
-    if module is not None and module.eps is not None:
-        layer_eps, layer_momentum, assumed = module.eps, module.momentum, False
-        if not module.momentum_known:
-            layer_momentum = momentum if momentum_given else DEFAULT_MOMENTUM
-    else:
-        layer_eps = eps if eps is not None else DEFAULT_EPS
-        layer_momentum = momentum if momentum_given else DEFAULT_MOMENTUM
-        assumed = True
+def _make_layer(prefix: str, group: dict[str, TensorRef], settings: Settings, module: ModuleInfo | None) -> BNLayer:
     return BNLayer(
         name=prefix,
         kind=_kind(group, module),
-        running_mean=mean,
-        running_var=var,
-        weight=weight,
-        bias=bias,
+        running_mean=_floats(group["running_mean"]),
+        running_var=_floats(group["running_var"]),
+        weight=_vector(group.get("weight")),
+        bias=_vector(group.get("bias")),
         num_batches_tracked=_counter(group.get("num_batches_tracked")),
         stats_dtype=group["running_var"].dtype,
-        eps=float(layer_eps),
-        momentum=layer_momentum,
-        settings_assumed=assumed,
+        settings=settings,
     )

@@ -13,9 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from bnaudit.audit.formulas import eval_gains, near_eps_channels
 from bnaudit.audit.layers import BNLayer
-from bnaudit.audit.rules import Finding, eval_gain, near_eps_channels
+from bnaudit.audit.rules import Finding
 from bnaudit.config import SEVERITIES, Config, severity_rank
+from bnaudit.severity import Severity
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,9 @@ class LayerSummary:
 
     @classmethod
     def of(cls, layer: BNLayer, near_eps_factor: float) -> LayerSummary:
-        mean, var, gains = map(_numbers, (layer.running_mean, layer.running_var, eval_gain(layer)))
+        mean, var, gains = map(
+            _numbers, (layer.running_mean, layer.running_var, eval_gains(layer.weight, layer.running_var, layer.eps))
+        )
         ordered = sorted(var)
         return cls(
             name=layer.name,
@@ -52,7 +56,7 @@ class LayerSummary:
             var_min=ordered[0] if ordered else None,
             var_median=_median(ordered) if ordered else None,
             var_max=ordered[-1] if ordered else None,
-            near_eps_channels=len(near_eps_channels(layer, near_eps_factor)),
+            near_eps_channels=len(near_eps_channels(layer.running_var, layer.eps, near_eps_factor)),
             max_eval_gain=max(gains, default=None),
         )
 
@@ -119,9 +123,9 @@ class InspectReport:
             "files": sum(1 for f in self.files if f.excluded is None),
             "excluded": sum(1 for f in self.files if f.excluded is not None),
             "layers": sum(len(f.layers) for f in self.files),
-            "errors": counts["error"],
-            "warnings": counts["warning"],
-            "infos": counts["info"],
+            "errors": counts[Severity.ERROR],
+            "warnings": counts[Severity.WARNING],
+            "infos": counts[Severity.INFO],
             "unreadable": sum(1 for f in self.files if f.error),
         }
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import re
 import textwrap
+from collections.abc import Mapping
 from typing import Any
 
 from bnaudit.audit.rules import RULES, Rule
-from bnaudit.config import DEFAULT_EPS, DEFAULT_MOMENTUM, KEYS, SEVERITIES, Config
+from bnaudit.audit.settings import DEFAULT_EPS, DEFAULT_MOMENTUM
+from bnaudit.config import KEYS, Config
 from bnaudit.errors import BnauditError
 
 _WIDTH = 88
@@ -26,15 +28,15 @@ def find_rule(code: str) -> Rule:
     return rule
 
 
-def worst_severity(rule: Rule, overrides: dict[str, str] | None = None) -> str:
+def worst_severity(rule: Rule, overrides: Mapping[str, str] | None = None) -> str:
     """The highest severity a rule can report ("error / warning" -> "error"), or the one
     the configuration's `severity` table sets for it."""
     if overrides and rule.code in overrides:
         return overrides[rule.code]
-    return max((s.strip() for s in rule.severity.split("/")), key=SEVERITIES.index)
+    return rule.worst_severity
 
 
-def shown_severity(rule: Rule, overrides: dict[str, str] | None = None) -> str:
+def shown_severity(rule: Rule, overrides: Mapping[str, str] | None = None) -> str:
     """The severity column of `bnaudit rules`: the default, or the configured one and the default."""
     if overrides and rule.code in overrides:
         return f"{overrides[rule.code]} (configured)"
@@ -87,7 +89,7 @@ def _silence_lines(rule: Rule) -> list[str]:
     return lines
 
 
-def explain_rule(rule: Rule, markdown: bool = False, overrides: dict[str, str] | None = None) -> str:
+def explain_rule(rule: Rule, markdown: bool = False, overrides: Mapping[str, str] | None = None) -> str:
     """What a rule detects, why it matters, how to fix it, how to silence it; with the
     configuration's severity `overrides`, the severity this project reports it at."""
     sections = [

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json as jsonlib  # not `json`: importing the submodule output.json rebinds that name here
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any
 
 from bnaudit.errors import OutputClosed
@@ -149,7 +149,7 @@ def emit_diagnostics(report: Any, stream: IO[str], fmt: str = "table") -> None:
 
 
 def render_rules(
-    stream: IO[str], code: str | None = None, *, width: int | None = None, overrides: dict[str, str] | None = None
+    stream: IO[str], code: str | None = None, *, width: int | None = None, overrides: Mapping[str, str] | None = None
 ) -> None:
     """`bnaudit rules`: one row per rule; with `code`, that rule explained (an unknown
     code is a BnauditError). `overrides`: the configuration's rule -> severity table."""

@@ -325,8 +325,17 @@ def diff_to_json(report: Any) -> dict[str, Any]:
                     "running_mean": d.mean_identical,
                     "running_var": d.var_identical,
                 },
-                "eps": {"a": json_number(d.eps_a), "b": json_number(d.eps_b), "known": d.settings_known},
-                "momentum": {"a": json_number(d.momentum_a), "b": json_number(d.momentum_b)},
+                "eps": {
+                    "a": json_number(d.eps_a),
+                    "b": json_number(d.eps_b),
+                    "known": d.settings_known,
+                    "source": {"a": d.settings_a.eps.source.value, "b": d.settings_b.eps.source.value},
+                },
+                "momentum": {
+                    "a": json_number(d.momentum_a),
+                    "b": json_number(d.momentum_b),
+                    "source": {"a": d.settings_a.momentum.source.value, "b": d.settings_b.momentum.source.value},
+                },
                 "verdict": d.verdict,
             }
             for d in report.layers
@@ -359,10 +368,15 @@ def _export_to_json(check: Any) -> dict[str, Any] | None:
                 "node": n.node,
                 "source": n.source,
                 "matched_by": n.matched_by,
-                "eps": {"export": json_number(n.eps_export), "checkpoint": json_number(n.eps_checkpoint)},
+                "eps": {
+                    "export": json_number(n.eps_export),
+                    "checkpoint": json_number(n.eps_checkpoint),
+                    "checkpoint_source": n.checkpoint.eps.source.value,
+                },
                 "momentum": {
                     "onnx": json_number(n.momentum_onnx),
                     "checkpoint": json_number(n.momentum_checkpoint),
+                    "checkpoint_source": n.checkpoint.momentum.source.value,
                 },
                 "settings_assumed": n.settings_assumed,
                 "training_mode": n.training_mode,
@@ -389,6 +403,8 @@ def _export_to_json(check: Any) -> dict[str, Any] | None:
                 "pairing": f.pairing,
                 "channels": f.check.channels,
                 "eps": json_number(f.eps),
+                "eps_source": f.eps_setting.source.value,
+                "fits_eps": json_number(f.fits_eps),
                 "scaled_copy": f.check.scaled_copy,
                 "residual": json_number(f.check.residual),
                 "scale_error": json_number(f.check.scale_error),

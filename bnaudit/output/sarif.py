@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -56,7 +57,7 @@ def _fingerprint(finding: Finding, uri: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-def rule_descriptor(code: str, overrides: dict[str, str] | None = None) -> dict[str, Any]:
+def rule_descriptor(code: str, overrides: Mapping[str, str] | None = None) -> dict[str, Any]:
     """A SARIF reportingDescriptor; its default level honours the configured severity."""
     rule = RULES[code]
     return {

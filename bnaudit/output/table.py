@@ -9,7 +9,7 @@ Numbers and the fixed words of the tables are ours.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
@@ -29,7 +29,7 @@ def _bordered(title: str | None = None) -> Any:
     )
 
 
-def render_rules(console: Any, overrides: dict[str, str] | None = None) -> None:
+def render_rules(console: Any, overrides: Mapping[str, str] | None = None) -> None:
     """`bnaudit rules`: one row per rule, severities as configured."""
 
     from bnaudit.audit.ruledocs import shown_severity
@@ -825,7 +825,11 @@ def _export_body(check: Any, console: Any) -> None:
                 _g(c.scale_error),
                 _g(c.shift_error),
                 "-" if c.implied_eps is None else f"{c.implied_eps:.2g}",
-                Text("matches", style="green") if c.matches else Text("MISMATCH", style="red"),
+                Text("matches", style="green")
+                if c.matches
+                else Text(f"matches at eps {f.fits_eps:.2g}", style="yellow")
+                if f.fits_eps is not None
+                else Text("MISMATCH", style="red"),
             )
         console.print(_fit(table, console.width))
     p = check.parity

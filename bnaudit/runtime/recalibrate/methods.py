@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bnaudit.audit.settings import DEFAULT_EPS
 from bnaudit.errors import BnauditError
 from bnaudit.normkinds import NormKind, op_kind
 from bnaudit.runtime.distributed import distributed, together
@@ -405,8 +406,9 @@ def _finish_layer(name: str, module: Any, record: LayerRecord, method: str, eps:
 
 
 def _eps(module: Any) -> float:
+    """The module's own eps; PyTorch's default (bnaudit.audit.settings) for a norm class without one."""
     eps = getattr(module, "eps", None)
-    return float(eps) if isinstance(eps, (int, float)) else 1e-5
+    return float(eps) if isinstance(eps, (int, float)) else DEFAULT_EPS
 
 
 def _forward_order(

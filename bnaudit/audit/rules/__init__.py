@@ -1,0 +1,25 @@
+"""The rules of bnaudit: the registry (`registry`) and one module of rules per subject.
+
+Importing this package registers every rule: the inspect rules of a checkpoint's layers
+(`checkpoint`, BN001-BN011) and of an exported graph (`graph`, BN012-BN014), the diff
+rules between two checkpoints (`diff`, BN101-BN107) and between a checkpoint and its
+export (`export`, BN108-BN114). The order of the imports does not matter: `RULES` is
+kept in code order, the order of `bnaudit rules` and of every report's findings.
+"""
+
+from bnaudit.audit.rules import checkpoint, diff, export, graph
+from bnaudit.audit.rules.registry import RULES, Finding, Rule, RuleContext, rule, run_diff_rules, run_rules
+
+__all__ = [
+    "RULES",
+    "Finding",
+    "Rule",
+    "RuleContext",
+    "checkpoint",
+    "diff",
+    "export",
+    "graph",
+    "rule",
+    "run_diff_rules",
+    "run_rules",
+]

@@ -1,0 +1,90 @@
+"""The inspect rules of exported graphs (ONNX): BN012-BN014."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, rule
+from bnaudit.severity import Severity
+
+
+@rule(
+    "BN012",
+    "training-mode-export",
+    Severity.ERROR,
+    "An exported BatchNormalization node normalises with the batch's statistics (training mode).",
+    "An inference graph should normalise with the stored running statistics. A BatchNormalization "
+    "node in training mode (BatchNormalization-14/15 `training_mode=1`; -7 and -9 with the "
+    "training-mode outputs mean/var/saved_mean/saved_var; -6 and older with `is_test=0` or without "
+    "`is_test`, whose default is training) normalises every batch with its own mean and variance: "
+    "a prediction depends on its batch companions, a batch of one normalises to beta, and some "
+    "execution providers refuse the node outright. Exporters leave it this way when the model was "
+    "exported in training mode (`torch.onnx.export(..., training=TrainingMode.TRAINING)`, or "
+    "`model.eval()` forgotten with TrainingMode.PRESERVE). The finding names the node, its "
+    "version and the opset.",
+    "Export again from `model.eval()` (torch.onnx.export's default TrainingMode.EVAL), or set "
+    "`training_mode` to 0 and drop the extra outputs with the onnx package.",
+)
+def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
+    if ctx.module is None:
+        return
+    r = RULES["BN012"]
+    for name, info in ctx.module.norms.items():
+        if info.training_mode:
+            why = info.training_reason or "training mode"
+            where = f" ({info.source})" if info.source else ""
+            yield r.finding(
+                Severity.ERROR,
+                name,
+                f"{why}: normalises with each batch's statistics, so predictions depend on their "
+                f"batch companions{where}",
+            )
+
+
+@rule(
+    "BN013",
+    "stats-not-constant",
+    Severity.INFO,
+    "An exported BatchNormalization node's scale, B, mean or variance is not a constant: it cannot be audited.",
+    "bnaudit reads the statistics a BatchNormalization node uses from initializers and Constant "
+    "nodes (through Identity nodes). A node whose inputs are graph inputs (statistics fed at run "
+    "time) or computed by other nodes has no stored values to check, so none of the other rules "
+    "can speak for it. The finding names the node and which input is not a constant.",
+    "Audit the checkpoint the graph was exported from; or export with the statistics as "
+    "initializers (`torch.onnx.export(..., export_params=True)`, the default).",
+)
+def _check_not_constant(ctx: RuleContext) -> Iterator[Finding]:
+    r = RULES["BN013"]
+    for note in ctx.unauditable:
+        yield r.finding(Severity.INFO, None, note)
+
+
+@rule(
+    "BN014",
+    "folded-export",
+    Severity.INFO,
+    "Exported Conv nodes hold BN folded into their weights: no BatchNormalization node left, or weights made by constant folding.",
+    "Both torch exporters fold BatchNorm into the preceding convolution by default (the legacy "
+    "exporter with constant folding, the dynamo exporter with its optimiser): the Conv's weights "
+    "become W*gamma/sqrt(var+eps) per output channel and its bias beta + (b - mean)*gamma/sqrt(var+eps). "
+    "The statistics then no longer exist as such and cannot be audited from the export. What the "
+    "test sees: a graph without any BatchNormalization node that has at least one Conv node whose "
+    "weight and bias are both constants; or, in any graph, Conv nodes whose weight torch's legacy "
+    "exporter computed by constant folding (it names such tensors `onnx::Conv_N` instead of the "
+    "module's parameter; BN after a Linear layer stays a node and is audited). A network that had "
+    "no BatchNorm and convolutions with their own bias matches the first test as well, so the line "
+    "says 'if the model had BatchNorm there'; a graph without BatchNormalization and without such "
+    "a Conv gets no finding.",
+    "Audit the checkpoint instead (`bnaudit inspect model.pt`), and check the folding against it "
+    "with `bnaudit diff model.pt model.onnx`; or export with BN nodes kept "
+    "(`do_constant_folding=False`, or `optimize=False` with dynamo=True) to audit the export itself.",
+)
+def _check_folded_export(ctx: RuleContext) -> Iterator[Finding]:
+    if ctx.folded is None:
+        return
+    yield RULES["BN014"].finding(
+        Severity.INFO,
+        None,
+        f"{ctx.folded}: if the model had BatchNorm there, the exporter folded its statistics into these "
+        "convolutions and they cannot be audited from the export: audit the checkpoint",
+    )
