@@ -45,6 +45,7 @@ def documents() -> list[str]:
     """The files whose example blocks are run: README.md, then docs/**/*.md in name order."""
     return [README, *sorted(glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True))]
 
+
 BLOCK = re.compile(r"(<!-- begin example (?P<command>[^\n]*?) -->\n)(?P<body>.*?)(<!-- end example -->)", re.DOTALL)
 DEFAULT_COLUMNS = "100"
 SCRATCH = "/tmp/bnaudit-readme"

@@ -3,6 +3,9 @@
     python tools/update_docs.py          # rewrite docs/rules/*.md and every generated block
     python tools/update_docs.py --check  # exit 1 if anything is out of date (CI, tests)
 
+Both also report every relative link of README.md and docs/ whose file or anchor is missing
+(exit 1).
+
 Generated from the rule registry and the configuration keys (bnaudit.audit.ruledocs):
 
 - docs/rules/index.md and one page per rule code, docs/rules/<CODE>.md; a page of a code
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +49,7 @@ RULE_EXAMPLES = {
     "BN010": "bnaudit inspect -q sample_models/partially_frozen.pt",
     "BN012": "bnaudit inspect -q sample_models/onnx/digits_training.onnx",
     "BN014": "bnaudit inspect -q sample_models/onnx/folded.onnx",
-    "BN101": "bnaudit diff -q sample_models/pretrained.safetensors sample_models/finetuned.pt",
+    "BN101": "bnaudit diff -q sample_models/pretrained.safetensors sample_models/finetuned.pt --expect-frozen 'features.*'",
     "BN105": "bnaudit diff -q sample_models/pretrained.safetensors sample_models/finetuned.pt --expect-frozen 'head.*'",
     "BN108": "bnaudit diff -q sample_models/healthy.pt sample_models/onnx/digits_training.onnx --select BN108",
     "BN111": "bnaudit diff -q sample_models/healthy.pt sample_models/onnx/digits_training.onnx --select BN111",
@@ -104,6 +108,47 @@ def missing_blocks(repo: str = REPO) -> list[str]:
     return sorted(set(GENERATED) - found)
 
 
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives the headings of `markdown`: lower case, punctuation but `-`
+    and `_` dropped, spaces as `-`, a repeated heading suffixed -1, -2, ..."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in _outside_code(markdown, spans=False).splitlines():
+        if m := re.match(r"#{1,6} +(.*?) *#*$", line):
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+            out.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def _outside_code(markdown: str, spans: bool = True) -> str:
+    """`markdown` without fenced code blocks and (with `spans`) inline code spans: a link or a
+    heading there is text."""
+    text = re.sub(r"^```.*?^```[^\n]*$", "", markdown, flags=re.DOTALL | re.MULTILINE)
+    return re.sub(r"`[^`\n]*`", "", text) if spans else text
+
+
+def broken_links(repo: str = REPO) -> list[str]:
+    """Relative links of README.md and docs/**/*.md whose file or #anchor does not exist."""
+    broken = []
+    for path in documents(repo):
+        text = read(repo, path) or ""
+        for target in LINK.findall(_outside_code(text)):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            resolved = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+            full = os.path.join(repo, resolved)
+            if not os.path.exists(full) or os.path.relpath(full, repo).startswith(".."):
+                broken.append(f"{path}: {target}: no such file")
+            elif anchor and (os.path.isdir(full) or anchor not in anchors(read(repo, resolved) or "")):
+                broken.append(f"{path}: {target}: no such anchor")
+    return broken
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only report whether the generated docs are up to date")
@@ -113,16 +158,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no document holds the generated block {', '.join(missing)}", file=sys.stderr)
         return 1
     changes = stale(args.repo)
-    if not changes:
-        print("generated docs are up to date")
-        return 0
     if args.check:
         for path, text in changes.items():
             print(f"{path}: {'no rule has this code' if text is None else 'out of date'}", file=sys.stderr)
-        print("run python tools/update_docs.py", file=sys.stderr)
-        return 1
+        if changes:
+            print("run python tools/update_docs.py", file=sys.stderr)
+    else:
+        write(args.repo, changes)
+    for line in (broken := broken_links(args.repo)):
+        print(line, file=sys.stderr)
+    if not changes and not broken:
+        print("generated docs are up to date; every relative link resolves")
+    return 1 if broken or (changes and args.check) else 0
+
+
+def write(repo: str, changes: dict[str, str | None]) -> None:
+    """Write the generated documents (None: remove the page)."""
     for path, text in changes.items():
-        full = os.path.join(args.repo, path)
+        full = os.path.join(repo, path)
         if text is None:
             os.remove(full)
             print(f"{path}: removed (no rule has this code)")
@@ -131,7 +184,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(full, "w", encoding="utf-8") as fh:
             fh.write(text)
         print(f"{path}: rewritten")
-    return 0
 
 
 if __name__ == "__main__":

@@ -146,7 +146,9 @@ def _rules_table_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
-GENERATED_NOTE = "<!-- generated from the rule registry (bnaudit/audit/rules.py) by tools/update_docs.py; do not edit -->"
+GENERATED_NOTE = (
+    "<!-- generated from the rule registry (bnaudit/audit/rules.py) by tools/update_docs.py; do not edit -->"
+)
 
 
 def rules_index_page() -> str:
@@ -197,7 +199,8 @@ def rule_page(rule: Rule, example: str | None = None) -> str:
         out += ["The keys that tune it (`[tool.bnaudit]` in pyproject.toml, or bnaudit.toml):", ""]
         out += ["| key | default | meaning |", "| --- | --- | --- |"]
         out += [
-            f"| `{key}` | `{_cell(_toml_value(_default_value(key)))}` | {_cell(KEYS[key].doc)} |" for key in rule.settings
+            f"| `{key}` | `{_cell(_toml_value(_default_value(key)))}` | {_cell(KEYS[key].doc)} |"
+            for key in rule.settings
         ]
         out.append("")
     out += ["How to silence it:", ""]
