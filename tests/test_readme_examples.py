@@ -1,4 +1,4 @@
-"""The README's example outputs are what the commands print (tools/readme_examples.py)."""
+"""The example outputs of README.md and docs/ are what the commands print (tools/readme_examples.py)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,31 @@ sys.path.insert(0, os.path.join(REPO, "tools"))
 
 import readme_examples
 
-with open(readme_examples.README, encoding="utf-8") as _fh:
-    EXAMPLES = readme_examples.examples(_fh.read())
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as fh:
+        return fh.read()
 
 
-def test_the_readme_has_examples_at_a_stated_width():
-    assert len(EXAMPLES) >= 3
+EXAMPLES = [example for path in readme_examples.documents() for example in readme_examples.examples(_read(path))]
+
+
+def test_the_readme_and_docs_have_examples_at_a_stated_width():
+    assert len(readme_examples.examples(_read(readme_examples.README))) >= 3
     assert any(command.startswith("COLUMNS=80 ") for command, _ in EXAMPLES)
+
+
+def test_every_markdown_file_of_docs_is_scanned():
+    scanned = {os.path.relpath(path, REPO) for path in readme_examples.documents()}
+    on_disk = {
+        os.path.relpath(os.path.join(folder, name), REPO)
+        for folder, _, names in os.walk(os.path.join(REPO, "docs"))
+        for name in names
+        if name.endswith(".md")
+    }
+    assert "README.md" in scanned and on_disk and on_disk <= scanned
+    # the sections that moved to docs/ keep their examples
+    assert any("docs/commands/" in os.path.relpath(p, REPO) and readme_examples.examples(_read(p)) for p in scanned)
 
 
 @pytest.mark.parametrize("command, shown", EXAMPLES, ids=[c for c, _ in EXAMPLES])
@@ -26,7 +44,7 @@ def test_readme_example_output_is_a_real_run(command, shown):
     for earlier in readme_examples.prerequisites(command, [c for c, _ in EXAMPLES]):
         readme_examples.run_example(earlier)  # writes the file this example reads
     assert shown == readme_examples.run_example(command), (
-        "README.md shows other output than a run gives; run python tools/readme_examples.py"
+        "README.md or docs/ shows other output than a run gives; run python tools/readme_examples.py"
     )
 
 

@@ -1,8 +1,9 @@
-"""Rule documentation: `bnaudit rules`, `bnaudit rules CODE` and the README's rule and
-configuration tables all come from rules.RULES and config.KEYS and cannot drift."""
+"""Rule documentation: `bnaudit rules`, `bnaudit rules CODE`, the rule pages of docs/rules/ and the
+configuration table of docs/configuration.md all come from rules.RULES and config.KEYS and cannot drift."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -10,15 +11,15 @@ import sys
 
 from conftest import REPO
 
-from bnaudit.audit.ruledocs import GENERATED, generated_blocks, update_generated
+from bnaudit.audit.ruledocs import generated_blocks
 from bnaudit.audit.rules import RULES
 from bnaudit.config import KEYS
 
-README = os.path.join(REPO, "README.md")
+DOCS = os.path.join(REPO, "docs")
 
 
-def read_readme() -> str:
-    with open(README, encoding="utf-8") as fh:
+def read_doc(path: str) -> str:
+    with open(os.path.join(DOCS, path), encoding="utf-8") as fh:
         return fh.read()
 
 
@@ -26,39 +27,53 @@ def table_rows(markdown: str) -> list[list[str]]:
     rows = []
     for line in markdown.strip().splitlines()[2:]:
         cells = re.split(r"(?<!\\)\|", line.strip())[1:-1]
-        rows.append([c.strip().replace("\\|", "|") for c in cells])
+        rows.append([c.strip().replace("\\|", "|").replace("\\*", "*") for c in cells])
     return rows
 
 
-def test_readme_generated_blocks_are_up_to_date():
-    text = read_readme()
-    assert set(generated_blocks(text)) == set(GENERATED), "a generated block is missing from README.md"
-    assert update_generated(text) == text, "README.md is stale: run python tools/update_readme.py"
+def markdown_table(text: str) -> str:
+    """The first Markdown table of a page."""
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("| "))
+    return "\n".join(itertools.takewhile(lambda line: line.startswith("|"), lines[first:]))
 
 
-def test_readme_rule_table_lists_every_rule_as_registered():
-    rows = table_rows(generated_blocks(read_readme())["rules-table"])
-    assert rows == [[r.code, r.name, r.severity, r.summary] for r in RULES.values()]
+def test_rule_index_lists_every_rule_as_registered():
+    rows = table_rows(markdown_table(read_doc("rules/index.md")))
+    assert rows == [
+        [f"[{r.code}]({r.code}.md)", r.name, r.severity, f"`{r.command}`", r.summary] for r in RULES.values()
+    ]
 
 
-def test_readme_config_table_lists_every_key():
-    rows = table_rows(generated_blocks(read_readme())["config-table"])
+def test_config_table_lists_every_key():
+    rows = table_rows(generated_blocks(read_doc("configuration.md"))["config-table"])
     assert [row[0] for row in rows] == [f"`{name}`" for name in KEYS]
     defaults = {row[0].strip("`"): row[1] for row in rows}
     assert defaults["fail-on"] == '`"warning"`' and defaults["max-gain"] == "`100.0`"
     assert defaults["eps"] == "`1e-05`" and defaults["momentum"] == "`0.1`" and defaults["select"] == "`[]`"
 
 
-def test_update_script_rewrites_a_stale_block_and_check_mode_reports_it(tmp_path):
-    stale = read_readme().replace("| BN002 | initial-values |", "| BN002 | old-name |")
-    path = tmp_path / "README.md"
-    path.write_text(stale, encoding="utf-8")
-    script = os.path.join(REPO, "tools", "update_readme.py")
-    check = subprocess.run([sys.executable, script, "--check", "--readme", str(path)], capture_output=True, text=True)
-    assert check.returncode == 1 and "out of date" in check.stderr
-    fix = subprocess.run([sys.executable, script, "--readme", str(path)], capture_output=True, text=True)
-    assert fix.returncode == 0
-    assert path.read_text(encoding="utf-8") == read_readme()
+def test_rule_page_says_what_why_fix_and_configuration():
+    page = read_doc("rules/BN004.md")
+    flat = " ".join(page.replace("\\*", "*").split())
+    rule = RULES["BN004"]
+    assert page.splitlines()[1] == "# BN004 near-eps-variance"
+    assert "Default severity: **error / warning / info**. Reported by `bnaudit inspect`." in page
+    for title in ("What it checks", "Why it matters", "Example", "How to fix it", "Configuration"):
+        assert f"\n## {title}\n" in page
+    for text in (rule.summary, rule.explanation, rule.fix):
+        assert " ".join(text.split()) in flat
+    rows = table_rows(markdown_table(page[page.index("## Configuration") :]))
+    assert [row[:2] for row in rows] == [
+        ["`near-eps-factor`", "`10.0`"],
+        ["`max-gain`", "`100.0`"],
+        ["`max-live-gain`", "`100.0`"],
+        ["`eps`", "`1e-05`"],
+    ]
+    assert "- for one run: bnaudit inspect --ignore BN004 ..." in page
+    # the example is a real run (tools/readme_examples.py) that shows this rule
+    assert "<!-- begin example bnaudit inspect -q sample_models/dead_channel.safetensors -->" in page
+    assert "BN004 near-eps-variance: 1 channel with running_var < 10*eps" in page
 
 
 def test_rules_lists_code_name_severity_and_summary(cli):

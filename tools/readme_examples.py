@@ -1,7 +1,10 @@
-"""Rewrite the README's example outputs from real runs of the commands they show.
+"""Rewrite the example outputs of README.md and docs/**/*.md from real runs of the commands they show.
 
     python tools/readme_examples.py          # run every example, rewrite its block
     python tools/readme_examples.py --check  # exit 1 if a shown output differs from a run
+
+documents() lists the files scanned: README.md first, then every Markdown file under docs/
+in name order (a later example may read what an earlier one wrote, across files too).
 
 An example is a block
 
@@ -26,6 +29,7 @@ read what an earlier one wrote (`bnaudit inspect /tmp/bnaudit-readme/reset.recal
 from __future__ import annotations
 
 import argparse
+import glob
 import itertools
 import os
 import re
@@ -35,6 +39,13 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
+
+
+def documents() -> list[str]:
+    """The files whose example blocks are run: README.md, then docs/**/*.md in name order."""
+    return [README, *sorted(glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True))]
+
+
 BLOCK = re.compile(r"(<!-- begin example (?P<command>[^\n]*?) -->\n)(?P<body>.*?)(<!-- end example -->)", re.DOTALL)
 DEFAULT_COLUMNS = "100"
 SCRATCH = "/tmp/bnaudit-readme"
@@ -99,19 +110,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only report whether the shown outputs are current")
     args = parser.parse_args(argv)
-    with open(README, encoding="utf-8") as fh:
-        text = fh.read()
-    updated = update(text)
-    if updated == text:
-        print(f"{README}: {len(examples(text))} examples are current")
-        return 0
-    if args.check:
-        print(f"{README}: example output differs from a run; run python tools/readme_examples.py", file=sys.stderr)
-        return 1
-    with open(README, "w", encoding="utf-8") as fh:
-        fh.write(updated)
-    print(f"{README}: examples rewritten from real runs")
-    return 0
+    failed = 0
+    for path in documents():
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        updated = update(text)
+        if updated == text:
+            print(f"{path}: {len(examples(text))} examples are current")
+            continue
+        if args.check:
+            print(f"{path}: example output differs from a run; run python tools/readme_examples.py", file=sys.stderr)
+            failed = 1
+            continue
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(updated)
+        print(f"{path}: examples rewritten from real runs")
+    return failed
 
 
 if __name__ == "__main__":

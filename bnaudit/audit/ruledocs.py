@@ -1,9 +1,10 @@
 """Rule and configuration documentation, generated from one source.
 
-`bnaudit rules`, the SARIF rule descriptors and the README's rule and configuration
-tables are all built here from `rules.RULES` and `config.KEYS`, so none of them can
-say something the code does not do. `tools/update_readme.py` rewrites the README's
-generated blocks and `tests/test_rules_doc.py` fails when they drift.
+`bnaudit rules`, the SARIF rule descriptors, the rule pages of docs/rules/ (one per
+code and an index) and the configuration table of docs/configuration.md are all built
+here from `rules.RULES` and `config.KEYS`, so none of them can say something the code
+does not do. `tools/update_docs.py` rewrites the generated pages and blocks, and
+`tests/test_docs.py` fails when they drift.
 """
 
 from __future__ import annotations
@@ -132,10 +133,82 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _markdown_text(text: str) -> str:
+    """Registry prose as Markdown: `*` outside code spans escaped (10*eps is not emphasis)."""
+    parts = text.split("`")
+    return "`".join(part if i % 2 else part.replace("*", "\\*") for i, part in enumerate(parts))
+
+
 def _rules_table_markdown() -> str:
-    rows = ["| code | name | severity | fires when |", "| --- | --- | --- | --- |"]
-    rows += [f"| {r.code} | {r.name} | {r.severity} | {_cell(r.summary)} |" for r in RULES.values()]
+    rows = ["| code | name | severity | reported by | fires when |", "| --- | --- | --- | --- | --- |"]
+    rows += [
+        f"| [{r.code}]({r.code}.md) | {r.name} | {r.severity} | `{r.command}` | {_cell(_markdown_text(r.summary))} |"
+        for r in RULES.values()
+    ]
     return "\n".join(rows) + "\n"
+
+
+GENERATED_NOTE = (
+    "<!-- generated from the rule registry (bnaudit/audit/rules.py) by tools/update_docs.py; do not edit -->"
+)
+
+
+def rules_index_page() -> str:
+    """docs/rules/index.md: every rule with its page, name, default severity and summary."""
+    return "\n".join(
+        [
+            GENERATED_NOTE,
+            "# Rules",
+            "",
+            "Every finding bnaudit reports has a stable code. `inspect` runs BN001-BN099 on a",
+            "checkpoint alone (some need `--arch`, a TorchScript archive or an ONNX export); `diff`",
+            "runs BN101 and up on two checkpoints, or a checkpoint and its ONNX export. The severity",
+            'column is the default; "error / warning" means the case decides (see each page). Any',
+            "rule can be re-rated, ignored or tuned in the [configuration](../configuration.md);",
+            "`bnaudit rules CODE` prints a rule's page in the terminal.",
+            "",
+            _rules_table_markdown(),
+        ]
+    )
+
+
+def rule_page(rule: Rule, example: str | None = None) -> str:
+    """docs/rules/CODE.md: what the rule checks, why, an example, how to fix it, its configuration.
+
+    `example` is a bnaudit command line whose output shows the rule on a committed sample:
+    it becomes an empty `<!-- begin example ... -->` block that tools/readme_examples.py
+    fills with a real run.
+    """
+    out = [
+        GENERATED_NOTE,
+        f"# {rule.code} {rule.name}",
+        "",
+        f"Default severity: **{rule.severity}**. Reported by `bnaudit {rule.command}`.",
+        "",
+        "## What it checks",
+        "",
+        _markdown_text(rule.summary),
+        "",
+        "## Why it matters",
+        "",
+        _markdown_text(rule.explanation),
+        "",
+    ]
+    if example is not None:
+        out += ["## Example", "", f"<!-- begin example {example} -->", "<!-- end example -->", ""]
+    out += ["## How to fix it", "", _markdown_text(rule.fix), "", "## Configuration", ""]
+    if rule.settings:
+        out += ["The keys that tune it (`[tool.bnaudit]` in pyproject.toml, or bnaudit.toml):", ""]
+        out += ["| key | default | meaning |", "| --- | --- | --- |"]
+        out += [
+            f"| `{key}` | `{_cell(_toml_value(_default_value(key)))}` | {_cell(KEYS[key].doc)} |"
+            for key in rule.settings
+        ]
+        out.append("")
+    out += ["How to silence it:", ""]
+    out += [f"- {_markdown_text(line)}" for line in _silence_lines(rule)]
+    out += ["", "[All rules](index.md) · [Configuration](../configuration.md)", ""]
+    return "\n".join(out)
 
 
 def _config_table_markdown() -> str:
@@ -144,7 +217,8 @@ def _config_table_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
-GENERATED = {"rules-table": _rules_table_markdown, "config-table": _config_table_markdown}
+# Blocks `<!-- begin NAME -->` ... `<!-- end NAME -->` inside hand-written pages.
+GENERATED = {"config-table": _config_table_markdown}
 
 
 def _block(name: str) -> re.Pattern[str]:
