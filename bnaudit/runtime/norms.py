@@ -44,6 +44,8 @@ from typing import Any
 import torch
 from torch.nn.modules import batchnorm as _torch_batchnorm
 
+from bnaudit.reports.recalibrate import SkippedLayer
+
 # torch's private base classes are the only complete answer to "is this BatchNorm"
 # (every BatchNorm*, SyncBatchNorm and user subclass derives from them); read here only.
 _BATCHNORM = _torch_batchnorm._BatchNorm
@@ -52,14 +54,6 @@ _NORM_BASE = _torch_batchnorm._NormBase
 # TorchScript modules keep only the name of the class they were scripted from.
 _SCRIPT_BATCHNORM = re.compile(r"(Sync)?BatchNorm\w*")
 _SCRIPT_INSTANCENORM = re.compile(r"InstanceNorm\w*")
-
-
-@dataclass(frozen=True)
-class SkippedLayer:
-    """A normalisation layer whose statistics were left as they are, and why."""
-
-    name: str
-    reason: str
 
 
 def is_script(module: Any) -> bool:

@@ -33,9 +33,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bnaudit.errors import BnauditError
+from bnaudit.reports.recalibrate import SkippedLayer
 from bnaudit.runtime.distributed import distributed, together
 from bnaudit.runtime.norms import (
-    SkippedLayer,
     batch_len,
     classify_layers,
     has_stock_forward,

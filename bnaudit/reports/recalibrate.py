@@ -1,0 +1,65 @@
+"""The `recalibrate` report: what was written, and how far the old and the new statistics
+are from the calibration data per layer (`bnaudit.reports.statistics.Drift`).
+
+Torch-free: `bnaudit.output` renders these records; `bnaudit.runtime.recalibrate.command`
+fills them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from bnaudit.reports.gap import GapReport
+from bnaudit.reports.statistics import Drift
+
+
+@dataclass(frozen=True)
+class SkippedLayer:
+    """A normalisation layer whose statistics were left as they are, and why."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class LayerChange:
+    """One recalibrated layer: drift of the old and of the new (stored) statistics
+    against the calibration data's statistics (the data mean and unbiased variance per
+    channel that the new statistics were estimated from)."""
+
+    name: str
+    channels: int
+    values: int
+    batches: int
+    before: Drift
+    after: Drift
+
+
+@dataclass
+class RecalibrationReport:
+    """The result of `recalibrate_checkpoint`; `eval_before` / `eval_after`: the gap
+    reports of the input and of the written checkpoint on --eval-data (else None)."""
+
+    kind: ClassVar[str] = "recalibrate"  # which emitter of bnaudit.output renders it
+
+    input: str
+    output: str
+    format: str
+    key: str | None
+    model: str
+    data: str
+    method: str
+    samples: int
+    batches: int
+    batch_size: int
+    seed: int
+    shuffle: bool
+    device: str
+    world_size: int
+    layers: list[LayerChange]
+    skipped: list[SkippedLayer]
+    warnings: list[str]
+    provenance: dict[str, Any]
+    eval_before: GapReport | None = None
+    eval_after: GapReport | None = None
