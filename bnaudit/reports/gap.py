@@ -20,7 +20,6 @@ PEAK_LARGE; `bnaudit.runtime.attribution` decides origins from that.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from bnaudit.audit.report import FileReport
 from bnaudit.audit.rules import Finding
@@ -107,7 +106,6 @@ class GapReport:
     """The result of `measure_gap`; `layers` ranked by drift, worst first. `max_gap`: the
     largest gap (a fraction of samples) that passes, None for no limit."""
 
-    kind: ClassVar[str] = "gap"  # which emitter of bnaudit.output renders it
     checkpoint: str
     model: str
     data: str

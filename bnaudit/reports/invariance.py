@@ -9,7 +9,6 @@ float64 floor).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from bnaudit.audit.report import FileReport
 from bnaudit.audit.rules import Finding
@@ -49,7 +48,6 @@ class CouplingSite:
 class InvarianceReport:
     """The result of `measure_invariance` (module docstring for every statistic)."""
 
-    kind: ClassVar[str] = "invariance"  # which emitter of bnaudit.output renders it
     checkpoint: str
     model: str
     data: str

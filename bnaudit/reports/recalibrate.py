@@ -8,7 +8,7 @@ fills them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from bnaudit.reports.gap import GapReport
 from bnaudit.reports.statistics import Drift
@@ -40,8 +40,6 @@ class LayerChange:
 class RecalibrationReport:
     """The result of `recalibrate_checkpoint`; `eval_before` / `eval_after`: the gap
     reports of the input and of the written checkpoint on --eval-data (else None)."""
-
-    kind: ClassVar[str] = "recalibrate"  # which emitter of bnaudit.output renders it
 
     input: str
     output: str
