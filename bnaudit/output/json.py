@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from bnaudit import __version__
 from bnaudit.audit.report import InspectReport
 from bnaudit.audit.rules import Finding
+from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO, MEAN_SHIFT, VAR_LOG_RATIO, Drift
 
 if TYPE_CHECKING:
     from bnaudit.audit.diff import DiffReport, Side
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
     from bnaudit.reports.gap import GapReport, LayerDrift
     from bnaudit.reports.invariance import InvarianceReport
     from bnaudit.reports.recalibrate import RecalibrationReport
-    from bnaudit.reports.statistics import Drift
 
 
 def to_json(report: Report) -> dict[str, Any]:
@@ -138,9 +138,7 @@ def gap_to_json(report: GapReport) -> dict[str, Any]:
                 "kind": d.kind,
                 "channels": d.channels,
                 "values": d.values,
-                "mean_shift": json_number(d.mean_shift),
-                "max_mean_shift": json_number(d.max_mean_shift),
-                "var_log_ratio": json_number(d.var_log_ratio),
+                **_drift_to_json(d),
                 "drift": json_number(d.drift),
                 "note": d.note,
                 **_attribution_to_json(d),
@@ -273,11 +271,12 @@ def _confidence_to_json(report: GapReport) -> dict[str, Any]:
     }
 
 
-def _drift_to_json(d: Drift) -> dict[str, Any]:
+def _drift_to_json(d: Drift | LayerDrift) -> dict[str, Any]:
+    """A layer's drift statistics under their names (`bnaudit.audit.statistics`)."""
     return {
-        "mean_shift": json_number(d.mean_shift),
-        "max_mean_shift": json_number(d.max_mean_shift),
-        "var_log_ratio": json_number(d.var_log_ratio),
+        MEAN_SHIFT.name: json_number(d.mean_shift),
+        MAX_MEAN_SHIFT.name: json_number(d.max_mean_shift),
+        VAR_LOG_RATIO.name: json_number(d.var_log_ratio),
     }
 
 
@@ -345,8 +344,8 @@ def diff_to_json(report: DiffReport) -> dict[str, Any]:
                 "num_features": d.num_features,
                 "weight_change": json_number(d.weight_change),
                 "bias_change": json_number(d.bias_change),
-                "mean_shift": json_number(d.mean_shift),
-                "var_log_ratio": json_number(d.var_log_ratio),
+                MAX_MEAN_SHIFT.name: json_number(d.max_mean_shift),
+                MAX_VAR_LOG_RATIO.name: json_number(d.max_var_log_ratio),
                 "num_batches_tracked": {"a": d.batches_a, "b": d.batches_b, "change": d.batches_change},
                 "identical": {
                     "weight": d.weight_identical,

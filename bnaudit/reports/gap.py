@@ -6,7 +6,7 @@ figure: accuracy, gap, agreement, divergence, per-layer drift).
 
 Per channel c of a BN layer, with mu_d, var_d the mean and unbiased variance of the data
 reaching the layer in eval mode and mu_r, var_r its running statistics
-(`bnaudit.reports.statistics` defines the per-layer aggregates):
+(`bnaudit.audit.statistics` defines the per-layer aggregates):
 
   shift_c        |mu_d - mu_r| / sqrt(var_r + eps)           (in running standard deviations)
   log_var_c      |log((var_d + eps) / (var_r + eps))|         (0: the variances agree)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from bnaudit.audit.report import FileReport
 from bnaudit.audit.rules import Finding
+from bnaudit.audit.statistics import RELATIVE_DEVIATION
 from bnaudit.config import severity_rank
 from bnaudit.text import listing, plural
 
@@ -72,7 +73,7 @@ class InvarianceReport:
     max_kl: float | None
     mean_kl: float | None
     inspection: FileReport
-    norm: str = "relative max-abs: ||y_a - y_ref||_inf / ||y_ref||_inf"
+    norm: str = f"{RELATIVE_DEVIATION.name}: {RELATIVE_DEVIATION.formula}"
     float64_noise: float | None = None
     float64_note: str | None = None
     sites: list[CouplingSite] = field(default_factory=list)

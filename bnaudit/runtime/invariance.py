@@ -35,11 +35,11 @@ Statistics, per sample i with reference output r_i (alone; the first other arran
 when --batch-sizes lacks 1 or the model cannot score one sample alone) and output y_a,i in
 arrangement a:
 
-  deviation     d_i = max_a ||y_a,i - r_i||_inf / max(||r_i||_inf, tiny)
-                the infinity norm (largest absolute change of any output value, relative
-                to the largest absolute output value): one logit that moves counts in
-                full whatever the number of classes, and the measure is independent of
-                the output's scale. Equal non-finite values count as equal.
+  deviation     d_i = max_a relative_deviation(y_a,i, r_i)
+                        = max_a ||y_a,i - r_i||_inf / max(||r_i||_inf, tiny)
+                (`bnaudit.audit.statistics` defines it, non-finite values included: the
+                largest absolute change of any output value relative to the largest
+                absolute output value)
   changed       argmax_k y_a,i != argmax_k r_i for some a (class scores only)
   KL            max_a KL(p_r || p_a) = sum_k p_r,k (log p_r,k - log p_a,k), p = softmax;
                 class scores only: outputs (N, K) with K >= 2. Other outputs
@@ -91,6 +91,7 @@ from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.reports.invariance import ArrangementResult, CouplingSite, InvarianceReport, diagnose
 from bnaudit.runtime.data import make_loader
+from bnaudit.runtime.deviation import relative_deviation, relative_deviations
 from bnaudit.runtime.distributed import (
     combine_rows,
     device_for_rank,
@@ -116,7 +117,6 @@ SCREEN_MAX = 1e-2
 FLOOR = math.sqrt(torch.finfo(torch.float64).eps)
 LOCATE_SAMPLES = 3
 DEFAULT_NUM_SAMPLES = 256
-TINY = torch.finfo(torch.float64).tiny
 
 
 @dataclass(frozen=True)
@@ -376,23 +376,10 @@ class Comparison:
         return self.deviations.amax(dim=0)
 
 
-def _abs_diff(a: Any, b: Any) -> Any:
-    """|a - b| with equal values (infinities and NaN in the same place too) as 0."""
-    diff = (a - b).abs()
-    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-    return torch.where(same, torch.zeros_like(diff), diff.nan_to_num(nan=math.inf))
-
-
 def compare_outputs(outputs: list[Any], reference: Any) -> Comparison:
     """Compare each arrangement's outputs (N, ...) with the reference outputs (N, ...)."""
     ref = reference.to(torch.float64)
-    n = ref.shape[0]
-    flat_ref = ref.reshape(n, -1)
-    scale = flat_ref.abs().nan_to_num(nan=0.0, posinf=0.0).amax(dim=1).clamp_min(TINY) if n else flat_ref
-    deviations = []
-    for out in outputs:
-        flat = out.to(torch.float64).reshape(n, -1)
-        deviations.append(_abs_diff(flat, flat_ref).amax(dim=1) / scale)
+    deviations = [relative_deviations(out, ref) for out in outputs]
     classifier = ref.dim() == 2 and ref.shape[1] >= 2
     kl = changed = None
     if classifier:
@@ -734,15 +721,15 @@ def _rows(value: Any, position: int, size: int) -> list[Any]:
 
 
 def _relative(a: list[Any], b: list[Any]) -> float | None:
-    """max ||a_j - b_j||_inf / ||b_j||_inf over the tensors; None when not comparable."""
+    """The largest relative_deviation of a_j against b_j over the tensors; None when not
+    comparable."""
     if not a or len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True)):
         return None
     worst = 0.0
     for x, y in zip(a, b, strict=True):
         if x.numel() == 0:
             continue
-        scale = float(y.abs().nan_to_num(nan=0.0, posinf=0.0).max().clamp_min(TINY))
-        worst = max(worst, float(_abs_diff(x, y).max()) / scale)
+        worst = max(worst, relative_deviation(x, y))
     return worst
 
 

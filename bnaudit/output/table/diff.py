@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO
 from bnaudit.output.grid import SEVERITY_STYLE
 from bnaudit.output.table.common import bordered, cell, diagnosis_bullets, findings_table, fit_width, g3, indented
 from bnaudit.text import plural, printable
@@ -65,7 +66,7 @@ def render_diff(report: DiffReport, console: Console, quiet: bool = False) -> No
     if changed and not quiet:
         table = bordered()
         table.add_column("layer", overflow="fold", min_width=min(24, max(len(d.name) for d in changed)))
-        for header in ("C", "Δweight", "Δbias", "mean shift", "var log-ratio", "Δbatches"):
+        for header in ("C", "Δweight", "Δbias", MAX_MEAN_SHIFT.column, MAX_VAR_LOG_RATIO.column, "Δbatches"):
             table.add_column(header, justify="right")  # headers wrap at spaces, numbers have none
         table.add_column("verdict")
         for d in changed:
@@ -74,8 +75,8 @@ def render_diff(report: DiffReport, console: Console, quiet: bool = False) -> No
                 str(d.num_features),
                 _delta(d.weight_change, d.weight_identical),
                 _delta(d.bias_change, d.bias_identical),
-                _delta(d.mean_shift, d.mean_identical and d.var_identical),
-                _delta(d.var_log_ratio, d.var_identical),
+                _delta(d.max_mean_shift, d.mean_identical and d.var_identical),
+                _delta(d.max_var_log_ratio, d.var_identical),
                 _batches_delta(d),
                 Text(d.verdict, style=verdict_style[d.verdict]),
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MEAN_SHIFT, VAR_LOG_RATIO
 from bnaudit.output.table.common import (
     Justify,
     bordered,
@@ -103,9 +104,9 @@ def _drift_table(layers: list[LayerDrift]) -> Table:
         ("#", "right"),
         ("kind", "left"),
         ("C", "right"),
-        ("mean shift", "right"),
-        ("max shift", "right"),
-        ("var log-ratio", "right"),
+        (MEAN_SHIFT.column, "right"),
+        (MAX_MEAN_SHIFT.column, "right"),
+        (VAR_LOG_RATIO.column, "right"),
         ("drift", "right"),
         ("worst ch", "right"),
     )

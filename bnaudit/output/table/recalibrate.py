@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MEAN_SHIFT, VAR_LOG_RATIO
 from bnaudit.output.table.common import Justify, bordered, cell, drift_value, fit_width, indented, percent, span
 from bnaudit.text import plural, printable
 
@@ -51,9 +52,9 @@ def render_recalibrate(report: RecalibrationReport, console: Console, quiet: boo
             ("layer", "left"),
             ("C", "right"),
             ("values/ch", "right"),
-            ("mean shift", "right"),
-            ("max shift", "right"),
-            ("var log-ratio", "right"),
+            (MEAN_SHIFT.column, "right"),
+            (MAX_MEAN_SHIFT.column, "right"),
+            (VAR_LOG_RATIO.column, "right"),
         )
         for col, justify in columns:
             table.add_column(col, justify=justify, overflow="fold")
