@@ -143,6 +143,17 @@ def findings_table(findings: list[Finding], title: str | None = None) -> Any:
     return table
 
 
+def measurement_header(console: Console, checkpoint: str, model: str, data: str, notes: list[str]) -> None:
+    """The first lines of a measurement's report (gap, invariance): the checkpoint and the
+    model that ran it, the data, and what the reader noted about the data."""
+    title = cell(checkpoint, style="bold")
+    title.append(printable(f"  ({model})"), style="dim")
+    console.print(title)
+    console.print(cell(f"data: {data}", style="dim"))
+    for note in notes:
+        console.print(cell(f"note: {note}", style="dim"))
+
+
 def findings_and_diagnosis(console: Console, findings: list[Finding], lines: list[str]) -> None:
     """The end of a measurement's report (gap, invariance): the checkpoint's inspect
     findings, then the diagnosis."""

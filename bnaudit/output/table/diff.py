@@ -12,6 +12,7 @@ from bnaudit.text import plural, printable
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.table import Table
 
     from bnaudit.audit.diff import DiffReport
     from bnaudit.audit.exportdiff import ExportCheck
@@ -32,12 +33,57 @@ def _batches_delta(d: LayerDiff) -> str:
     return f"{change:+d}"
 
 
+VERDICT_STYLE = {
+    "differs from checkpoint": "red",
+    "frozen but updating": "yellow",
+    "stale statistics": "yellow",
+    "re-estimated": "cyan",
+    "trained": "",
+    "unchanged": "dim",
+}
+
+
 def render_diff(report: DiffReport, console: Console, quiet: bool = False) -> None:
     """Rich rendering of a DiffReport: both sides, one row per layer that changed
     (unchanged layers folded into one line), one-side-only and reshaped layers, the
     findings, a summary by verdict with its layer groups, and the diagnosis."""
     from rich.text import Text
 
+    _sides(report, console)
+    changed = [d for d in report.layers if d.verdict != "unchanged"]
+    unchanged = [d.name for d in report.layers if d.verdict == "unchanged"]
+    if changed and not quiet:
+        console.print(fit_width(_layers_table(changed), console.width))
+    if unchanged and not quiet:
+        from bnaudit.audit.layerdiff import describe_group
+
+        every = [d.name for d in report.layers]
+        console.print(
+            cell(
+                f"{plural(len(unchanged), 'unchanged layer')} "
+                f"({'equal to the checkpoint' if report.export else 'bit-identical'}): {describe_group(unchanged, every)}",
+                style="dim",
+            )
+        )
+    if report.export is not None and not quiet:
+        _export_body(report.export, console)
+    if not quiet:
+        _unmatched_findings_and_summary(report, console)
+    errors = [f for f in report.findings if f.severity == "error"]
+    if quiet and errors:  # -q: a CI log still shows what failed
+        console.print(fit_width(findings_table(errors), console.width))
+    s = report.summary()
+    folded = f", {plural(s['folded'], 'folded layer')}" if "folded" in s else ""
+    line = (
+        f"{plural(s['matched'], 'matched BN layer')}{folded}: {plural(s['errors'], 'error')}, "
+        f"{plural(s['warnings'], 'warning')}, {plural(s['infos'], 'info')}"
+    )
+    worst = "error" if s["errors"] else "warning" if s["warnings"] else "ok"
+    console.print(Text(line, style=SEVERITY_STYLE[worst]), soft_wrap=True)
+
+
+def _sides(report: DiffReport, console: Console) -> None:
+    """The two files, the settings and provenance notes, how an export was matched."""
     for label, side in (("A", report.a), ("B", report.b)):
         title = cell(f"{label}: {side.path}", style="bold")
         where = f"{side.format}" + (f", key '{side.key}'" if side.key else "")
@@ -53,85 +99,57 @@ def render_diff(report: DiffReport, console: Console, quiet: bool = False) -> No
     if report.export is not None:
         _export_header(report.export, console)
     console.print()
-    verdict_style = {
-        "differs from checkpoint": "red",
-        "frozen but updating": "yellow",
-        "stale statistics": "yellow",
-        "re-estimated": "cyan",
-        "trained": "",
-        "unchanged": "dim",
-    }
-    changed = [d for d in report.layers if d.verdict != "unchanged"]
-    unchanged = [d.name for d in report.layers if d.verdict == "unchanged"]
-    if changed and not quiet:
-        table = bordered()
-        table.add_column("layer", overflow="fold", min_width=min(24, max(len(d.name) for d in changed)))
-        for header in ("C", "Δweight", "Δbias", MAX_MEAN_SHIFT.column, MAX_VAR_LOG_RATIO.column, "Δbatches"):
-            table.add_column(header, justify="right")  # headers wrap at spaces, numbers have none
-        table.add_column("verdict")
-        for d in changed:
-            table.add_row(
-                cell(d.name),
-                str(d.num_features),
-                _delta(d.weight_change, d.weight_identical),
-                _delta(d.bias_change, d.bias_identical),
-                _delta(d.max_mean_shift, d.mean_identical and d.var_identical),
-                _delta(d.max_var_log_ratio, d.var_identical),
-                _batches_delta(d),
-                Text(d.verdict, style=verdict_style[d.verdict]),
-            )
-        console.print(fit_width(table, console.width))
-    every = [d.name for d in report.layers]
-    if unchanged and not quiet:
-        from bnaudit.audit.layerdiff import describe_group
 
-        console.print(
-            cell(
-                f"{plural(len(unchanged), 'unchanged layer')} "
-                f"({'equal to the checkpoint' if report.export else 'bit-identical'}): {describe_group(unchanged, every)}",
-                style="dim",
-            )
+
+def _layers_table(changed: list[LayerDiff]) -> Table:
+    """One row per layer that changed: the changes (`bnaudit.audit.layerdiff`) and the verdict."""
+    from rich.text import Text
+
+    table = bordered()
+    table.add_column("layer", overflow="fold", min_width=min(24, max(len(d.name) for d in changed)))
+    for header in ("C", "Δweight", "Δbias", MAX_MEAN_SHIFT.column, MAX_VAR_LOG_RATIO.column, "Δbatches"):
+        table.add_column(header, justify="right")  # headers wrap at spaces, numbers have none
+    table.add_column("verdict")
+    for d in changed:
+        table.add_row(
+            cell(d.name),
+            str(d.num_features),
+            _delta(d.weight_change, d.weight_identical),
+            _delta(d.bias_change, d.bias_identical),
+            _delta(d.max_mean_shift, d.mean_identical and d.var_identical),
+            _delta(d.max_var_log_ratio, d.var_identical),
+            _batches_delta(d),
+            Text(d.verdict, style=VERDICT_STYLE[d.verdict]),
         )
-    if report.export is not None and not quiet:
-        _export_body(report.export, console)
-    if not quiet:
-        if report.reshaped:
-            for name, ca, cb in report.reshaped:
-                console.print(cell(f"channel count changed: {name} ({ca} -> {cb})", style="yellow"))
-        for label, names in (("A", report.only_a), ("B", report.only_b)):
-            if names:
-                shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-                console.print(cell(f"only in {label}: {plural(len(names), 'layer')}: {shown}", style="dim"))
+    return table
+
+
+def _unmatched_findings_and_summary(report: DiffReport, console: Console) -> None:
+    """Reshaped and one-side-only layers, the findings, the summary by verdict and the diagnosis."""
+    from rich.text import Text
+
+    for name, ca, cb in report.reshaped:
+        console.print(cell(f"channel count changed: {name} ({ca} -> {cb})", style="yellow"))
+    for label, names in (("A", report.only_a), ("B", report.only_b)):
+        if names:
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            console.print(cell(f"only in {label}: {plural(len(names), 'layer')}: {shown}", style="dim"))
+    console.print()
+    if report.findings:
+        console.print(fit_width(findings_table(report.findings), console.width))
         console.print()
-        if report.findings:
-            console.print(fit_width(findings_table(report.findings), console.width))
-            console.print()
-        by = report.layers_by_verdict()
-        groups = report.groups()
-        if report.layers:
-            console.print(Text("summary by verdict", style="bold"))
-        for verdict, names in by.items():
-            if names:
-                console.print(
-                    indented(
-                        f"{verdict}: {plural(len(names), 'layer')}, {groups[verdict]}", style=verdict_style[verdict]
-                    )
-                )
-        if report.layers:
-            console.print()
-        diagnosis_bullets(console, report.diagnosis())
+    groups = report.groups()
+    if report.layers:
+        console.print(Text("summary by verdict", style="bold"))
+    for verdict, names in report.layers_by_verdict().items():
+        if names:
+            console.print(
+                indented(f"{verdict}: {plural(len(names), 'layer')}, {groups[verdict]}", style=VERDICT_STYLE[verdict])
+            )
+    if report.layers:
         console.print()
-    errors = [f for f in report.findings if f.severity == "error"]
-    if quiet and errors:  # -q: a CI log still shows what failed
-        console.print(fit_width(findings_table(errors), console.width))
-    s = report.summary()
-    folded = f", {plural(s['folded'], 'folded layer')}" if "folded" in s else ""
-    line = (
-        f"{plural(s['matched'], 'matched BN layer')}{folded}: {plural(s['errors'], 'error')}, "
-        f"{plural(s['warnings'], 'warning')}, {plural(s['infos'], 'info')}"
-    )
-    worst = "error" if s["errors"] else "warning" if s["warnings"] else "ok"
-    console.print(Text(line, style=SEVERITY_STYLE[worst]), soft_wrap=True)
+    diagnosis_bullets(console, report.diagnosis())
+    console.print()
 
 
 def _export_header(check: ExportCheck, console: Console) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MEAN_SHIFT, VAR_LOG_RATIO
+from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MEAN_SHIFT, RELATIVE_L2, VAR_LOG_RATIO
 from bnaudit.output.table.common import (
     Justify,
     bordered,
@@ -12,10 +12,11 @@ from bnaudit.output.table.common import (
     drift_value,
     findings_and_diagnosis,
     fit_width,
+    measurement_header,
     percent,
     span,
 )
-from bnaudit.text import plural, printable
+from bnaudit.text import plural
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -28,12 +29,7 @@ def render_gap(report: GapReport, console: Console, quiet: bool = False) -> None
     """Rich rendering: header, the two modes, per-layer drift (worst first), findings, diagnosis."""
     from rich.text import Text
 
-    title = cell(report.checkpoint, style="bold")
-    title.append(printable(f"  ({report.model})"), style="dim")
-    console.print(title)
-    console.print(cell(f"data: {report.data}", style="dim"))
-    for note in getattr(report, "notes", []):
-        console.print(cell(f"note: {note}", style="dim"))
+    measurement_header(console, report.checkpoint, report.model, report.data, report.notes)
     order = f"shuffled with seed {report.seed}" if report.shuffle else "file order, --no-shuffle"
     skipped = f", {plural(report.skipped, 'unreadable image')} skipped" if report.skipped else ""
     console.print(
@@ -62,7 +58,7 @@ def render_gap(report: GapReport, console: Console, quiet: bool = False) -> None
     if report.agreement is not None:
         parts.append(Text(f"agreement {percent(report.agreement)}"))
     if report.divergence is not None:
-        kind = "KL(eval || train)" if report.divergence_kind == "kl" else "relative L2"
+        kind = "KL(eval || train)" if report.divergence_kind == "kl" else RELATIVE_L2.column
         parts.append(Text(f"divergence {report.divergence:.4g} ({kind})"))
     if parts:
         console.print(Text("  ·  ").join(parts))
