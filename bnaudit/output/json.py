@@ -40,7 +40,11 @@ def to_json(report: Report) -> dict[str, Any]:
 
     if isinstance(report, InvarianceReport):
         return invariance_to_json(report)
-    return recalibrate_to_json(report)
+    from bnaudit.reports.recalibrate import RecalibrationReport
+
+    if isinstance(report, RecalibrationReport):
+        return recalibrate_to_json(report)
+    raise ValueError(f"no 'json' emitter for a {type(report).__name__} report")
 
 
 def json_number(x: Any) -> Any:

@@ -47,6 +47,11 @@ def render(report: Report, console: Console, *, quiet: bool = False, all_layers:
 
         render_invariance(report, console, quiet=quiet)
         return
-    from bnaudit.output.table.recalibrate import render_recalibrate
+    from bnaudit.reports.recalibrate import RecalibrationReport
 
-    render_recalibrate(report, console, quiet=quiet)
+    if isinstance(report, RecalibrationReport):
+        from bnaudit.output.table.recalibrate import render_recalibrate
+
+        render_recalibrate(report, console, quiet=quiet)
+        return
+    raise ValueError(f"no 'table' emitter for a {type(report).__name__} report")
