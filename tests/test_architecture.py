@@ -1,6 +1,6 @@
 """The package boundary and the import graph (issue #11), pinned so they cannot erode.
 
-- `formats/` and `audit/` (and config, text, output) import neither torch nor numpy:
+- `formats/`, `audit/` and `reports/` (and config, text, output) import neither torch nor numpy:
   `--help`, `rules` and `inspect` of a safetensors file run in pre-commit hooks. What
   the commands themselves load is checked end to end in tests/test_startup.py; this
   file checks the modules, all of them, including those no command reaches yet.
@@ -132,10 +132,10 @@ def test_the_import_graph_has_no_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-def test_formats_and_audit_do_not_import_runtime_or_the_cli():
+def test_formats_audit_and_reports_do_not_import_runtime_or_the_cli():
     bad = []
     for module, targets in import_graph().items():
-        if module.startswith(("bnaudit.formats", "bnaudit.audit")):
+        if module.startswith(("bnaudit.formats", "bnaudit.audit", "bnaudit.reports")):
             for target in targets:
                 upward = target.startswith("bnaudit.runtime") or target in ("bnaudit.cli", "bnaudit.fastcli")
                 if upward and (module, target) not in ALLOWED_UPWARD:
@@ -214,8 +214,8 @@ def test_no_module_uses_a_private_name_of_another():
 TORCH_FREE = sorted(
     m
     for m in MODULES
-    if m.startswith(("bnaudit.formats", "bnaudit.audit", "bnaudit.output"))
-    or m in ("bnaudit", "bnaudit.config", "bnaudit.text", "bnaudit.errors", "bnaudit.normkinds")
+    if m.startswith(("bnaudit.formats", "bnaudit.audit", "bnaudit.reports", "bnaudit.output"))
+    or m in ("bnaudit", "bnaudit.config", "bnaudit.text", "bnaudit.errors", "bnaudit.normkinds", "bnaudit.severity")
 )
 
 

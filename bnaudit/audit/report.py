@@ -11,7 +11,6 @@ files skipped as not model weights never count.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from bnaudit.audit.formulas import eval_gains, near_eps_channels
 from bnaudit.audit.layers import BNLayer
@@ -106,8 +105,6 @@ class FileReport:
 
 @dataclass
 class InspectReport:
-    kind: ClassVar[str] = "inspect"  # which emitter of bnaudit.output renders it
-
     files: list[FileReport]
     config: Config
 

@@ -8,7 +8,7 @@ reaching the layer in eval mode and mu_r, var_r its running statistics:
   score_c        shift_c + log_var_c                          (a channel's drift)
 
 A layer's `worst` channels are those with the largest score_c; its `peak` is the largest
-score_c. Averages over channels (`stats.Drift`) hide one broken channel among 64; the peak
+score_c. Averages over channels (`bnaudit.audit.statistics.Drift`) hide one broken channel among 64; the peak
 does not, so the ranking uses it.
 
 Origin rule. Drift propagates: a broken channel makes every later layer's inputs drift,
@@ -41,13 +41,7 @@ from typing import Any
 
 import numpy as np
 
-# A channel-mean shift or variance log-ratio at or above this: the layer's statistics do
-# not describe the data (half a running std off, or a variance off by a factor 1.65).
-DRIFT_LARGE = 0.5
-
-# One channel this far off (e.g. 2 running stds, or a variance off by a factor 7.4)
-# makes its layer large on its own, even when the channel mean hides it.
-PEAK_LARGE = 2.0
+from bnaudit.reports.gap import DRIFT_LARGE, ChannelDrift
 
 # A later large layer whose peak exceeds this multiple of every earlier peak is a new origin.
 ORIGIN_JUMP = 30.0
@@ -57,24 +51,6 @@ BROAD_FRACTION = 0.5
 
 # Channels kept per layer in the report (the table shows the first, JSON all of them).
 TOP_CHANNELS = 5
-
-
-@dataclass(frozen=True)
-class ChannelDrift:
-    """One channel's statistics and drift (see the module docstring for the formulas)."""
-
-    index: int
-    data_mean: float
-    data_var: float
-    running_mean: float
-    running_var: float
-    shift: float
-    log_var_ratio: float
-
-    @property
-    def score(self) -> float:
-        """shift + log_var_ratio."""
-        return self.shift + self.log_var_ratio
 
 
 @dataclass(frozen=True)
@@ -112,13 +88,6 @@ def channel_scores(data_mean: Any, data_var: Any, run_mean: Any, run_var: Any, e
     peak = float(finite.max()) if finite.size else None
     broad = float(np.mean(ranked >= DRIFT_LARGE)) if ranked.size else 0.0
     return ChannelScores(worst, peak, broad)
-
-
-def is_large(mean_shift: float | None, var_log_ratio: float | None, peak: float | None) -> bool:
-    """A layer whose stored statistics do not describe the data (module docstring)."""
-    return any(v is not None and v >= DRIFT_LARGE for v in (mean_shift, var_log_ratio)) or (
-        peak is not None and peak >= PEAK_LARGE
-    )
 
 
 def find_origins(large: Sequence[bool], peaks: Sequence[float | None]) -> list[bool]:

@@ -57,19 +57,12 @@ from bnaudit.normkinds import (
     norm_calls,
     own_method_calls,
 )
+from bnaudit.reports.recalibrate import SkippedLayer
 
 # torch's private base classes: the switching below relies on their forward (every
 # BatchNorm*, SyncBatchNorm and user subclass derives from them); read here only.
 _BATCHNORM = _torch_batchnorm._BatchNorm
 _NORM_BASE = _torch_batchnorm._NormBase
-
-
-@dataclass(frozen=True)
-class SkippedLayer:
-    """A normalisation layer whose statistics were left as they are, and why."""
-
-    name: str
-    reason: str
 
 
 def is_script(module: Any) -> bool:

@@ -25,27 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bnaudit.audit.statistics import Drift
 from bnaudit.runtime.distributed import collective_device
-
-
-@dataclass(frozen=True)
-class Drift:
-    """How far running statistics (mu_r, var_r) are from the statistics of the data
-    that reaches the layer (mu_d, var_d: mean and unbiased variance, see above):
-
-      mean_shift      mean over channels of |mu_d - mu_r| / sqrt(var_r + eps)
-      max_mean_shift  max over channels of the same
-      var_log_ratio   mean over channels of |log((var_d + eps) / (var_r + eps))|
-
-    All three are 0 when the stored statistics describe the data exactly. None where
-    a value is not finite (a NaN or negative running_var). Used by gap (running
-    statistics against evaluation data) and recalibrate (old and new statistics
-    against calibration data).
-    """
-
-    mean_shift: float | None
-    max_mean_shift: float | None
-    var_log_ratio: float | None
 
 
 def drift(data_mean: Any, data_var: Any, run_mean: Any, run_var: Any, eps: float) -> Drift:

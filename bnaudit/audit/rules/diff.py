@@ -10,16 +10,17 @@ from bnaudit.audit import layerdiff
 from bnaudit.audit.layerdiff import DiffContext, LayerDiff, describe_group, matches
 from bnaudit.audit.rules.registry import RULES, Finding, rule, three_digits
 from bnaudit.audit.settings import assumed_note, provenance_words
+from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO
 from bnaudit.severity import Severity
 from bnaudit.text import listing, plural
 
 
 def _numbers_of(d: LayerDiff) -> str:
     parts = []
-    if d.mean_shift is not None:
-        parts.append(f"mean shift {three_digits(d.mean_shift)}")
-    if d.var_log_ratio is not None:
-        parts.append(f"var log-ratio {three_digits(d.var_log_ratio)}")
+    if d.max_mean_shift is not None:
+        parts.append(f"{MAX_MEAN_SHIFT.column} {three_digits(d.max_mean_shift)}")
+    if d.max_var_log_ratio is not None:
+        parts.append(f"{MAX_VAR_LOG_RATIO.column} {three_digits(d.max_var_log_ratio)}")
     return ", ".join(parts)
 
 

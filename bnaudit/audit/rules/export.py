@@ -26,7 +26,7 @@ from bnaudit.text import plural
     "EMA copy, an edited graph. Error; warning when the only difference is that the export stores the values "
     "in a narrower type (float16, bfloat16: each value is the checkpoint's rounded), which costs precision "
     "(about 1e-3 relative for float16) but not correctness. The diff table shows these layers with the verdict "
-    "'differs from checkpoint' and the usual mean shift and var log-ratio (bnaudit.audit.layerdiff); BN101-BN104, "
+    "'differs from checkpoint' and the usual max shift and max var log-ratio (bnaudit.audit.statistics); BN101-BN104, "
     "which read training between two checkpoints, stay silent for an export.",
     "Export again from the model with the checkpoint loaded (`model.load_state_dict(...)`, `model.eval()`), "
     "and keep the statistics in float32.",

@@ -2,7 +2,7 @@
 statistics on calibration data (`methods.recalibrate_module`), write a new checkpoint in
 the input's format with only those buffers changed (`formats.write.save_like`, atomic), and
 report per layer how far the old and the new statistics are from the calibration data
-(`stats.Drift`), and with held-out data the gap report of both checkpoints.
+(`bnaudit.audit.statistics.Drift`), and with held-out data the gap report of both checkpoints.
 
 The file-level safety lives here: the output never replaces an input (checkpoint, data,
 model source) or lands in a data folder, a layer whose buffers the file lacks is left out
@@ -19,8 +19,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -29,10 +28,12 @@ from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.atomic import check_output
 from bnaudit.formats.write import check_writable, save_like, statistics_digests
-from bnaudit.runtime.attribution import BROAD_FRACTION, channel_scores, is_large
+from bnaudit.reports.gap import GapReport, is_large
+from bnaudit.reports.recalibrate import LayerChange, RecalibrationReport, SkippedLayer
+from bnaudit.runtime.attribution import BROAD_FRACTION, channel_scores
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.distributed import device_for_rank, process_group, shard_stream
-from bnaudit.runtime.gap import GapReport, measure_model_gap, statistics_mature
+from bnaudit.runtime.gap import measure_model_gap, statistics_mature
 from bnaudit.runtime.inputs import input_problem
 from bnaudit.runtime.models import (
     forward as run_forward,
@@ -43,57 +44,14 @@ from bnaudit.runtime.models import (
     resolve_device,
     to_device,
 )
-from bnaudit.runtime.norms import SkippedLayer, classify_layers, norm_modules
+from bnaudit.runtime.norms import classify_layers, norm_modules
 from bnaudit.runtime.recalibrate.methods import (
     METHODS,
     Calibration,
     recalibrate_module,
     to_numpy,
 )
-from bnaudit.runtime.stats import Drift, drift
-
-
-@dataclass(frozen=True)
-class LayerChange:
-    """One recalibrated layer: drift of the old and of the new (stored) statistics
-    against the calibration data's statistics `data_mean`, `data_var` (see
-    `LayerCalibration`)."""
-
-    name: str
-    channels: int
-    values: int
-    batches: int
-    before: Drift
-    after: Drift
-
-
-@dataclass
-class RecalibrationReport:
-    """The result of `recalibrate_checkpoint`; `eval_before` / `eval_after`: the gap
-    reports of the input and of the written checkpoint on --eval-data (else None)."""
-
-    kind: ClassVar[str] = "recalibrate"  # which emitter of bnaudit.output renders it
-
-    input: str
-    output: str
-    format: str
-    key: str | None
-    model: str
-    data: str
-    method: str
-    samples: int
-    batches: int
-    batch_size: int
-    seed: int
-    shuffle: bool
-    device: str
-    world_size: int
-    layers: list[LayerChange]
-    skipped: list[SkippedLayer]
-    warnings: list[str]
-    provenance: dict[str, Any]
-    eval_before: GapReport | None = None
-    eval_after: GapReport | None = None
+from bnaudit.runtime.stats import drift
 
 
 def _record_date() -> str:
@@ -342,7 +300,7 @@ def input_mismatch(runnable: Any, calibration: Calibration) -> str | None:
     Only for mature statistics (`gap.statistics_mature`: no BN002 reset and no BN003 immature
     under the default configuration, whatever the project ignores: those
     describe no data, so any data disagrees with them). The first BN layer sees the input
-    after one linear stage; when it is large by `bnaudit.runtime.attribution.is_large`
+    after one linear stage; when it is large by `bnaudit.reports.gap.is_large`
     on its channel means (mean shift or variance log-ratio >= DRIFT_LARGE) and at least
     BROAD_FRACTION of its channels drift, the calibration data differs from the training
     data at the input, and statistics fitted to it would break correctly preprocessed data.

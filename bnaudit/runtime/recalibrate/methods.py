@@ -35,9 +35,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bnaudit.audit.settings import DEFAULT_EPS
 from bnaudit.errors import BnauditError
 from bnaudit.normkinds import NormKind, op_kind
+from bnaudit.reports.recalibrate import SkippedLayer
 from bnaudit.runtime.distributed import distributed, together
 from bnaudit.runtime.norms import (
-    SkippedLayer,
     batch_len,
     classify_layers,
     has_stock_forward,
