@@ -149,7 +149,7 @@ def _rules_table_markdown() -> str:
 
 
 GENERATED_NOTE = (
-    "<!-- generated from the rule registry (bnaudit/audit/rules.py) by tools/update_docs.py; do not edit -->"
+    "<!-- generated from the rule registry (bnaudit/audit/rules/) by tools/update_docs.py; do not edit -->"
 )
 
 
