@@ -196,7 +196,7 @@ def inspect(
 ) -> None:
     """Audit every BatchNorm layer of checkpoints, without code or data."""
     from bnaudit.audit.audit import inspect as run_inspect
-    from bnaudit.audit.rules import RULES
+    from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
 
     with user_errors(debug, output_format is InspectFormat.json):
@@ -207,7 +207,7 @@ def inspect(
             "--select": _code_list(select),
             "--ignore": _code_list(ignore),
         }
-        config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=RULES)
+        config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=accepted_codes())
         report = run_inspect(
             paths, config, key=key, trust_pickle=trust_pickle, arch=arch, arch_kwargs=arch_kwargs, debug=debug
         )
@@ -241,12 +241,12 @@ def rules_command(
     debug: DebugOpt = False,
 ) -> None:
     """List the rules, or explain one: what it detects, why it matters, how to fix and silence it."""
-    from bnaudit.audit.rules import RULES
+    from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
 
     with user_errors(debug):
         # severities as this project's configuration sets them
-        config = load_config(config_file=config_file, isolated=isolated, rule_codes=RULES)
+        config = load_config(config_file=config_file, isolated=isolated, rule_codes=accepted_codes())
         output.render_rules(sys.stdout, code, overrides=config.severity)
 
 
@@ -495,7 +495,7 @@ def _measure_and_emit(
     The exit code is asked before the report is printed: a report may find its own options
     wrong (gap's --max-gap without labels is an error, exit 2).
     """
-    from bnaudit.audit.rules import RULES
+    from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
     from bnaudit.runtime.distributed import reporting
     from bnaudit.runtime.models import resolve_device
@@ -504,7 +504,7 @@ def _measure_and_emit(
     rank = int(os.environ.get("RANK", "0"))
     with user_errors(debug, json_output and rank == 0):
         options = data_options(*data_args)
-        config = load_config(rule_codes=RULES)
+        config = load_config(rule_codes=accepted_codes())
         quiet_bar = quiet or json_output or rank != 0
         with frozen_imports(), reporting(resolve_device(device)), user_errors(debug, json_output and rank == 0):
             with output.progress(what, sys.stderr, quiet=quiet_bar) as update:
@@ -693,7 +693,7 @@ def recalibrate(
     """Re-estimate BatchNorm running statistics on data and write a new checkpoint safely."""
     import dataclasses
 
-    from bnaudit.audit.rules import RULES
+    from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
     from bnaudit.runtime.recalibrate.command import recalibrate_checkpoint
 
@@ -721,7 +721,7 @@ def recalibrate(
         )
         held_out = None if eval_data is None else dataclasses.replace(options, path=eval_data, dataset=None)
         # The inspect findings of the --eval-data gap reports follow the project's configuration.
-        config = load_config(rule_codes=RULES)
+        config = load_config(rule_codes=accepted_codes())
         quiet_bar = quiet or json_output or rank != 0
         with frozen_imports(), output.progress(f"recalibrate ({method.value})", sys.stderr, quiet=quiet_bar) as update:
             report = recalibrate_checkpoint(
@@ -856,7 +856,7 @@ def diff_command(
     averaged weights with stale statistics, double-counted batches; or a checkpoint with its
     ONNX export (nodes, folding, and with --arch and --data the outputs)."""
     from bnaudit.audit.diff import diff as run_diff
-    from bnaudit.audit.rules import RULES
+    from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
 
     with user_errors(debug, output_format is InspectFormat.json):
@@ -869,7 +869,7 @@ def diff_command(
             "--expect-frozen": expect_frozen or None,
             "--expect-trained": expect_trained or None,
         }
-        config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=RULES)
+        config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=accepted_codes())
         if data is not None and arch is None:
             raise BnauditError("--data needs --arch (the model to run the checkpoint with)")
         if arch is not None or arch_kwargs is not None:

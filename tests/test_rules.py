@@ -50,7 +50,6 @@ def test_registry_has_the_documented_codes_and_names():
         "BN108": "export-tensors-differ",
         "BN109": "export-eps-differs",
         "BN110": "export-momentum-unconverted",
-        "BN111": "export-training-mode",
         "BN112": "folded-mismatch",
         "BN113": "export-unpaired",
         "BN114": "export-output-deviates",

@@ -52,7 +52,6 @@ RULE_EXAMPLES = {
     "BN101": "bnaudit diff -q sample_models/pretrained.safetensors sample_models/finetuned.pt --expect-frozen 'features.*'",
     "BN105": "bnaudit diff -q sample_models/pretrained.safetensors sample_models/finetuned.pt --expect-frozen 'head.*'",
     "BN108": "bnaudit diff -q sample_models/healthy.pt sample_models/onnx/digits_training.onnx --select BN108",
-    "BN111": "bnaudit diff -q sample_models/healthy.pt sample_models/onnx/digits_training.onnx --select BN111",
 }
 
 

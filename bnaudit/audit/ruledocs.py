@@ -14,7 +14,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any
 
-from bnaudit.audit.rules import RULES, Rule
+from bnaudit.audit.rules import ALIASES, RULES, Rule, rule_for
 from bnaudit.audit.settings import DEFAULT_EPS, DEFAULT_MOMENTUM
 from bnaudit.config import KEYS, Config
 from bnaudit.errors import BnauditError
@@ -23,7 +23,8 @@ _WIDTH = 88
 
 
 def find_rule(code: str) -> Rule:
-    rule = RULES.get(code.strip().upper())
+    """The rule `code` names, exactly or as an alias (a former code of the same fact)."""
+    rule = rule_for(code)
     if rule is None:
         raise BnauditError(f"unknown rule {code!r} (known: {', '.join(RULES)})")
     return rule
@@ -32,16 +33,31 @@ def find_rule(code: str) -> Rule:
 def worst_severity(rule: Rule, overrides: Mapping[str, str] | None = None) -> str:
     """The highest severity a rule can report ("error / warning" -> "error"), or the one
     the configuration's `severity` table sets for it."""
-    if overrides and rule.code in overrides:
-        return overrides[rule.code]
-    return rule.worst_severity
+    configured = rule.configured_severity(overrides or {})
+    return rule.worst_severity if configured is None else configured
 
 
 def shown_severity(rule: Rule, overrides: Mapping[str, str] | None = None) -> str:
     """The severity column of `bnaudit rules`: the default, or the configured one and the default."""
-    if overrides and rule.code in overrides:
-        return f"{overrides[rule.code]} (configured)"
-    return rule.severity
+    configured = rule.configured_severity(overrides or {})
+    return rule.severity if configured is None else f"{configured} (configured)"
+
+
+def rule_rows(overrides: Mapping[str, str] | None = None) -> list[tuple[str, str, str, str]]:
+    """The rows of `bnaudit rules` in code order: (code, name, severity, summary) for each
+    rule, and a row for each alias naming the rule it stands for."""
+    rows = [(r.code, r.name, shown_severity(r, overrides), r.summary) for r in RULES.values()]
+    for alias, code in ALIASES.items():
+        target = RULES[code]
+        rows.append(
+            (
+                alias,
+                f"alias of {code}",
+                shown_severity(target, overrides),
+                f"Former code of {code} {target.name}, accepted wherever a rule code is.",
+            )
+        )
+    return sorted(rows)
 
 
 def _default_value(key: str) -> Any:
@@ -71,7 +87,7 @@ def _silence_lines(rule: Rule) -> list[str]:
     """Every way to stop a rule from reporting or from failing a run."""
     code = rule.code
     lines = [
-        f"for one run: bnaudit {rule.command} --ignore {code} ...",
+        "for one run: " + " or ".join(f"bnaudit {command} --ignore {code} ..." for command in rule.commands),
         f'for the project: ignore = ["{code}"] under [tool.bnaudit] in pyproject.toml (or in bnaudit.toml)',
         f'for some layers: per-layer-ignores = {{"backbone.*" = ["{code}"]}} (globs on layer names; '
         "file-level findings have no layer and are not matched)",
@@ -90,6 +106,13 @@ def _silence_lines(rule: Rule) -> list[str]:
     return lines
 
 
+def _alias_line(rule: Rule) -> str:
+    return (
+        f"{'aliases' if len(rule.aliases) > 1 else 'alias'}: {', '.join(rule.aliases)} (former code of the same "
+        "fact, accepted in select, ignore, per-layer-ignores and severity)"
+    )
+
+
 def explain_rule(rule: Rule, markdown: bool = False, overrides: Mapping[str, str] | None = None) -> str:
     """What a rule detects, why it matters, how to fix it, how to silence it; with the
     configuration's severity `overrides`, the severity this project reports it at."""
@@ -101,6 +124,8 @@ def explain_rule(rule: Rule, markdown: bool = False, overrides: Mapping[str, str
     ]
     if markdown:
         out = [f"**{rule.code} {rule.name}** (default severity: {rule.severity})", ""]
+        if rule.aliases:
+            out += [_alias_line(rule), ""]
         for title, paragraphs in sections:
             out.append(f"**{title}**")
             out.append("")
@@ -111,8 +136,11 @@ def explain_rule(rule: Rule, markdown: bool = False, overrides: Mapping[str, str
             out.append("")
         return "\n".join(out).rstrip() + "\n"
     out = [f"{rule.code} {rule.name}", f"default severity: {rule.severity}"]
-    if overrides and rule.code in overrides:
-        out.append(f"configured severity: {overrides[rule.code]} (every finding of the rule)")
+    configured = rule.configured_severity(overrides or {})
+    if configured is not None:
+        out.append(f"configured severity: {configured} (every finding of the rule)")
+    if rule.aliases:
+        out.append(_alias_line(rule))
     out.append("")
     for title, paragraphs in sections:
         out.append(title)
@@ -148,9 +176,7 @@ def _rules_table_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
-GENERATED_NOTE = (
-    "<!-- generated from the rule registry (bnaudit/audit/rules/) by tools/update_docs.py; do not edit -->"
-)
+GENERATED_NOTE = "<!-- generated from the rule registry (bnaudit/audit/rules/) by tools/update_docs.py; do not edit -->"
 
 
 def rules_index_page() -> str:

@@ -66,6 +66,8 @@ def rule_descriptor(code: str, overrides: Mapping[str, str] | None = None) -> di
     rule = RULES[code]
     return {
         "id": rule.code,
+        # SARIF's place for the former codes of a rule (bnaudit's aliases)
+        **({"deprecatedIds": list(rule.aliases)} if rule.aliases else {}),
         "name": rule.name,
         "shortDescription": {"text": rule.summary},
         "fullDescription": {"text": rule.explanation},

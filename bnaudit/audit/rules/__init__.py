@@ -8,18 +8,32 @@ kept in code order, the order of `bnaudit rules` and of every report's findings.
 """
 
 from bnaudit.audit.rules import checkpoint, diff, export, graph
-from bnaudit.audit.rules.registry import RULES, Finding, Rule, RuleContext, rule, run_diff_rules, run_rules
+from bnaudit.audit.rules.registry import (
+    ALIASES,
+    RULES,
+    Finding,
+    Rule,
+    RuleContext,
+    accepted_codes,
+    rule,
+    rule_for,
+    run_diff_rules,
+    run_rules,
+)
 
 __all__ = [
+    "ALIASES",
     "RULES",
     "Finding",
     "Rule",
     "RuleContext",
+    "accepted_codes",
     "checkpoint",
     "diff",
     "export",
     "graph",
     "rule",
+    "rule_for",
     "run_diff_rules",
     "run_rules",
 ]

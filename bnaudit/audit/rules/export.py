@@ -1,5 +1,8 @@
 """The rules of `bnaudit diff` between a checkpoint and its ONNX export (BN108-BN114).
 
+A training-mode node and statistics that are not constants are facts of the export
+itself, reported under inspect's codes (BN012, BN013) by bnaudit.audit.rules.graph.
+
 The side that is not ONNX is the reference; definitions of the numbers in
 bnaudit.audit.exportdiff and bnaudit.audit.fold.
 """
@@ -142,32 +145,6 @@ def _check_export_momentum(ctx: DiffContext) -> Iterator[Finding]:
 
 
 @rule(
-    "BN111",
-    "export-training-mode",
-    Severity.ERROR,
-    "A BatchNormalization node of the export runs in training mode (training_mode=1, or is_test unset before opset 7).",
-    "A node in training mode normalises with the statistics of the batch it is given, not the stored ones: "
-    "predictions depend on the other samples of the batch, a batch of one is normalised to beta, and some "
-    "execution providers refuse the node. torch.onnx.export writes it when the model was exported in "
-    "train() mode (or with training=TrainingMode.TRAINING).",
-    "Call model.eval() before torch.onnx.export (and leave `training` at its default).",
-    command="diff",
-)
-def _check_export_training(ctx: DiffContext) -> Iterator[Finding]:
-    if ctx.export is None:
-        return
-    r = RULES["BN111"]
-    for node in ctx.export.nodes:
-        if node.training_mode:
-            yield r.finding(
-                Severity.ERROR,
-                node.name,
-                f"{node.source}: training mode ({node.training_reason or 'training_mode=1'}), it normalises with "
-                "each batch's statistics, so predictions depend on batch companions",
-            )
-
-
-@rule(
     "BN112",
     "folded-mismatch",
     (Severity.ERROR, Severity.INFO),
@@ -214,16 +191,16 @@ def _check_folded(ctx: DiffContext) -> Iterator[Finding]:
 @rule(
     "BN113",
     "export-unpaired",
-    (Severity.WARNING, Severity.INFO),
-    "A checkpoint BN layer has neither a BatchNormalization node nor a conv it was folded into (warning), or an export node cannot be audited (info).",
+    Severity.WARNING,
+    "A checkpoint BN layer has neither a BatchNormalization node nor a conv it was folded into.",
     "Every checkpoint BN layer should appear in the export either as a BatchNormalization node (matched by "
     "name, the exporter's scope in the node's name, then order and channel count) or folded into the conv "
     "that feeds it (found with --arch from the model graph, else from the checkpoint's key order and channel "
     "counts, then its export node by initializer name, exporter scope, or order among convs of that shape). "
     "A layer paired with neither could not be checked: a changed architecture, or an exporter that renamed "
     "everything and reordered the graph. Export convs whose weights equal no checkpoint weight and feed no "
-    "BatchNormalization node are listed too (folded from a BN that could not be paired). Info: nodes whose "
-    "statistics are not constants (graph inputs, computed) cannot be compared.",
+    "BatchNormalization node are listed too (folded from a BN that could not be paired). Nodes whose "
+    "statistics are not constants (graph inputs, computed) cannot be compared either: BN013 says so.",
     "Pass --arch so pairing follows the model graph, or export with do_constant_folding=False / optimize=False "
     "to keep the BatchNormalization nodes.",
     command="diff",
@@ -236,8 +213,6 @@ def _check_export_unpaired(ctx: DiffContext) -> Iterator[Finding]:
         layer = None if u.name.startswith("node ") else u.name
         text = u.reason if layer is not None else f"{u.name}: {u.reason}"
         yield r.finding(Severity.WARNING, layer, f"could not be checked: {text}" if layer else text)
-    for note in ctx.export.unauditable:
-        yield r.finding(Severity.INFO, None, f"cannot be compared: {note}")
 
 
 @rule(

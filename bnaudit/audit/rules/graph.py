@@ -1,10 +1,16 @@
-"""The inspect rules of exported graphs (ONNX): BN012-BN014."""
+"""The rules of exported graphs (ONNX): BN012-BN014.
+
+A fact about an exported graph has one code whichever command sees it: `inspect` of the
+export and `diff` of a checkpoint against it both report a training-mode node as BN012
+and statistics that are not constants as BN013.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, rule
+from bnaudit.audit.layerdiff import DiffContext
+from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, also_in, rule
 from bnaudit.severity import Severity
 
 
@@ -21,9 +27,11 @@ from bnaudit.severity import Severity
     "execution providers refuse the node outright. Exporters leave it this way when the model was "
     "exported in training mode (`torch.onnx.export(..., training=TrainingMode.TRAINING)`, or "
     "`model.eval()` forgotten with TrainingMode.PRESERVE). The finding names the node, its "
-    "version and the opset.",
+    "version and the opset. Reported by `inspect` of the export and by `diff` of a checkpoint "
+    "against it (BN111, diff's code for it before, is an alias).",
     "Export again from `model.eval()` (torch.onnx.export's default TrainingMode.EVAL), or set "
     "`training_mode` to 0 and drop the extra outputs with the onnx package.",
+    aliases=("BN111",),
 )
 def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
     if ctx.module is None:
@@ -31,14 +39,25 @@ def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN012"]
     for name, info in ctx.module.norms.items():
         if info.training_mode:
-            why = info.training_reason or "training mode"
-            where = f" ({info.source})" if info.source else ""
-            yield r.finding(
-                Severity.ERROR,
-                name,
-                f"{why}: normalises with each batch's statistics, so predictions depend on their "
-                f"batch companions{where}",
-            )
+            yield r.finding(Severity.ERROR, name, _training_mode_words(info.training_reason, info.source))
+
+
+@also_in("BN012", "diff")
+def _check_training_mode_export_in_diff(ctx: DiffContext) -> Iterator[Finding]:
+    if ctx.export is None:
+        return
+    r = RULES["BN012"]
+    for node in ctx.export.nodes:
+        if node.training_mode:
+            yield r.finding(Severity.ERROR, node.name, _training_mode_words(node.training_reason, node.source))
+
+
+def _training_mode_words(reason: str | None, source: str | None) -> str:
+    where = f" ({source})" if source else ""
+    return (
+        f"{reason or 'training mode'}: normalises with each batch's statistics, so predictions depend on their "
+        f"batch companions{where}"
+    )
 
 
 @rule(
@@ -49,13 +68,23 @@ def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
     "bnaudit reads the statistics a BatchNormalization node uses from initializers and Constant "
     "nodes (through Identity nodes). A node whose inputs are graph inputs (statistics fed at run "
     "time) or computed by other nodes has no stored values to check, so none of the other rules "
-    "can speak for it. The finding names the node and which input is not a constant.",
+    "can speak for it, and `diff` cannot compare it with the checkpoint. The finding names the "
+    "node and which input is not a constant.",
     "Audit the checkpoint the graph was exported from; or export with the statistics as "
     "initializers (`torch.onnx.export(..., export_params=True)`, the default).",
 )
 def _check_not_constant(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN013"]
     for note in ctx.unauditable:
+        yield r.finding(Severity.INFO, None, note)
+
+
+@also_in("BN013", "diff")
+def _check_not_constant_in_diff(ctx: DiffContext) -> Iterator[Finding]:
+    if ctx.export is None:
+        return
+    r = RULES["BN013"]
+    for note in ctx.export.unauditable:
         yield r.finding(Severity.INFO, None, note)
 
 

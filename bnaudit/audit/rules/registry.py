@@ -10,7 +10,7 @@ order: BN001-BN014 (inspect) then BN101-BN114 (diff), whatever the import order.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -51,16 +51,24 @@ class RuleContext:
 
 @dataclass(frozen=True)
 class Rule:
+    """One rule: its code, documentation and checks.
+
+    A rule reports one fact under one code, whichever command sees it: `check` speaks in
+    inspect's reports, `diff_check` in diff's (a training-mode export node is BN012 in
+    both). `aliases` are former codes of the same fact, accepted wherever a code is
+    (select, ignore, per-layer-ignores, severity) when written in full.
+    """
+
     code: str
     name: str
     severities: tuple[Severity, ...]  # what its findings can be, worst first
     summary: str
     explanation: str
     fix: str
-    # a RuleContext for inspect's rules, a layerdiff.DiffContext for diff's
-    check: Callable[[Any], Iterable[Finding]] = field(repr=False)
+    check: Callable[[RuleContext], Iterable[Finding]] | None = field(default=None, repr=False)
+    diff_check: Callable[[DiffContext], Iterable[Finding]] | None = field(default=None, repr=False)
     settings: tuple[str, ...] = ()  # configuration keys (config.KEYS) that tune the rule
-    command: str = "inspect"  # the command whose reports the rule speaks in: "inspect" or "diff"
+    aliases: tuple[str, ...] = ()
 
     @property
     def severity(self) -> str:
@@ -71,11 +79,35 @@ class Rule:
     def worst_severity(self) -> Severity:
         return max(self.severities)
 
+    @property
+    def commands(self) -> tuple[str, ...]:
+        """The commands whose reports the rule speaks in: "inspect", "diff" or both."""
+        return ("inspect",) * (self.check is not None) + ("diff",) * (self.diff_check is not None)
+
+    @property
+    def command(self) -> str:
+        """The first of `commands`."""
+        return self.commands[0]
+
+    def named_by(self, code: str) -> bool:
+        """Whether a code or code prefix from the configuration names this rule: a prefix of
+        its code, or one of its aliases in full (a prefix of an alias would drag a fact into
+        another family: ignoring "BN1" must not silence inspect's BN012)."""
+        return self.code.startswith(code) or code in self.aliases
+
+    def configured_severity(self, overrides: Mapping[str, str]) -> Severity | None:
+        """The severity the configuration's `severity` table sets for this rule, under its
+        code or else under an alias; None when it sets none."""
+        configured = next((overrides[c] for c in (self.code, *self.aliases) if c in overrides), None)
+        return None if configured is None else Severity.parse(configured)
+
     def finding(self, severity: Severity, layer: str | None, message: str, channels: Iterable[int] = ()) -> Finding:
         return Finding(self.code, self.name, severity, layer, message, tuple(int(c) for c in channels))
 
 
 RULES: dict[str, Rule] = {}
+# former code -> the code of the rule that now reports its fact
+ALIASES: dict[str, str] = {}
 
 _Check = TypeVar("_Check", bound=Callable[[Any], Iterable[Finding]])
 
@@ -89,19 +121,53 @@ def rule(
     fix: str,
     settings: tuple[str, ...] = (),
     command: str = "inspect",
+    aliases: tuple[str, ...] = (),
 ) -> Callable[[_Check], _Check]:
+    """Register a rule whose check speaks in `command`'s reports ("inspect" or "diff")."""
     severities = severity if isinstance(severity, tuple) else (severity,)
 
     def register(check: _Check) -> _Check:
-        RULES[code] = Rule(code, name, severities, summary, explanation, fix, check, settings, command)
-        # code order, whatever order the rule modules were imported in: the order of
-        # `bnaudit rules` and of every report's findings
-        ordered = sorted(RULES.items())
-        RULES.clear()
-        RULES.update(ordered)
+        inspect_check, diff_check = (check, None) if command == "inspect" else (None, check)
+        _register(Rule(code, name, severities, summary, explanation, fix, inspect_check, diff_check, settings, aliases))
         return check
 
     return register
+
+
+def also_in(code: str, command: str) -> Callable[[_Check], _Check]:
+    """Give the registered rule `code` a check for another command: the same fact seen
+    from `command`'s reports, under the same code."""
+
+    def register(check: _Check) -> _Check:
+        existing = RULES[code]
+        if command == "inspect":
+            _register(replace(existing, check=check))
+        else:
+            _register(replace(existing, diff_check=check))
+        return check
+
+    return register
+
+
+def _register(r: Rule) -> None:
+    RULES[r.code] = r
+    ALIASES.update(dict.fromkeys(r.aliases, r.code))
+    # code order, whatever order the rule modules were imported in: the order of
+    # `bnaudit rules` and of every report's findings
+    ordered = sorted(RULES.items())
+    RULES.clear()
+    RULES.update(ordered)
+
+
+def accepted_codes() -> list[str]:
+    """Every code the configuration may name: the rules' codes and their aliases, in order."""
+    return sorted([*RULES, *ALIASES])
+
+
+def rule_for(code: str) -> Rule | None:
+    """The rule `code` names (exactly, or as an alias), or None."""
+    code = code.strip().upper()
+    return RULES.get(ALIASES.get(code, code))
 
 
 def three_digits(x: float) -> str:
@@ -109,40 +175,46 @@ def three_digits(x: float) -> str:
     return f"{x:.3g}"
 
 
-def _selected(code: str, cfg: Config) -> bool:
-    if cfg.select and not any(code.startswith(s) for s in cfg.select):
+def _selected(r: Rule, cfg: Config) -> bool:
+    if cfg.select and not any(r.named_by(s) for s in cfg.select):
         return False
-    return not any(code.startswith(i) for i in cfg.ignore)
+    return not any(r.named_by(i) for i in cfg.ignore)
 
 
-def _ignored_for_layer(finding: Finding, cfg: Config) -> bool:
+def _ignored_for_layer(r: Rule, finding: Finding, cfg: Config) -> bool:
     if finding.layer is None:
         return False
     return any(
-        fnmatch.fnmatchcase(finding.layer, pattern) and any(finding.code.startswith(c) for c in codes)
+        fnmatch.fnmatchcase(finding.layer, pattern) and any(r.named_by(c) for c in codes)
         for pattern, codes in cfg.per_layer_ignores.items()
     )
 
 
+def _in_force(r: Rule, found: Iterable[Finding], config: Config) -> list[Finding]:
+    """A rule's findings with per-layer ignores applied and the configuration's severity
+    for the rule (set under its code, else under an alias) in force."""
+    kept = [f for f in found if not _ignored_for_layer(r, f, config)]
+    configured = r.configured_severity(config.severity)
+    if configured is None:
+        return kept
+    return [replace(f, severity=configured) for f in kept]
+
+
 def run_rules(ctx: RuleContext) -> list[Finding]:
     """Every selected inspect rule's findings, in rule order, at the configured severity."""
-    return _run_command_rules("inspect", ctx, ctx.config)
-
-
-def _run_command_rules(command: str, ctx: Any, config: Config) -> list[Finding]:
-    """The findings of the selected rules of `command` (inspect, diff), in rule order, with
-    per-layer ignores applied and `[tool.bnaudit.severity]` overrides in force."""
+    config = ctx.config
     findings: list[Finding] = []
-    overrides = config.severity
-    for code, r in RULES.items():
-        if r.command == command and _selected(code, config):
-            found = [f for f in r.check(ctx) if not _ignored_for_layer(f, config)]
-            if code in overrides:
-                found = [replace(f, severity=Severity.parse(overrides[code])) for f in found]
-            findings.extend(found)
+    for r in RULES.values():
+        if r.check is not None and _selected(r, config):
+            findings += _in_force(r, r.check(ctx), config)
     return findings
 
 
 def run_diff_rules(ctx: DiffContext) -> list[Finding]:
     """Every selected diff rule's findings, in rule order, at the configured severity."""
-    return _run_command_rules("diff", ctx, ctx.config)
+    config = ctx.config
+    findings: list[Finding] = []
+    for r in RULES.values():
+        if r.diff_check is not None and _selected(r, config):
+            findings += _in_force(r, r.diff_check(ctx), config)
+    return findings

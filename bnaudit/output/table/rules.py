@@ -15,9 +15,9 @@ if TYPE_CHECKING:
 def render_rules(console: Console, overrides: Mapping[str, str] | None = None) -> None:
     """`bnaudit rules`: one row per rule, severities as configured."""
 
-    from bnaudit.audit.ruledocs import shown_severity
+    from bnaudit.audit.ruledocs import rule_rows
 
-    rows = [(rule.code, rule.name, shown_severity(rule, overrides), rule.summary) for rule in RULES.values()]
+    rows = rule_rows(overrides)
     table = bordered()
     # min_width: rich would otherwise squeeze these to "BN0…" at 80 columns before
     # wrapping the summaries, which wrap at spaces
