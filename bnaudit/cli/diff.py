@@ -12,10 +12,13 @@ from bnaudit.cli.boundary import user_errors
 from bnaudit.cli.options import (
     ArchKwargsOpt,
     BatchSizeOpt,
+    ConfigOpt,
     DebugOpt,
+    ExitZeroOpt,
+    FailOnOpt,
     InspectFormat,
+    IsolatedOpt,
     NumSamplesOpt,
-    Severity,
     code_list,
     data_options,
 )
@@ -51,15 +54,8 @@ def diff_command(
     output_format: Annotated[
         InspectFormat, typer.Option("--format", "-f", help="Report format (sarif: SARIF 2.1.0 for code scanning).")
     ] = InspectFormat.table,
-    fail_on: Annotated[
-        Optional[Severity],
-        typer.Option(
-            help="Exit 1 when a finding is at or above this severity (default: warning, or fail-on from the configuration)."
-        ),
-    ] = None,
-    exit_zero: Annotated[
-        bool, typer.Option("--exit-zero", help="Exit 0 even when findings are at or above --fail-on.")
-    ] = False,
+    fail_on: FailOnOpt = None,
+    exit_zero: ExitZeroOpt = False,
     select: Annotated[
         Optional[list[str]],
         typer.Option(metavar="CODES", help="Run only these rules (codes or prefixes, e.g. BN101,BN104)."),
@@ -67,15 +63,8 @@ def diff_command(
     ignore: Annotated[
         Optional[list[str]], typer.Option(metavar="CODES", help="Do not report these rules (codes or prefixes).")
     ] = None,
-    config_file: Annotated[
-        Optional[str],
-        typer.Option(
-            "--config",
-            metavar="PATH",
-            help="Read this configuration file instead of the nearest bnaudit.toml / pyproject.toml [tool.bnaudit].",
-        ),
-    ] = None,
-    isolated: Annotated[bool, typer.Option("--isolated", help="Read no configuration file.")] = False,
+    config_file: ConfigOpt = None,
+    isolated: IsolatedOpt = False,
     eps: Annotated[
         Optional[float],
         typer.Option(metavar="EPS", help="BN eps where a file holds no modules (default 1e-5): scales the mean shift."),
@@ -144,5 +133,4 @@ def diff_command(
         else:
             report = run_diff(path_a, path_b, config, key_a=key_a, key_b=key_b, trust_pickle=trust_pickle)
         output.emit(report, output_format.value, sys.stdout, quiet=quiet)
-    code = report.exit_code()
-    raise typer.Exit(0 if exit_zero and code == 1 else code)
+    raise typer.Exit(report.exit_code(exit_zero=exit_zero))

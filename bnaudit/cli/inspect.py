@@ -9,7 +9,7 @@ import typer
 
 from bnaudit import output
 from bnaudit.cli.boundary import user_errors
-from bnaudit.cli.options import DebugOpt, InspectFormat, Severity, code_list
+from bnaudit.cli.options import ConfigOpt, DebugOpt, FailOnOpt, InspectFormat, IsolatedOpt, code_list
 
 
 def inspect(
@@ -23,12 +23,7 @@ def inspect(
     output_format: Annotated[
         InspectFormat, typer.Option("--format", "-f", help="Report format (sarif: SARIF 2.1.0 for code scanning).")
     ] = InspectFormat.table,
-    fail_on: Annotated[
-        Optional[Severity],
-        typer.Option(
-            help="Exit 1 when a finding is at or above this severity (default: warning, or fail-on from the configuration)."
-        ),
-    ] = None,
+    fail_on: FailOnOpt = None,
     exit_zero: Annotated[
         bool,
         typer.Option(
@@ -49,15 +44,8 @@ def inspect(
             metavar="CODES", help="Do not report these rules (codes or prefixes); added to the configuration's ignore."
         ),
     ] = None,
-    config_file: Annotated[
-        Optional[str],
-        typer.Option(
-            "--config",
-            metavar="PATH",
-            help="Read this configuration file instead of the nearest bnaudit.toml / pyproject.toml [tool.bnaudit].",
-        ),
-    ] = None,
-    isolated: Annotated[bool, typer.Option("--isolated", help="Read no configuration file.")] = False,
+    config_file: ConfigOpt = None,
+    isolated: IsolatedOpt = False,
     key: Annotated[
         Optional[str], typer.Option(metavar="KEY", help="Container key of the state dict to audit (e.g. model_ema).")
     ] = None,
@@ -129,15 +117,8 @@ def rules_command(
     code: Annotated[
         Optional[str], typer.Argument(metavar="[CODE]", help="A rule code, e.g. BN004: explain that rule.")
     ] = None,
-    config_file: Annotated[
-        Optional[str],
-        typer.Option(
-            "--config",
-            metavar="PATH",
-            help="Read this configuration file instead of the nearest bnaudit.toml / pyproject.toml [tool.bnaudit].",
-        ),
-    ] = None,
-    isolated: Annotated[bool, typer.Option("--isolated", help="Read no configuration file.")] = False,
+    config_file: ConfigOpt = None,
+    isolated: IsolatedOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """List the rules, or explain one: what it detects, why it matters, how to fix and silence it."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
@@ -15,6 +16,7 @@ from bnaudit.cli.options import (
     ArchKwargsOpt,
     ArchOpt,
     BatchSizeOpt,
+    ConfigOpt,
     DataOpt,
     DatasetOpt,
     DebugOpt,
@@ -23,12 +25,14 @@ from bnaudit.cli.options import (
     ForwardOpt,
     GrayscaleOpt,
     ImageSizeOpt,
+    IsolatedOpt,
     KeyOpt,
     MeanOpt,
+    MeasureExitZeroOpt,
+    MeasureFailOnOpt,
     NoShuffleOpt,
     NumSamplesOpt,
     SeedOpt,
-    Severity,
     SkipBadOpt,
     StdOpt,
     TrustPickleOpt,
@@ -80,6 +84,10 @@ def gap(
             help="With --max-gap: exit 1 on a gap above it even when it is not significant (its 95% interval contains 0).",
         ),
     ] = False,
+    fail_on: MeasureFailOnOpt = None,
+    exit_zero: MeasureExitZeroOpt = False,
+    config_file: ConfigOpt = None,
+    isolated: IsolatedOpt = False,
     output_format: Annotated[Format, typer.Option("--format", "-f", help="Report format.")] = Format.table,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no per-layer table.")] = False,
     debug: DebugOpt = False,
@@ -102,6 +110,7 @@ def gap(
             progress=progress,
             max_gap=max_gap,
             strict=strict,
+            fail_on=fail_on.value if fail_on else None,
         )
 
     data_args = (
@@ -118,20 +127,32 @@ def gap(
         std,
         skip_bad,
     )
-    raise typer.Exit(_measure_and_emit("gap", measure, data_args, device, output_format, quiet, debug))
+    settings = ConfigSettings(config_file, isolated, exit_zero)
+    raise typer.Exit(_measure_and_emit("gap", measure, data_args, settings, device, output_format, quiet, debug))
+
+
+@dataclass(frozen=True)
+class ConfigSettings:
+    """The configuration and exit-code options gap and invariance share."""
+
+    config_file: str | None
+    isolated: bool
+    exit_zero: bool
 
 
 def _measure_and_emit(
     what: str,
     measure: Callable[[DataOptions, Any, Any], Any],
     data_args: tuple[Any, ...],
+    settings: ConfigSettings,
     device: str,
     output_format: Format,
     quiet: bool,
     debug: bool,
 ) -> int:
     """gap and invariance: data options, the project's configuration (the inspect findings shown
-    with the measurement follow it too), the measurement, the report; the exit code.
+    with the measurement follow it too), the measurement, the report; the exit code
+    (`bnaudit.config.exit_code_for`, through the report).
 
     Under torchrun every rank measures its share and holds the same report, so exit codes
     agree; rank 0 alone prints it, errors included in JSON. Errors are said inside `reporting`,
@@ -148,12 +169,12 @@ def _measure_and_emit(
     rank = int(os.environ.get("RANK", "0"))
     with user_errors(debug, json_output and rank == 0):
         options = data_options(*data_args)
-        config = load_config(rule_codes=RULES)
+        config = load_config(config_file=settings.config_file, isolated=settings.isolated, rule_codes=RULES)
         quiet_bar = quiet or json_output or rank != 0
         with frozen_imports(), reporting(resolve_device(device)), user_errors(debug, json_output and rank == 0):
             with output.progress(what, sys.stderr, quiet=quiet_bar) as update:
                 report = measure(options, config, update)
-            code: int = report.exit_code()
+            code: int = report.exit_code(exit_zero=settings.exit_zero)
             if rank == 0:
                 output.emit(report, output_format.value, sys.stdout, quiet=quiet)
     return code
@@ -198,13 +219,10 @@ def invariance(
     mean: MeanOpt = None,
     std: StdOpt = None,
     skip_bad: SkipBadOpt = False,
-    fail_on: Annotated[
-        Optional[Severity],
-        typer.Option(help="Exit 1 also when an inspect finding of the checkpoint is at or above this severity."),
-    ] = None,
-    exit_zero: Annotated[
-        bool, typer.Option("--exit-zero", help="Exit 0 even when outputs depend on the batch (2 stays for errors).")
-    ] = False,
+    fail_on: MeasureFailOnOpt = None,
+    exit_zero: MeasureExitZeroOpt = False,
+    config_file: ConfigOpt = None,
+    isolated: IsolatedOpt = False,
     output_format: Annotated[Format, typer.Option("--format", "-f", help="Report format.")] = Format.table,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no arrangement table.")] = False,
     debug: DebugOpt = False,
@@ -227,7 +245,6 @@ def invariance(
             progress=progress,
             batch_sizes=parse_batch_sizes(batch_sizes, batch_size),
             fail_on=fail_on.value if fail_on else None,
-            exit_zero=exit_zero,
         )
 
     data_args = (
@@ -244,4 +261,5 @@ def invariance(
         std,
         skip_bad,
     )
-    raise typer.Exit(_measure_and_emit("invariance", measure, data_args, device, output_format, quiet, debug))
+    settings = ConfigSettings(config_file, isolated, exit_zero)
+    raise typer.Exit(_measure_and_emit("invariance", measure, data_args, settings, device, output_format, quiet, debug))

@@ -31,6 +31,45 @@ class Severity(str, Enum):
 
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")]
 
+# The configuration and exit-code options of every command (bnaudit.config: one exit policy).
+ConfigOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--config",
+        metavar="PATH",
+        help="Read this configuration file instead of the nearest bnaudit.toml / pyproject.toml [tool.bnaudit].",
+    ),
+]
+IsolatedOpt = Annotated[bool, typer.Option("--isolated", help="Read no configuration file.")]
+FailOnOpt = Annotated[
+    Optional[Severity],
+    typer.Option(
+        "--fail-on",
+        help="Exit 1 when a finding is at or above this severity (default: warning, or fail-on from the configuration).",
+    ),
+]
+MeasureFailOnOpt = Annotated[
+    Optional[Severity],
+    typer.Option(
+        "--fail-on",
+        help="Exit 1 also when an inspect finding of the checkpoint is at or above this severity (default: none, or fail-on from the configuration).",
+    ),
+]
+ExitZeroOpt = Annotated[
+    bool,
+    typer.Option(
+        "--exit-zero",
+        help="Exit 0 even when findings are at or above --fail-on (2 stays for usage errors and unreadable inputs).",
+    ),
+]
+MeasureExitZeroOpt = Annotated[
+    bool,
+    typer.Option(
+        "--exit-zero",
+        help="Exit 0 even when the measurement fails its check (gap above --max-gap, outputs that depend on the batch) or a finding is at or above --fail-on (2 stays for errors).",
+    ),
+]
+
 
 def code_list(values: list[str] | None) -> list[str] | None:
     """`--select BN002,BN005 --select BN008` -> ["BN002", "BN005", "BN008"]."""

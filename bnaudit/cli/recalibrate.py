@@ -15,6 +15,7 @@ from bnaudit.cli.options import (
     ArchKwargsOpt,
     ArchOpt,
     BatchSizeOpt,
+    ConfigOpt,
     DataOpt,
     DatasetOpt,
     DebugOpt,
@@ -23,6 +24,7 @@ from bnaudit.cli.options import (
     ForwardOpt,
     GrayscaleOpt,
     ImageSizeOpt,
+    IsolatedOpt,
     KeyOpt,
     MeanOpt,
     NoShuffleOpt,
@@ -111,6 +113,8 @@ def recalibrate(
     mean: MeanOpt = None,
     std: StdOpt = None,
     skip_bad: SkipBadOpt = False,
+    config_file: ConfigOpt = None,
+    isolated: IsolatedOpt = False,
     output_format: Annotated[Format, typer.Option("--format", "-f", help="Report format.")] = Format.table,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no per-layer table.")] = False,
     debug: DebugOpt = False,
@@ -146,7 +150,7 @@ def recalibrate(
         )
         held_out = None if eval_data is None else dataclasses.replace(options, path=eval_data, dataset=None)
         # The inspect findings of the --eval-data gap reports follow the project's configuration.
-        config = load_config(rule_codes=RULES)
+        config = load_config(config_file=config_file, isolated=isolated, rule_codes=RULES)
         quiet_bar = quiet or json_output or rank != 0
         with frozen_imports(), output.progress(f"recalibrate ({method.value})", sys.stderr, quiet=quiet_bar) as update:
             report = recalibrate_checkpoint(

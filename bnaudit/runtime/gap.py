@@ -60,7 +60,7 @@ import torch
 from bnaudit.audit.audit import audit_checkpoint
 from bnaudit.audit.report import FileReport
 from bnaudit.audit.rules import Finding
-from bnaudit.config import Config
+from bnaudit.config import Config, exit_code_for, measurement_fail_on
 from bnaudit.errors import BnauditError
 from bnaudit.runtime.attribution import (
     ChannelDrift,
@@ -162,6 +162,7 @@ class GapReport:
     non_finite: dict[str, int] = field(default_factory=dict)
     max_gap: float | None = None
     strict: bool = False
+    fail_on: str | None = None
     labelled: int = 0
     train_interval: tuple[float, float] | None = None
     eval_interval: tuple[float, float] | None = None
@@ -185,16 +186,26 @@ class GapReport:
         low, high = self.gap_interval
         return low > 0 or high < 0
 
-    def exit_code(self) -> int:
-        """1 when the report has a `max_gap` and the gap exceeds it, else 0. A gap that is
-        not significant (its 95% interval contains 0) passes unless `strict`."""
-        if self.max_gap is None:
-            return 0
-        if self.gap is None:
-            raise BnauditError(NEEDS_LABELS)
-        if self.gap <= self.max_gap:
-            return 0
-        return 1 if self.strict or self.gap_significant else 0
+    @property
+    def exceeds_max_gap(self) -> bool:
+        """Whether the gap exceeds `max_gap`: significantly (its 95% interval excludes 0),
+        or at all with `strict`. False without a `max_gap` or without a gap."""
+        if self.max_gap is None or self.gap is None or self.gap <= self.max_gap:
+            return False
+        return self.strict or bool(self.gap_significant)
+
+    def exit_code(self, exit_zero: bool = False) -> int:
+        """`bnaudit.config.exit_code_for`: 1 when the gap exceeds `max_gap` (`exceeds_max_gap`)
+        or an inspect finding is at or above `fail_on`; 2, never an exception, for a
+        `max_gap` without a gap to check (unlabelled data: `measure_gap` refuses it first,
+        with the reason); 0 otherwise or with `exit_zero`."""
+        return exit_code_for(
+            (f.severity for f in self.findings),
+            self.fail_on,
+            failed=self.exceeds_max_gap,
+            error=self.max_gap is not None and self.gap is None,
+            exit_zero=exit_zero,
+        )
 
 
 NEEDS_LABELS = "--max-gap needs labelled data (the gap is an accuracy difference)"
@@ -859,11 +870,14 @@ def measure_gap(
     progress: Callable[[int, int], None] | None = None,
     max_gap: float | None = None,
     strict: bool = False,
+    fail_on: str | None = None,
 ) -> GapReport:
     """Load the model and the data (`options`: a `bnaudit.DataOptions`) and measure the gap
     (see the module docstring). `config` (None: the defaults) decides which inspect findings
-    the report carries; `max_gap` and `strict` (a gap that is not significant fails too)
-    are stored on the report for `GapReport.exit_code`.
+    the report carries; `max_gap`, `strict` (a gap that is not significant fails too) and
+    `fail_on` (the inspect findings at or above it fail the run; None: the configuration
+    file's fail-on, if it states one, `bnaudit.config.measurement_fail_on`) are stored on
+    the report for `GapReport.exit_code`.
 
     Under torchrun (WORLD_SIZE > 1) it joins the process group for the measurement (gloo
     on the CPU, nccl with one GPU per rank for CUDA); each rank scores its share of whole
@@ -874,6 +888,7 @@ def measure_gap(
     ...                     arch="mypkg.models:net").gap                    # doctest: +SKIP
     """
     check_max_gap(max_gap)
+    threshold = measurement_fail_on(config, fail_on)
     target = resolve_device(device)
     options.validate()
     if options.batch_size < 2:  # before the model loads: the cheapest refusal first
@@ -887,6 +902,7 @@ def measure_gap(
         report = measure_model_gap(runnable, stream, device_for_rank(target), forward_fn, config, progress)
     report.max_gap = max_gap
     report.strict = strict
+    report.fail_on = threshold
     if max_gap is not None and report.gap is not None and report.gap > max_gap and not report.gap_significant:
         verdict = "fails with --strict" if strict else "passes (--strict would fail it)"
         report.diagnosis.append(

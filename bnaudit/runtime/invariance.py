@@ -88,7 +88,7 @@ import torch
 from bnaudit.audit.audit import audit_checkpoint
 from bnaudit.audit.report import FileReport
 from bnaudit.audit.rules import Finding
-from bnaudit.config import Config, severity_rank
+from bnaudit.config import Config, exit_code_for, measurement_fail_on
 from bnaudit.errors import BnauditError
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.distributed import (
@@ -508,18 +508,15 @@ class InvarianceReport:
                 return a.accuracy
         return None
 
-    def exit_code(self) -> int:
-        """1 when coupled, or when an inspect finding is at or above `fail_on`; 0 with
-        `exit_zero` or otherwise."""
-        if self.exit_zero:
-            return 0
-        if self.verdict == "coupled":
-            return 1
-        if self.fail_on is not None and any(
-            severity_rank(f.severity) >= severity_rank(self.fail_on) for f in self.findings
-        ):
-            return 1
-        return 0
+    def exit_code(self, exit_zero: bool = False) -> int:
+        """`bnaudit.config.exit_code_for`: 1 when coupled, or when an inspect finding is at or
+        above `fail_on`; 0 otherwise, or with `exit_zero` (the argument or the field)."""
+        return exit_code_for(
+            (f.severity for f in self.findings),
+            self.fail_on,
+            failed=self.verdict == "coupled",
+            exit_zero=exit_zero or self.exit_zero,
+        )
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -1100,8 +1097,9 @@ def measure_invariance(
 ) -> InvarianceReport:
     """Load the model and the data (`options`: a `bnaudit.DataOptions`; `num_samples`
     None reads 256) and measure whether outputs depend on their batch companions (module
-    docstring). `batch_sizes` default to [1, options.batch_size]; `fail_on` and
-    `exit_zero` are stored for `InvarianceReport.exit_code`. Under torchrun (WORLD_SIZE >
+    docstring). `batch_sizes` default to [1, options.batch_size]; `fail_on` (None: the
+    configuration file's fail-on, if it states one; `bnaudit.config.measurement_fail_on`)
+    and `exit_zero` are stored for `InvarianceReport.exit_code`. Under torchrun (WORLD_SIZE >
     1) it joins the process group and every rank returns the same report (module
     docstring).
 
@@ -1109,6 +1107,7 @@ def measure_invariance(
     >>> bnaudit.measure_invariance("model.pt", bnaudit.DataOptions(path="val.safetensors"),
     ...                            arch="mypkg.models:net").verdict         # doctest: +SKIP
     """
+    threshold = measurement_fail_on(config, fail_on)
     target = resolve_device(device)
     if options.num_samples is None:
         options = replace(options, num_samples=DEFAULT_NUM_SAMPLES)
@@ -1121,6 +1120,6 @@ def measure_invariance(
         report = measure_model_invariance(
             runnable, stream, device_for_rank(target), forward_fn, config, progress, sizes
         )
-    report.fail_on = fail_on
+    report.fail_on = threshold
     report.exit_zero = exit_zero
     return report
