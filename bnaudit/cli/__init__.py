@@ -22,13 +22,11 @@ from bnaudit import __version__, fastcli, output
 from bnaudit.cli import diff, inspect, measure, recalibrate
 from bnaudit.errors import OutputClosed
 
-# typer would import pydantic to convert each option; plain ones do not need it. On a
-# typer other than the one fastcli was written for this patches nothing (plain typer).
-fastcli.install()
-fastcli.metavars_as_given()
-
 _APP_SETTINGS: dict[str, Any] = dict(
     name="bnaudit",
+    # typer would import pydantic to convert each option; plain ones do not need it. Only
+    # bnaudit's own group and commands take that path (fastcli): no typer internal is patched.
+    cls=fastcli.FastGroup,
     help="Audit the BatchNorm running statistics of PyTorch models before they ship.",
     no_args_is_help=True,
     add_completion=False,
@@ -56,12 +54,15 @@ def _root(
 
 
 # registration order is the order of `bnaudit --help`
-app.command()(inspect.inspect)
-app.command("rules")(inspect.rules_command)
-app.command()(measure.gap)
-app.command()(measure.invariance)
-app.command()(recalibrate.recalibrate)
-app.command("diff")(diff.diff_command)
+for _name, _function in (
+    ("inspect", inspect.inspect),
+    ("rules", inspect.rules_command),
+    ("gap", measure.gap),
+    ("invariance", measure.invariance),
+    ("recalibrate", recalibrate.recalibrate),
+    ("diff", diff.diff_command),
+):
+    app.command(_name, cls=fastcli.FastCommand)(_function)
 
 
 def main() -> None:
@@ -78,23 +79,20 @@ def main() -> None:
     sys.exit(code)
 
 
-def usage_error_line(exc: Exception) -> str:
-    """A command-line parsing error as one line: the option and the problem, in our words
-    (no validator prefix such as "Value error, "), and where the help is."""
-    import re
-
-    message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
-    message = message.replace("Value error, ", "")
-    for pattern, words in (
-        (r"Input should be a valid number, unable to parse string as a number", "expected a number"),
-        (r"Input should be a valid integer, unable to parse string as an integer", "expected a whole number"),
-        (r"Input should be a valid integer, got a number with a fractional part", "expected a whole number"),
-    ):
-        message = re.sub(pattern, words, message)
-    message = re.sub(r"^Invalid value for '([^']+)': ", r"\1: ", message).rstrip(".")
+def usage_error_line(exc: typer.TyperException) -> str:
+    """A command-line parsing error as one line: the option and the problem (a value error
+    names the option first, not "Invalid value for ..."), and where the help is."""
+    message = exc.format_message()
+    # a bad value (not one of BadParameter's subclasses with their own wording, such as a
+    # missing argument)
+    plain_bad_value = type(exc).format_message is typer.BadParameter.format_message
+    if isinstance(exc, typer.BadParameter) and plain_bad_value and exc.param_hint is None and exc.param is not None:
+        opts = [o for o in getattr(exc.param, "opts", ()) if o.startswith("--")]
+        name = opts[0] if opts else exc.param.get_error_hint()
+        message = f"{name}: {exc.message}"
     ctx = getattr(exc, "ctx", None)
     path = getattr(ctx, "command_path", None) or "bnaudit"
-    return f"{message} (see {path} --help)"
+    return f"{message.rstrip('.')} (see {path} --help)"
 
 
 def _dispatch() -> int:
@@ -107,16 +105,13 @@ def _dispatch() -> int:
     except typer.Abort:
         output.emit_interrupted(sys.stderr)
         return 130
-    except Exception as exc:
-        # typer's parser errors (UsageError, BadParameter, NoSuchOption, ...): their base
-        # class is not public, but every one carries an exit code and a message
-        if type(exc).__module__.startswith("typer.") and hasattr(exc, "exit_code"):
-            if type(exc).__name__ == "NoArgsIsHelpError" and hasattr(exc, "show"):
-                exc.show()  # `bnaudit` alone: the help, as typer prints it
-            else:
-                output.emit_error(usage_error_line(exc), sys.stderr)
-            return int(exc.exit_code)
-        raise
+    except typer.TyperException as exc:  # the parser's errors: usage, bad values, unknown options
+        show = getattr(exc, "show", None)
+        if len(sys.argv) <= 1 and callable(show):
+            show()  # `bnaudit` alone (no_args_is_help): the error is the help, as typer prints it
+        else:
+            output.emit_error(usage_error_line(exc), sys.stderr)
+        return int(exc.exit_code)
     return result if isinstance(result, int) else 0
 
 
@@ -128,18 +123,12 @@ def _command() -> Any:
     # from typer internals, so only on the typer they were checked against (fastcli).
     if not fastcli.lean_group_supported(app):
         return typer.main.get_command(app)
-    named = [c for c in app.registered_commands if len(sys.argv) > 1 and _command_name(c) == sys.argv[1]]
+    named = [c for c in app.registered_commands if len(sys.argv) > 1 and c.name == sys.argv[1]]
     if not named:
         return typer.main.get_command(app)
     lean = typer.Typer(**_APP_SETTINGS)
     lean.registered_callback, lean.registered_commands = app.registered_callback, named
     return typer.main.get_group(lean)  # a group even with one command, as the full app
-
-
-def _command_name(info: typer.models.CommandInfo) -> str:
-    if info.name or info.callback is None:  # `app.command()` always records the function
-        return info.name or ""
-    return typer.main.get_command_name(info.callback.__name__)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from bnaudit.cli.options import (
     ExitZeroOpt,
     FailOnOpt,
     InspectFormat,
+    InspectFormatOpt,
     IsolatedOpt,
     NumSamplesOpt,
     code_list,
@@ -51,9 +52,7 @@ def diff_command(
             help="Layers (name glob, repeatable) whose weights must change: bit-identical weights are an error.",
         ),
     ] = None,
-    output_format: Annotated[
-        InspectFormat, typer.Option("--format", "-f", help="Report format (sarif: SARIF 2.1.0 for code scanning).")
-    ] = InspectFormat.table,
+    output_format: InspectFormatOpt = InspectFormat.table,
     fail_on: FailOnOpt = None,
     exit_zero: ExitZeroOpt = False,
     select: Annotated[

@@ -9,7 +9,7 @@ import typer
 
 from bnaudit import output
 from bnaudit.cli.boundary import user_errors
-from bnaudit.cli.options import ConfigOpt, DebugOpt, FailOnOpt, InspectFormat, IsolatedOpt, code_list
+from bnaudit.cli.options import ConfigOpt, DebugOpt, FailOnOpt, InspectFormat, InspectFormatOpt, IsolatedOpt, code_list
 
 
 def inspect(
@@ -20,9 +20,7 @@ def inspect(
             help="Checkpoint files, shard indexes (*.safetensors.index.json) or directories (searched for .pt .pth .ckpt .bin .tar .safetensors and shard indexes).",
         ),
     ],
-    output_format: Annotated[
-        InspectFormat, typer.Option("--format", "-f", help="Report format (sarif: SARIF 2.1.0 for code scanning).")
-    ] = InspectFormat.table,
+    output_format: InspectFormatOpt = InspectFormat.table,
     fail_on: FailOnOpt = None,
     exit_zero: Annotated[
         bool,

@@ -22,6 +22,7 @@ from bnaudit.cli.options import (
     DebugOpt,
     DeviceOpt,
     Format,
+    FormatOpt,
     ForwardOpt,
     GrayscaleOpt,
     ImageSizeOpt,
@@ -32,6 +33,7 @@ from bnaudit.cli.options import (
     MeasureFailOnOpt,
     NoShuffleOpt,
     NumSamplesOpt,
+    QuietOpt,
     SeedOpt,
     SkipBadOpt,
     StdOpt,
@@ -88,8 +90,8 @@ def gap(
     exit_zero: MeasureExitZeroOpt = False,
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
-    output_format: Annotated[Format, typer.Option("--format", "-f", help="Report format.")] = Format.table,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no per-layer table.")] = False,
+    output_format: FormatOpt = Format.table,
+    quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Measure the train-mode vs eval-mode gap on data and find the BN layer responsible."""
@@ -223,7 +225,7 @@ def invariance(
     exit_zero: MeasureExitZeroOpt = False,
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
-    output_format: Annotated[Format, typer.Option("--format", "-f", help="Report format.")] = Format.table,
+    output_format: FormatOpt = Format.table,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no arrangement table.")] = False,
     debug: DebugOpt = False,
 ) -> None:

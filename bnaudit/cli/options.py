@@ -30,6 +30,11 @@ class Severity(str, Enum):
 
 
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")]
+FormatOpt = Annotated[Format, typer.Option("--format", "-f", help="Report format.")]
+InspectFormatOpt = Annotated[
+    InspectFormat, typer.Option("--format", "-f", help="Report format (sarif: SARIF 2.1.0 for code scanning).")
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no per-layer table.")]
 
 # The configuration and exit-code options of every command (bnaudit.config: one exit policy).
 ConfigOpt = Annotated[

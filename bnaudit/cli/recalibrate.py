@@ -21,6 +21,7 @@ from bnaudit.cli.options import (
     DebugOpt,
     DeviceOpt,
     Format,
+    FormatOpt,
     ForwardOpt,
     GrayscaleOpt,
     ImageSizeOpt,
@@ -29,6 +30,7 @@ from bnaudit.cli.options import (
     MeanOpt,
     NoShuffleOpt,
     NumSamplesOpt,
+    QuietOpt,
     SeedOpt,
     SkipBadOpt,
     StdOpt,
@@ -115,8 +117,8 @@ def recalibrate(
     skip_bad: SkipBadOpt = False,
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
-    output_format: Annotated[Format, typer.Option("--format", "-f", help="Report format.")] = Format.table,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no per-layer table.")] = False,
+    output_format: FormatOpt = Format.table,
+    quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Re-estimate BatchNorm running statistics on data and write a new checkpoint safely."""
