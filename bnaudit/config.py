@@ -494,6 +494,8 @@ def exit_code_for(
          the command's own check failed (a gap above --max-gap, outputs coupled to their batch)
       0  otherwise, and with `exit_zero` instead of 1
 
+    Every report's `exit_code` is this function of its findings and checks (inspect,
+    diff, gap, invariance); `rules` and `recalibrate` have nothing that fails a run: 0.
     Usage errors the command line or a core function refuses never reach a report: they
     end as one line and exit 2 at the CLI's boundary. An unknown severity is a ValueError
     (the callers pass `Config.fail_on` and finding severities, both checked).
