@@ -508,6 +508,63 @@ def test_cli_max_gap_sets_exit_code(world):
     assert "labelled" in json.loads(unlabelled.stdout)["error"]
 
 
+def test_cli_findings_fail_only_when_fail_on_is_stated_and_every_configuration_option_applies(
+    world, tmp_path, monkeypatch
+):
+    # reset.safetensors carries BN002 (an error): context for the measurement, so it fails
+    # the run only when the user states a fail-on, on the command line or in the configuration
+    monkeypatch.chdir(tmp_path)
+    base = [
+        str(world["root"] / "reset.safetensors"),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(world["root"] / "val.safetensors"),
+        "--batch-size",
+        "16",
+        "--format",
+        "json",
+    ]
+    plain = _cli(*base)
+    assert plain.exit_code == 0, plain.output
+    assert "BN002" in {f["code"] for f in json.loads(plain.stdout)["findings"]}
+    (tmp_path / "pyproject.toml").write_text('[tool.bnaudit]\nfail-on = "info"\n')
+    assert _cli(*base).exit_code == 1
+    assert _cli(*base, "--exit-zero").exit_code == 0
+    assert _cli(*base, "--isolated").exit_code == 0  # the pyproject.toml is not read
+    assert _cli(*base, "--isolated", "--fail-on", "error").exit_code == 1
+    quiet = tmp_path / "ci.toml"
+    quiet.write_text('fail-on = "info"\nignore = ["BN"]\n')
+    named = _cli(*base, "--config", str(quiet))  # read instead of the pyproject.toml
+    assert named.exit_code == 0 and json.loads(named.stdout)["findings"] == []
+
+
+def test_cli_exit_zero_passes_a_gap_above_max_gap_but_not_a_usage_error(world):
+    base = [
+        str(world["root"] / "reset.safetensors"),
+        "--arch",
+        world["arch"],
+        "--data",
+        str(world["root"] / "val.safetensors"),
+        "--batch-size",
+        "16",
+    ]
+    assert _cli(*base, "--max-gap", "0.01", "--exit-zero").exit_code == 0
+    assert _cli(*base, "--max-gap", "5", "--exit-zero").exit_code == 2
+
+
+def test_exit_code_of_a_report_whose_max_gap_cannot_be_checked_is_2_not_an_exception(world):
+    # measure_gap refuses --max-gap on unlabelled data; a report built without it (the
+    # model-level API) and given a limit afterwards still answers with an exit code
+    runnable = load_runnable(str(world["root"] / "healthy.safetensors"), arch=world["arch"])
+    stream = make_loader(DataOptions(path=str(world["root"] / "unlabelled.safetensors"), batch_size=16))
+    report = measure_model_gap(runnable, stream)
+    assert report.gap is None
+    report.max_gap = 0.1
+    assert report.exit_code() == 2
+    assert report.exit_code(exit_zero=True) == 2
+
+
 def _assert_one_line_error(world, args: list[str], *fragments: str) -> None:
     table = _cli(*args)
     assert table.exit_code == 2, table.output

@@ -500,6 +500,25 @@ def test_cli_fail_on_counts_inspect_findings(world, cli, tmp_path):
     assert cli(*args, "--fail-on", "info").exit_code == 1
 
 
+def test_cli_fail_on_of_the_configuration_file_counts_and_the_configuration_options_apply(
+    world, cli, tmp_path, monkeypatch
+):
+    state = dict(world["models"]["net"].state_dict())
+    state["features.1.running_var"] = torch.full_like(state["features.1.running_var"], 1e-9)  # dead channels
+    save_file(state, tmp_path / "dead.safetensors")
+    args = ["invariance", str(tmp_path / "dead.safetensors"), "--arch", _arch(world, "net")]
+    args += ["--data", str(world["root"] / "val.safetensors"), "--num-samples", "32", "--batch-sizes", "1,8"]
+    monkeypatch.chdir(tmp_path)
+    assert cli(*args).exit_code == 0  # invariant; its findings fail only with a stated fail-on
+    (tmp_path / "pyproject.toml").write_text('[tool.bnaudit]\nfail-on = "info"\n')
+    assert cli(*args).exit_code == 1
+    assert cli(*args, "--isolated").exit_code == 0
+    quiet = tmp_path / "ci.toml"
+    quiet.write_text('fail-on = "info"\nignore = ["BN"]\n')
+    named = cli(*args, "--config", str(quiet), "--format", "json")
+    assert named.exit_code == 0 and json.loads(named.stdout)["findings"] == []
+
+
 @pytest.mark.parametrize(
     ("extra", "words"),
     [

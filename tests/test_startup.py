@@ -16,7 +16,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-import typer.core
 from conftest import REPO, bn_entries, save_torch
 from safetensors.numpy import save_file
 
@@ -145,20 +144,25 @@ def test_enum_option_value_selects_the_member(cli, numpy_safetensors):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("--eps", "abc"), "Invalid value for '--eps': Input should be a valid number"),
-        (("--format", "JSON"), "'JSON' is not one of 'table', 'json'"),
+        (("--eps", "abc"), "Invalid value for '--eps': expected a number"),
+        (("--format", "JSON"), "'JSON' is not one of 'table', 'json', 'sarif'"),
     ],
 )
-def test_values_the_fast_path_declines_get_typers_own_error(cli, numpy_safetensors, args, message, monkeypatch):
+def test_values_neither_path_converts_are_refused_in_our_words(cli, numpy_safetensors, args, message):
     result = cli("inspect", numpy_safetensors, *args)
     assert result.exit_code == 2
     if not fastcli.typer_is_tested_version():
-        return  # no fast path on this typer: nothing declined, and typer words its messages per version
+        return  # no fast path on this typer: typer words its messages per version
     assert message in result.output
-    fast = typer.core.build_runtime_param  # typer's own when BNAUDIT_PLAIN_TYPER is set
-    monkeypatch.setattr(typer.core, "build_runtime_param", getattr(fast, "__wrapped__", fast))
-    plain = cli("inspect", numpy_safetensors, *args)
-    assert (result.exit_code, result.output) == (plain.exit_code, plain.output)
+
+
+@pytest.mark.parametrize("text, value", [("1_0", 10.0), (" 1e-3", 1e-3)])
+def test_values_the_fast_path_declines_are_typers_to_convert(cli, numpy_safetensors, monkeypatch, text, value):
+    fast = cli("inspect", numpy_safetensors, "--format", "json", "--eps", text)
+    monkeypatch.setenv(fastcli.PLAIN_TYPER_ENV, "1")  # read when typer builds the command
+    plain = cli("inspect", numpy_safetensors, "--format", "json", "--eps", text)
+    assert fast.exit_code == plain.exit_code == 0, fast.output
+    assert json.loads(fast.stdout)["config"]["eps"] == json.loads(plain.stdout)["config"]["eps"] == value
 
 
 # --- the console prints names from files verbatim (markup off is also the faster path) --

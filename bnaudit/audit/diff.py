@@ -44,7 +44,7 @@ from bnaudit.audit.layerdiff import (
 from bnaudit.audit.layers import BNLayer, discover_layers, not_from_file
 from bnaudit.audit.rules import Finding, run_diff_rules
 from bnaudit.audit.settings import OPTIONS, statement
-from bnaudit.config import SEVERITIES, Config, severity_rank
+from bnaudit.config import SEVERITIES, Config, exit_code_for
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import Checkpoint, recalibration_record
 from bnaudit.formats.read import read_checkpoint
@@ -148,12 +148,12 @@ class DiffReport:
             lines.append("Every matched layer is bit-identical on both sides.")
         return lines
 
-    def exit_code(self, fail_on: str | None = None) -> int:
-        """1 if a finding is at or above fail_on (default: the configuration's), else 0.
+    def exit_code(self, fail_on: str | None = None, exit_zero: bool = False) -> int:
+        """1 if a finding is at or above fail_on (default: the configuration's), else 0;
+        0 with `exit_zero` (`bnaudit.config.exit_code_for`).
 
         An unreadable side is a BnauditError (exit 2 at the CLI), never a report."""
-        threshold = severity_rank(fail_on or self.config.fail_on)
-        return 1 if any(severity_rank(f.severity) >= threshold for f in self.findings) else 0
+        return exit_code_for((f.severity for f in self.findings), fail_on or self.config.fail_on, exit_zero=exit_zero)
 
 
 def _side(ckpt: Checkpoint, layers: list[BNLayer]) -> Side:

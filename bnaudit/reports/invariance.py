@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from bnaudit.audit.report import FileReport
 from bnaudit.audit.rules import Finding
 from bnaudit.audit.statistics import RELATIVE_DEVIATION
-from bnaudit.config import severity_rank
+from bnaudit.config import exit_code_for
 from bnaudit.text import listing, plural
 
 
@@ -109,18 +109,15 @@ class InvarianceReport:
                 return a.accuracy
         return None
 
-    def exit_code(self) -> int:
-        """1 when coupled, or when an inspect finding is at or above `fail_on`; 0 with
-        `exit_zero` or otherwise."""
-        if self.exit_zero:
-            return 0
-        if self.verdict == "coupled":
-            return 1
-        if self.fail_on is not None and any(
-            severity_rank(f.severity) >= severity_rank(self.fail_on) for f in self.findings
-        ):
-            return 1
-        return 0
+    def exit_code(self, exit_zero: bool = False) -> int:
+        """`bnaudit.config.exit_code_for`: 1 when coupled, or when an inspect finding is at or
+        above `fail_on`; 0 otherwise, or with `exit_zero` (the argument or the field)."""
+        return exit_code_for(
+            (f.severity for f in self.findings),
+            self.fail_on,
+            failed=self.verdict == "coupled",
+            exit_zero=exit_zero or self.exit_zero,
+        )
 
 
 def _pct(x: float | None) -> str:

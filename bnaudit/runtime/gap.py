@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from bnaudit.audit.audit import audit_checkpoint
-from bnaudit.config import Config
+from bnaudit.config import Config, measurement_fail_on
 from bnaudit.errors import BnauditError
 from bnaudit.reports.gap import NEEDS_LABELS, GapReport, LayerDrift, check_max_gap, diagnose
 from bnaudit.runtime.attribution import (
@@ -556,11 +556,14 @@ def measure_gap(
     progress: Callable[[int, int], None] | None = None,
     max_gap: float | None = None,
     strict: bool = False,
+    fail_on: str | None = None,
 ) -> GapReport:
     """Load the model and the data (`options`: a `bnaudit.DataOptions`) and measure the gap
     (see the module docstring). `config` (None: the defaults) decides which inspect findings
-    the report carries; `max_gap` and `strict` (a gap that is not significant fails too)
-    are stored on the report for `GapReport.exit_code`.
+    the report carries; `max_gap`, `strict` (a gap that is not significant fails too) and
+    `fail_on` (the inspect findings at or above it fail the run; None: the configuration
+    file's fail-on, if it states one, `bnaudit.config.measurement_fail_on`) are stored on
+    the report for `GapReport.exit_code`.
 
     Under torchrun (WORLD_SIZE > 1) it joins the process group for the measurement (gloo
     on the CPU, nccl with one GPU per rank for CUDA); each rank scores its share of whole
@@ -571,6 +574,7 @@ def measure_gap(
     ...                     arch="mypkg.models:net").gap                    # doctest: +SKIP
     """
     check_max_gap(max_gap)
+    threshold = measurement_fail_on(config, fail_on)
     target = resolve_device(device)
     options.validate()
     if options.batch_size < 2:  # before the model loads: the cheapest refusal first
@@ -584,6 +588,7 @@ def measure_gap(
         report = measure_model_gap(runnable, stream, device_for_rank(target), forward_fn, config, progress)
     report.max_gap = max_gap
     report.strict = strict
+    report.fail_on = threshold
     if max_gap is not None and report.gap is not None and report.gap > max_gap and not report.gap_significant:
         verdict = "fails with --strict" if strict else "passes (--strict would fail it)"
         report.diagnosis.append(

@@ -70,7 +70,7 @@ import torch
 
 from bnaudit.audit.audit import audit_checkpoint
 from bnaudit.audit.report import FileReport
-from bnaudit.config import Config
+from bnaudit.config import Config, measurement_fail_on
 from bnaudit.errors import BnauditError
 from bnaudit.reports.invariance import ArrangementResult, CouplingSite, InvarianceReport, diagnose
 from bnaudit.runtime.arrangements import (
@@ -566,8 +566,9 @@ def measure_invariance(
 ) -> InvarianceReport:
     """Load the model and the data (`options`: a `bnaudit.DataOptions`; `num_samples`
     None reads 256) and measure whether outputs depend on their batch companions (module
-    docstring). `batch_sizes` default to [1, options.batch_size]; `fail_on` and
-    `exit_zero` are stored for `InvarianceReport.exit_code`. Under torchrun (WORLD_SIZE >
+    docstring). `batch_sizes` default to [1, options.batch_size]; `fail_on` (None: the
+    configuration file's fail-on, if it states one; `bnaudit.config.measurement_fail_on`)
+    and `exit_zero` are stored for `InvarianceReport.exit_code`. Under torchrun (WORLD_SIZE >
     1) it joins the process group and every rank returns the same report (module
     docstring).
 
@@ -575,6 +576,7 @@ def measure_invariance(
     >>> bnaudit.measure_invariance("model.pt", bnaudit.DataOptions(path="val.safetensors"),
     ...                            arch="mypkg.models:net").verdict         # doctest: +SKIP
     """
+    threshold = measurement_fail_on(config, fail_on)
     target = resolve_device(device)
     if options.num_samples is None:
         options = replace(options, num_samples=DEFAULT_NUM_SAMPLES)
@@ -587,6 +589,6 @@ def measure_invariance(
         report = measure_model_invariance(
             runnable, stream, device_for_rank(target), forward_fn, config, progress, sizes
         )
-    report.fail_on = fail_on
+    report.fail_on = threshold
     report.exit_zero = exit_zero
     return report
