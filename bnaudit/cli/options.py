@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
+from bnaudit.severity import Severity
+
 if TYPE_CHECKING:
     from bnaudit.runtime.data import DataOptions
 
@@ -21,12 +23,6 @@ class InspectFormat(str, Enum):
     table = "table"
     json = "json"
     sarif = "sarif"
-
-
-class Severity(str, Enum):
-    error = "error"
-    warning = "warning"
-    info = "info"
 
 
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")]
