@@ -1,0 +1,148 @@
+"""`bnaudit diff`: the BatchNorm state of two checkpoints, or of a checkpoint and its ONNX export."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from bnaudit import output
+from bnaudit.cli.boundary import user_errors
+from bnaudit.cli.options import (
+    ArchKwargsOpt,
+    BatchSizeOpt,
+    DebugOpt,
+    InspectFormat,
+    NumSamplesOpt,
+    Severity,
+    code_list,
+    data_options,
+)
+from bnaudit.errors import BnauditError
+
+
+def diff_command(
+    path_a: Annotated[str, typer.Argument(metavar="A", help="The checkpoint before (e.g. pretrained.pt).")],
+    path_b: Annotated[str, typer.Argument(metavar="B", help="The checkpoint after (e.g. finetuned.ckpt).")],
+    key_a: Annotated[
+        Optional[str], typer.Option("--key-a", metavar="KEY", help="Container key of A's state dict (e.g. state_dict).")
+    ] = None,
+    key_b: Annotated[
+        Optional[str],
+        typer.Option("--key-b", metavar="KEY", help="Container key of B's state dict (e.g. state_dict_ema)."),
+    ] = None,
+    expect_frozen: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--expect-frozen",
+            metavar="GLOB",
+            help="Layers (name glob, repeatable) that must not change: anything that moved is an error.",
+        ),
+    ] = None,
+    expect_trained: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--expect-trained",
+            metavar="GLOB",
+            help="Layers (name glob, repeatable) whose weights must change: bit-identical weights are an error.",
+        ),
+    ] = None,
+    output_format: Annotated[
+        InspectFormat, typer.Option("--format", "-f", help="Report format (sarif: SARIF 2.1.0 for code scanning).")
+    ] = InspectFormat.table,
+    fail_on: Annotated[
+        Optional[Severity],
+        typer.Option(
+            help="Exit 1 when a finding is at or above this severity (default: warning, or fail-on from the configuration)."
+        ),
+    ] = None,
+    exit_zero: Annotated[
+        bool, typer.Option("--exit-zero", help="Exit 0 even when findings are at or above --fail-on.")
+    ] = False,
+    select: Annotated[
+        Optional[list[str]],
+        typer.Option(metavar="CODES", help="Run only these rules (codes or prefixes, e.g. BN101,BN104)."),
+    ] = None,
+    ignore: Annotated[
+        Optional[list[str]], typer.Option(metavar="CODES", help="Do not report these rules (codes or prefixes).")
+    ] = None,
+    config_file: Annotated[
+        Optional[str],
+        typer.Option(
+            "--config",
+            metavar="PATH",
+            help="Read this configuration file instead of the nearest bnaudit.toml / pyproject.toml [tool.bnaudit].",
+        ),
+    ] = None,
+    isolated: Annotated[bool, typer.Option("--isolated", help="Read no configuration file.")] = False,
+    eps: Annotated[
+        Optional[float],
+        typer.Option(metavar="EPS", help="BN eps where a file holds no modules (default 1e-5): scales the mean shift."),
+    ] = None,
+    trust_pickle: Annotated[
+        bool,
+        typer.Option(
+            "--trust-pickle", help="Unpickle arbitrary classes: runs code from the files. Only for files you trust."
+        ),
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the summary line and errors.")] = False,
+    debug: DebugOpt = False,
+    arch: Annotated[
+        Optional[str],
+        typer.Option(
+            "--arch",
+            metavar="MODULE:CALLABLE",
+            help="A checkpoint against its ONNX export: the model (folded layers paired through its graph, its real eps).",
+        ),
+    ] = None,
+    arch_kwargs: ArchKwargsOpt = None,
+    data: Annotated[
+        Optional[str],
+        typer.Option(
+            "--data",
+            metavar="PATH",
+            help="With --arch, a checkpoint against its ONNX export: run both (torch eval, onnxruntime CPU) on this data and compare the outputs.",
+        ),
+    ] = None,
+    batch_size: BatchSizeOpt = 64,
+    num_samples: NumSamplesOpt = None,
+) -> None:
+    """Compare the BatchNorm state of two checkpoints: frozen layers that kept updating,
+    averaged weights with stale statistics, double-counted batches; or a checkpoint with its
+    ONNX export (nodes, folding, and with --arch and --data the outputs)."""
+    from bnaudit.audit.diff import diff as run_diff
+    from bnaudit.audit.rules import RULES
+    from bnaudit.config import load_config
+
+    with user_errors(debug, output_format is InspectFormat.json):
+        overrides = {
+            "--fail-on": fail_on.value if fail_on else None,
+            "--eps": eps,
+            "--select": code_list(select),
+            "--ignore": code_list(ignore),
+            "--expect-frozen": expect_frozen or None,
+            "--expect-trained": expect_trained or None,
+        }
+        config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=RULES)
+        if data is not None and arch is None:
+            raise BnauditError("--data needs --arch (the model to run the checkpoint with)")
+        if arch is not None or arch_kwargs is not None:
+            if arch is None:
+                raise BnauditError("--arch-kwargs needs --arch")
+            from bnaudit.formats.sniff import sniff_format
+            from bnaudit.runtime.exportparity import diff_export
+
+            if sniff_format(path_b) != "onnx":
+                raise BnauditError(f"--arch applies to a checkpoint against its ONNX export: {path_b} is not ONNX")
+            options = None
+            if data is not None:
+                options = data_options(data, None, batch_size, num_samples, 0, True, 0, None, False, None, None, False)
+            report = diff_export(
+                path_a, path_b, config, arch, arch_kwargs, options, key=key_a, trust_pickle=trust_pickle
+            )
+        else:
+            report = run_diff(path_a, path_b, config, key_a=key_a, key_b=key_b, trust_pickle=trust_pickle)
+        output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+    code = report.exit_code()
+    raise typer.Exit(0 if exit_zero and code == 1 else code)
