@@ -1,4 +1,5 @@
-"""norms.py is the one answer to "which modules are BatchNorm" and to the batch-joining rule."""
+"""norms.py is the one answer to "which modules are BatchNorm" and to switching them to batch
+statistics and back."""
 
 from __future__ import annotations
 
@@ -6,15 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from bnaudit.runtime.data import batch_indices
-from bnaudit.runtime.distributed import shard_batches
 from bnaudit.runtime.norms import (
     batchnorm_modules,
     classify_layers,
-    concat_batches,
     is_batchnorm,
-    merge_trailing_singleton,
-    merge_trailing_singleton_plan,
     norm_modules,
 )
 
@@ -80,58 +76,3 @@ def test_torchscript_gets_the_same_answers_from_the_class_names_it_keeps() -> No
         ("2", "not BatchNorm, left alone"),
         ("3", "frozen statistics, left alone"),
     ]
-
-
-@pytest.mark.parametrize(
-    ("sizes", "expected"),
-    [
-        ([3, 3, 1], [3, 4]),
-        ([3, 1, 3, 1], [3, 1, 4]),
-        ([1], [1]),
-        ([2, 2], [2, 2]),
-        ([1, 1, 1], [1, 2]),
-        ([], []),
-    ],
-)
-def test_a_last_batch_of_one_joins_the_previous_one_in_streams_and_plans(sizes: list[int], expected: list[int]) -> None:
-    tensors = [torch.full((n, 2), float(i)) for i, n in enumerate(sizes)]
-    merged = list(merge_trailing_singleton(tensors))
-    assert [len(b) for b in merged] == expected
-    assert torch.equal(
-        torch.cat(merged) if merged else torch.empty(0), torch.cat(tensors) if tensors else torch.empty(0)
-    )
-    start = 0
-    plan = []
-    for n in sizes:
-        plan.append(list(range(start, start + n)))
-        start += n
-    assert [len(b) for b in merge_trailing_singleton_plan(plan)] == expected
-    assert [i for b in merge_trailing_singleton_plan(plan) for i in b] == list(range(start))
-
-
-def test_data_plans_join_a_last_batch_of_one_and_rank_shards_keep_whole_batches() -> None:
-    # 9 samples in batches of 4: 4, 4, 1 -> 4, 5
-    assert [len(b) for b in batch_indices(9, 4, shuffle=False)] == [4, 5]
-    # 21 samples in batches of 4: 4, 4, 4, 4, 5; two ranks take 3 and 2 whole batches
-    plan = batch_indices(21, 4, shuffle=False)
-    assert shard_batches(plan, 0, 2) == (0, plan[:3])
-    assert shard_batches(plan, 1, 2) == (3, plan[3:])
-    for world in (1, 2, 3, 4, 7):
-        shards = [shard_batches(plan, rank, world) for rank in range(world)]
-        # the plan's own batches, each on exactly one rank, in order, numbered as in the plan
-        assert [b for _, batches in shards for b in batches] == plan
-        assert all(plan[first : first + len(batches)] == batches for first, batches in shards)
-        sizes = [len(batches) for _, batches in shards]
-        assert max(sizes) - min(sizes) <= 1 and sizes[0] >= 1
-    # more ranks than batches: the last ranks have none
-    assert [len(shard_batches(plan, rank, 7)[1]) for rank in range(7)] == [1, 1, 1, 1, 1, 0, 0]
-
-
-def test_concat_batches_keeps_every_sample_of_both_halves() -> None:
-    a = {"x": torch.zeros(2, 3), "names": ["a0", "a1"], "pair": (torch.zeros(2), torch.ones(2))}
-    b = {"x": torch.ones(1, 3), "names": ["b0"], "pair": (torch.zeros(1), torch.ones(1))}
-    joined = concat_batches(a, b)
-    assert joined["x"].shape == (3, 3) and joined["x"][2].tolist() == [1, 1, 1]
-    assert joined["names"] == ["a0", "a1", "b0"]
-    assert [t.shape[0] for t in joined["pair"]] == [3, 3]
-    assert concat_batches(object(), object()) is None  # unknown: left to the producer
