@@ -134,9 +134,10 @@ def _measure_and_emit(
 
     Under torchrun every rank measures its share and holds the same report, so exit codes
     agree; rank 0 alone prints it (the runner says which process prints), errors included in
-    JSON. Errors are said inside the runner's block, before the ranks wait for each other: torchrun stops the other ranks as soon as one exits.
-    The exit code is asked before the report is printed: a report may find its own options
-    wrong (gap's --max-gap without labels is an error, exit 2).
+    JSON. Errors are said inside the runner's block, before the ranks wait for each other:
+    torchrun stops the other ranks as soon as one exits. The exit code is asked before the
+    report is printed: a report may find its own options wrong (gap's --max-gap without
+    labels is an error, exit 2).
     """
     from bnaudit.audit.rules import RULES
     from bnaudit.config import load_config

@@ -42,14 +42,15 @@ Accuracies carry 95% Wilson intervals and the gap Newcombe's interval
 (`bnaudit.runtime.confidence`); a gap whose interval contains 0 is "not significant".
 
 Under torchrun (`bnaudit.runtime.distributed`) every rank plans the same batches from the
-seed and scores a contiguous block of WHOLE batches (`batching.BatchPlan.shard`): a train-mode output depends on which
-samples share its batch, so the ranks must run exactly the single process's batches. The
-ranks then combine what a single process accumulates: the sample, label, correct (both
-modes), agreement and non-finite counts and the batch and skipped counts are summed
-(exact integers); the divergence sums are added in rank order (float64 rounding); every
-BN layer's and the input's per-channel (count, mean, M2) are Chan-merged
-(`stats.all_gather_merge`: float64 rounding), an InstanceNorm's sums added in rank order. Every rank then builds the same report, so
-accuracy, gap and agreement equal a single process's exactly and exit codes agree.
+seed and scores a contiguous block of WHOLE batches (`batching.BatchPlan.shard`): a
+train-mode output depends on which samples share its batch, so the ranks must run exactly
+the single process's batches. The ranks then combine what a single process accumulates:
+the sample, label, correct (both modes), agreement and non-finite counts and the batch
+and skipped counts are summed (exact integers); the divergence sums are added in rank
+order (float64 rounding); every BN layer's and the input's per-channel (count, mean, M2)
+are Chan-merged (`stats.all_gather_merge`: float64 rounding), an InstanceNorm's sums
+added in rank order. Every rank then builds the same report, so accuracy, gap and
+agreement equal a single process's exactly and exit codes agree.
 """
 
 from __future__ import annotations
