@@ -75,14 +75,14 @@ def expected_numbers(a: dict, b: dict, name: str) -> dict:
     return {
         "weight_change": ((wb - wa).abs().max() / scale).item(),
         "bias_change": ((bb - ba).abs().max() / scale).item(),
-        "mean_shift": ((mb - ma).abs() / (va + EPS).sqrt()).max().item(),
-        "var_log_ratio": ((vb + EPS) / (va + EPS)).log().abs().max().item(),
+        "max_mean_shift": ((mb - ma).abs() / (va + EPS).sqrt()).max().item(),
+        "max_var_log_ratio": ((vb + EPS) / (va + EPS)).log().abs().max().item(),
         "batches": int(b[f"{name}.num_batches_tracked"]) - int(a[f"{name}.num_batches_tracked"]),
     }
 
 
 def assert_numbers(d, expected: dict) -> None:
-    for key in ("weight_change", "bias_change", "mean_shift", "var_log_ratio"):
+    for key in ("weight_change", "bias_change", "max_mean_shift", "max_var_log_ratio"):
         assert getattr(d, key) == pytest.approx(expected[key], rel=1e-9, abs=1e-15), key
     assert d.batches_change == expected["batches"]
 
@@ -112,7 +112,7 @@ def test_requires_grad_false_in_train_mode_is_frozen_but_updating(frozen_pair):
         assert torch.equal(sa[f"{name}.weight"], sb[f"{name}.weight"])  # the test's premise
         assert d.verdict == "frozen but updating" and d.params_identical and not d.stats_identical
         assert_numbers(d, expected_numbers(sa, sb, name))
-        assert d.batches_change == 20 and d.mean_shift > 0
+        assert d.batches_change == 20 and d.max_mean_shift > 0
     assert layers["head.2"].verdict == "trained"
     assert_numbers(layers["head.2"], expected_numbers(sa, sb, "head.2"))
     found = {(f.code, f.severity, f.layer) for f in report.findings}
@@ -307,7 +307,9 @@ def test_json_document(frozen_pair, cli):
         "b": int(sb["features.1.num_batches_tracked"]),
         "change": 20,
     }
-    assert layer["mean_shift"] == pytest.approx(expected_numbers(sa, sb, "features.1")["mean_shift"], rel=1e-12)
+    expected = expected_numbers(sa, sb, "features.1")
+    assert layer["max_mean_shift"] == pytest.approx(expected["max_mean_shift"], rel=1e-12)
+    assert layer["max_var_log_ratio"] == pytest.approx(expected["max_var_log_ratio"], rel=1e-12)
     assert doc["groups"] == {"frozen but updating": "features.*", "trained": "head.*"}
     assert doc["summary"]["frozen_but_updating"] == 2 and doc["summary"]["warnings"] == 2
     assert [f["code"] for f in doc["findings"]] == ["BN101", "BN101"]

@@ -17,7 +17,7 @@ from conftest import train_classifier
 from safetensors.torch import save_file
 
 from bnaudit.errors import BnauditError
-from bnaudit.runtime import invariance
+from bnaudit.runtime import arrangements, invariance
 from bnaudit.runtime.data import DataOptions, make_loader
 from bnaudit.runtime.invariance import (
     FLOOR,
@@ -254,7 +254,7 @@ def test_arrangements_cut_natural_and_seeded_orders_into_whole_batches():
 
 def test_shares_of_whole_batches_sum_to_the_single_run(world, monkeypatch):
     # what a split across processes relies on: each rank's share of whole batches (as
-    # runtime.distributed.shard_batches deals them) fills its rows, zeros elsewhere, and the
+    # runtime.batching.BatchPlan.shard deals them) fills its rows, zeros elsewhere, and the
     # shares add up to one run's outputs exactly; the combining across ranks is left out
     # (one process: combine_rows passes a rank's rows through)
     runnable = load_runnable(str(world["root"] / "untracked_net.safetensors"), arch=_arch(world, "untracked_net"))
@@ -300,7 +300,7 @@ def test_kernel_noise_flagged_by_a_zero_screen_is_cleared_in_float64(world, monk
     # With no screen every sample that differs in float32 at all is re-scored in float64:
     # kernel-order noise must vanish there (a deviation far below the floor), and the
     # verdict stays invariant. The float32 run really differs somewhere (checked).
-    monkeypatch.setattr(invariance, "SCREEN_EPS", 0)
+    monkeypatch.setattr(arrangements, "SCREEN_EPS", 0)
     report = _measure(world, "net")
     assert report.max_deviation > 0
     assert report.flagged > 0 and report.float64

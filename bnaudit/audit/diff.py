@@ -18,7 +18,6 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from bnaudit.audit.exportdiff import (
     ExportCheck,
@@ -65,8 +64,6 @@ class Side:
 
 @dataclass
 class DiffReport:
-    kind: ClassVar[str] = "diff"  # which emitter of bnaudit.output renders it
-
     a: Side
     b: Side
     config: Config

@@ -12,10 +12,10 @@ Definitions (side A is "before", side B "after"; every maximum runs over channel
   weight change    max_c |gamma_b,c - gamma_a,c| / s           (dimensionless)
   bias change      max_c |beta_b,c - beta_a,c| / s             (dimensionless: beta moves
                    the output by that many units of the layer's scale)
-  mean shift       max_c |mu_b,c - mu_a,c| / sqrt(var_a,c + eps)   (in standard
-                   deviations of side A's statistics)
-  var log-ratio    max_c |ln((var_b,c + eps) / (var_a,c + eps))|   (natural log; 0.69 is
-                   a factor 2 in either direction)
+  max_mean_shift, max_var_log_ratio
+                   as `bnaudit.audit.statistics` defines them, B's running statistics
+                   compared against A's (the maxima over channels: one channel that
+                   moved is what a diff looks for)
   batches change   num_batches_tracked_b - num_batches_tracked_a (None when either side
                    has no counter)
 
@@ -34,6 +34,7 @@ from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
 from bnaudit.audit.layers import BNLayer
+from bnaudit.audit.statistics import channel_log_var_ratio, channel_shift
 from bnaudit.config import Config
 
 if TYPE_CHECKING:  # the export check's modules are needed only when one side is an export
@@ -86,30 +87,22 @@ def max_abs_change(a: list[float] | None, b: list[float] | None, scale: float) -
     return max(abs(y - x) for x, y in zip(a, b)) / scale
 
 
-def mean_shift(a: BNLayer, b: BNLayer) -> float | None:
-    """max_c |mu_b,c - mu_a,c| / sqrt(var_a,c + eps_a): in side A's standard deviations."""
+def max_mean_shift(a: BNLayer, b: BNLayer) -> float | None:
+    """max_mean_shift (`bnaudit.audit.statistics`) of B's statistics against A's, with A's
+    eps; NaN when any channel's shift is (a negative or NaN variance, a NaN mean)."""
     if a.num_features != b.num_features or not a.num_features:
         return None
-    worst = 0.0
-    for ma, mb, va in zip(a.running_mean, b.running_mean, a.running_var):
-        denominator = va + a.eps
-        if not (denominator > 0) or math.isnan(ma) or math.isnan(mb):
-            return math.nan  # a negative or NaN variance: the shift has no meaning
-        worst = max(worst, abs(mb - ma) / math.sqrt(denominator))
-    return worst
+    shifts = [channel_shift(mb, ma, va, a.eps) for ma, mb, va in zip(a.running_mean, b.running_mean, a.running_var)]
+    return math.nan if any(math.isnan(x) for x in shifts) else max(shifts)
 
 
-def var_log_ratio(a: BNLayer, b: BNLayer) -> float | None:
-    """max_c |ln((var_b,c + eps_a) / (var_a,c + eps_a))| (natural log)."""
+def max_var_log_ratio(a: BNLayer, b: BNLayer) -> float | None:
+    """max_var_log_ratio (`bnaudit.audit.statistics`) of B's variances against A's, with
+    A's eps; NaN when any channel's ratio is."""
     if a.num_features != b.num_features or not a.num_features:
         return None
-    worst = 0.0
-    for va, vb in zip(a.running_var, b.running_var):
-        da, db = va + a.eps, vb + a.eps
-        if not (da > 0 and db > 0) or math.isinf(da) or math.isinf(db):
-            return math.nan
-        worst = max(worst, abs(math.log(db / da)))
-    return worst
+    ratios = [channel_log_var_ratio(vb, va, a.eps) for va, vb in zip(a.running_var, b.running_var)]
+    return math.nan if any(math.isnan(x) for x in ratios) else max(ratios)
 
 
 @dataclass(frozen=True)
@@ -127,8 +120,8 @@ class LayerDiff:
     num_features: int
     weight_change: float | None
     bias_change: float | None
-    mean_shift: float | None
-    var_log_ratio: float | None
+    max_mean_shift: float | None
+    max_var_log_ratio: float | None
     batches_a: int | None
     batches_b: int | None
     weight_identical: bool
@@ -220,8 +213,8 @@ def compare_layers(a: BNLayer, b: BNLayer, recalibrated: bool = False, counter_m
         num_features=a.num_features,
         weight_change=max_abs_change(a.weight, b.weight, scale),
         bias_change=max_abs_change(a.bias, b.bias, scale),
-        mean_shift=mean_shift(a, b),
-        var_log_ratio=var_log_ratio(a, b),
+        max_mean_shift=max_mean_shift(a, b),
+        max_var_log_ratio=max_var_log_ratio(a, b),
         batches_a=a.num_batches_tracked,
         batches_b=b.num_batches_tracked,
         weight_identical=same["weight"],

@@ -11,7 +11,6 @@ files skipped as not model weights never count.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.rules import Finding, eval_gain, near_eps_channels
@@ -102,8 +101,6 @@ class FileReport:
 
 @dataclass
 class InspectReport:
-    kind: ClassVar[str] = "inspect"  # which emitter of bnaudit.output renders it
-
     files: list[FileReport]
     config: Config
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from bnaudit.audit import layerdiff
 from bnaudit.audit.layerdiff import DiffContext, LayerDiff, describe_group, matches
 from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
+from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO
 from bnaudit.config import Config
 from bnaudit.text import listing, plural
 
@@ -759,10 +760,10 @@ def run_diff_rules(ctx: DiffContext) -> list[Finding]:
 
 def _numbers_of(d: LayerDiff) -> str:
     parts = []
-    if d.mean_shift is not None:
-        parts.append(f"mean shift {_fmt(d.mean_shift)}")
-    if d.var_log_ratio is not None:
-        parts.append(f"var log-ratio {_fmt(d.var_log_ratio)}")
+    if d.max_mean_shift is not None:
+        parts.append(f"{MAX_MEAN_SHIFT.column} {_fmt(d.max_mean_shift)}")
+    if d.max_var_log_ratio is not None:
+        parts.append(f"{MAX_VAR_LOG_RATIO.column} {_fmt(d.max_var_log_ratio)}")
     return ", ".join(parts)
 
 
@@ -1005,7 +1006,7 @@ def _eps_words(eps: float, assumed: bool) -> str:
     "EMA copy, an edited graph. Error; warning when the only difference is that the export stores the values "
     "in a narrower type (float16, bfloat16: each value is the checkpoint's rounded), which costs precision "
     "(about 1e-3 relative for float16) but not correctness. The diff table shows these layers with the verdict "
-    "'differs from checkpoint' and the usual mean shift and var log-ratio (bnaudit.audit.layerdiff); BN101-BN104, "
+    "'differs from checkpoint' and the usual max shift and max var log-ratio (bnaudit.audit.statistics); BN101-BN104, "
     "which read training between two checkpoints, stay silent for an export.",
     "Export again from the model with the checkpoint loaded (`model.load_state_dict(...)`, `model.eval()`), "
     "and keep the statistics in float32.",

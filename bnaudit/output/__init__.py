@@ -7,10 +7,11 @@
     render_rules(stream, code)         `bnaudit rules` and `bnaudit rules CODE`
     progress(description, stream)      a progress bar while gap or recalibrate runs
 
-A report says which emitter renders it with its `kind` ("inspect", "gap", "invariance",
-"recalibrate", "diff"),
-so this package never imports the torch-heavy modules that build gap and recalibrate
-reports: `--help`, `rules` and `inspect` of a safetensors file stay torch-free.
+The emitters are chosen by the report's type (`formats_of`, `table.render`,
+`json.to_json`, `sarif.to_sarif`). The records live in torch-free modules
+(`bnaudit.audit` for inspect and diff, `bnaudit.reports` for gap, invariance and
+recalibrate), so this package never imports the torch-heavy modules that measure:
+`--help`, `rules` and `inspect` of a safetensors file stay torch-free.
 
 Strings from files and models (names, paths, messages, model descriptions) are untrusted:
 the table renderers pass each through `bnaudit.text.printable` where they draw it, and the
@@ -24,18 +25,41 @@ from __future__ import annotations
 import contextlib
 import json as jsonlib  # not `json`: importing the submodule output.json rebinds that name here
 from collections.abc import Callable, Iterator
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from bnaudit.errors import OutputClosed
 from bnaudit.text import printable
 
-FORMATS: dict[str, tuple[str, ...]] = {
-    "inspect": ("table", "json", "sarif"),
-    "gap": ("table", "json"),
-    "invariance": ("table", "json"),
-    "recalibrate": ("table", "json"),
-    "diff": ("table", "json", "sarif"),
-}
+if TYPE_CHECKING:
+    from bnaudit.audit.diff import DiffReport
+    from bnaudit.audit.report import InspectReport
+    from bnaudit.reports.gap import GapReport
+    from bnaudit.reports.invariance import InvarianceReport
+    from bnaudit.reports.recalibrate import RecalibrationReport
+
+    Report = InspectReport | DiffReport | GapReport | InvarianceReport | RecalibrationReport
+
+
+def formats_of(report: object) -> tuple[str, ...]:
+    """The formats `report`'s type has emitters for: inspect and diff reports table, JSON
+    and SARIF (findings at locations); the measurements table and JSON; anything else none.
+    Each record module is imported only when the types before it did not match (see
+    `bnaudit.output.table.render`)."""
+    from bnaudit.audit.report import InspectReport
+
+    if isinstance(report, InspectReport):
+        return ("table", "json", "sarif")
+    from bnaudit.audit.diff import DiffReport
+
+    if isinstance(report, DiffReport):
+        return ("table", "json", "sarif")
+    from bnaudit.reports.gap import GapReport
+    from bnaudit.reports.invariance import InvarianceReport
+    from bnaudit.reports.recalibrate import RecalibrationReport
+
+    if isinstance(report, (GapReport, InvarianceReport, RecalibrationReport)):
+        return ("table", "json")
+    return ()
 
 
 def console(stream: IO[str], width: int | None = None) -> Any:
@@ -57,50 +81,36 @@ def _reader_left() -> None:
 
 
 def emit(
-    report: Any, fmt: str, stream: IO[str], *, quiet: bool = False, width: int | None = None, all_layers: bool = False
+    report: Report,
+    fmt: str,
+    stream: IO[str],
+    *,
+    quiet: bool = False,
+    width: int | None = None,
+    all_layers: bool = False,
 ) -> None:
     """Write `report` to `stream` in `fmt`; `quiet` and `width` apply to tables only, and
     `all_layers` (inspect's --layers: a layer table for every file) to inspect's table."""
-    kind = str(getattr(report, "kind", ""))
-    if fmt not in FORMATS.get(kind, ()):
-        raise ValueError(f"no {fmt!r} emitter for a {kind!r} report")  # a bug in the caller
+    if fmt not in formats_of(report):
+        raise ValueError(f"no {fmt!r} emitter for a {type(report).__name__} report")  # a bug in the caller
     if fmt == "table":
-        from bnaudit.output import table
+        from bnaudit.output.table import render
 
-        if kind == "inspect":
-            table.render_inspect(report, console(stream, width), quiet=quiet, all_layers=all_layers)
-            return
-        renderers = {
-            "gap": table.render_gap,
-            "invariance": table.render_invariance,
-            "recalibrate": table.render_recalibrate,
-            "diff": table.render_diff,
-        }
-        renderers[kind](report, console(stream, width), quiet=quiet)
+        render(report, console(stream, width), quiet=quiet, all_layers=all_layers)
         return
-    document = _document(report, fmt)
+    if fmt == "sarif":
+        from bnaudit.output.sarif import to_sarif
+
+        document = to_sarif(report)
+    else:
+        from bnaudit.output.json import to_json
+
+        document = to_json(report)
     try:
         stream.write(jsonlib.dumps(document, indent=2, allow_nan=False) + "\n")
         stream.flush()
     except BrokenPipeError:
         raise OutputClosed() from None
-
-
-def _document(report: Any, fmt: str) -> dict[str, Any]:
-    if fmt == "sarif":
-        from bnaudit.output.sarif import diff_to_sarif, inspect_to_sarif
-
-        return diff_to_sarif(report) if report.kind == "diff" else inspect_to_sarif(report)
-    from bnaudit.output import json as documents
-
-    builders = {
-        "inspect": documents.inspect_to_json,
-        "gap": documents.gap_to_json,
-        "invariance": documents.invariance_to_json,
-        "recalibrate": documents.recalibrate_to_json,
-        "diff": documents.diff_to_json,
-    }
-    return builders[report.kind](report)
 
 
 def _line(stream: IO[str], text: str) -> None:
@@ -132,18 +142,24 @@ def emit_interrupted(stream: IO[str]) -> None:
     _line(stream, "bnaudit: interrupted")
 
 
-def emit_diagnostics(report: Any, stream: IO[str], fmt: str = "table") -> None:
+def emit_diagnostics(report: Report, stream: IO[str], fmt: str = "table") -> None:
     """What a report has to say besides itself, one line each: the files inspect could
     not read and recalibrate's warnings.
 
     An unreadable file is said once: with a table, here (the table marks the file
     `unreadable`, and stderr is where a hook's log and a terminal show errors); with JSON
     or SARIF, in the document only (`files[].error`, a notification)."""
-    if report.kind == "inspect" and fmt == "table":
-        for file in report.files:
-            if file.error:
-                emit_error(f"{file.path}: {file.error}", stream)
-    elif report.kind == "recalibrate":
+    from bnaudit.audit.report import InspectReport
+
+    if isinstance(report, InspectReport):
+        if fmt == "table":
+            for file in report.files:
+                if file.error:
+                    emit_error(f"{file.path}: {file.error}", stream)
+        return
+    from bnaudit.reports.recalibrate import RecalibrationReport
+
+    if isinstance(report, RecalibrationReport):
         for message in report.warnings:
             emit_warning(message, stream)
 
@@ -159,9 +175,9 @@ def render_rules(
         stream.write(explain_rule(find_rule(code), overrides=overrides))
         stream.flush()
         return
-    from bnaudit.output import table
+    from bnaudit.output.table.rules import render_rules as render_table
 
-    table.render_rules(console(stream, width), overrides)
+    render_table(console(stream, width), overrides)
 
 
 @contextlib.contextmanager

@@ -7,11 +7,44 @@ state dict); the encoder escapes their control characters.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bnaudit import __version__
 from bnaudit.audit.report import InspectReport
 from bnaudit.audit.rules import Finding
+from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO, MEAN_SHIFT, VAR_LOG_RATIO, Drift
+
+if TYPE_CHECKING:
+    from bnaudit.audit.diff import DiffReport, Side
+    from bnaudit.audit.exportdiff import ExportCheck
+    from bnaudit.output import Report
+    from bnaudit.reports.gap import GapReport, LayerDrift
+    from bnaudit.reports.invariance import InvarianceReport
+    from bnaudit.reports.recalibrate import RecalibrationReport
+
+
+def to_json(report: Report) -> dict[str, Any]:
+    """The `--format json` document of `report`, chosen by its type (the record modules
+    imported only as far as the check needs, as in `bnaudit.output.table.render`)."""
+    if isinstance(report, InspectReport):
+        return inspect_to_json(report)
+    from bnaudit.audit.diff import DiffReport
+
+    if isinstance(report, DiffReport):
+        return diff_to_json(report)
+    from bnaudit.reports.gap import GapReport
+
+    if isinstance(report, GapReport):
+        return gap_to_json(report)
+    from bnaudit.reports.invariance import InvarianceReport
+
+    if isinstance(report, InvarianceReport):
+        return invariance_to_json(report)
+    from bnaudit.reports.recalibrate import RecalibrationReport
+
+    if isinstance(report, RecalibrationReport):
+        return recalibrate_to_json(report)
+    raise ValueError(f"no 'json' emitter for a {type(report).__name__} report")
 
 
 def json_number(x: Any) -> Any:
@@ -76,7 +109,7 @@ def inspect_to_json(report: InspectReport) -> dict[str, Any]:
     return {"version": __version__, "config": report.config.as_dict(), "files": files, "summary": report.summary()}
 
 
-def gap_to_json(report: Any) -> dict[str, Any]:
+def gap_to_json(report: GapReport) -> dict[str, Any]:
     """The `bnaudit gap --format json` document (accuracies as fractions, null without labels)."""
     return {
         "version": __version__,
@@ -109,9 +142,7 @@ def gap_to_json(report: Any) -> dict[str, Any]:
                 "kind": d.kind,
                 "channels": d.channels,
                 "values": d.values,
-                "mean_shift": json_number(d.mean_shift),
-                "max_mean_shift": json_number(d.max_mean_shift),
-                "var_log_ratio": json_number(d.var_log_ratio),
+                **_drift_to_json(d),
                 "drift": json_number(d.drift),
                 "note": d.note,
                 **_attribution_to_json(d),
@@ -124,7 +155,7 @@ def gap_to_json(report: Any) -> dict[str, Any]:
     }
 
 
-def invariance_to_json(report: Any) -> dict[str, Any]:
+def invariance_to_json(report: InvarianceReport) -> dict[str, Any]:
     """The `bnaudit invariance --format json` document (bnaudit.runtime.invariance defines
     every figure; accuracies and shares as fractions, null where they do not apply)."""
     return {
@@ -194,13 +225,13 @@ def invariance_to_json(report: Any) -> dict[str, Any]:
     }
 
 
-def _largest_batch_accuracy(report: Any) -> Any:
+def _largest_batch_accuracy(report: InvarianceReport) -> float | None:
     """Accuracy in the natural batches of the largest batch size (None without labels)."""
     natural = [a for a in report.arrangements if a.order == "natural"]
     return natural[-1].accuracy if natural else None
 
 
-def _attribution_to_json(d: Any) -> dict[str, Any]:
+def _attribution_to_json(d: LayerDrift) -> dict[str, Any]:
     """A layer's origin flag, worst-channel drift and top channels (bnaudit.runtime.attribution)."""
     return {
         "origin": d.origin,
@@ -221,11 +252,11 @@ def _attribution_to_json(d: Any) -> dict[str, Any]:
     }
 
 
-def _interval(pair: Any) -> Any:
+def _interval(pair: tuple[float, float] | None) -> list[float | None] | None:
     return None if pair is None else [json_number(pair[0]), json_number(pair[1])]
 
 
-def _confidence_to_json(report: Any) -> dict[str, Any]:
+def _confidence_to_json(report: GapReport) -> dict[str, Any]:
     """Sample counts and 95% intervals (bnaudit.runtime.confidence), and the input diagnosis."""
     return {
         "labelled": report.labelled,
@@ -244,15 +275,16 @@ def _confidence_to_json(report: Any) -> dict[str, Any]:
     }
 
 
-def _drift_to_json(d: Any) -> dict[str, Any]:
+def _drift_to_json(d: Drift | LayerDrift) -> dict[str, Any]:
+    """A layer's drift statistics under their names (`bnaudit.audit.statistics`)."""
     return {
-        "mean_shift": json_number(d.mean_shift),
-        "max_mean_shift": json_number(d.max_mean_shift),
-        "var_log_ratio": json_number(d.var_log_ratio),
+        MEAN_SHIFT.name: json_number(d.mean_shift),
+        MAX_MEAN_SHIFT.name: json_number(d.max_mean_shift),
+        VAR_LOG_RATIO.name: json_number(d.var_log_ratio),
     }
 
 
-def recalibrate_to_json(report: Any) -> dict[str, Any]:
+def recalibrate_to_json(report: RecalibrationReport) -> dict[str, Any]:
     """The `bnaudit recalibrate --format json` document."""
     evaluation = None
     if report.eval_before is not None and report.eval_after is not None:
@@ -291,7 +323,7 @@ def recalibrate_to_json(report: Any) -> dict[str, Any]:
     }
 
 
-def diff_to_json(report: Any) -> dict[str, Any]:
+def diff_to_json(report: DiffReport) -> dict[str, Any]:
     """The `bnaudit diff --format json` document.
 
     Per layer: the changes defined in bnaudit.audit.layerdiff (null where a side lacks the
@@ -299,7 +331,7 @@ def diff_to_json(report: Any) -> dict[str, Any]:
     sides and the verdict.
     """
 
-    def side(s: Any) -> dict[str, Any]:
+    def side(s: Side) -> dict[str, Any]:
         return {"path": s.path, "format": s.format, "key": s.key, "prefix": s.prefix or None, "layers": s.layers}
 
     return {
@@ -316,8 +348,8 @@ def diff_to_json(report: Any) -> dict[str, Any]:
                 "num_features": d.num_features,
                 "weight_change": json_number(d.weight_change),
                 "bias_change": json_number(d.bias_change),
-                "mean_shift": json_number(d.mean_shift),
-                "var_log_ratio": json_number(d.var_log_ratio),
+                MAX_MEAN_SHIFT.name: json_number(d.max_mean_shift),
+                MAX_VAR_LOG_RATIO.name: json_number(d.max_var_log_ratio),
                 "num_batches_tracked": {"a": d.batches_a, "b": d.batches_b, "change": d.batches_change},
                 "identical": {
                     "weight": d.weight_identical,
@@ -342,7 +374,7 @@ def diff_to_json(report: Any) -> dict[str, Any]:
     }
 
 
-def _export_to_json(check: Any) -> dict[str, Any] | None:
+def _export_to_json(check: ExportCheck | None) -> dict[str, Any] | None:
     """A checkpoint against its export (bnaudit.audit.exportdiff, numbers: bnaudit.audit.fold)."""
     if check is None:
         return None

@@ -1,4 +1,4 @@
-"""SARIF 2.1.0 rendering of an inspect report, in the subset GitHub code scanning reads.
+"""SARIF 2.1.0 rendering of an inspect or a diff report, in the subset GitHub code scanning reads.
 
 One run; `tool.driver` describes bnaudit and every registered rule (text from
 `bnaudit.docs`, the source `bnaudit rules` prints). Each finding becomes a result:
@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from bnaudit import __version__
@@ -31,6 +31,10 @@ from bnaudit.audit.report import InspectReport
 from bnaudit.audit.ruledocs import explain_rule, worst_severity
 from bnaudit.audit.rules import RULES, Finding
 from bnaudit.config import Config
+
+if TYPE_CHECKING:
+    from bnaudit.audit.diff import DiffReport
+    from bnaudit.output import Report
 
 SCHEMA_URI = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
 
@@ -169,7 +173,7 @@ def _log(
     }
 
 
-def diff_to_sarif(report: Any, base: str | None = None) -> dict[str, Any]:
+def diff_to_sarif(report: DiffReport, base: str | None = None) -> dict[str, Any]:
     """The SARIF log of a diff report: as inspect's (the driver describes every rule of the
     registry), with side B, the checkpoint under review, as every result's artifact."""
     base = os.path.abspath(base or os.getcwd())
@@ -178,3 +182,15 @@ def diff_to_sarif(report: Any, base: str | None = None) -> dict[str, Any]:
     results = [_result(finding, location, codes) for finding in report.findings]
     properties = {"config": report.config.as_dict(), "compared": {"a": report.a.path, "b": report.b.path}}
     return _log(base, codes, report.config, [], results, properties)
+
+
+def to_sarif(report: Report) -> dict[str, Any]:
+    """The SARIF log of an inspect or a diff report, chosen by its type (the measurements
+    have no findings at locations: no SARIF)."""
+    if isinstance(report, InspectReport):
+        return inspect_to_sarif(report)
+    from bnaudit.audit.diff import DiffReport
+
+    if isinstance(report, DiffReport):
+        return diff_to_sarif(report)
+    raise ValueError(f"no 'sarif' emitter for a {type(report).__name__} report")

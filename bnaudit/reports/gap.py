@@ -6,7 +6,7 @@ figure: accuracy, gap, agreement, divergence, per-layer drift).
 
 Per channel c of a BN layer, with mu_d, var_d the mean and unbiased variance of the data
 reaching the layer in eval mode and mu_r, var_r its running statistics
-(`bnaudit.reports.statistics` defines the per-layer aggregates):
+(`bnaudit.audit.statistics` defines the per-layer aggregates):
 
   shift_c        |mu_d - mu_r| / sqrt(var_r + eps)           (in running standard deviations)
   log_var_c      |log((var_d + eps) / (var_r + eps))|         (0: the variances agree)
@@ -20,7 +20,6 @@ PEAK_LARGE; `bnaudit.runtime.attribution` decides origins from that.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from bnaudit.audit.report import FileReport
 from bnaudit.audit.rules import Finding
@@ -107,7 +106,6 @@ class GapReport:
     """The result of `measure_gap`; `layers` ranked by drift, worst first. `max_gap`: the
     largest gap (a fraction of samples) that passes, None for no limit."""
 
-    kind: ClassVar[str] = "gap"  # which emitter of bnaudit.output renders it
     checkpoint: str
     model: str
     data: str
@@ -179,89 +177,109 @@ def _pct(x: float | None) -> str:
 
 
 def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
-    """Plain-word conclusions that follow from the numbers and the inspect findings."""
-    lines: list[str] = []
-    findings = report.inspection.findings
+    """Plain-word conclusions that follow from the numbers and the inspect findings: the
+    suspected input, the accuracy gap, reset or immature statistics, where drift starts,
+    dead channels and invalid values, the batch size, and what to do."""
     by_code: dict[str, list[Finding]] = {}
-    for f in findings:
+    for f in report.inspection.findings:
         by_code.setdefault(f.code, []).append(f)
     ordered = sorted((d for d in report.layers if d.drift is not None), key=lambda d: d.position)
-    large = [d for d in ordered if d.large]
     gap, agreement = report.gap, report.agreement
     eval_loses = gap > GAP_NOTABLE if gap is not None else (agreement is not None and agreement < 1 - GAP_NOTABLE)
     eval_wins = gap is not None and gap < -GAP_NOTABLE
+    reset = [f.layer for f in by_code.get("BN002", []) if f.layer]
+    immature = [f.layer for f in by_code.get("BN003", []) if f.layer]
+    dead_layers = [f.layer for f in by_code.get("BN004", []) if f.layer]
 
+    lines: list[str] = []
     if report.preprocessing_mismatch:
         lines.append(_preprocessing_line(report, ordered))
-
     if gap is not None:
-        if eval_loses:
-            lines.append(
-                f"Eval mode loses {gap * 100:.1f} accuracy points: {_pct(report.eval_accuracy)} with the stored "
-                f"statistics against {_pct(report.train_accuracy)} with batch statistics{_gap_confidence(report)}."
-            )
-        elif eval_wins:
-            lines.append(
-                f"Eval mode is {-gap * 100:.1f} points better than batch statistics "
-                f"({_pct(report.eval_accuracy)} against {_pct(report.train_accuracy)}){_gap_confidence(report)}."
-            )
-        else:
-            lines.append(
-                f"Eval mode and batch statistics give the same accuracy within {GAP_NOTABLE * 100:.0f} point "
-                f"({_pct(report.eval_accuracy)} and {_pct(report.train_accuracy)}){_gap_confidence(report)}."
-            )
-    reset = [f.layer for f in by_code.get("BN002", []) if f.layer]
+        lines.append(_gap_line(report, gap, eval_loses, eval_wins))
     if reset:
         lines.append(
             f"{_sentence(layer_list(reset))} hold the initial statistics (mean 0, variance 1): reset or never loaded, "
             "so eval mode normalises with values that describe no data. Recalibrate: "
             "`bnaudit recalibrate` on a few thousand representative samples."
         )
-    immature = [f.layer for f in by_code.get("BN003", []) if f.layer]
     if immature:
         lines.append(
             f"Immature statistics (BN003) in {layer_list(immature)}: the initial values still weigh in. "
             "Recalibrate with `bnaudit recalibrate`."
         )
-    dead = by_code.get("BN004", [])
-    dead_layers = [f.layer for f in dead if f.layer]
+    large = [d for d in ordered if d.large]
     origins = [d for d in ordered if d.origin]
     if origins and not reset and not immature and not report.preprocessing_mismatch:
-        first = origins[0]
-        channel = _channel_words(first)
-        if first.name in dead_layers:
-            lines.append(
-                f"Drift starts at {first.name}, where BN004 found channels with a running variance near eps: "
-                "the data reaching them still varies, so eval mode multiplies it by their eval gain. "
-                f"Recalibrate the statistics on representative data (or prune the channels).{channel}"
-            )
-        elif first.position == ordered[0].position:
-            holds = " while batch statistics keep the accuracy" if eval_loses else ""
-            lines.append(
-                f"Drift is large from the first BN layer on ({first.name}: mean shift {first.mean_shift:.2f}, "
-                f"variance log-ratio {first.var_log_ratio:.2f}){holds}: the stored statistics do not "
-                f"describe this data (immature, or computed on other data). Recalibrate on representative data.{channel}"
-            )
-        else:
-            before = ordered[: ordered.index(first)]
-            later = len([d for d in ordered if d.large and d.position > first.position])
-            inherits = (
-                f"; the {plural(later, 'large layer')} after it inherit{'s' if later == 1 else ''} its drift"
-                if later
-                else ""
-            )
-            lines.append(
-                f"Drift starts at {first.name} (BN layer {first.position + 1}; the {plural(len(before), 'layer')} "
-                f"before it {'matches' if len(before) == 1 else 'match'} the data{inherits}): a domain shift that "
-                "shows from this depth on, a broken statistic, or layers before it changed after its statistics were "
-                f"recorded. Recalibrate on data of the target domain (AdaBN-style).{channel}"
-            )
+        lines.append(_origin_line(origins[0], ordered, dead_layers, eval_loses))
         large = origins
     if dead_layers and not (large and large[0].name in dead_layers):
         lines.append(
             f"Dead channels (BN004) in {layer_list(dead_layers)}: running variance near eps, so eval mode "
             "amplifies any input they receive; see the findings."
         )
+    lines += _value_lines(report, by_code)
+    lines += _batch_lines(report, eval_wins)
+    if scripted:
+        lines.append(
+            "Per-layer drift needs hooks, which TorchScript modules do not run: pass --arch with the "
+            "state dict to see it."
+        )
+    if not eval_loses and not eval_wins and not large and not reset and not immature and not dead_layers:
+        lines.append("The stored statistics describe this data: nothing to fix.")
+    return lines
+
+
+def _gap_line(report: GapReport, gap: float, eval_loses: bool, eval_wins: bool) -> str:
+    """The accuracy of both modes in words, with the gap's confidence."""
+    if eval_loses:
+        return (
+            f"Eval mode loses {gap * 100:.1f} accuracy points: {_pct(report.eval_accuracy)} with the stored "
+            f"statistics against {_pct(report.train_accuracy)} with batch statistics{_gap_confidence(report)}."
+        )
+    if eval_wins:
+        return (
+            f"Eval mode is {-gap * 100:.1f} points better than batch statistics "
+            f"({_pct(report.eval_accuracy)} against {_pct(report.train_accuracy)}){_gap_confidence(report)}."
+        )
+    return (
+        f"Eval mode and batch statistics give the same accuracy within {GAP_NOTABLE * 100:.0f} point "
+        f"({_pct(report.eval_accuracy)} and {_pct(report.train_accuracy)}){_gap_confidence(report)}."
+    )
+
+
+def _origin_line(first: LayerDrift, ordered: list[LayerDrift], dead_layers: list[str], eval_loses: bool) -> str:
+    """Where drift starts (`first`, the first origin; `ordered` the measured layers in
+    forward order) and what that points to."""
+    channel = _channel_words(first)
+    if first.name in dead_layers:
+        return (
+            f"Drift starts at {first.name}, where BN004 found channels with a running variance near eps: "
+            "the data reaching them still varies, so eval mode multiplies it by their eval gain. "
+            f"Recalibrate the statistics on representative data (or prune the channels).{channel}"
+        )
+    if first.position == ordered[0].position:
+        holds = " while batch statistics keep the accuracy" if eval_loses else ""
+        return (
+            f"Drift is large from the first BN layer on ({first.name}: mean shift {first.mean_shift:.2f}, "
+            f"variance log-ratio {first.var_log_ratio:.2f}){holds}: the stored statistics do not "
+            f"describe this data (immature, or computed on other data). Recalibrate on representative data.{channel}"
+        )
+    before = ordered[: ordered.index(first)]
+    later = len([d for d in ordered if d.large and d.position > first.position])
+    inherits = (
+        f"; the {plural(later, 'large layer')} after it inherit{'s' if later == 1 else ''} its drift" if later else ""
+    )
+    return (
+        f"Drift starts at {first.name} (BN layer {first.position + 1}; the {plural(len(before), 'layer')} "
+        f"before it {'matches' if len(before) == 1 else 'match'} the data{inherits}): a domain shift that "
+        "shows from this depth on, a broken statistic, or layers before it changed after its statistics were "
+        f"recorded. Recalibrate on data of the target domain (AdaBN-style).{channel}"
+    )
+
+
+def _value_lines(report: GapReport, by_code: dict[str, list[Finding]]) -> list[str]:
+    """Invalid statistics, non-finite outputs and layers without running statistics."""
+    lines = []
     if "BN005" in by_code:
         lines.append("Invalid values in the statistics (BN005): eval-mode outputs of those channels are NaN or Inf.")
     if report.non_finite.get("eval_mode"):
@@ -272,29 +290,27 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
             "Some BatchNorm layers keep no running statistics (BN006): they use batch statistics in eval "
             "mode too, so both modes depend on the batch there."
         )
+    return lines
+
+
+def _batch_lines(report: GapReport, eval_wins: bool) -> list[str]:
+    """What the batches say about the train-mode reference: sorted data, noisy batch statistics."""
     if not report.shuffle:
-        lines.append(
+        return [
             "--no-shuffle: if the data is sorted by class, each batch holds one class and train-mode numbers "
             "mean nothing; run without --no-shuffle for a fair reference."
-        )
-    elif eval_wins:
-        lines.append(
+        ]
+    if eval_wins:
+        return [
             f"Batch statistics are noisy at batch size {report.batch_size}: the train-mode numbers depend on "
             "the batch size; the stored statistics are fine. A larger --batch-size narrows this."
-        )
-    elif report.batch_size < SMALL_BATCH:
-        lines.append(
+        ]
+    if report.batch_size < SMALL_BATCH:
+        return [
             f"Batch size {report.batch_size} is small: batch statistics are noisy, so train-mode numbers are "
             "a weak reference."
-        )
-    if scripted:
-        lines.append(
-            "Per-layer drift needs hooks, which TorchScript modules do not run: pass --arch with the "
-            "state dict to see it."
-        )
-    if not eval_loses and not eval_wins and not large and not reset and not immature and not dead_layers:
-        lines.append("The stored statistics describe this data: nothing to fix.")
-    return lines
+        ]
+    return []
 
 
 def _gap_confidence(report: GapReport) -> str:

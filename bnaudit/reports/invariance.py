@@ -9,10 +9,10 @@ float64 floor).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from bnaudit.audit.report import FileReport
 from bnaudit.audit.rules import Finding
+from bnaudit.audit.statistics import RELATIVE_DEVIATION
 from bnaudit.config import severity_rank
 from bnaudit.text import listing, plural
 
@@ -49,7 +49,6 @@ class CouplingSite:
 class InvarianceReport:
     """The result of `measure_invariance` (module docstring for every statistic)."""
 
-    kind: ClassVar[str] = "invariance"  # which emitter of bnaudit.output renders it
     checkpoint: str
     model: str
     data: str
@@ -74,7 +73,7 @@ class InvarianceReport:
     max_kl: float | None
     mean_kl: float | None
     inspection: FileReport
-    norm: str = "relative max-abs: ||y_a - y_ref||_inf / ||y_ref||_inf"
+    norm: str = f"{RELATIVE_DEVIATION.name}: {RELATIVE_DEVIATION.formula}"
     float64_noise: float | None = None
     float64_note: str | None = None
     sites: list[CouplingSite] = field(default_factory=list)

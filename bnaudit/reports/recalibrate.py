@@ -1,5 +1,5 @@
 """The `recalibrate` report: what was written, and how far the old and the new statistics
-are from the calibration data per layer (`bnaudit.reports.statistics.Drift`).
+are from the calibration data per layer (`bnaudit.audit.statistics.Drift`).
 
 Torch-free: `bnaudit.output` renders these records; `bnaudit.runtime.recalibrate.command`
 fills them.
@@ -8,10 +8,10 @@ fills them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
+from bnaudit.audit.statistics import Drift
 from bnaudit.reports.gap import GapReport
-from bnaudit.reports.statistics import Drift
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,6 @@ class LayerChange:
 class RecalibrationReport:
     """The result of `recalibrate_checkpoint`; `eval_before` / `eval_after`: the gap
     reports of the input and of the written checkpoint on --eval-data (else None)."""
-
-    kind: ClassVar[str] = "recalibrate"  # which emitter of bnaudit.output renders it
 
     input: str
     output: str

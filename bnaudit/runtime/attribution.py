@@ -8,7 +8,7 @@ reaching the layer in eval mode and mu_r, var_r its running statistics:
   score_c        shift_c + log_var_c                          (a channel's drift)
 
 A layer's `worst` channels are those with the largest score_c; its `peak` is the largest
-score_c. Averages over channels (`bnaudit.reports.statistics.Drift`) hide one broken channel among 64; the peak
+score_c. Averages over channels (`bnaudit.audit.statistics.Drift`) hide one broken channel among 64; the peak
 does not, so the ranking uses it.
 
 Origin rule. Drift propagates: a broken channel makes every later layer's inputs drift,

@@ -5,7 +5,8 @@ onnxruntime (an optional extra) with only the CPU execution provider and no cust
 operator library, on the same batches (`bnaudit.runtime.data.make_loader`). Numbers
 (`bnaudit.audit.exportdiff.ParityResult`):
 
-  relative deviation of a sample  max_k |y_onnx,k - y_torch,k| / max_k |y_torch,k|
+  relative deviation of a sample  relative_deviation (`bnaudit.audit.statistics`) of
+                                  y_onnx against y_torch
   floor                           FLOOR_FACTOR x the largest relative deviation of the float32
                                   torch outputs from a float64 copy of the model on the same
                                   batch (float32 rounding alone), at least FLOOR_MIN
@@ -32,6 +33,7 @@ from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.onnx import load_onnx
 from bnaudit.runtime.data import make_loader
+from bnaudit.runtime.deviation import relative_deviations
 from bnaudit.runtime.models import load_runnable, output_tensor
 from bnaudit.runtime.norms import batchnorm_modules
 from bnaudit.runtime.sources import DataOptions
@@ -86,13 +88,6 @@ def _session(path: str) -> Any:
         raise BnauditError(f"{path}: onnxruntime cannot run it: {str(exc).splitlines()[0][:300]}") from None
 
 
-def _relative(y: Any, ref: Any) -> Any:
-    """Per sample: max |y - ref| / max |ref| (float64)."""
-    y, ref = y.double().flatten(1), ref.double().flatten(1)
-    scale = ref.abs().amax(dim=1).clamp_min(1e-30)
-    return (y - ref).abs().amax(dim=1) / scale
-
-
 def measure_parity(session: Any, model: Any, options: DataOptions) -> ParityResult:
     """Run the torch model (eval) and the onnxruntime session on the same batches."""
     inputs = session.get_inputs()
@@ -127,8 +122,8 @@ def measure_parity(session: Any, model: Any, options: DataOptions) -> ParityResu
                     raise BnauditError(
                         f"the export's output has shape {list(y_onnx.shape)}, the model's {list(y_torch.shape)}"
                     )
-                worst = max(worst, float(_relative(y_onnx, y_torch).max()))
-                rounding = max(rounding, float(_relative(y_torch, y_wide).max()))
+                worst = max(worst, float(relative_deviations(y_onnx, y_torch).max()))
+                rounding = max(rounding, float(relative_deviations(y_torch, y_wide).max()))
                 agree += int((y_onnx.flatten(1).argmax(1) == y_torch.flatten(1).argmax(1)).sum())
                 samples += n
             batches += 1

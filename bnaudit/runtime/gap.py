@@ -15,7 +15,8 @@ difference is BatchNorm's alone. Definitions (N samples, y_t / y_e their outputs
   agreement     fraction of samples whose argmax is the same in both modes
   divergence    classifier outputs (N, K), K >= 2: mean over samples of
                   KL(p_e || p_t) = sum_k p_e,k (log p_e,k - log p_t,k),  p = softmax(y)
-                other outputs ("relative_l2"): mean over samples of ||y_e - y_t|| / ||y_e||
+                other outputs ("relative_l2"): mean over samples of relative_l2 of y_t
+                against y_e, ||y_t - y_e||_2 / ||y_e||_2 (`bnaudit.audit.statistics`)
 
 Per-layer drift compares the data that reaches each BN layer in eval mode (exact
 per-channel mean mu_d and unbiased variance var_d over all samples, float64, merged
@@ -26,7 +27,7 @@ the means of the per-instance means and unbiased variances (`stats.InstanceStats
 variance pooled over all values would add the spread of the instance means and blame a
 layer that describes its data.
 
-  mean_shift, max_mean_shift, var_log_ratio   as `bnaudit.reports.statistics.Drift` defines them
+  mean_shift, max_mean_shift, var_log_ratio   as `bnaudit.audit.statistics.Drift` defines them
   drift           mean_shift + var_log_ratio (both are 0 when the stored statistics
                   describe the data; a shift of one running std and a variance off by a
                   factor e weigh alike)
@@ -75,6 +76,7 @@ from bnaudit.runtime.attribution import (
 )
 from bnaudit.runtime.confidence import difference_interval, wilson
 from bnaudit.runtime.data import make_loader
+from bnaudit.runtime.deviation import relative_l2s
 from bnaudit.runtime.distributed import distributed, gather_objects, together, torchrun
 from bnaudit.runtime.inputs import input_problem
 from bnaudit.runtime.models import (
@@ -491,9 +493,7 @@ def _compare(out_train: Any, out_eval: Any, labels: Any, batch: Any, totals: _To
             totals.correct_train += int((pred_t == labels).sum())
             totals.correct_eval += int((pred_e == labels).sum())
     else:
-        diff = (evals - train).reshape(n, -1).norm(dim=1)
-        scale = evals.reshape(n, -1).norm(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
-        totals.divergence_sum += float((diff / scale).sum())
+        totals.divergence_sum += float(relative_l2s(train, evals).sum())
 
 
 def _drift(norms: dict[str, Any], accumulated: dict[str, Any], hooked: dict[str, Any]) -> list[LayerDrift]:

@@ -6,19 +6,10 @@ every module in eval mode, no buffer changed (the buffers are snapshot and resto
 even a graph traced in training mode, which updates its running statistics on every
 call, leaves the model as it found it).
 
-Arrangements (`plan_arrangements`). The N samples are read once, in the loader's order
-(seeded shuffle, as `gap` draws them); position i is the i-th sample. For each batch size
-B of --batch-sizes:
-
-  alone               B = 1: each sample in a batch of its own (the reference)
-  in batch (B)        positions 0..N-1 cut into batches of B: the batches gap forms
-  other companions    a permutation of the positions fixed by --seed, cut into batches
-  (B)                 of B: other companions, in another order
-
-(for B >= 2 a last batch of one sample joins the one before it: the one batch plan,
-`bnaudit.runtime.batching.BatchPlan.cut`). Each arrangement fills one output tensor (N, ...) indexed by sample
-position, batch by batch (`score_arrangement`); every statistic is computed from these
-tensors afterwards.
+Arrangements (`bnaudit.runtime.arrangements.plan_arrangements`): "alone", "in batch (B)"
+and "other companions (B)" for each batch size B of --batch-sizes. Each arrangement fills one
+output tensor (N, ...) indexed by sample position, batch by batch (`score_arrangement`);
+every statistic is computed from these tensors afterwards.
 
 Under torchrun (`score_arrangement`, `bnaudit.runtime.distributed`) every rank reads the N
 samples (they are few, and any batch of the "other companions" arrangements may hold any
@@ -35,11 +26,11 @@ Statistics, per sample i with reference output r_i (alone; the first other arran
 when --batch-sizes lacks 1 or the model cannot score one sample alone) and output y_a,i in
 arrangement a:
 
-  deviation     d_i = max_a ||y_a,i - r_i||_inf / max(||r_i||_inf, tiny)
-                the infinity norm (largest absolute change of any output value, relative
-                to the largest absolute output value): one logit that moves counts in
-                full whatever the number of classes, and the measure is independent of
-                the output's scale. Equal non-finite values count as equal.
+  deviation     d_i = max_a relative_deviation(y_a,i, r_i)
+                        = max_a ||y_a,i - r_i||_inf / max(||r_i||_inf, tiny)
+                (`bnaudit.audit.statistics` defines it, non-finite values included: the
+                largest absolute change of any output value relative to the largest
+                absolute output value)
   changed       argmax_k y_a,i != argmax_k r_i for some a (class scores only)
   KL            max_a KL(p_r || p_a) = sum_k p_r,k (log p_r,k - log p_a,k), p = softmax;
                 class scores only: outputs (N, K) with K >= 2. Other outputs
@@ -50,7 +41,7 @@ Noise floor. Matrix kernels sum in another order for another batch size, so a
 batch-independent float32 model differs by ~1e-7 between arrangements. Two thresholds:
 
   screen        128 * eps(dtype) of the outputs (1.5e-5 for float32; at most 1e-2): a
-                sample with d_i above it is FLAGGED
+                sample with d_i above it is FLAGGED (`bnaudit.runtime.arrangements.screen_for`)
   floor         sqrt(eps(float64)) = 1.49e-8: every flagged sample is re-scored in a
                 float64 copy of the model, in every arrangement (the whole batches that
                 hold it); kernel-order noise falls to ~1e-15 there while a real
@@ -62,23 +53,15 @@ from either side of the floor, so no hand-tuned tolerance decides it. Where no f
 copy runs (a --forward or graph that insists on float32) the screen decides, and the
 report says so.
 
-Locating the coupling (`locate_coupling`). For up to three coupled samples, the
-reference batch and the arrangement's batch run again (float64) with forward hooks on
-every module; in the order the modules finish (inner modules before the ones that contain
-them), the first module whose output row for the sample differs beyond the floor while
-its input row does not is where the coupling happens. `bnaudit.runtime.norms` says why
-when it is BatchNorm (no running statistics, or training mode); any other module "mixes
-samples". TorchScript modules run no hooks: their graphs are searched for batch
-normalisation called with training=True as a constant (a model traced in training mode).
+Locating the coupling: `bnaudit.runtime.coupling.locate_coupling`.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -89,55 +72,28 @@ from bnaudit.audit.report import FileReport
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.reports.invariance import ArrangementResult, CouplingSite, InvarianceReport, diagnose
-from bnaudit.runtime.batching import BatchPlan, concat_batches, sample_order
+from bnaudit.runtime.arrangements import (
+    Arrangement,
+    Comparison,
+    Samples,
+    compare_outputs,
+    plan_arrangements,
+    read_samples,
+    score_batch,
+    screen_for,
+    take,
+)
+from bnaudit.runtime.batching import BatchPlan
+from bnaudit.runtime.coupling import locate_coupling
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.distributed import combine_rows, distributed, failure_message, together, torchrun
 from bnaudit.runtime.inputs import input_problem
-from bnaudit.runtime.models import forward, load_forward, load_runnable, output_tensor, resolve_device, to_device
-from bnaudit.runtime.norms import (
-    batch_statistics,
-    batch_statistics_reason,
-    is_script,
-    scripted_batch_stat_calls,
-)
+from bnaudit.runtime.models import load_forward, load_runnable, resolve_device
+from bnaudit.runtime.norms import batch_statistics
 from bnaudit.text import exception_line, plural
 
-SCREEN_EPS = 128  # screen = SCREEN_EPS * eps(dtype), capped at SCREEN_MAX
-SCREEN_MAX = 1e-2
 FLOOR = math.sqrt(torch.finfo(torch.float64).eps)
-LOCATE_SAMPLES = 3
 DEFAULT_NUM_SAMPLES = 256
-TINY = torch.finfo(torch.float64).tiny
-
-
-@dataclass(frozen=True)
-class Arrangement:
-    """One way to batch the N samples: `plan` holds sample positions, whole batches."""
-
-    name: str
-    batch_size: int
-    order: str  # "alone", "natural" or "shuffled"
-    plan: BatchPlan
-
-    @property
-    def batches(self) -> list[list[int]]:
-        return self.plan.batches
-
-
-def plan_arrangements(num_samples: int, batch_sizes: list[int], seed: int) -> list[Arrangement]:
-    """The arrangements of the module docstring, batch sizes ascending; batch size 1
-    gives "alone" only (there are no companions to vary)."""
-    arrangements: list[Arrangement] = []
-    n = num_samples
-    for size in sorted(set(batch_sizes)):
-        if size == 1:
-            arrangements.append(Arrangement("alone", 1, "alone", BatchPlan.singles(n)))
-            continue
-        natural = BatchPlan.cut(range(n), size)
-        shuffled = BatchPlan.cut(sample_order(n, shuffle=True, seed=seed), size)
-        arrangements.append(Arrangement(f"in batch ({size})", size, "natural", natural))
-        arrangements.append(Arrangement(f"other companions ({size})", size, "shuffled", shuffled))
-    return arrangements
 
 
 def parse_batch_sizes(text: str | None, default: int) -> list[int]:
@@ -158,85 +114,6 @@ def check_batch_sizes(sizes: list[int]) -> list[int]:
     if max(sizes) < 2:
         raise BnauditError("--batch-sizes needs a batch size of at least 2: alone, a sample has no companions")
     return sorted(set(sizes))
-
-
-@dataclass
-class Samples:
-    """The N samples, read once: `inputs` with N rows (tensor, tuple or dict), `labels`
-    (N,) or None, `origins` naming each sample."""
-
-    inputs: Any
-    labels: Any
-    origins: list[str]
-
-    def __len__(self) -> int:
-        return len(self.origins)
-
-
-def read_samples(stream: Any) -> Samples:
-    """Every sample of the stream, in its order, as one `Samples` (joined as
-    `batching.concat_batches` joins batches)."""
-    inputs: list[Any] = []
-    labels: list[Any] = []
-    origins: list[str] = []
-    for batch in stream:
-        inputs.append(batch.inputs)
-        labels.append(batch.labels)
-        origins.extend(batch.origins)
-    labelled = all(label is not None for label in labels)
-    joined = functools.reduce(concat_batches, inputs)
-    if joined is None:
-        kind = type(inputs[0]).__name__
-        raise BnauditError(
-            f"the inputs are {kind} batches, which invariance cannot re-batch sample by sample: give tensors, "
-            "or tuples or dicts of tensors"
-        )
-    return Samples(joined, torch.cat(labels) if labelled and labels else None, origins)
-
-
-def take(inputs: Any, rows: list[int]) -> Any:
-    """The rows `rows` of a batch structure (tensor, tuple, list, dict), in that order."""
-    if isinstance(inputs, torch.Tensor):
-        return inputs[torch.as_tensor(rows, dtype=torch.long)]
-    if isinstance(inputs, Mapping):
-        return {k: take(v, rows) for k, v in inputs.items()}
-    if isinstance(inputs, tuple):
-        parts = [take(v, rows) for v in inputs]
-        return type(inputs)(*parts) if hasattr(inputs, "_fields") else tuple(parts)
-    if isinstance(inputs, list):
-        if all(isinstance(x, torch.Tensor) for x in inputs):
-            return [take(v, rows) for v in inputs]
-        return [inputs[r] for r in rows]
-    return inputs
-
-
-def _as_float64(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(torch.float64) if value.dtype.is_floating_point else value
-    if isinstance(value, Mapping):
-        return {k: _as_float64(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        parts = [_as_float64(v) for v in value]
-        return type(value)(*parts) if hasattr(value, "_fields") else tuple(parts)
-    if isinstance(value, list):
-        return [_as_float64(v) for v in value]
-    return value
-
-
-def score_batch(
-    model: Any, samples: Samples, rows: list[int], device: Any, forward_fn: Any, float64: bool = False
-) -> Any:
-    """The model's output tensor for the samples at `rows`, as one batch."""
-    inputs = to_device(take(samples.inputs, rows), device)
-    if float64:
-        inputs = _as_float64(inputs)
-    out = output_tensor(forward(model, inputs, forward_fn)).detach()
-    if out.dim() == 0 or out.shape[0] != len(rows):
-        raise BnauditError(
-            f"the model's output has shape {list(out.shape)} for {plural(len(rows), 'sample')}; "
-            "pass --forward MODULE:CALLABLE returning one row of outputs per sample"
-        )
-    return out
 
 
 def score_arrangement(
@@ -327,58 +204,6 @@ def _score_locally(
         if progress is not None:
             progress()
     return outputs, filled
-
-
-@dataclass
-class Comparison:
-    """Per-sample statistics of `compare_outputs` (module docstring): `deviations` (A, N)
-    per arrangement, `kl` (A, N) or None, `changed` (A, N) bool or None."""
-
-    deviations: Any
-    kl: Any
-    changed: Any
-    classifier: bool
-
-    @property
-    def deviation(self) -> Any:
-        """d_i: the largest deviation of each sample over the arrangements, (N,)."""
-        return self.deviations.amax(dim=0)
-
-
-def _abs_diff(a: Any, b: Any) -> Any:
-    """|a - b| with equal values (infinities and NaN in the same place too) as 0."""
-    diff = (a - b).abs()
-    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-    return torch.where(same, torch.zeros_like(diff), diff.nan_to_num(nan=math.inf))
-
-
-def compare_outputs(outputs: list[Any], reference: Any) -> Comparison:
-    """Compare each arrangement's outputs (N, ...) with the reference outputs (N, ...)."""
-    ref = reference.to(torch.float64)
-    n = ref.shape[0]
-    flat_ref = ref.reshape(n, -1)
-    scale = flat_ref.abs().nan_to_num(nan=0.0, posinf=0.0).amax(dim=1).clamp_min(TINY) if n else flat_ref
-    deviations = []
-    for out in outputs:
-        flat = out.to(torch.float64).reshape(n, -1)
-        deviations.append(_abs_diff(flat, flat_ref).amax(dim=1) / scale)
-    classifier = ref.dim() == 2 and ref.shape[1] >= 2
-    kl = changed = None
-    if classifier:
-        logp_r = torch.log_softmax(ref, dim=1)
-        kls, changes = [], []
-        for out in outputs:
-            logp_a = torch.log_softmax(out.to(torch.float64), dim=1)
-            kls.append((logp_r.exp() * (logp_r - logp_a)).sum(dim=1).clamp_min(0.0))
-            changes.append(out.argmax(dim=1) != ref.argmax(dim=1))
-        kl, changed = torch.stack(kls), torch.stack(changes)
-    return Comparison(torch.stack(deviations), kl, changed, classifier)
-
-
-def screen_for(dtype: Any) -> float:
-    """The flagging threshold for outputs of `dtype` (module docstring)."""
-    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
-    return min(SCREEN_EPS * eps, SCREEN_MAX)
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -685,172 +510,6 @@ def _build_report(
         skipped=stream.skipped,
         notes=list(getattr(stream, "notes", [])),
     )
-
-
-# ----------------------------------------------------------------------------- locating
-
-
-def _rows(value: Any, position: int, size: int) -> list[Any]:
-    """The row `position` of every tensor in `value` whose first dimension is the batch."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() >= 1 and value.shape[0] == size and value.dtype.is_floating_point:
-            return [value[position].detach().to(torch.float64).clone()]
-        return []
-    if isinstance(value, Mapping):
-        return [r for v in value.values() for r in _rows(v, position, size)]
-    if isinstance(value, (tuple, list)):
-        return [r for v in value for r in _rows(v, position, size)]
-    return []
-
-
-def _relative(a: list[Any], b: list[Any]) -> float | None:
-    """max ||a_j - b_j||_inf / ||b_j||_inf over the tensors; None when not comparable."""
-    if not a or len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True)):
-        return None
-    worst = 0.0
-    for x, y in zip(a, b, strict=True):
-        if x.numel() == 0:
-            continue
-        scale = float(y.abs().nan_to_num(nan=0.0, posinf=0.0).max().clamp_min(TINY))
-        worst = max(worst, float(_abs_diff(x, y).max()) / scale)
-    return worst
-
-
-def _trace(
-    model: Any, samples: Samples, rows: list[int], position: int, device: Any, forward_fn: Any, float64: bool
-) -> list[tuple[str, Any, Any, Any]]:
-    """(name, module, input rows, output rows) of every module call, in finishing order,
-    for the sample at `position` within `rows`."""
-    size = len(rows)
-    seen: list[tuple[str, Any, Any, Any]] = []
-    handles = []
-    for name, module in model.named_modules():
-        if is_script(module):
-            continue
-
-        def hook(mod: Any, args: Any, kwargs: Any, out: Any, _name: str = name) -> None:
-            seen.append((_name, mod, _rows((args, kwargs), position, size), _rows(out, position, size)))
-
-        handles.append(module.register_forward_hook(hook, with_kwargs=True))
-    try:
-        score_batch(model, samples, rows, device, forward_fn, float64)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return seen
-
-
-def locate_coupling(
-    model: Any,
-    samples: Samples,
-    reference_arrangement: Arrangement,
-    others: list[tuple[Arrangement, Any]],
-    deviations: Any,
-    coupled_mask: Any,
-    threshold: float,
-    *,
-    device: Any = "cpu",
-    forward_fn: Any = None,
-    float64: bool = False,
-) -> list[CouplingSite]:
-    """Where the coupling happens (module docstring), distinct modules in the order found."""
-    sites: list[CouplingSite] = []
-    if is_script(model):
-        return _scripted_sites(model)
-    coupled = torch.nonzero(coupled_mask).flatten()
-    if len(coupled):
-        worst_first = coupled[torch.argsort(deviations.amax(dim=0)[coupled], descending=True)]
-        for position in worst_first[:LOCATE_SAMPLES].tolist():
-            row = int(deviations[:, position].argmax())
-            arrangement = others[row][0]
-            batch = next(b for b in arrangement.batches if position in b)
-            ref_batch = next(b for b in reference_arrangement.batches if position in b)
-            try:
-                a = _trace(model, samples, batch, batch.index(position), device, forward_fn, float64)
-                r = _trace(model, samples, ref_batch, ref_batch.index(position), device, forward_fn, float64)
-            except Exception:  # the batches ran before; a hook-incompatible model stays unlocated
-                continue
-            site = _first_coupling(a, r, threshold)
-            if site is None:
-                continue
-            name, module = site
-            found = _site(name, module, model)
-            found = replace(found, sample=samples.origins[position], arrangement=arrangement.name)
-            if all(s.module != found.module for s in sites):
-                sites.append(found)
-    if not sites:
-        for name, module in model.named_modules():
-            if is_script(module):
-                sites.extend(
-                    replace(s, module=f"{name}.{s.module}" if s.module != "(model)" else name)
-                    for s in _scripted_sites(module)
-                )
-    return sites
-
-
-def _first_coupling(a: list[Any], r: list[Any], threshold: float) -> tuple[str, Any] | None:
-    calls: dict[tuple[str, int], Any] = {}
-    counts: dict[str, int] = {}
-    for name, _module, inputs, outputs in r:
-        k = counts.get(name, 0)
-        counts[name] = k + 1
-        calls[(name, k)] = (inputs, outputs)
-    counts = {}
-    for name, module, inputs, outputs in a:
-        k = counts.get(name, 0)
-        counts[name] = k + 1
-        other = calls.get((name, k))
-        if other is None:
-            continue
-        d_out = _relative(outputs, other[1])
-        if d_out is None or d_out <= threshold:
-            continue
-        d_in = _relative(inputs, other[0])
-        if not inputs and not other[0]:
-            d_in = 0.0  # a module without batch inputs (a parameter source): its output is its own
-        if d_in is not None and d_in <= threshold:
-            return name, module
-    return None
-
-
-def _site(name: str, module: Any, model: Any) -> CouplingSite:
-    cls = type(module).__name__
-    reason = batch_statistics_reason(module)
-    if reason is not None:
-        return CouplingSite(name or "(model)", cls, reason, "batchnorm")
-    if module is model:
-        return CouplingSite(
-            "(model)",
-            cls,
-            "the model's own forward code mixes samples between its submodules (a reshape, view or "
-            "reduction across the batch dimension)",
-            "model_code",
-        )
-    return CouplingSite(
-        name,
-        cls,
-        "mixes samples: its output for a sample changes with the other samples while its input does not "
-        "(a reshape, view or reduction across the batch dimension)",
-        "mixes_samples",
-    )
-
-
-def _scripted_sites(model: Any) -> list[CouplingSite]:
-    sites = [
-        CouplingSite(
-            call.module,
-            call.kind,
-            f"the TorchScript graph calls {call.op} with training=True as a constant (traced or exported in "
-            "training mode): .eval() cannot switch it to the running statistics",
-            "traced_training",
-        )
-        for call in scripted_batch_stat_calls(model)
-    ]
-    for name, module in model.named_modules():
-        reason = batch_statistics_reason(module)
-        if reason is not None and all(s.module != (name or "(model)") for s in sites):
-            sites.append(CouplingSite(name or "(model)", getattr(module, "original_name", ""), reason, "batchnorm"))
-    return sites
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bnaudit.reports.statistics import Drift
+from bnaudit.audit.statistics import Drift
 from bnaudit.runtime.distributed import collective_device, gather_objects
 
 

@@ -2,7 +2,7 @@
 statistics on calibration data (`methods.recalibrate_module`), write a new checkpoint in
 the input's format with only those buffers changed (`formats.write.save_like`, atomic), and
 report per layer how far the old and the new statistics are from the calibration data
-(`bnaudit.reports.statistics.Drift`), and with held-out data the gap report of both checkpoints.
+(`bnaudit.audit.statistics.Drift`), and with held-out data the gap report of both checkpoints.
 
 The file-level safety lives here: the output never replaces an input (checkpoint, data,
 model source) or lands in a data folder, a layer whose buffers the file lacks is left out

@@ -1,0 +1,201 @@
+"""The diff table: both sides, one row per changed layer, the export check (folded
+layers, output parity), findings, summary by verdict and the diagnosis."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO
+from bnaudit.output.grid import SEVERITY_STYLE
+from bnaudit.output.table.common import bordered, cell, diagnosis_bullets, findings_table, fit_width, g3, indented
+from bnaudit.text import plural, printable
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from bnaudit.audit.diff import DiffReport
+    from bnaudit.audit.exportdiff import ExportCheck
+    from bnaudit.audit.layerdiff import LayerDiff
+
+
+def _delta(x: float | None, identical: bool) -> str:
+    """A change for the diff table: "=" when bit-identical, "-" when not comparable."""
+    if identical:
+        return "="
+    return g3(x)
+
+
+def _batches_delta(d: LayerDiff) -> str:
+    change = d.batches_change
+    if change is None:
+        return "-"
+    return f"{change:+d}"
+
+
+VERDICT_STYLE = {
+    "differs from checkpoint": "red",
+    "frozen but updating": "yellow",
+    "stale statistics": "yellow",
+    "re-estimated": "cyan",
+    "trained": "",
+    "unchanged": "dim",
+}
+
+
+def render_diff(report: DiffReport, console: Console, quiet: bool = False) -> None:
+    """Rich rendering of a DiffReport: both sides, one row per layer that changed
+    (unchanged layers folded into one line), one-side-only and reshaped layers, the
+    findings, a summary by verdict with its layer groups, and the diagnosis."""
+    from rich.text import Text
+
+    _sides(report, console)
+    changed = [d for d in report.layers if d.verdict != "unchanged"]
+    unchanged = [d.name for d in report.layers if d.verdict == "unchanged"]
+    if changed and not quiet:
+        console.print(fit_width(_layers_table(changed), console.width))
+    if unchanged and not quiet:
+        from bnaudit.audit.layerdiff import describe_group
+
+        every = [d.name for d in report.layers]
+        console.print(
+            cell(
+                f"{plural(len(unchanged), 'unchanged layer')} "
+                f"({'equal to the checkpoint' if report.export else 'bit-identical'}): {describe_group(unchanged, every)}",
+                style="dim",
+            )
+        )
+    if report.export is not None and not quiet:
+        _export_body(report.export, console)
+    if not quiet:
+        _unmatched_findings_and_summary(report, console)
+    errors = [f for f in report.findings if f.severity == "error"]
+    if quiet and errors:  # -q: a CI log still shows what failed
+        console.print(fit_width(findings_table(errors), console.width))
+    s = report.summary()
+    folded = f", {plural(s['folded'], 'folded layer')}" if "folded" in s else ""
+    line = (
+        f"{plural(s['matched'], 'matched BN layer')}{folded}: {plural(s['errors'], 'error')}, "
+        f"{plural(s['warnings'], 'warning')}, {plural(s['infos'], 'info')}"
+    )
+    worst = "error" if s["errors"] else "warning" if s["warnings"] else "ok"
+    console.print(Text(line, style=SEVERITY_STYLE[worst]), soft_wrap=True)
+
+
+def _sides(report: DiffReport, console: Console) -> None:
+    """The two files, the settings and provenance notes, how an export was matched."""
+    for label, side in (("A", report.a), ("B", report.b)):
+        title = cell(f"{label}: {side.path}", style="bold")
+        where = f"{side.format}" + (f", key '{side.key}'" if side.key else "")
+        if side.prefix:
+            where += f", prefix '{side.prefix}' stripped"
+        where += f", {plural(side.layers, 'BN layer')}"
+        title.append(printable(f"  ({where})"), style="dim")
+        console.print(title)
+    if report.settings:
+        console.print(indented(f"{report.settings}", style="dim"))
+    if report.provenance:
+        console.print(indented(f"B: statistics written by {report.provenance}", style="dim"))
+    if report.export is not None:
+        _export_header(report.export, console)
+    console.print()
+
+
+def _layers_table(changed: list[LayerDiff]) -> Table:
+    """One row per layer that changed: the changes (`bnaudit.audit.layerdiff`) and the verdict."""
+    from rich.text import Text
+
+    table = bordered()
+    table.add_column("layer", overflow="fold", min_width=min(24, max(len(d.name) for d in changed)))
+    for header in ("C", "Δweight", "Δbias", MAX_MEAN_SHIFT.column, MAX_VAR_LOG_RATIO.column, "Δbatches"):
+        table.add_column(header, justify="right")  # headers wrap at spaces, numbers have none
+    table.add_column("verdict")
+    for d in changed:
+        table.add_row(
+            cell(d.name),
+            str(d.num_features),
+            _delta(d.weight_change, d.weight_identical),
+            _delta(d.bias_change, d.bias_identical),
+            _delta(d.max_mean_shift, d.mean_identical and d.var_identical),
+            _delta(d.max_var_log_ratio, d.var_identical),
+            _batches_delta(d),
+            Text(d.verdict, style=VERDICT_STYLE[d.verdict]),
+        )
+    return table
+
+
+def _unmatched_findings_and_summary(report: DiffReport, console: Console) -> None:
+    """Reshaped and one-side-only layers, the findings, the summary by verdict and the diagnosis."""
+    from rich.text import Text
+
+    for name, ca, cb in report.reshaped:
+        console.print(cell(f"channel count changed: {name} ({ca} -> {cb})", style="yellow"))
+    for label, names in (("A", report.only_a), ("B", report.only_b)):
+        if names:
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            console.print(cell(f"only in {label}: {plural(len(names), 'layer')}: {shown}", style="dim"))
+    console.print()
+    if report.findings:
+        console.print(fit_width(findings_table(report.findings), console.width))
+        console.print()
+    groups = report.groups()
+    if report.layers:
+        console.print(Text("summary by verdict", style="bold"))
+    for verdict, names in report.layers_by_verdict().items():
+        if names:
+            console.print(
+                indented(f"{verdict}: {plural(len(names), 'layer')}, {groups[verdict]}", style=VERDICT_STYLE[verdict])
+            )
+    if report.layers:
+        console.print()
+    diagnosis_bullets(console, report.diagnosis())
+    console.print()
+
+
+def _export_header(check: ExportCheck, console: Console) -> None:
+    """How a checkpoint was matched with its export, under the two sides' lines."""
+    side = check.export_side.upper()
+    facts = [f"{side} is an ONNX export" + (f" by {check.producer}" if check.producer else "")]
+    if check.opset is not None:
+        facts.append(f"opset {check.opset}")
+    if check.matching:
+        facts.append(f"BatchNormalization nodes matched by {check.matching}")
+    if check.pairing:
+        facts.append(f"folded layers paired by {check.pairing}")
+    console.print(indented("; ".join(facts), style="dim"))
+
+
+def _export_body(check: ExportCheck, console: Console) -> None:
+    """The folded layers (one row each), the unpaired ones and the output comparison."""
+    from rich.text import Text
+
+    if check.folded:
+        table = bordered()
+        table.add_column("folded layer", overflow="fold", min_width=min(24, max(len(f.name) for f in check.folded)))
+        table.add_column("into", overflow="fold")
+        for header in ("C", "scale err", "shift err", "implied eps"):
+            table.add_column(header, justify="right")
+        table.add_column("status")
+        for f in check.folded:
+            c = f.check
+            table.add_row(
+                cell(f.name),
+                cell(f.node),
+                str(c.channels),
+                g3(c.scale_error),
+                g3(c.shift_error),
+                "-" if c.implied_eps is None else f"{c.implied_eps:.2g}",
+                Text("matches", style="green") if c.matches else Text("MISMATCH", style="red"),
+            )
+        console.print(fit_width(table, console.width))
+    p = check.parity
+    if p is not None:
+        style = "red" if p.deviates else "green"
+        fixed = f", fixed batch size {p.batch_size} ({p.padded} padding samples)" if p.batch_size else ""
+        console.print(
+            cell(
+                f"outputs (torch eval vs onnxruntime CPU) on {plural(p.samples, 'sample')}{fixed}: argmax agreement "
+                f"{p.agreement * 100:.1f}%, largest relative deviation {g3(p.max_deviation)} (float32 floor {g3(p.floor)})",
+                style=style,
+            )
+        )

@@ -1,0 +1,132 @@
+"""The gap table: the two modes, the gap with its interval, per-layer drift, findings, diagnosis."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MEAN_SHIFT, RELATIVE_L2, VAR_LOG_RATIO
+from bnaudit.output.table.common import (
+    Justify,
+    bordered,
+    cell,
+    drift_value,
+    findings_and_diagnosis,
+    fit_width,
+    measurement_header,
+    percent,
+    span,
+)
+from bnaudit.text import plural
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from bnaudit.reports.gap import GapReport, LayerDrift
+
+
+def render_gap(report: GapReport, console: Console, quiet: bool = False) -> None:
+    """Rich rendering: header, the two modes, per-layer drift (worst first), findings, diagnosis."""
+    from rich.text import Text
+
+    measurement_header(console, report.checkpoint, report.model, report.data, report.notes)
+    order = f"shuffled with seed {report.seed}" if report.shuffle else "file order, --no-shuffle"
+    skipped = f", {plural(report.skipped, 'unreadable image')} skipped" if report.skipped else ""
+    console.print(
+        cell(
+            f"{plural(report.samples, 'sample')} in {plural(report.batches, 'batch', 'batches')} of {report.batch_size} "
+            f"({order}), device {report.device}{skipped}"
+        )
+    )
+    console.print()
+
+    modes = bordered()
+    modes.add_column("mode")
+    modes.add_column("BatchNorm normalises with")
+    modes.add_column("accuracy", justify="right")
+    modes.add_column("95% CI (Wilson)", justify="right")
+    modes.add_row("train", "batch statistics", percent(report.train_accuracy), span(report.train_interval))
+    modes.add_row("eval", "running statistics", percent(report.eval_accuracy), span(report.eval_interval))
+    console.print(fit_width(modes, console.width))
+    parts = []
+    if report.gap is not None:
+        significant = report.gap_significant is not False
+        style = "bold red" if report.gap > 0.01 and significant else "green"
+        words = f"gap {report.gap * 100:+.1f} points (95% CI {span(report.gap_interval, signed=True)}, n = {report.labelled}"
+        # on a line of its own: with its interval it leaves no room for the other measures
+        console.print(Text(words + (")" if significant else ", not significant)"), style=style))
+    if report.agreement is not None:
+        parts.append(Text(f"agreement {percent(report.agreement)}"))
+    if report.divergence is not None:
+        kind = "KL(eval || train)" if report.divergence_kind == "kl" else RELATIVE_L2.column
+        parts.append(Text(f"divergence {report.divergence:.4g} ({kind})"))
+    if parts:
+        console.print(Text("  ·  ").join(parts))
+    console.print()
+
+    unmeasured = [d for d in report.layers if d.note == "not measured (TorchScript)"]
+    if report.layers and not quiet and len(unmeasured) == len(report.layers):
+        console.print(cell(_scripted_line(len(report.layers)), style="dim"))
+        console.print()
+    elif report.layers and not quiet:
+        console.print(fit_width(_drift_table(report.layers), console.width))
+        console.print()
+
+    findings_and_diagnosis(console, report.findings, report.diagnosis)
+
+
+def _scripted_line(layers: int) -> str:
+    return (
+        f"per-layer drift: not measured for the {plural(layers, 'BN layer')}: TorchScript modules run no hooks; "
+        "pass the state dict with --arch MODULE:CALLABLE to see it"
+    )
+
+
+def _worst_channel(d: LayerDrift) -> str:
+    """`index: shift_c + log_var_c` of the layer's worst channel (bnaudit.runtime.attribution)."""
+    if not d.worst:
+        return "-"
+    c = d.worst[0]
+    return f"{c.index}: {drift_value(c.score)}"
+
+
+def _drift_table(layers: list[LayerDrift]) -> Table:
+    """Per-layer drift, origins first (their # marked *), then by the worst channel's drift;
+    "worst ch" is `index: shift_c + log_var_c` of that channel."""
+
+    table = bordered("per-layer drift: eval-mode inputs against running statistics; * origin of the drift")
+    columns: tuple[tuple[str, Justify], ...] = (
+        ("layer", "left"),
+        ("#", "right"),
+        ("kind", "left"),
+        ("C", "right"),
+        (MEAN_SHIFT.column, "right"),
+        (MAX_MEAN_SHIFT.column, "right"),
+        (VAR_LOG_RATIO.column, "right"),
+        ("drift", "right"),
+        ("worst ch", "right"),
+    )
+    for col, justify in columns:
+        table.add_column(col, justify=justify, overflow="fold")
+    for d in layers:
+        if d.drift is None:
+            style = "dim"
+        elif d.origin:
+            style = "bold red"
+        elif d.large:
+            style = "yellow"
+        else:
+            style = ""
+        table.add_row(
+            cell(d.name),
+            f"{d.position + 1}{'*' if d.origin else ''}",
+            cell(d.kind),
+            str(d.channels),
+            drift_value(d.mean_shift),
+            drift_value(d.max_mean_shift),
+            drift_value(d.var_log_ratio),
+            drift_value(d.drift) if d.drift is not None else cell(d.note or "-"),
+            _worst_channel(d),
+            style=style,
+        )
+    return table
