@@ -91,8 +91,7 @@ from bnaudit.runtime.norms import batch_statistics, is_batchnorm, norm_modules
 from bnaudit.runtime.stats import (
     ChannelStats,
     InstanceStats,
-    all_gather_instances,
-    all_gather_merge,
+    all_gather_stats,
     drift,
     record_bn_inputs,
 )
@@ -233,7 +232,11 @@ def measure_model_gap(
     totals.skipped, totals.notes = local.skipped, list(getattr(local, "notes", []))
     if world > 1:
         totals = _reduce_totals(totals)
-        accumulated, input_stats = _reduce_stats(accumulated, input_stats)
+        # every rank's statistics of each layer's input and of the model's input, merged
+        *layer_stats, merged_input = all_gather_stats([*accumulated.values(), input_stats])
+        accumulated = dict(zip(accumulated, layer_stats, strict=True))
+        assert isinstance(merged_input, ChannelStats)
+        input_stats = merged_input
         example = _shared_example(example, device)
     layers = _drift(norms, accumulated, hooked)
     labelled = totals.labelled
@@ -286,25 +289,6 @@ def measure_model_gap(
     return report
 
 
-def _reduce_stats(
-    accumulated: dict[str, ChannelStats | InstanceStats], input_stats: ChannelStats
-) -> tuple[dict[str, ChannelStats | InstanceStats], ChannelStats]:
-    """Every rank's per-channel statistics of each BN layer's input and of the model's
-    input, Chan-merged (`stats.all_gather_merge`). A channel count that only some ranks
-    know (a rank without batches saw nothing) is agreed first. Collective."""
-    names = list(accumulated)
-    known = gather_objects([_channels(accumulated[n]) for n in names] + [_channels(input_stats)])
-    channels = [max(counts[i] for counts in known) for i in range(len(names) + 1)]
-    merged: dict[str, ChannelStats | InstanceStats] = {}
-    for name, c in zip(names, channels):
-        stats = accumulated[name]
-        if isinstance(stats, InstanceStats):
-            merged[name] = all_gather_instances(stats)
-        else:
-            merged[name] = all_gather_merge(stats, c) if c else ChannelStats()
-    return merged, all_gather_merge(input_stats, channels[-1]) if channels[-1] else ChannelStats()
-
-
 def _shared_example(example: Any, device: Any) -> Any:
     """The input probe needs only an example's shape and dtype (`_probe_first_layer`): the
     first rank's, on every rank, so that a rank without batches builds the same report.
@@ -314,10 +298,6 @@ def _shared_example(example: Any, device: Any) -> Any:
         return example
     shape, dtype = known[0]
     return torch.zeros(shape, dtype=dtype, device=device)
-
-
-def _channels(stats: ChannelStats | InstanceStats) -> int:
-    return int(stats.mean.numel()) if stats.count else 0
 
 
 def _image_like(inputs: Any) -> bool:

@@ -269,3 +269,23 @@ def all_gather_merge(stats: ChannelStats, num_channels: int, group: Any = None) 
         n = int(part[0].item())
         merged.merge(n, part[1 : num_channels + 1].cpu(), part[num_channels + 1 :].cpu())
     return merged
+
+
+def all_gather_stats(stats: list[ChannelStats | InstanceStats]) -> list[ChannelStats | InstanceStats]:
+    """Every rank's accumulations, each merged over the ranks (`all_gather_merge`,
+    `all_gather_instances`), identical on every rank. A channel count that only some ranks
+    know (a rank that saw nothing) is agreed first. Collective: every rank passes the
+    same kinds in the same order."""
+    known = gather_objects([_channels(s) for s in stats])
+    merged: list[ChannelStats | InstanceStats] = []
+    for i, part in enumerate(stats):
+        channels = max(counts[i] for counts in known)
+        if isinstance(part, InstanceStats):
+            merged.append(all_gather_instances(part))
+        else:
+            merged.append(all_gather_merge(part, channels) if channels else ChannelStats())
+    return merged
+
+
+def _channels(stats: ChannelStats | InstanceStats) -> int:
+    return int(stats.mean.numel()) if stats.count else 0
