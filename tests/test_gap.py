@@ -748,3 +748,70 @@ def test_measure_gap_refuses_batches_of_one(world):
     stream = make_loader(DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=1))
     with pytest.raises(BnauditError, match="at least 2"):
         measure_model_gap(runnable, stream)
+
+
+INSTANCE_SOURCE = """
+from torch import nn
+
+
+def instance_net():
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3, padding=1), nn.InstanceNorm2d(3, affine=True, track_running_stats=True, momentum=0.01), nn.ReLU(),
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2),
+    )
+"""
+
+
+def _offset_images(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images whose brightness varies between samples (offset of std 1.5) more than within
+    one (noise of std 1): per-instance variances are well below the pooled one."""
+    y = torch.randint(0, 2, (n,), generator=g)
+    x = 1.5 * torch.randn(n, 1, 1, 1, generator=g) + torch.randn(n, 1, 8, 8, generator=g)
+    x[:, :, :4] += y[:, None, None, None].float()  # the class shows in the top half
+    return x, y
+
+
+def test_a_tracked_instance_norm_is_compared_with_the_mean_of_per_instance_variances(tmp_path):
+    # InstanceNorm's running_var averages the unbiased variance of each instance (sample,
+    # channel) over its H*W values; the variance pooled over the batch adds the spread of the
+    # instance means. On data like training's, the tracked statistics describe the data
+    # and the layer is no drift origin.
+    (tmp_path / "inet.py").write_text(INSTANCE_SOURCE)
+    ns: dict = {}
+    exec(INSTANCE_SOURCE, ns)
+    torch.manual_seed(0)
+    model = ns["instance_net"]()
+    g = torch.Generator().manual_seed(3)
+    x_train, y_train = _offset_images(256, g)
+    train_classifier(model, x_train, y_train, steps=60)
+    model.train()
+    with torch.no_grad():  # let the running statistics (momentum 0.01) settle on the final weights
+        for _ in range(300):
+            model(x_train[torch.randperm(256, generator=g)[:32]])
+    model.eval()
+    save_file(model.state_dict(), tmp_path / "inet.safetensors")
+    x_val, y_val = _offset_images(256, g)
+    save_file({"inputs": x_val, "labels": y_val}, tmp_path / "val.safetensors")
+
+    # independent: every instance's mean and unbiased variance at the InstanceNorm input
+    seen: list[torch.Tensor] = []
+    handle = model[1].register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().double()))
+    with torch.no_grad():
+        model(x_val)
+    handle.remove()
+    inputs = seen[0].flatten(2)  # (N, C, H*W)
+    per_instance_var = inputs.var(dim=2, unbiased=True).mean(dim=0)
+    per_instance_mean = inputs.mean(dim=2).mean(dim=0)
+    pooled_var = inputs.transpose(0, 1).reshape(3, -1).var(dim=1)
+    assert float((pooled_var / per_instance_var).log().mean()) > 0.8  # the pooled statistic is far off
+
+    runnable = load_runnable(str(tmp_path / "inet.safetensors"), arch=str(tmp_path / "inet.py") + ":instance_net")
+    stream = make_loader(DataOptions(path=str(tmp_path / "val.safetensors"), batch_size=32))
+    report = measure_model_gap(runnable, stream)
+    layer = next(d for d in report.layers if d.name == "1")
+    assert layer.kind == "InstanceNorm2d" and layer.values == 256 * 64
+    for channel in layer.worst:
+        assert channel.data_var == pytest.approx(float(per_instance_var[channel.index]), rel=1e-9)
+        assert channel.data_mean == pytest.approx(float(per_instance_mean[channel.index]), rel=1e-9, abs=1e-12)
+    assert layer.var_log_ratio < 0.2 and not layer.large and not layer.origin

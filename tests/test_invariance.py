@@ -254,7 +254,7 @@ def test_arrangements_cut_natural_and_seeded_orders_into_whole_batches():
 
 def test_shares_of_whole_batches_sum_to_the_single_run(world, monkeypatch):
     # what a split across processes relies on: each rank's share of whole batches (as
-    # runtime.distributed.shard_batches deals them) fills its rows, zeros elsewhere, and the
+    # runtime.batching.BatchPlan.shard deals them) fills its rows, zeros elsewhere, and the
     # shares add up to one run's outputs exactly; the combining across ranks is left out
     # (one process: combine_rows passes a rank's rows through)
     runnable = load_runnable(str(world["root"] / "untracked_net.safetensors"), arch=_arch(world, "untracked_net"))

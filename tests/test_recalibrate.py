@@ -14,7 +14,7 @@ from conftest import default_sigint, train_classifier
 from torch import nn
 
 from bnaudit.errors import BnauditError
-from bnaudit.runtime.norms import merge_trailing_singleton
+from bnaudit.runtime.batching import merge_trailing_singleton
 from bnaudit.runtime.recalibrate.methods import recalibrate_module
 
 torch.set_num_threads(1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -157,27 +156,32 @@ def _measure_and_emit(
     (`bnaudit.config.exit_code_for`, through the report).
 
     Under torchrun every rank measures its share and holds the same report, so exit codes
-    agree; rank 0 alone prints it, errors included in JSON. Errors are said inside `reporting`,
-    before the ranks wait for each other: torchrun stops the other ranks as soon as one exits.
-    The exit code is asked before the report is printed: a report may find its own options
-    wrong (gap's --max-gap without labels is an error, exit 2).
+    agree; rank 0 alone prints it (the runner says which process prints), errors included in
+    JSON. Errors are said inside the runner's block, before the ranks wait for each other:
+    torchrun stops the other ranks as soon as one exits. The exit code is asked before the
+    report is printed: a report may find its own options wrong (gap's --max-gap without
+    labels is an error, exit 2).
     """
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
-    from bnaudit.runtime.distributed import reporting
+    from bnaudit.runtime.distributed import prints, torchrun
     from bnaudit.runtime.models import resolve_device
 
     json_output = output_format is Format.json
-    rank = int(os.environ.get("RANK", "0"))
-    with user_errors(debug, json_output and rank == 0):
+    printing = prints()
+    with user_errors(debug, json_output and printing):
         options = data_options(*data_args)
         config = load_config(config_file=settings.config_file, isolated=settings.isolated, rule_codes=accepted_codes())
-        quiet_bar = quiet or json_output or rank != 0
-        with frozen_imports(), reporting(resolve_device(device)), user_errors(debug, json_output and rank == 0):
+        quiet_bar = quiet or json_output or not printing
+        with (
+            frozen_imports(),
+            torchrun(resolve_device(device), wait=True),
+            user_errors(debug, json_output and printing),
+        ):
             with output.progress(what, sys.stderr, quiet=quiet_bar) as update:
                 report = measure(options, config, update)
             code: int = report.exit_code(exit_zero=settings.exit_zero)
-            if rank == 0:
+            if printing:
                 output.emit(report, output_format.value, sys.stdout, quiet=quiet)
     return code
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from enum import Enum
 from typing import Annotated, Optional
@@ -126,16 +125,17 @@ def recalibrate(
 
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
+    from bnaudit.runtime.distributed import prints
     from bnaudit.runtime.recalibrate.command import recalibrate_checkpoint
 
     json_output = output_format is Format.json
     # under torchrun every rank runs this; rank 0 alone reports, errors included in JSON
-    rank = int(os.environ.get("RANK", "0"))
+    printing = prints()
 
     def warn(message: str) -> None:
         output.emit_warning(message, sys.stderr)
 
-    with user_errors(debug, json_output and rank == 0):
+    with user_errors(debug, json_output and printing):
         options = data_options(
             data,
             dataset,
@@ -153,7 +153,7 @@ def recalibrate(
         held_out = None if eval_data is None else dataclasses.replace(options, path=eval_data, dataset=None)
         # The inspect findings of the --eval-data gap reports follow the project's configuration.
         config = load_config(config_file=config_file, isolated=isolated, rule_codes=accepted_codes())
-        quiet_bar = quiet or json_output or rank != 0
+        quiet_bar = quiet or json_output or not printing
         with frozen_imports(), output.progress(f"recalibrate ({method.value})", sys.stderr, quiet=quiet_bar) as update:
             report = recalibrate_checkpoint(
                 checkpoint,

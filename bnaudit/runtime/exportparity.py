@@ -32,10 +32,11 @@ from bnaudit.audit.exportdiff import ParityResult
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.onnx import load_onnx
-from bnaudit.runtime.data import DataOptions, make_loader
+from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.deviation import relative_deviations
 from bnaudit.runtime.models import load_runnable, output_tensor
 from bnaudit.runtime.norms import batchnorm_modules
+from bnaudit.runtime.sources import DataOptions
 
 FLOOR_FACTOR = 10.0
 FLOOR_MIN = 1e-6
