@@ -134,6 +134,19 @@ class Averaging:
     buffers: str  # "copied", "averaged", "unknown"
     counter_meaning: str
 
+    def describe(self) -> str:
+        """One line: "AveragedModel of 20 models, buffers copied from the live model"."""
+        count = "" if self.n_averaged is None else f" of {self.n_averaged} model{'' if self.n_averaged == 1 else 's'}"
+        buffers = {
+            "copied": "buffers copied from the live model",
+            "averaged": "buffers averaged",
+        }.get(
+            self.buffers,
+            "buffers copied or averaged: unknown (use_buffers is not saved; a diff against the live model "
+            "tells: copied buffers are bit-identical to its own)",
+        )
+        return f"{self.kind}{count}, {buffers}"
+
 
 @dataclass
 class Checkpoint:
