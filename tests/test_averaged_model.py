@@ -163,6 +163,10 @@ def test_diff_against_the_copy_after_update_bn_is_re_estimated(files):
     for d in report.layers:
         assert d.verdict == "re-estimated" and d.params_identical and not d.stats_identical
         assert d.batches_b == 4  # update_bn resets the counter, then counts its 4 batches of 32
+        before, after = states["swa"], states["swa_bn"]
+        ma, mb = before[f"module.{d.name}.running_mean"].double(), after[f"module.{d.name}.running_mean"].double()
+        va = before[f"module.{d.name}.running_var"].double()
+        assert d.max_mean_shift == pytest.approx(((mb - ma).abs() / (va + 1e-5).sqrt()).max().item(), rel=1e-9)
     assert {(f.code, f.severity) for f in report.findings} == {("BN103", "info")}
 
 
