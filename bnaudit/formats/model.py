@@ -142,8 +142,8 @@ class Averaging:
             "averaged": "buffers averaged",
         }.get(
             self.buffers,
-            "buffers copied or averaged: unknown (use_buffers is not saved; a diff against the live model "
-            "tells: copied buffers are bit-identical to its own)",
+            "buffers copied or averaged: unknown (use_buffers is not saved; diff against the live model "
+            "tells: copied ones equal its own)",
         )
         return f"{self.kind}{count}, {buffers}"
 
