@@ -18,7 +18,9 @@ model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth, training_args.bin,
 trainer_state.json), and `lightning/last.ckpt` (a Lightning-style container whose
 hyper_parameters and args pickle classes of a project module that does not exist where the file
 is audited), and `traced_train.pt` (the healthy model traced with its BatchNorm layers in
-training mode: batch-dependent predictions for `bnaudit invariance`).
+training mode: batch-dependent predictions for `bnaudit invariance`), and `swa/` (SWA with
+torch.optim.swa_utils.AveragedModel: live.pt, swa.pt its state dict before update_bn, swa_bn.pt
+after it).
 `python sample_models/generate.py --layouts-only` rewrites just these,
 from the committed healthy.safetensors and calibration data (no scikit-learn needed).
 
@@ -262,6 +264,31 @@ def write_layouts(healthy: dict[str, torch.Tensor], xc, yc) -> None:
     write_trainer_checkpoint(healthy, xc, yc, os.path.join(HERE, "checkpoint-3"))
     write_lightning_checkpoint(healthy, os.path.join(HERE, "lightning", "last.ckpt"))
     write_traced_in_training_mode(healthy, xc, os.path.join(HERE, "traced_train.pt"))
+    write_averaged_model(healthy, xc, yc, os.path.join(HERE, "swa"))
+
+
+def write_averaged_model(healthy: dict[str, torch.Tensor], x, y, folder: str, epochs: int = 4) -> None:
+    """SWA as torch.optim.swa_utils documents it: from the healthy weights, `epochs` epochs of
+    SGD at a constant rate with `AveragedModel.update_parameters` after each. `live.pt` is the
+    live model's state dict; `swa.pt` the AveragedModel's (`n_averaged` beside `module.*`,
+    use_buffers=False: its buffers copied from the live model) saved without `update_bn`, the
+    mistake `bnaudit diff live.pt swa.pt` reports; `swa_bn.pt` the same after `update_bn`."""
+    from torch.optim.swa_utils import AveragedModel, update_bn
+
+    os.makedirs(folder, exist_ok=True)
+    torch.manual_seed(0)
+    model = digits_net()
+    model.load_state_dict(healthy)
+    swa = AveragedModel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(epochs):
+        run_epochs(model, opt, x, y, 1, g)
+        swa.update_parameters(model)
+    torch.save(state(model), os.path.join(folder, "live.pt"))
+    torch.save(swa.state_dict(), os.path.join(folder, "swa.pt"))
+    update_bn(torch.utils.data.DataLoader(x, batch_size=BATCH), swa)
+    torch.save(swa.state_dict(), os.path.join(folder, "swa_bn.pt"))
 
 
 def write_onnx_samples(healthy: dict[str, torch.Tensor], folder: str) -> None:

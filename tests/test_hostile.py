@@ -409,10 +409,10 @@ def test_internal_error_on_one_file_spares_the_others_and_debug_shows_it(tmp_pat
     torch.save(bn_state(), bad)
     real = audit_module.discover_layers
 
-    def discover(ckpt, **kwargs):
+    def discover(ckpt, *args, **kwargs):
         if ckpt.path == str(bad):
             raise ZeroDivisionError("simulated bug")
-        return real(ckpt, **kwargs)
+        return real(ckpt, *args, **kwargs)
 
     monkeypatch.setattr(audit_module, "discover_layers", discover)
     result = cli("inspect", str(good), str(bad))

@@ -92,6 +92,11 @@ def _sides(report: DiffReport, console: Console) -> None:
         where += f", {plural(side.layers, 'BN layer')}"
         title.append(printable(f"  ({where})"), style="dim")
         console.print(title)
+    averaged = [(label, side.averaging) for label, side in (("A", report.a), ("B", report.b)) if side.averaging]
+    if len(averaged) == 2 and averaged[0][1] == averaged[1][1]:
+        averaged = [("A and B", averaged[0][1])]
+    for label, averaging in averaged:
+        console.print(indented(f"{label}: {averaging.describe()}", style="dim"))
     if report.settings:
         console.print(indented(f"{report.settings}", style="dim"))
     if report.provenance:
