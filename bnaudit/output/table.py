@@ -795,7 +795,7 @@ def render_diff(report: Any, console: Any, quiet: bool = False) -> None:
 def _export_header(check: Any, console: Any) -> None:
     """How a checkpoint was matched with its export, under the two sides' lines."""
     side = check.export_side.upper()
-    facts = [f"{side} is an ONNX export" + (f" by {check.producer}" if check.producer else "")]
+    facts = [f"{side} is {check.kind}" + (f" by {check.producer}" if check.producer else "")]
     if check.opset is not None:
         facts.append(f"opset {check.opset}")
     if check.matching:

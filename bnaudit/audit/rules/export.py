@@ -1,6 +1,6 @@
-"""The rules of `bnaudit diff` between a checkpoint and its ONNX export (BN108-BN114).
+"""The rules of `bnaudit diff` between a checkpoint and its export, ONNX or .pt2 (BN108-BN114).
 
-The side that is not ONNX is the reference; definitions of the numbers in
+The side that is not the export is the reference; definitions of the numbers in
 bnaudit.audit.exportdiff and bnaudit.audit.fold.
 """
 
@@ -145,12 +145,15 @@ def _check_export_momentum(ctx: DiffContext) -> Iterator[Finding]:
     "BN111",
     "export-training-mode",
     Severity.ERROR,
-    "A BatchNormalization node of the export runs in training mode (training_mode=1, or is_test unset before opset 7).",
+    "A BatchNorm node of the export runs in training mode (ONNX training_mode=1, or is_test unset before opset 7; .pt2 training=True).",
     "A node in training mode normalises with the statistics of the batch it is given, not the stored ones: "
     "predictions depend on the other samples of the batch, a batch of one is normalised to beta, and some "
     "execution providers refuse the node. torch.onnx.export writes it when the model was exported in "
-    "train() mode (or with training=TrainingMode.TRAINING).",
-    "Call model.eval() before torch.onnx.export (and leave `training` at its default).",
+    "train() mode (or with training=TrainingMode.TRAINING); torch.export.export records the mode the module "
+    "was in (a batch-norm op with training=True, `_native_batch_norm_legit_functional`, or running "
+    "statistics written back by a decomposed program).",
+    "Call model.eval() before exporting: torch.onnx.export (leave `training` at its default) or "
+    "torch.export.export(model.eval(), ...).",
     command="diff",
 )
 def _check_export_training(ctx: DiffContext) -> Iterator[Finding]:
