@@ -302,7 +302,8 @@ def _export_diagnosis(check: ExportCheck, findings: list[Finding]) -> list[str]:
     bad = {f.code for f in findings if f.severity in ("error", "warning")}
     kept = len(check.nodes)
     good_folds = [f for f in check.folded if f.check.matches]
-    if not bad & {"BN108", "BN109", "BN110", "BN111", "BN112", "BN113", "BN114"}:
+    matches = not bad & {"BN108", "BN109", "BN110", "BN111", "BN112", "BN113", "BN114"}
+    if matches:
         parts = []
         if kept:
             parts.append(f"{plural(kept, 'BatchNormalization node')} equal to the checkpoint's layers")
@@ -330,7 +331,7 @@ def _export_diagnosis(check: ExportCheck, findings: list[Finding]) -> list[str]:
             f"The export's {words} could not be checked: the checkpoint holds no modules and no {words} was given "
             f"(pass {'/'.join(OPTIONS[n] for n in unsure)}, or --arch)."
         )
-    elif check.parity is None or not check.parity.deviates:
+    if not matches and (check.parity is None or not check.parity.deviates):
         causes = check.causes() or ["see the findings above (momentum convention, layers not paired)"]
         lines.append("The export differs from the checkpoint: " + "; ".join(causes) + ".")
     if check.parity is not None and check.parity.deviates:

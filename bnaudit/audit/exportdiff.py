@@ -197,7 +197,8 @@ class ExportCheck:
         if training:
             causes.append(
                 f"{len(training)} BatchNormalization node(s) run in training mode ({', '.join(training[:3])}): "
-                "onnxruntime normalises with each batch's own statistics"
+                f"{'onnxruntime' if self.kind == 'an ONNX export' else 'the program'} normalises with each "
+                "batch's own statistics"
             )
         if eps:
             causes.append(f"BatchNormalization nodes with another eps: {', '.join(eps[:3])}")

@@ -264,7 +264,7 @@ def _read_node(
         refs[leaf] = payload.ref
     training, reason = _training(op, named, ordered)
     if training:
-        reason += f" ({_EVAL_FIX})"
+        reason += f"; {_EVAL_FIX}"
     if "running_mean" in absent and "running_var" in absent:
         # track_running_stats=False: batch statistics in every mode, nothing stored to audit
         name = prefix + _layer_name(fqns, label)
@@ -368,7 +368,7 @@ def _read_decomposed(
             continue
         leaves = {leaf: payloads.get(f"{layer}.{leaf}") for leaf in (*_LEAVES, "num_batches_tracked")}
         unread = [p for p in leaves.values() if p is not None and p.ref is None]
-        where = f"buffers of '{printable(layer)}' in program '{printable(model)}' (no batch-norm node)"
+        where = f"buffers of '{printable(layer)}' in program '{printable(model)}', no batch-norm node"
         if unread or leaves["running_mean"] is None or leaves["running_var"] is None:
             why = "; ".join(p.why_not for p in unread) or "statistics not in the archive's weights"
             found.unauditable.append(f"{where}: {why}: cannot be audited")
@@ -391,7 +391,7 @@ def _read_decomposed(
             training_mode=training,
             source=where if eps is None else f"{where}, eps from add(running_var, {eps:g})",
             training_reason=(
-                f"the program writes {printable(fqn)} back, a buffer mutation ({_EVAL_FIX})"
+                f"the program writes {printable(fqn)} back as a buffer mutation; {_EVAL_FIX}"
                 if training
                 else "running statistics"
             ),
