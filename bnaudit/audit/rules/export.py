@@ -226,7 +226,9 @@ def _check_folded(ctx: DiffContext) -> Iterator[Finding]:
     "A layer paired with neither could not be checked: a changed architecture, or an exporter that renamed "
     "everything and reordered the graph. Export convs whose weights equal no checkpoint weight and feed no "
     "BatchNormalization node are listed too (folded from a BN that could not be paired). Info: nodes whose "
-    "statistics are not constants (graph inputs, computed) cannot be compared.",
+    "statistics are not constants (graph inputs, computed) cannot be compared. A torch.export program (.pt2) "
+    "folds nothing into convs: a checkpoint layer with neither a batch-norm node nor buffers of its name in "
+    "the program is unpaired, and a node whose tensors are pickled is an info (never unpickled).",
     "Pass --arch so pairing follows the model graph, or export with do_constant_folding=False / optimize=False "
     "to keep the BatchNormalization nodes.",
     command="diff",

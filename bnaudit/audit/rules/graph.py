@@ -51,11 +51,14 @@ def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
     "BN013",
     "stats-not-constant",
     Severity.INFO,
-    "An exported BatchNormalization node's scale, B, mean or variance is not a constant: it cannot be audited.",
+    "An exported BatchNorm node's scale, B, mean or variance is not a constant (or not read): it cannot be audited.",
     "bnaudit reads the statistics a BatchNormalization node uses from initializers and Constant "
-    "nodes (through Identity nodes). A node whose inputs are graph inputs (statistics fed at run "
-    "time) or computed by other nodes has no stored values to check, so none of the other rules "
-    "can speak for it. The finding names the node and which input is not a constant.",
+    "nodes (through Identity nodes), those of a torch.export node from the program's parameters "
+    "and buffers (through its graph signature). A node whose inputs are graph inputs (statistics "
+    "fed at run time) or computed by other nodes has no stored values to check, so none of the "
+    "other rules can speak for it; nor has a .pt2 node whose tensor is stored as a pickle "
+    "(`use_pickle`, legacy weights), which bnaudit never unpickles. The finding names the node "
+    "and which input is not a constant.",
     "Audit the checkpoint the graph was exported from; or export with the statistics as "
     "initializers (`torch.onnx.export(..., export_params=True)`, the default).",
 )
