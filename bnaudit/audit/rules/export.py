@@ -225,7 +225,8 @@ def _check_folded(ctx: DiffContext) -> Iterator[Finding]:
     "counts, then its export node by initializer name, exporter scope, or order among convs of that shape). "
     "A layer paired with neither could not be checked: a changed architecture, or an exporter that renamed "
     "everything and reordered the graph. Export convs whose weights equal no checkpoint weight and feed no "
-    "BatchNormalization node are listed too (folded from a BN that could not be paired). Info: nodes whose "
+    "BatchNormalization node are listed too (folded from a BN that could not be paired), and so are the "
+    "export's BN layers that match no checkpoint layer (statistics the checkpoint does not hold). Info: nodes whose "
     "statistics are not constants (graph inputs, computed) cannot be compared. A torch.export program (.pt2) "
     "folds nothing into convs: a checkpoint layer with neither a batch-norm node nor buffers of its name in "
     "the program is unpaired, and a node whose tensors are pickled is an info (never unpickled).",
@@ -241,6 +242,8 @@ def _check_export_unpaired(ctx: DiffContext) -> Iterator[Finding]:
         layer = None if u.name.startswith("node ") else u.name
         text = u.reason if layer is not None else f"{u.name}: {u.reason}"
         yield r.finding(Severity.WARNING, layer, f"could not be checked: {text}" if layer else text)
+    for name in ctx.only_a + ctx.only_b:  # one side is the export: its layers no checkpoint layer matched
+        yield r.finding(Severity.WARNING, name, "only in the export: no checkpoint layer of that name or channel count")
     for note in ctx.export.unauditable:
         yield r.finding(Severity.INFO, None, f"cannot be compared: {note}")
 
