@@ -317,7 +317,9 @@ def test_sniffed_from_bytes_not_the_name(folder, tmp_path):
     renamed.write_bytes((folder / "eval.pt2").read_bytes())
     assert sniff_format(str(renamed)) == "pt2"
     # archive_format saying something else: not a .pt2 (and not a torch.save file either)
-    other = rewrite(folder / "eval.pt2", tmp_path / "other.pt2", lambda n, d: b"xyz" if n.endswith("/archive_format") else d)
+    other = rewrite(
+        folder / "eval.pt2", tmp_path / "other.pt2", lambda n, d: b"xyz" if n.endswith("/archive_format") else d
+    )
     with pytest.raises(BnauditError):
         sniff_format(str(other))
 
@@ -329,7 +331,9 @@ def test_a_gpu_node_is_a_note_and_its_epsilon_is_read(folder, tmp_path):
                 node["target"] = "torch.ops.aten.cudnn_batch_norm.default"
                 renames = {"momentum": "exponential_average_factor", "eps": "epsilon"}
                 node["inputs"] = [
-                    {**i, "name": renames.get(i["name"], i["name"])} for i in node["inputs"] if i["name"] != "cudnn_enabled"
+                    {**i, "name": renames.get(i["name"], i["name"])}
+                    for i in node["inputs"]
+                    if i["name"] != "cudnn_enabled"
                 ]
 
     path = rewrite(folder / "eval.pt2", tmp_path / "gpu.pt2", edit_json("models/model.json", to_cudnn))
@@ -475,6 +479,9 @@ def test_diff_program_against_its_checkpoint(folder, net, tmp_path):
         assert sorted(n.name for n in report.export.nodes) == sorted(EPS)
         assert not report.findings, report.findings
         assert report.exit_code() == 0
+        diagnosis = report.diagnosis()
+        assert any(line.startswith("The export matches the checkpoint") for line in diagnosis), diagnosis
+        assert not any("differs" in line for line in diagnosis), diagnosis
     # eps read from both sides differs: an error, in either order
     other = trained_net()
     other[4].eps = 1e-2

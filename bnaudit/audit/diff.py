@@ -22,6 +22,7 @@ from typing import ClassVar
 
 from bnaudit.audit.exportdiff import (
     ExportCheck,
+    FoldedLayer,
     ParityResult,
     Unpaired,
     fold_checks,
@@ -232,7 +233,9 @@ def _diff_export(
     pairs, left_ref, left_exp = match_layers(layers_ref, layers_exp)
     if exp.format == "pt2":
         # a program keeps BN as a node or as arithmetic on the module's own buffers: no conv to unfold
-        folded, kept_elsewhere, how = [], [], ""
+        folded: list[FoldedLayer] = []
+        kept_elsewhere: list[BNLayer] = []
+        how = ""
         unpaired = [
             Unpaired(layer.name, "no batch-norm node or buffers of that name in the program") for layer in left_ref
         ]

@@ -221,7 +221,8 @@ def _read_program(archive: Pt2Archive, model: str, program: dict[str, Any], pref
         if op is None or op.kind is not NormKind.BATCH_NORM:
             continue
         found.bn_nodes += 1
-        label = node.get("name") if isinstance(node.get("name"), str) else f"node_{index}"
+        name = node.get("name")
+        label = name if isinstance(name, str) else f"node_{index}"
         where = f"node '{printable(label)}' ({printable(str(target))}) in program '{printable(model)}'"
         _read_node(op, node, where, label, inputs, payloads, prefix, found, used_stats)
     if found.bn_nodes == nodes_before:
@@ -398,4 +399,3 @@ def _read_decomposed(
             # what the arithmetic computes, so that normkinds classifies the layer as BatchNorm
             calls=("aten::batch_norm",),
         )
-
