@@ -28,6 +28,7 @@ from typer.testing import CliRunner
 from bnaudit.audit.audit import inspect
 from bnaudit.audit.diff import diff
 from bnaudit.cli import app
+from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.sniff import sniff_format
@@ -542,3 +543,17 @@ def test_diff_reports_layers_on_one_side_only(folder, tmp_path):
     result = cli("diff", "--format", "json", str(tmp_path / "fewer.pt"), str(folder / "eval.pt2"))
     assert result.exit_code == 1
     assert json.loads(result.stdout)["only_b"] == [BN1D]
+
+
+def test_a_matching_export_is_not_said_to_differ():
+    # the settings merge attached "The export differs ..." to the eps note's `if`: every
+    # export diff with known settings said both "matches" and "differs"
+    report = diff(
+        str(REPO / "sample_models/healthy.pt"),
+        str(REPO / "sample_models/onnx/digits.onnx"),
+        config=Config(eps=1e-5, momentum=0.1),
+    )
+    assert not report.findings
+    assert [line.split(":")[0] for line in report.diagnosis() if "export" in line] == [
+        "The export matches the checkpoint"
+    ]
