@@ -309,7 +309,7 @@ def _export_diagnosis(check: ExportCheck, findings: list[Finding]) -> list[str]:
     if matches:
         parts = []
         if kept:
-            parts.append(f"{plural(kept, 'BatchNormalization node')} equal to the checkpoint's layers")
+            parts.append(f"{plural(kept, check.node_word)} equal to the checkpoint's layers")
         if good_folds:
             eps = [f.check.implied_eps for f in good_folds if f.check.implied_eps is not None]
             low, high = f"{min(eps, default=0):.2g}", f"{max(eps, default=0):.2g}"

@@ -179,6 +179,11 @@ class ExportCheck:
     parity: ParityResult | None = None
     kind: str = "an ONNX export"  # the export in words: "an ONNX export", "a torch.export program"
 
+    @property
+    def node_word(self) -> str:
+        """What the export's BN nodes are called: ONNX's op type, or torch.export's batch-norm ops."""
+        return "BatchNormalization node" if self.kind == "an ONNX export" else "batch-norm node"
+
     def explanation(self) -> str:
         """Whether the BatchNormalization nodes (or the folding) explain an output deviation."""
         causes = self.causes()
@@ -196,16 +201,14 @@ class ExportCheck:
         causes = []
         if training:
             causes.append(
-                f"{len(training)} BatchNormalization node(s) run in training mode ({', '.join(training[:3])}): "
+                f"{len(training)} {self.node_word}(s) run in training mode ({', '.join(training[:3])}): "
                 f"{'onnxruntime' if self.kind == 'an ONNX export' else 'the program'} normalises with each "
                 "batch's own statistics"
             )
         if eps:
-            causes.append(f"BatchNormalization nodes with another eps: {', '.join(eps[:3])}")
+            causes.append(f"{self.node_word}s with another eps: {', '.join(eps[:3])}")
         if stats:
-            causes.append(
-                f"BatchNormalization nodes whose tensors differ from the checkpoint's: {', '.join(stats[:3])}"
-            )
+            causes.append(f"{self.node_word}s whose tensors differ from the checkpoint's: {', '.join(stats[:3])}")
         if folded:
             causes.append(f"layers folded with other statistics or eps: {', '.join(folded[:3])}")
         return causes

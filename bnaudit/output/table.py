@@ -799,7 +799,7 @@ def _export_header(check: Any, console: Any) -> None:
     if check.opset is not None:
         facts.append(f"opset {check.opset}")
     if check.matching:
-        facts.append(f"BatchNormalization nodes matched by {check.matching}")
+        facts.append(f"{check.node_word}s matched by {check.matching}")
     if check.pairing:
         facts.append(f"folded layers paired by {check.pairing}")
     console.print(_indented("; ".join(facts), style="dim"))
