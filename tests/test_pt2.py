@@ -557,3 +557,21 @@ def test_a_matching_export_is_not_said_to_differ():
     assert [line.split(":")[0] for line in report.diagnosis() if "export" in line] == [
         "The export matches the checkpoint"
     ]
+
+
+@pytest.mark.slow
+def test_json_and_sarif_of_a_program_diff():
+    healthy, training = str(REPO / "sample_models/healthy.pt"), str(REPO / "sample_models/pt2/training.pt2")
+    result = cli("diff", "--format", "json", healthy, training)
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    assert doc["b"]["format"] == "pt2" and doc["export"]["kind"] == "pt2"
+    assert sorted((f["code"], f["layer"]) for f in doc["findings"]) == [
+        ("BN111", "features.1"),
+        ("BN111", "features.4"),
+        ("BN111", "head.2"),
+    ]
+    result = cli("diff", "--format", "sarif", healthy, training)
+    assert result.exit_code == 1
+    sarif = json.loads(result.stdout)
+    assert sorted(r["ruleId"] for r in sarif["runs"][0]["results"]) == ["BN111"] * 3
