@@ -575,3 +575,58 @@ def test_json_and_sarif_of_a_program_diff():
     assert result.exit_code == 1
     sarif = json.loads(result.stdout)
     assert sorted(r["ruleId"] for r in sarif["runs"][0]["results"]) == ["BN111"] * 3
+
+
+def test_legacy_weights_custom_objects_and_compiled_code_are_named_not_read(folder, tmp_path):
+    pickled = pickle.dumps(_Hostile(str(tmp_path / "marker")))
+
+    def change(name: str, data: bytes) -> bytes | None:
+        if name.endswith("model_weights_config.json") or "/data/weights/weight_" in name:
+            return None  # the legacy layout: one pickled data/weights/model.pt instead
+        if name.endswith("model_constants_config.json"):
+            entry = {"path_name": "custom_obj_0", "is_param": False, "use_pickle": True, "tensor_meta": None}
+            return json.dumps({"config": {"packed": entry}}).encode()
+        return data
+
+    path = rewrite(folder / "eval.pt2", tmp_path / "legacy.pt2", change)
+    root = zipfile.ZipFile(path).namelist()[0].split("/")[0]
+    with zipfile.ZipFile(path, "a") as zf:
+        zf.writestr(f"{root}/data/weights/model.pt", pickled)
+        zf.writestr(f"{root}/data/constants/custom_obj_0", pickled)
+        zf.writestr(f"{root}/data/aotinductor/model/model.so", b"\x7fELF")
+    ckpt = read_checkpoint(str(path))
+    assert ckpt.tensors == {} and ckpt.modules == {}
+    notes = "\n".join(ckpt.not_loaded)
+    assert "data/weights/model.pt: legacy weights (a pickle): not read" in notes
+    assert "data/constants/custom_obj_0 (packed): a custom object, not read" in notes
+    assert "data/aotinductor/ holds AOTInductor-compiled code and weights: not audited" in notes
+    assert len(ckpt.unauditable) == 3  # one per BN node: its tensors are in the pickle
+    assert all("cannot be audited" in u for u in ckpt.unauditable)
+    result = cli("inspect", str(path))
+    assert result.exit_code == 0, result.stdout  # infos only: nothing that could be read is wrong
+    assert "BN013" in result.stdout and "AOTInductor" in result.stdout
+    assert not (tmp_path / "marker").exists()
+
+
+def test_a_program_without_its_graph_is_a_compiled_package(folder, tmp_path):
+    path = rewrite(folder / "eval.pt2", tmp_path / "aoti.pt2", lambda n, d: None if "/models/" in n else d)
+    root = zipfile.ZipFile(path).namelist()[0].split("/")[0]
+    with zipfile.ZipFile(path, "a") as zf:
+        zf.writestr(f"{root}/data/aotinductor/model/model.so", b"\x7fELF")
+    ckpt = read_checkpoint(str(path))
+    assert ckpt.modules == {} and any("without an exported program" in u for u in ckpt.unauditable)
+    # without models/ and without compiled code it is no archive of a program at all
+    bare = rewrite(folder / "eval.pt2", tmp_path / "bare.pt2", lambda n, d: None if "/models/" in n else d)
+    one_line_error(cli("inspect", str(bare)), "no models/<name>.json")
+
+
+def test_a_node_without_running_statistics_is_batch_dependent_not_training(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4, track_running_stats=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.export.save(torch.export.export(model.eval(), (torch.randn(2, 3),)), str(tmp_path / "nostats.pt2"))
+    ckpt = read_checkpoint(str(tmp_path / "nostats.pt2"))
+    assert ckpt.tensors == {} and ckpt.modules["1"].track_running_stats is False
+    codes = {(f.code, str(f.severity), f.layer) for f in inspect(str(tmp_path / "nostats.pt2")).files[0].findings}
+    assert codes == {("BN006", "warning", "1")}
