@@ -91,13 +91,15 @@ def full_decompositions() -> dict:
     )
 
 
-def export(model: torch.nn.Module, path: Path, training: bool = False, decompose: str | None = None) -> Path:
+def export(
+    model: torch.nn.Module, path: Path, training: bool = False, decompose: str | None = None, example=None
+) -> Path:
     import copy
 
     model = copy.deepcopy(model).train(training)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.export.export(model, (EXAMPLE,))
+        program = torch.export.export(model, (EXAMPLE if example is None else example,))
         if decompose == "core":
             program = program.run_decompositions()
         elif decompose == "full":
@@ -630,3 +632,33 @@ def test_a_node_without_running_statistics_is_batch_dependent_not_training(tmp_p
     assert ckpt.tensors == {} and ckpt.modules["1"].track_running_stats is False
     codes = {(f.code, str(f.severity), f.layer) for f in inspect(str(tmp_path / "nostats.pt2")).files[0].findings}
     assert codes == {("BN006", "warning", "1")}
+
+
+def test_a_program_is_not_run_by_the_commands_that_run_checkpoints():
+    program = str(REPO / "sample_models/pt2/eval.pt2")
+    val = str(REPO / "sample_models/data/digits_val.safetensors")
+    one_line_error(cli("gap", program, "--data", val), "torch.export program is not run here")
+    arch = f"{REPO / 'sample_models/digits_net.py'}:digits_net"
+    healthy = str(REPO / "sample_models/healthy.pt")
+    one_line_error(cli("gap", healthy, "--arch", arch, "--data", program), "a torch.export archive")
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_strided_views_of_a_shared_storage_are_read_element_by_element(tmp_path, monkeypatch, whole):
+    from bnaudit.formats import pt2archive
+
+    if not whole:  # the range read of large storages, on a small one
+        monkeypatch.setattr(pt2archive, "_WHOLE_READ", 0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    storage = torch.rand(11) + 0.5
+    model[1].running_var = storage[3::2]  # offset 3, stride 2 in an 11-item storage
+    model[1].running_mean = storage[1:5]
+    path = tmp_path / "strided.pt2"
+    export(model, path, example=torch.randn(2, 3))
+    ckpt = read_checkpoint(str(path))
+    program = loaded(path)
+    for leaf in ("running_mean", "running_var"):
+        expected = program.state_dict[f"1.{leaf}"]
+        assert ckpt.tensors[f"1.{leaf}"].read() == expected.reshape(-1).tolist()
+    assert ckpt.tensors["1.running_var"].read() == storage[3::2].tolist()

@@ -58,6 +58,8 @@ SCALAR_TYPES = {
 _STRIDED = 7  # schema.Layout.Strided
 # JSON records larger than this are refused: a graph of 10^5 nodes is ~100 MB
 _JSON_LIMIT = 512 * 1024 * 1024
+# storage files up to this size are read whole (their CRC-32 checked); larger ones in the range a tensor spans
+_WHOLE_READ = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -249,14 +251,25 @@ def _strided_ref(
     shape = tuple(sizes)
     archive_path = path
 
+    # a storage shared by many tensors (a flat parameter buffer) is read in the range this one spans
+    first = offset if nbytes > _WHOLE_READ else 0
+    span = (last + 1 - first) * itemsize
+
     def read() -> list[float]:
         with zipfile.ZipFile(archive_path) as again:
             info = again.getinfo(member)
             if info.file_size != nbytes:
                 raise BnauditError(f"{archive_path}: {member} changed while being read")
-            data = again.read(member)
+            with again.open(info) as f:
+                if first:
+                    f.seek(first * itemsize)
+                    data = f.read(span)
+                else:
+                    data = f.read()[:span]  # read to its end: zipfile checks the entry's CRC-32
+        if len(data) != span:
+            raise BnauditError(f"{archive_path}: {member} ends before the tensor '{printable(fqn)}' does")
         values = decode_values(data, dtype)
-        return [values[i] for i in _indices(shape, strides, offset)]
+        return [values[i - first] for i in _indices(shape, strides, offset)]
 
     return TensorRef(fqn, shape, dtype, read), ""
 
