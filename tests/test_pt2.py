@@ -242,9 +242,8 @@ def test_a_decomposed_program_is_read_from_its_buffers(folder, net, name):
     training = name.startswith("training")
     for layer, info in ckpt.modules.items():
         assert info.training_mode is training
-        # eval arithmetic shows eps as add(running_var, eps); the training arithmetic
-        # adds it to the batch variance, which no buffer names
-        assert info.eps == (None if training else net[int(layer)].eps)
+        # add(running_var, eps) in eval mode, add(batch variance, eps) in training mode
+        assert info.eps == net[int(layer)].eps
         assert info.momentum == (0.1 if training else None)
     assert ckpt.decomposed is not None and "3 layers" in ckpt.decomposed
 
@@ -508,7 +507,7 @@ def test_diff_program_against_its_checkpoint(folder, net, tmp_path):
     for name in ("training", "training-core", "training-full"):
         report = diff(module, str(folder / f"{name}.pt2"))
         assert sorted(f.layer for f in report.findings if f.code == "BN111") == sorted(EPS)
-        assert "BN109" not in {f.code for f in report.findings}  # decomposed training: eps not shown, not compared
+        assert "BN109" not in {f.code for f in report.findings}
         assert report.exit_code() == 1
 
 
@@ -523,6 +522,13 @@ def test_diff_a_decomposed_eval_program_checks_its_arithmetic_eps(folder, tmp_pa
     wrong = export(other, tmp_path / "wrong-full.pt2", decompose="full")
     report = diff(module, str(wrong))
     assert [(f.code, str(f.severity), f.layer) for f in report.findings] == [("BN109", "error", BN3D)]
+    # the training arithmetic shows it too (on the batch variance)
+    wrong = export(other, tmp_path / "wrong-training-full.pt2", training=True, decompose="full")
+    report = diff(module, str(wrong))
+    assert sorted((f.code, f.layer) for f in report.findings if f.code in ("BN109", "BN111")) == [
+        ("BN109", BN3D),
+        *[("BN111", layer) for layer in sorted(EPS)],
+    ]
 
 
 @pytest.mark.slow

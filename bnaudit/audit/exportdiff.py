@@ -22,8 +22,8 @@ Three things are checked (the rules BN108-BN114 of the registry judge the record
 A torch.export program (.pt2) has no folded convs to verify: its BN is a node, or
 arithmetic on buffers that keep the module's names (formats/pt2.py), so every layer is a
 kept node matched by name; a checkpoint layer without one is unpaired. Its momentum is
-PyTorch's own (no ONNX convention to check), and an eps the program does not show (a
-decomposed training program) is not compared.
+PyTorch's own (no ONNX convention to check), and an eps the program does not show (arithmetic
+of a shape formats/pt2.py does not recognise) is not compared.
 
 "Equal beyond float32 rounding": both values rounded to float32 are the same float32 (NaN
 equals NaN), so a float64 checkpoint exported in float32 is equal, a float16 export is not.

@@ -18,9 +18,11 @@ its module's own name (`1`), and its tensors come from the archive's raw payload
 A program without any batch-norm node whose signature still feeds `P.running_mean` and
 `P.running_var` buffers was decomposed (`run_decompositions` with a batch-norm table): BN
 became sub/mul/rsqrt. Those layers are read from their buffers all the same; eps comes
-from the `add(running_var, eps)` node where the eval-mode arithmetic shows it, training
-mode from the buffer mutations the signature writes back, and `Checkpoint.decomposed`
-says what was seen. Nothing in an archive is unpickled (see pt2archive).
+from the arithmetic (eval: `add(running_var, eps)`; training: `add(var, eps)` on the batch
+variance of the `var_mean` whose value is written back into running_var), training mode
+and momentum from the buffer mutations the signature writes back (`running_mean * (1 - m)`),
+and `Checkpoint.decomposed` says what was seen. An eps the arithmetic does not show is None
+(not known). Nothing in an archive is unpickled (see pt2archive).
 """
 
 from __future__ import annotations
@@ -334,6 +336,26 @@ def _traces_to(value: str | None, target: str, producers: dict[str, dict[str, An
     return False
 
 
+def _batch_variance(written: str | None, producers: dict[str, dict[str, Any]]) -> str | None:
+    """The batch variance a decomposed training-mode BN writes into running_var: walking back
+    from the written value (running_var*(1-m) + var*n/(n-1)*m) to output 0 of `aten.var_mean`,
+    whose `add(var, eps)` then normalises the batch."""
+    stack: list[str | None] = [written]
+    seen: set[str] = set()
+    while stack and len(seen) < 64:
+        value = stack.pop()
+        node = producers.get(value or "")
+        if value is None or value in seen or node is None:
+            continue
+        seen.add(value)
+        if str(node.get("target", "")).startswith("torch.ops.aten.var_mean."):
+            outputs = [_tensor_name(o) for o in node.get("outputs") or []]
+            return value if outputs and outputs[0] == value else None
+        _, ordered = _args(node)
+        stack.extend(_tensor_name(a) for a in ordered)
+    return None
+
+
 def _arithmetic(nodes: list[dict[str, Any]], placeholder: str, op_name: str) -> Iterator[float]:
     """Constants c of `op_name(placeholder or its cast, c)` nodes."""
     producers = _producers(nodes)
@@ -380,7 +402,11 @@ def _read_decomposed(
                 found.tensors[f"{name}.{leaf}"] = payload.ref.renamed(f"{name}.{leaf}")
         training = fqn in mutated
         var_placeholder = placeholders[f"{layer}.running_var"]
-        eps = None if training else next(_arithmetic(nodes, var_placeholder, "add"), None)
+        if training:
+            batch_var = _batch_variance(mutated.get(f"{layer}.running_var"), _producers(nodes))
+            eps = None if batch_var is None else next(_arithmetic(nodes, batch_var, "add"), None)
+        else:
+            eps = next(_arithmetic(nodes, var_placeholder, "add"), None)
         retained = next(_arithmetic(nodes, placeholders[fqn], "mul"), None) if training else None
         momentum = None if retained is None else float(f"{1.0 - retained:.12g}")
         found.modules[name] = ModuleInfo(
@@ -390,7 +416,7 @@ def _read_decomposed(
             track_running_stats=True,
             momentum_known=momentum is not None,
             training_mode=training,
-            source=where if eps is None else f"{where}, eps from add(running_var, {eps:g})",
+            source=where if eps is None else f"{where}, eps from add({'var' if training else 'running_var'}, {eps:g})",
             training_reason=(
                 f"the program writes {printable(fqn)} back as a buffer mutation; {_EVAL_FIX}"
                 if training

@@ -86,8 +86,9 @@ def _check_not_constant(ctx: RuleContext) -> Iterator[Finding]:
     "a Conv gets no finding. A torch.export program (.pt2) decomposed with a batch-norm table "
     "(`run_decompositions`) has no batch-norm node either: BN became sub/mul/rsqrt/add on the "
     "module's buffers. The statistics are still stored as those buffers, so they are audited "
-    "under the module's names; eps is read from the `add(running_var, eps)` node of the "
-    "eval-mode arithmetic, training mode from the buffer mutations the signature writes back. "
+    "under the module's names; eps is read from the arithmetic (`add(running_var, eps)` in eval "
+    "mode, `add(var, eps)` on the batch variance in training mode), training mode from the "
+    "buffer mutations the signature writes back. "
     "The finding says which layers were read this way.",
     "Audit the checkpoint instead (`bnaudit inspect model.pt`), and check the folding against it "
     "with `bnaudit diff model.pt model.onnx`; or export with BN nodes kept "
