@@ -668,3 +668,13 @@ def test_strided_views_of_a_shared_storage_are_read_element_by_element(tmp_path,
         expected = program.state_dict[f"1.{leaf}"]
         assert ckpt.tensors[f"1.{leaf}"].read() == expected.reshape(-1).tolist()
     assert ckpt.tensors["1.running_var"].read() == storage[3::2].tolist()
+
+
+def test_an_eval_node_of_a_cumulative_average_module_does_not_claim_momentum_zero(tmp_path):
+    # BatchNorm.forward passes exponential_average_factor 0.0 in eval mode when momentum is None
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4, momentum=None))
+    path = export(model, tmp_path / "cumulative.pt2", example=torch.randn(2, 3))
+    assert graph_nodes(loaded(path))["1"]["momentum"] == 0.0
+    info = read_checkpoint(str(path)).modules["1"]
+    assert info.momentum_known is False and info.eps == 1e-5
+    assert "BN007" not in {f.code for f in inspect(str(path)).files[0].findings}
