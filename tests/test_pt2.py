@@ -248,6 +248,7 @@ def test_a_decomposed_program_is_read_from_its_buffers(folder, net, name):
     assert ckpt.decomposed is not None and "3 layers" in ckpt.decomposed
 
 
+@pytest.mark.slow
 def test_reading_imports_neither_torch_nor_numpy(folder):
     probe = (
         "import json, sys\n"
