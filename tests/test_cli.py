@@ -187,6 +187,8 @@ def test_sample_models_show_every_rule(cli):
     assert by_file["partially_frozen.pt"] == {"BN010"}
     assert by_file["digits.onnx"] == set()  # sample_models/onnx/: the healthy model exported in eval mode
     assert by_file["digits_training.onnx"] == {"BN012"}  # ... and in training mode
+    assert by_file["eval.pt2"] == set()  # sample_models/pt2/: torch.export.export(model.eval())
+    assert by_file["training.pt2"] == {"BN012"}  # ... and from model.train()
 
 
 def test_installed_executable_runs_in_a_subprocess(hand_made):

@@ -160,11 +160,11 @@ def _unmatched_findings_and_summary(report: DiffReport, console: Console) -> Non
 def _export_header(check: ExportCheck, console: Console) -> None:
     """How a checkpoint was matched with its export, under the two sides' lines."""
     side = check.export_side.upper()
-    facts = [f"{side} is an ONNX export" + (f" by {check.producer}" if check.producer else "")]
+    facts = [f"{side} is {check.kind}" + (f" by {check.producer}" if check.producer else "")]
     if check.opset is not None:
         facts.append(f"opset {check.opset}")
     if check.matching:
-        facts.append(f"BatchNormalization nodes matched by {check.matching}")
+        facts.append(f"{check.node_word}s matched by {check.matching}")
     if check.pairing:
         facts.append(f"folded layers paired by {check.pairing}")
     console.print(indented("; ".join(facts), style="dim"))
