@@ -16,7 +16,7 @@ from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
 from bnaudit.audit.rules import RULES, Finding
 from bnaudit.output.fit import FindingRow, collapse, concise_lines, shorten_middle, summary_line
 from bnaudit.output.grid import SEVERITY_STYLE, layout_grid
-from bnaudit.text import plural, printable
+from bnaudit.text import above_floor, plural, printable
 
 
 def _bordered(title: str | None = None) -> Any:
@@ -445,7 +445,7 @@ def render_invariance(report: Any, console: Any, quiet: bool = False) -> None:
             table.add_row(
                 a.name + (" *" if reference else ""),
                 str(a.batches),
-                "-" if reference else f"{a.max_deviation:.2g}",
+                "-" if reference else above_floor(a.max_deviation, report.screen),
                 "-" if reference else str(a.coupled),
                 "-" if reference or a.changed is None else str(a.changed),
                 _percent(a.accuracy),
@@ -457,19 +457,23 @@ def render_invariance(report: Any, console: Any, quiet: bool = False) -> None:
             console.print(_cell(f"{name}: failed: {message}", style="red"))
         console.print()
 
-    where = f" ({report.max_deviation_sample})" if report.max_deviation_sample else ""
-    parts = [Text(f"largest deviation {report.max_deviation:.3g}{where}")]
+    # below the screen, which sample deviates most is kernel noise too: not named
+    below_screen = report.max_deviation < report.screen
+    where = f" ({report.max_deviation_sample})" if report.max_deviation_sample and not below_screen else ""
+    parts = [Text(f"largest deviation {above_floor(report.max_deviation, report.screen, '.3g')}{where}")]
     if report.changed is not None:
         parts.append(Text(f"predictions changed {report.changed} ({_percent(report.changed_share)})"))
     if report.max_kl is not None:
-        parts.append(Text(f"KL(reference || arrangement) max {report.max_kl:.3g}, mean {report.mean_kl:.3g}"))
+        kl_max, kl_mean = (above_floor(kl, report.kl_floor, ".3g") for kl in (report.max_kl, report.mean_kl))
+        parts.append(Text(f"KL(reference || arrangement) max {kl_max}, mean {kl_mean}"))
     console.print(Text("  ·  ").join(parts))
     rescored = (
         f"{report.flagged} flagged, {report.cleared} cleared by float64 re-scoring"
         if report.float64
         else f"{report.flagged} flagged" + (", not re-scored in float64" if report.flagged else "")
     )
-    noise = f", largest float64 noise {report.float64_noise:.2g}" if report.float64_noise is not None else ""
+    noise64 = report.float64_noise
+    noise = f", largest float64 noise {above_floor(noise64, report.floor)}" if noise64 is not None else ""
     console.print(
         _cell(
             f"noise floor: screen {report.screen:.2g} ({report.dtype}), float64 floor {report.floor:.2g}; "
@@ -835,7 +839,7 @@ def _export_body(check: Any, console: Any) -> None:
         console.print(
             _cell(
                 f"outputs (torch eval vs onnxruntime CPU) on {plural(p.samples, 'sample')}{fixed}: argmax agreement "
-                f"{p.agreement * 100:.1f}%, largest relative deviation {_g(p.max_deviation)} (float32 floor {_g(p.floor)})",
+                f"{p.agreement * 100:.1f}%, largest relative deviation {above_floor(p.max_deviation, p.floor, '.3g')} (float32 floor {_g(p.floor)})",
                 style=style,
             )
         )

@@ -57,6 +57,17 @@ batch-independent float32 model differs by ~1e-7 between arrangements. Two thres
                 coupling keeps its size (~d_i). A flagged sample whose float64
                 deviation exceeds the floor is COUPLED; the others are cleared.
 
+Printed figures (`bnaudit.text.above_floor`; JSON keeps the exact numbers). A float32
+deviation below the screen is kernel-order noise whose digits differ between CPUs (3.8e-07
+on one, 4.7e-07 on another): tables and diagnoses print it as "<1.5e-05", and a float64
+deviation below the floor as "<1.5e-08". The largest deviation's sample is named only
+above the screen (below it, which sample is largest is noise too). KL below
+
+  KL_FLOOR      1e-6 nats: telling two output distributions that close apart takes about
+                1/KL = 10^6 samples; float32 kernel noise gives ~1e-13 on the sample model
+
+prints as "<1e-06".
+
 The verdict rests on the float64 deviation, which lies about seven orders of magnitude
 from either side of the floor, so no hand-tuned tolerance decides it. Where no float64
 copy runs (a --forward or graph that insists on float32) the screen decides, and the
@@ -109,11 +120,12 @@ from bnaudit.runtime.norms import (
     merge_trailing_singleton_plan,
     scripted_batch_stat_calls,
 )
-from bnaudit.text import exception_line, listing, plural
+from bnaudit.text import above_floor, exception_line, listing, plural
 
 SCREEN_EPS = 128  # screen = SCREEN_EPS * eps(dtype), capped at SCREEN_MAX
 SCREEN_MAX = 1e-2
 FLOOR = math.sqrt(torch.finfo(torch.float64).eps)
+KL_FLOOR = 1e-6
 LOCATE_SAMPLES = 3
 DEFAULT_NUM_SAMPLES = 256
 TINY = torch.finfo(torch.float64).tiny
@@ -474,6 +486,7 @@ class InvarianceReport:
     inspection: FileReport
     norm: str = "relative max-abs: ||y_a - y_ref||_inf / ||y_ref||_inf"
     float64_noise: float | None = None
+    kl_floor: float = KL_FLOOR
     float64_note: str | None = None
     sites: list[CouplingSite] = field(default_factory=list)
     failures: dict[str, str] = field(default_factory=dict)
@@ -1013,13 +1026,13 @@ def diagnose(report: InvarianceReport) -> list[str]:
     if report.verdict == "invariant":
         lines.append(
             f"Every output is the same alone and among other samples ({plural(report.samples, 'sample')}, batch "
-            f"sizes {sizes}; largest deviation {report.max_deviation:.2g}): predictions do not depend on their "
-            "batch companions. Nothing to fix."
+            f"sizes {sizes}; largest deviation {above_floor(report.max_deviation, report.screen)}): predictions do "
+            "not depend on their batch companions. Nothing to fix."
         )
         if report.cleared:
             lines.append(
                 f"{plural(report.cleared, 'sample')} differed by more than the screen ({report.screen:.2g}) in "
-                f"{report.dtype} but agreed in float64 (largest float64 deviation {report.float64_noise or 0.0:.2g}, "
+                f"{report.dtype} but agreed in float64 (largest float64 deviation {above_floor(report.float64_noise or 0.0, report.floor)}, "
                 f"floor {report.floor:.2g}): the summation order of the kernels, not the companions."
             )
         return lines
