@@ -245,3 +245,14 @@ def test_examples_print_the_same_with_perturbed_kernel_noise(tmp_path, monkeypat
     assert plain["verdict"] == perturbed["verdict"] == "invariant"
     assert plain["max_deviation"] != perturbed["max_deviation"]
     assert 0 < perturbed["max_deviation"] < perturbed["noise"]["screen"]
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in GOLDEN.glob("*.txt")))
+def test_golden_files_compare_up_to_noise_only(name):
+    expected = (GOLDEN / f"{name}.txt").read_text(encoding="utf-8")
+    noisy, moved = _noisy(expected)
+    assert noise_match.difference(expected, noisy) is None
+    if moved:
+        assert noise_match.difference(expected, _another_figure(expected))
+    assert noise_match.difference(expected, expected.replace("\n", "\n ", 1))  # layout: a line indented
+    assert noise_match.difference(expected, expected.rstrip("\n"))
