@@ -19,6 +19,8 @@ from bnaudit.output.json import gap_to_json
 from bnaudit.runtime.data import DataOptions, batch_indices
 from bnaudit.runtime.gap import measure_gap
 
+pytestmark = pytest.mark.slow  # torchrun: processes per rank
+
 torch.set_num_threads(1)
 
 # The architecture, importable by --arch in both the ranks and this process.

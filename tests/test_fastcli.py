@@ -59,6 +59,7 @@ def run_cli(args: list[str], *, plain: bool) -> tuple[int, str, str]:
     return proc.returncode, proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [
@@ -84,6 +85,7 @@ def test_fast_path_answers_as_plain_typer(args):
     assert fast[1] or fast[2]
 
 
+@pytest.mark.slow
 @on_tested_typer
 def test_forcing_plain_typer_really_takes_typers_own_conversion():
     # The counterpart of the comparison above: without this, both runs could be the fast

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 from bnaudit.audit.ruledocs import GENERATED, generated_blocks, update_generated
@@ -49,6 +50,7 @@ def test_readme_config_table_lists_every_key():
     assert defaults["eps"] == "`1e-05`" and defaults["momentum"] == "`0.1`" and defaults["select"] == "`[]`"
 
 
+@pytest.mark.slow
 def test_update_script_rewrites_a_stale_block_and_check_mode_reports_it(tmp_path):
     stale = read_readme().replace("| BN002 | initial-values |", "| BN002 | old-name |")
     path = tmp_path / "README.md"
@@ -103,6 +105,7 @@ def test_unknown_rule_is_one_line_and_exit_2(cli):
     assert result.stderr.strip() == f"bnaudit: error: unknown rule 'BN999' (known: {', '.join(RULES)})"
 
 
+@pytest.mark.slow
 def test_rules_command_does_not_import_torch():
     code = (
         "import sys\nfrom bnaudit.cli import main\nsys.argv = ['bnaudit', 'rules', 'BN003']\n"
