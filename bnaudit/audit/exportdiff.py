@@ -146,7 +146,8 @@ class ParityResult:
     relative deviation of a sample  max_k |y_onnx,k - y_torch,k| / max_k |y_torch,k|
     floor                           FLOOR_FACTOR x the largest relative deviation of the
                                     float32 torch outputs from a float64 re-run of the same
-                                    model (what float32 rounding alone gives), at least 1e-6
+                                    model (what float32 rounding alone gives), rounded up
+                                    to a power of ten (the same on every CPU), at least 1e-6
     agreement                       share of samples whose argmax is the same
     """
 

@@ -229,7 +229,8 @@ def _check_export_unpaired(ctx: DiffContext) -> Iterator[Finding]:
     "checkpoint in torch (eval mode) and the export in onnxruntime (CPU execution provider only, no custom "
     "operators) on the same batches, and compares the largest relative output deviation, "
     "max |y_onnx - y_torch| / max |y_torch| per sample, with a floor: 10x what float32 rounding alone gives "
-    "(the float32 model against a float64 re-run of itself), at least 1e-6. A correct export stays below the "
+    "(the float32 model against a float64 re-run of itself) rounded up to a power of ten, so that it is the "
+    "same on every CPU, at least 1e-6. A correct export stays below the "
     "floor; argmax agreement alone can hide a training-mode export on easy data. The finding says whether "
     "the BatchNormalization nodes (training mode, eps, tensors) or the folding explain the deviation.",
     "Fix what the other export findings name; if none, compare the operators (torch.onnx.verification).",
