@@ -180,7 +180,8 @@ def test_tensor_file_batches_read_only_their_rows(tmp_path, monkeypatch, fmt):
     else:  # the view: rows 5.. of a larger tensor, saved with its whole storage
         padded = torch.cat([torch.full((5, 3, 4), -1.0), x])
         torch.save({"inputs": padded[5:] if fmt == "torch-zip-view" else x, "labels": y}, path)
-    read = count_data_reads(monkeypatch)
+    backends: list[str] = []
+    read = count_safetensors_reads(monkeypatch, backends) if fmt == "safetensors" else count_data_reads(monkeypatch)
     stream = make_loader(DataOptions(path=str(path), batch_size=8, seed=3))
     batches = list(stream)
     order = torch.cat([b.labels for b in batches])  # labels are row % 3: check rows via inputs
@@ -189,6 +190,50 @@ def test_tensor_file_batches_read_only_their_rows(tmp_path, monkeypatch, fmt):
     assert torch.equal(torch.cat([b.inputs for b in batches]), x[rows]) and torch.equal(order, y[rows])
     assert sum(read) == x.numel() * 4  # every input byte read once, in reads of whole rows
     assert all(n % (3 * 4 * 4) == 0 for n in read)
+    assert all(backend == "pread" for backend in backends)  # no memory map: nothing stays resident
+
+
+def count_safetensors_reads(monkeypatch, backends: list[str]) -> list[int]:
+    """Route `safe_open` in bnaudit.runtime.safetensors_files through a handle that records
+    the byte count of every slice read from the package (and each open's backend): the
+    list that fills as data is read."""
+    import bnaudit.runtime.safetensors_files as module
+
+    read: list[int] = []
+    real = module.safe_open
+
+    class Slice:
+        def __init__(self, stored):
+            self.stored = stored
+
+        def __getitem__(self, key):
+            tensor = self.stored[key]
+            read.append(tensor.numel() * tensor.element_size())
+            return tensor
+
+        def __getattr__(self, name):
+            return getattr(self.stored, name)
+
+    class Handle:
+        def __init__(self, *args, **kwargs):
+            backends.append(kwargs.get("backend", "mmap"))
+            self.handle = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.file = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def get_slice(self, name):
+            return Slice(self.file.get_slice(name))
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    monkeypatch.setattr(module, "safe_open", Handle)
+    return read
 
 
 def test_torch_file_inputs_not_in_row_order_are_still_read_right(tmp_path):
