@@ -5,12 +5,13 @@
 (`formats/safetensors.py`) is for the torch-free `inspect` only. The inputs are read a
 batch at a time (`SafetensorsRows.take`) with the package's `pread` backend: a memory map
 would keep every page a batch touched resident, so peak memory would grow with the
-samples streamed; labels (one integer a sample) are read whole.
+samples streamed; labels (one integer a sample) are read whole. A safetensors checkpoint
+loaded into `--arch` is read by the package too (`read_checkpoint_tensors`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.safetensors import TORCH_DTYPE_NAMES
+from bnaudit.formats.model import TensorRef
+from bnaudit.formats.safetensors import TORCH_DTYPE_NAMES, read_safetensors_header
 from bnaudit.text import exception_line
 
 
@@ -90,3 +92,22 @@ def _read(path: str, f: Any, name: str) -> Any:
 
 def _why(exc: BaseException) -> str:
     return exception_line(exc, with_type=False).removeprefix("Error while deserializing header: ")
+
+
+def read_checkpoint_tensors(path: str, refs: Mapping[str, TensorRef]) -> dict[str, Any]:
+    """The tensors `refs` (found by bnaudit's reader in the single safetensors file `path`,
+    under any name) read by the package instead: each found by its place in the file,
+    which no two non-empty tensors share (the reader refuses overlaps). Empty tensors are
+    made from their dtype and shape."""
+    header = read_safetensors_header(path)
+    stored_at = {
+        (header.data_start + entry.begin, entry.end - entry.begin): stored
+        for stored, entry in header.entries.items()
+        if entry.end > entry.begin
+    }
+    out: dict[str, Any] = {}
+    with _opened(path) as f:
+        for name, ref in refs.items():
+            stored = stored_at.get(ref.location) if ref.location is not None else None
+            out[name] = _read(path, f, stored) if stored is not None else ref.to_torch()
+    return out
