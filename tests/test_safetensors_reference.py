@@ -414,3 +414,18 @@ def test_generated_files_are_read_alike(write, case: tuple[str, bytes]) -> None:
     if mutation == "none":  # the generator makes valid files: the reference must accept them
         assert expected is not None
     assert ours(path) == expected
+
+
+def test_the_package_these_tests_ran_against_is_the_pinned_release() -> None:
+    # the reader follows one release's parser: pyproject pins the minor release, and a test
+    # run against another release would prove nothing about the pinned one
+    import re
+    import tomllib
+
+    import safetensors
+
+    root = Path(__file__).resolve().parents[1]
+    with open(root / "pyproject.toml", "rb") as f:
+        specs = [d for d in tomllib.load(f)["project"]["dependencies"] if d.startswith("safetensors")]
+    assert specs == ["safetensors>=0.8,<0.9"]
+    assert re.match(r"0\.8\.\d+$", safetensors.__version__), safetensors.__version__
