@@ -1,11 +1,10 @@
 """`save_like`: write a checkpoint again in its own format with new BN statistics.
 
 Only `running_mean`, `running_var` and `num_batches_tracked` are ever replaced; every
-other byte, key and piece of metadata stays as it was, so a recalibrated file drops in
-where the original was. Separate from the readers: writing needs torch for torch.save
-and TorchScript files, reading safetensors does not. Safetensors files are written by the
-`safetensors` package (`safetensors.torch.save_file`), so each is a file the reference
-wrote; only the atomic naming (`atomic_write`) is bnaudit's.
+other tensor, key and piece of metadata stays as it was, so a recalibrated file drops in
+where the original was. Separate from the readers: writing needs torch, reading does not.
+Safetensors files are written by the `safetensors` package (`safetensors.torch.save`), so
+each is a file the reference wrote; only the atomic naming (`atomic_write`) is bnaudit's.
 """
 
 from __future__ import annotations
