@@ -429,3 +429,12 @@ def test_the_package_these_tests_ran_against_is_the_pinned_release() -> None:
         specs = [d for d in tomllib.load(f)["project"]["dependencies"] if d.startswith("safetensors")]
     assert specs == ["safetensors>=0.8,<0.9"]
     assert re.match(r"0\.8\.\d+$", safetensors.__version__), safetensors.__version__
+
+
+def test_a_header_after_json_whitespace_is_sniffed_as_safetensors(write) -> None:
+    # the package reads " \r\n\t{...}" as a header, so inspect must recognise the file at all
+    from bnaudit.formats.sniff import sniff_format
+
+    path = write(CORPUS["leading-whitespace"])
+    assert reference(path) is not None
+    assert sniff_format(str(path)) == "safetensors"
