@@ -4,7 +4,8 @@
                     says "pt2"; TorchScript if it has `*/constants.pkl` or `*/code/`,
                     torch.save if it has `data.pkl`; entries claiming more bytes than the
                     file are refused
-  byte 8 is `{`     safetensors (8-byte header length, then the JSON header)
+  byte 8 is `{`     safetensors (8-byte header length, then the JSON header; JSON
+                    whitespace before the `{` allowed, as the safetensors package does)
   byte 0 is 0x80    a pickle: legacy (pre-1.6) torch.save
   protobuf fields   ONNX: a ModelProto starts with field 1 (ir_version, a varint: byte 0x08)
                     followed by further ModelProto fields of the right wire types
@@ -50,7 +51,7 @@ def sniff_format(path: str) -> str:
         raise BnauditError(f"{path}: empty file, not a checkpoint")
     if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
         return _sniff_zip(path)
-    if len(head) >= 9 and head[8:9] == b"{":
+    if head[8:].lstrip(b" \t\n\r")[:1] == b"{":  # JSON whitespace may precede the header's object
         return "safetensors"
     if head[:1] == b"\x80":
         return "torch-legacy"

@@ -52,6 +52,7 @@ from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.shards import is_index
 from bnaudit.formats.sniff import sniff_format
 from bnaudit.runtime.norms import batchnorm_modules
+from bnaudit.runtime.safetensors_files import read_checkpoint_tensors
 from bnaudit.text import exception_line, plural
 
 
@@ -292,11 +293,12 @@ def check_fits(ckpt: Checkpoint, facts: ModuleFacts, arch: str) -> None:
 
 def load_state(model: Any, ckpt: Checkpoint) -> None:
     """Copy every checkpoint tensor the model has into it (dtype converted by copy_)."""
-    state = {}
     model_keys = set(model.state_dict().keys())
-    for name, ref in ckpt.tensors.items():
-        if name in model_keys:
-            state[name] = ref.to_torch()
+    refs = {name: ref for name, ref in ckpt.tensors.items() if name in model_keys}
+    if ckpt.format == "safetensors" and not ckpt.shards:  # torch is loaded: the package reads it
+        state = read_checkpoint_tensors(ckpt.path, refs)
+    else:
+        state = {name: ref.to_torch() for name, ref in refs.items()}
     model.load_state_dict(state, strict=False)
 
 
