@@ -103,8 +103,13 @@ def _diff_file(report: DiffReport, base: str | None) -> CheckedFile:
 
 
 def fail_on(report: Report) -> Severity:
-    """The severity from which a finding fails the run (the configuration's fail-on)."""
-    return Severity.parse(report.config.fail_on)
+    """The severity from which a finding fails the run (the configuration's fail-on of an
+    inspect or a diff report)."""
+    from bnaudit.audit.diff import DiffReport
+
+    if isinstance(report, (InspectReport, DiffReport)):
+        return Severity.parse(report.config.fail_on)
+    raise ValueError(f"no findings at locations in a {type(report).__name__} report")
 
 
 def counts(findings: Iterable[Finding]) -> dict[Severity, int]:
