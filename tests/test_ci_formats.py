@@ -221,6 +221,22 @@ def test_junit_parses_and_its_counts_match_the_findings(workspace, fail_on):
     assert [e.get("type") for e in layer_a.findall("failure")] == (["BN004"] if fail_on != "error" else [])
 
 
+def test_junit_counts_test_cases_not_failure_elements():
+    """Two findings of one layer are two <failure> elements of one failed test case."""
+    findings = [
+        Finding("BN004", "near-eps-variance", Severity.WARNING, "x", "one"),
+        Finding("BN002", "initial-values", Severity.ERROR, "x", "two"),
+        Finding("BN004", "near-eps-variance", Severity.WARNING, "y", "three"),
+        Finding("BN010", "uneven-counters", Severity.INFO, None, "four"),
+    ]
+    root = ET.fromstring(to_junit(InspectReport([FileReport("m.pt", findings=findings)], Config())))
+    (suite,) = root.findall("testsuite")
+    assert [c.get("name") for c in suite.findall("testcase")] == ["(file)", "x", "y"]
+    assert len(suite.findall(".//failure")) == 3
+    assert (suite.get("tests"), suite.get("failures"), root.get("failures")) == ("3", "2", "2")
+    assert suite.find("testcase/system-out").text == "info BN010 uneven-counters: four"
+
+
 def test_junit_skipped_file_is_a_skipped_test(workspace):
     torch.save({"state": {}, "param_groups": [{"lr": 0.1, "params": []}]}, "models/optimizer.pt")
     root = ET.fromstring(to_junit(run("models")))
