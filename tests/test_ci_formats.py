@@ -485,6 +485,7 @@ print(sorted(m for m in ("torch", "numpy", "bnaudit.runtime") if m in sys.module
 """
 
 
+@pytest.mark.slow
 def test_ci_formats_do_not_import_the_runtime(tmp_path):
     import subprocess
     import sys
