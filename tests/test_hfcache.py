@@ -158,13 +158,13 @@ def test_all_revisions_reads_each_blob_once(cache):
     assert report.exit_code() == 1
 
 
-@pytest.mark.parametrize("where", ["repo", "snapshot"])
+@pytest.mark.parametrize("where", ["repo", "snapshot", "snapshots"])
 def test_one_repo_folder_or_one_snapshot(cache, where):
     repo = cache / "models--acme--tiny"
-    path = repo if where == "repo" else repo / "snapshots" / OLD
+    path = {"repo": repo, "snapshot": repo / "snapshots" / OLD, "snapshots": repo / "snapshots"}[where]
     report = inspect(str(path), Config())
-    expected = DOCS if where == "repo" else OLD
-    assert shown(report) == [f"acme/tiny@{expected[:12]}/model.safetensors"]
+    expected = {"repo": [DOCS], "snapshot": [OLD], "snapshots": [DOCS, OLD]}[where]
+    assert shown(report) == [f"acme/tiny@{commit[:12]}/model.safetensors" for commit in expected]
 
 
 def test_a_snapshot_link_leaving_the_cache_is_refused(cache, tmp_path):

@@ -5,8 +5,9 @@ included, without the external-data files its models refer to), plus shard index
 sharded checkpoint is audited once, through its index, also when its shards are named next
 to it) and accelerate's `random_states_N.pkl`. A Hugging Face cache (the hub folder, one
 `models--ORG--NAME` folder, or a `snapshots/<commit>` folder; formats/hfcache.py) expands
-to the files of each repo's current snapshot (every snapshot with `all_revisions`, each
-set of blobs once), each tagged with its repo id and revision.
+to the files of each repo's current snapshot (every snapshot with `all_revisions` or when
+the `snapshots/` folder itself is named, each set of blobs once), each tagged with its repo
+id and revision.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def _folder(path: str, all_revisions: bool) -> list[Target]:
         found = _snapshot_files([snapshot], named=False)
     elif is_repo_folder(path):
         found = _snapshot_files(snapshots(path, all_revisions), named=False)
+    elif os.path.basename(os.path.normpath(path)) == "snapshots" and is_repo_folder(
+        os.path.dirname(os.path.abspath(path))
+    ):
+        found = _snapshot_files(snapshots(os.path.dirname(os.path.abspath(path)), all_revisions=True), named=False)
     else:
         found = _walk(path, all_revisions)
     if not found:
