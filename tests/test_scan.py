@@ -83,17 +83,14 @@ def by_name(report) -> dict:
 def test_scan_takes_jit_and_pt2_files_like_other_checkpoints(tmp_path):
     torch.jit.script(bn_net()).save(str(tmp_path / "model.jit"))
     shutil.copy(Path(SAMPLES) / "healthy.safetensors", tmp_path / "healthy.safetensors")
-    # a torch.export archive's layout (what torch.export.save writes): read where the .pt2
-    # reader exists, else named for what it is; found by the scan either way
-    with zipfile.ZipFile(tmp_path / "model.pt2", "w") as archive:
-        archive.writestr("model/archive_format", b"pt2")
-        archive.writestr("model/models/model.json", b"{}")
+    shutil.copy(Path(SAMPLES) / "pt2" / "eval.pt2", tmp_path / "model.pt2")  # torch.export.save's archive
     files = by_name(inspect(str(tmp_path), Config()))
     assert set(files) == {"model.jit", "healthy.safetensors", "model.pt2"}
     jit = files["model.jit"]
     assert jit.error is None and jit.format == "torchscript"
     assert [s.name for s in jit.layers] == ["1"] and jit.layers[0].num_features == 3
-    assert "internal error" not in (files["model.pt2"].error or "")
+    pt2 = files["model.pt2"]
+    assert pt2.error is None and pt2.format == "pt2" and len(pt2.layers) == 3
 
 
 def test_foreign_files_in_a_scanned_folder_are_skipped_not_unreadable(tmp_path):

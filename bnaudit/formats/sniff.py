@@ -1,9 +1,11 @@
 """Which format a checkpoint file is, from its first bytes, never from its name.
 
-  zip (PK)          TorchScript if it has `*/constants.pkl` or `*/code/`, torch.save if
-                    it has `data.pkl`; entries of those claiming more bytes than the file
-                    are refused. A zip of neither layout (a wheel, a zip of images) is
-                    `NotACheckpoint`, named for what it is: its members are never read.
+  zip (PK)          a torch.export archive (`pt2`) if its root folder's `archive_format`
+                    says "pt2"; TorchScript if it has `*/constants.pkl` or `*/code/`,
+                    torch.save if it has `data.pkl`; entries of those claiming more bytes
+                    than the file are refused. A zip of none of these layouts (a wheel, a
+                    zip of images) is `NotACheckpoint`, named for what it is from its
+                    member names: its members are never read.
   byte 8 is `{`     safetensors (8-byte header length, then the JSON header)
   byte 0 is 0x80    a pickle (PROTO opcode, protocol 2 to 5): legacy (pre-1.6) torch.save
   protobuf fields   ONNX: a ModelProto starts with field 1 (ir_version, a varint: byte 0x08)
@@ -121,7 +123,8 @@ def _sniff_zip(path: str) -> str:
     try:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
-            fmt = _torch_layout(names)
+            # before TorchScript's test: a .pt2 holds `data/constants/` and pickled sample inputs
+            fmt = "pt2" if _is_pt2(names, archive) else _torch_layout(names)
             if fmt is not None:  # only a torch layout's records are ever read: size them
                 check_zip_sizes(path, archive)
     except BnauditError:
@@ -143,16 +146,25 @@ def _torch_layout(names: list[str]) -> str | None:
 
 def zip_kind(names: list[str]) -> str:
     """What a zip archive without a torch layout is, from its member names: a wheel
-    (`*.dist-info/WHEEL`), a torch.export archive (`<root>/archive_format`), or a zip;
-    naming the members that look like checkpoints (a wheel shipping its models)."""
+    (`*.dist-info/WHEEL`) or a zip; naming the members that look like checkpoints (a
+    wheel shipping its models)."""
     inside = [n for n in names if n.lower().endswith(CHECKPOINT_SUFFIXES)]
     shown = ", ".join(inside[:3]) + (f" and {len(inside) - 3} more" if len(inside) > 3 else "")
     holds = f"; unzip it to audit the checkpoint files it holds: {shown}" if inside else ""
     if any(n.count("/") == 1 and n.endswith(".dist-info/WHEEL") for n in names):
         return f"a Python wheel (a zip archive of a package){holds}"
-    if any(n.count("/") == 1 and n.endswith("/archive_format") for n in names):
-        return "a torch.export archive (.pt2), which this version of bnaudit does not read"
     return f"a zip archive without data.pkl, not a torch.save file{holds}"
+
+
+def _is_pt2(names: list[str], archive: zipfile.ZipFile) -> bool:
+    """torch.export's archive: `<root>/archive_format` holding "pt2" (torch's own test,
+    torch.export.pt2_archive.is_pt2_package)."""
+    if not names:
+        return False
+    member = names[0].split("/", 1)[0] + "/archive_format"
+    if member not in names or archive.getinfo(member).file_size > 64:
+        return False
+    return archive.read(member).strip() == b"pt2"
 
 
 def check_zip_sizes(path: str, archive: zipfile.ZipFile) -> None:
