@@ -78,6 +78,23 @@ _RNG_KEYS = {
 }
 
 
+# What bnaudit's own data files hold (runtime/sources.py: `inputs` and `labels`; numpy
+# files' `x` and `y`) and the usual name for labels elsewhere.
+_DATA_INPUTS = {"inputs", "x"}
+_DATA_NAMES = _DATA_INPUTS | {"labels", "targets", "y"}
+
+
+def data_tensors(shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    """ "inputs (300, 1, 8, 8), labels (300,)" when the tensors (name -> shape) are a data
+    set rather than a model: every name is one of inputs / labels / targets / x / y and
+    one of them is inputs or x. A model's names are module paths (`fc.weight`), so one
+    parameter among them makes it a model. None otherwise."""
+    names = set(shapes)
+    if not names or not names <= _DATA_NAMES or not names & _DATA_INPUTS:
+        return None
+    return ", ".join(f"{name} {tuple(shapes[name])}" for name in sorted(names, key=lambda n: n not in _DATA_INPUTS))
+
+
 def kind_from_name(path: str) -> str | None:
     name = os.path.basename(path)
     return next((what for pattern, what in _NAMES if pattern.match(name)), None)
