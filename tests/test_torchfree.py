@@ -363,3 +363,13 @@ def test_trust_pickle_is_what_imports_torch(tmp_path):
     code, loaded = run_probe("inspect", "--trust-pickle", path, "--exit-zero")
     assert code == 0
     assert loaded["torch"]
+
+
+def test_archive_with_compressed_records_reads_like_torch_load(tmp_path):
+    # torch writes its records stored; a re-zipped archive deflates them, and is read through zipfile
+    src, deflated = str(tmp_path / "stored.pt"), str(tmp_path / "deflated.pt")
+    torch.save(mixed_state(), src)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(deflated, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info))
+    assert assert_reads_like_torch(deflated) == len(mixed_state())

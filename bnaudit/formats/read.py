@@ -1,9 +1,10 @@
 """`read_checkpoint`: a path in, a `Checkpoint` of lazy tensors out, whatever the format.
 
 The one entry point for readers: sniff, dispatch to the format's reader, pick the
-state dict inside a container and strip wrapper prefixes. Only torch.save files import
-torch (through `torch.load`); safetensors and TorchScript are read without it, ONNX models
-with the `onnx` package (an optional extra).
+state dict inside a container and strip wrapper prefixes. safetensors, TorchScript and
+torch.save files are read without torch (torch.save through formats/torchsave.py; torch.load
+only with --trust-pickle or for a file naming torch globals that reader does not rebuild),
+ONNX models with the `onnx` package (an optional extra).
 """
 
 from __future__ import annotations
