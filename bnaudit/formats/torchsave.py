@@ -39,10 +39,12 @@ from typing import Any, ClassVar
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.legacy import LegacyLayout, legacy_layout, whole_model_refusal
-from bnaudit.formats.model import STORAGE_DTYPES, STORAGE_ITEMSIZE, TensorRef, decode_values, read_into
+from bnaudit.formats.model import STORAGE_DTYPES, STORAGE_ITEMSIZE, TensorRef, decode_values
 from bnaudit.formats.pickled import PickledModule
 from bnaudit.formats.standins import (
     CalledStandIn,
+    StandIn,
+    StandInObject,
     StandInUnpickler,
     read_legacy_with_stand_ins,
     read_with_stand_ins,
@@ -90,9 +92,18 @@ class _Storage:
         if not data:
             return data
         if self.start is not None:
-            with open(self.path, "rb", buffering=0) as f:
-                read_into(f, self.start + first * size, memoryview(data), self.path)
-            return data
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                position, chunks, left = self.start + first * size, [], len(data)
+                while left:  # one pread returns at most about 2 GiB
+                    chunk = os.pread(fd, left, position)
+                    if not chunk:
+                        raise BnauditError(f"{self.path}: truncated tensor data")
+                    chunks.append(chunk)
+                    position, left = position + len(chunk), left - len(chunk)
+            finally:
+                os.close(fd)
+            return bytearray(b"".join(chunks))
         with zipfile.ZipFile(self.path) as archive, archive.open(str(self.entry)) as member:
             member.seek(first * size)
             chunk = member.read(len(data))
@@ -174,6 +185,7 @@ class _FreeUnpickler(StandInUnpickler):
     def __init__(self, data: bytes, allowed: Callable[[str], Any], big_endian: bool) -> None:
         super().__init__(data, None, "", allowed)
         self.big_endian = big_endian
+        self.rebuild_tensor = self._rebuild_tensor
 
     def find_class(self, module: str, name: str) -> Any:
         if self.proto < 3:
@@ -182,7 +194,7 @@ class _FreeUnpickler(StandInUnpickler):
             module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         full = f"{module}.{name}"
         if full == "torch._utils._rebuild_tensor_v2":
-            return self._rebuild_tensor
+            return self.rebuild_tensor
         if full in ("torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state"):
             return _rebuild_parameter
         if full == "_codecs.encode":
@@ -210,9 +222,16 @@ class _FreeUnpickler(StandInUnpickler):
         return lazy_tensor(storage, offset, size, stride, self.big_endian)
 
     def load_reduce(self) -> None:
-        if isinstance(self.stack[-2], _ModuleClass):  # calling an nn class: torch's loader decides
-            raise NeedsTorch(self.stack[-2].name)
-        super().load_reduce()
+        # pickle's REDUCE with the stand-in reader's refusal inlined: a torch.save pickle is
+        # mostly REDUCEs, and each level of calls costs start-up in a folder scan
+        stack = self.stack
+        args = stack.pop()
+        func = stack[-1]
+        if isinstance(func, _ModuleClass):  # calling an nn class: torch's loader decides
+            raise NeedsTorch(func.name)
+        if isinstance(func, (StandIn, StandInObject)):
+            raise CalledStandIn(func.name)
+        stack[-1] = func(*args)
 
     def load_newobj(self) -> None:
         if isinstance(self.stack[-2], _ModuleClass):
