@@ -6,6 +6,11 @@ names, and only those, are allowed, resolved from the installed packages and nev
 the file; anything else is refused with the list of globals the file would need and the
 advice to pass `--trust-pickle` (the user's explicit opt-out). Legacy files are checked
 first by `legacy.check_legacy_claims`; this module owns the policy, legacy.py the parsing.
+
+Readers that take lazy tensors (inspect, diff, shards) get the file through
+`torchsave.read_torch_free` under the same policy, without importing torch; torch.load
+reads only for `--trust-pickle`, for callers that need torch tensors (writing, running a
+model, data files) and for files naming torch globals that reader does not rebuild.
 """
 
 from __future__ import annotations
