@@ -27,6 +27,8 @@ import torch
 from conftest import REPO
 from test_startup import run_probe
 
+from bnaudit import inspect
+from bnaudit.errors import BnauditError
 from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.containers import module_infos
 from bnaudit.formats.model import TensorRef
@@ -236,7 +238,7 @@ def test_unknown_byte_order_is_refused(tmp_path):
     with zipfile.ZipFile(little) as zin, zipfile.ZipFile(odd, "w") as zout:
         for info in zin.infolist():
             zout.writestr(info.filename, b"middle" if info.filename.endswith("/byteorder") else zin.read(info))
-    (file,) = __import__("bnaudit").inspect(odd).files
+    (file,) = inspect(odd).files
     assert "unknown byte order" in file.error
 
 
@@ -373,3 +375,38 @@ def test_archive_with_compressed_records_reads_like_torch_load(tmp_path):
         for info in zin.infolist():
             zout.writestr(info.filename, zin.read(info))
     assert assert_reads_like_torch(deflated) == len(mixed_state())
+
+
+def test_pickled_module_sharing_children_exponentially_is_refused_quickly(tmp_path):
+    # Each level holds the level below twice: 2^40 paths to walk for a state dict (torch's own
+    # state_dict would never return); bnaudit's walk is bounded.
+    import time
+
+    module = torch.nn.BatchNorm1d(2)
+    for _ in range(40):
+        level = torch.nn.Module()
+        level.add_module("a", module)
+        level.add_module("b", module)
+        module = level
+    path = str(tmp_path / "nested.pt")
+    torch.save(module, path)
+    start = time.perf_counter()
+    (file,) = inspect(path).files
+    assert time.perf_counter() - start < 30
+    assert "malformed pickled module" in file.error and "forged nesting" in file.error
+
+
+def test_forged_state_on_a_tensor_record_is_refused(tmp_path):
+    # BUILD onto a tensor would replace what reading it returns: refused, never applied
+    class Forged:
+        def __reduce__(self):
+            return (
+                torch._utils._rebuild_tensor_v2,
+                (torch.ones(2).storage(), 0, (2,), (1,), False, OrderedDict()),
+                {"_reader": 1},
+            )
+
+    path = str(tmp_path / "forged.pt")
+    torch.save({"bn.running_var": Forged(), "bn.running_mean": torch.zeros(2)}, path)
+    with pytest.raises(BnauditError, match="refused to unpickle: it calls a global that could run code"):
+        free_object(path)  # torch.load never reached
