@@ -14,7 +14,7 @@ Those are recognised, never audited and never an error:
                project, e.g. a pickled `TrainingArguments`), the file name says what it is
                (`training_args.bin`, `rng_state_3.pth`, `zero_pp_rank_0_mp_rank_00_optim_states.pt`,
                ...) and the globals it would need are listed without running anything
-               (the zip's pickle is scanned by torch, a plain pickle's opcodes by pickletools).
+               (the opcodes of the zip's data.pkl or of a plain pickle, by pickletools).
 
 A file that is neither stays an error: nothing here ever unpickles beyond the
 restricted reader.
@@ -243,9 +243,13 @@ def _could_run_code(name: str) -> bool:
 
 def _needed_globals(path: str) -> list[str]:
     if zipfile.is_zipfile(path):
-        import torch
-
-        return [str(g) for g in torch.serialization.get_unsafe_globals_in_checkpoint(path)]
+        # every global of data.pkl (torch's own scan lists only those outside its allow-list:
+        # the rest are torch., collections., builtins. names, dropped below either way)
+        with zipfile.ZipFile(path) as archive:
+            entry = next(n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1)
+            if archive.getinfo(entry).file_size > 16 * 1024 * 1024:
+                raise ValueError("data.pkl too large to scan")
+            return _pickle_globals(archive.read(entry))
     with open(path, "rb") as f:
         return _pickle_globals(f.read(16 * 1024 * 1024))
 

@@ -19,7 +19,6 @@ audit/ and runtime/ depend on these records, not on any file format.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import struct
 import sys
@@ -74,7 +73,8 @@ class TensorRef:
         return torch.tensor(values, dtype=getattr(torch, self.dtype)).reshape(self.shape)
 
     def renamed(self, name: str) -> TensorRef:
-        return dataclasses.replace(self, name=name)
+        # not dataclasses.replace: a folder scan renames every tensor of every file
+        return TensorRef(name, self.shape, self.dtype, self._reader, self._torch, self.location)
 
     def _guarded(self, reader: Callable[[], _T]) -> _T:
         try:

@@ -181,7 +181,7 @@ def _shard_tensors(shard: str, trust_pickle: bool) -> tuple[str, dict[str, Tenso
     # here: the unpicklers cost start-up that safetensors shards never need
     from bnaudit.formats.allowlist import load_torch_object
 
-    obj = load_torch_object(shard, trust_pickle=trust_pickle, mmap=fmt == "torch-zip")
+    obj = load_torch_object(shard, trust_pickle=trust_pickle, mmap=fmt == "torch-zip", lazy=True)
     candidates = find_state_dicts(obj)
     if "" not in candidates:
         raise BnauditError(f"{shard}: a shard must be a plain state dict (name -> tensor)")
