@@ -11,9 +11,19 @@ bnaudit.audit.formulas; one definition is the rules' own:
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterator
+from dataclasses import dataclass
 
-from bnaudit.audit.formulas import all_finite, eval_gains, initial_weight, near_eps_channels
+from bnaudit.audit.formulas import (
+    all_finite,
+    eval_gains,
+    implied_data_value,
+    initial_weight,
+    mean_shift,
+    near_eps_channels,
+    variance_overstatement,
+)
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, rule, three_digits
 from bnaudit.severity import Severity
@@ -152,20 +162,29 @@ def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
     (Severity.ERROR, Severity.WARNING),
     "After t = num_batches_tracked updates the initial values still weigh (1-momentum)^t above the threshold.",
     "The running buffers start at mean 0 and variance 1 and move by new = (1-m)*old + m*batch. After t "
-    "updates the initial values keep the weight (1-m)^t: 0.9^3 = 72.9% after 3 updates at momentum "
-    "0.1, still 4.2% after 30. A short fine-tune leaves buffers that describe no data. Error when "
-    "the initial values weigh 50% or more (the buffers are then more initialisation than data: two "
-    "updates at momentum 0.1 leave 81%), warning between the threshold and 50%. Default "
-    "threshold 5% (`max-init-weight`). EMA copies are not checked (their counter means nothing), nor "
+    "updates the initial values keep the weight w = (1-m)^t: 0.9^3 = 72.9% after 3 updates at momentum "
+    "0.1, still 4.2% after 30. A short fine-tune leaves buffers that describe no data. How much that "
+    "hurts depends on the data too: stored = w*init + (1-w)*data, so the data's statistics are "
+    "implied per channel, var_data = (var_stored - w)/(1 - w) and mean_data = mean_stored/(1 - w), and "
+    "the stored variance overstates the data's by q = (var_stored + eps)/(var_data + eps). Data of "
+    "small variance (inputs scaled to 0.1) turns 15% of initial values into a variance several times "
+    "too large, and eval mode shrinks every such channel. Error when the median q over the layer's "
+    "channels reaches 4 or falls to 1/4 (`max-implied-var-ratio`), or the median distance between "
+    "the stored and the implied mean reaches 1 data standard deviation (`max-implied-mean-shift`); "
+    "the message then gives the factor. Error also when the initial values weigh 50% or more (the "
+    "buffers are then more initialisation than data: two updates at momentum 0.1 leave 81%); warning "
+    "between the threshold and 50% when the implied error is small. Default threshold 5% "
+    "(`max-init-weight`). EMA copies are not checked (their counter means nothing), nor "
     "layers that the file's recalibration record says `bnaudit recalibrate` wrote (population "
     "statistics: their counter is the number of calibration batches).",
     "Train longer, or re-estimate the statistics with `bnaudit recalibrate` (a few thousand samples suffice).",
-    settings=("max-init-weight", "momentum"),
+    settings=("max-init-weight", "max-implied-var-ratio", "max-implied-mean-shift", "momentum"),
 )
 def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
     if ctx.is_ema:
         return
     r = RULES["BN003"]
+    cfg = ctx.config
     for layer in ctx.discovery.layers:
         t, m = layer.num_batches_tracked, layer.momentum
         if layer.name in ctx.recalibrated:
@@ -173,13 +192,77 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
         if t is None or t <= 0 or m is None or not 0.0 < m < 1.0 or _has_identity_stats(layer):
             continue
         weight = initial_weight(m, t)
-        if weight > ctx.config.max_init_weight:
-            assumed = " (assumed)" if layer.settings.momentum.assumed else ""
-            yield r.finding(
-                Severity.ERROR if weight >= IMMATURE_ERROR_WEIGHT else Severity.WARNING,
-                layer.name,
-                f"initial values still weigh {weight * 100:.1f}% after {plural(t, 'update')} at momentum {m:g}{assumed}",
-            )
+        if weight <= cfg.max_init_weight:
+            continue
+        assumed = " (assumed)" if layer.settings.momentum.assumed else ""
+        message = (
+            f"initial values still weigh {weight * 100:.1f}% after {plural(t, 'update')} at momentum {m:g}{assumed}"
+        )
+        damage = implied_damage(layer, weight)
+        harmful = damage is not None and (
+            max(damage.var_ratio, 1.0 / damage.var_ratio) >= cfg.max_implied_var_ratio
+            or damage.mean_shift >= cfg.max_implied_mean_shift
+        )
+        if harmful and damage is not None:
+            message += f": {damage.describe()}"
+        severity = Severity.ERROR if harmful or weight >= IMMATURE_ERROR_WEIGHT else Severity.WARNING
+        yield r.finding(severity, layer.name, message)
+
+
+@dataclass(frozen=True)
+class ImpliedDamage:
+    """What a layer's immature buffers do to eval mode, median over its channels.
+
+    var_ratio   q = (var_stored + eps) / (var_data + eps) (formulas.variance_overstatement)
+    mean_shift  |mean_stored - mean_data| / sqrt(var_data + eps), in data standard deviations
+    worst_channel, worst_ratio  the channel whose q is furthest from 1, and its q
+    """
+
+    var_ratio: float
+    mean_shift: float
+    channels: int
+    worst_channel: int
+    worst_ratio: float
+
+    def describe(self) -> str:
+        parts = []
+        if max(self.var_ratio, 1.0 / self.var_ratio) >= 1.5:
+            parts.append(f"stored running_var about {_factor(self.var_ratio)} the data's")
+        if self.mean_shift >= 0.5:
+            parts.append(f"running_mean {self.mean_shift:.2g} data standard deviations off")
+        where = f"median of {plural(self.channels, 'channel')}"
+        if self.channels > 1 and self.worst_ratio != self.var_ratio:
+            where += f"; worst ch {self.worst_channel}: {_factor(self.worst_ratio)}"
+        return f"{' and '.join(parts) or 'small implied error'} ({where})"
+
+
+def _factor(q: float) -> str:
+    return f"{q:.0f}x" if q >= 10 else f"{q:.2g}x"
+
+
+def implied_damage(layer: BNLayer, weight: float) -> ImpliedDamage | None:
+    """The data's statistics the stored ones imply, w = (1 - m)^t being the initial values'
+    weight (formulas.implied_data_value), compared with the stored ones; None when no
+    channel has finite statistics."""
+    ratios: list[tuple[float, int]] = []
+    shifts: list[float] = []
+    for c, (mean, var) in enumerate(zip(layer.running_mean, layer.running_var)):
+        if not (math.isfinite(mean) and math.isfinite(var)) or var < 0:
+            continue  # BN005's
+        data_var = implied_data_value(var, 1.0, weight)
+        data_mean = implied_data_value(mean, 0.0, weight)
+        ratios.append((variance_overstatement(var, data_var, layer.eps), c))
+        shifts.append(mean_shift(mean, data_mean, data_var, layer.eps))
+    if not ratios:
+        return None
+    worst_ratio, worst_channel = max(ratios, key=lambda qc: max(qc[0], 1.0 / qc[0]))
+    return ImpliedDamage(
+        var_ratio=statistics.median(q for q, _ in ratios),
+        mean_shift=statistics.median(shifts),
+        channels=len(ratios),
+        worst_channel=worst_channel,
+        worst_ratio=worst_ratio,
+    )
 
 
 @rule(
