@@ -112,7 +112,7 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
         findings = [_possibly_split(f, k, n) if f.code == "BN001" else f for f in findings]
     report.provenance = provenance.note
     report.format, report.key, report.other_keys = ckpt.format, ckpt.key, ckpt.other_keys
-    report.prefix, report.is_ema = ckpt.prefix, ckpt.is_ema
+    report.prefix, report.is_ema, report.averaging = ckpt.prefix, ckpt.is_ema, ckpt.averaging
     report.not_loaded = list(ckpt.not_loaded)
     report.layers = [LayerSummary.of(layer, config.near_eps_factor) for layer in discovery.layers]
     report.findings = findings

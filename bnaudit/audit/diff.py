@@ -46,7 +46,8 @@ from bnaudit.audit.rules import Finding, run_diff_rules
 from bnaudit.audit.settings import OPTIONS, statement
 from bnaudit.config import SEVERITIES, Config, severity_rank
 from bnaudit.errors import BnauditError
-from bnaudit.formats.model import Checkpoint, recalibration_record
+from bnaudit.formats.containers import averaged_model_record
+from bnaudit.formats.model import Averaging, Checkpoint, recalibration_record
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.severity import Severity
 from bnaudit.text import plural
@@ -62,6 +63,7 @@ class Side:
     prefix: str
     is_ema: bool
     layers: int
+    averaging: Averaging | None = None  # an averaged copy (SWA / EMA): how it was averaged
 
 
 @dataclass
@@ -138,7 +140,15 @@ class DiffReport:
             lines.append("eps changed: side B evaluates another function than side A was trained as.")
         if self.export is not None:
             lines.extend(_export_diagnosis(self.export, self.findings))
-        if by[TRAINED] and not lines:
+        averaged = next((s.averaging for s in (self.b, self.a) if s.averaging is not None), None)
+        if by[TRAINED] and averaged is not None:
+            lines.append(
+                f"{plural(len(by[TRAINED]), 'layer')} ({describe_group(by[TRAINED], every)}) moved in weights and "
+                f"statistics against an averaged copy ({averaged.describe()}): averaged statistics "
+                "(use_buffers=True, EMA) only approximate those of the averaged weights; update_bn or "
+                "bnaudit recalibrate measures them."
+            )
+        elif by[TRAINED] and not lines:
             lines.append(
                 f"{plural(len(by[TRAINED]), 'layer')} trained normally (weights, statistics and counter moved)."
             )
@@ -157,7 +167,21 @@ class DiffReport:
 
 
 def _side(ckpt: Checkpoint, layers: list[BNLayer]) -> Side:
-    return Side(ckpt.path, ckpt.format, ckpt.key, ckpt.prefix, ckpt.is_ema, len(layers))
+    return Side(ckpt.path, ckpt.format, ckpt.key, ckpt.prefix, ckpt.is_ema, len(layers), ckpt.averaging)
+
+
+def _buffers_decided(report: DiffReport) -> DiffReport:
+    """An AveragedModel side whose buffers the file leaves unknown, against a live model:
+    statistics bit-identical to the live side's in every matched layer can only have been
+    copied (use_buffers=False); an average of several models' statistics is not."""
+    for name, this, other in (("a", report.a, report.b), ("b", report.b, report.a)):
+        averaging = this.averaging
+        if averaging is None or averaging.kind != "AveragedModel" or averaging.buffers != "unknown":
+            continue
+        if other.averaging is None and report.layers and all(d.stats_identical for d in report.layers):
+            decided = averaged_model_record(averaging.n_averaged, "copied")
+            setattr(report, name, dataclasses.replace(this, averaging=decided))
+    return report
 
 
 def _recalibration(ckpt: Checkpoint) -> tuple[frozenset[str], str]:
@@ -206,7 +230,7 @@ def diff_checkpoints(
     context = DiffContext(report.layers, config, report.only_a, report.only_b, report.reshaped, provenance=provenance)
     report.findings = run_diff_rules(context)
     report.settings = statement(not_from_file(layers_a + layers_b), "a side holds no modules")
-    return report
+    return _buffers_decided(report)
 
 
 def _diff_export(

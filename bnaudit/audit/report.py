@@ -16,6 +16,7 @@ from bnaudit.audit.formulas import eval_gains, near_eps_channels
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.rules import Finding
 from bnaudit.config import SEVERITIES, Config, severity_rank
+from bnaudit.formats.model import Averaging
 from bnaudit.severity import Severity
 
 
@@ -80,6 +81,7 @@ class FileReport:
     other_keys: list[str] = field(default_factory=list)
     prefix: str = ""
     is_ema: bool = False
+    averaging: Averaging | None = None  # an averaged copy (SWA / EMA): how it was averaged
     settings: str = ""
     provenance: str = ""
     # objects outside the state dict that the restricted reader left as inert stand-ins

@@ -10,6 +10,7 @@ objects already loaded: it opens no file.
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from typing import Any
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import (
     MODULE_RECORD_ATTRIBUTE,
+    Averaging,
     Checkpoint,
     ModuleInfo,
     TensorRef,
@@ -64,9 +66,69 @@ def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str)
         key=None if chosen == "" else chosen,
         other_keys=[k for k in candidates if k != chosen],
         is_ema=_is_ema_key(chosen),
+        averaging=_pickled_averaged_model(candidates[chosen]),
         modules=modules,
         holds_module=bool(modules) or _is_module(candidates[chosen]),
     )
+
+
+# torch.optim.swa_utils.AveragedModel registers the buffer `n_averaged` beside the model it
+# wraps as `module`: its state dict is `n_averaged` and `module.<name>` for every other key,
+# whatever the averaging function (SWA, EMA, single or multi-tensor) and use_buffers.
+AVERAGED_COUNT = "n_averaged"
+_AVERAGED_MODULE = "module."
+
+_COUNTER_MEANINGS = {
+    "copied": "num_batches_tracked is the live model's training counter at the last update_parameters "
+    "(copied with the buffers)",
+    "averaged": "num_batches_tracked is an average of the live model's counters (truncated to an integer "
+    "at every update): it counts no batches",
+    "unknown": "num_batches_tracked is the live model's counter (buffers copied, use_buffers=False) or an "
+    "average of its counters (use_buffers=True): not a count of this copy's batches",
+}
+
+
+def averaged_model_record(n_averaged: int | None, buffers: str) -> Averaging:
+    """The `Averaging` of an AveragedModel state dict. `buffers` "unknown" unless decided:
+    use_buffers is not saved, and after more than one update copied and averaged buffers
+    look alike (a copy's are bit-identical to the live model's: `diff` decides it)."""
+    return Averaging("AveragedModel", n_averaged, buffers, _COUNTER_MEANINGS[buffers])
+
+
+def recognise_averaged_model(ckpt: Checkpoint) -> Checkpoint:
+    """Read an AveragedModel state dict as one: `n_averaged` (one integer) beside keys that
+    all start with `module.`. The count leaves the tensors for `ckpt.averaging` (writers
+    keep it: they rewrite only BN buffers of the stored container), the copy is marked
+    `is_ema`, and `strip_wrapper_prefix` then strips `module.` like any wrapper's.
+
+    With `n_averaged` <= 1 the buffers are the one model's (copied and averaged agree)."""
+    ref = ckpt.tensors.get(AVERAGED_COUNT)
+    others = [n for n in ckpt.tensors if n != AVERAGED_COUNT]
+    if ref is None or not others or not ref.is_integer or math.prod(ref.shape) != 1:
+        return ckpt
+    if not all(n.startswith(_AVERAGED_MODULE) for n in others):
+        return ckpt
+    try:
+        [value] = ref.read()
+        count: int | None = int(value) if value >= 0 else None
+    except (BnauditError, ValueError, TypeError):  # a torn or forged counter: the layout holds anyway
+        count = None
+    if ckpt.averaging is not None:  # a pickled AveragedModel said what use_buffers was
+        buffers = ckpt.averaging.buffers
+    else:
+        buffers = "copied" if count is not None and count <= 1 else "unknown"
+    ckpt.tensors = {n: ckpt.tensors[n] for n in others}
+    ckpt.averaging = averaged_model_record(count, buffers)
+    ckpt.is_ema = True
+    return ckpt
+
+
+def _pickled_averaged_model(value: Any) -> Averaging | None:
+    """A pickled AveragedModel keeps `use_buffers`: its buffers are known averaged or copied."""
+    use_buffers = getattr(value, "use_buffers", None) if type(value).__name__ == "AveragedModel" else None
+    if not isinstance(use_buffers, bool) or not _is_module(value):
+        return None
+    return averaged_model_record(None, "averaged" if use_buffers else "copied")
 
 
 # Subtrees that hold tensors but never the model's state dict.
@@ -170,7 +232,9 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.")
 
 
 def strip_wrapper_prefix(ckpt: Checkpoint) -> Checkpoint:
-    """Strip DDP / torch.compile / Lightning prefixes, only when every key has one."""
+    """Strip DDP / torch.compile / Lightning / AveragedModel prefixes, only when every key
+    has one (an AveragedModel's `n_averaged` set aside first: `recognise_averaged_model`)."""
+    ckpt = recognise_averaged_model(ckpt)
     stripped = ""
     names = list(ckpt.tensors)
     changed = True

@@ -115,6 +115,39 @@ class ModuleInfo:
     calls: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class Averaging:
+    """What a file says about an averaged copy of a model (SWA or EMA weights).
+
+    `kind`: "AveragedModel" (torch.optim.swa_utils), "timm ModelEmaV2", "timm ModelEmaV3",
+    "EMA (unknown kind)". `n_averaged`: how many models were averaged into the copy
+    (AveragedModel's `n_averaged` buffer), None where the file does not say.
+    `buffers`: what the copy's BN buffers are: "copied" (the live model's, as of the last
+    update: AveragedModel(use_buffers=False)), "averaged" (averaged like the weights:
+    use_buffers=True, timm EMA), or "unknown" (the file cannot tell). `counter_meaning`:
+    one line saying what the copy's `num_batches_tracked` counts (an averaged counter
+    counts no batches; a copied one is the live model's training counter).
+    """
+
+    kind: str
+    n_averaged: int | None
+    buffers: str  # "copied", "averaged", "unknown"
+    counter_meaning: str
+
+    def describe(self) -> str:
+        """One line: "AveragedModel of 20 models, buffers copied from the live model"."""
+        count = "" if self.n_averaged is None else f" of {self.n_averaged} model{'' if self.n_averaged == 1 else 's'}"
+        buffers = {
+            "copied": "buffers copied from the live model",
+            "averaged": "buffers averaged",
+        }.get(
+            self.buffers,
+            "buffers copied or averaged: unknown (use_buffers is not saved; a diff against the live model "
+            "tells: copied buffers are bit-identical to its own)",
+        )
+        return f"{self.kind}{count}, {buffers}"
+
+
 @dataclass
 class Checkpoint:
     path: str
@@ -124,6 +157,8 @@ class Checkpoint:
     other_keys: list[str] = field(default_factory=list)
     prefix: str = ""
     is_ema: bool = False
+    # An averaged copy (SWA / EMA weights): how it was averaged, None for a live model.
+    averaging: Averaging | None = None
     modules: dict[str, ModuleInfo] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     holds_module: bool = False

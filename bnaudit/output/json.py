@@ -17,6 +17,7 @@ from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO, MEAN_SHI
 if TYPE_CHECKING:
     from bnaudit.audit.diff import DiffReport, Side
     from bnaudit.audit.exportdiff import ExportCheck
+    from bnaudit.formats.model import Averaging
     from bnaudit.output import Report
     from bnaudit.reports.gap import GapReport, LayerDrift
     from bnaudit.reports.invariance import InvarianceReport
@@ -75,6 +76,7 @@ def inspect_to_json(report: InspectReport) -> dict[str, Any]:
                 "key": file.key,
                 "other_keys": file.other_keys,
                 "prefix": file.prefix or None,
+                "averaging": averaging_to_json(file.averaging),
                 "settings": file.settings or None,
                 "provenance": file.provenance or None,
                 "not_loaded": file.not_loaded,
@@ -323,6 +325,18 @@ def recalibrate_to_json(report: RecalibrationReport) -> dict[str, Any]:
     }
 
 
+def averaging_to_json(averaging: Averaging | None) -> dict[str, Any] | None:
+    """An averaged copy's record (bnaudit.formats.model.Averaging), or null for a live model."""
+    if averaging is None:
+        return None
+    return {
+        "kind": averaging.kind,
+        "n_averaged": averaging.n_averaged,
+        "buffers": averaging.buffers,
+        "counter_meaning": averaging.counter_meaning,
+    }
+
+
 def diff_to_json(report: DiffReport) -> dict[str, Any]:
     """The `bnaudit diff --format json` document.
 
@@ -332,7 +346,14 @@ def diff_to_json(report: DiffReport) -> dict[str, Any]:
     """
 
     def side(s: Side) -> dict[str, Any]:
-        return {"path": s.path, "format": s.format, "key": s.key, "prefix": s.prefix or None, "layers": s.layers}
+        return {
+            "path": s.path,
+            "format": s.format,
+            "key": s.key,
+            "prefix": s.prefix or None,
+            "averaging": averaging_to_json(s.averaging),
+            "layers": s.layers,
+        }
 
     return {
         "version": __version__,

@@ -92,6 +92,9 @@ def _sides(report: DiffReport, console: Console) -> None:
         where += f", {plural(side.layers, 'BN layer')}"
         title.append(printable(f"  ({where})"), style="dim")
         console.print(title)
+    for label, side in (("A", report.a), ("B", report.b)):
+        if side.averaging is not None:
+            console.print(indented(f"{label}: {side.averaging.describe()}", style="dim"))
     if report.settings:
         console.print(indented(f"{report.settings}", style="dim"))
     if report.provenance:

@@ -142,6 +142,8 @@ def _file_detail(file: FileReport, console: Console, columns: tuple[_Column, ...
         console.print(indented(f"{file.settings}", style="dim"))
     if file.provenance:
         console.print(indented(f"{file.provenance}", style="dim"))
+    if file.averaging is not None:
+        console.print(indented(file.averaging.describe(), style="dim"))
     for note in [*file.notes, *file.not_loaded]:
         console.print(indented(f"{note}", style="dim"))
     if file.layers:
