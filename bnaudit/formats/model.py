@@ -113,6 +113,9 @@ class ModuleInfo:
     training_reason: str | None = None
     bases: tuple[str, ...] = ()
     calls: tuple[str, ...] = ()
+    # TorchScript: the saved module's training flag, which torch.jit.load restores (a
+    # model saved in training mode is loaded in training mode until .eval()); None: unknown
+    saved_training: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
-"""The rules of exported graphs (ONNX): BN012-BN014.
+"""The rules of exported graphs and programs (ONNX, TorchScript): BN012-BN014.
 
 A fact about an exported graph has one code whichever command sees it: `inspect` of the
 export and `diff` of a checkpoint against it both report a training-mode node as BN012
-and statistics that are not constants as BN013.
+and statistics that are not constants as BN013. A TorchScript archive is a program of
+the same kind: a BatchNorm call whose training argument its code fixes to True is BN012.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from bnaudit.severity import Severity
 @rule(
     "BN012",
     "training-mode-export",
-    Severity.ERROR,
-    "An exported BatchNormalization node normalises with the batch's statistics (training mode).",
+    (Severity.ERROR, Severity.WARNING),
+    "An exported graph or program normalises with the batch's statistics (training mode).",
     "An inference graph should normalise with the stored running statistics. A BatchNormalization "
     "node in training mode (BatchNormalization-14/15 `training_mode=1`; -7 and -9 with the "
     "training-mode outputs mean/var/saved_mean/saved_var; -6 and older with `is_test=0` or without "
@@ -27,10 +28,17 @@ from bnaudit.severity import Severity
     "execution providers refuse the node outright. Exporters leave it this way when the model was "
     "exported in training mode (`torch.onnx.export(..., training=TrainingMode.TRAINING)`, or "
     "`model.eval()` forgotten with TrainingMode.PRESERVE). The finding names the node, its "
-    "version and the opset. Reported by `inspect` of the export and by `diff` of a checkpoint "
-    "against it (BN111, diff's code for it before, is an alias).",
+    "version and the opset. A TorchScript program traced in training mode is the same: its code "
+    "calls `torch.batch_norm(..., True, ...)` with training=True as a constant (also a scripted "
+    "call of `F.batch_norm(..., training=True)`), which `.eval()` cannot switch: an error for each "
+    "such layer. A TorchScript module saved in training mode whose training argument is computed "
+    "(`torch.jit.script` of a model without `.eval()`) is loaded in training mode by "
+    "`torch.jit.load` and normalises with batch statistics, updating its running ones, until the "
+    "caller calls `.eval()`: a warning. Reported by `inspect` of the export and by `diff` of a "
+    "checkpoint against it (BN111, diff's code for it before, is an alias).",
     "Export again from `model.eval()` (torch.onnx.export's default TrainingMode.EVAL), or set "
-    "`training_mode` to 0 and drop the extra outputs with the onnx package.",
+    "`training_mode` to 0 and drop the extra outputs with the onnx package; trace or script again "
+    "after `model.eval()` (`torch.jit.trace(model.eval(), example)`).",
     aliases=("BN111",),
 )
 def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
@@ -40,6 +48,14 @@ def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
     for name, info in ctx.module.norms.items():
         if info.training_mode:
             yield r.finding(Severity.ERROR, name, _training_mode_words(info.training_reason, info.source))
+        elif info.saved_training and info.calls:  # a normalisation module, flag computed at run time
+            yield r.finding(
+                Severity.WARNING,
+                name,
+                "saved in training mode (its training flag is True): torch.jit.load returns it in training "
+                "mode, where it normalises with each batch's statistics and overwrites its running ones "
+                "until .eval() is called",
+            )
 
 
 @also_in("BN012", "diff")
