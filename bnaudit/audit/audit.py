@@ -83,6 +83,10 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
     """Audit an opened checkpoint; `module` (when the model is known) makes BN001 exact and
     enables the module-only rules. Raises BnauditError for unreadable tensors."""
     discovery = discover_layers(ckpt, config.stated_settings())
+    live_layers = None
+    if ckpt.live_tensors is not None:
+        live = Checkpoint(ckpt.path, ckpt.format, ckpt.live_tensors, modules=ckpt.modules)
+        live_layers = {layer.name: layer for layer in discover_layers(live, config.stated_settings()).layers}
     provenance = recalibration_provenance(ckpt)
     findings = run_rules(
         RuleContext(
@@ -93,6 +97,8 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
             recalibrated=provenance.layers,
             unauditable=tuple(ckpt.unauditable),
             folded=ckpt.folded,
+            averaging=ckpt.averaging,
+            live_layers=live_layers,
         )
     )
     report = FileReport(ckpt.path)

@@ -11,19 +11,10 @@ bnaudit.audit.formulas; one definition is the rules' own:
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-from bnaudit.audit.formulas import (
-    all_finite,
-    eval_gains,
-    implied_data_value,
-    initial_weight,
-    mean_shift,
-    near_eps_channels,
-    variance_overstatement,
-)
+from bnaudit.audit.formulas import all_finite, eval_gains, initial_weight, near_eps_channels
+from bnaudit.audit.immaturity import against_live, implied_damage, unmoved_fraction
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, rule, three_digits
 from bnaudit.severity import Severity
@@ -174,22 +165,33 @@ def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
     "the message then gives the factor. Error also when the initial values weigh 50% or more (the "
     "buffers are then more initialisation than data: two updates at momentum 0.1 leave 81%); warning "
     "between the threshold and 50% when the implied error is small. Default threshold 5% "
-    "(`max-init-weight`). EMA copies are not checked (their counter means nothing), nor "
-    "layers that the file's recalibration record says `bnaudit recalibrate` wrote (population "
-    "statistics: their counter is the number of calibration batches).",
+    "(`max-init-weight`). An EMA copy's counter means nothing (timm's ModelEmaV2 averages it "
+    "toward 0, ModelEmaV3 copies the live model's), so a copy is judged by its statistics: "
+    "where the container holds the live model too (timm's CheckpointSaver: state_dict and "
+    "state_dict_ema), the copy's statistics sit between the initial 1/0 and the live ones and "
+    "the initial values' weight is estimated per channel, w = (var_ema - var_live)/(1 - var_live) "
+    "and (mean_live - mean_ema)/mean_live (median; `ModelEmaV3(decay=0.999)` after 100 steps "
+    "without warmup leaves 0.999^100 = 90.5%), graded as above with the live statistics as the "
+    "data's. Without the live copy, and in a file without counters, a layer with trained weights "
+    "whose running_var is still 1 within float32 rounding in half its channels or more is a "
+    "warning. Layers that the file's recalibration record says `bnaudit recalibrate` wrote are not "
+    "checked (population statistics: their counter is the number of calibration batches).",
     "Train longer, or re-estimate the statistics with `bnaudit recalibrate` (a few thousand samples suffice).",
     settings=("max-init-weight", "max-implied-var-ratio", "max-implied-mean-shift", "momentum"),
 )
 def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
-    if ctx.is_ema:
-        return
     r = RULES["BN003"]
     cfg = ctx.config
     for layer in ctx.discovery.layers:
         t, m = layer.num_batches_tracked, layer.momentum
-        if layer.name in ctx.recalibrated:
+        if layer.name in ctx.recalibrated or _has_identity_stats(layer):
             continue
-        if t is None or t <= 0 or m is None or not 0.0 < m < 1.0 or _has_identity_stats(layer):
+        if ctx.is_ema or t is None:
+            finding = _immature_without_counter(ctx, layer)
+            if finding is not None:
+                yield finding
+            continue
+        if t <= 0 or m is None or not 0.0 < m < 1.0:
             continue
         weight = initial_weight(m, t)
         if weight <= cfg.max_init_weight:
@@ -209,59 +211,42 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
         yield r.finding(severity, layer.name, message)
 
 
-@dataclass(frozen=True)
-class ImpliedDamage:
-    """What a layer's immature buffers do to eval mode, median over its channels.
-
-    var_ratio   q = (var_stored + eps) / (var_data + eps) (formulas.variance_overstatement)
-    mean_shift  |mean_stored - mean_data| / sqrt(var_data + eps), in data standard deviations
-    worst_channel, worst_ratio  the channel whose q is furthest from 1, and its q
-    """
-
-    var_ratio: float
-    mean_shift: float
-    channels: int
-    worst_channel: int
-    worst_ratio: float
-
-    def describe(self) -> str:
-        parts = []
-        if max(self.var_ratio, 1.0 / self.var_ratio) >= 1.5:
-            parts.append(f"stored running_var about {_factor(self.var_ratio)} the data's")
-        if self.mean_shift >= 0.5:
-            parts.append(f"running_mean {self.mean_shift:.2g} data standard deviations off")
-        where = f"median of {plural(self.channels, 'channel')}"
-        if self.channels > 1 and self.worst_ratio != self.var_ratio:
-            where += f"; worst ch {self.worst_channel}: {_factor(self.worst_ratio)}"
-        return f"{' and '.join(parts) or 'small implied error'} ({where})"
+# Half the channels or more still at the initial variance: the layer's statistics never moved.
+UNMOVED_SHARE = 0.5
 
 
-def _factor(q: float) -> str:
-    return f"{q:.0f}x" if q >= 10 else f"{q:.2g}x"
-
-
-def implied_damage(layer: BNLayer, weight: float) -> ImpliedDamage | None:
-    """The data's statistics the stored ones imply, w = (1 - m)^t being the initial values'
-    weight (formulas.implied_data_value), compared with the stored ones; None when no
-    channel has finite statistics."""
-    ratios: list[tuple[float, int]] = []
-    shifts: list[float] = []
-    for c, (mean, var) in enumerate(zip(layer.running_mean, layer.running_var)):
-        if not (math.isfinite(mean) and math.isfinite(var)) or var < 0:
-            continue  # BN005's
-        data_var = implied_data_value(var, 1.0, weight)
-        data_mean = implied_data_value(mean, 0.0, weight)
-        ratios.append((variance_overstatement(var, data_var, layer.eps), c))
-        shifts.append(mean_shift(mean, data_mean, data_var, layer.eps))
-    if not ratios:
+def _immature_without_counter(ctx: RuleContext, layer: BNLayer) -> Finding | None:
+    """BN003 for an averaged copy or a layer without a counter: against the live model's
+    layer where the container holds it, else by the share of channels still at variance 1."""
+    r, cfg = RULES["BN003"], ctx.config
+    what = f"EMA copy ({ctx.averaging.kind})" if ctx.is_ema and ctx.averaging is not None else "EMA copy"
+    live = ctx.live_layers.get(layer.name) if ctx.is_ema and ctx.live_layers is not None else None
+    compared = against_live(layer, live) if live is not None else None
+    if compared is not None:
+        w = compared.initial_weight
+        if w is None or w <= cfg.max_init_weight:
+            return None
+        harmful = (
+            max(compared.var_ratio, 1.0 / compared.var_ratio) >= cfg.max_implied_var_ratio
+            or compared.mean_shift >= cfg.max_implied_mean_shift
+        )
+        message = (
+            f"{what}: the initial values still weigh about {w * 100:.0f}% of its statistics, estimated "
+            f"against the live model in the same file: {compared.describe()}; recalibrate it, or use the "
+            "live statistics"
+        )
+        return r.finding(
+            Severity.ERROR if harmful or w >= IMMATURE_ERROR_WEIGHT else Severity.WARNING, layer.name, message
+        )
+    share = unmoved_fraction(layer)
+    if share < UNMOVED_SHARE or _has_initial_affine(layer):
         return None
-    worst_ratio, worst_channel = max(ratios, key=lambda qc: max(qc[0], 1.0 / qc[0]))
-    return ImpliedDamage(
-        var_ratio=statistics.median(q for q, _ in ratios),
-        mean_shift=statistics.median(shifts),
-        channels=len(ratios),
-        worst_channel=worst_channel,
-        worst_ratio=worst_ratio,
+    subject = what if ctx.is_ema else "no counter"
+    return r.finding(
+        Severity.WARNING,
+        layer.name,
+        f"{subject}: running_var is still the initial 1 (within float32 rounding) in {share * 100:.0f}% of "
+        "the channels while the weights are trained: statistics that never moved from their start",
     )
 
 
@@ -486,10 +471,13 @@ def _check_low_precision(ctx: RuleContext) -> Iterator[Finding]:
     "PyTorch increments num_batches_tracked on every training-mode forward, so 0 with real statistics "
     "means the values were written some other way: converted weights (e.g. from Keras or ONNX) or "
     "momentum 0. Usually legitimate; worth knowing when momentum=None (cumulative averaging divides "
-    "by the counter) or when the layer will be fine-tuned.",
+    "by the counter) or when the layer will be fine-tuned. Not checked in an EMA copy, whose counter "
+    "counts nothing (timm's ModelEmaV2 averages it and truncates it to 0 early on).",
     "Nothing to fix if the weights were converted; otherwise check how the statistics were produced.",
 )
 def _check_counter_zero(ctx: RuleContext) -> Iterator[Finding]:
+    if ctx.is_ema:  # an EMA copy's counter counts nothing (timm's ModelEmaV2 leaves it 0)
+        return
     r = RULES["BN009"]
     for layer in ctx.discovery.layers:
         if layer.num_batches_tracked == 0 and not _has_identity_stats(layer):

@@ -19,7 +19,8 @@ from bnaudit.severity import Severity
 
 if TYPE_CHECKING:
     from bnaudit.audit.layerdiff import DiffContext
-    from bnaudit.audit.layers import Discovery, ModuleFacts
+    from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
+    from bnaudit.formats.model import Averaging
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class RuleContext:
     # one note each, and the evidence of BN folded into Conv nodes (Checkpoint.folded).
     unauditable: tuple[str, ...] = ()
     folded: str | None = None
+    # An averaged copy (is_ema): what averaged it (formats.model.Averaging), and the BN
+    # layers of its live model by name when the same container holds it.
+    averaging: Averaging | None = None
+    live_layers: Mapping[str, BNLayer] | None = None
 
 
 @dataclass(frozen=True)
