@@ -119,3 +119,63 @@ def test_counter_meaning_per_kind(trained):
     assert trained["v2"].features[1].num_batches_tracked.item() == 0
     assert "copied from the live model" in v3.counter_meaning
     assert "averaged" in v2.counter_meaning and "truncated" in v2.counter_meaning
+
+
+def test_gap_diagnoses_the_immature_copy_instead_of_the_preprocessing(trained):
+    from bnaudit.runtime.data import DataOptions
+    from bnaudit.runtime.gap import measure_gap
+
+    report = measure_gap(trained["v3_path"], DataOptions(path=VAL), arch=ARCH, key="state_dict_ema")
+    assert report.eval_accuracy == pytest.approx(_accuracy(trained["v3"]), abs=1e-6)
+    assert report.train_accuracy > report.eval_accuracy + 0.2  # batch statistics keep much of it
+    assert not report.preprocessing_mismatch
+    text = " ".join(report.diagnosis)
+    assert "Suspect the input preprocessing" not in text
+    assert "EMA copy" in text and "recalibrate it, or use the live statistics" in text
+
+
+def test_recalibrate_repairs_the_immature_copy_without_a_flag(trained, tmp_path):
+    from bnaudit.runtime.data import DataOptions
+    from bnaudit.runtime.recalibrate.command import recalibrate_checkpoint
+
+    out = str(tmp_path / "ema.recal.pt")
+    recalibrate_checkpoint(trained["v3_path"], out, DataOptions(path=CALIB), arch=ARCH, key="state_dict_ema")
+    # the test's own repair: the copy's statistics recomputed as population statistics of the
+    # calibration data (cumulative average over one pass in training mode), then evaluated
+    own = copy.deepcopy(trained["v3"])
+    for m in own.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.reset_running_stats()
+            m.momentum = None
+    own.train()
+    with torch.no_grad():
+        for batch in load_file(CALIB)["inputs"].split(32):
+            own(batch)
+    own.eval()
+    repaired = _digits_net()
+    state = torch.load(out, weights_only=True)
+    state = state.get("state_dict_ema", state) if isinstance(state, dict) else state
+    repaired.load_state_dict(state)
+    before, after, expected = _accuracy(trained["v3"]), _accuracy(repaired), _accuracy(own)
+    assert after > before + 0.3
+    assert after == pytest.approx(expected, abs=0.03)
+
+
+@pytest.mark.parametrize("kind", ["v3", "v2"])
+def test_diff_names_the_copy_its_counter_and_its_immature_statistics(trained, kind):
+    from bnaudit.audit.diff import diff
+
+    path = trained[f"{kind}_path"]
+    report = diff(path, path, Config(), key_a="state_dict", key_b="state_dict_ema")
+    assert report.b.is_ema and not report.a.is_ema
+    text = " ".join(report.diagnosis())
+    assert "trained normally" not in text
+    expected = "copied from the live model" if kind == "v3" else "truncated to an integer"
+    assert f"Side B is an EMA copy (timm ModelEmaV{kind[1]})" in text and expected in text
+    # the live counter is 100; the copy's is 100 (V3 copies it) or 0 (V2's truncated average)
+    assert {d.batches_b - d.batches_a for d in report.layers} == {0 if kind == "v3" else -STEPS}
+    found = {f.layer: f for f in report.findings if f.code == "BN003"}
+    names = [n for n, m in trained[kind].named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert set(found) == set(names) and {f.severity for f in found.values()} == {"error"}
+    assert all("side B, an EMA copy" in f.message for f in found.values())
+    assert not [f for f in report.findings if f.code == "BN009"]

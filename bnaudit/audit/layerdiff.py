@@ -266,6 +266,10 @@ class DiffContext:
     reshaped: list[tuple[str, int, int]] = field(default_factory=list)  # name, C on A, C on B
     provenance: str = ""  # "bnaudit recalibrate (method ..., N samples, date)" when B has the record
     export: ExportCheck | None = None  # one side is an ONNX export of the other
+    # One side an averaged copy (EMA/SWA), the other not: (copy's layer, live layer) of every
+    # matched layer, and the copy's kind in words ("EMA copy (timm ModelEmaV3)")
+    averaged_pairs: tuple[tuple[BNLayer, BNLayer], ...] = ()
+    averaged_kind: str = ""
 
 
 def matches(name: str, globs: tuple[str, ...]) -> bool:

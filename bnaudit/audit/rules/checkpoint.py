@@ -15,8 +15,10 @@ from collections.abc import Iterator
 
 from bnaudit.audit.formulas import all_finite, eval_gains, initial_weight, near_eps_channels
 from bnaudit.audit.immaturity import against_live, implied_damage, unmoved_fraction
+from bnaudit.audit.layerdiff import DiffContext
 from bnaudit.audit.layers import BNLayer
-from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, rule, three_digits
+from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, also_in, rule, three_digits
+from bnaudit.config import Config
 from bnaudit.severity import Severity
 from bnaudit.text import listing, plural
 
@@ -171,8 +173,12 @@ def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
     "state_dict_ema), the copy's statistics sit between the initial 1/0 and the live ones and "
     "the initial values' weight is estimated per channel, w = (var_ema - var_live)/(1 - var_live) "
     "and (mean_live - mean_ema)/mean_live (median; `ModelEmaV3(decay=0.999)` after 100 steps "
-    "without warmup leaves 0.999^100 = 90.5%), graded as above with the live statistics as the "
-    "data's. Without the live copy, and in a file without counters, a layer with trained weights "
+    "without warmup leaves 0.999^100 = 90.5%). Reported when that weight exceeds `max-init-weight` "
+    "and the copy's variance differs from the live one by a factor 1.5 or its mean by half a live "
+    "standard deviation (closer, it is a lagging average, or one begun from a trained model); an "
+    "error when the difference passes `max-implied-var-ratio` or `max-implied-mean-shift`, or the "
+    "weight is 50% or more. `diff` "
+    "of a live model against its EMA copy reports the same. Without the live copy, and in a file without counters, a layer with trained weights "
     "whose running_var is still 1 within float32 rounding in half its channels or more is a "
     "warning. Layers that the file's recalibration record says `bnaudit recalibrate` wrote are not "
     "checked (population statistics: their counter is the number of calibration batches).",
@@ -211,6 +217,45 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
         yield r.finding(severity, layer.name, message)
 
 
+# Below these an averaged copy's statistics are close enough to the live ones to say nothing
+# about its start: var within a factor 1.5, mean within half a live standard deviation.
+NOTABLE_VAR_FACTOR = 1.5
+NOTABLE_MEAN_SHIFT = 0.5
+
+
+def _against_live_finding(copy: BNLayer, live: BNLayer, what: str, cfg: Config) -> Finding | None:
+    """BN003 for an averaged copy's layer judged against the live model's layer
+    (immaturity.against_live): reported when the initial values' estimated weight exceeds
+    max-init-weight and the copy's statistics differ notably from the live ones; an error
+    when that difference passes max-implied-var-ratio / max-implied-mean-shift, or w >= 50%."""
+    compared = against_live(copy, live)
+    if compared is None or compared.initial_weight is None or compared.initial_weight <= cfg.max_init_weight:
+        return None
+    w = compared.initial_weight
+    factor = max(compared.var_ratio, 1.0 / compared.var_ratio)
+    if factor < NOTABLE_VAR_FACTOR and compared.mean_shift < NOTABLE_MEAN_SHIFT:
+        return None  # close to the live statistics: a lagging average (or one begun from a trained model)
+    harmful = factor >= cfg.max_implied_var_ratio or compared.mean_shift >= cfg.max_implied_mean_shift
+    message = (
+        f"{what}: the initial values still weigh about {w * 100:.0f}% of its statistics, estimated "
+        f"against the live model: {compared.describe()}; recalibrate it, or use the live statistics"
+    )
+    severity = Severity.ERROR if harmful or w >= IMMATURE_ERROR_WEIGHT else Severity.WARNING
+    return RULES["BN003"].finding(severity, copy.name, message)
+
+
+@also_in("BN003", "diff")
+def _check_immature_copy_in_diff(ctx: DiffContext) -> Iterator[Finding]:
+    """An averaged copy diffed against its live model: the copy's statistics far from the
+    live ones because they still hold the initial values, not because the weights moved."""
+    for copy, live in ctx.averaged_pairs:
+        if _has_identity_stats(copy):
+            continue
+        finding = _against_live_finding(copy, live, ctx.averaged_kind, ctx.config)
+        if finding is not None:
+            yield finding
+
+
 # Half the channels or more still at the initial variance: the layer's statistics never moved.
 UNMOVED_SHARE = 0.5
 
@@ -221,23 +266,8 @@ def _immature_without_counter(ctx: RuleContext, layer: BNLayer) -> Finding | Non
     r, cfg = RULES["BN003"], ctx.config
     what = f"EMA copy ({ctx.averaging.kind})" if ctx.is_ema and ctx.averaging is not None else "EMA copy"
     live = ctx.live_layers.get(layer.name) if ctx.is_ema and ctx.live_layers is not None else None
-    compared = against_live(layer, live) if live is not None else None
-    if compared is not None:
-        w = compared.initial_weight
-        if w is None or w <= cfg.max_init_weight:
-            return None
-        harmful = (
-            max(compared.var_ratio, 1.0 / compared.var_ratio) >= cfg.max_implied_var_ratio
-            or compared.mean_shift >= cfg.max_implied_mean_shift
-        )
-        message = (
-            f"{what}: the initial values still weigh about {w * 100:.0f}% of its statistics, estimated "
-            f"against the live model in the same file: {compared.describe()}; recalibrate it, or use the "
-            "live statistics"
-        )
-        return r.finding(
-            Severity.ERROR if harmful or w >= IMMATURE_ERROR_WEIGHT else Severity.WARNING, layer.name, message
-        )
+    if live is not None:
+        return _against_live_finding(layer, live, what, cfg)
     share = unmoved_fraction(layer)
     if share < UNMOVED_SHARE or _has_initial_affine(layer):
         return None
