@@ -114,3 +114,23 @@ def test_bn003_stays_a_warning_after_a_short_run_on_unit_variance_data(tmp_path)
     found = [f for f in inspect(path, Config()).files[0].findings if f.code == "BN003"]
     assert [(f.layer, f.severity) for f in found] == [("1", "warning"), ("4", "warning")]
     assert all("data's" not in f.message and "12.2%" in f.message for f in found)
+
+
+def test_unmoved_variance_without_a_counter_or_live_copy_is_a_warning(tmp_path):
+    """An EMA copy saved alone, and a layer without a counter: 3 of 4 channels still hold
+    running_var 1.0 exactly (the initial value) while the weights are trained."""
+    from conftest import bn_entries
+
+    unmoved = torch.tensor([1.0, 1.0, 1.0, 0.4])
+    state = bn_entries("bn", 4, var=unmoved, counter=None)
+    (f,) = inspect(save_torch(state, tmp_path / "plain.pt"), Config()).files[0].findings
+    assert (f.code, f.severity, f.layer) == ("BN003", "warning", "bn") and "75%" in f.message
+    ema = inspect(save_torch({"model_ema": bn_entries("bn", 4, var=unmoved)}, tmp_path / "ema.pt"), Config())
+    (f,) = ema.files[0].findings
+    assert ema.files[0].is_ema and (f.code, f.severity) == ("BN003", "warning") and "EMA copy" in f.message
+    # a channel one float32 step above 1 (2^-23) still counts as unmoved; half the channels moved does not
+    near = torch.tensor([1.0 + 2.0**-23, 1.0, 0.3, 0.4], dtype=torch.float32)
+    (f,) = inspect(save_torch(bn_entries("bn", 4, var=near, counter=None), tmp_path / "n.pt")).files[0].findings
+    assert "50%" in f.message
+    moved = torch.tensor([1.0, 0.2, 0.3, 0.4])
+    assert inspect(save_torch(bn_entries("bn", 4, var=moved, counter=None), tmp_path / "m.pt")).files[0].findings == []
