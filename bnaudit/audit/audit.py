@@ -99,6 +99,7 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
             folded=ckpt.folded,
             averaging=ckpt.averaging,
             live_layers=live_layers,
+            tensors=ckpt.tensors,
         )
     )
     report = FileReport(ckpt.path)

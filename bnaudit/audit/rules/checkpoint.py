@@ -17,10 +17,20 @@ from bnaudit.audit.formulas import all_finite, eval_gains, initial_weight, near_
 from bnaudit.audit.immaturity import against_live, implied_damage, unmoved_fraction
 from bnaudit.audit.layerdiff import DiffContext
 from bnaudit.audit.layers import BNLayer
+from bnaudit.audit.producers import producer_weight, zero_filter_channels
 from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, also_in, rule, three_digits
 from bnaudit.config import Config
 from bnaudit.severity import Severity
 from bnaudit.text import listing, plural
+
+
+def _constant_channels(ctx: RuleContext, layer: BNLayer, channels: list[int]) -> set[int]:
+    """The channels among `channels` whose producing layer (bnaudit.audit.producers, by
+    naming convention) has an all-zero filter: a constant input, not a live one."""
+    if not channels or not ctx.tensors:
+        return set()
+    weight = producer_weight(layer.name, layer.num_features, ctx.tensors)
+    return zero_filter_channels(weight, channels) if weight is not None else set()
 
 
 def _is_live(layer: BNLayer, channel: int) -> bool:
@@ -295,7 +305,11 @@ def _immature_without_counter(ctx: RuleContext, layer: BNLayer) -> Finding | Non
     "gain and little happens; that is plausible and stays a warning. A channel whose mean sits many "
     "standard deviations away from 0 carries a real signal, and a variance that small for it means "
     "the statistics are broken (a corrupted or mis-converted buffer): every natural fluctuation of "
-    "the signal is multiplied hundreds of times. Threshold factor 10 (`near-eps-factor`).",
+    "the signal is multiplied hundreds of times. A channel whose producing layer's filter is all zero "
+    "(found by the state dict's naming conventions: `features.3` feeds `features.4`, `conv1` feeds "
+    "`bn1`, `downsample.0` feeds `downsample.1`) receives that layer's bias alone, a constant equal to "
+    "its running_mean: whatever its mean and gain it is not live, and the message says so. Threshold "
+    "factor 10 (`near-eps-factor`).",
     "Prune the dead channels, or check the data that reaches the layer; `bnaudit gap` shows whether eval mode suffers.",
     settings=("near-eps-factor", "max-gain", "max-live-gain", "eps"),
 )
@@ -310,6 +324,8 @@ def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
         gains = {c: all_gains[c] for c in channels}
         worst = max(g for g in gains.values() if not math.isnan(g)) if any(map(math.isfinite, gains.values())) else 0.0
         live = [c for c in channels if _is_live(layer, c) and gains[c] > cfg.max_live_gain]
+        constant = _constant_channels(ctx, layer, live)
+        live = [c for c in live if c not in constant]
         severity = Severity.ERROR if live else Severity.WARNING if worst >= cfg.max_gain else Severity.INFO
         # worst first, NaN last; sorted is stable, so ties keep channel order
         order = sorted(channels, key=lambda c: -(0.0 if math.isnan(gains[c]) else gains[c]))
@@ -324,6 +340,11 @@ def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
             )
         else:
             tail = "" if severity == Severity.WARNING else f"; muted by small |gamma| (max gain {worst:.1f})"
+        if constant:
+            tail += (
+                f"; ch {listing(sorted(constant), 5)}: the producing layer's filter is all zero, so the input is "
+                "the constant running_mean and the gain multiplies nothing"
+            )
         yield r.finding(
             severity,
             layer.name,

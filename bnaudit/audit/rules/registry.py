@@ -20,7 +20,7 @@ from bnaudit.severity import Severity
 if TYPE_CHECKING:
     from bnaudit.audit.layerdiff import DiffContext
     from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
-    from bnaudit.formats.model import Averaging
+    from bnaudit.formats.model import Averaging, TensorRef
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,9 @@ class RuleContext:
     # layers of its live model by name when the same container holds it.
     averaging: Averaging | None = None
     live_layers: Mapping[str, BNLayer] | None = None
+    # Every tensor of the checkpoint by name: the layers that feed the BN layers (BN004
+    # consults their filters, bnaudit.audit.producers).
+    tensors: Mapping[str, TensorRef] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
