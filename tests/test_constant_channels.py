@@ -91,3 +91,13 @@ def test_a_nonzero_filter_channel_with_a_broken_variance_stays_live(tmp_path):
     (file,) = inspect(save_torch(state, tmp_path / "m.pt")).files
     (f,) = [f for f in file.findings if f.code == "BN004"]
     assert f.severity == "error" and f"ch {CHANNEL} is live" in f.message
+
+
+def test_a_zero_filter_channel_is_not_live_in_a_torchscript_archive(tmp_path):
+    model, conv, bn = _models()["paired"]
+    _zero_filter_and_measure(model, conv, bn)
+    path = str(tmp_path / "m.pt")
+    torch.jit.save(torch.jit.script(model.eval()), path)
+    (file,) = inspect(path).files
+    (f,) = [f for f in file.findings if f.code == "BN004"]
+    assert (f.layer, f.severity, f.channels) == (bn, "warning", (CHANNEL,)) and "filter is all zero" in f.message

@@ -119,6 +119,24 @@ def test_counter_meaning_per_kind(trained):
     assert trained["v2"].features[1].num_batches_tracked.item() == 0
     assert "copied from the live model" in v3.counter_meaning
     assert "averaged" in v2.counter_meaning and "truncated" in v2.counter_meaning
+    assert v3.buffers == v2.buffers == "averaged"
+
+
+def test_v3_excluding_buffers_is_a_copy_of_the_live_statistics_and_not_immature(tmp_path):
+    timm = import_timm()
+    model = _digits_net()
+    ema = timm.utils.ModelEmaV3(model, decay=DECAY, exclude_buffers=True)
+    data = load_file(CALIB)
+    model.train()
+    with torch.no_grad():
+        for batch in data["inputs"][:160].split(32):
+            model(batch)
+            ema.update(model)
+    path = str(tmp_path / "c.pth")
+    torch.save({"state_dict": model.state_dict(), "state_dict_ema": ema.module.state_dict()}, path)
+    (file,) = inspect(path, Config(), key="state_dict_ema").files
+    assert file.averaging.kind == "timm ModelEmaV3" and file.averaging.buffers == "copied"
+    assert [f.code for f in file.findings if f.code == "BN003"] == []
 
 
 def test_gap_diagnoses_the_immature_copy_instead_of_the_preprocessing(trained):

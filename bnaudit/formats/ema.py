@@ -46,6 +46,17 @@ def _counters(tensors: Mapping[str, TensorRef]) -> dict[str, int]:
     return found
 
 
+def _same_statistics(ema: Mapping[str, TensorRef], live: Mapping[str, TensorRef], counters: list[str]) -> bool:
+    """Every running_mean / running_var beside the shared counters equal on both sides."""
+    for counter in counters:
+        prefix = counter[: -len("num_batches_tracked")]
+        for leaf in ("running_mean", "running_var"):
+            a, b = ema.get(prefix + leaf), live.get(prefix + leaf)
+            if a is None or b is None or a.read() != b.read():
+                return False
+    return True
+
+
 def ema_averaging(ema: Mapping[str, TensorRef], live: Mapping[str, TensorRef] | None) -> Averaging:
     """The `Averaging` record of an EMA copy (`ema`), judged by its counters against the
     live model's (`live`, None when the container holds none); see the module docstring."""
@@ -55,7 +66,9 @@ def ema_averaging(ema: Mapping[str, TensorRef], live: Mapping[str, TensorRef] | 
         shared = [n for n in mine if n in theirs]
         if shared and any(theirs[n] > 0 for n in shared):
             if all(mine[n] == theirs[n] for n in shared):
-                return Averaging(V3, None, "averaged", COUNTER_MEANINGS[V3])
+                # ModelEmaV3(exclude_buffers=True) copies every buffer: statistics equal to the live ones
+                buffers = "copied" if _same_statistics(ema, live, shared) else "averaged"
+                return Averaging(V3, None, buffers, COUNTER_MEANINGS[V3])
             if all(mine[n] < theirs[n] for n in shared):
                 return Averaging(V2, None, "averaged", COUNTER_MEANINGS[V2])
     elif mine and all(v == 0 for v in mine.values()):
