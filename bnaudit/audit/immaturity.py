@@ -153,3 +153,21 @@ def unmoved_fraction(layer: BNLayer) -> float:
     if not layer.num_features:
         return 0.0
     return sum(1 for v in layer.running_var if abs(v - 1.0) <= _ROUNDING) / layer.num_features
+
+
+def has_identity_stats(layer: BNLayer) -> bool:
+    """running_mean == 0 and running_var == 1 in every channel of a layer that has channels
+    (the initial values; BN002's case). A 0-channel layer holds no statistics to lose:
+    "every channel" must not be vacuous."""
+    return layer.num_features > 0 and _all_equal(layer.running_mean, 0.0) and _all_equal(layer.running_var, 1.0)
+
+
+def has_initial_affine(layer: BNLayer) -> bool:
+    """weight 1 and bias 0 in every channel (or absent): the affine parameters as initialised."""
+    return (layer.weight is None or _all_equal(layer.weight, 1.0)) and (
+        layer.bias is None or _all_equal(layer.bias, 0.0)
+    )
+
+
+def _all_equal(values: list[float], value: float) -> bool:
+    return values.count(value) == len(values)  # count: == in C (NaN never equal, -0.0 == 0.0)
