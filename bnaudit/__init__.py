@@ -40,7 +40,7 @@ _LAZY = {
     "recalibrate_checkpoint": ("bnaudit.runtime.recalibrate.command", "recalibrate_checkpoint"),
     "recalibrate_module": ("bnaudit.runtime.recalibrate.methods", "recalibrate_module"),
     "Config": ("bnaudit.config", "Config"),
-    "DataOptions": ("bnaudit.runtime.data", "DataOptions"),
+    "DataOptions": ("bnaudit.runtime.sources", "DataOptions"),
     "BnauditError": ("bnaudit.errors", "BnauditError"),
 }
 

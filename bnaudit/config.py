@@ -21,7 +21,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
@@ -504,3 +504,60 @@ def load_config(
         cli["ignore"] = values.get("ignore", ()) + cli["ignore"]
     values.update(cli)
     return Config(**values, source=str(source) if source is not None else None, from_file=from_file)
+
+
+# ----------------------------------------------------------------------------- exit codes
+
+
+def exit_code_for(
+    severities: Iterable[str],
+    fail_on: str | None,
+    *,
+    failed: bool = False,
+    error: bool = False,
+    found_error: bool = False,
+    exit_zero: bool = False,
+) -> int:
+    """The exit code of every command, from what its report found.
+
+      2  `error`: an input the user named could not be read, or an option cannot be
+         applied (gap's --max-gap on unlabelled data); `exit_zero` does not hide it.
+         `found_error`: an input a folder scan found could not be read; 2 unless `exit_zero`
+      1  a severity at or above `fail_on` (None: findings never fail the run), or `failed`:
+         the command's own check failed (a gap above --max-gap, outputs coupled to their batch)
+      0  otherwise, and with `exit_zero` instead of 1
+
+    Every report's `exit_code` is this function of its findings and checks (inspect,
+    diff, gap, invariance); `rules` and `recalibrate` have nothing that fails a run: 0.
+    Usage errors the command line or a core function refuses never reach a report: they
+    end as one line and exit 2 at the CLI's boundary. An unknown severity is a ValueError
+    (the callers pass `Config.fail_on` and finding severities, both checked).
+    """
+    if error or (found_error and not exit_zero):
+        return 2
+    if exit_zero:
+        return 0
+    if failed:
+        return 1
+    if fail_on is None:
+        return 0
+    threshold = severity_rank(fail_on)
+    return 1 if any(severity_rank(s) >= threshold for s in severities) else 0
+
+
+def measurement_fail_on(config: Config | None, fail_on: str | None = None) -> str | None:
+    """The severity from which the inspect findings shown with a measurement (gap,
+    invariance) fail the run: `fail_on` (the command line's --fail-on), else the
+    configuration file's fail-on, else None. A measurement's own check decides its exit
+    code; its findings are context, so the default "warning" of an audit (inspect, diff)
+    does not apply to them unless the user states it. A `fail_on` that is no severity is
+    a BnauditError here, before the measurement, so that the report's exit code cannot fail.
+    """
+    if fail_on is not None:
+        try:
+            return _severity(fail_on)
+        except ValueError as exc:
+            raise BnauditError(f"--fail-on: {exc}") from None
+    if config is not None and "fail_on" in config.from_file:
+        return config.fail_on
+    return None

@@ -1,22 +1,28 @@
-"""Coerce plain CLI values without pydantic, so running a command starts fast.
+"""bnaudit's own typer command classes: plain values converted without pydantic, so running
+a command starts fast, and argument metavars shown as written.
 
-typer 0.29 converts every non-flag parameter through a pydantic `TypeAdapter`
-(`typer.core.build_runtime_param`). Importing pydantic and building the adapters
-costs about as much as importing typer and rich together, and `bnaudit inspect` runs
-in pre-commit hooks on every commit. For the plain annotations bnaudit's commands
-use (`str`, `int`, `float`, `bool`, an `Enum`, or a list of one of these, with no parser and
-no min/max) the conversion is trivial and done here; every other annotation, and
-every value this fast path does not accept as obviously valid (a malformed number, an
-unknown choice), goes through typer's own conversion, so results and error messages
-stay typer's.
+typer 0.29 converts every non-flag parameter through a pydantic `TypeAdapter`, built the
+first time the parameter converts a value (`_TyperParameter.get_runtime_param`).
+Importing pydantic and building the adapters costs about as much as importing typer and
+rich together, and `bnaudit inspect` runs in pre-commit hooks on every commit. For the
+plain annotations bnaudit's commands use (`str`, `int`, `float`, `bool`, an `Enum`, or a
+list of one of these, with no parser and no min/max) the conversion is trivial and done
+here; any other annotation, and any value this fast path does not recognise as obviously
+valid, goes through typer's own conversion. A value neither accepts is a
+`typer.BadParameter` in our words ("expected a number"), whichever path refused it.
+
+Nothing in typer is patched. `FastCommand` and `FastGroup` (typer's `cls=`) set the
+conversion of each of their own parameters when typer builds them, so another typer app in
+the same process (a test, a user's --arch module that uses typer) runs exactly as it would
+without bnaudit.
 
 This leans on typer internals, and bnaudit does not pin typer (a pre-commit hook with
 `language: system` runs in the user's environment, with the user's typer). So the fast
 path is taken only when typer is the minor version it was written and tested against
-(`TESTED_TYPER`) and every internal it touches is present with the expected signature:
-`install()` checks that before patching anything, and `lean_group_supported()` does the
-same for the single-command group `bnaudit.cli.main` builds. Otherwise the CLI runs on
-plain typer: the same answers, only slower.
+(`TESTED_TYPER`) and every internal it touches is present with the expected shape
+(`coercion_internals_supported`); `lean_group_supported()` does the same for the
+single-command group `bnaudit.cli.main` builds. Otherwise the commands are plain typer
+commands: the same results, only slower, and value errors in typer's words.
 
 Set the environment variable `BNAUDIT_PLAIN_TYPER=1` (any value but empty or `0`) to
 force plain typer even where the fast path would be safe, e.g. to tell whether a
@@ -28,10 +34,13 @@ from __future__ import annotations
 import inspect
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, is_dataclass
 from enum import Enum
-from typing import Any, get_args, get_origin
+from typing import Any, Optional, get_args, get_origin
+
+import typer
+import typer.core
 
 PLAIN_TYPER_ENV = "BNAUDIT_PLAIN_TYPER"
 # The typer (major, minor) whose internals this module was written against. A new minor
@@ -48,8 +57,14 @@ class _Fallback(Exception):
     """The fast path declines this value: typer's own conversion decides."""
 
 
-def _leaf_converter(annotation: Any, parameter_info: Any) -> Callable[[Any], Any] | None:
-    """A converter for one plain value, or None when typer must handle the type."""
+# How one plain value converts: a function that raises `_Fallback` to let typer decide,
+# and `problem(value)`, the words of the error when typer refuses the value too (None:
+# typer's). A pair, not a record class: a dataclass costs 0.3 ms of every start-up.
+Leaf = tuple[Callable[[Any], Any], Optional[Callable[[Any], str]]]
+
+
+def _leaf(annotation: Any, parameter_info: Any) -> Leaf | None:
+    """The conversion of one plain value, or None when typer must handle the type."""
     if annotation is str:
 
         def to_str(value: Any) -> str:
@@ -57,7 +72,7 @@ def _leaf_converter(annotation: Any, parameter_info: Any) -> Callable[[Any], Any
                 return value
             raise _Fallback
 
-        return to_str
+        return to_str, None
     if annotation is bool:
 
         def to_bool(value: Any) -> bool:
@@ -65,9 +80,10 @@ def _leaf_converter(annotation: Any, parameter_info: Any) -> Callable[[Any], Any
                 return value
             raise _Fallback  # 'yes', '0', ...: typer's rules
 
-        return to_bool
+        return to_bool, None
     if annotation is int or annotation is float:
         pattern = _INT_RE if annotation is int else _FLOAT_RE
+        words = "expected a whole number" if annotation is int else "expected a number"
 
         def to_number(value: Any) -> Any:
             if isinstance(value, str) and pattern.fullmatch(value):
@@ -76,22 +92,22 @@ def _leaf_converter(annotation: Any, parameter_info: Any) -> Callable[[Any], Any
                 return value
             raise _Fallback
 
-        return to_number
+        return to_number, lambda _value: words
     if isinstance(annotation, type) and issubclass(annotation, Enum):
         case_sensitive = parameter_info.case_sensitive
+        choices = [str(member.value) for member in annotation]
 
         def to_choice(value: Any) -> Any:
             if isinstance(value, annotation):
                 return value
             if isinstance(value, str):
                 wanted = value if case_sensitive else value.casefold()
-                for member in annotation:
-                    text = str(member.value)
+                for member, text in zip(annotation, choices):
                     if (text if case_sensitive else text.casefold()) == wanted:
                         return member
-            raise _Fallback  # typer names the valid choices in its error
+            raise _Fallback
 
-        return to_choice
+        return to_choice, lambda value: f"{value!r} is not one of {', '.join(map(repr, choices))}"
     return None
 
 
@@ -102,8 +118,6 @@ def plain_typer_requested() -> bool:
 
 def typer_is_tested_version() -> bool:
     """True when the installed typer is the minor version in `TESTED_TYPER`."""
-    import typer
-
     match = re.match(r"(\d+)\.(\d+)", str(getattr(typer, "__version__", "")))
     return match is not None and (int(match[1]), int(match[2])) == TESTED_TYPER
 
@@ -120,24 +134,26 @@ def _has_fields(cls: Any, names: set[str]) -> bool:
 
 
 def coercion_internals_supported() -> bool:
-    """True when typer's conversion internals are the ones `install()` patches.
+    """True when typer's conversion internals are the ones `FastCommand` relies on.
 
-    `core.build_runtime_param(descriptor)` is replaced; its result subclasses
+    A parameter (`core._TyperParameter`) keeps its conversion in `_runtime_param` (None
+    until `get_runtime_param()` builds it with `core.build_runtime_param(descriptor)`,
+    which the fast path calls for the values it declines); the conversion subclasses
     `core.RuntimeParam` (a dataclass of `parameter_info` and `annotation` whose
-    `_coerce_value(value, param, ctx)` does the work); the descriptor carries
-    `annotation`, `parameter_info` and `file_annotation`; and the parameter info has
-    `parser`, `min`, `max` and `case_sensitive`.
+    `_coerce_value(value, param, ctx)` does the work); the parameter's `type_descriptor`
+    carries `annotation`, `parameter_info` and `file_annotation`; and the parameter info
+    has `parser`, `min`, `max` and `case_sensitive`.
     """
-    try:
-        from typer import core, models
-    except ImportError:
-        return False
+    core, models = typer.core, typer.models
     build = getattr(core, "build_runtime_param", None)
     runtime_param = getattr(core, "RuntimeParam", None)
-    if not callable(build) or not isinstance(runtime_param, type):
+    parameter = getattr(core, "_TyperParameter", None)
+    if not callable(build) or not isinstance(runtime_param, type) or not isinstance(parameter, type):
         return False
     return (
         _parameter_names(build) == ["descriptor"]
+        and _parameter_names(getattr(parameter, "get_runtime_param", None)) == ["self"]
+        and "_runtime_param" in getattr(parameter, "__annotations__", {})
         and _has_fields(runtime_param, {"parameter_info", "annotation"})
         and _parameter_names(getattr(runtime_param, "_coerce_value", None)) == ["self", "value", "param", "ctx"]
         and _has_fields(getattr(core, "TypeDescriptor", None), {"annotation", "parameter_info", "file_annotation"})
@@ -145,113 +161,154 @@ def coercion_internals_supported() -> bool:
     )
 
 
+_checked: dict[tuple[Any, ...], bool] = {}
+
+
+def fast_path_available() -> bool:
+    """True when `FastCommand` converts plain values itself (see the module docstring).
+
+    Remembered for the typer objects it checked (each command built asks; the checks
+    cost a few hundred microseconds of every start-up), asked again when one changes.
+    """
+    core = typer.core
+    key = (
+        os.environ.get(PLAIN_TYPER_ENV),
+        getattr(typer, "__version__", None),
+        *(getattr(core, name, None) for name in ("build_runtime_param", "RuntimeParam", "TypeDescriptor")),
+        tuple(getattr(getattr(core, "_TyperParameter", None), "__annotations__", {})),
+        typer.models.ParameterInfo,
+    )
+    if key not in _checked:
+        _checked[key] = not plain_typer_requested() and typer_is_tested_version() and coercion_internals_supported()
+    return _checked[key]
+
+
 def lean_group_supported(app: Any) -> bool:
     """True when `bnaudit.cli.main` may build, from `app`, a group of only the command it runs.
 
-    It uses `typer.main.get_group(typer_instance)`, `typer.main.get_command_name(name)`,
-    the app's `registered_callback` and `registered_commands`, and a `CommandInfo`'s
-    `name` and `callback`.
+    It uses `typer.main.get_group(typer_instance)`, the app's `registered_callback` and
+    `registered_commands`, and a `CommandInfo`'s `name`.
     """
     if plain_typer_requested() or not typer_is_tested_version():
         return False
-    import typer
-
     main = getattr(typer, "main", None)
     return (
         _parameter_names(getattr(main, "get_group", None)) == ["typer_instance"]
-        and _parameter_names(getattr(main, "get_command_name", None)) == ["name"]
         and isinstance(getattr(app, "registered_commands", None), list)
         and hasattr(app, "registered_callback")
-        and {"name", "callback"} <= set(_parameter_names(getattr(typer.models, "CommandInfo", None)) or ())
+        and "name" in set(_parameter_names(getattr(typer.models, "CommandInfo", None)) or ())
     )
 
 
-def metavars_as_given() -> bool:
-    """Show an argument's metavar as written ("PATHS...") in help and usage lines.
+def _plain_runtime_param(descriptor: Any) -> Any:
+    """A conversion of `descriptor`'s values without pydantic, or None for typer's own."""
+    info = descriptor.parameter_info
+    annotation = descriptor.annotation
+    is_list = get_origin(annotation) is list
+    if (
+        descriptor.file_annotation is not None
+        or getattr(info, "parser", None) is not None
+        or getattr(info, "min", None) is not None
+        or getattr(info, "max", None) is not None
+    ):
+        return None
+    leaf = _leaf(get_args(annotation)[0] if is_list else annotation, info)
+    if leaf is None:
+        return None
+    return _PlainRuntimeParam(parameter_info=info, annotation=annotation, descriptor=descriptor, leaf=leaf)
+
+
+def _plain_runtime_param_class() -> type:
+    @dataclass(frozen=True)
+    class PlainRuntimeParam(typer.core.RuntimeParam):  # type: ignore[misc, name-defined]  # a dataclass base mypy cannot follow
+        """Converts plain values itself; typer's own conversion for the values it declines."""
+
+        descriptor: Any
+        leaf: Leaf
+
+        def _coerce_value(self, value: Any, param: Any, ctx: Any) -> Any:
+            is_list = get_origin(self.descriptor.annotation) is list
+            items = (value if isinstance(value, (list, tuple)) else [value]) if is_list else [value]
+            converted = []
+            for item in items:
+                try:
+                    converted.append(self.leaf[0](item))
+                except _Fallback:
+                    return self._typers_own(value, item, param, ctx)
+            return converted if is_list else converted[0]
+
+        def _typers_own(self, value: Any, item: Any, param: Any, ctx: Any) -> Any:
+            """typer's conversion of `value`; when it refuses `item`, the refusal in our words."""
+            try:
+                typers = typer.core.build_runtime_param(self.descriptor)  # type: ignore[attr-defined]  # not re-exported
+                return typers._coerce_value(value, param=param, ctx=ctx)
+            except typer.BadParameter as exc:
+                problem = self.leaf[1]
+                if problem is None:
+                    raise
+                raise typer.BadParameter(problem(item), ctx=ctx, param=param) from exc
+
+    return PlainRuntimeParam
+
+
+_PlainRuntimeParam: Any = _plain_runtime_param_class() if coercion_internals_supported() else None
+
+
+def speed_up(params: Iterable[Any]) -> None:
+    """Give each plain parameter of one of bnaudit's commands the pydantic-free
+    conversion, and each argument with a metavar its metavar as written; nothing on a
+    typer other than the tested one (see the module docstring)."""
+    if not typer_is_tested_version():
+        return
+    fast = fast_path_available() and _PlainRuntimeParam is not None
+    for param in params:
+        if isinstance(param, typer.core.TyperArgument) and param.metavar is not None:
+            param.__class__ = MetavarArgument
+        descriptor = getattr(param, "type_descriptor", None)
+        if fast and descriptor is not None and getattr(param, "_runtime_param", ...) is None:
+            converter = _plain_runtime_param(descriptor)
+            if converter is not None:
+                param._runtime_param = converter
+
+
+class MetavarArgument(typer.core.TyperArgument):
+    """An argument shown by its metavar as written ("PATHS...").
 
     typer 0.29 appends the Python type to an argument's metavar in help ("PATHS...
     <list[str]>") and wraps it in braces in the usage line ("{PATHS...}..."): words about
-    our code, not about what to type. Only on the typer this was checked against; True
-    when applied (idempotent).
+    our code, not about what to type.
     """
-    if not typer_is_tested_version():
-        return False
-    from typer import core
 
-    argument = getattr(core, "TyperArgument", None)
-    if argument is None or not all(hasattr(argument, n) for n in ("display_type_rich", "_usage_display_name")):
-        return False
-    if getattr(argument.display_type_rich, "_bnaudit_metavar", False):
-        return True
-    type_of, usage_of = argument.display_type_rich, argument._usage_display_name
+    def display_type_rich(self, ctx: Any) -> Any:
+        return None
 
-    def display_type_rich(self: Any, ctx: Any) -> Any:
-        return None if self.metavar is not None else type_of(self, ctx)
-
-    def usage_display_name(self: Any) -> Any:
-        if self.metavar is None:
-            return usage_of(self)
-        return self.metavar if self.required else f"[{self.metavar}]"
-
-    display_type_rich._bnaudit_metavar = True  # type: ignore[attr-defined]
-    argument.display_type_rich = display_type_rich
-    argument._usage_display_name = usage_display_name
-    return True
+    def _usage_display_name(self) -> str:
+        return str(self.metavar) if self.required else f"[{self.metavar}]"
 
 
-def install() -> bool:
-    """Route plain parameters of every typer command through the fast path.
+class FastCommand(typer.core.TyperCommand):
+    """A typer command whose own parameters take the fast path (`speed_up`)."""
 
-    Returns True when installed (idempotent). Returns False, and changes nothing, when
-    plain typer was requested or typer is not the version and shape this was written for.
-    """
-    if plain_typer_requested() or not typer_is_tested_version() or not coercion_internals_supported():
-        return False
-    from typer import core
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        speed_up(self.params)
 
-    original = core.build_runtime_param  # type: ignore[attr-defined]  # typer.core imports it from typer._coercion without re-exporting it
-    if getattr(original, "_bnaudit_fast", False):
-        return True
-    RuntimeParam = core.RuntimeParam  # type: ignore[attr-defined]  # typer.core imports it from typer._coercion without re-exporting it
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)  # built on first use, outside `params`
+        if option is not None:
+            speed_up([option])
+        return option
 
-    @dataclass(frozen=True)
-    class PlainRuntimeParam(RuntimeParam):  # type: ignore[misc, valid-type]
-        descriptor: Any
-        convert: Callable[[Any], Any]
-        is_list: bool
 
-        def _coerce_value(self, value: Any, param: Any, ctx: Any) -> Any:
-            try:
-                if self.is_list:
-                    items = value if isinstance(value, (list, tuple)) else [value]
-                    return [self.convert(item) for item in items]
-                return self.convert(value)
-            except _Fallback:
-                return original(self.descriptor)._coerce_value(value, param=param, ctx=ctx)
+class FastGroup(typer.core.TyperGroup):
+    """A typer group whose own parameters take the fast path (`speed_up`)."""
 
-    def build_runtime_param(descriptor: Any) -> Any:
-        info = descriptor.parameter_info
-        annotation = descriptor.annotation
-        is_list = get_origin(annotation) is list
-        leaf = get_args(annotation)[0] if is_list else annotation
-        plain = (
-            descriptor.file_annotation is None
-            and getattr(info, "parser", None) is None
-            and getattr(info, "min", None) is None
-            and getattr(info, "max", None) is None
-        )
-        convert = _leaf_converter(leaf, info) if plain else None
-        if convert is None:
-            return original(descriptor)
-        return PlainRuntimeParam(
-            parameter_info=info,
-            annotation=annotation,
-            descriptor=descriptor,
-            convert=convert,
-            is_list=is_list,
-        )
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        speed_up(self.params)
 
-    build_runtime_param._bnaudit_fast = True  # type: ignore[attr-defined]
-    build_runtime_param.__wrapped__ = original  # type: ignore[attr-defined]  # for tests comparing with typer's own
-    core.build_runtime_param = build_runtime_param  # type: ignore[attr-defined]  # patched where typer.core looks it up; not re-exported
-    return True
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)  # built on first use, outside `params`
+        if option is not None:
+            speed_up([option])
+        return option

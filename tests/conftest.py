@@ -68,9 +68,9 @@ def train_classifier(model, x, y, steps: int = 80, lr: float = 0.03, batch: int 
 
 
 def count_data_reads(monkeypatch) -> list[int]:
-    """Route `open` in bnaudit.runtime.data through a file that records the byte count of
+    """Route `open` in bnaudit.runtime.sources through a file that records the byte count of
     every `readinto`: the list that fills as data is read."""
-    import bnaudit.runtime.data as data
+    import bnaudit.runtime.sources as data
 
     read: list[int] = []
     real_open = open

@@ -163,20 +163,25 @@ def test_diff_against_the_copy_after_update_bn_is_re_estimated(files):
     for d in report.layers:
         assert d.verdict == "re-estimated" and d.params_identical and not d.stats_identical
         assert d.batches_b == 4  # update_bn resets the counter, then counts its 4 batches of 32
+        before, after = states["swa"], states["swa_bn"]
+        ma, mb = before[f"module.{d.name}.running_mean"].double(), after[f"module.{d.name}.running_mean"].double()
+        va = before[f"module.{d.name}.running_var"].double()
+        assert d.max_mean_shift == pytest.approx(((mb - ma).abs() / (va + 1e-5).sqrt()).max().item(), rel=1e-9)
     assert {(f.code, f.severity) for f in report.findings} == {("BN103", "info")}
 
 
-def test_recalibrate_writes_the_layout_back_and_equals_update_bn(files, digits, tmp_path):
+@pytest.mark.parametrize(("source", "output"), [("swa", "swa.recal.pt"), ("swa_safetensors", "swa.recal.safetensors")])
+def test_recalibrate_writes_the_layout_back_and_equals_update_bn(files, digits, tmp_path, source, output):
     """recalibrate --method cumulative is update_bn's arithmetic: on the same batches the
     statistics agree to float32 accumulation; the file loads into AveragedModel strictly,
-    with n_averaged and every other tensor as they were."""
+    with n_averaged and every other tensor as they were (torch file, safetensors file)."""
     from bnaudit import DataOptions, recalibrate_checkpoint
 
     paths, states = files
-    out = str(tmp_path / "swa.recal.pt")
+    out = str(tmp_path / output)
     options = DataOptions(path=CALIB, batch_size=50, shuffle=False)
-    recalibrate_checkpoint(paths["swa"], out, options, method="cumulative", arch=ARCH)
-    written = torch.load(out, weights_only=True)
+    recalibrate_checkpoint(paths[source], out, options, method="cumulative", arch=ARCH)
+    written = load_file(out) if out.endswith(".safetensors") else torch.load(out, weights_only=True)
     loaded = AveragedModel(digits_net())
     loaded.load_state_dict(written, strict=True)
     assert int(written["n_averaged"]) == N_AVERAGED
@@ -196,7 +201,7 @@ def test_recalibrate_writes_the_layout_back_and_equals_update_bn(files, digits, 
         assert torch.allclose(ours.running_var, theirs.running_var, rtol=1e-5), name
         assert int(written[f"module.{name}.num_batches_tracked"]) == int(expected[f"module.{name}.num_batches_tracked"])
     # and diff reads it as the same layout, re-estimated by bnaudit
-    after = diff(paths["swa"], out)
+    after = diff(paths[source], out)
     assert all(d.verdict == "re-estimated" and d.recalibrated for d in after.layers)
 
 

@@ -13,7 +13,7 @@ import torch
 from conftest import bn_entries, save_safetensors, save_torch
 
 from bnaudit.audit.rules import RULES
-from bnaudit.config import KEYS, Config, find_config_file, load_config
+from bnaudit.config import KEYS, Config, exit_code_for, find_config_file, load_config, measurement_fail_on
 from bnaudit.errors import BnauditError
 
 
@@ -378,3 +378,41 @@ def test_quiet_prints_one_line_per_finding_errors_and_the_summary(cli, tmp_path,
     assert lines[3:] == ["2 files, 2 BN layers: 0 errors, 3 warnings, 0 infos, 1 unreadable file"]
     assert result.stderr.splitlines() == [f"bnaudit: error: {broken}: {doc['files'][1]['error']}"]
     assert result.exit_code == 2
+
+
+# ----------------------------------------------------------------------------- the exit policy
+
+
+@pytest.mark.parametrize(
+    "severities, fail_on, flags, expected",
+    [
+        ([], "info", {}, 0),
+        (["info"], "warning", {}, 0),
+        (["info", "warning"], "warning", {}, 1),
+        (["error"], "error", {}, 1),
+        (["warning"], "error", {}, 0),
+        (["error"], None, {}, 0),  # a measurement's findings without a stated fail-on
+        ([], None, {"failed": True}, 1),
+        (["error"], "info", {"exit_zero": True}, 0),
+        ([], None, {"failed": True, "exit_zero": True}, 0),
+        ([], None, {"error": True}, 2),
+        ([], None, {"error": True, "exit_zero": True}, 2),  # a named unreadable file, a bad option
+        (["error"], "info", {"found_error": True}, 2),  # 2 wins over 1
+        (["error"], "info", {"found_error": True, "exit_zero": True}, 0),
+    ],
+)
+def test_exit_code_policy(severities, fail_on, flags, expected):
+    assert exit_code_for(severities, fail_on, **flags) == expected
+
+
+def test_a_measurement_fails_on_findings_only_at_a_stated_fail_on(tmp_path):
+    assert measurement_fail_on(None) is None
+    assert measurement_fail_on(Config()) is None  # "warning" is only the audit's default
+    assert measurement_fail_on(Config(), "error") == "error"
+    write(tmp_path / "bnaudit.toml", 'fail-on = "info"\n')
+    stated = load_config(rule_codes=RULES, start=tmp_path)
+    assert stated.from_file == {"fail_on"}
+    assert measurement_fail_on(stated) == "info"
+    assert measurement_fail_on(stated, "error") == "error"  # the command line wins
+    overridden = load_config({"--fail-on": "error"}, rule_codes=RULES, start=tmp_path)
+    assert overridden.from_file == frozenset() and measurement_fail_on(overridden) is None

@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 
 from bnaudit.cli import app
 from bnaudit.errors import BnauditError
+from bnaudit.runtime.batching import BatchPlan
 from bnaudit.runtime.data import (
     DataOptions,
-    batch_indices,
     make_loader,
     parse_float_list,
 )
@@ -363,20 +363,20 @@ def test_custom_dataset_errors(datasets_module):
 
 
 def test_order_is_fixed_by_seed_and_no_shuffle_keeps_file_order():
-    a = batch_indices(50, 8, seed=1)
-    assert a == batch_indices(50, 8, seed=1)
-    assert a != batch_indices(50, 8, seed=2)
+    a = BatchPlan.draw(50, 8, seed=1).batches
+    assert a == BatchPlan.draw(50, 8, seed=1).batches
+    assert a != BatchPlan.draw(50, 8, seed=2).batches
     assert sorted(i for b in a for i in b) == list(range(50))
-    assert batch_indices(10, 4, shuffle=False) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert BatchPlan.draw(10, 4, shuffle=False).batches == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     # a cap keeps a random subset when shuffled, the first samples in file order
-    capped = [i for b in batch_indices(100, 10, num_samples=20, seed=0) for i in b]
+    capped = [i for b in BatchPlan.draw(100, 10, num_samples=20, seed=0).batches for i in b]
     assert len(capped) == 20 and max(capped) > 19
-    assert [i for b in batch_indices(100, 10, num_samples=20, shuffle=False) for i in b] == list(range(20))
+    assert [i for b in BatchPlan.draw(100, 10, num_samples=20, shuffle=False).batches for i in b] == list(range(20))
 
 
 @pytest.mark.parametrize("n, size, expected", [(9, 4, [4, 5]), (8, 4, [4, 4]), (1, 4, [1]), (5, 4, [5])])
 def test_a_last_batch_of_one_joins_the_previous(n, size, expected):
-    assert [len(b) for b in batch_indices(n, size, shuffle=False)] == expected
+    assert [len(b) for b in BatchPlan.draw(n, size, shuffle=False).batches] == expected
 
 
 def test_a_killed_worker_is_one_clear_error(datasets_module):

@@ -297,7 +297,7 @@ def test_json_document(frozen_pair, cli):
         "reshaped", "export", "groups", "findings", "diagnosis", "summary",
     }  # fmt: skip
     assert doc["export"] is None  # set only for a checkpoint against its ONNX export
-    assert doc["a"] == {"path": a, "format": "safetensors", "key": None, "prefix": None, "layers": 3}
+    assert doc["a"] == {"path": a, "format": "safetensors", "key": None, "prefix": None, "averaging": None, "layers": 3}
     assert doc["b"]["format"] == "torch-zip"
     layer = doc["layers"][0]
     assert layer["name"] == "features.1" and layer["verdict"] == "frozen but updating"

@@ -16,8 +16,11 @@ from conftest import run_ranks
 from safetensors.torch import save_file
 
 from bnaudit.output.json import gap_to_json
-from bnaudit.runtime.data import DataOptions, batch_indices
+from bnaudit.runtime.batching import BatchPlan
+from bnaudit.runtime.data import DataOptions
 from bnaudit.runtime.gap import measure_gap
+
+pytestmark = pytest.mark.slow  # torchrun: processes per rank
 
 torch.set_num_threads(1)
 
@@ -136,7 +139,7 @@ def _model_and_data(folder: Path) -> tuple[Any, torch.Tensor, torch.Tensor]:
 def test_ranks_count_what_a_plain_loop_over_the_single_process_batches_counts(folder: Path) -> None:
     # independent of bnaudit's passes: plain train() / eval() forwards of the planned batches
     model, x, y = _model_and_data(folder)
-    plan = batch_indices(SAMPLES, 8, None, shuffle=True, seed=0)
+    plan = BatchPlan.draw(SAMPLES, 8, None, shuffle=True, seed=0).batches
     assert [len(b) for b in plan] == [8, 8, 8, 8, 9]
     train_model, eval_model = copy.deepcopy(model).train(), copy.deepcopy(model).eval()
     correct_train = correct_eval = agree = 0
@@ -196,7 +199,7 @@ def test_two_ranks_report_what_one_process_reports(folder: Path) -> None:
 
 def test_a_rank_without_batches_still_joins_and_the_report_is_one_process_s(folder: Path) -> None:
     # 3 samples in batches of 2: 2, 1 -> one batch of 3; rank 1 scores nothing
-    assert [len(b) for b in batch_indices(SAMPLES, 2, 3)] == [3]
+    assert [len(b) for b in BatchPlan.draw(SAMPLES, 2, 3).batches] == [3]
     single = _single(folder, 2, 3)
     reference = gap_to_json(single)
     for rank in _ranks(folder):
@@ -240,7 +243,7 @@ def test_a_failure_on_one_rank_ends_every_rank_with_its_message(folder: Path) ->
     # one sample of batch 4 (rank 1's second batch) makes the --forward function fail
     (folder / "marked.py").write_text(FORWARD)
     data = load_file(str(folder / "val.safetensors"))
-    marked = batch_indices(SAMPLES, 8, None, shuffle=True, seed=0)[4][0]
+    marked = BatchPlan.draw(SAMPLES, 8, None, shuffle=True, seed=0).batches[4][0]
     data["inputs"][marked] = 1e4
     save_file(data, str(folder / "val_marked.safetensors"))
     command = ["gap", "model.safetensors", "--arch", "arch.py:build", "--data", "val_marked.safetensors"]
@@ -259,3 +262,52 @@ def test_a_failure_on_one_rank_ends_every_rank_with_its_message(folder: Path) ->
     assert f"bnaudit: error: {error}\n" in ranks.stderr
     assert "exitcode  : 2" in ranks.stderr
     assert "[rank0]" not in ranks.stderr and "[rank1]" not in ranks.stderr  # no rank's traceback
+
+
+# SyncBatchNorm, and a tracked InstanceNorm whose drift compares per-instance statistics
+SYNC_ARCH = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(3, 6, 3, padding=1), nn.SyncBatchNorm(6), nn.ReLU(),
+            nn.Conv2d(6, 8, 3, padding=1), nn.InstanceNorm2d(8, affine=True, track_running_stats=True), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+        )
+""")
+
+
+def test_a_syncbatchnorm_model_runs_per_rank_as_plain_batchnorm_and_matches_one_process(
+    folder: Path, tmp_path: Path
+) -> None:
+    # SyncBatchNorm in training mode would all-reduce its batch statistics across the ranks
+    # (and refuses CPU tensors under gloo): bnaudit runs it as plain BatchNorm on the rank's
+    # own batch, as one process does, so the report is the single process's (the
+    # InstanceNorm's per-instance sums are added across the ranks)
+    namespace: dict[str, Any] = {}
+    exec(SYNC_ARCH, namespace)
+    model = namespace["build"]()
+    g = torch.Generator().manual_seed(1)
+    optimiser = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model.train()  # one process, no group: SyncBatchNorm trains as plain BatchNorm
+    for _ in range(60):
+        x, y = _data(32, 0.0, g)
+        optimiser.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimiser.step()
+    save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
+    (tmp_path / "val.safetensors").write_bytes((folder / "val.safetensors").read_bytes())
+    (tmp_path / "arch.py").write_text(SYNC_ARCH)
+    (tmp_path / "worker.py").write_text(WORKER.replace(repr(CONFIGS), repr(CONFIGS[:1])))
+    proc = run_ranks(["worker.py"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = _single(tmp_path, 8, None, limit=0.0)
+    reference = gap_to_json(single)
+    assert [layer["kind"] for layer in reference["layers"]] == ["SyncBatchNorm", "InstanceNorm2d"]
+    assert all(layer["values"] == SAMPLES * 36 and layer["mean_shift"] is not None for layer in reference["layers"])
+    for r in (0, 1):
+        rank = json.loads((tmp_path / f"rank{r}.json").read_text())
+        _assert_same_report(rank["odd"]["json"], reference)
+        assert rank["odd"]["exit"] == single.exit_code()

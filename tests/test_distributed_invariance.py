@@ -18,6 +18,8 @@ from bnaudit.output.json import invariance_to_json
 from bnaudit.runtime.data import DataOptions
 from bnaudit.runtime.invariance import measure_invariance, plan_arrangements
 
+pytestmark = pytest.mark.slow  # torchrun: processes per rank
+
 torch.set_num_threads(1)
 
 # Three architectures, importable by --arch in the ranks and here: batch-independent in
@@ -160,3 +162,39 @@ def test_torchrun_cli_prints_one_invariance_report_equal_to_one_process_s(folder
     one = run_ranks(["-m", "bnaudit", *command], folder, ranks=1)
     assert one.returncode == 1, one.stderr[-3000:]
     assert json.loads(ranks.stdout) == json.loads(one.stdout)  # one document: rank 1 printed nothing
+
+
+FORWARD = textwrap.dedent("""
+    def refuse_marked_companions(model, inputs):
+        if len(inputs) > 1 and float(inputs.abs().max()) > 1e3:
+            raise ValueError("a marked sample among companions")
+        return model(inputs)
+""")
+
+
+def test_a_failure_on_one_rank_ends_every_rank_with_its_message_as_gap_says_it(folder: Path) -> None:
+    from safetensors.torch import load_file
+
+    from bnaudit.runtime.batching import BatchPlan
+
+    # the sample at position 20 (the stream's order) lies in batch 4 of "in batch (4)",
+    # rank 1's second batch; alone it scores, so only that arrangement fails
+    (folder / "marked.py").write_text(FORWARD)
+    data = load_file(str(folder / "val.safetensors"))
+    order = [i for batch in BatchPlan.draw(21, 4, 21, shuffle=True, seed=0) for i in batch]
+    data["inputs"][order[20]] = 1e4
+    save_file(data, str(folder / "val_marked.safetensors"))
+    command = ["invariance", "model.safetensors", "--arch", "arch.py:invariant", "--data", "val_marked.safetensors"]
+    command += ["--batch-sizes", "1,4", "--num-samples", "21", "--forward", "marked.py:refuse_marked_companions"]
+    command += ["--format", "json"]
+    ranks = run_ranks(["-m", "bnaudit", *command], folder)
+    one = run_ranks(["-m", "bnaudit", *command], folder, ranks=1)
+    assert one.returncode == 2, one.stderr[-3000:]
+    error = json.loads(one.stdout)["error"]
+    assert error.startswith("in batch (4), batch 4: ") and "a marked sample among companions" in error
+    # rank 0 prints the failing rank's line, prefixed with its rank, as gap does; rank 1
+    # says it on stderr in one line; no traceback
+    assert ranks.returncode != 0
+    assert json.loads(ranks.stdout) == {"error": f"rank 1: {error}"}
+    assert f"bnaudit: error: {error}\n" in ranks.stderr
+    assert "[rank0]" not in ranks.stderr and "[rank1]" not in ranks.stderr

@@ -1,15 +1,17 @@
-"""The typer start-up patch is taken only on the typer it was written for, and changes no answer.
+"""bnaudit's typer speed-up is its own, taken only on the typer it was written for, and changes no answer.
 
-`bnaudit.fastcli` replaces a typer internal (the option conversion) and `bnaudit.cli.main`
-builds a group from typer internals. On another typer, or with BNAUDIT_PLAIN_TYPER=1,
-both must step aside and leave plain typer to answer: these tests force that path
-and compare it with the fast one, and change typer's version and internals in-process
-to see that nothing gets patched.
+`bnaudit.fastcli` gives bnaudit's own commands a pydantic-free conversion of their plain
+parameters (typer's `cls=`, nothing patched) and `bnaudit.cli.main` builds a group from
+typer internals. On another typer, or with BNAUDIT_PLAIN_TYPER=1, both must step aside
+and leave plain typer to answer: these tests force that path and compare it with the
+fast one, change typer's version and internals in-process to see that the commands are
+then plain typer's, and check that another typer app in the process is left as it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -59,6 +61,7 @@ def run_cli(args: list[str], *, plain: bool) -> tuple[int, str, str]:
     return proc.returncode, proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [
@@ -69,8 +72,7 @@ def run_cli(args: list[str], *, plain: bool) -> tuple[int, str, str]:
         ["inspect", "sample_models/healthy.safetensors"],
         ["inspect", "sample_models/reset_stats.pt", "--format", "json"],
         ["inspect", "sample_models/healthy.safetensors", "--format", "json", "--eps", "1e-3", "--fail-on", "info"],
-        ["inspect", "sample_models/healthy.safetensors", "--eps", "abc"],
-        ["inspect", "sample_models/healthy.safetensors", "--format", "JSON"],
+        ["inspect", "sample_models/healthy.safetensors", "--eps", "1_0", "--format", "json"],
         ["inspect", "--bogus", "x"],
         ["inspeect"],
         ["--version"],
@@ -84,6 +86,29 @@ def test_fast_path_answers_as_plain_typer(args):
     assert fast[1] or fast[2]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--eps", "abc"], "--eps: expected a number"),
+        (["--format", "JSON"], "--format: 'JSON' is not one of 'table', 'json', 'sarif'"),
+    ],
+)
+def test_a_refused_value_is_one_line_naming_the_option_on_both_paths(args, words):
+    # The fast path refuses in our words; plain typer in its own (pydantic's), after the option name.
+    runs = {
+        plain: run_cli(["inspect", "sample_models/healthy.safetensors", *args], plain=plain) for plain in (False, True)
+    }
+    option = words.split(":")[0]
+    for code, out, err in runs.values():
+        assert (code, out) == (2, "")
+        assert len(err.splitlines()) == 1 and err.startswith(f"bnaudit: error: {option}: "), err
+        assert err.rstrip().endswith("(see bnaudit inspect --help)")
+    if fastcli.typer_is_tested_version():
+        assert runs[False][2] == f"bnaudit: error: {words} (see bnaudit inspect --help)\n"
+
+
+@pytest.mark.slow
 @on_tested_typer
 def test_forcing_plain_typer_really_takes_typers_own_conversion():
     # The counterpart of the comparison above: without this, both runs could be the fast
@@ -108,114 +133,170 @@ def test_forcing_plain_typer_really_takes_typers_own_conversion():
     assert seen == {False: "False", True: "True"}
 
 
-# --- install() patches only the typer it was written for --------------------------------
+# --- bnaudit's speed-up is its own: another typer app in the process is left as it is ----
+
+FOREIGN_APP = """
+import json, sys
+if sys.argv[1] == "with bnaudit":
+    import bnaudit.cli  # noqa: F401
+import typer
+from typer.testing import CliRunner
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def greet(names: list[str] = typer.Argument(..., metavar="NAMES..."), count: int = 1) -> None:
+    print(count, *names)
+
+
+env = {"COLUMNS": "100", "NO_COLOR": "1"}
+runs = [CliRunner().invoke(app, args, env=env) for args in (["--help"], ["a", "--count", "x"], ["a", "--count", "3"])]
+# typer's own conversion of --count goes through pydantic
+print(json.dumps([[r.exit_code, r.output] for r in runs] + ["pydantic" in sys.modules]))
+"""
+
+
+def test_importing_bnaudit_cli_leaves_another_typer_app_as_it_is():
+    seen = {}
+    for mode in ("without", "with bnaudit"):
+        proc = subprocess.run(
+            [sys.executable, "-c", FOREIGN_APP, mode],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=cli_env(plain=False),
+            timeout=120,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+        seen[mode] = json.loads(proc.stdout)
+    assert seen["with bnaudit"] == seen["without"]
+    (help_code, help_text), (bad_code, _), (ok_code, ok_text), pydantic = seen["without"]
+    assert (help_code, bad_code, ok_code, ok_text, pydantic) == (0, 2, 0, "3 a\n", True)
+    assert "NAMES..." in help_text
+
+
+# --- bnaudit's commands take the fast path only on the typer it was written for ---------
 
 
 @pytest.fixture
 def pristine(monkeypatch):
-    """typer as it is before bnaudit.cli installs the fast path (restored afterwards)."""
-    import typer._coercion
-
+    """typer as installed, fastcli not forced off (monkeypatched internals restored afterwards)."""
     monkeypatch.delenv(fastcli.PLAIN_TYPER_ENV, raising=False)
-    monkeypatch.setattr(typer.core, "build_runtime_param", typer._coercion.build_runtime_param)
     return monkeypatch
 
 
-@pytest.fixture
-def typers_own() -> Any:
-    """typer's conversion function, which install() must leave in place when it declines."""
+def inspect_command() -> Any:
+    """`bnaudit inspect` as typer builds it (FastCommand)."""
+    return typer.main.get_command(cli.app).commands["inspect"]
+
+
+def conversions(command: Any) -> dict[str, Any]:
+    """Each parameter's preset conversion (None: typer builds its own when a value comes)."""
+    return {p.name: p._runtime_param for p in command.params}
+
+
+@on_tested_typer
+def test_commands_convert_plain_parameters_themselves_without_patching_typer(pristine):
     import typer._coercion
 
-    return typer._coercion.build_runtime_param
-
-
-@on_tested_typer
-def test_install_patches_typers_conversion_on_the_tested_version(pristine, typers_own):
     major, minor = fastcli.TESTED_TYPER
     assert typer.__version__.startswith(f"{major}.{minor}.")
-    assert fastcli.install() is True
-    assert typer.core.build_runtime_param is not typers_own
-    patched = typer.core.build_runtime_param
-    assert fastcli.install() is True and typer.core.build_runtime_param is patched  # idempotent
+    command = inspect_command()
+    preset = conversions(command)
+    assert preset["eps"] is not None and preset["paths"] is not None
+    assert typer.core.build_runtime_param is typer._coercion.build_runtime_param  # nothing patched
+    (paths,) = [p for p in command.params if p.name == "paths"]
+    assert isinstance(paths, fastcli.MetavarArgument)
 
 
 @on_tested_typer
-def test_patched_conversion_gives_typers_values_without_pydantic(pristine, typers_own):
-    assert fastcli.install()
-    descriptor = typer.core.TypeDescriptor(
-        annotation=float, parameter_info=typer.models.OptionInfo(), file_annotation=None
-    )
-    runtime_param = typer.core.build_runtime_param(descriptor)
-    assert type(runtime_param) is not type(typers_own(descriptor))  # not typer's pydantic adapter
+def test_preset_conversion_gives_typers_values_without_pydantic(pristine):
+    (eps,) = [p for p in inspect_command().params if p.name == "eps"]
+    conversion = eps._runtime_param
+    typers_own = typer.core.build_runtime_param(eps.type_descriptor)
+    assert type(conversion) is not type(typers_own)  # not typer's pydantic adapter
     for text in ("+3.0E+2", "1e-3", ".5"):
-        assert runtime_param._coerce_value(text, param=None, ctx=None) == float(text)
+        assert conversion._coerce_value(text, param=eps, ctx=None) == float(text)
+        assert typers_own._coerce_value(text, param=eps, ctx=None) == float(text)
 
 
-def _untouched(expected: Any) -> None:
-    assert fastcli.install() is False
-    assert getattr(typer.core, "build_runtime_param", None) is expected
+def _untouched() -> None:
+    assert fastcli.fast_path_available() is False
+    assert all(value is None for value in conversions(inspect_command()).values())
 
 
 @on_tested_typer
 @pytest.mark.parametrize("version", ["0.30.0", "0.28.0", "1.29.0", "0.3.0", "", "unknown"])
-def test_install_declines_another_typer_version(pristine, version, typers_own):
+def test_another_typer_version_gets_plain_commands(pristine, version):
     pristine.setattr(typer, "__version__", version)
-    _untouched(typers_own)
+    _untouched()
+    (paths,) = [p for p in inspect_command().params if p.name == "paths"]
+    assert type(paths) is typer.core.TyperArgument
     assert fastcli.lean_group_supported(cli.app) is False
 
 
 @on_tested_typer
-def test_install_declines_when_forced_to_plain_typer(pristine, typers_own):
+def test_forcing_plain_typer_gets_plain_commands(pristine):
     pristine.setenv(fastcli.PLAIN_TYPER_ENV, "1")
-    _untouched(typers_own)
+    _untouched()
     assert fastcli.lean_group_supported(cli.app) is False
 
 
 @on_tested_typer
-def test_install_declines_when_the_patched_function_is_gone(pristine):
+def test_plain_commands_when_typers_conversion_function_is_gone(pristine):
     pristine.delattr(typer.core, "build_runtime_param")
-    _untouched(None)
+    assert fastcli.coercion_internals_supported() is False
 
 
 @on_tested_typer
-def test_install_declines_when_the_patched_function_takes_other_parameters(pristine, typers_own):
+def test_plain_commands_when_typers_conversion_function_takes_other_parameters(pristine):
+    typers_own = typer.core.build_runtime_param
+
     def build_runtime_param(descriptor, strict=False):  # a typer that grew an option
         return typers_own(descriptor)
 
     pristine.setattr(typer.core, "build_runtime_param", build_runtime_param)
-    _untouched(build_runtime_param)
+    _untouched()
 
 
 @on_tested_typer
-def test_install_declines_when_the_runtime_param_contract_changed(pristine, typers_own):
+def test_plain_commands_when_the_runtime_param_contract_changed(pristine):
     @dataclasses.dataclass(frozen=True)
     class RuntimeParam(typer.core.RuntimeParam):
         def _coerce_value(self, value, ctx):  # no `param` any more
             return value
 
     pristine.setattr(typer.core, "RuntimeParam", RuntimeParam)
-    _untouched(typers_own)
+    _untouched()
 
 
 @on_tested_typer
-def test_install_declines_when_the_descriptor_lost_a_field(pristine, typers_own):
+def test_plain_commands_when_the_parameter_no_longer_keeps_its_conversion(pristine):
+    pristine.setattr(typer.core._TyperParameter, "__annotations__", {"type_descriptor": Any})
+    _untouched()
+
+
+@on_tested_typer
+def test_plain_commands_when_the_descriptor_lost_a_field(pristine):
     @dataclasses.dataclass(frozen=True)
     class TypeDescriptor:
         annotation: Any
         parameter_info: Any
 
     pristine.setattr(typer.core, "TypeDescriptor", TypeDescriptor)
-    _untouched(typers_own)
+    _untouched()
 
 
 @on_tested_typer
-def test_install_declines_when_parameter_info_lost_an_attribute(pristine, typers_own):
+def test_plain_commands_when_parameter_info_lost_an_attribute(pristine):
     class ParameterInfo:
         def __init__(self, default=None, parser=None, min=None, max=None):  # no case_sensitive
             pass
 
     pristine.setattr(typer.models, "ParameterInfo", ParameterInfo)
-    _untouched(typers_own)
+    _untouched()
 
 
 # --- main() builds its lean group only from the internals it was checked against --------

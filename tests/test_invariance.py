@@ -254,7 +254,7 @@ def test_arrangements_cut_natural_and_seeded_orders_into_whole_batches():
 
 def test_shares_of_whole_batches_sum_to_the_single_run(world, monkeypatch):
     # what a split across processes relies on: each rank's share of whole batches (as
-    # runtime.distributed.shard_batches deals them) fills its rows, zeros elsewhere, and the
+    # runtime.batching.BatchPlan.shard deals them) fills its rows, zeros elsewhere, and the
     # shares add up to one run's outputs exactly; the combining across ranks is left out
     # (one process: combine_rows passes a rank's rows through)
     runnable = load_runnable(str(world["root"] / "untracked_net.safetensors"), arch=_arch(world, "untracked_net"))
@@ -498,6 +498,25 @@ def test_cli_fail_on_counts_inspect_findings(world, cli, tmp_path):
     args += ["--data", str(root / "val.safetensors"), "--num-samples", "32", "--batch-sizes", "1,8"]
     assert cli(*args).exit_code == 0
     assert cli(*args, "--fail-on", "info").exit_code == 1
+
+
+def test_cli_fail_on_of_the_configuration_file_counts_and_the_configuration_options_apply(
+    world, cli, tmp_path, monkeypatch
+):
+    state = dict(world["models"]["net"].state_dict())
+    state["features.1.running_var"] = torch.full_like(state["features.1.running_var"], 1e-9)  # dead channels
+    save_file(state, tmp_path / "dead.safetensors")
+    args = ["invariance", str(tmp_path / "dead.safetensors"), "--arch", _arch(world, "net")]
+    args += ["--data", str(world["root"] / "val.safetensors"), "--num-samples", "32", "--batch-sizes", "1,8"]
+    monkeypatch.chdir(tmp_path)
+    assert cli(*args).exit_code == 0  # invariant; its findings fail only with a stated fail-on
+    (tmp_path / "pyproject.toml").write_text('[tool.bnaudit]\nfail-on = "info"\n')
+    assert cli(*args).exit_code == 1
+    assert cli(*args, "--isolated").exit_code == 0
+    quiet = tmp_path / "ci.toml"
+    quiet.write_text('fail-on = "info"\nignore = ["BN"]\n')
+    named = cli(*args, "--config", str(quiet), "--format", "json")
+    assert named.exit_code == 0 and json.loads(named.stdout)["findings"] == []
 
 
 @pytest.mark.parametrize(

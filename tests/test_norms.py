@@ -1,4 +1,5 @@
-"""norms.py is the one answer to "which modules are BatchNorm" and to the batch-joining rule."""
+"""norms.py is the one answer to "which modules are BatchNorm" and to switching them to batch
+statistics and back."""
 
 from __future__ import annotations
 
@@ -6,15 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from bnaudit.runtime.data import batch_indices
-from bnaudit.runtime.distributed import shard_batches
 from bnaudit.runtime.norms import (
+    batch_statistics,
     batchnorm_modules,
     classify_layers,
-    concat_batches,
     is_batchnorm,
-    merge_trailing_singleton,
-    merge_trailing_singleton_plan,
     norm_modules,
 )
 
@@ -82,56 +79,86 @@ def test_torchscript_gets_the_same_answers_from_the_class_names_it_keeps() -> No
     ]
 
 
-@pytest.mark.parametrize(
-    ("sizes", "expected"),
-    [
-        ([3, 3, 1], [3, 4]),
-        ([3, 1, 3, 1], [3, 1, 4]),
-        ([1], [1]),
-        ([2, 2], [2, 2]),
-        ([1, 1, 1], [1, 2]),
-        ([], []),
-    ],
-)
-def test_a_last_batch_of_one_joins_the_previous_one_in_streams_and_plans(sizes: list[int], expected: list[int]) -> None:
-    tensors = [torch.full((n, 2), float(i)) for i, n in enumerate(sizes)]
-    merged = list(merge_trailing_singleton(tensors))
-    assert [len(b) for b in merged] == expected
-    assert torch.equal(
-        torch.cat(merged) if merged else torch.empty(0), torch.cat(tensors) if tensors else torch.empty(0)
-    )
-    start = 0
-    plan = []
-    for n in sizes:
-        plan.append(list(range(start, start + n)))
-        start += n
-    assert [len(b) for b in merge_trailing_singleton_plan(plan)] == expected
-    assert [i for b in merge_trailing_singleton_plan(plan) for i in b] == list(range(start))
+class Mixed(nn.Module):
+    """SyncBatchNorm, a tracked InstanceNorm, Dropout and a BatchNorm left in eval mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sync = nn.SyncBatchNorm(3)
+        self.inorm = nn.InstanceNorm2d(3, track_running_stats=True)
+        self.drop = nn.Dropout(0.5)
+        self.bn = nn.BatchNorm2d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.drop(self.inorm(self.sync(x))))
 
 
-def test_data_plans_join_a_last_batch_of_one_and_rank_shards_keep_whole_batches() -> None:
-    # 9 samples in batches of 4: 4, 4, 1 -> 4, 5
-    assert [len(b) for b in batch_indices(9, 4, shuffle=False)] == [4, 5]
-    # 21 samples in batches of 4: 4, 4, 4, 4, 5; two ranks take 3 and 2 whole batches
-    plan = batch_indices(21, 4, shuffle=False)
-    assert shard_batches(plan, 0, 2) == (0, plan[:3])
-    assert shard_batches(plan, 1, 2) == (3, plan[3:])
-    for world in (1, 2, 3, 4, 7):
-        shards = [shard_batches(plan, rank, world) for rank in range(world)]
-        # the plan's own batches, each on exactly one rank, in order, numbered as in the plan
-        assert [b for _, batches in shards for b in batches] == plan
-        assert all(plan[first : first + len(batches)] == batches for first, batches in shards)
-        sizes = [len(batches) for _, batches in shards]
-        assert max(sizes) - min(sizes) <= 1 and sizes[0] >= 1
-    # more ranks than batches: the last ranks have none
-    assert [len(shard_batches(plan, rank, 7)[1]) for rank in range(7)] == [1, 1, 1, 1, 1, 0, 0]
+def _trained(model: nn.Module) -> nn.Module:
+    model.train()
+    with torch.no_grad():
+        for i in range(5):
+            model(torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(i)) * 2 + 1)
+    return model
 
 
-def test_concat_batches_keeps_every_sample_of_both_halves() -> None:
-    a = {"x": torch.zeros(2, 3), "names": ["a0", "a1"], "pair": (torch.zeros(2), torch.ones(2))}
-    b = {"x": torch.ones(1, 3), "names": ["b0"], "pair": (torch.zeros(1), torch.ones(1))}
-    joined = concat_batches(a, b)
-    assert joined["x"].shape == (3, 3) and joined["x"][2].tolist() == [1, 1, 1]
-    assert joined["names"] == ["a0", "a1", "b0"]
-    assert [t.shape[0] for t in joined["pair"]] == [3, 3]
-    assert concat_batches(object(), object()) is None  # unknown: left to the producer
+def test_batch_statistics_switches_the_chosen_layers_and_restores_modes_buffers_and_forwards() -> None:
+    model = _trained(Mixed())
+    model.train()
+    model.bn.eval()  # a mixed starting state comes back as it was
+    model.sync.forward = model.sync.forward  # an instance forward of the user's: kept
+    own_forward = vars(model.sync)["forward"]
+    modes = {n: m.training for n, m in model.named_modules()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(6, 3, 5, 5, generator=torch.Generator().manual_seed(9)) * 3 - 1
+    chosen = {"sync": model.sync, "inorm": model.inorm}
+    with batch_statistics(model, chosen) as switched, torch.no_grad():
+        assert switched == chosen
+        assert model.sync.training and model.inorm.training
+        assert not model.drop.training and not model.bn.training and not model.training
+        out = model(x)
+        # the training-mode forwards ran: the InstanceNorm's buffers moved inside the block
+        assert not torch.equal(model.inorm.running_mean, state["inorm.running_mean"])
+    # by hand: batch statistics at sync (biased variance over N, H, W), each instance's own
+    # at inorm, Dropout off, running statistics at bn
+    mu, var = x.mean(dim=(0, 2, 3), keepdim=True), x.var(dim=(0, 2, 3), unbiased=False, keepdim=True)
+    h = (x - mu) / torch.sqrt(var + 1e-5) * model.sync.weight.view(1, -1, 1, 1) + model.sync.bias.view(1, -1, 1, 1)
+    m_i, v_i = h.mean(dim=(2, 3), keepdim=True), h.var(dim=(2, 3), unbiased=False, keepdim=True)
+    h = (h - m_i) / torch.sqrt(v_i + 1e-5)
+    rm, rv = state["bn.running_mean"].view(1, -1, 1, 1), state["bn.running_var"].view(1, -1, 1, 1)
+    expected = (h - rm) / torch.sqrt(rv + 1e-5) * model.bn.weight.view(1, -1, 1, 1) + model.bn.bias.view(1, -1, 1, 1)
+    assert torch.allclose(out, expected, atol=1e-5)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert {n: m.training for n, m in model.named_modules()} == modes
+    assert vars(model.sync)["forward"] is own_forward
+    # restored after an error too; None: every norm layer
+    del model.sync.forward
+    with pytest.raises(RuntimeError), batch_statistics(model) as switched:
+        assert list(switched) == ["sync", "inorm", "bn"]
+        model(torch.randn(2, 4, 5, 5))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert {n: m.training for n, m in model.named_modules()} == modes
+    assert "forward" not in vars(model.sync)
+
+
+def test_syncbatchnorm_runs_as_plain_batchnorm_in_a_process_group(tmp_path) -> None:
+    # In a process group, SyncBatchNorm's training-mode forward would all-reduce the batch
+    # statistics (and refuses CPU tensors); the switch runs it on this process's batch.
+    import torch.distributed as dist
+
+    model = _trained(nn.Sequential(nn.SyncBatchNorm(3))).eval()
+    plain = nn.BatchNorm2d(3)
+    plain.load_state_dict(model[0].state_dict())
+    x = torch.randn(4, 3, 2, 2)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="SyncBatchNorm expected input tensor to be on GPU"), torch.no_grad():
+            model.train()(x)
+        model.eval()
+        with batch_statistics(model), torch.no_grad():
+            out = model(x)
+    finally:
+        dist.destroy_process_group()
+    with torch.no_grad():
+        assert torch.equal(out, plain.train()(x))

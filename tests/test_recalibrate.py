@@ -14,7 +14,7 @@ from conftest import default_sigint, train_classifier
 from torch import nn
 
 from bnaudit.errors import BnauditError
-from bnaudit.runtime.norms import merge_trailing_singleton
+from bnaudit.runtime.batching import merge_trailing_singleton
 from bnaudit.runtime.recalibrate.methods import recalibrate_module
 
 torch.set_num_threads(1)
@@ -538,6 +538,26 @@ def test_cli_reset_model_recovers_its_healthy_accuracy_on_held_out_data(world: d
     assert new_acc >= world["healthy_acc"] - 0.03
 
 
+def test_cli_takes_the_configuration_options_for_the_held_out_findings(
+    world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = world["root"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bnaudit.toml").write_text('ignore = ["BN"]\n')
+    quiet = tmp_path / "ci.toml"
+    quiet.write_text('ignore = ["BN001", "BN003"]\n')
+    codes = {}
+    for name, extra in (("found", []), ("isolated", ["--isolated"]), ("named", ["--config", str(quiet)])):
+        common = ["--arch", world["arch"], "--data", str(root / "calib.safetensors")]
+        common += ["--eval-data", str(root / "val.safetensors"), "-o", str(tmp_path / f"{name}.safetensors")]
+        result = run_cli(str(root / "reset.safetensors"), *common, "--format", "json", *extra)
+        assert result.exit_code == 0, result.output
+        codes[name] = {f["code"] for f in json.loads(result.stdout)["eval"]["before"]["findings"]}
+    assert codes["found"] == set()  # bnaudit.toml ignores every rule
+    assert "BN002" in codes["isolated"] and "BN002" in codes["named"]  # the reset is found again
+    assert not codes["named"] & {"BN001", "BN003"}
+
+
 def test_cli_table_shows_before_after_and_held_out_side_by_side(world: dict) -> None:
     root = world["root"]
     out = root / "table.safetensors"
@@ -658,6 +678,7 @@ def test_cli_bad_requests_are_one_line_errors(
     assert not out.exists() and os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_python_m_bnaudit_recalibrate_end_to_end_and_ctrl_c_leaves_nothing(world: dict, tmp_path: Path) -> None:
     import signal
     import subprocess
@@ -796,6 +817,7 @@ def test_real_broken_model_recovers_its_healthy_accuracy(broken: str, tmp_path: 
     assert doc["eval"]["after"]["eval_mode"]["accuracy"] == pytest.approx(after)
 
 
+@pytest.mark.slow
 def test_inspect_trusts_the_provenance_of_recalibrated_layers_only(tmp_path: Path) -> None:
     """A recalibrated layer's counter is its number of calibration batches (5 here):
     BN003's (1-m)^t premise does not apply to it, but still does to an excluded layer."""

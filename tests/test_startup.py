@@ -16,7 +16,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-import typer.core
 from conftest import REPO, bn_entries, save_torch
 from safetensors.numpy import save_file
 
@@ -80,12 +79,14 @@ def numpy_safetensors(tmp_path) -> str:
     return path
 
 
+@pytest.mark.slow
 def test_help_imports_neither_torch_nor_pydantic():
     code, loaded = run_probe("--help")
     assert code == 0
     assert not loaded["torch"] and not loaded["pydantic"]
 
 
+@pytest.mark.slow
 def test_inspect_safetensors_imports_neither_torch_nor_numpy_nor_pydantic(numpy_safetensors):
     out: list[str] = []
     code, loaded = run_probe("inspect", numpy_safetensors, "--format", "json", "--eps", "1e-5", stdout=out)
@@ -95,6 +96,7 @@ def test_inspect_safetensors_imports_neither_torch_nor_numpy_nor_pydantic(numpy_
     assert not loaded["torch"] and not loaded["numpy"] and not loaded["pydantic"]
 
 
+@pytest.mark.slow
 def test_inspect_torchscript_does_not_import_torch(tmp_path):
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4)).eval()
     path = str(tmp_path / "scripted.pt")
@@ -104,6 +106,7 @@ def test_inspect_torchscript_does_not_import_torch(tmp_path):
     assert not loaded["torch"]
 
 
+@pytest.mark.slow
 def test_inspect_of_a_file_that_is_no_checkpoint_does_not_import_torch(tmp_path):
     path = tmp_path / "notes.pt"
     path.write_text("not a checkpoint\n")
@@ -112,6 +115,7 @@ def test_inspect_of_a_file_that_is_no_checkpoint_does_not_import_torch(tmp_path)
     assert not loaded["torch"]
 
 
+@pytest.mark.slow
 def test_inspect_torch_save_file_does_import_torch(tmp_path):
     # The probe's counterpart: a torch.save zip needs torch.load, and the probe sees it.
     path = save_torch(bn_entries("bn"), tmp_path / "model.pt")
@@ -120,6 +124,7 @@ def test_inspect_torch_save_file_does_import_torch(tmp_path):
     assert loaded["torch"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [("rules",), ("rules", "BN004")])
 def test_rules_command_imports_neither_torch_nor_numpy(args):
     code, loaded = run_probe(*args)
@@ -145,20 +150,25 @@ def test_enum_option_value_selects_the_member(cli, numpy_safetensors):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("--eps", "abc"), "Invalid value for '--eps': Input should be a valid number"),
-        (("--format", "JSON"), "'JSON' is not one of 'table', 'json'"),
+        (("--eps", "abc"), "Invalid value for '--eps': expected a number"),
+        (("--format", "JSON"), "'JSON' is not one of 'table', 'json', 'sarif'"),
     ],
 )
-def test_values_the_fast_path_declines_get_typers_own_error(cli, numpy_safetensors, args, message, monkeypatch):
+def test_values_neither_path_converts_are_refused_in_our_words(cli, numpy_safetensors, args, message):
     result = cli("inspect", numpy_safetensors, *args)
     assert result.exit_code == 2
     if not fastcli.typer_is_tested_version():
-        return  # no fast path on this typer: nothing declined, and typer words its messages per version
+        return  # no fast path on this typer: typer words its messages per version
     assert message in result.output
-    fast = typer.core.build_runtime_param  # typer's own when BNAUDIT_PLAIN_TYPER is set
-    monkeypatch.setattr(typer.core, "build_runtime_param", getattr(fast, "__wrapped__", fast))
-    plain = cli("inspect", numpy_safetensors, *args)
-    assert (result.exit_code, result.output) == (plain.exit_code, plain.output)
+
+
+@pytest.mark.parametrize("text, value", [("1_0", 10.0), (" 1e-3", 1e-3)])
+def test_values_the_fast_path_declines_are_typers_to_convert(cli, numpy_safetensors, monkeypatch, text, value):
+    fast = cli("inspect", numpy_safetensors, "--format", "json", "--eps", text)
+    monkeypatch.setenv(fastcli.PLAIN_TYPER_ENV, "1")  # read when typer builds the command
+    plain = cli("inspect", numpy_safetensors, "--format", "json", "--eps", text)
+    assert fast.exit_code == plain.exit_code == 0, fast.output
+    assert json.loads(fast.stdout)["config"]["eps"] == json.loads(plain.stdout)["config"]["eps"] == value
 
 
 # --- the console prints names from files verbatim (markup off is also the faster path) --
@@ -186,6 +196,7 @@ def test_layer_names_that_look_like_markup_are_printed_verbatim(cli, tmp_path):
 # --- `main` builds only the command it runs; typer's whole group answers the same ------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [

@@ -134,8 +134,9 @@ class LayerDiff:
     settings_a: Settings
     settings_b: Settings
     recalibrated: bool = False
-    # False when a side is an EMA copy: its counter is not a count of batches (timm
-    # averages it towards 0, torchvision halves it, AveragedModel leaves 1)
+    # False when a side is an EMA copy: its counter is not a count of its batches (timm
+    # averages it towards 0, torchvision halves it, AveragedModel copies the live model's
+    # counter or averages it)
     counter_meaningful: bool = True
 
     @property

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from bnaudit.audit.formulas import eval_gains, near_eps_channels
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.rules import Finding
-from bnaudit.config import SEVERITIES, Config, severity_rank
+from bnaudit.config import SEVERITIES, Config, exit_code_for, severity_rank
 from bnaudit.formats.model import Averaging
 from bnaudit.severity import Severity
 
@@ -139,9 +139,10 @@ class InspectReport:
         file found by a directory scan is reported, not an exit code). Skipped non-weight
         files never count.
         """
-        if exit_zero:
-            return 2 if any(f.error and f.named for f in self.files) else 0
-        if any(f.error for f in self.files):
-            return 2
-        threshold = severity_rank(fail_on or self.config.fail_on)
-        return 1 if any(severity_rank(f.severity) >= threshold for f in self.findings) else 0
+        return exit_code_for(
+            (f.severity for f in self.findings),
+            fail_on or self.config.fail_on,
+            error=any(f.error and f.named for f in self.files),
+            found_error=any(f.error for f in self.files),
+            exit_zero=exit_zero,
+        )

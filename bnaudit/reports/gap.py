@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from bnaudit.audit.report import FileReport
 from bnaudit.audit.rules import Finding
+from bnaudit.config import exit_code_for
 from bnaudit.errors import BnauditError
 from bnaudit.text import layer_list, plural
 
@@ -128,6 +129,7 @@ class GapReport:
     non_finite: dict[str, int] = field(default_factory=dict)
     max_gap: float | None = None
     strict: bool = False
+    fail_on: str | None = None
     labelled: int = 0
     train_interval: tuple[float, float] | None = None
     eval_interval: tuple[float, float] | None = None
@@ -151,16 +153,26 @@ class GapReport:
         low, high = self.gap_interval
         return low > 0 or high < 0
 
-    def exit_code(self) -> int:
-        """1 when the report has a `max_gap` and the gap exceeds it, else 0. A gap that is
-        not significant (its 95% interval contains 0) passes unless `strict`."""
-        if self.max_gap is None:
-            return 0
-        if self.gap is None:
-            raise BnauditError(NEEDS_LABELS)
-        if self.gap <= self.max_gap:
-            return 0
-        return 1 if self.strict or self.gap_significant else 0
+    @property
+    def exceeds_max_gap(self) -> bool:
+        """Whether the gap exceeds `max_gap`: significantly (its 95% interval excludes 0),
+        or at all with `strict`. False without a `max_gap` or without a gap."""
+        if self.max_gap is None or self.gap is None or self.gap <= self.max_gap:
+            return False
+        return self.strict or bool(self.gap_significant)
+
+    def exit_code(self, exit_zero: bool = False) -> int:
+        """`bnaudit.config.exit_code_for`: 1 when the gap exceeds `max_gap` (`exceeds_max_gap`)
+        or an inspect finding is at or above `fail_on`; 2, never an exception, for a
+        `max_gap` without a gap to check (unlabelled data: `measure_gap` refuses it first,
+        with the reason); 0 otherwise or with `exit_zero`."""
+        return exit_code_for(
+            (f.severity for f in self.findings),
+            self.fail_on,
+            failed=self.exceeds_max_gap,
+            error=self.max_gap is not None and self.gap is None,
+            exit_zero=exit_zero,
+        )
 
 
 NEEDS_LABELS = "--max-gap needs labelled data (the gap is an accuracy difference)"

@@ -9,8 +9,8 @@ B of --batch-sizes:
   other companions    a permutation of the positions fixed by --seed, cut into batches
   (B)                 of B: other companions, in another order
 
-(for B >= 2 a last batch of one sample joins the one before it, `norms.merge_trailing_
-singleton`). Each arrangement fills one output tensor (N, ...) indexed by sample
+(for B >= 2 a last batch of one sample joins the one before it: the one batch plan,
+`bnaudit.runtime.batching.BatchPlan.cut`). Each arrangement fills one output tensor (N, ...) indexed by sample
 position, batch by batch (`bnaudit.runtime.invariance.score_arrangement`); every
 statistic is computed from these tensors afterwards.
 
@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from bnaudit.errors import BnauditError
+from bnaudit.runtime.batching import BatchPlan, concat_batches, sample_order
 from bnaudit.runtime.deviation import relative_deviations
 from bnaudit.runtime.models import forward, output_tensor, to_device
-from bnaudit.runtime.norms import concat_batches, merge_trailing_singleton_plan
 from bnaudit.text import plural
 
 SCREEN_EPS = 128  # screen = SCREEN_EPS * eps(dtype), capped at SCREEN_MAX
@@ -40,12 +40,16 @@ SCREEN_MAX = 1e-2
 
 @dataclass(frozen=True)
 class Arrangement:
-    """One way to batch the N samples: `batches` holds sample positions, whole batches."""
+    """One way to batch the N samples: `plan` holds sample positions, whole batches."""
 
     name: str
     batch_size: int
     order: str  # "alone", "natural" or "shuffled"
-    batches: list[list[int]]
+    plan: BatchPlan
+
+    @property
+    def batches(self) -> list[list[int]]:
+        return self.plan.batches
 
 
 def plan_arrangements(num_samples: int, batch_sizes: list[int], seed: int) -> list[Arrangement]:
@@ -55,11 +59,10 @@ def plan_arrangements(num_samples: int, batch_sizes: list[int], seed: int) -> li
     n = num_samples
     for size in sorted(set(batch_sizes)):
         if size == 1:
-            arrangements.append(Arrangement("alone", 1, "alone", [[i] for i in range(n)]))
+            arrangements.append(Arrangement("alone", 1, "alone", BatchPlan.singles(n)))
             continue
-        natural = merge_trailing_singleton_plan([list(range(i, min(i + size, n))) for i in range(0, n, size)])
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-        shuffled = merge_trailing_singleton_plan([order[i : i + size] for i in range(0, n, size)])
+        natural = BatchPlan.cut(range(n), size)
+        shuffled = BatchPlan.cut(sample_order(n, shuffle=True, seed=seed), size)
         arrangements.append(Arrangement(f"in batch ({size})", size, "natural", natural))
         arrangements.append(Arrangement(f"other companions ({size})", size, "shuffled", shuffled))
     return arrangements
@@ -80,7 +83,7 @@ class Samples:
 
 def read_samples(stream: Any) -> Samples:
     """Every sample of the stream, in its order, as one `Samples` (joined as
-    `norms.concat_batches` joins batches)."""
+    `batching.concat_batches` joins batches)."""
     inputs: list[Any] = []
     labels: list[Any] = []
     origins: list[str] = []

@@ -1,34 +1,30 @@
 """Running one measurement on many processes under torchrun, with a single process's result.
 
 Every command that runs under `python -m torch.distributed.run --nproc-per-node N`
-(recalibrate, gap, invariance) follows the same steps, all here:
+(recalibrate, gap, invariance) runs through this one runner:
 
-  process_group    join the group (gloo on the CPU, nccl for CUDA), left at exit
-  device_for_rank  one GPU per rank, by LOCAL_RANK
-  shard_batches    the batch plan (lists of sample indices) is made once, identically on
-                   every rank from the seed; rank r takes a contiguous block of WHOLE
-                   batches, so every rank runs exactly the batches a single process runs
-                   (train-mode BatchNorm normalises by the statistics of the batch: its
-                   results depend on which samples share a batch), no sample is read twice
-                   and none is left out
-  together         a failure on one rank ends the work on every rank, instead of leaving
-                   the others waiting in the next collective
+  torchrun         join the group (gloo on the CPU, nccl for CUDA; left at exit), take
+                   this rank's device (one GPU per rank, by LOCAL_RANK) and yield `Ranks`
+  batches          every rank makes the one global batch plan from the seed and runs its
+                   share of WHOLE batches (`bnaudit.runtime.batching.BatchPlan.shard`)
+  together         one step of per-rank work: the first failure (in rank order) ends the
+                   step on every rank as one line, instead of leaving the others waiting
+                   in the next collective
   gather_objects   each rank's plain-Python totals, in rank order, on every rank
-  reporting        for the CLI: rank 0 prints the one report before any rank exits
+  combine_rows     rows filled on different ranks, summed exactly
+  prints           rank 0 alone prints the report (every plain process prints); a runner
+                   entered with wait=True holds every rank until rank 0 has printed
 
-The plan's rule for a last batch of one sample (`norms.merge_trailing_singleton_plan`) is
-applied once to the global plan, before sharding, so a shard never ends in a batch that
-the single process would not have. Without torch.distributed (or with one process) every
-function here is a no-op.
+Without torch.distributed (or with one process) every function here is a no-op.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,14 +47,31 @@ def collective_device(group: Any = None) -> Any:
     return torch.device("cpu")
 
 
+class RankError(BnauditError):
+    """The first failure of a step on another rank: `rank` and its one-line `message`
+    (str: "rank R: message")."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"rank {rank}: {message}")
+        self.rank = rank
+        self.message = message
+
+
+def failure_message(exc: BaseException) -> str:
+    """An error's one line as every rank records it: a `RankError`'s own message."""
+    return exc.message if isinstance(exc, RankError) else str(exc) or type(exc).__name__
+
+
 @contextlib.contextmanager
 def together() -> Iterator[None]:
-    """Under torch.distributed, a failure on one rank ends the work on every rank
-    (rather than leaving the others waiting in the next collective): the failing rank
-    raises its own exception, every other rank a `BnauditError` with the first failing
-    rank's message, so rank 0's one-line error (or JSON error document) says what went
-    wrong. Collective: every rank enters and leaves the block the same number of times."""
-    if distributed()[1] == 1:
+    """One step of per-rank work. Under torch.distributed the first failure, in rank
+    order, ends the step on every rank: that rank raises its own exception (its traceback
+    for --debug), every other rank a `RankError` with its one-line message, so rank 0's
+    error line (or JSON error document) says what went wrong and every rank can record
+    the same failure. Collective: every rank enters and leaves the block the same number
+    of times."""
+    rank, world = distributed()
+    if world == 1:
         yield
         return
     failure: BaseException | None = None
@@ -66,51 +79,65 @@ def together() -> Iterator[None]:
         yield
     except Exception as exc:
         failure = exc
-    messages = gather_objects(None if failure is None else str(failure) or type(failure).__name__)
-    if failure is not None:
+    messages = gather_objects(None if failure is None else failure_message(failure))
+    first = next((r for r, message in enumerate(messages) if message is not None), None)
+    if first is None:
+        return
+    if first == rank and failure is not None:
         raise failure
-    for rank, message in enumerate(messages):
-        if message is not None:
-            raise BnauditError(f"rank {rank}: {message}")
+    raise RankError(first, messages[first])
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process in the run: its rank, the world size and the device it computes on."""
+
+    rank: int
+    world: int
+    device: Any
+
+    @property
+    def reports(self) -> bool:
+        """Rank 0 writes and reports for the run."""
+        return self.rank == 0
+
+
+def prints() -> bool:
+    """Whether this process prints the report: rank 0 under torchrun, any plain process.
+    Known before the group is joined (torchrun sets RANK for every rank it starts)."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 @contextlib.contextmanager
-def process_group(device: Any) -> Iterator[tuple[int, int]]:
-    """Under torchrun (WORLD_SIZE > 1): join the process group (nccl for CUDA, gloo for
-    the CPU) and yield (rank, world size); otherwise (0, 1).
+def torchrun(device: Any, wait: bool = False) -> Iterator[Ranks]:
+    """The runner: under torchrun (WORLD_SIZE > 1) join the process group (nccl for CUDA,
+    gloo for the CPU) and yield this rank with its device (`device_for_rank`); otherwise
+    rank 0 of 1 on `device`.
 
     The group stays open until the process exits, for the next measurement: joining a
     second group through torchrun's rendezvous store after leaving the first can read
     the first group's stale addresses and fail to connect. A group the caller set up is
-    used as it is."""
+    used as it is. `wait`: on leaving, every rank waits for the others (a barrier), for a
+    caller that prints inside the block: torchrun stops the remaining ranks as soon as one
+    exits non-zero, so without the wait rank 0 could be stopped while it prints the report
+    of a failed check (exit 1)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        yield 0, 1
+        yield Ranks(0, 1, device)
         return
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         atexit.register(_leave)
-    yield dist.get_rank(), dist.get_world_size()
+    try:
+        yield Ranks(dist.get_rank(), dist.get_world_size(), device_for_rank(device))
+    finally:
+        if wait:
+            dist.barrier()
 
 
 def _leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def reporting(device: Any) -> Iterator[int]:
-    """For a command under torchrun whose ranks all end with the same report and exit
-    code (gap, invariance): hold the process group (`process_group`) around the measurement and rank
-    0's printing, yield this rank, and on leaving wait for every rank (a barrier). torchrun
-    stops the remaining ranks as soon as one exits non-zero, so without the wait rank 0
-    could be stopped while it prints the report of a failed check (exit 1)."""
-    with process_group(device) as (rank, world):
-        try:
-            yield rank
-        finally:
-            if world > 1:
-                dist.barrier()
 
 
 def device_for_rank(device: Any) -> Any:
@@ -122,31 +149,6 @@ def device_for_rank(device: Any) -> Any:
     return device
 
 
-def shard_stream(stream: Any, rank: int, world: int) -> Any:
-    """Rank `rank`'s share of a `bnaudit.runtime.data.BatchStream` (`shard_batches`), its
-    batches numbered as the whole run numbers them (errors name the same batch on any
-    world size); the stream itself with one rank."""
-    if world == 1:
-        return stream
-    first, mine = shard_batches(stream.plan, rank, world)
-    return dataclasses.replace(stream, plan=mine, first_index=stream.first_index + first)
-
-
-def shard_batches(plan: list[list[int]], rank: int, world: int) -> tuple[int, list[list[int]]]:
-    """Rank `rank`'s share of the global batch plan: (index of its first batch, its batches).
-
-    B batches over W ranks: the first B mod W ranks take floor(B/W) + 1 consecutive
-    batches, the others floor(B/W); the batches are the plan's own, unchanged. With fewer
-    batches than ranks the last ranks get none (they still join every collective). Rank 0
-    always has a batch when the plan has one.
-    """
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in a world of {world}")
-    share, extra = divmod(len(plan), world)
-    first = rank * share + min(rank, extra)
-    return first, plan[first : first + share + (rank < extra)]
-
-
 def gather_objects(value: Any) -> list[Any]:
     """Every rank's `value` (small, picklable), in rank order, on every rank; [value]
     without torch.distributed. Collective."""
@@ -156,13 +158,6 @@ def gather_objects(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, value)
     return gathered
-
-
-def first_error(message: str | None) -> str | None:
-    """The first rank's error message (rank order), on every rank; None when no rank
-    failed. For a step whose failure is itself a finding (a model that cannot score one
-    sample alone): every rank records the same one. Collective."""
-    return next((m for m in gather_objects(message) if m is not None), None)
 
 
 def combine_rows(rows: Any, filled: Any) -> tuple[Any, Any]:

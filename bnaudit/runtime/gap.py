@@ -20,7 +20,12 @@ difference is BatchNorm's alone. Definitions (N samples, y_t / y_e their outputs
 
 Per-layer drift compares the data that reaches each BN layer in eval mode (exact
 per-channel mean mu_d and unbiased variance var_d over all samples, float64, merged
-with `bnaudit.runtime.stats.ChannelStats`) with its running statistics mu_r, var_r:
+with `bnaudit.runtime.stats.ChannelStats`) with its running statistics mu_r, var_r. A
+tracked InstanceNorm normalises each instance (sample, channel) by its own statistics
+and its running statistics average them over the instances, so there mu_d and var_d are
+the means of the per-instance means and unbiased variances (`stats.InstanceStats`); the
+variance pooled over all values would add the spread of the instance means and blame a
+layer that describes its data.
 
   mean_shift, max_mean_shift, var_log_ratio   as `bnaudit.audit.statistics.Drift` defines them
   drift           mean_shift + var_log_ratio (both are 0 when the stored statistics
@@ -38,14 +43,15 @@ Accuracies carry 95% Wilson intervals and the gap Newcombe's interval
 (`bnaudit.runtime.confidence`); a gap whose interval contains 0 is "not significant".
 
 Under torchrun (`bnaudit.runtime.distributed`) every rank plans the same batches from the
-seed and scores a contiguous block of WHOLE batches: a train-mode output depends on which
-samples share its batch, so the ranks must run exactly the single process's batches. The
-ranks then combine what a single process accumulates: the sample, label, correct (both
-modes), agreement and non-finite counts and the batch and skipped counts are summed
-(exact integers); the divergence sums are added in rank order (float64 rounding); every
-BN layer's and the input's per-channel (count, mean, M2) are Chan-merged
-(`stats.all_gather_merge`: float64 rounding). Every rank then builds the same report, so
-accuracy, gap and agreement equal a single process's exactly and exit codes agree.
+seed and scores a contiguous block of WHOLE batches (`batching.BatchPlan.shard`): a
+train-mode output depends on which samples share its batch, so the ranks must run exactly
+the single process's batches. The ranks then combine what a single process accumulates:
+the sample, label, correct (both modes), agreement and non-finite counts and the batch
+and skipped counts are summed (exact integers); the divergence sums are added in rank
+order (float64 rounding); every BN layer's and the input's per-channel (count, mean, M2)
+are Chan-merged (`stats.all_gather_merge`: float64 rounding), an InstanceNorm's sums
+added in rank order. Every rank then builds the same report, so accuracy, gap and
+agreement equal a single process's exactly and exit codes agree.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ from typing import Any
 import torch
 
 from bnaudit.audit.audit import audit_checkpoint
-from bnaudit.config import Config
+from bnaudit.config import Config, measurement_fail_on
 from bnaudit.errors import BnauditError
 from bnaudit.reports.gap import NEEDS_LABELS, GapReport, LayerDrift, check_max_gap, diagnose
 from bnaudit.runtime.attribution import (
@@ -71,14 +77,7 @@ from bnaudit.runtime.attribution import (
 from bnaudit.runtime.confidence import difference_interval, wilson
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.deviation import relative_l2s
-from bnaudit.runtime.distributed import (
-    device_for_rank,
-    distributed,
-    gather_objects,
-    process_group,
-    shard_stream,
-    together,
-)
+from bnaudit.runtime.distributed import distributed, gather_objects, together, torchrun
 from bnaudit.runtime.inputs import input_problem
 from bnaudit.runtime.models import (
     forward,
@@ -88,8 +87,14 @@ from bnaudit.runtime.models import (
     resolve_device,
     to_device,
 )
-from bnaudit.runtime.norms import batch_stats_mode, eval_mode, norm_modules
-from bnaudit.runtime.stats import ChannelStats, all_gather_merge, drift, record_bn_inputs
+from bnaudit.runtime.norms import batch_statistics, is_batchnorm, norm_modules
+from bnaudit.runtime.stats import (
+    ChannelStats,
+    InstanceStats,
+    all_gather_stats,
+    drift,
+    record_bn_inputs,
+)
 from bnaudit.text import exception_line
 
 
@@ -180,7 +185,11 @@ def measure_model_gap(
     norms = norm_modules(model)
     # Hooks cannot be attached inside a TorchScript module: no per-layer drift there.
     hooked = {} if runnable.scripted else norms
-    accumulated = {name: ChannelStats() for name in hooked}
+    # InstanceNorm's running statistics average per-instance statistics (stats.InstanceStats)
+    instance = {name for name, m in hooked.items() if not is_batchnorm(m)}
+    accumulated: dict[str, ChannelStats | InstanceStats] = {
+        name: InstanceStats() if name in instance else ChannelStats() for name in hooked
+    }
     totals = _Totals()
     # --grayscale applies to image folders only: elsewhere it is no fix to suggest
     grayscale = stream.options.grayscale if getattr(stream.source, "is_images", False) else None
@@ -188,9 +197,9 @@ def measure_model_gap(
     input_stats = ChannelStats()
     example: Any = None
     rank, world = distributed() if shard else (0, 1)
-    local = shard_stream(stream, rank, world)
+    local = stream.shard(rank, world)
     mine = local.plan
-    with eval_mode(model), torch.no_grad(), together() if world > 1 else contextlib.nullcontext():
+    with batch_statistics(model, {}), torch.no_grad(), together() if world > 1 else contextlib.nullcontext():
         for batch in local if mine else ():
             inputs = to_device(batch.inputs, device)
             if _image_like(inputs):
@@ -204,10 +213,10 @@ def measure_model_gap(
                 return _run(model, inputs, forward_fn, batch.index, norms, train=True, grayscale=grayscale)
 
             def run_eval(inputs: Any = inputs, batch: Any = batch) -> Any:
-                with record_bn_inputs(hooked) as stats:
+                with record_bn_inputs(hooked, instance) as stats:
                     out = _run(model, inputs, forward_fn, batch.index, norms, train=False, grayscale=grayscale)
                 for name, s in stats.items():
-                    accumulated[name].merge(s.count, s.mean, s.m2)
+                    accumulated[name].add(s)  # type: ignore[arg-type]  # the same kind, by name
                 return out
 
             if train_first:
@@ -223,7 +232,11 @@ def measure_model_gap(
     totals.skipped, totals.notes = local.skipped, list(getattr(local, "notes", []))
     if world > 1:
         totals = _reduce_totals(totals)
-        accumulated, input_stats = _reduce_stats(accumulated, input_stats)
+        # every rank's statistics of each layer's input and of the model's input, merged
+        *layer_stats, merged_input = all_gather_stats([*accumulated.values(), input_stats])
+        accumulated = dict(zip(accumulated, layer_stats, strict=True))
+        assert isinstance(merged_input, ChannelStats)
+        input_stats = merged_input
         example = _shared_example(example, device)
     layers = _drift(norms, accumulated, hooked)
     labelled = totals.labelled
@@ -276,19 +289,6 @@ def measure_model_gap(
     return report
 
 
-def _reduce_stats(
-    accumulated: dict[str, ChannelStats], input_stats: ChannelStats
-) -> tuple[dict[str, ChannelStats], ChannelStats]:
-    """Every rank's per-channel statistics of each BN layer's input and of the model's
-    input, Chan-merged (`stats.all_gather_merge`). A channel count that only some ranks
-    know (a rank without batches saw nothing) is agreed first. Collective."""
-    names = list(accumulated)
-    known = gather_objects([_channels(accumulated[n]) for n in names] + [_channels(input_stats)])
-    channels = [max(counts[i] for counts in known) for i in range(len(names) + 1)]
-    merged = {n: all_gather_merge(accumulated[n], c) if c else ChannelStats() for n, c in zip(names, channels)}
-    return merged, all_gather_merge(input_stats, channels[-1]) if channels[-1] else ChannelStats()
-
-
 def _shared_example(example: Any, device: Any) -> Any:
     """The input probe needs only an example's shape and dtype (`_probe_first_layer`): the
     first rank's, on every rank, so that a rank without batches builds the same report.
@@ -298,10 +298,6 @@ def _shared_example(example: Any, device: Any) -> Any:
         return example
     shape, dtype = known[0]
     return torch.zeros(shape, dtype=dtype, device=device)
-
-
-def _channels(stats: ChannelStats) -> int:
-    return int(stats.mean.numel()) if stats.count else 0
 
 
 def _image_like(inputs: Any) -> bool:
@@ -379,7 +375,7 @@ def _run(
 
     def call() -> Any:
         if train:
-            with batch_stats_mode(model, norms):
+            with batch_statistics(model, norms):
                 return forward(model, inputs, forward_fn)
         return forward(model, inputs, forward_fn)
 
@@ -556,11 +552,14 @@ def measure_gap(
     progress: Callable[[int, int], None] | None = None,
     max_gap: float | None = None,
     strict: bool = False,
+    fail_on: str | None = None,
 ) -> GapReport:
     """Load the model and the data (`options`: a `bnaudit.DataOptions`) and measure the gap
     (see the module docstring). `config` (None: the defaults) decides which inspect findings
-    the report carries; `max_gap` and `strict` (a gap that is not significant fails too)
-    are stored on the report for `GapReport.exit_code`.
+    the report carries; `max_gap`, `strict` (a gap that is not significant fails too) and
+    `fail_on` (the inspect findings at or above it fail the run; None: the configuration
+    file's fail-on, if it states one, `bnaudit.config.measurement_fail_on`) are stored on
+    the report for `GapReport.exit_code`.
 
     Under torchrun (WORLD_SIZE > 1) it joins the process group for the measurement (gloo
     on the CPU, nccl with one GPU per rank for CUDA); each rank scores its share of whole
@@ -571,6 +570,7 @@ def measure_gap(
     ...                     arch="mypkg.models:net").gap                    # doctest: +SKIP
     """
     check_max_gap(max_gap)
+    threshold = measurement_fail_on(config, fail_on)
     target = resolve_device(device)
     options.validate()
     if options.batch_size < 2:  # before the model loads: the cheapest refusal first
@@ -580,10 +580,11 @@ def measure_gap(
     stream = make_loader(replace(options, pin_memory=target.type == "cuda"))
     if max_gap is not None and stream.has_labels is False:
         raise BnauditError(NEEDS_LABELS)
-    with process_group(target):
-        report = measure_model_gap(runnable, stream, device_for_rank(target), forward_fn, config, progress)
+    with torchrun(target) as ranks:
+        report = measure_model_gap(runnable, stream, ranks.device, forward_fn, config, progress)
     report.max_gap = max_gap
     report.strict = strict
+    report.fail_on = threshold
     if max_gap is not None and report.gap is not None and report.gap > max_gap and not report.gap_significant:
         verdict = "fails with --strict" if strict else "passes (--strict would fail it)"
         report.diagnosis.append(

@@ -48,6 +48,26 @@ batch-independent float32 model differs by ~1e-7 between arrangements. Two thres
                 coupling keeps its size (~d_i). A flagged sample whose float64
                 deviation exceeds the floor is COUPLED; the others are cleared.
 
+Printed figures (`bnaudit.text.above_floor`; JSON keeps the exact numbers). A float32
+deviation below the screen is kernel-order noise whose digits differ between CPUs (3.8e-07
+on one, 4.7e-07 on another): tables and diagnoses print it as "<1.5e-05", and a float64
+deviation below the floor as "<1.5e-08". The largest deviation's sample is named only
+above the screen (below it, which sample is largest is noise too). KL below
+`bnaudit.reports.invariance.KL_FLOOR` (1e-6 nats: telling two output distributions that
+close apart takes about 1/KL = 10^6 samples; float32 kernel noise gives ~1e-13 on the
+sample model) prints as "<1e-06".
+
+Printed figures (`bnaudit.text.above_floor`; JSON keeps the exact numbers). A float32
+deviation below the screen is kernel-order noise whose digits differ between CPUs (3.8e-07
+on one, 4.7e-07 on another): tables and diagnoses print it as "<1.5e-05", and a float64
+deviation below the floor as "<1.5e-08". The largest deviation's sample is named only
+above the screen (below it, which sample is largest is noise too). KL below
+
+  KL_FLOOR      1e-6 nats: telling two output distributions that close apart takes about
+                1/KL = 10^6 samples; float32 kernel noise gives ~1e-13 on the sample model
+
+prints as "<1e-06".
+
 The verdict rests on the float64 deviation, which lies about seven orders of magnitude
 from either side of the floor, so no hand-tuned tolerance decides it. Where no float64
 copy runs (a --forward or graph that insists on float32) the screen decides, and the
@@ -58,11 +78,10 @@ Locating the coupling: `bnaudit.runtime.coupling.locate_coupling`.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -70,7 +89,7 @@ import torch
 
 from bnaudit.audit.audit import audit_checkpoint
 from bnaudit.audit.report import FileReport
-from bnaudit.config import Config
+from bnaudit.config import Config, measurement_fail_on
 from bnaudit.errors import BnauditError
 from bnaudit.reports.invariance import ArrangementResult, CouplingSite, InvarianceReport, diagnose
 from bnaudit.runtime.arrangements import (
@@ -84,21 +103,13 @@ from bnaudit.runtime.arrangements import (
     screen_for,
     take,
 )
+from bnaudit.runtime.batching import BatchPlan
 from bnaudit.runtime.coupling import locate_coupling
 from bnaudit.runtime.data import make_loader
-from bnaudit.runtime.distributed import (
-    combine_rows,
-    device_for_rank,
-    distributed,
-    first_error,
-    process_group,
-    shard_batches,
-)
+from bnaudit.runtime.distributed import combine_rows, distributed, failure_message, together, torchrun
 from bnaudit.runtime.inputs import input_problem
 from bnaudit.runtime.models import load_forward, load_runnable, resolve_device
-from bnaudit.runtime.norms import (
-    eval_mode,
-)
+from bnaudit.runtime.norms import batch_statistics
 from bnaudit.text import exception_line, plural
 
 FLOOR = math.sqrt(torch.finfo(torch.float64).eps)
@@ -125,19 +136,6 @@ def check_batch_sizes(sizes: list[int]) -> list[int]:
     return sorted(set(sizes))
 
 
-@contextlib.contextmanager
-def preserved_buffers(model: Any) -> Iterator[None]:
-    """Every buffer (running statistics, counters) copied back on exit: a graph traced in
-    training mode updates them on every call, and the audit must change nothing."""
-    saved = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, copy_ in saved:
-                buffer.copy_(copy_)
-
-
 def score_arrangement(
     model: Any,
     samples: Samples,
@@ -156,11 +154,11 @@ def score_arrangement(
     run). Errors name the arrangement and the batch; `grayscale` (--grayscale
     for image folders, None for other data) shapes the advice for a channel mismatch.
 
-    Under torch.distributed, with `batches` None, it is collective: each rank runs its
-    share of the arrangement's whole batches (`rank_share`) and the zero-filled rows are
-    summed across ranks (`bnaudit.runtime.distributed.combine_rows`: each row comes from
-    one rank, so the sums are exact); every rank returns the same outputs, or raises the
-    same error (the first failing rank's)."""
+    Under torch.distributed it is collective: each rank runs its share of the
+    arrangement's whole batches (`BatchPlan.shard`) and the zero-filled rows are summed
+    across ranks (`bnaudit.runtime.distributed.combine_rows`: each row comes from one
+    rank, so the sums are exact); every rank returns the same outputs, or raises the
+    first failing rank's error (`distributed.together`)."""
     options: dict[str, Any] = {
         "device": device,
         "forward_fn": forward_fn,
@@ -169,67 +167,55 @@ def score_arrangement(
         "progress": progress,
         "grayscale": grayscale,
     }
-    rank, world = distributed()
-    if world == 1:
-        return _score_locally(model, samples, arrangement, **options)
-    first, mine = shard_batches(arrangement.batches, rank, world)
-    outputs = filled = None
-    try:
-        outputs, filled = _score_locally(model, samples, arrangement, batches=mine, first_batch=first, **options)
-        error = None
-    except BnauditError as exc:
-        error = str(exc)
-    error = first_error(error)
-    if error is not None:
-        raise BnauditError(error)
+    mine = _share(arrangement)
+    with together():
+        outputs, filled = _score_locally(model, samples, arrangement.name, mine, **options)
     return combine_rows(outputs, filled)
 
 
-def rank_share(arrangement: Arrangement) -> list[list[int]]:
+def _share(arrangement: Arrangement) -> BatchPlan:
     """The arrangement's batches this process runs: all of them, or under torch.distributed
-    this rank's contiguous block of whole batches (`bnaudit.runtime.distributed.shard_batches`)."""
-    rank, world = distributed()
-    return shard_batches(arrangement.batches, rank, world)[1]
+    this rank's contiguous block of whole batches."""
+    return arrangement.plan.shard(*distributed())
 
 
 def _score_locally(
     model: Any,
     samples: Samples,
-    arrangement: Arrangement,
+    name: str,
+    plan: BatchPlan,
     *,
     device: Any = "cpu",
     forward_fn: Any = None,
     float64: bool = False,
     positions: set[int] | None = None,
-    batches: list[list[int]] | None = None,
     progress: Callable[[], None] | None = None,
     grayscale: bool | None = None,
-    first_batch: int = 0,
 ) -> tuple[Any, Any]:
-    """`score_arrangement` in this process alone; `first_batch` numbers the first of
-    `batches` in messages (the arrangement's own number for a rank's share)."""
+    """`score_arrangement` of the batches of `plan` (arrangement `name`) in this process
+    alone; messages number them as the whole arrangement does."""
     n = len(samples)
     outputs: Any = None
     filled = torch.zeros(n, dtype=torch.bool)
-    for number, rows in enumerate(arrangement.batches if batches is None else batches, start=first_batch):
+    for number, rows in plan.numbered():
         if positions is not None and not positions.intersection(rows):
             continue
         try:
             out = score_batch(model, samples, rows, device, forward_fn, float64)
         except BnauditError as exc:
-            raise BnauditError(f"{arrangement.name}, batch {number}: {exc}") from None
+            raise BnauditError(f"{name}, batch {number}: {exc}") from None
         except Exception as exc:
             # the words gap uses for inputs a model cannot take (dtype, channels)
             problem = input_problem(model, take(samples.inputs, rows), grayscale) if forward_fn is None else None
             raise BnauditError(
-                f"{arrangement.name}, batch {number}: the model rejects the batch "
+                f"{name}, batch {number}: the model rejects the batch "
                 f"({plural(len(rows), 'sample')}): {problem or exception_line(exc)}"
             ) from None
         if outputs is None:
             outputs = torch.zeros((n, *out.shape[1:]), dtype=out.dtype)
         elif out.shape[1:] != outputs.shape[1:]:
             raise BnauditError(
-                f"{arrangement.name}, batch {number}: the output shape changed to {list(out.shape)} "
+                f"{name}, batch {number}: the output shape changed to {list(out.shape)} "
                 f"from {[len(rows), *outputs.shape[1:]]}"
             )
         index = torch.as_tensor(rows, dtype=torch.long)
@@ -267,8 +253,8 @@ def score_arrangements(
     failed: a model that cannot score one sample alone is batch-dependent itself, so a
     failure of "alone" is recorded (name -> message), any other failure is an error.
     Under torch.distributed each rank runs its share of every arrangement's batches
-    (`rank_share`), combined across ranks by `score_arrangement`."""
-    total = sum(len(rank_share(a)) for a in arrangements)
+    (`BatchPlan.shard`), combined across ranks by `score_arrangement`."""
+    total = sum(len(_share(a)) for a in arrangements)
     done = 0
 
     def step() -> None:
@@ -294,8 +280,8 @@ def score_arrangements(
         except BnauditError as exc:
             if arrangement.order != "alone":
                 raise
-            failures[arrangement.name] = str(exc)
-            done = before + len(rank_share(arrangement))
+            failures[arrangement.name] = failure_message(exc)  # the same line on every rank
+            done = before + len(_share(arrangement))
             continue
         scored.append((arrangement, out))
     return scored, failures
@@ -336,7 +322,7 @@ def check_in_float64(
     if model64 is not None:
         positions = set(flagged)
         try:
-            with preserved_buffers(model64), eval_mode(model64):
+            with batch_statistics(model64, {}):
                 rescored = [
                     score_arrangement(
                         model64, samples, a, device=device, forward_fn=forward_fn, float64=True, positions=positions
@@ -388,7 +374,8 @@ def measure_model_invariance(
     if n < 2:
         raise BnauditError("invariance needs at least 2 samples")
     arrangements = plan_arrangements(n, sizes, stream.options.seed)
-    with eval_mode(model), torch.no_grad(), preserved_buffers(model):
+    # deployed: everything in eval mode, every buffer as it was afterwards
+    with batch_statistics(model, {}), torch.no_grad():
         scored, failures = score_arrangements(
             model, samples, arrangements, device=device, forward_fn=forward_fn, progress=progress, grayscale=grayscale
         )
@@ -566,8 +553,9 @@ def measure_invariance(
 ) -> InvarianceReport:
     """Load the model and the data (`options`: a `bnaudit.DataOptions`; `num_samples`
     None reads 256) and measure whether outputs depend on their batch companions (module
-    docstring). `batch_sizes` default to [1, options.batch_size]; `fail_on` and
-    `exit_zero` are stored for `InvarianceReport.exit_code`. Under torchrun (WORLD_SIZE >
+    docstring). `batch_sizes` default to [1, options.batch_size]; `fail_on` (None: the
+    configuration file's fail-on, if it states one; `bnaudit.config.measurement_fail_on`)
+    and `exit_zero` are stored for `InvarianceReport.exit_code`. Under torchrun (WORLD_SIZE >
     1) it joins the process group and every rank returns the same report (module
     docstring).
 
@@ -575,6 +563,7 @@ def measure_invariance(
     >>> bnaudit.measure_invariance("model.pt", bnaudit.DataOptions(path="val.safetensors"),
     ...                            arch="mypkg.models:net").verdict         # doctest: +SKIP
     """
+    threshold = measurement_fail_on(config, fail_on)
     target = resolve_device(device)
     if options.num_samples is None:
         options = replace(options, num_samples=DEFAULT_NUM_SAMPLES)
@@ -583,10 +572,8 @@ def measure_invariance(
     forward_fn = load_forward(forward)
     runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
     stream = make_loader(replace(options, pin_memory=target.type == "cuda"))
-    with process_group(target):
-        report = measure_model_invariance(
-            runnable, stream, device_for_rank(target), forward_fn, config, progress, sizes
-        )
-    report.fail_on = fail_on
+    with torchrun(target) as ranks:
+        report = measure_model_invariance(runnable, stream, ranks.device, forward_fn, config, progress, sizes)
+    report.fail_on = threshold
     report.exit_zero = exit_zero
     return report

@@ -1,6 +1,6 @@
-"""Which modules are BatchNorm (the table of `bnaudit.normkinds`, applied to live modules),
-how to switch them between statistics, and how batches are joined: the one place in
-bnaudit's runtime that decides these.
+"""Which modules are BatchNorm (the table of `bnaudit.normkinds`, applied to live modules)
+and how to switch them between statistics: the one place in bnaudit's runtime that
+decides these.
 
 Definitions (every other runtime module asks the functions here):
 
@@ -26,23 +26,19 @@ Definitions (every other runtime module asks the functions here):
                     tracked InstanceNorm (its running_var averages per-instance variances)
                     and track_running_stats=False are left alone and listed.
 
-Modes: `eval_mode` (everything eval), `batch_stats_mode` (norm layers normalise by batch
-statistics, everything else eval, buffers restored) and `regime` (chosen layers by batch
-statistics without touching their buffers).
+Modes: `batch_statistics` (chosen norm layers normalise by batch statistics, everything
+else eval, every buffer restored, SyncBatchNorm as plain BatchNorm per process) is the one
+switch; gap, invariance and recalibrate all run through it.
 
-Batches: a last batch of one sample joins the batch before it
-(`merge_trailing_singleton`), because training-mode BatchNorm cannot normalise one value
-per channel (a (1, C) input has no variance). Batch plans of sample indices, sharded plans
-and streams of batches all follow this rule through that one function.
+Which samples share a batch is `bnaudit.runtime.batching`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 import types
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,7 +148,7 @@ def norm_modules(model: Any) -> dict[str, Any]:
 def has_stock_forward(model: Any, module: Any) -> bool:
     """An eager BatchNorm layer whose forward is PyTorch's own (so code that reproduces
     that forward, `plain_batchnorm_forward` and the fused recalibration pass, may stand
-    in for it). SyncBatchNorm counts: under `regime` it runs as plain BatchNorm."""
+    in for it). SyncBatchNorm counts: under `batch_statistics` it runs as plain BatchNorm."""
     if is_script(model) or not isinstance(module, _BATCHNORM) or "forward" in vars(module):
         return False
     return type(module).forward is _BATCHNORM.forward or isinstance(module, torch.nn.SyncBatchNorm)
@@ -164,41 +160,44 @@ def plain_batchnorm_forward(module: Any, x: Any) -> Any:
 
 
 @contextlib.contextmanager
-def eval_mode(model: Any) -> Iterator[Any]:
-    """Every module in eval mode; the previous modes restored on exit."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield model
-    finally:
-        for m, training in modes:
-            m.training = training
+def batch_statistics(model: Any, layers: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+    """`layers` (name -> module; None: every norm layer, `norm_modules`) normalise by the
+    statistics of their batch, every other module is in eval mode; on exit the model is
+    as it was. Yields the switched layers. The one way bnaudit switches modes:
 
+      modes     the chosen layers in training mode, every other module in eval mode
+                (Dropout and other mode-dependent modules stay off, so a difference to
+                eval mode is the chosen layers' alone); `layers={}` is the model as
+                deployed, everything in eval mode
+      buffers   every buffer of the model is snapshot on entry and copied back on exit:
+                the training-mode forward of BatchNorm and of a tracked InstanceNorm
+                updates running_mean, running_var and num_batches_tracked, and so does a
+                TorchScript graph traced in training mode on every call, in eval mode too
+      SyncBN    a SyncBatchNorm layer runs as plain BatchNorm on this process's batch:
+                bnaudit measures what one process measures and merges the ranks'
+                statistics exactly itself; SyncBatchNorm's per-forward all-reduce would
+                give other numbers, hang when ranks hold different numbers of batches,
+                and refuses CPU tensors under gloo
 
-@contextlib.contextmanager
-def batch_stats_mode(model: Any, norms: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
-    """Norm layers normalise by batch statistics (training mode), everything else eval.
-
-    Dropout and other mode-dependent modules stay in eval mode, so a difference to
-    eval mode is the norm layers' alone. The training-mode forward updates running_mean,
-    running_var and num_batches_tracked; they are snapshot on entry and copied back on
-    exit (also on error), so the model's buffers are bit-identical afterwards, and so
-    are all modules' modes. Yields the norm modules.
+    Modes, buffers and forwards are restored also after an error or Ctrl-C.
     """
-    norms = norm_modules(model) if norms is None else norms
+    chosen = norm_modules(model) if layers is None else dict(layers)
     modes = [(m, m.training) for m in model.modules()]
-    saved = [
-        (buf, buf.detach().clone())
-        for m in norms.values()
-        for buf in (getattr(m, n, None) for n in ("running_mean", "running_var", "num_batches_tracked"))
-        if isinstance(buf, torch.Tensor)
-    ]
-    model.eval()
-    for m in norms.values():
-        m.train()
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    patched = [(m, vars(m).get("forward")) for m in chosen.values() if isinstance(m, torch.nn.SyncBatchNorm)]
     try:
-        yield norms
+        model.eval()
+        for m in chosen.values():
+            m.train()
+        for m, _ in patched:
+            m.forward = types.MethodType(_BATCHNORM.forward, m)  # type: ignore[method-assign]
+        yield chosen
     finally:
+        for m, previous in patched:
+            if previous is None:
+                vars(m).pop("forward", None)
+            else:
+                m.forward = previous  # type: ignore[method-assign]
         with torch.no_grad():
             for buf, copy in saved:
                 buf.copy_(copy)
@@ -249,120 +248,6 @@ def classify_layers(model: Any) -> tuple[dict[str, Any], list[SkippedLayer]]:
         elif has_stats:
             skipped.append(SkippedLayer(label, f"{cls}: frozen statistics, left alone"))
     return targets, skipped
-
-
-def batch_len(batch: Any) -> int:
-    """Number of samples in a batch: a tensor's first dimension, a `data.Batch`'s
-    size, else that of the first tensor found in a tuple/list/dict batch."""
-    if hasattr(batch, "shape") and len(batch.shape) > 0:
-        return int(batch.shape[0])
-    size = getattr(batch, "size", None)
-    if isinstance(size, int):  # bnaudit.runtime.data.Batch
-        return size
-    if isinstance(batch, Mapping):
-        items = list(batch.values())
-    elif isinstance(batch, (list, tuple)):
-        items = list(batch)
-    else:
-        items = []
-    for item in items:
-        n = batch_len(item)
-        if n:
-            return n
-    return 0
-
-
-def concat_batches(a: Any, b: Any) -> Any:
-    """Join two batches of the same structure along the sample dimension (None: a
-    structure this does not know, left to its producer)."""
-    if isinstance(a, torch.Tensor):
-        return torch.cat([a, b.to(a.device)])
-    if isinstance(a, Mapping):
-        joined = {k: concat_batches(a[k], b[k]) for k in a}
-        return None if any(v is None for v in joined.values()) else joined
-    if isinstance(a, tuple):
-        parts = [concat_batches(x, y) for x, y in zip(a, b)]
-        if any(p is None for p in parts):
-            return None
-        return type(a)(*parts) if hasattr(a, "_fields") else tuple(parts)
-    if isinstance(a, list):
-        if a and len(a) == len(b) and all(isinstance(x, torch.Tensor) for x in a):
-            return [concat_batches(x, y) for x, y in zip(a, b)]
-        return a + b  # a list of per-sample items (file names, strings)
-    if isinstance(a, (int, float, str, bytes)) or a is None:
-        return a  # a per-batch constant
-    return None
-
-
-def merge_trailing_singleton(
-    batches: Iterable[Any],
-    size: Callable[[Any], int] = batch_len,
-    join: Callable[[Any, Any], Any] = concat_batches,
-) -> Iterator[Any]:
-    """Yield the batches, with a last batch of one sample joined to the one before.
-
-    `size` counts a batch's samples, `join` joins two batches (None: cannot, both are
-    yielded as they are). Streams with two batches of lookahead.
-    """
-    held: list[Any] = []  # the last two batches, not yet yielded
-    for batch in batches:
-        held.append(batch)
-        if len(held) == 3:
-            yield held.pop(0)
-    if len(held) == 2 and size(held[1]) == 1:
-        joined = join(held[0], held[1])
-        if joined is not None:
-            held = [joined]
-    yield from held
-
-
-def merge_trailing_singleton_plan(plan: list[list[int]]) -> list[list[int]]:
-    """A plan of sample indices per batch, with the same rule applied."""
-    return list(merge_trailing_singleton(plan, size=len, join=operator.add))
-
-
-@contextlib.contextmanager
-def regime(model: Any, batch_stat_layers: Iterable[Any]) -> Iterator[None]:
-    """Eval mode everywhere except `batch_stat_layers`, which normalise by batch
-    statistics without touching their buffers.
-
-    Eager BN: training=True with track_running_stats=False (PyTorch then passes no
-    buffers to the kernel and does not count the batch); SyncBatchNorm runs as plain
-    BN on its rank's batch. TorchScript BN cannot change
-    that constant: its buffers are restored afterwards. Modes and buffers are restored
-    on exit, also after an error or Ctrl-C.
-    """
-    script = is_script(model)
-    modes = [(m, m.training) for m in model.modules()]
-    layers = list(batch_stat_layers)
-    tracking = [(m, m.track_running_stats) for m in layers] if not script else []
-    saved = {n: b.detach().clone() for n, b in model.named_buffers()} if script and layers else {}
-    patched = []
-    try:
-        model.eval()
-        for m in layers:
-            m.train()
-            if not script:
-                m.track_running_stats = False
-            if isinstance(m, torch.nn.SyncBatchNorm):
-                # normalise by this rank's batch, as plain BN does: bnaudit merges the
-                # ranks' statistics exactly itself, and a per-forward collective would
-                # hang when ranks hold different numbers of batches (and gloo has none)
-                m.forward = types.MethodType(_BATCHNORM.forward, m)  # type: ignore[method-assign]
-                patched.append(m)
-        yield
-    finally:
-        for m in patched:
-            del m.forward
-        for m, track in tracking:
-            m.track_running_stats = track
-        if saved:
-            with torch.no_grad():
-                for n, b in model.named_buffers():
-                    if n in saved:
-                        b.copy_(saved[n])
-        for m, mode in modes:
-            m.training = mode
 
 
 def num_features(module: Any) -> int:

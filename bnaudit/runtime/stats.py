@@ -17,7 +17,7 @@ sample order and sharding (to float64 rounding), and never E[x^2] - E[x]^2.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from bnaudit.audit.statistics import Drift
-from bnaudit.runtime.distributed import collective_device
+from bnaudit.runtime.distributed import collective_device, gather_objects
 
 
 def drift(data_mean: Any, data_var: Any, run_mean: Any, run_var: Any, eps: float) -> Drift:
@@ -145,15 +145,92 @@ class ChannelStats:
         """Biased variance M2 / n (what training-mode forward normalises with)."""
         return self.m2 / self.count
 
+    def add(self, other: ChannelStats) -> None:
+        """Merge another accumulation of the same layer (Chan's merge)."""
+        self.merge(other.count, other.mean, other.m2)
+
+
+@dataclass
+class InstanceStats:
+    """Per-channel statistics of an InstanceNorm input, as its running statistics define
+    them. An instance is one (sample, channel) of L values (L = H*W for a 2-D map); over
+    the k instances seen, with mean_j and the unbiased variance var_j of instance j,
+
+      mean   (1/k) * sum_j mean_j
+      var    (1/k) * sum_j var_j
+
+    which is what a tracked InstanceNorm's running_mean / running_var average (its
+    training-mode forward normalises each instance by its own statistics and updates the
+    running ones with their mean over the batch). The variance pooled over all values
+    would add the spread of the instance means, which InstanceNorm removes. `count`:
+    values per channel (k * L). Sums in float64; merging adds them (float64 rounding).
+    """
+
+    count: int = 0
+    instances: int = 0
+    mean_sum: Any = None  # torch.Tensor (C,) float64
+    var_sum: Any = None  # torch.Tensor (C,) float64
+
+    def update(self, x: Any) -> None:
+        """Add a batch of shape (N, C, *), or (C, L) unbatched."""
+        x = x.detach()
+        if x.dim() == 2:
+            x = x.unsqueeze(0)
+        values = x.to(torch.float64).flatten(2)  # (N, C, L)
+        n, length = values.shape[0], values.shape[2]
+        if n == 0 or length == 0:
+            return
+        var = values.var(dim=2) if length > 1 else torch.full(values.shape[:2], float("nan"), dtype=torch.float64)
+        self.add(InstanceStats(n * length, n, values.mean(dim=2).sum(dim=0), var.sum(dim=0)))
+
+    def add(self, other: InstanceStats) -> None:
+        if other.instances == 0:
+            return
+        if self.instances == 0:
+            self.count, self.instances = other.count, other.instances
+            self.mean_sum, self.var_sum = other.mean_sum.clone(), other.var_sum.clone()
+            return
+        self.count += other.count
+        self.instances += other.instances
+        self.mean_sum = self.mean_sum + other.mean_sum.to(self.mean_sum.device)
+        self.var_sum = self.var_sum + other.var_sum.to(self.var_sum.device)
+
+    @property
+    def mean(self) -> Any:
+        return self.mean_sum / self.instances
+
+    @property
+    def var(self) -> Any:
+        return self.var_sum / self.instances
+
+
+def all_gather_instances(stats: InstanceStats) -> InstanceStats:
+    """Every rank's `InstanceStats` added in rank order, identical on every rank.
+    Collective."""
+    merged = InstanceStats()
+    for part in gather_objects(
+        stats
+        if stats.instances == 0
+        else InstanceStats(stats.count, stats.instances, stats.mean_sum.cpu(), stats.var_sum.cpu())
+    ):
+        merged.add(part)
+    return merged
+
 
 @contextlib.contextmanager
-def record_bn_inputs(modules: dict[str, Any]) -> Iterator[dict[str, ChannelStats]]:
-    """Accumulate the input statistics of each named module while the block runs.
+def record_bn_inputs(
+    modules: dict[str, Any], instance: Collection[str] = ()
+) -> Iterator[dict[str, ChannelStats | InstanceStats]]:
+    """Accumulate the input statistics of each named module while the block runs:
+    `InstanceStats` for the names in `instance` (InstanceNorm layers), `ChannelStats`
+    for the others.
 
     Forward pre-hooks see exactly what the layer normalises; they are removed on
     exit, also on error.
     """
-    stats = {name: ChannelStats() for name in modules}
+    stats: dict[str, ChannelStats | InstanceStats] = {
+        name: InstanceStats() if name in instance else ChannelStats() for name in modules
+    }
     handles = []
     for name, module in modules.items():
 
@@ -192,3 +269,23 @@ def all_gather_merge(stats: ChannelStats, num_channels: int, group: Any = None) 
         n = int(part[0].item())
         merged.merge(n, part[1 : num_channels + 1].cpu(), part[num_channels + 1 :].cpu())
     return merged
+
+
+def all_gather_stats(stats: list[ChannelStats | InstanceStats]) -> list[ChannelStats | InstanceStats]:
+    """Every rank's accumulations, each merged over the ranks (`all_gather_merge`,
+    `all_gather_instances`), identical on every rank. A channel count that only some ranks
+    know (a rank that saw nothing) is agreed first. Collective: every rank passes the
+    same kinds in the same order."""
+    known = gather_objects([_channels(s) for s in stats])
+    merged: list[ChannelStats | InstanceStats] = []
+    for i, part in enumerate(stats):
+        channels = max(counts[i] for counts in known)
+        if isinstance(part, InstanceStats):
+            merged.append(all_gather_instances(part))
+        else:
+            merged.append(all_gather_merge(part, channels) if channels else ChannelStats())
+    return merged
+
+
+def _channels(stats: ChannelStats | InstanceStats) -> int:
+    return int(stats.mean.numel()) if stats.count else 0

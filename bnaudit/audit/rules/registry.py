@@ -44,10 +44,12 @@ class RuleContext:
     # Layers whose statistics `bnaudit recalibrate` wrote (population statistics, not
     # an EMA: their counter is the number of calibration batches).
     recalibrated: frozenset[str] = frozenset()
-    # Exported graphs (ONNX): BatchNormalization nodes whose statistics are not constants,
-    # one note each, and the evidence of BN folded into Conv nodes (Checkpoint.folded).
+    # Exported graphs (ONNX, .pt2): BN nodes whose statistics are not constants (or not
+    # read), one note each, the evidence of BN folded into Conv nodes (Checkpoint.folded),
+    # and of BN decomposed into elementwise arithmetic (Checkpoint.decomposed).
     unauditable: tuple[str, ...] = ()
     folded: str | None = None
+    decomposed: str | None = None
     # An averaged copy (is_ema): what averaged it (formats.model.Averaging), and the BN
     # layers of its live model by name when the same container holds it.
     averaging: Averaging | None = None

@@ -32,7 +32,7 @@ from bnaudit.reports.gap import GapReport, is_large
 from bnaudit.reports.recalibrate import LayerChange, RecalibrationReport, SkippedLayer
 from bnaudit.runtime.attribution import BROAD_FRACTION, channel_scores
 from bnaudit.runtime.data import make_loader
-from bnaudit.runtime.distributed import device_for_rank, process_group, shard_stream
+from bnaudit.runtime.distributed import torchrun
 from bnaudit.runtime.gap import measure_model_gap, statistics_mature
 from bnaudit.runtime.inputs import input_problem
 from bnaudit.runtime.models import (
@@ -173,13 +173,13 @@ def recalibrate_checkpoint(
                 raise BnauditError("--eval-data must be held-out data, not the calibration data (--data)")
         target = resolve_device(device)
         forward_fn = load_forward(forward)
-        with process_group(target) as (rank, world):
-            target = device_for_rank(target)
+        with torchrun(target) as ranks:
+            world, target = ranks.world, ranks.device
             autocast = None
             if amp:
                 if target.type == "cuda":
                     autocast = torch.autocast("cuda", dtype=torch.float16)
-                elif rank == 0:
+                elif ranks.reports:
                     warn("--amp applies on CUDA only: ignored on the CPU")
             runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
             ckpt = runnable.checkpoint
@@ -191,11 +191,11 @@ def recalibrate_checkpoint(
                 if f"{name}.running_mean" not in ckpt.tensors or f"{name}.running_var" not in ckpt.tensors
             ]
             stream = make_loader(dataclasses.replace(options, pin_memory=target.type == "cuda"))
-            local = shard_stream(stream, rank, world)
+            local = stream.shard(ranks.rank, world)
             batches: Any = local if world == 1 or local.plan else []
             eval_before = None
             model = runnable.module
-            if eval_data is not None and rank == 0:
+            if eval_data is not None and ranks.reports:
                 eval_before = _measure(runnable, eval_data, target, forward_fn, config)
             model.to(target)
 
@@ -243,7 +243,7 @@ def recalibrate_checkpoint(
                 suspicion = input_mismatch(runnable, calibration)
                 if suspicion:
                     raise BnauditError(suspicion)
-            if rank != 0:
+            if not ranks.reports:
                 return None
             updates = {name: value for name, value in calibration.buffers().items() if name in ckpt.tensors}
             provenance = {

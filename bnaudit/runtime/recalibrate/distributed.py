@@ -2,15 +2,15 @@
 the ranks' statistics are merged exactly.
 
 Rank r of W takes a contiguous block of the single-process run's batches
-(`bnaudit.runtime.distributed.shard_batches`), so no sample is seen twice or left out and
+(`bnaudit.runtime.batching.BatchPlan.shard`), so no sample is seen twice or left out and
 every batch holds the samples it holds in one process. After a pass each rank holds
 per-layer (count, mean, M2); they are all-gathered and Chan-merged in rank order
 (`stats.all_gather_merge`), so every rank ends with the population statistics of all
 samples, equal to one process seeing them all to float64 rounding. Counters (samples,
 batches, calls) are summed, maxima taken; the cumulative method's sums of batch means and
 variances are summed. Every collective runs on every rank in the same order. Process
-groups, devices, sharding and failures are `bnaudit.runtime.distributed`'s. Without
-torch.distributed all of this is a no-op.
+groups, devices and failures are `bnaudit.runtime.distributed`'s, sharding
+`bnaudit.runtime.batching`'s. Without torch.distributed all of this is a no-op.
 """
 
 from __future__ import annotations

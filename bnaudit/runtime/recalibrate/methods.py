@@ -16,7 +16,7 @@ ranks), the three methods store
 
 and num_batches_tracked = the batches that reached the layer. Only these buffers of the
 recalibrated layers change; the modes are restored. A last batch of one sample joins the
-previous one (`norms.merge_trailing_singleton`).
+previous one (`batching.merge_trailing_singleton`).
 """
 
 from __future__ import annotations
@@ -36,16 +36,15 @@ from bnaudit.audit.settings import DEFAULT_EPS
 from bnaudit.errors import BnauditError
 from bnaudit.normkinds import NormKind, op_kind
 from bnaudit.reports.recalibrate import SkippedLayer
+from bnaudit.runtime.batching import batch_len, merge_trailing_singleton
 from bnaudit.runtime.distributed import distributed, together
 from bnaudit.runtime.norms import (
-    batch_len,
+    batch_statistics,
     classify_layers,
     has_stock_forward,
     is_script,
-    merge_trailing_singleton,
     num_features,
     plain_batchnorm_forward,
-    regime,
 )
 from bnaudit.runtime.recalibrate.distributed import LayerRecord, PassResult, reduce_pass
 from bnaudit.runtime.stats import ChannelStats
@@ -231,7 +230,7 @@ def _normalise(x: Any, batch: ChannelStats, weight: Any, bias: Any, eps: float, 
 @contextlib.contextmanager
 def _fuse(layers: dict[str, Any], observe: Callable[[str, Any], ChannelStats]) -> Iterator[None]:
     """While the block runs, each eager BN layer of `layers` (normalising by batch
-    statistics, see `regime`) measures its input with `observe(name, x)` and
+    statistics, see `norms.batch_statistics`) measures its input with `observe(name, x)` and
     normalises it with that measurement (`_normalise`), instead of a forward
     pre-hook followed by PyTorch's training-mode forward, which would compute the
     batch statistics a second time. Where `_normalise` does not apply, PyTorch's
@@ -246,7 +245,7 @@ def _fuse(layers: dict[str, Any], observe: Callable[[str, Any], ChannelStats]) -
 
         return forward
 
-    # regime may have set an instance forward (SyncBatchNorm): put back what was there
+    # batch_statistics may have set an instance forward (SyncBatchNorm): put back what was there
     saved = [(m, vars(m).get("forward")) for m in layers.values()]
     try:
         for name, module in layers.items():
@@ -265,7 +264,7 @@ def _run_pass(
     batches: Iterable[Any],
     forward: Callable[[Any, Any], Any],
     observed: dict[str, Any],
-    batch_stat_layers: Iterable[Any],
+    batch_stat_layers: Mapping[str, Any],
     cumulative: bool = False,
     stop_after: str | None = None,
     autocast: Any = None,
@@ -304,12 +303,16 @@ def _run_pass(
             raise _StopForward
         return batch
 
-    layers = list(batch_stat_layers)
     # observed layers that normalise by batch statistics use the ones measured here
-    fused = {name: m for name, m in observed.items() if any(m is b for b in layers)}
+    fused = {name: m for name, m in observed.items() if name in batch_stat_layers}
     eager = {name: m for name, m in fused.items() if has_stock_forward(model, m)}
     hooked = {name: m for name, m in observed.items() if name not in eager}
-    with regime(model, layers), _fuse(eager, on_input), _observe(model, hooked, on_input, fused), torch.no_grad():
+    with (
+        batch_statistics(model, batch_stat_layers),
+        _fuse(eager, on_input),
+        _observe(model, hooked, on_input, fused),
+        torch.no_grad(),
+    ):
         for index, batch in enumerate(merge_trailing_singleton(batches)):
             calls_now.clear()
             n = batch_len(batch)
@@ -425,7 +428,7 @@ def _forward_order(
     first = next(iter(merge_trailing_singleton(batches)), None)
     if first is not None:
         with (
-            regime(model, ()),
+            batch_statistics(model, {}),
             _observe(model, layers, count),
             torch.no_grad(),
             autocast if autocast is not None else contextlib.nullcontext(),
@@ -502,7 +505,7 @@ def recalibrate_module(
                 batches,
                 forward,
                 chosen,
-                chosen.values(),
+                chosen,
                 cumulative=method == "cumulative",
                 autocast=autocast,
                 progress=tick,
@@ -528,7 +531,7 @@ def recalibrate_module(
             # A pass stops at the layer's first call; a layer called several times per
             # forward needs the whole forward, in which it and the layers not yet
             # calibrated normalise by batch statistics.
-            pending = [chosen[n] for n in order[step:]]
+            pending = {n: chosen[n] for n in order[step:]}
             with together():
                 result = _run_pass(
                     model,

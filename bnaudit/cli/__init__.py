@@ -1,0 +1,135 @@
+"""The typer app: parse options, call one core function, `bnaudit.output.emit`, exit code.
+
+Report on stdout, diagnostics on stderr. Every `BnauditError` (and any unexpected
+exception, unless --debug) ends as one line on stderr and exit code 2. Values are checked
+where they are used (`load_config`, `DataOptions.validate`, the core functions), so that
+the library and the CLI refuse the same things with the same words.
+
+One module per command family (`inspect`: inspect and rules; `measure`: gap and
+invariance; `recalibrate`; `diff`), the options several of them share in `options`, the
+error boundary in `boundary`; this module registers them on `app` and runs it (`main`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated, Any, Optional
+
+import typer
+
+from bnaudit import __version__, fastcli, output
+from bnaudit.cli import diff, inspect, measure, recalibrate
+from bnaudit.errors import OutputClosed
+
+_APP_SETTINGS: dict[str, Any] = dict(
+    name="bnaudit",
+    # typer would import pydantic to convert each option; plain ones do not need it. Only
+    # bnaudit's own group and commands take that path (fastcli): no typer internal is patched.
+    cls=fastcli.FastGroup,
+    help="Audit the BatchNorm running statistics of PyTorch models before they ship.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    # help uses the terminal's whole width (click's default stops at 80 columns)
+    context_settings={"max_content_width": 10_000},
+)
+app = typer.Typer(**_APP_SETTINGS)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"bnaudit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
+    ] = None,
+) -> None:
+    """Audit the BatchNorm running statistics of PyTorch models before they ship."""
+
+
+# registration order is the order of `bnaudit --help`
+for _name, _function in (
+    ("inspect", inspect.inspect),
+    ("rules", inspect.rules_command),
+    ("gap", measure.gap),
+    ("invariance", measure.invariance),
+    ("recalibrate", recalibrate.recalibrate),
+    ("diff", diff.diff_command),
+):
+    app.command(_name, cls=fastcli.FastCommand)(_function)
+
+
+def main() -> None:
+    """The `bnaudit` executable: one line for a usage error, quiet when the reader of
+    stdout goes away, the command's exit code otherwise."""
+    try:
+        code = _dispatch()
+    except OutputClosed:
+        # `bnaudit inspect ... | head -1`: the reader has what it wanted. Point stdout at
+        # devnull so that the interpreter's final flush cannot fail a second time.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        code = 0
+    sys.exit(code)
+
+
+def usage_error_line(exc: typer.TyperException) -> str:
+    """A command-line parsing error as one line: the option and the problem (a value error
+    names the option first, not "Invalid value for ..."), and where the help is."""
+    message = exc.format_message()
+    # a bad value (not one of BadParameter's subclasses with their own wording, such as a
+    # missing argument)
+    plain_bad_value = type(exc).format_message is typer.BadParameter.format_message
+    if isinstance(exc, typer.BadParameter) and plain_bad_value and exc.param_hint is None and exc.param is not None:
+        opts = [o for o in getattr(exc.param, "opts", ()) if o.startswith("--")]
+        name = opts[0] if opts else exc.param.get_error_hint()
+        message = f"{name}: {exc.message}"
+    ctx = getattr(exc, "ctx", None)
+    path = getattr(ctx, "command_path", None) or "bnaudit"
+    return f"{message.rstrip('.')} (see {path} --help)"
+
+
+def _dispatch() -> int:
+    """Run the command line; the exit code."""
+    command = _command()
+    try:
+        result = command.main(prog_name="bnaudit", standalone_mode=False)
+    except typer.Exit as exc:
+        return int(exc.exit_code)
+    except typer.Abort:
+        output.emit_interrupted(sys.stderr)
+        return 130
+    except typer.TyperException as exc:  # the parser's errors: usage, bad values, unknown options
+        show = getattr(exc, "show", None)
+        if len(sys.argv) <= 1 and callable(show):
+            show()  # `bnaudit` alone (no_args_is_help): the error is the help, as typer prints it
+        else:
+            output.emit_error(usage_error_line(exc), sys.stderr)
+        return int(exc.exit_code)
+    return result if isinstance(result, int) else 0
+
+
+def _command() -> Any:
+    # typer builds the options of every command before it runs one (gap and recalibrate
+    # have dozens: 6 ms of each pre-commit run of inspect). When the first argument names
+    # a command, the group is built with that command alone; anything else (--help, a
+    # typo that deserves "did you mean") gets the whole group. The lean group is built
+    # from typer internals, so only on the typer they were checked against (fastcli).
+    if not fastcli.lean_group_supported(app):
+        return typer.main.get_command(app)
+    named = [c for c in app.registered_commands if len(sys.argv) > 1 and c.name == sys.argv[1]]
+    if not named:
+        return typer.main.get_command(app)
+    lean = typer.Typer(**_APP_SETTINGS)
+    lean.registered_callback, lean.registered_commands = app.registered_callback, named
+    return typer.main.get_group(lean)  # a group even with one command, as the full app
+
+
+if __name__ == "__main__":
+    main()

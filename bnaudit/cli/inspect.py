@@ -1,0 +1,132 @@
+"""`bnaudit inspect` and `bnaudit rules`: the checkpoint audit without code or data."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from bnaudit import output
+from bnaudit.audit.settings import DEFAULT_EPS, DEFAULT_MOMENTUM
+from bnaudit.cli.boundary import user_errors
+from bnaudit.cli.options import ConfigOpt, DebugOpt, FailOnOpt, InspectFormat, InspectFormatOpt, IsolatedOpt, code_list
+
+
+def inspect(
+    paths: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="PATHS...",
+            help="Checkpoint files, shard indexes (*.safetensors.index.json) or directories (searched for .pt .pth .ckpt .bin .tar .safetensors and shard indexes).",
+        ),
+    ],
+    output_format: InspectFormatOpt = InspectFormat.table,
+    fail_on: FailOnOpt = None,
+    exit_zero: Annotated[
+        bool,
+        typer.Option(
+            "--exit-zero",
+            help="Exit 0 even when findings are at or above --fail-on, or a file found in a scanned folder cannot be read (2 stays for usage errors and unreadable files you named).",
+        ),
+    ] = False,
+    select: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            metavar="CODES",
+            help="Run only these rules: codes or prefixes, comma-separated or repeated. Replaces the configuration's select and ignore.",
+        ),
+    ] = None,
+    ignore: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            metavar="CODES", help="Do not report these rules (codes or prefixes); added to the configuration's ignore."
+        ),
+    ] = None,
+    config_file: ConfigOpt = None,
+    isolated: IsolatedOpt = False,
+    key: Annotated[
+        Optional[str], typer.Option(metavar="KEY", help="Container key of the state dict to audit (e.g. model_ema).")
+    ] = None,
+    eps: Annotated[
+        Optional[float],
+        typer.Option(metavar="EPS", help=f"BN eps where the file holds no modules (default {DEFAULT_EPS:g})."),
+    ] = None,
+    momentum: Annotated[
+        Optional[float],
+        typer.Option(metavar="M", help=f"BN momentum where the file holds no modules (default {DEFAULT_MOMENTUM:g})."),
+    ] = None,
+    trust_pickle: Annotated[
+        bool,
+        typer.Option(
+            "--trust-pickle", help="Unpickle arbitrary classes: runs code from the file. Only for files you trust."
+        ),
+    ] = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet", "-q", help="One line per finding (path: layer: CODE name: message) and the summary line."
+        ),
+    ] = False,
+    all_layers: Annotated[
+        bool,
+        typer.Option(
+            "--layers", help="With several files: a layer table for every file, not only those with findings."
+        ),
+    ] = False,
+    debug: DebugOpt = False,
+    arch: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="MODULE:CALLABLE",
+            help="MODULE:CALLABLE or path/to/file.py:CALLABLE building the model: exact BN001, BN006, BN007, BN011 and the real eps/momentum.",
+        ),
+    ] = None,
+    arch_kwargs: Annotated[
+        Optional[str],
+        typer.Option(
+            "--arch-kwargs",
+            metavar="JSON",
+            help="JSON object of keyword arguments for --arch, e.g. '{\"num_classes\": 10}'.",
+        ),
+    ] = None,
+) -> None:
+    """Audit every BatchNorm layer of checkpoints, without code or data."""
+    from bnaudit.audit.audit import inspect as run_inspect
+    from bnaudit.audit.rules import accepted_codes
+    from bnaudit.config import load_config
+
+    with user_errors(debug, output_format is InspectFormat.json):
+        overrides = {
+            "--fail-on": fail_on.value if fail_on else None,
+            "--eps": eps,
+            "--momentum": momentum,
+            "--select": code_list(select),
+            "--ignore": code_list(ignore),
+        }
+        config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=accepted_codes())
+        report = run_inspect(
+            paths, config, key=key, trust_pickle=trust_pickle, arch=arch, arch_kwargs=arch_kwargs, debug=debug
+        )
+        # emitting stays inside the boundary: the values it prints come from the files
+        output.emit(report, output_format.value, sys.stdout, quiet=quiet, all_layers=all_layers)
+    output.emit_diagnostics(report, sys.stderr, output_format.value)
+    raise typer.Exit(report.exit_code(exit_zero=exit_zero))
+
+
+def rules_command(
+    code: Annotated[
+        Optional[str], typer.Argument(metavar="[CODE]", help="A rule code, e.g. BN004: explain that rule.")
+    ] = None,
+    config_file: ConfigOpt = None,
+    isolated: IsolatedOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """List the rules, or explain one: what it detects, why it matters, how to fix and silence it."""
+    from bnaudit.audit.rules import accepted_codes
+    from bnaudit.config import load_config
+
+    with user_errors(debug):
+        # severities as this project's configuration sets them
+        config = load_config(config_file=config_file, isolated=isolated, rule_codes=accepted_codes())
+        output.render_rules(sys.stdout, code, overrides=config.severity)

@@ -1,0 +1,183 @@
+"""`bnaudit recalibrate`: re-estimate the running statistics on data and write a new checkpoint."""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+from bnaudit import output
+from bnaudit.cli.boundary import frozen_imports, user_errors
+from bnaudit.cli.options import (
+    ArchKwargsOpt,
+    ArchOpt,
+    BatchSizeOpt,
+    ConfigOpt,
+    DataOpt,
+    DatasetOpt,
+    DebugOpt,
+    DeviceOpt,
+    Format,
+    FormatOpt,
+    ForwardOpt,
+    GrayscaleOpt,
+    ImageSizeOpt,
+    IsolatedOpt,
+    KeyOpt,
+    MeanOpt,
+    NoShuffleOpt,
+    NumSamplesOpt,
+    QuietOpt,
+    SeedOpt,
+    SkipBadOpt,
+    StdOpt,
+    TrustPickleOpt,
+    WorkersOpt,
+    data_options,
+)
+
+
+class Method(str, Enum):
+    exact = "exact"
+    sequential = "sequential"
+    cumulative = "cumulative"
+
+
+def recalibrate(
+    checkpoint: Annotated[
+        str,
+        typer.Argument(
+            metavar="CHECKPOINT", help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module."
+        ),
+    ],
+    output_path: Annotated[
+        str,
+        typer.Option(
+            "--output",
+            "-o",
+            metavar="PATH",
+            help="Where to write the recalibrated checkpoint: .safetensors writes safetensors, .pt/.pth/.ckpt/.bin a torch file, any other name the input's format.",
+        ),
+    ],
+    data: DataOpt = None,
+    dataset: DatasetOpt = None,
+    arch: ArchOpt = None,
+    arch_kwargs: ArchKwargsOpt = None,
+    key: KeyOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    forward: ForwardOpt = None,
+    method: Annotated[
+        Method,
+        typer.Option(
+            "--method",
+            help="exact: population statistics in one pass; sequential: layer by layer, eval-mode self-consistent; cumulative: update_bn's average of batch statistics.",
+        ),
+    ] = Method.exact,
+    layers: Annotated[
+        Optional[list[str]],
+        typer.Option("--layers", metavar="GLOB", help="Recalibrate only BN layers matching this glob (repeatable)."),
+    ] = None,
+    exclude: Annotated[
+        Optional[list[str]],
+        typer.Option("--exclude", metavar="GLOB", help="Leave BN layers matching this glob as they are (repeatable)."),
+    ] = None,
+    eval_data: Annotated[
+        Optional[str],
+        typer.Option(
+            "--eval-data",
+            metavar="PATH",
+            help="Held-out data (same kinds as --data): the gap report of the old and the new checkpoint side by side.",
+        ),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --output if it exists.")] = False,
+    allow_input_mismatch: Annotated[
+        bool,
+        typer.Option(
+            "--allow-input-mismatch",
+            help="Write even when the data disagrees with mature statistics at the first BN layer (the sign of wrong preprocessing).",
+        ),
+    ] = False,
+    batch_size: BatchSizeOpt = 64,
+    num_samples: NumSamplesOpt = None,
+    seed: SeedOpt = 0,
+    no_shuffle: NoShuffleOpt = False,
+    device: DeviceOpt = "cpu",
+    amp: Annotated[
+        bool,
+        typer.Option("--amp", help="Autocast the forward to float16 on CUDA (statistics still accumulate in float64)."),
+    ] = False,
+    workers: WorkersOpt = 0,
+    image_size: ImageSizeOpt = None,
+    grayscale: GrayscaleOpt = False,
+    mean: MeanOpt = None,
+    std: StdOpt = None,
+    skip_bad: SkipBadOpt = False,
+    config_file: ConfigOpt = None,
+    isolated: IsolatedOpt = False,
+    output_format: FormatOpt = Format.table,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Re-estimate BatchNorm running statistics on data and write a new checkpoint safely."""
+    import dataclasses
+
+    from bnaudit.audit.rules import accepted_codes
+    from bnaudit.config import load_config
+    from bnaudit.runtime.distributed import prints
+    from bnaudit.runtime.recalibrate.command import recalibrate_checkpoint
+
+    json_output = output_format is Format.json
+    # under torchrun every rank runs this; rank 0 alone reports, errors included in JSON
+    printing = prints()
+
+    def warn(message: str) -> None:
+        output.emit_warning(message, sys.stderr)
+
+    with user_errors(debug, json_output and printing):
+        options = data_options(
+            data,
+            dataset,
+            batch_size,
+            num_samples,
+            seed,
+            no_shuffle,
+            workers,
+            image_size,
+            grayscale,
+            mean,
+            std,
+            skip_bad,
+        )
+        held_out = None if eval_data is None else dataclasses.replace(options, path=eval_data, dataset=None)
+        # The inspect findings of the --eval-data gap reports follow the project's configuration.
+        config = load_config(config_file=config_file, isolated=isolated, rule_codes=accepted_codes())
+        quiet_bar = quiet or json_output or not printing
+        with frozen_imports(), output.progress(f"recalibrate ({method.value})", sys.stderr, quiet=quiet_bar) as update:
+            report = recalibrate_checkpoint(
+                checkpoint,
+                output_path,
+                options,
+                method=method.value,
+                arch=arch,
+                arch_kwargs=arch_kwargs,
+                key=key,
+                trust_pickle=trust_pickle,
+                forward=forward,
+                device=device,
+                amp=amp,
+                include=layers or (),
+                exclude=exclude or (),
+                force=force,
+                eval_data=held_out,
+                config=config,
+                progress=update,
+                warn=warn,
+                allow_input_mismatch=allow_input_mismatch,
+            )
+        if report is None:  # another rank than 0 under torchrun: rank 0 reports
+            raise typer.Exit(0)
+        output.emit_diagnostics(report, sys.stderr)
+        output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+    raise typer.Exit(0)
