@@ -101,3 +101,43 @@ def test_a_zero_filter_channel_is_not_live_in_a_torchscript_archive(tmp_path):
     (file,) = inspect(path).files
     (f,) = [f for f in file.findings if f.code == "BN004"]
     assert (f.layer, f.severity, f.channels) == (bn, "warning", (CHANNEL,)) and "filter is all zero" in f.message
+
+
+_ODD_NAMES = '''
+from torch import nn
+
+
+class Odd(nn.Module):
+    """Names no convention pairs: the producer is known from the graph only."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Conv2d(3, 4, 3)
+        self.normaliser = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.normaliser(self.encoder(x))
+
+
+def odd():
+    return Odd()
+'''
+
+
+def test_a_zero_filter_channel_is_not_live_by_the_model_graph_with_arch(tmp_path):
+    import importlib.util
+
+    source = tmp_path / "odd_net.py"
+    source.write_text(_ODD_NAMES)
+    spec = importlib.util.spec_from_file_location("odd_net_for_constant", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.odd()
+    _zero_filter_and_measure(model, "encoder", "normaliser")
+    path = save_torch(model.state_dict(), tmp_path / "odd.pt")
+    # without the model, no convention names encoder as the producer: still called live
+    (plain,) = [f for f in inspect(path).files[0].findings if f.code == "BN004"]
+    assert plain.severity == "error"
+    (f,) = [f for f in inspect(path, arch=f"{source}:odd").files[0].findings if f.code == "BN004"]
+    assert (f.severity, f.channels) == ("warning", (CHANNEL,)) and "filter is all zero" in f.message

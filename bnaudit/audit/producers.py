@@ -1,8 +1,9 @@
-"""Which layer feeds a BN layer, from state-dict naming conventions, and which of its
-output channels are constant.
+"""Which layer feeds a BN layer, from the model's graph or state-dict naming conventions,
+and which of its output channels are constant.
 
 Torch-free. A BN layer's producer is the convolution or linear layer whose output it
-normalises; without the model's graph its weight is found by the conventions that
+normalises: the model's graph names it where the model is known (`--arch`:
+runtime.exportparity.bn_producers); otherwise its weight is found by the conventions that
 torchvision, timm and mmcv name their modules by (first match wins):
 
   Sequential    `features.4` is fed by `features.3` (also `downsample.1` by `downsample.0`)
@@ -25,14 +26,17 @@ from bnaudit.formats.model import TensorRef
 _PAIRED = re.compile(r"^(.*?)(bn|norm)(\d*)$")
 
 
-def producer_weight(bn_name: str, channels: int, tensors: Mapping[str, TensorRef]) -> TensorRef | None:
-    """The weight of the layer that feeds `bn_name` by the conventions above, or None."""
+def producer_weight(
+    bn_name: str, channels: int, tensors: Mapping[str, TensorRef], known: str | None = None
+) -> TensorRef | None:
+    """The weight of the layer that feeds `bn_name`: `known` (the producing module from the
+    model's graph) when given, else by the conventions above; None when none fits."""
     parent, _, leaf = bn_name.rpartition(".")
     base = f"{parent}." if parent else ""
-    candidates = []
-    if leaf.isdigit() and int(leaf) > 0:
+    candidates = [f"{known}.weight"] if known is not None else []
+    if known is None and leaf.isdigit() and int(leaf) > 0:
         candidates.append(f"{base}{int(leaf) - 1}.weight")
-    paired = _PAIRED.match(leaf)
+    paired = _PAIRED.match(leaf) if known is None else None
     if paired:
         candidates.append(f"{base}{paired.group(1)}conv{paired.group(3)}.weight")
     for name in candidates:

@@ -23,11 +23,12 @@ from bnaudit.text import listing, plural
 
 
 def _constant_channels(ctx: RuleContext, layer: BNLayer, channels: list[int]) -> set[int]:
-    """The channels among `channels` whose producing layer (bnaudit.audit.producers, by
-    naming convention) has an all-zero filter: a constant input, not a live one."""
+    """The channels among `channels` whose producing layer (the model graph's, else by
+    naming convention: bnaudit.audit.producers) has an all-zero filter: a constant input,
+    not a live one."""
     if not channels or not ctx.tensors:
         return set()
-    weight = producer_weight(layer.name, layer.num_features, ctx.tensors)
+    weight = producer_weight(layer.name, layer.num_features, ctx.tensors, ctx.producers.get(layer.name))
     return zero_filter_channels(weight, channels) if weight is not None else set()
 
 

@@ -57,6 +57,9 @@ class RuleContext:
     # Every tensor of the checkpoint by name: the layers that feed the BN layers (BN004
     # consults their filters, bnaudit.audit.producers).
     tensors: Mapping[str, TensorRef] = field(default_factory=dict)
+    # BN layer -> the Conv/Linear module feeding it, from the model's graph (--arch); where
+    # absent, BN004 falls back on naming conventions
+    producers: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
