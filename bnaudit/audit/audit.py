@@ -221,10 +221,9 @@ def inspect(
     model = None
     producers: dict[str, str] = {}
     if arch is not None:
-        from bnaudit.runtime.models import build_arch
+        from bnaudit.runtime.models import bn_producers, build_arch
 
         model = build_arch(arch, arch_kwargs, meta=True)  # names, shapes, settings: no weights needed
-        from bnaudit.runtime.exportparity import bn_producers
 
         producers = bn_producers(model)  # once for every file: the graph is the model's
     elif arch_kwargs is not None:

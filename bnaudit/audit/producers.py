@@ -3,7 +3,7 @@ and which of its output channels are constant.
 
 Torch-free. A BN layer's producer is the convolution or linear layer whose output it
 normalises: the model's graph names it where the model is known (`--arch`:
-runtime.exportparity.bn_producers); otherwise its weight is found by the conventions that
+runtime.models.bn_producers); otherwise its weight is found by the conventions that
 torchvision, timm and mmcv name their modules by (first match wins):
 
   Sequential    `features.4` is fed by `features.3` (also `downsample.1` by `downsample.0`)
