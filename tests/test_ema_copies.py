@@ -135,7 +135,8 @@ def test_v3_excluding_buffers_is_a_copy_of_the_live_statistics_and_not_immature(
     path = str(tmp_path / "c.pth")
     torch.save({"state_dict": model.state_dict(), "state_dict_ema": ema.module.state_dict()}, path)
     (file,) = inspect(path, Config(), key="state_dict_ema").files
-    assert file.averaging.kind == "timm ModelEmaV3" and file.averaging.buffers == "copied"
+    # counters and statistics both equal the live ones: copied buffers, whichever EMA it was
+    assert file.averaging.kind == "EMA (unknown kind)" and file.averaging.buffers == "copied"
     assert [f.code for f in file.findings if f.code == "BN003"] == []
 
 

@@ -48,6 +48,7 @@ from bnaudit.audit.settings import OPTIONS, statement
 from bnaudit.config import SEVERITIES, Config, exit_code_for
 from bnaudit.errors import BnauditError
 from bnaudit.formats.containers import averaged_model_record
+from bnaudit.formats.ema import copy_words
 from bnaudit.formats.model import Averaging, Checkpoint, recalibration_record
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.severity import Severity
@@ -143,7 +144,7 @@ class DiffReport:
             lines.extend(_export_diagnosis(self.export, self.findings))
         for label, side in (("A", self.a), ("B", self.b)):
             if side.is_ema and side.averaging is not None and side.averaging.kind != "AveragedModel":
-                lines.append(f"Side {label} is an EMA copy ({side.averaging.kind}): {side.averaging.counter_meaning}.")
+                lines.append(f"Side {label} is an {copy_words(side.averaging)}: {side.averaging.counter_meaning}.")
         averaged = next((s.averaging for s in (self.b, self.a) if s.averaging is not None), None)
         if by[TRAINED] and averaged is not None:
             lines.append(
@@ -246,9 +247,7 @@ def diff_checkpoints(
             for layer in copy_layers
             if layer.name in live_by_name and layer.num_features == live_by_name[layer.name].num_features
         )
-        averaged_kind = f"side {'A' if a.is_ema else 'B'}, " + (
-            f"an EMA copy ({copy.averaging.kind})" if copy.averaging is not None else "an EMA copy"
-        )
+        averaged_kind = f"side {'A' if a.is_ema else 'B'}, an {copy_words(copy.averaging)}"
     context = DiffContext(
         report.layers,
         config,

@@ -11,8 +11,9 @@ dict in place on each step:
                          integer entries are copied: num_batches_tracked is the live
                          model's at the last update (exclude_buffers=True copies every buffer)
 
-So beside its live model, a copy whose counters equal the live ones is V3-like and one
-whose counters are all below them (0 early on) V2-like; alone, counters of 0 with
+So beside its live model, a copy whose counters equal the live ones while its statistics
+differ is V3-like (equal statistics too: buffers copied, kind unknown), and one whose
+counters are all below them (0 early on) V2-like; alone, counters of 0 with
 statistics that are not the initial 0/1 point to V2.
 """
 
@@ -26,6 +27,7 @@ from bnaudit.formats.model import Averaging, TensorRef
 V2 = "timm ModelEmaV2"
 V3 = "timm ModelEmaV3"
 UNKNOWN = "EMA (unknown kind)"
+COPIED = "copied buffers"
 
 COUNTER_MEANINGS = {
     V2: "num_batches_tracked averaged like the weights and truncated to an integer on every update "
@@ -33,6 +35,8 @@ COUNTER_MEANINGS = {
     "it counts no batches",
     V3: "num_batches_tracked copied from the live model on every update (timm ModelEmaV3 copies integer "
     "buffers): the live model's training counter, not the age of the average",
+    COPIED: "num_batches_tracked copied from the live model with its statistics (timm "
+    "ModelEmaV3(exclude_buffers=True), or an EMA of the weights only): the live model's training counter",
     UNKNOWN: "num_batches_tracked of an EMA copy: copied or averaged from the live model's, not a count "
     "of the batches its statistics average",
 }
@@ -66,11 +70,23 @@ def ema_averaging(ema: Mapping[str, TensorRef], live: Mapping[str, TensorRef] | 
         shared = [n for n in mine if n in theirs]
         if shared and any(theirs[n] > 0 for n in shared):
             if all(mine[n] == theirs[n] for n in shared):
-                # ModelEmaV3(exclude_buffers=True) copies every buffer: statistics equal to the live ones
-                buffers = "copied" if _same_statistics(ema, live, shared) else "averaged"
-                return Averaging(V3, None, buffers, COUNTER_MEANINGS[V3])
+                if _same_statistics(ema, live, shared):
+                    # every buffer copied (ModelEmaV3(exclude_buffers=True), or a copy of the
+                    # weights only): the counters say nothing of the kind
+                    return Averaging(UNKNOWN, None, "copied", COUNTER_MEANINGS[COPIED])
+                return Averaging(V3, None, "averaged", COUNTER_MEANINGS[V3])
             if all(mine[n] < theirs[n] for n in shared):
                 return Averaging(V2, None, "averaged", COUNTER_MEANINGS[V2])
     elif mine and all(v == 0 for v in mine.values()):
         return Averaging(V2, None, "averaged", COUNTER_MEANINGS[V2])
     return Averaging(UNKNOWN, None, "unknown", COUNTER_MEANINGS[UNKNOWN])
+
+
+def copy_words(averaging: Averaging | None) -> str:
+    """An averaged copy in words: "EMA copy (timm ModelEmaV3)", "averaged copy
+    (AveragedModel)", or "EMA copy" where the kind is unknown."""
+    if averaging is None or averaging.kind == UNKNOWN:
+        return "EMA copy"
+    if averaging.kind == "AveragedModel":
+        return "averaged copy (AveragedModel)"
+    return f"EMA copy ({averaging.kind})"

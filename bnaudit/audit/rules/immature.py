@@ -19,6 +19,7 @@ from bnaudit.audit.layerdiff import DiffContext
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, also_in, rule
 from bnaudit.config import Config
+from bnaudit.formats.ema import copy_words
 from bnaudit.severity import Severity
 from bnaudit.text import plural
 
@@ -141,7 +142,7 @@ def _immature_without_counter(ctx: RuleContext, layer: BNLayer) -> Finding | Non
     """BN003 for an averaged copy or a layer without a counter: against the live model's
     layer where the container holds it, else by the share of channels still at variance 1."""
     r, cfg = RULES["BN003"], ctx.config
-    what = f"EMA copy ({ctx.averaging.kind})" if ctx.is_ema and ctx.averaging is not None else "EMA copy"
+    what = copy_words(ctx.averaging)
     live = ctx.live_layers.get(layer.name) if ctx.is_ema and ctx.live_layers is not None else None
     if live is not None:
         return _against_live_finding(layer, live, what, cfg)
