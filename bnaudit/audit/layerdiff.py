@@ -134,9 +134,9 @@ class LayerDiff:
     settings_a: Settings
     settings_b: Settings
     recalibrated: bool = False
-    # False when a side is an EMA copy: its counter is not a count of its batches (timm
-    # averages it towards 0, torchvision halves it, AveragedModel copies the live model's
-    # counter or averages it)
+    # False when a side is an EMA copy: its counter is not a count of its batches (timm's
+    # ModelEmaV2 averages and truncates it, 0 early on; ModelEmaV3 copies the live model's;
+    # torchvision halves it; AveragedModel copies the live model's counter or averages it)
     counter_meaningful: bool = True
 
     @property
