@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from bnaudit.audit.layers import ModuleFacts, discover_layers, facts_from_module_infos, not_from_file
@@ -32,10 +32,18 @@ from bnaudit.formats.sniff import NotACheckpoint
 from bnaudit.severity import Severity
 
 
-def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | None = None) -> FileReport:
+def audit_checkpoint(
+    ckpt: Checkpoint, config: Config, module: ModuleFacts | None = None, producers: Mapping[str, str] | None = None
+) -> FileReport:
     """Audit an opened checkpoint; `module` (when the model is known) makes BN001 exact and
-    enables the module-only rules. Raises BnauditError for unreadable tensors."""
+    enables the module-only rules; `producers` (BN layer -> the module feeding it, from the
+    model's graph) tells BN004 which filters feed which channel. Raises BnauditError for
+    unreadable tensors."""
     discovery = discover_layers(ckpt, config.stated_settings())
+    live_layers = None
+    if ckpt.live_tensors is not None:
+        live = Checkpoint(ckpt.path, ckpt.format, ckpt.live_tensors, modules=ckpt.modules)
+        live_layers = {layer.name: layer for layer in discover_layers(live, config.stated_settings()).layers}
     provenance = recalibration_provenance(ckpt)
     findings = run_rules(
         RuleContext(
@@ -47,6 +55,10 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
             unauditable=tuple(ckpt.unauditable),
             folded=ckpt.folded,
             decomposed=ckpt.decomposed,
+            averaging=ckpt.averaging,
+            live_layers=live_layers,
+            tensors=ckpt.tensors,
+            producers=producers or {},
         )
     )
     report = FileReport(ckpt.path)
@@ -99,6 +111,7 @@ def audit_file(
     model: Any = None,
     debug: bool = False,
     named: bool = True,
+    producers: Mapping[str, str] | None = None,
 ) -> FileReport:
     """Audit one checkpoint; a user-caused problem becomes `FileReport.error`, a file that
     is not model weights `FileReport.skipped`. `named`: the user named it (not a scan).
@@ -124,7 +137,7 @@ def audit_file(
             ckpt, module = match_checkpoint(ckpt, model)
         elif ckpt.holds_module and ckpt.modules:
             module = facts_from_module_infos(ckpt.modules)
-        report = audit_checkpoint(ckpt, config, module)
+        report = audit_checkpoint(ckpt, config, module, producers if arch_used else None)
         if model is not None and not arch_used:
             report.notes.append("--arch not used for an exported graph: its nodes carry their own settings")
         if data is not None:
@@ -170,10 +183,13 @@ def inspect(
     """
     config = config or Config()
     model = None
+    producers: dict[str, str] = {}
     if arch is not None:
-        from bnaudit.runtime.models import build_arch
+        from bnaudit.runtime.models import bn_producers, build_arch
 
         model = build_arch(arch, arch_kwargs, meta=True)  # names, shapes, settings: no weights needed
+
+        producers = bn_producers(model)  # once for every file: the graph is the model's
     elif arch_kwargs is not None:
         raise BnauditError("--arch-kwargs needs --arch")
     if isinstance(paths, (str, os.PathLike)):
@@ -190,7 +206,16 @@ def inspect(
             where = f" in {config.source}" if config.source else ""
             report = FileReport(path, excluded=f'excluded by the configuration (exclude "{pattern}"{where})')
         elif path in kept and not config.excludes(path):
-            report = audit_file(path, config, key=key, trust_pickle=trust_pickle, model=model, debug=debug, named=named)
+            report = audit_file(
+                path,
+                config,
+                key=key,
+                trust_pickle=trust_pickle,
+                model=model,
+                debug=debug,
+                named=named,
+                producers=producers,
+            )
         else:
             continue
         if target.hub is not None:

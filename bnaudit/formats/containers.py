@@ -38,7 +38,25 @@ def checkpoint_from_object(path: str, fmt: str, obj: Any, key: str | None) -> Ch
     if not candidates:
         raise BnauditError(f"{path}: holds no state dict (no mapping of names to tensors)")
     chosen = choose_state_dict(path, candidates, key)
-    return strip_wrapper_prefix(wrap_candidate(path, fmt, candidates, chosen))
+    ckpt = strip_wrapper_prefix(wrap_candidate(path, fmt, candidates, chosen))
+    if ckpt.is_ema:
+        live = live_counterpart(candidates, chosen)
+        if live is not None:
+            ckpt.live_tensors = strip_wrapper_prefix(wrap_candidate(path, fmt, candidates, live)).tensors
+        if ckpt.averaging is None:
+            from bnaudit.formats.ema import ema_averaging
+
+            ckpt.averaging = ema_averaging(ckpt.tensors, ckpt.live_tensors)
+    return ckpt
+
+
+def live_counterpart(candidates: dict[str, Any], chosen: str) -> str | None:
+    """The live model beside an averaged copy `chosen` in the same container: the state dict
+    `choose_state_dict` would pick among the candidates that are not EMA copies, or None."""
+    others = {k: v for k, v in candidates.items() if k != chosen and not _is_ema_key(k)}
+    if not others:
+        return None
+    return choose_state_dict("", others, None)
 
 
 def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str) -> Checkpoint:
