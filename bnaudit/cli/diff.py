@@ -130,10 +130,11 @@ def diff_command(
         if arch is not None or arch_kwargs is not None:
             if arch is None:
                 raise BnauditError("--arch-kwargs needs --arch")
+            from bnaudit.audit.resolve import model_checkpoint
             from bnaudit.formats.sniff import sniff_format
             from bnaudit.runtime.exportparity import diff_export
 
-            if sniff_format(path_b) != "onnx":
+            if sniff_format(model_checkpoint(path_b, trust_pickle=trust_pickle)) != "onnx":
                 raise BnauditError(f"--arch applies to a checkpoint against its ONNX export: {path_b} is not ONNX")
             options = None
             if data is not None:
