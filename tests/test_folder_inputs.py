@@ -364,3 +364,86 @@ def test_recalibrating_a_sharded_folder_refuses_an_existing_output_without_force
         recalibrate_checkpoint(folder, os.path.join(folder, "out"), options, arch=ARCH)
     with pytest.raises(BnauditError, match="a sharded checkpoint is written as a folder"):
         recalibrate_checkpoint(folder, str(tmp_path / "one.safetensors"), options, arch=ARCH)
+
+
+# --- a real transformers save_pretrained folder, loaded back with from_pretrained ---------------
+
+RESNET = {
+    "num_channels": 1,
+    "embedding_size": 8,
+    "hidden_sizes": [8, 16],
+    "depths": [1, 1],
+    "layer_type": "basic",
+    "num_labels": 10,
+}
+
+
+@pytest.fixture
+def resnet_classes(monkeypatch):
+    """transformers' ResNetConfig and ResNetForImageClassification (skipped without transformers)."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # a torchvision built for another torch: transformers then must not use it
+        import sys
+
+        monkeypatch.setitem(sys.modules, "torchvision", None)
+    pytest.importorskip("transformers")
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    return ResNetConfig, ResNetForImageClassification
+
+
+def test_transformers_save_pretrained_folders_through_gap_and_recalibrate_and_back(resnet_classes, tmp_path):
+    """A tiny transformers ResNet saved by `save_pretrained` sharded (max_shard_size 4KB) and
+    whole: gap reads both folders alike, recalibrate writes the sharded one back sharded, and
+    `from_pretrained` loads the result with every key in place, the statistics those of a
+    recalibration of the whole file and every other tensor as saved."""
+    config_class, model_class = resnet_classes
+    torch.manual_seed(0)
+    model = model_class(config_class(**RESNET)).eval()
+    sharded, whole = tmp_path / "sharded", tmp_path / "whole"
+    model.save_pretrained(sharded, max_shard_size="4KB")
+    model.save_pretrained(whole)
+    shards = [n for n in os.listdir(sharded) if n.endswith(".safetensors")]
+    assert len(shards) > 2 and "model.safetensors.index.json" in os.listdir(sharded)
+    assert sorted(os.listdir(whole)) == ["config.json", "model.safetensors"]
+    arch = tmp_path / "build_resnet.py"
+    arch.write_text(
+        "import sys\n"
+        "try:\n    import torchvision  # noqa: F401\n"
+        "except Exception:\n    sys.modules['torchvision'] = None\n"
+        "from transformers import ResNetConfig, ResNetForImageClassification\n\n"
+        f"def resnet():\n    return ResNetForImageClassification(ResNetConfig(**{RESNET!r}))\n"
+    )
+    spec = f"{arch}:resnet"
+    options = DataOptions(path=VAL, batch_size=32, num_samples=96)
+    of_sharded, of_whole = measure_gap(str(sharded), options, arch=spec), measure_gap(str(whole), options, arch=spec)
+    assert of_sharded.checkpoint == str(sharded / "model.safetensors.index.json")
+    assert of_whole.checkpoint == str(whole / "model.safetensors")
+    assert of_sharded.gap == of_whole.gap and len(of_sharded.layers) == len(of_whole.layers) > 0
+
+    calib = DataOptions(path=CALIB, batch_size=64)
+    out, single = tmp_path / "recalibrated", tmp_path / "single.safetensors"
+    recalibrate_checkpoint(str(sharded), str(out), calib, arch=spec)
+    recalibrate_checkpoint(str(whole), str(single), calib, arch=spec)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(sharded))
+    with open(sharded / "model.safetensors.index.json") as f:
+        theirs = json.load(f)
+    with open(out / "model.safetensors.index.json") as f:
+        ours = json.load(f)
+    assert ours["weight_map"] == theirs["weight_map"]
+    assert ours["metadata"]["total_size"] == theirs["metadata"]["total_size"]  # as transformers counts it
+    loaded, info = model_class.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    expected = load_file(str(single))
+    saved = model.state_dict()
+    statistics = ("running_mean", "running_var", "num_batches_tracked")
+    for name, value in loaded.state_dict().items():
+        if name.endswith(statistics):
+            assert torch.equal(value, expected[name]), name
+        else:
+            assert torch.equal(value, saved[name]), name
+    assert not torch.equal(
+        loaded.state_dict()["resnet.embedder.embedder.normalization.running_var"],
+        saved["resnet.embedder.embedder.normalization.running_var"],
+    )  # the statistics did change
