@@ -447,3 +447,20 @@ def test_transformers_save_pretrained_folders_through_gap_and_recalibrate_and_ba
         loaded.state_dict()["resnet.embedder.embedder.normalization.running_var"],
         saved["resnet.embedder.embedder.normalization.running_var"],
     )  # the statistics did change
+
+
+def test_diff_against_an_onnx_export_folder_with_arch_reads_the_export_in_it(layouts, cli, tmp_path):
+    """`diff checkpoint-folder export-folder --arch`: the export folder (model + its external
+    data) names its ONNX model, as inspect finds it, and the report is the files' report."""
+    pytest.importorskip("onnx")
+    import shutil
+
+    export = tmp_path / "export"
+    export.mkdir()
+    for name in ("folded.onnx", "folded.onnx.data"):
+        shutil.copyfile(os.path.join(SAMPLES, "onnx", name), export / name)
+    folder, model = layouts["save_pretrained"]
+    of_folders = cli("diff", folder, str(export), "--arch", ARCH, "-f", "json", "--isolated")
+    of_files = cli("diff", model, str(export / "folded.onnx"), "--arch", ARCH, "-f", "json", "--isolated")
+    assert of_folders.exit_code == of_files.exit_code != 2, of_folders.output
+    assert json.loads(of_folders.stdout) == json.loads(of_files.stdout)

@@ -28,7 +28,9 @@ from bnaudit.errors import BnauditError
 
 
 def diff_command(
-    path_a: Annotated[str, typer.Argument(metavar="A", help="The checkpoint before (e.g. pretrained.pt).")],
+    path_a: Annotated[
+        str, typer.Argument(metavar="A", help="The checkpoint before (e.g. pretrained.pt, or a folder holding one).")
+    ],
     path_b: Annotated[str, typer.Argument(metavar="B", help="The checkpoint after (e.g. finetuned.ckpt).")],
     key_a: Annotated[
         Optional[str], typer.Option("--key-a", metavar="KEY", help="Container key of A's state dict (e.g. state_dict).")

@@ -170,7 +170,9 @@ def diff_export(
     """`diff checkpoint export --arch ...`: folded layers paired through the model graph,
     the checkpoint's real eps/momentum from the model's modules, and with `data` the
     outputs of both compared."""
-    export = model_checkpoint(export, trust_pickle=trust_pickle)  # a folder: the export inspect finds in it
+    # a folder: the checkpoint (the export) inspect finds in it
+    checkpoint = model_checkpoint(checkpoint, trust_pickle=trust_pickle)
+    export = model_checkpoint(export, trust_pickle=trust_pickle)
     runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
     producers = bn_producers(runnable.module)
     parity = None
