@@ -336,7 +336,12 @@ def test_inspect_of_a_recalibrated_sharded_folder_trusts_its_record(layouts, tmp
 
     folder, _ = layouts["pytorch_model_bin_sharded"]
     out = tmp_path / "recalibrated"
-    recalibrate_checkpoint(folder, str(out), DataOptions(path=CALIB, batch_size=64), arch=ARCH)
+    recal = recalibrate_checkpoint(
+        folder, str(out), DataOptions(path=CALIB, batch_size=64), arch=ARCH, eval_data=DataOptions(path=VAL)
+    )
+    # --eval-data measures the folder written, read back through its index
+    assert recal is not None and recal.eval_after is not None
+    assert recal.eval_after.checkpoint == str(out / "pytorch_model.bin.index.json")
     report = inspect(str(out))
     assert "statistics of 3 layers re-estimated by bnaudit recalibrate" in report.files[0].provenance
 
