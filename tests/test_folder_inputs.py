@@ -469,3 +469,35 @@ def test_diff_against_an_onnx_export_folder_with_arch_reads_the_export_in_it(lay
     of_files = cli("diff", model, str(export / "folded.onnx"), "--arch", ARCH, "-f", "json", "--isolated")
     assert of_folders.exit_code == of_files.exit_code != 2, of_folders.output
     assert json.loads(of_folders.stdout) == json.loads(of_files.stdout)
+
+
+def test_a_sharded_write_that_fails_midway_leaves_no_folder_and_keeps_the_old_output(layouts, tmp_path, monkeypatch):
+    """A full disk while the second rewritten shard is written: no output folder, no
+    temporary folder, and with --force the previous output is kept as it was."""
+    import errno
+
+    import bnaudit.formats.write as write
+
+    folder, _ = layouts["save_pretrained_sharded"]
+    options = DataOptions(path=CALIB, batch_size=64)
+    kept = tmp_path / "kept"
+    recalibrate_checkpoint(folder, str(kept), options, arch=ARCH)
+    before = _folder_digests(kept)
+    rewrite, calls = write._rewrite_safetensors, []
+
+    def full_disk(source, updates, record, f):
+        calls.append(source)
+        if len(calls) == 2:
+            f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        rewrite(source, updates, record, f)
+
+    monkeypatch.setattr(write, "_rewrite_safetensors", full_disk)
+    fresh = tmp_path / "fresh"
+    with pytest.raises(BnauditError, match="cannot write .*fresh: No space left on device"):
+        recalibrate_checkpoint(folder, str(fresh), options, arch=ARCH)
+    calls.clear()
+    with pytest.raises(BnauditError, match="No space left on device"):
+        recalibrate_checkpoint(folder, str(kept), options, arch=ARCH, force=True)
+    assert not fresh.exists() and _folder_digests(kept) == before
+    assert sorted(os.listdir(tmp_path)) == ["kept"]  # no temporary folder left beside them
