@@ -18,9 +18,12 @@ from typing import Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.allowlist import load_torch_object
-from bnaudit.formats.atomic import atomic_write, check_output
+from bnaudit.formats.atomic import atomic_folder, atomic_write, check_folder_output, check_output
+from bnaudit.formats.classify import SCANNED_NAMES
 from bnaudit.formats.model import MODULE_RECORD_ATTRIBUTE, Checkpoint, statistics_digest
 from bnaudit.formats.safetensors import SAFETENSORS_DTYPE_CODES
+from bnaudit.formats.shards import ShardIndex, is_index, read_index
+from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES, sniff_format
 from bnaudit.formats.torchscript import RECORD_EXTRA_FILE
 from bnaudit.text import exception_line, plural
 
@@ -65,13 +68,20 @@ def save_like(
     `recalibrate` puts `statistics_digests` into the provenance: inspect trusts the
     record for a layer only while its stored statistics match.
 
-    Written atomically (see `atomic_write`); the input is never opened for writing.
-    Non-finite statistics are refused, naming the layer.
+    A sharded checkpoint (`ckpt.path` its index) is written as a folder `output` laid out
+    like its own (`_save_sharded_like`): the shards holding updated statistics rewritten
+    in their format, the others and the folder's non-checkpoint files (config.json, ...)
+    copied byte for byte, the index with the same weight map, `total_size` recomputed and
+    the provenance in its metadata.
+
+    Written atomically (see `atomic_write`, `atomic_folder`); the input is never opened
+    for writing. Non-finite statistics are refused, naming the layer.
     """
-    if ckpt.shards:  # one file per shard would have to be rewritten and re-indexed
-        raise BnauditError(
-            f"{ckpt.path}: writing a sharded checkpoint is not supported; recalibrate a single-file copy"
-        )
+    if ckpt.shards:
+        check_destination(output, ckpt.path, force)
+        check_writable(ckpt, output, trust_pickle)
+        _save_sharded_like(ckpt, _prepare_updates(ckpt, updates), output, force, provenance, trust_pickle)
+        return
     check_output(output, ckpt.path, force)
     target = output_format(ckpt.format, output)
     check_writable(ckpt, output, trust_pickle)
@@ -146,6 +156,16 @@ def output_format(input_format: str, output: str) -> str:
     return input_format
 
 
+def check_destination(output: str, source: str, force: bool = False) -> None:
+    """Refuse, before any work, an output `save_like` could not write for the checkpoint
+    at `source`: a folder for a shard index (`check_folder_output`), a file otherwise
+    (`check_output`)."""
+    if is_index(source):
+        check_folder_output(output, os.path.dirname(source) or ".", os.path.basename(source), force)
+    else:
+        check_output(output, source, force)
+
+
 def check_writable(ckpt: Checkpoint, output: str, trust_pickle: bool = False) -> None:
     """Refuse, before any work, a checkpoint `save_like` could not write to `output`: a
     torch container that `output`'s format (safetensors: named tensors and string metadata
@@ -156,8 +176,12 @@ def check_writable(ckpt: Checkpoint, output: str, trust_pickle: bool = False) ->
             f"{ckpt.path}: cannot be written back: it holds objects of classes that were not loaded "
             f"({ckpt.not_loaded[0]}); pass --trust-pickle if you trust the file, or save the state dict alone"
         )
-    if output_format(ckpt.format, output) != "safetensors" or ckpt.format in ("safetensors", "torchscript"):
-        return
+    if (
+        ckpt.shards
+        or output_format(ckpt.format, output) != "safetensors"
+        or ckpt.format in ("safetensors", "torchscript")
+    ):
+        return  # shards are written back each in its own format
     if ckpt.holds_module:
         raise BnauditError(
             f"{output}: a safetensors file cannot hold the pickled nn.Module of {ckpt.path} (only its "
@@ -330,12 +354,110 @@ def _prepare_updates(ckpt: Checkpoint, updates: Mapping[str, Any]) -> dict[str, 
 def _write_safetensors_like(
     ckpt: Checkpoint, prepared: dict[str, Any], provenance: Mapping[str, Any] | None, f: Any
 ) -> None:
-    tensors, metadata = _read_all_safetensors(ckpt.path)
-    for name, tensor in prepared.items():
-        tensors[ckpt.prefix + name] = tensor
-    if provenance is not None:
-        metadata["bnaudit"] = json.dumps(dict(provenance), sort_keys=True)
+    record = json.dumps(dict(provenance), sort_keys=True) if provenance is not None else None
+    _rewrite_safetensors(ckpt.path, {ckpt.prefix + n: v for n, v in prepared.items()}, record, f)
+
+
+def _rewrite_safetensors(source: str, updates: Mapping[str, Any], record: str | None, f: Any) -> None:
+    """The safetensors file `source` again, written by the package: `updates` (stored name ->
+    tensor of the stored dtype and shape) in place of their tensors and `record` as the
+    `bnaudit` metadata (the file's other metadata kept)."""
+    tensors, metadata = _read_all_safetensors(source)
+    tensors.update(updates)
+    if record is not None:
+        metadata["bnaudit"] = record
     write_safetensors(tensors, metadata, f)
+
+
+def _save_sharded_like(
+    ckpt: Checkpoint,
+    prepared: Mapping[str, Any],
+    output: str,
+    force: bool,
+    provenance: Mapping[str, Any] | None,
+    trust_pickle: bool,
+) -> None:
+    """A sharded checkpoint written again as the folder `output`, laid out like the input's
+    (what transformers' `save_pretrained` writes and `from_pretrained` reads):
+
+      shards        the same file names; a shard holding updated statistics rewritten in its
+                    own format (safetensors: `_rewrite_safetensors`, the record in its
+                    metadata; torch: reloaded, entries replaced, saved again), every other
+                    shard copied byte for byte
+      index         the input's JSON with the same `weight_map`, `metadata.total_size` the
+                    bytes of every tensor stored (sum of numel x element size), and
+                    `metadata.bnaudit` the provenance record; written as transformers writes
+                    it (indent 2, sorted keys, final newline)
+      other files   the regular files beside the index that are no checkpoint (config.json,
+                    tokenizer and generation configs, README.md) copied, so the folder loads
+                    as the input did; checkpoints of other series and subfolders are not
+    """
+    import shutil
+
+    import torch
+
+    index = read_index(ckpt.path)
+    folder = os.path.dirname(ckpt.path) or "."
+    record = json.dumps(dict(provenance), sort_keys=True) if provenance is not None else None
+    by_shard: dict[str, dict[str, Any]] = {}
+    for name, value in prepared.items():
+        stored = ckpt.prefix + name
+        by_shard.setdefault(index.weight_map[stored], {})[stored] = value
+    with open(ckpt.path, encoding="utf-8") as f:
+        document = json.load(f)  # read_index validated it
+    sizes = {
+        dtype: torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        for dtype in {r.dtype for r in ckpt.tensors.values()}
+    }
+    document["metadata"] = {
+        **(document.get("metadata") or {}),
+        "total_size": sum(math.prod(r.shape) * sizes[r.dtype] for r in ckpt.tensors.values()),
+        **({"bnaudit": record} if record is not None else {}),
+    }
+
+    def fill(temp: str) -> None:
+        for shard in index.shards:
+            target = os.path.join(temp, os.path.relpath(shard, folder))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            updates = by_shard.get(shard)
+            if not updates:
+                shutil.copyfile(shard, target)
+            elif sniff_format(shard) == "safetensors":
+                with open(target, "wb") as out:
+                    _rewrite_safetensors(shard, updates, record, out)
+            else:
+                _rewrite_torch_shard(shard, updates, target, trust_pickle)
+        for name in _companions(folder, index):
+            shutil.copyfile(os.path.join(folder, name), os.path.join(temp, name))
+        with open(os.path.join(temp, os.path.basename(ckpt.path)), "w", encoding="utf-8") as out:
+            out.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
+
+    atomic_folder(output, fill, force=force)
+
+
+def _rewrite_torch_shard(shard: str, updates: Mapping[str, Any], target: str, trust_pickle: bool) -> None:
+    """A torch.save shard (a plain state dict) saved again with `updates` replacing its entries."""
+    import torch
+
+    fmt = sniff_format(shard)
+    state = load_torch_object(shard, trust_pickle=trust_pickle, mmap=fmt == "torch-zip")
+    for name, value in updates.items():
+        state[name] = value.to(state[name].device)  # a new tensor: the loaded one maps the input
+    torch.save(state, target, _use_new_zipfile_serialization=fmt == "torch-zip")
+
+
+def _companions(folder: str, index: ShardIndex) -> list[str]:
+    """Names of the regular files beside a shard index that belong to no checkpoint."""
+    shards = {os.path.realpath(s) for s in index.shards}
+    return [
+        name
+        for name in sorted(os.listdir(folder))
+        if os.path.isfile(os.path.join(folder, name))
+        and not name.lower().endswith(CHECKPOINT_SUFFIXES)
+        and not is_index(name)
+        and not SCANNED_NAMES.match(name)
+        and os.path.realpath(os.path.join(folder, name)) not in shards
+    ]
 
 
 def _apply_to_container(ckpt: Checkpoint, obj: Any, prepared: dict[str, Any]) -> None:

@@ -324,7 +324,9 @@ def load_runnable(
     key: str | None = None,
     trust_pickle: bool = False,
 ) -> RunnableModel:
-    """A runnable model (in eval mode, on the CPU) from a checkpoint and optional --arch."""
+    """A runnable model (in eval mode, on the CPU) from a checkpoint file and optional --arch.
+    The commands turn a folder into the checkpoint file it holds first, as inspect decides
+    (`bnaudit.audit.resolve.model_checkpoint`)."""
     if arch is None and arch_kwargs is not None:
         raise BnauditError("--arch-kwargs needs --arch")
     # from the bytes, before any reader: refused with or without --arch and without the onnx extra
