@@ -3,7 +3,7 @@
 A directory expands to every file under it whose name ends in a checkpoint suffix
 (`.onnx` included, without the external-data files its models refer to), plus shard
 indexes (a sharded checkpoint is audited once, through its index, also when its shards
-are named next to it) and accelerate's `random_states_N.pkl`; a file named
+are named next to it), torch.distributed.checkpoint folders (one checkpoint each) and accelerate's `random_states_N.pkl`; a file named
 explicitly is read whatever its name. One unreadable file becomes a FileReport with
 `error` set; the others are still audited. Optimizer, scheduler and RNG state and
 pickled training arguments become a FileReport with `skipped` set (formats/classify.py).
@@ -27,7 +27,7 @@ from bnaudit.formats.classify import SCANNED_NAMES, NotModelWeights
 from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.shards import index_beside, is_index, series_members
-from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES
+from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES, is_dcp_folder
 from bnaudit.severity import Severity
 
 
@@ -45,6 +45,10 @@ def _scan_directory(path: str) -> list[str]:
 
     for root, dirs, files in os.walk(path, onerror=unlistable):
         dirs.sort()
+        if is_dcp_folder(root):  # one checkpoint, whatever its chunk files are named
+            found.append(root)
+            dirs.clear()
+            continue
         found += [
             os.path.join(root, f)
             for f in sorted(files)
@@ -217,7 +221,7 @@ def inspect(
     # (path, named by the user, error of an unusable directory)
     targets: list[tuple[str, bool, str | None]] = []
     for path in [os.fspath(p) for p in paths]:
-        if not os.path.isdir(path):
+        if not os.path.isdir(path) or is_dcp_folder(path):
             targets.append((path, True, None))
             continue
         try:

@@ -3,7 +3,7 @@
 The one entry point for readers: sniff, dispatch to the format's reader, pick the
 state dict inside a container and strip wrapper prefixes. Only torch.save files import
 torch (through `torch.load`); safetensors, TorchScript and torch.export (.pt2) archives are
-read without it, ONNX models
+read without it, and so are torch.distributed.checkpoint folders (formats/dcp.py); ONNX models
 with the `onnx` package (an optional extra).
 """
 
@@ -48,6 +48,10 @@ def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = Fals
         if key is not None:
             raise BnauditError(f"{path}: --key does not apply to .pt2 archives")
         return read_pt2(path)
+    if fmt == "dcp":
+        from bnaudit.formats.dcp import read_dcp
+
+        return read_dcp(path, key)
     if fmt == "torchscript":
         from bnaudit.formats.torchscript import read_torchscript, script_metadata
 
