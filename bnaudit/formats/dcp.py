@@ -41,7 +41,7 @@ import re
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.containers import checkpoint_from_object
@@ -164,7 +164,7 @@ def _allowed(name: str) -> Any | None:
     return None
 
 
-def _is_count(value: Any) -> bool:
+def _is_count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -223,11 +223,17 @@ def read_dcp_layout(folder: str) -> DcpLayout:
             data = f.read()
     except OSError as exc:
         raise BnauditError(f"{path}: cannot open ({exc.strerror or exc})") from None
-    meta = read_pickle_with_stand_ins(path, data, _allowed)
+    try:
+        meta = read_pickle_with_stand_ins(path, data, _allowed)
+    except BnauditError as exc:  # --trust-pickle does not apply: nothing but these records is ever needed
+        reason = str(exc).split("; if you trust this file", 1)[0]
+        raise BnauditError(
+            f"{reason}; DCP's metadata holds only its own dataclasses, tensor sizes and dtypes"
+        ) from None
     found = stand_ins_in(getattr(meta, "state", None))
     if found:  # data only, but not the data DCP writes
-        where, name = found[0]
-        raise BnauditError(f"{path}: refused: {where} holds {name}, which DCP's metadata never holds")
+        place, named = found[0]
+        raise BnauditError(f"{path}: refused: {place} holds {named}, which DCP's metadata never holds")
     fields = _fields(folder, meta, "Metadata")
     storage = fields.get("storage_data")
     if not isinstance(storage, dict):
@@ -286,7 +292,9 @@ def _tensors(
         for chunk in chunks:
             c = _fields(folder, chunk, "ChunkStorageMetadata")
             offsets, sizes = c.get("offsets"), c.get("sizes")
-            if not (isinstance(offsets, tuple) and isinstance(sizes, tuple) and len(offsets) == len(sizes) == len(shape)):
+            if not (
+                isinstance(offsets, tuple) and isinstance(sizes, tuple) and len(offsets) == len(sizes) == len(shape)
+            ):
                 raise _malformed(folder, f"a chunk of '{fqn}'")
             if any(o + s > n for o, s, n in zip(offsets, sizes, shape)):
                 raise BnauditError(f"{folder}: a chunk of '{fqn}' at {list(offsets)} runs past its shape {list(shape)}")
