@@ -299,3 +299,79 @@ def test_fsdp2_sharded_folder_assembles_exactly(tmp_path: Path) -> None:
     assert_same_values(ckpt, torch_reference(folder, tmp_path)["model"])
     assert any("2 .distcp files" in note for note in ckpt.notes)
     assert os.path.isfile(folder / ".metadata")
+
+
+CALIB = f"{SAMPLES}/data/digits_calib.safetensors"
+
+
+def digits_with_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The sample DigitsNet with its trained weights and one real Adam step's state."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("digits_net", f"{SAMPLES}/digits_net.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.digits_net()
+    model.load_state_dict(torch.load(f"{SAMPLES}/healthy.pt", weights_only=True))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    torch.manual_seed(0)
+    model(torch.rand(4, 1, 8, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def tree_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(tree_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(tree_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_recalibrate_writes_a_dcp_folder_that_dcp_load_takes(tmp_path: Path) -> None:
+    model, opt = digits_with_optimizer()
+    source = save_dcp({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "in")
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    options = bnaudit.DataOptions(path=CALIB, num_samples=128, batch_size=32)
+    out = tmp_path / "out"
+    report = bnaudit.recalibrate_checkpoint(str(source), str(out), options, arch=ARCH)
+    assert report is not None and (out / ".metadata").is_file()
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before  # the input is never changed
+    # the same calibration of the torch file the folder holds: the independent reference
+    plain = tmp_path / "plain.pt"
+    torch.save(model.state_dict(), plain)
+    bnaudit.recalibrate_checkpoint(str(plain), str(tmp_path / "plain-out.pt"), options, arch=ARCH)
+    expected = torch.load(tmp_path / "plain-out.pt", weights_only=True)
+    # dcp.load into the model, as a training job resuming would
+    fresh, _ = digits_with_optimizer()
+    state = {"model": fresh.state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        dcp.load(state, checkpoint_id=str(out))
+    fresh.load_state_dict(state["model"])
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    assert not torch.equal(expected["features.1.running_var"], model.features[1].running_var)  # it did change
+    # everything else is the input's: weights and the optimizer's state and settings
+    old, new = torch_reference(source, tmp_path), torch_reference(out, tmp_path)
+    assert tree_equal(old["optim"], new["optim"])
+    assert all(
+        torch.equal(old["model"][k], new["model"][k]) for k in old["model"] if "running" not in k and "num_b" not in k
+    )
+    assert bnaudit.inspect(str(out)).files[0].provenance  # the record beside the files is read back
+
+
+def test_recalibrate_refuses_a_file_name_for_a_dcp_folder_and_keeps_an_existing_one(tmp_path: Path) -> None:
+    model, _ = digits_with_optimizer()
+    source = save_dcp({"model": model.state_dict()}, tmp_path / "in")
+    options = bnaudit.DataOptions(path=CALIB, num_samples=64, batch_size=32)
+    with pytest.raises(BnauditError, match="written back as a folder"):
+        bnaudit.recalibrate_checkpoint(str(source), str(tmp_path / "out.pt"), options, arch=ARCH)
+    existing = save_dcp({"model": model.state_dict()}, tmp_path / "existing")
+    with pytest.raises(BnauditError, match="already exists"):
+        bnaudit.recalibrate_checkpoint(str(source), str(existing), options, arch=ARCH)
+    bnaudit.recalibrate_checkpoint(str(source), str(existing), options, arch=ARCH, force=True)
+    assert (existing / "bnaudit.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left

@@ -3,7 +3,8 @@
 `check_output` runs before any work (an output that is the input, a folder, in a
 missing or read-only folder, or that exists without `force`); `atomic_write` builds the
 file unnamed (O_TMPFILE, or a hidden temporary where that is missing) and names it only
-when complete and fsynced, so a crash or kill never leaves half a checkpoint.
+when complete and fsynced, so a crash or kill never leaves half a checkpoint;
+`atomic_folder` does the same for a checkpoint that is a folder.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bnaudit.errors import BnauditError
+from bnaudit.formats.sniff import is_dcp_folder
 
 _AT_FDCWD, _AT_EMPTY_PATH = -100, 0x1000
 
@@ -25,7 +27,9 @@ def check_output(output: str, source: str | None = None, force: bool = False) ->
     directory = os.path.dirname(os.path.abspath(output))
     if source is not None and os.path.exists(output) and os.path.exists(source) and os.path.samefile(output, source):
         raise BnauditError(f"{output}: is the input checkpoint; write the new one to another file")
-    if os.path.isdir(output):
+    # a folder checkpoint (torch.distributed.checkpoint) is rewritten as a folder: --force replaces it
+    folders = source is not None and is_dcp_folder(source) and is_dcp_folder(output)
+    if os.path.isdir(output) and not folders:
         raise BnauditError(f"{output}: is a directory")
     if not os.path.isdir(directory):
         raise BnauditError(f"{output}: folder {directory} does not exist")
@@ -173,3 +177,45 @@ def _fsync_dir(directory: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def atomic_folder(output: str, build: Callable[[str], None], force: bool = False) -> None:
+    """Create the folder `output` from `build(folder)` all at once, or not at all: built
+    under a hidden temporary name beside it (`.NAME.bnaudit-PID.tmp`), every file and the
+    folder fsynced, then renamed to `output`. With `force` an existing `output` is moved
+    aside first and removed once the new one has its name. Any error or Ctrl-C removes
+    the temporary folder."""
+    import shutil
+
+    output = os.fspath(output).rstrip("/") or "/"
+    directory = os.path.dirname(os.path.abspath(output))
+    temp = os.path.join(directory, f".{os.path.basename(output)}.bnaudit-{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    try:
+        os.mkdir(temp)
+        try:
+            build(temp)
+            for root, _, files in os.walk(temp):
+                for name in files:
+                    fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            _fsync_dir(temp)
+            if os.path.lexists(output):
+                if not force:
+                    raise FileExistsError(output)
+                aside = f"{temp}.old"
+                os.rename(output, aside)
+                os.rename(temp, output)
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.rename(temp, output)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+        _fsync_dir(directory)
+    except FileExistsError:
+        raise BnauditError(f"{output}: already exists (pass --force to overwrite)") from None
+    except OSError as exc:
+        raise BnauditError(f"cannot write {output}: {exc.strerror or exc}") from None

@@ -196,7 +196,7 @@ class DcpLayout:
 
     folder: str
     tensors: dict[str, DcpTensor]
-    objects: list[str]
+    objects: dict[str, DcpChunk]  # pickled objects: never unpickled here
     paths: dict[str, tuple[str | int, ...]]
     files: list[str]
     version: str | None
@@ -271,16 +271,19 @@ def read_dcp_layout(folder: str) -> DcpLayout:
 
 def _tensors(
     folder: str, entries: Any, where: dict[tuple[str, tuple[int, ...]], DcpChunk]
-) -> tuple[dict[str, DcpTensor], list[str]]:
+) -> tuple[dict[str, DcpTensor], dict[str, DcpChunk]]:
     if not isinstance(entries, dict):
         raise _malformed(folder, "no state_dict_metadata")
     tensors: dict[str, DcpTensor] = {}
-    objects: list[str] = []
+    objects: dict[str, DcpChunk] = {}
     for fqn, entry in entries.items():
         if not isinstance(fqn, str):
             raise _malformed(folder, "a key that is not a name")
         if isinstance(entry, _Record) and entry.kind == "BytesStorageMetadata":
-            objects.append(fqn)
+            stored = where.get((fqn, ()))
+            if stored is None:
+                raise BnauditError(f"{folder}: the object '{fqn}' has no storage record")
+            objects[fqn] = stored
             continue
         fields = _fields(folder, entry, "TensorStorageMetadata")
         shape, chunks = fields.get("size"), fields.get("chunks")
@@ -357,10 +360,8 @@ def _inside(folder: str, name: str) -> str:
     return joined
 
 
-def _read_chunk(folder: str, tensor: DcpTensor, chunk: DcpChunk) -> list[float]:
-    """The chunk's values, row-major: the torch.save zip at its byte range, read by the
-    archive unpickler (only tensor records; nothing else is rebuilt)."""
-    what = f"{folder}: chunk of '{tensor.fqn}' at {list(chunk.offsets)} in {chunk.file}"
+def stored_bytes(folder: str, chunk: DcpChunk, what: str) -> bytes:
+    """The bytes a storage record points at (a torch.save blob), as written."""
     if chunk.transformed:
         raise BnauditError(f"{what}: written through a stream transform (compressed?): not supported")
     with open(_inside(folder, chunk.file), "rb") as f:
@@ -368,6 +369,14 @@ def _read_chunk(folder: str, tensor: DcpTensor, chunk: DcpChunk) -> list[float]:
         blob = f.read(chunk.length)
     if len(blob) != chunk.length:
         raise BnauditError(f"{what}: truncated")
+    return blob
+
+
+def _read_chunk(folder: str, tensor: DcpTensor, chunk: DcpChunk) -> list[float]:
+    """The chunk's values, row-major: the torch.save zip at its byte range, read by the
+    archive unpickler (only tensor records; nothing else is rebuilt)."""
+    what = f"{folder}: chunk of '{tensor.fqn}' at {list(chunk.offsets)} in {chunk.file}"
+    blob = stored_bytes(folder, chunk, what)
     try:
         archive = zipfile.ZipFile(io.BytesIO(blob))
         for info in archive.infolist():
@@ -410,19 +419,39 @@ def assemble(folder: str, tensor: DcpTensor) -> list[float]:
     return values
 
 
-def _lazy(folder: str, tensor: DcpTensor) -> TensorRef:
+def tensor_ref(folder: str, tensor: DcpTensor) -> TensorRef:
+    """The whole tensor as a lazy `TensorRef`: its chunks are read and assembled when asked."""
     return TensorRef(tensor.fqn, tensor.shape, tensor.dtype, lambda: assemble(folder, tensor))
 
 
 _NOT_A_TENSOR = "<pickled object: not loaded>"
 
+# `recalibrate` keeps its record beside the DCP files (DCP reads only the files its
+# metadata names); untrusted like any record, and only ever read as text.
+RECORD_FILE = "bnaudit.json"
+_MAX_RECORD_BYTES = 10_000_000
 
-def nested_state_dict(layout: DcpLayout) -> dict[str, Any]:
+
+def _record_beside(folder: str) -> dict[str, str]:
+    path = os.path.join(folder, RECORD_FILE)
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) > _MAX_RECORD_BYTES:
+            return {}
+        with open(path, "rb") as f:
+            return {"bnaudit": f.read().decode("utf-8")}
+    except (OSError, UnicodeDecodeError):
+        return {}
+
+
+def nested_state_dict(layout: DcpLayout, values: dict[str, Any] | None = None) -> dict[Any, Any]:
     """The state dict DCP flattened, rebuilt from the planner's key paths: tensors as lazy
-    `TensorRef`s, pickled objects (optimizer settings) as placeholders never unpickled."""
+    `TensorRef`s, pickled objects (optimizer settings) as placeholders never unpickled;
+    `values` (fqn -> value) replaces both (a writer's loaded tensors and objects)."""
     root: dict[Any, Any] = {}
-    entries: list[tuple[str, Any]] = [(f, _lazy(layout.folder, t)) for f, t in layout.tensors.items()]
+    entries: list[tuple[str, Any]] = [(f, tensor_ref(layout.folder, t)) for f, t in layout.tensors.items()]
     entries += [(f, _NOT_A_TENSOR) for f in layout.objects]
+    if values is not None:
+        entries = [(f, values[f]) for f, _ in entries]
     for fqn, value in entries:
         path = layout.paths.get(fqn, (fqn,))
         node = root
@@ -433,7 +462,19 @@ def nested_state_dict(layout: DcpLayout) -> dict[str, Any]:
         if path[-1] in node:
             raise _malformed(layout.folder, f"'{fqn}' stored twice")
         node[path[-1]] = value
-    return root
+    nested: dict[Any, Any] = _lists(root)  # the root's keys are names: it stays a mapping
+    return nested
+
+
+def _lists(node: Any) -> Any:
+    """Integer path elements index lists (an optimizer's param_groups): a mapping keyed
+    by integers becomes the list DCP flattened, gaps None (as torch's unflatten does)."""
+    if not isinstance(node, dict):
+        return node
+    items = {k: _lists(v) for k, v in node.items()}
+    if items and all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < 1_000_000 for k in items):
+        return [items.get(i) for i in range(max(items) + 1)]
+    return items
 
 
 def read_dcp(folder: str, key: str | None = None) -> Checkpoint:
@@ -441,6 +482,7 @@ def read_dcp(folder: str, key: str | None = None) -> Checkpoint:
     layout = read_dcp_layout(folder)
     nested = nested_state_dict(layout)
     ckpt = checkpoint_from_object(folder, "dcp", nested, key)
+    ckpt.metadata = _record_beside(folder)
     sharded = sum(1 for t in layout.tensors.values() if len(t.chunks) > 1)
     parts = ", ".join(str(k) for k in list(nested)[:8]) + (" ..." if len(nested) > 8 else "")
     ckpt.notes.append(
