@@ -375,3 +375,60 @@ def test_recalibrate_refuses_a_file_name_for_a_dcp_folder_and_keeps_an_existing_
     bnaudit.recalibrate_checkpoint(str(source), str(existing), options, arch=ARCH, force=True)
     assert (existing / "bnaudit.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+
+DCP_SAMPLE = f"{SAMPLES}/dcp"
+
+
+def test_cli_inspect_of_the_sample_folder(cli) -> None:
+    """The issue's first run: `bnaudit inspect ckpt/` said "directory holds no checkpoint
+    files" and exited 2."""
+    result = cli("inspect", DCP_SAMPLE, "--format", "json")
+    assert result.exit_code == 0, result.output
+    import json
+
+    [entry] = json.loads(result.stdout)["files"]
+    assert entry["format"] == "dcp" and entry["key"] == "model"
+    assert [layer["name"] for layer in entry["layers"]] == ["features.1", "features.4", "head.2"]
+    reference = dcp_reference_of_sample()
+    assert reference["model"]["features.1.num_batches_tracked"].item() == entry["layers"][0]["num_batches_tracked"]
+
+
+def dcp_reference_of_sample(tmp: list[dict] = []) -> dict:  # noqa: B006 - a cache of one entry
+    if not tmp:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as folder:
+            out = os.path.join(folder, "sample.pt")
+            dcp_to_torch_save(DCP_SAMPLE, out)
+            tmp.append(torch.load(out, weights_only=True))
+    return tmp[0]
+
+
+def test_diff_two_folders_and_a_folder_against_safetensors(tmp_path: Path) -> None:
+    """The sample is 3 AdamW steps in training mode from the healthy weights: every layer's
+    statistics moved (three EMA updates) against healthy.safetensors; a copy of the folder
+    is identical to it."""
+    reference = dcp_reference_of_sample()["model"]
+    healthy = bnaudit.diff(f"{SAMPLES}/healthy.safetensors", DCP_SAMPLE)
+    assert healthy.b.format == "dcp" and len(healthy.layers) == 3
+    for d in healthy.layers:
+        assert not d.mean_identical and not d.var_identical
+        assert d.batches_b - d.batches_a == 3
+        assert d.batches_b == reference[f"{d.name}.num_batches_tracked"].item()
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for p in Path(DCP_SAMPLE).iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    same = bnaudit.diff(DCP_SAMPLE, str(copy))
+    assert all(d.mean_identical and d.var_identical and d.weight_identical for d in same.layers)
+
+
+def test_invariance_with_arch_reads_the_folder(tmp_path: Path) -> None:
+    state = torch.load(f"{SAMPLES}/healthy.pt", weights_only=True)
+    folder = save_dcp({"model": state}, tmp_path / "healthy")
+    options = bnaudit.DataOptions(path=VAL, num_samples=32, batch_size=16)
+    from_folder = bnaudit.measure_invariance(str(folder), options, arch=ARCH, batch_sizes=[1, 16])
+    from_file = bnaudit.measure_invariance(f"{SAMPLES}/healthy.pt", options, arch=ARCH, batch_sizes=[1, 16])
+    assert from_folder.arrangements and from_folder.arrangements == from_file.arrangements
+    assert (from_folder.max_deviation, from_folder.flagged) == (from_file.max_deviation, from_file.flagged)

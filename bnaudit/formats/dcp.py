@@ -485,8 +485,9 @@ def read_dcp(folder: str, key: str | None = None) -> Checkpoint:
     ckpt.metadata = _record_beside(folder)
     sharded = sum(1 for t in layout.tensors.values() if len(t.chunks) > 1)
     parts = ", ".join(str(k) for k in list(nested)[:8]) + (" ..." if len(nested) > 8 else "")
+    files = f"{len(layout.files)} .distcp file{'s' if len(layout.files) != 1 else ''}"
     ckpt.notes.append(
-        f"torch.distributed.checkpoint folder: {len(layout.tensors)} tensors in {len(layout.files)} .distcp "
-        f"file{'s' if len(layout.files) != 1 else ''} ({sharded} sharded across files); parts: {parts}"
+        f"torch.distributed.checkpoint folder: {files}, parts {parts}"
+        + (f"; {sharded} tensors assembled from several chunks" if sharded else "")
     )
     return ckpt
