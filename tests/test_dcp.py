@@ -218,6 +218,9 @@ def test_chunks_must_tile_the_tensor(tmp_path: Path) -> None:
     overlapping = read_checkpoint(split(0))
     with pytest.raises(BnauditError, match="overlap"):
         overlapping.tensors["running_var"].read()
+    with pytest.raises(BnauditError, match="overlap"):
+        overlapping.tensors["running_var"].to_torch()
+    assert torch.equal(exact.tensors["running_var"].to_torch(), var)
     with pytest.raises(BnauditError, match="runs past its shape"):
         read_checkpoint(split(3))
 
@@ -432,3 +435,46 @@ def test_invariance_with_arch_reads_the_folder(tmp_path: Path) -> None:
     from_file = bnaudit.measure_invariance(f"{SAMPLES}/healthy.pt", options, arch=ARCH, batch_sizes=[1, 16])
     assert from_folder.arrangements and from_folder.arrangements == from_file.arrangements
     assert (from_folder.max_deviation, from_folder.flagged) == (from_file.max_deviation, from_file.flagged)
+
+
+def test_a_hostile_chunk_runs_nothing_and_a_wrong_one_is_refused(tmp_path: Path) -> None:
+    """A chunk record pointed at a torch.save blob of a payload (what a forged .distcp holds)
+    is refused when read, without running it; a blob of the wrong shape is refused too."""
+    import io
+
+    model, _ = trained_with_optimizer()
+    marker = tmp_path / "marker"
+    for blob_of, message in ((Payload(str(marker)), "unreadable"), (torch.zeros(3), "does not hold a float32")):
+        folder = save_dcp({"model": model.state_dict()}, tmp_path / f"chunk-{message.split()[0]}")
+        buffer = io.BytesIO()
+        torch.save(blob_of, buffer)
+        (folder / "__9_0.distcp").write_bytes(buffer.getvalue())
+
+        def point(m, length=len(buffer.getvalue())):
+            for index, info in m.storage_data.items():
+                if index.fqn == "model.1.running_var":
+                    info.relative_path, info.offset, info.length = "__9_0.distcp", 0, length
+
+        rewrite_metadata(folder, point)
+        ckpt = read_checkpoint(str(folder))  # the metadata is sound: the chunk is read only when asked
+        with pytest.raises(BnauditError, match=message):
+            ckpt.tensors["1.running_var"].read()
+        report = bnaudit.inspect(str(folder))
+        assert "model.1.running_var" in report.files[0].error
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_inspecting_a_dcp_folder_imports_neither_torch_nor_numpy() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from bnaudit.audit.audit import inspect; "
+        f"report = inspect({DCP_SAMPLE!r}); assert report.files[0].layers, report.files[0].error; "
+        "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(SAMPLES)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -377,6 +377,8 @@ def _read_chunk(folder: str, tensor: DcpTensor, chunk: DcpChunk) -> list[float]:
     archive unpickler (only tensor records; nothing else is rebuilt)."""
     what = f"{folder}: chunk of '{tensor.fqn}' at {list(chunk.offsets)} in {chunk.file}"
     blob = stored_bytes(folder, chunk, what)
+    if not blob.startswith(b"PK"):  # DCP's serialization_format=SAFETENSORS keeps no per-chunk archive
+        raise BnauditError(f"{what}: not a torch.save archive (saved with serialization_format=SAFETENSORS?)")
     try:
         archive = zipfile.ZipFile(io.BytesIO(blob))
         for info in archive.infolist():
@@ -419,9 +421,35 @@ def assemble(folder: str, tensor: DcpTensor) -> list[float]:
     return values
 
 
+def assemble_torch(folder: str, tensor: DcpTensor) -> Any:
+    """`assemble` as a torch tensor, each chunk copied into its region by torch (whole
+    weights for --arch and for writing back: no Python loop per element)."""
+    import torch
+
+    dtype = getattr(torch, tensor.dtype)
+    out = torch.empty(tensor.shape, dtype=dtype)
+    covered = torch.zeros(tensor.shape, dtype=torch.bool)
+    for chunk in tensor.chunks:
+        piece = torch.tensor(_read_chunk(folder, tensor, chunk), dtype=dtype).reshape(chunk.sizes)
+        region = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+        if bool(covered[region].any()):
+            raise BnauditError(f"{folder}: chunks of '{tensor.fqn}' overlap: they do not tile it")
+        covered[region] = True
+        out[region] = piece
+    if not bool(covered.all()):
+        raise BnauditError(f"{folder}: chunks of '{tensor.fqn}' leave elements uncovered: they do not tile it")
+    return out
+
+
 def tensor_ref(folder: str, tensor: DcpTensor) -> TensorRef:
     """The whole tensor as a lazy `TensorRef`: its chunks are read and assembled when asked."""
-    return TensorRef(tensor.fqn, tensor.shape, tensor.dtype, lambda: assemble(folder, tensor))
+    return TensorRef(
+        tensor.fqn,
+        tensor.shape,
+        tensor.dtype,
+        lambda: assemble(folder, tensor),
+        lambda: assemble_torch(folder, tensor),
+    )
 
 
 _NOT_A_TENSOR = "<pickled object: not loaded>"
