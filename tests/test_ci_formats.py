@@ -59,7 +59,7 @@ def workspace(tmp_path, monkeypatch):
     models.mkdir()
     save_torch({**bad_layer("a.bn"), **bad_layer("b.bn"), **bn_entries("c.bn", 3, counter=1000)}, models / "two bad.pt")
     save_safetensors(bn_entries("bn", 4, counter=1000), models / "good.safetensors")
-    (models / "junk.pt").write_bytes(b"not a checkpoint")
+    (models / "junk.pt").write_bytes(b"PK\x03\x04 a torn zip: claims a format and breaks it")
     monkeypatch.chdir(tmp_path)
     return tmp_path
 

@@ -449,8 +449,9 @@ def test_a_hostile_chunk_runs_nothing_and_a_wrong_one_is_refused(tmp_path: Path)
         buffer = io.BytesIO()
         torch.save(blob_of, buffer)
         (folder / "__9_0.distcp").write_bytes(buffer.getvalue())
+        length = len(buffer.getvalue())
 
-        def point(m, length=len(buffer.getvalue())):
+        def point(m, length=length):
             for index, info in m.storage_data.items():
                 if index.fqn == "model.1.running_var":
                     info.relative_path, info.offset, info.length = "__9_0.distcp", 0, length

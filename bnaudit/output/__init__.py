@@ -190,7 +190,7 @@ def emit_diagnostics(report: Report, stream: IO[str], fmt: str = "table") -> Non
         if fmt == "table":
             for file in report.files:
                 if file.error:
-                    emit_error(f"{file.path}: {file.error}", stream)
+                    emit_error(f"{file.shown}: {file.error}", stream)
         return
     from bnaudit.reports.recalibrate import RecalibrationReport
 

@@ -92,7 +92,7 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
             notifications.append(
                 {
                     "level": "note",
-                    "message": {"text": f"{file.path}: {file.excluded}"},
+                    "message": {"text": f"{file.shown}: {file.excluded}"},
                     "locations": [{"physicalLocation": {"artifactLocation": location}}],
                 }
             )
@@ -101,7 +101,7 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
             notifications.append(
                 {
                     "level": "error",
-                    "message": {"text": f"{file.path}: {file.error}"},
+                    "message": {"text": f"{file.shown}: {file.error}"},
                     "locations": [{"physicalLocation": {"artifactLocation": location}}],
                 }
             )
@@ -110,7 +110,7 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
             notifications.append(
                 {
                     "level": "note",
-                    "message": {"text": f"{file.path}: skipped: {file.skipped}: not model weights"},
+                    "message": {"text": file.skipped_line()},
                     "locations": [{"physicalLocation": {"artifactLocation": location}}],
                 }
             )
