@@ -23,22 +23,20 @@ inside it with volumes adding up to its size; when a tensor is read, its chunks 
 cover every element exactly once (FSDP2 shards parameters along dim 0 across ranks, so a
 BN weight is assembled from one chunk per rank; replicated buffers are saved once).
 
-Only the tensors an audit reads are read, each chunk through the torch.save zip reader of
-formats/torchscript.py (no torch). The nested state dict (`model.`, `optim.`,
+Only the tensors an audit reads are read, each chunk through the torch-free torch.save
+reader (formats/torchsave.py), which reads only the bytes of the elements asked for. The nested state dict (`model.`, `optim.`,
 `app.model.`) is a container like a torch.save file's: formats/containers.py chooses the
 model part and skips optimizer state; `--key` names another part.
 """
 
 from __future__ import annotations
 
-import io
 import math
 import ntpath
 import os
 import pickle
 import posixpath
 import re
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -48,8 +46,7 @@ from bnaudit.formats.containers import checkpoint_from_object
 from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, TensorRef
 from bnaudit.formats.sniff import DCP_METADATA
 from bnaudit.formats.standins import read_pickle_with_stand_ins, stand_ins_in
-from bnaudit.formats.torchscript import ArchiveUnpickler
-from bnaudit.text import exception_line
+from bnaudit.formats.torchsave import read_stored_tensor
 
 # Real metadata files are kilobytes to tens of megabytes (a few records per tensor chunk).
 _MAX_METADATA_BYTES = 1 << 30
@@ -372,31 +369,25 @@ def stored_bytes(folder: str, chunk: DcpChunk, what: str) -> bytes:
     return blob
 
 
-def _read_chunk(folder: str, tensor: DcpTensor, chunk: DcpChunk) -> list[float]:
-    """The chunk's values, row-major: the torch.save zip at its byte range, read by the
-    archive unpickler (only tensor records; nothing else is rebuilt)."""
+def _read_chunk(folder: str, tensor: DcpTensor, chunk: DcpChunk) -> TensorRef:
+    """The chunk as a lazy tensor: the torch.save zip at its byte range, read by the
+    torch-free torch.save reader (formats/torchsave.py; only tensor records rebuilt)."""
     what = f"{folder}: chunk of '{tensor.fqn}' at {list(chunk.offsets)} in {chunk.file}"
-    blob = stored_bytes(folder, chunk, what)
-    if not blob.startswith(b"PK"):  # DCP's serialization_format=SAFETENSORS keeps no per-chunk archive
+    if chunk.transformed:
+        raise BnauditError(f"{what}: written through a stream transform (compressed?): not supported")
+    path = _inside(folder, chunk.file)
+    with open(path, "rb") as f:
+        f.seek(chunk.start)
+        head = f.read(4)
+    if head != b"PK\x03\x04":  # DCP's serialization_format=SAFETENSORS keeps no per-chunk archive
         raise BnauditError(f"{what}: not a torch.save archive (saved with serialization_format=SAFETENSORS?)")
     try:
-        archive = zipfile.ZipFile(io.BytesIO(blob))
-        for info in archive.infolist():
-            if info.compress_type != zipfile.ZIP_STORED or info.file_size > chunk.length:
-                raise BnauditError(f"{what}: zip entry '{info.filename}' is compressed or larger than the chunk")
-        names = archive.namelist()
-        entry = next(n for n in names if n.endswith("/data.pkl") and n.count("/") == 1)
-        root = entry.split("/")[0]
-        if f"{root}/byteorder" in names and archive.read(f"{root}/byteorder").strip() not in (b"", b"little"):
-            raise BnauditError(f"{what}: big-endian tensor data is not supported")
-        ref = ArchiveUnpickler(archive.read(entry), archive, root).load()
-        if not isinstance(ref, TensorRef) or ref.shape != chunk.sizes or ref.dtype != tensor.dtype:
-            raise BnauditError(f"{what}: does not hold a {tensor.dtype} tensor of shape {list(chunk.sizes)}")
-        return ref.read()
-    except BnauditError:
-        raise
-    except Exception as exc:  # forged bytes fail anywhere in zipfile or the pickle machine
-        raise BnauditError(f"{what}: unreadable ({exception_line(exc, with_type=False)})") from None
+        ref = read_stored_tensor(path, chunk.start, chunk.length)
+    except BnauditError as exc:
+        raise BnauditError(f"{what}: {str(exc).removeprefix(f'{path}: ')}") from None
+    if ref.shape != chunk.sizes or ref.dtype != tensor.dtype:
+        raise BnauditError(f"{what}: does not hold a {tensor.dtype} tensor of shape {list(chunk.sizes)}")
+    return ref
 
 
 def assemble(folder: str, tensor: DcpTensor) -> list[float]:
@@ -407,7 +398,7 @@ def assemble(folder: str, tensor: DcpTensor) -> list[float]:
     values: list[float] = [0.0] * numel
     covered = bytearray(numel)
     for chunk in tensor.chunks:
-        chunk_values = _read_chunk(folder, tensor, chunk)
+        chunk_values = _read_chunk(folder, tensor, chunk).read()
         index = [sum(o * s for o, s in zip(chunk.offsets, strides))]
         for extent, step in zip(chunk.sizes, strides):  # row-major: the last dimension varies fastest
             index = [base + i * step for base in index for i in range(extent)]
@@ -430,7 +421,7 @@ def assemble_torch(folder: str, tensor: DcpTensor) -> Any:
     out = torch.empty(tensor.shape, dtype=dtype)
     covered = torch.zeros(tensor.shape, dtype=torch.bool)
     for chunk in tensor.chunks:
-        piece = torch.tensor(_read_chunk(folder, tensor, chunk), dtype=dtype).reshape(chunk.sizes)
+        piece = _read_chunk(folder, tensor, chunk).to_torch()
         region = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
         if bool(covered[region].any()):
             raise BnauditError(f"{folder}: chunks of '{tensor.fqn}' overlap: they do not tile it")
