@@ -479,3 +479,20 @@ def test_inspecting_a_dcp_folder_imports_neither_torch_nor_numpy() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "cannot unpickle safely"),
+        (b"\x80\x04garbage", "cannot unpickle safely"),
+        (pickle.dumps({"model.1.weight": [1.0]}), r"malformed \.metadata \(expected Metadata, found dict\)"),
+        (pickle.dumps(Path("x")), "malformed"),  # an allowed global, not a Metadata
+    ],
+)
+def test_a_torn_or_foreign_metadata_is_one_line(tmp_path: Path, content: bytes, message: str) -> None:
+    model, _ = trained_with_optimizer()
+    folder = save_dcp({"model": model.state_dict()}, tmp_path / "torn")
+    (folder / ".metadata").write_bytes(content)
+    with pytest.raises(BnauditError, match=message):
+        read_checkpoint(str(folder))
