@@ -5,7 +5,7 @@ missing or read-only folder, or that exists without `force`); `atomic_write` bui
 file unnamed (O_TMPFILE, or a hidden temporary where that is missing) and names it only
 when complete and fsynced, so a crash or kill never leaves half a checkpoint.
 `check_folder_output` and `atomic_folder` do the same for a checkpoint that is a folder
-(shards and their index): built in a hidden temporary folder beside the target, renamed
+(shards and their index, a distributed checkpoint): built in a hidden temporary folder beside the target, renamed
 into place when complete.
 """
 
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bnaudit.errors import BnauditError
+from bnaudit.formats.sniff import is_dcp_folder
 
 _AT_FDCWD, _AT_EMPTY_PATH = -100, 0x1000
 
@@ -28,7 +29,9 @@ def check_output(output: str, source: str | None = None, force: bool = False) ->
     directory = os.path.dirname(os.path.abspath(output))
     if source is not None and os.path.exists(output) and os.path.exists(source) and os.path.samefile(output, source):
         raise BnauditError(f"{output}: is the input checkpoint; write the new one to another file")
-    if os.path.isdir(output):
+    # a folder checkpoint (torch.distributed.checkpoint) is rewritten as a folder: --force replaces it
+    folders = source is not None and is_dcp_folder(source) and is_dcp_folder(output)
+    if os.path.isdir(output) and not folders:
         raise BnauditError(f"{output}: is a directory")
     if not os.path.isdir(directory):
         raise BnauditError(f"{output}: folder {directory} does not exist")

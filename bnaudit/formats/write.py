@@ -58,6 +58,9 @@ def save_like(
                     and torch.load(weights_only=True) keep and load_state_dict ignores
       torchscript   the archive loaded, buffers set, saved with its extra files and the
                     provenance as the extra file `bnaudit.json`
+      dcp           a torch.distributed.checkpoint folder: every tensor and object saved
+                    again by `dcp.save` in one process, the provenance in `bnaudit.json`
+                    beside its files (`_write_dcp_like`)
 
     Across formats: to `.safetensors` from a torch file, the chosen state dict's tensors
     (names as stored, contiguous) with `{"format": "pt", "bnaudit": provenance}` as
@@ -135,9 +138,57 @@ def save_like(
                 import torch
 
                 torch.jit.save(module, f, _extra_files=extra)
+    elif ckpt.format == "dcp":
+        _write_dcp_like(ckpt, prepared, record, output, force)
+        return
     else:  # pragma: no cover - read_checkpoint knows no other format
         raise BnauditError(f"{ckpt.path}: cannot write format {ckpt.format}")
     atomic_write(output, write, force=force)
+
+
+def _write_dcp_like(ckpt: Checkpoint, prepared: dict[str, Any], record: str | None, output: str, force: bool) -> None:
+    """A torch.distributed.checkpoint folder written again by `dcp.save` in this one process
+    (no process group: `no_dist`), every tensor and object of the input (optimizer state
+    included) under its own key path, the updated buffers replaced; DCP reshards it on
+    load, so FSDP or DDP models of any world size `dcp.load` it. Pickled objects are read
+    back with `torch.load(weights_only=True)` (plain data) or the write is refused. The
+    provenance goes into `bnaudit.json` beside DCP's files (DCP reads only what its
+    metadata names). Built in a temporary folder and renamed (`atomic_folder`)."""
+    import io
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from bnaudit.formats.dcp import RECORD_FILE, nested_state_dict, read_dcp_layout, stored_bytes, tensor_ref
+
+    layout = read_dcp_layout(ckpt.path)
+    values: dict[str, Any] = {fqn: tensor_ref(layout.folder, t).to_torch() for fqn, t in layout.tensors.items()}
+    for fqn, chunk in layout.objects.items():
+        blob = stored_bytes(layout.folder, chunk, f"{ckpt.path}: object '{fqn}'")
+        try:
+            values[fqn] = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise BnauditError(
+                f"{ckpt.path}: cannot be written back: the object '{fqn}' is not plain data "
+                f"({exception_line(exc, with_type=False)})"
+            ) from None
+    state = nested_state_dict(layout, values)
+    target = state
+    for part in ckpt.key.split("/") if ckpt.key else []:
+        target = target[part]
+    for name, value in prepared.items():
+        target[ckpt.prefix + name] = value
+
+    def build(folder: str) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP's notes on saving without a process group
+            dcp_save(state, checkpoint_id=folder, no_dist=True)
+        if record is not None:
+            with open(os.path.join(folder, RECORD_FILE), "w", encoding="utf-8") as f:
+                f.write(record)
+
+    atomic_folder(output, build, force=force)
 
 
 # Output names whose format bnaudit knows; any other name keeps the input's format.
@@ -171,6 +222,12 @@ def check_writable(ckpt: Checkpoint, output: str, trust_pickle: bool = False) ->
     torch container that `output`'s format (safetensors: named tensors and string metadata
     only) cannot hold, naming what does not fit, and a container read with stand-ins
     (their objects were never loaded, so they cannot be saved again)."""
+    suffix = os.path.splitext(output)[1].lower()
+    if ckpt.format == "dcp" and suffix in (".safetensors", *_TORCH_SUFFIXES):
+        raise BnauditError(
+            f"{output}: a torch.distributed.checkpoint folder is written back as a folder: name the output "
+            "without a file suffix (torch's dcp_to_torch_save converts the result to one file)"
+        )
     if ckpt.not_loaded and not trust_pickle:
         raise BnauditError(
             f"{ckpt.path}: cannot be written back: it holds objects of classes that were not loaded "

@@ -350,9 +350,10 @@ def load_runnable(
         )
     if fmt == "torchscript":
         return _load_torchscript(checkpoint_path, key)
-    if fmt == "safetensors":
+    if fmt in ("safetensors", "dcp"):
+        what = "a safetensors file" if fmt == "safetensors" else "a torch.distributed.checkpoint folder"
         raise BnauditError(
-            f"{checkpoint_path}: a safetensors file holds tensors, not a model: pass --arch MODULE:CALLABLE "
+            f"{checkpoint_path}: {what} holds tensors, not a model: pass --arch MODULE:CALLABLE "
             "(the function that builds the model)"
         )
     return _load_pickled_module(checkpoint_path, fmt, key, trust_pickle)
