@@ -33,11 +33,12 @@ from bnaudit.text import printable
 if TYPE_CHECKING:
     from bnaudit.audit.diff import DiffReport
     from bnaudit.audit.report import InspectReport
+    from bnaudit.reports.fold import FoldReport
     from bnaudit.reports.gap import GapReport
     from bnaudit.reports.invariance import InvarianceReport
     from bnaudit.reports.recalibrate import RecalibrationReport
 
-    Report = InspectReport | DiffReport | GapReport | InvarianceReport | RecalibrationReport
+    Report = InspectReport | DiffReport | GapReport | InvarianceReport | RecalibrationReport | FoldReport
 
 
 def formats_of(report: object) -> tuple[str, ...]:
@@ -58,6 +59,10 @@ def formats_of(report: object) -> tuple[str, ...]:
     from bnaudit.reports.recalibrate import RecalibrationReport
 
     if isinstance(report, (GapReport, InvarianceReport, RecalibrationReport)):
+        return ("table", "json")
+    from bnaudit.reports.fold import FoldReport
+
+    if isinstance(report, FoldReport):
         return ("table", "json")
     return ()
 

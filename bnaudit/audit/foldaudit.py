@@ -1,0 +1,38 @@
+"""`predict_fold`: a checkpoint in, a `FoldReport` of predictions out (torch-free).
+
+Reads the file through `bnaudit.formats.read.read_checkpoint`, finds its BN layers
+(`bnaudit.audit.layers`, eps from `bnaudit.audit.settings`), pairs and predicts
+(`bnaudit.audit.foldcheck`) and runs the fold rules (BN201-BN207).
+"""
+
+from __future__ import annotations
+
+from bnaudit.audit.foldcheck import FoldContext, predict_pairs
+from bnaudit.audit.layers import discover_layers, not_from_file
+from bnaudit.audit.rules import run_fold_rules
+from bnaudit.audit.settings import statement
+from bnaudit.config import Config
+from bnaudit.errors import BnauditError
+from bnaudit.formats.read import read_checkpoint
+from bnaudit.reports.fold import FoldReport
+
+
+def predict_fold(path: str, config: Config, key: str | None = None, trust_pickle: bool = False) -> FoldReport:
+    """The prediction for every BN of the checkpoint at `path` (state dict, safetensors,
+    TorchScript archive: pairs by name). A file without any BN layer is a BnauditError."""
+    ckpt = read_checkpoint(path, key=key, trust_pickle=trust_pickle)
+    discovery = discover_layers(ckpt, config.stated_settings())
+    if not discovery.layers:
+        raise BnauditError(f"{path}: no BatchNorm layers with running statistics to fold")
+    pairs, unpaired = predict_pairs(ckpt.tensors, discovery.layers, config)
+    findings = run_fold_rules(FoldContext(tuple(pairs), tuple(unpaired), config))
+    return FoldReport(
+        path=path,
+        format=ckpt.format,
+        pairs=tuple(pairs),
+        unpaired=tuple(unpaired),
+        findings=tuple(findings),
+        fail_on=config.fail_on,
+        # momentum plays no part in folding: only eps is said
+        settings=statement([(n, s) for n, s in not_from_file(discovery.layers) if n == "eps"], "not in a state dict"),
+    )

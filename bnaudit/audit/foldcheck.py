@@ -1,0 +1,271 @@
+"""Will a BatchNorm survive being folded into the layer before it, then int8, fp16, bf16?
+
+Torch- and numpy-free (plain Python floats, float64), like the rest of audit/. Deployment
+folds every eval-mode BN into its producer (a Conv or Linear whose output it normalises);
+with the folded scale and bias of `bnaudit.audit.formulas` (`folded_conv`), per output
+channel c:
+
+    W'_c = s_c * W_c,   s_c = gamma_c / sqrt(var_c + eps)
+    b'_c = t_c = beta_c + (b_c - mu_c) * s_c          (b_c the producer's bias, 0 without)
+
+Every prediction below depends on a channel's weights only through M'_c = max_k |W'_c,k|
+= |s_c| * max_k |W_c,k| (rounding is monotone, so the maximum of the rounded products is
+the rounded product of the maximum): the producer's weights are read one tensor at a
+time and reduced to one number per channel at once.
+
+int8, per tensor  symmetric, scale S = max_c M'_c / 127, q = round_half_even(W'/S) clamped
+                  to [-127, 127]. Channel c *collapses* when every weight rounds to 0:
+                  M'_c / S <= 1/2 (half-to-even sends exactly 1/2 to 0); the channel then
+                  outputs its bias alone. It is *coarse* when it does not collapse but
+                  M'_c < 8 S: its largest weight gets fewer than 8 levels (under 4 bits).
+                  The channel c* with M'_c* = 127 S *sets the scale*; its BN channel's
+                  var, gamma and gain |s_c*| say why.
+                  range ratio  r_c = M'_c / max_c M'_c; collapse is r_c <= 1/254.
+int8, per channel one scale per channel, S_c = M'_c / 127: only a channel whose W'_c is
+                  all zero already (gamma 0, or zero weights) rounds to nothing.
+fp16              largest finite value 65504; round-to-nearest sends |x| >= 65520 to inf.
+                  *overflow*: var_c, M'_c, |b'_c| or the gain |s_c| is >= 65520.
+                  *flush*: 0 < M'_c <= 2^-25: every weight of the channel rounds to 0
+                  (the smallest subnormal is 2^-24; half of it rounds to even, 0).
+cancellation      a half-precision BN forward (or the folded bias b' = beta - mu s added to
+                  W'x) computes x - mu with x ~ N(mu_c, var_c) and mu_c rounded to the
+                  format: an absolute error up to |mu_c| u, i.e. in the channel's standard
+                  deviations  e_c = |mu_c| u / sqrt(var_c + eps), u the unit roundoff
+                  (fp16 2^-11, bf16 2^-8). Flagged where e_c > max-cancellation (0.05).
+
+Pairing (from the names of a state dict, `pair_by_name`): the producer of BN P is the
+first of these that holds a weight of two or more dimensions whose first dimension (the
+output channels) equals the BN's channel count: Sequential index i-1 for P = parent.i
+(torchvision's Conv2dNormActivation, ResNet's downsample.0/.1); convK for bnK and
+conv_stem for bn1, conv_head for bn2 (timm); P's sibling conv for P = parent.bn; and
+convolution for parent.normalization (transformers). A BN without such a producer is
+listed as unpaired: folding needs the layer before it, and a BN after an Add, a concat
+or a pooling stays a standalone op (which some backends refuse).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from bnaudit.audit.formulas import folded_conv
+from bnaudit.audit.layers import BNLayer
+from bnaudit.config import Config
+from bnaudit.formats.model import TensorRef
+
+INT8_LEVELS = 127
+# A weight at or below this many scales rounds to 0 (round half to even sends 0.5 to 0).
+COLLAPSE_LEVELS = 0.5
+# Below this many levels for its largest weight a channel keeps fewer than 4 bits.
+COARSE_LEVELS = 8.0
+# The smallest magnitude float16 rounds to inf (65504 + half its last step of 32).
+FP16_OVERFLOW = 65520.0
+# The largest magnitude float16 rounds to 0 (half its smallest subnormal 2^-24).
+FP16_FLUSH = 2.0**-25
+# Unit roundoff: half the distance from 1 to the next number of the format.
+UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
+
+
+@dataclass(frozen=True)
+class Producer:
+    """The layer a BN folds into, as a state dict names it."""
+
+    name: str
+    weight: TensorRef
+    bias: TensorRef | None
+
+
+@dataclass(frozen=True)
+class ScaleSetter:
+    """The channel whose folded weights set the per-tensor int8 scale, and its BN numbers."""
+
+    channel: int
+    running_var: float
+    gamma: float
+    gain: float  # |gamma| / sqrt(var + eps)
+
+
+@dataclass(frozen=True)
+class PairPrediction:
+    """What folding, int8 and half precision do to one BN and its producer (definitions in
+    the module docstring). Channel lists are indices of output channels."""
+
+    bn: str
+    producer: str
+    paired_by: str  # "name": by the state dict's naming conventions
+    channels: int
+    eps: float
+    int8_scale: float | None  # S; None when a folded weight is not finite (BN005's case)
+    collapsed: tuple[int, ...]
+    live_collapsed: tuple[int, ...]  # collapsed channels whose W'_c is not all zero
+    coarse: tuple[int, ...]
+    scale_set_by: ScaleSetter | None
+    worst_range_ratio: float | None  # min_c r_c
+    per_channel_collapsed: tuple[int, ...]
+    fp16_overflow: tuple[int, ...]
+    fp16_overflow_what: tuple[str, ...]  # which quantity overflows, one per overflow channel
+    fp16_flush: tuple[int, ...]
+    fp16_cancellation: tuple[int, ...]
+    bf16_cancellation: tuple[int, ...]
+    worst_cancellation: tuple[float, int] | None  # (e_c at bf16, c) of the worst channel
+
+
+@dataclass(frozen=True)
+class FoldContext:
+    """What the fold rules (BN2xx) read."""
+
+    pairs: tuple[PairPrediction, ...]
+    unpaired: tuple[str, ...]
+    config: Config
+
+
+def producer_candidates(bn: str) -> list[str]:
+    """The names a producer of BN `bn` goes by, most specific convention first."""
+    parent, _, leaf = bn.rpartition(".")
+    join = (parent + ".") if parent else ""
+    found: list[str] = []
+    if leaf.isdigit() and int(leaf) > 0:
+        found.append(f"{join}{int(leaf) - 1}")
+    if leaf.startswith("bn") and leaf[2:].isdigit():
+        found.append(f"{join}conv{leaf[2:]}")
+        found.append(join + {"1": "conv_stem", "2": "conv_head"}.get(leaf[2:], f"conv{leaf[2:]}"))
+    if leaf == "bn":
+        found.append(f"{join}conv")
+    if leaf == "normalization":
+        found.append(f"{join}convolution")
+    return list(dict.fromkeys(found))
+
+
+def pair_by_name(
+    tensors: Mapping[str, TensorRef], layers: Sequence[BNLayer]
+) -> tuple[list[tuple[BNLayer, Producer]], list[str]]:
+    """(BN layer, producer) for every BN whose producer the naming conventions find, and the
+    names of the BN layers without one (see the module docstring)."""
+    bn_names = {layer.name for layer in layers}
+    pairs: list[tuple[BNLayer, Producer]] = []
+    unpaired: list[str] = []
+    for layer in layers:
+        producer = None
+        for name in producer_candidates(layer.name):
+            weight = tensors.get(f"{name}.weight")
+            if (
+                name not in bn_names
+                and weight is not None
+                and weight.is_floating
+                and len(weight.shape) >= 2
+                and weight.shape[0] == layer.num_features
+            ):
+                bias = tensors.get(f"{name}.bias")
+                ok_bias = bias is not None and bias.is_floating and bias.shape == (layer.num_features,)
+                producer = Producer(name, weight, bias if ok_bias else None)
+                break
+        if producer is None:
+            unpaired.append(layer.name)
+        else:
+            pairs.append((layer, producer))
+    return pairs, unpaired
+
+
+def channel_maxima(weight: TensorRef) -> list[float]:
+    """max_k |W_c,k| for every output channel c (first dimension) of a stored weight.
+
+    The values are read once and reduced per channel at once; the list of one tensor's
+    values is the peak memory (about 32 bytes a weight)."""
+    values = weight.read()
+    n = weight.shape[0]
+    per = len(values) // n if n else 0
+    return [max(map(abs, values[c * per : (c + 1) * per]), default=0.0) for c in range(n)]
+
+
+def cancellation_bound(mean: float, var: float, eps: float, unit_roundoff: float) -> float:
+    """e = |mean| u / sqrt(var + eps): the error of x - mean in a format of unit roundoff u,
+    in the channel's standard deviations (inf where var + eps <= 0 and mean != 0)."""
+    denominator = var + eps
+    if not denominator > 0:
+        return math.inf if mean != 0 else 0.0
+    return abs(mean) * unit_roundoff / math.sqrt(denominator)
+
+
+def predict_pair(
+    layer: BNLayer, producer: Producer, maxima: Sequence[float], conv_bias: Sequence[float] | None, config: Config
+) -> PairPrediction:
+    """The prediction for one pair from its BN's statistics and the producer's per-channel
+    weight maxima `maxima` (`channel_maxima`), in float64 (module docstring)."""
+    n = layer.num_features
+    eps = layer.eps
+    # affine parameters of another length (BN005 reports them) count as absent
+    g = layer.weight if layer.weight is not None and len(layer.weight) == n else None
+    beta = layer.bias if layer.bias is not None and len(layer.bias) == n else None
+    scales, biases = folded_conv(g, beta, layer.running_mean, layer.running_var, eps, conv_bias)
+    folded_max = [abs(s) * m if m != 0 else 0.0 for s, m in zip(scales, maxima)]
+    gamma = g if g is not None else [1.0] * n
+    top = max(folded_max, default=0.0)
+    int8_scale: float | None = None
+    collapsed: list[int] = []
+    coarse: list[int] = []
+    setter = None
+    ratio = None
+    if all(math.isfinite(m) for m in folded_max) and top > 0:
+        int8_scale = top / INT8_LEVELS
+        collapsed = [c for c, m in enumerate(folded_max) if m / int8_scale <= COLLAPSE_LEVELS]
+        coarse = [c for c, m in enumerate(folded_max) if COLLAPSE_LEVELS < m / int8_scale < COARSE_LEVELS]
+        c_top = folded_max.index(top)
+        setter = ScaleSetter(c_top, layer.running_var[c_top], gamma[c_top], abs(scales[c_top]))
+        ratio = min(folded_max) / top
+    overflow: list[int] = []
+    what: list[str] = []
+    for c in range(n):
+        causes = [
+            label
+            for label, x in (
+                ("running_var", layer.running_var[c]),
+                ("weight", folded_max[c]),
+                ("bias", biases[c]),
+                ("gain", scales[c]),
+            )
+            if abs(x) >= FP16_OVERFLOW
+        ]
+        if causes:
+            overflow.append(c)
+            what.append("/".join(causes))
+    flush = [c for c, m in enumerate(folded_max) if 0 < m <= FP16_FLUSH]
+    limit = config.max_cancellation
+    bounds = {
+        fmt: [cancellation_bound(mu, v, eps, u) for mu, v in zip(layer.running_mean, layer.running_var)]
+        for fmt, u in UNIT_ROUNDOFF.items()
+    }
+    worst = max(((e, c) for c, e in enumerate(bounds["bf16"])), default=None)
+    return PairPrediction(
+        bn=layer.name,
+        producer=producer.name,
+        paired_by="name",
+        channels=n,
+        eps=eps,
+        int8_scale=int8_scale,
+        collapsed=tuple(collapsed),
+        live_collapsed=tuple(c for c in collapsed if folded_max[c] > 0),
+        coarse=tuple(coarse),
+        scale_set_by=setter,
+        worst_range_ratio=ratio,
+        per_channel_collapsed=tuple(c for c, m in enumerate(folded_max) if m == 0),
+        fp16_overflow=tuple(overflow),
+        fp16_overflow_what=tuple(what),
+        fp16_flush=tuple(flush),
+        fp16_cancellation=tuple(c for c, e in enumerate(bounds["fp16"]) if e > limit),
+        bf16_cancellation=tuple(c for c, e in enumerate(bounds["bf16"]) if e > limit),
+        worst_cancellation=worst,
+    )
+
+
+def predict_pairs(
+    tensors: Mapping[str, TensorRef], layers: Sequence[BNLayer], config: Config
+) -> tuple[list[PairPrediction], list[str]]:
+    """Pair every BN layer by name and predict each pair; the unpaired BN names."""
+    pairs, unpaired = pair_by_name(tensors, layers)
+    predictions = []
+    for layer, producer in pairs:
+        maxima = channel_maxima(producer.weight)
+        conv_bias = producer.bias.read() if producer.bias is not None else None
+        predictions.append(predict_pair(layer, producer, maxima, conv_bias, config))
+    return predictions, unpaired
