@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import save_safetensors, save_torch
 
 from bnaudit.audit.foldaudit import predict_fold
-from bnaudit.audit.foldcheck import producer_candidates
+from bnaudit.audit.foldcheck import NO_PRODUCER_BY_NAME, producer_candidates
 from bnaudit.config import Config
 from bnaudit.reports.fold import FoldReport
 
@@ -135,14 +135,14 @@ def test_pairs_follow_the_libraries_naming_conventions(tmp_path, trained):
     assert {p.bn: p.producer for p in report.pairs} == PAIRS
     assert all(p.paired_by == "name" for p in report.pairs)
     # a BN after an addition has no producer: listed, BN207
-    assert report.unpaired == ("after_add",)
+    assert report.unpaired == (("after_add", NO_PRODUCER_BY_NAME),)
     assert [(f.code, f.layer) for f in report.findings if f.code == "BN207"] == [("BN207", "after_add")]
 
 
 def test_a_producer_of_another_channel_count_is_not_paired(tmp_path):
     state = {"0.weight": torch.randn(6, 3, 3, 3), **{f"1.{k}": v for k, v in nn.BatchNorm2d(4).state_dict().items()}}
     report = _predict(tmp_path, state)
-    assert report.pairs == () and report.unpaired == ("1",)
+    assert report.pairs == () and [name for name, _ in report.unpaired] == ["1"]
 
 
 def test_transformers_convolution_normalization_names():
@@ -322,3 +322,71 @@ def test_cli_table_names_the_scale_setter(tmp_path, trained, cli):
     assert "BN201 int8-per-tensor-collapse" in result.stdout
     assert "set by channel 5 (running_var 1.86e-14" in result.stdout
     assert "int8 per-tensor: fails" in result.stdout
+
+
+# graphs ----------------------------------------------------------------------------------
+
+
+def _model(state: dict[str, torch.Tensor]) -> SmallCNN:
+    model = SmallCNN()
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def _export(model: nn.Module, path, keep: bool) -> str:
+    import contextlib
+    import io
+    import warnings
+
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.zeros(2, 3, 12, 12),), str(path), dynamo=False, do_constant_folding=not keep)
+    return str(path)
+
+
+def test_onnx_with_bn_nodes_pairs_through_the_graph(tmp_path, trained):
+    pytest.importorskip("onnx")
+    state = _with_inception_channel(trained, "block.bn2", 5)
+    report = predict_fold(_export(_model(state), tmp_path / "kept.onnx", keep=True), Config())
+    by_bn = {p.bn: p for p in report.pairs}
+    assert set(by_bn) == set(PAIRS) and all(p.paired_by == "graph" for p in report.pairs)
+    for bn, producer in PAIRS.items():
+        w, _ = _folded(state, bn, producer)
+        assert list(by_bn[bn].collapsed) == _fake_quant_zero_channels(w, per_channel=False), bn
+    # the BN after the addition follows an Add node: it stays a standalone op
+    assert [(name, "Add" in why) for name, why in report.unpaired] == [("after_add", True)]
+    assert by_bn["block.bn2"].scale_set_by is not None and by_bn["block.bn2"].scale_set_by.channel == 5
+
+
+def test_onnx_folded_export_audits_the_folded_weights(tmp_path, trained):
+    onnx = pytest.importorskip("onnx")
+    from onnx import numpy_helper
+
+    state = _with_inception_channel(trained, "block.bn2", 5)
+    path = _export(_model(state), tmp_path / "folded.onnx", keep=False)
+    report = predict_fold(path, Config())
+    proto = onnx.load(path)
+    weights = {i.name: torch.from_numpy(numpy_helper.to_array(i).copy()) for i in proto.graph.initializer}
+    convs = {n.name: n for n in proto.graph.node if n.op_type == "Conv"}
+    folded = [p for p in report.pairs if p.paired_by == "folded"]
+    assert {p.producer for p in folded} == set(convs)
+    # BN after a Linear stays a node (the exporter folds only into Conv): paired through the graph
+    assert [(p.bn, p.paired_by) for p in report.pairs if p not in folded] == [("head.1", "graph")]
+    for p in folded:
+        w = weights[convs[p.producer].input[1]].double()
+        assert list(p.collapsed) == _fake_quant_zero_channels(w, per_channel=False), p.producer
+        assert p.scale_set_by is not None and p.scale_set_by.running_var is None
+    # the folded conv of block.bn2 collapses what the checkpoint's prediction said
+    expected = {p.bn: p for p in predict_fold(save_torch(state, tmp_path / "m.pt"), Config()).pairs}["block.bn2"]
+    assert any(p.collapsed == expected.collapsed and p.collapsed for p in report.pairs)
+
+
+def test_torchscript_archive_pairs_by_name(tmp_path, trained):
+    state = _with_inception_channel(trained, "block.bn2", 5)
+    path = str(tmp_path / "m.jit")
+    torch.jit.script(_model(state)).save(path)
+    report = predict_fold(path, Config())
+    scripted = {p.bn: p.collapsed for p in report.pairs}
+    saved = {p.bn: p.collapsed for p in predict_fold(save_torch(state, tmp_path / "m.pt"), Config()).pairs}
+    assert report.format == "torchscript" and scripted == saved and scripted["block.bn2"]
+    assert report.settings == ""  # eps read from the scripted modules

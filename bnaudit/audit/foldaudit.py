@@ -18,13 +18,21 @@ from bnaudit.reports.fold import FoldReport
 
 
 def predict_fold(path: str, config: Config, key: str | None = None, trust_pickle: bool = False) -> FoldReport:
-    """The prediction for every BN of the checkpoint at `path` (state dict, safetensors,
-    TorchScript archive: pairs by name). A file without any BN layer is a BnauditError."""
+    """The prediction for every BN of the file at `path`: a state dict, safetensors file or
+    TorchScript archive (pairs by name), or an ONNX model (pairs from the graph, and convs the
+    exporter already folded audited directly). Nothing to audit is a BnauditError."""
     ckpt = read_checkpoint(path, key=key, trust_pickle=trust_pickle)
     discovery = discover_layers(ckpt, config.stated_settings())
-    if not discovery.layers:
+    if ckpt.format == "onnx" and ckpt.graph is not None:
+        from bnaudit.audit.foldgraph import graph_pairs
+
+        pairs, unpaired = graph_pairs(ckpt.graph, discovery.layers, config)
+    elif not discovery.layers:
         raise BnauditError(f"{path}: no BatchNorm layers with running statistics to fold")
-    pairs, unpaired = predict_pairs(ckpt.tensors, discovery.layers, config)
+    else:
+        pairs, unpaired = predict_pairs(ckpt.tensors, discovery.layers, config)
+    if not pairs and not unpaired:
+        raise BnauditError(f"{path}: no BatchNorm layer and no folded convolution to audit")
     findings = run_fold_rules(FoldContext(tuple(pairs), tuple(unpaired), config))
     return FoldReport(
         path=path,

@@ -81,9 +81,10 @@ class ScaleSetter:
     """The channel whose folded weights set the per-tensor int8 scale, and its BN numbers."""
 
     channel: int
-    running_var: float
-    gamma: float
-    gain: float  # |gamma| / sqrt(var + eps)
+    # its BN channel's numbers; None for a conv an exporter already folded (no BN left)
+    running_var: float | None
+    gamma: float | None
+    gain: float | None  # |gamma| / sqrt(var + eps)
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,9 @@ class PairPrediction:
 
     bn: str
     producer: str
-    paired_by: str  # "name": by the state dict's naming conventions
+    paired_by: str  # "name": naming conventions; "graph": the BN node's input; "folded": no BN left
     channels: int
-    eps: float
+    eps: float | None  # None for a conv already folded
     int8_scale: float | None  # S; None when a folded weight is not finite (BN005's case)
     collapsed: tuple[int, ...]
     live_collapsed: tuple[int, ...]  # collapsed channels whose W'_c is not all zero
@@ -116,7 +117,7 @@ class FoldContext:
     """What the fold rules (BN2xx) read."""
 
     pairs: tuple[PairPrediction, ...]
-    unpaired: tuple[str, ...]
+    unpaired: tuple[tuple[str, str], ...]  # (BN layer, why it has no producer)
     config: Config
 
 
@@ -187,19 +188,50 @@ def cancellation_bound(mean: float, var: float, eps: float, unit_roundoff: float
     return abs(mean) * unit_roundoff / math.sqrt(denominator)
 
 
+@dataclass(frozen=True)
+class BNNumbers:
+    """A BN's numbers per channel as folding uses them (absent for a conv already folded)."""
+
+    gamma: list[float]
+    scales: list[float]  # s_c = gamma_c / sqrt(var_c + eps), signed
+    running_mean: list[float]
+    running_var: list[float]
+    eps: float
+
+
 def predict_pair(
-    layer: BNLayer, producer: Producer, maxima: Sequence[float], conv_bias: Sequence[float] | None, config: Config
+    layer: BNLayer,
+    producer: str,
+    maxima: Sequence[float],
+    conv_bias: Sequence[float] | None,
+    config: Config,
+    paired_by: str = "name",
 ) -> PairPrediction:
     """The prediction for one pair from its BN's statistics and the producer's per-channel
     weight maxima `maxima` (`channel_maxima`), in float64 (module docstring)."""
     n = layer.num_features
-    eps = layer.eps
     # affine parameters of another length (BN005 reports them) count as absent
     g = layer.weight if layer.weight is not None and len(layer.weight) == n else None
     beta = layer.bias if layer.bias is not None and len(layer.bias) == n else None
-    scales, biases = folded_conv(g, beta, layer.running_mean, layer.running_var, eps, conv_bias)
+    scales, biases = folded_conv(g, beta, layer.running_mean, layer.running_var, layer.eps, conv_bias)
     folded_max = [abs(s) * m if m != 0 else 0.0 for s, m in zip(scales, maxima)]
-    gamma = g if g is not None else [1.0] * n
+    stats = BNNumbers(g if g is not None else [1.0] * n, scales, layer.running_mean, layer.running_var, layer.eps)
+    return predict_folded(layer.name, producer, paired_by, folded_max, biases, stats, config)
+
+
+def predict_folded(
+    bn: str,
+    producer: str,
+    paired_by: str,
+    folded_max: Sequence[float],
+    folded_bias: Sequence[float],
+    stats: BNNumbers | None,
+    config: Config,
+) -> PairPrediction:
+    """The prediction from the folded weights' per-channel maxima M'_c and folded biases b'_c,
+    with the BN's numbers where they are known (`stats` None: a conv an exporter already
+    folded; its scale setter then has no BN numbers and cancellation cannot be told)."""
+    n = len(folded_max)
     top = max(folded_max, default=0.0)
     int8_scale: float | None = None
     collapsed: list[int] = []
@@ -210,38 +242,36 @@ def predict_pair(
         int8_scale = top / INT8_LEVELS
         collapsed = [c for c, m in enumerate(folded_max) if m / int8_scale <= COLLAPSE_LEVELS]
         coarse = [c for c, m in enumerate(folded_max) if COLLAPSE_LEVELS < m / int8_scale < COARSE_LEVELS]
-        c_top = folded_max.index(top)
-        setter = ScaleSetter(c_top, layer.running_var[c_top], gamma[c_top], abs(scales[c_top]))
+        c_top = list(folded_max).index(top)
+        setter = (
+            ScaleSetter(c_top, None, None, None)
+            if stats is None
+            else ScaleSetter(c_top, stats.running_var[c_top], stats.gamma[c_top], abs(stats.scales[c_top]))
+        )
         ratio = min(folded_max) / top
     overflow: list[int] = []
     what: list[str] = []
     for c in range(n):
-        causes = [
-            label
-            for label, x in (
-                ("running_var", layer.running_var[c]),
-                ("weight", folded_max[c]),
-                ("bias", biases[c]),
-                ("gain", scales[c]),
-            )
-            if abs(x) >= FP16_OVERFLOW
-        ]
+        candidates = [("weight", folded_max[c]), ("bias", folded_bias[c])]
+        if stats is not None:
+            candidates = [("running_var", stats.running_var[c]), *candidates, ("gain", stats.scales[c])]
+        causes = [label for label, x in candidates if abs(x) >= FP16_OVERFLOW]
         if causes:
             overflow.append(c)
             what.append("/".join(causes))
-    flush = [c for c, m in enumerate(folded_max) if 0 < m <= FP16_FLUSH]
+    bounds: dict[str, list[float]] = {fmt: [] for fmt in UNIT_ROUNDOFF}
+    if stats is not None:
+        bounds = {
+            fmt: [cancellation_bound(mu, v, stats.eps, u) for mu, v in zip(stats.running_mean, stats.running_var)]
+            for fmt, u in UNIT_ROUNDOFF.items()
+        }
     limit = config.max_cancellation
-    bounds = {
-        fmt: [cancellation_bound(mu, v, eps, u) for mu, v in zip(layer.running_mean, layer.running_var)]
-        for fmt, u in UNIT_ROUNDOFF.items()
-    }
-    worst = max(((e, c) for c, e in enumerate(bounds["bf16"])), default=None)
     return PairPrediction(
-        bn=layer.name,
-        producer=producer.name,
-        paired_by="name",
+        bn=bn,
+        producer=producer,
+        paired_by=paired_by,
         channels=n,
-        eps=eps,
+        eps=None if stats is None else stats.eps,
         int8_scale=int8_scale,
         collapsed=tuple(collapsed),
         live_collapsed=tuple(c for c in collapsed if folded_max[c] > 0),
@@ -251,21 +281,24 @@ def predict_pair(
         per_channel_collapsed=tuple(c for c, m in enumerate(folded_max) if m == 0),
         fp16_overflow=tuple(overflow),
         fp16_overflow_what=tuple(what),
-        fp16_flush=tuple(flush),
+        fp16_flush=tuple(c for c, m in enumerate(folded_max) if 0 < m <= FP16_FLUSH),
         fp16_cancellation=tuple(c for c, e in enumerate(bounds["fp16"]) if e > limit),
         bf16_cancellation=tuple(c for c, e in enumerate(bounds["bf16"]) if e > limit),
-        worst_cancellation=worst,
+        worst_cancellation=max(((e, c) for c, e in enumerate(bounds["bf16"])), default=None),
     )
+
+
+NO_PRODUCER_BY_NAME = "no Conv or Linear producer found by name: not folded, not audited"
 
 
 def predict_pairs(
     tensors: Mapping[str, TensorRef], layers: Sequence[BNLayer], config: Config
-) -> tuple[list[PairPrediction], list[str]]:
-    """Pair every BN layer by name and predict each pair; the unpaired BN names."""
+) -> tuple[list[PairPrediction], list[tuple[str, str]]]:
+    """Pair every BN layer by name and predict each pair; (BN name, why) of the unpaired."""
     pairs, unpaired = pair_by_name(tensors, layers)
     predictions = []
     for layer, producer in pairs:
         maxima = channel_maxima(producer.weight)
         conv_bias = producer.bias.read() if producer.bias is not None else None
-        predictions.append(predict_pair(layer, producer, maxima, conv_bias, config))
-    return predictions, unpaired
+        predictions.append(predict_pair(layer, producer.name, maxima, conv_bias, config))
+    return predictions, [(name, NO_PRODUCER_BY_NAME) for name in unpaired]

@@ -530,7 +530,7 @@ def fold_to_json(report: FoldReport) -> dict[str, Any]:
         )
     return {
         "pairs": pairs,
-        "unpaired": list(report.unpaired),
+        "unpaired": [name for name, _ in report.unpaired],
         "measured": None if measured is None else {k: json_number(v) for k, v in measured.results.items()},
         "findings": [finding_to_json(f) for f in report.findings],
         "summary": report.summary(),

@@ -47,7 +47,7 @@ class FoldReport:
     path: str
     format: str
     pairs: tuple[PairPrediction, ...]
-    unpaired: tuple[str, ...]
+    unpaired: tuple[tuple[str, str], ...]  # (BN layer, why it cannot be folded)
     findings: tuple[Finding, ...]
     fail_on: Severity | None
     settings: str = ""  # which eps was not read from the file (bnaudit.audit.settings.statement)

@@ -19,6 +19,8 @@ def _setter(p: PairPrediction) -> str:
     s = p.scale_set_by
     if s is None:
         return ""
+    if s.running_var is None or s.gamma is None or s.gain is None:
+        return f"the scale {three_digits(p.int8_scale or 0.0)} is set by channel {s.channel} (BN already folded)"
     return (
         f"the scale {three_digits(p.int8_scale or 0.0)} is set by channel {s.channel} "
         f"(running_var {three_digits(s.running_var)}, gamma {three_digits(s.gamma)}, gain {three_digits(s.gain)})"
@@ -185,10 +187,11 @@ def _check_cancellation(ctx: FoldContext) -> Iterator[Finding]:
     "BN207",
     "bn-not-paired",
     Severity.INFO,
-    "A BN layer without a producer to fold into (by the state dict's names).",
+    "A BN layer without a producer to fold into (by the state dict's names or the graph).",
     "bnaudit pairs each BN with the Conv or Linear before it by the naming conventions of real "
     "libraries (Sequential index i-1, convK/bnK, conv_stem/bn1, downsample.0/.1, .conv/.bn siblings, "
-    "transformers convolution/normalization) where the producer's output channels equal the BN's. A "
+    "transformers convolution/normalization) where the producer's output channels equal the BN's; in an "
+    "exported graph, a BN node whose input is the output of one Conv or Gemm that nothing else reads. A "
     "BN that follows an Add, a concat or a pooling cannot be folded and stays a standalone op, which "
     "some backends (ExecuTorch/XNNPACK, Arm) refuse or decompose; a BN whose producer is named "
     "otherwise is simply not audited by `fold`.",
@@ -198,5 +201,5 @@ def _check_cancellation(ctx: FoldContext) -> Iterator[Finding]:
 )
 def _check_unpaired(ctx: FoldContext) -> Iterator[Finding]:
     r = RULES["BN207"]
-    for name in ctx.unpaired:
-        yield r.finding(Severity.INFO, name, "no Conv or Linear producer found by name: not folded, not audited")
+    for name, why in ctx.unpaired:
+        yield r.finding(Severity.INFO, name, why)

@@ -77,7 +77,8 @@ def render_fold(report: FoldReport, console: Console, quiet: bool = False) -> No
     from bnaudit.output.table.common import findings_table
 
     title = cell(report.path, style="bold")
-    title.append(f"  ({report.format}; {plural(len(report.pairs), 'pair')} paired by name)", style="dim")
+    how = ", ".join(sorted({p.paired_by for p in report.pairs})) or "none"
+    title.append(f"  ({report.format}; {plural(len(report.pairs), 'pair')}, paired by {how})", style="dim")
     console.print(title)
     if report.settings:
         console.print(cell(report.settings, style="dim"))
@@ -89,7 +90,7 @@ def render_fold(report: FoldReport, console: Console, quiet: bool = False) -> No
         console.print(cell(_LEGEND, style="dim"))
         console.print()
     if report.unpaired:
-        console.print(cell(f"unpaired: {', '.join(report.unpaired)}", style="dim"))
+        console.print(cell(f"not folded: {', '.join(name for name, _ in report.unpaired)} (BN207)", style="dim"))
         console.print()
     m = report.measured
     if m is not None:
