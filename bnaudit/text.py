@@ -63,3 +63,19 @@ def plural(count: int, noun: str, plural_form: str | None = None) -> str:
 def layer_list(names: list[str], limit: int = 3) -> str:
     """ "layer a" / "layers a, b, c and 2 more"."""
     return f"{'layer' if len(names) == 1 else 'layers'} {listing(names, limit)}"
+
+
+def above_floor(value: float, floor: float, spec: str = ".2g") -> str:
+    """`value` as `spec` formats it, or "<floor" (the floor at 2 significant digits, no
+    space, so that wrapped text never splits it) when it lies below `floor`.
+
+    For figures that are float rounding on a healthy model: below its noise floor a value
+    carries only the kernels' summation order, which differs between CPUs (3.8e-07 on one,
+    4.7e-07 on another), so the text says where it lies ("<1.5e-05"), not the noise. Each floor is
+    defined, with its reason, where the measurement is (invariance's screen, export
+    parity's floor, invariance's KL_FLOOR). JSON keeps the exact numbers. NaN is printed,
+    never hidden: it is not below anything.
+    """
+    if value < floor:
+        return f"<{floor:.2g}"
+    return format(value, spec)

@@ -29,6 +29,12 @@ its BatchNormalization nodes kept: the legacy exporter with do_constant_folding=
 `onnx/digits_training.onnx` (the same model exported with TrainingMode.TRAINING, as users do
 by mistake: BatchNormalization nodes with training_mode=1). Needs the onnx extra at generation
 time (`pip install "bnaudit[onnx]"`); `--onnx-only` rewrites just these from healthy.safetensors.
+
+torch.export archives (issue #23): `pt2/eval.pt2` (the healthy model exported with
+torch.export.export from model.eval() and saved with torch.export.save: aten.batch_norm nodes
+with training=False) and `pt2/training.pt2` (the same model exported in train mode, the
+mistake users make: training=True baked into every node). `--pt2-only` rewrites just these
+from healthy.safetensors.
 """
 
 from __future__ import annotations
@@ -345,6 +351,28 @@ def write_onnx_folded_sample(healthy: dict[str, torch.Tensor], folder: str) -> N
         torch.onnx.export(model, (example,), os.path.join(folder, "folded.onnx"), dynamo=True)
 
 
+def write_pt2_samples(healthy: dict[str, torch.Tensor], folder: str) -> None:
+    """pt2/eval.pt2 and pt2/training.pt2: the healthy model through torch.export.export, once
+    from model.eval() and once from model.train() (export does not run the model, so both hold
+    the healthy statistics), saved with torch.export.save (which also pickles the two example
+    images into data/sample_inputs/, which bnaudit lists and never reads)."""
+    import warnings
+
+    from safetensors.torch import load_file
+
+    os.makedirs(folder, exist_ok=True)
+    # a copy: a slice would pickle the whole validation set's storage into the sample inputs
+    example = load_file(os.path.join(HERE, "data", "digits_val.safetensors"))["inputs"][:2].clone()
+    for name, mode in (("eval.pt2", False), ("training.pt2", True)):
+        model = digits_net()
+        model.load_state_dict(healthy)
+        model.train(mode)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # pytree deprecation notices of torch.export
+            program = torch.export.export(model, (example,))
+            torch.export.save(program, os.path.join(folder, name))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images-per-class", type=int, default=10)
@@ -354,8 +382,14 @@ def main() -> None:
         help="rewrite sharded/, checkpoint-3/, lightning/ and traced_train.pt from healthy.safetensors",
     )
     parser.add_argument("--onnx-only", action="store_true", help="rewrite onnx/ from healthy.safetensors")
+    parser.add_argument("--pt2-only", action="store_true", help="rewrite pt2/ from healthy.safetensors")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.pt2_only:
+        from safetensors.torch import load_file
+
+        write_pt2_samples(load_file(os.path.join(HERE, "healthy.safetensors")), os.path.join(HERE, "pt2"))
+        return
     if args.onnx_only:
         from safetensors.torch import load_file
 
@@ -452,6 +486,7 @@ def main() -> None:
     write_layouts(healthy, xc, yc)
     write_onnx_samples(healthy, os.path.join(HERE, "onnx"))
     write_onnx_folded_sample(healthy, os.path.join(HERE, "onnx"))
+    write_pt2_samples(healthy, os.path.join(HERE, "pt2"))
 
 
 def fine_tune_frozen_backbone(pretrained, x, y, epochs: int = 2) -> dict[str, torch.Tensor]:

@@ -187,8 +187,11 @@ def test_sample_models_show_every_rule(cli):
     assert by_file["partially_frozen.pt"] == {"BN010"}
     assert by_file["digits.onnx"] == set()  # sample_models/onnx/: the healthy model exported in eval mode
     assert by_file["digits_training.onnx"] == {"BN012"}  # ... and in training mode
+    assert by_file["eval.pt2"] == set()  # sample_models/pt2/: torch.export.export(model.eval())
+    assert by_file["training.pt2"] == {"BN012"}  # ... and from model.train()
 
 
+@pytest.mark.slow
 def test_installed_executable_runs_in_a_subprocess(hand_made):
     exe = shutil.which("bnaudit")
     if exe is None:
@@ -198,6 +201,7 @@ def test_installed_executable_runs_in_a_subprocess(hand_made):
     assert json.loads(proc.stdout)["summary"]["warnings"] == 2
 
 
+@pytest.mark.slow
 def test_python_dash_m_runs_in_a_subprocess(tmp_path):
     path = save_safetensors(bn_entries("bn", 4), tmp_path / "ok.safetensors")
     proc = subprocess.run([sys.executable, "-m", "bnaudit", "inspect", path], capture_output=True, text=True, cwd=REPO)

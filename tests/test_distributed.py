@@ -12,6 +12,8 @@ from conftest import run_ranks
 
 from bnaudit.runtime.recalibrate.methods import recalibrate_module
 
+pytestmark = pytest.mark.slow  # torchrun: processes per rank
+
 torch.set_num_threads(1)
 
 # The model and data of both sides; the first BN sees the raw input, so its statistics

@@ -20,6 +20,8 @@ from bnaudit.runtime.batching import BatchPlan
 from bnaudit.runtime.data import DataOptions
 from bnaudit.runtime.gap import measure_gap
 
+pytestmark = pytest.mark.slow  # torchrun: processes per rank
+
 torch.set_num_threads(1)
 
 # The architecture, importable by --arch in both the ranks and this process.

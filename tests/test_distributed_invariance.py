@@ -18,6 +18,8 @@ from bnaudit.output.json import invariance_to_json
 from bnaudit.runtime.data import DataOptions
 from bnaudit.runtime.invariance import measure_invariance, plan_arrangements
 
+pytestmark = pytest.mark.slow  # torchrun: processes per rank
+
 torch.set_num_threads(1)
 
 # Three architectures, importable by --arch in the ranks and here: batch-independent in

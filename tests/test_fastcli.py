@@ -61,6 +61,7 @@ def run_cli(args: list[str], *, plain: bool) -> tuple[int, str, str]:
     return proc.returncode, proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [
@@ -85,6 +86,7 @@ def test_fast_path_answers_as_plain_typer(args):
     assert fast[1] or fast[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, words",
     [
@@ -106,6 +108,7 @@ def test_a_refused_value_is_one_line_naming_the_option_on_both_paths(args, words
         assert runs[False][2] == f"bnaudit: error: {words} (see bnaudit inspect --help)\n"
 
 
+@pytest.mark.slow
 @on_tested_typer
 def test_forcing_plain_typer_really_takes_typers_own_conversion():
     # The counterpart of the comparison above: without this, both runs could be the fast

@@ -715,6 +715,7 @@ def test_auto_device_runs_on_what_is_there(world):
     assert auto.eval_accuracy == report.eval_accuracy
 
 
+@pytest.mark.slow
 def test_python_m_bnaudit_gap_end_to_end(world):
     proc = subprocess.run(
         [

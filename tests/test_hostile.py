@@ -343,6 +343,7 @@ def run_cli_process(*args: str, timeout: float = 120) -> subprocess.CompletedPro
     )
 
 
+@pytest.mark.slow
 def test_fifo_is_refused_without_blocking(tmp_path):
     path = _fifo(tmp_path)
     proc = run_cli_process("inspect", str(path), timeout=60)  # open() on it would wait for a writer forever
@@ -427,6 +428,7 @@ def test_internal_error_on_one_file_spares_the_others_and_debug_shows_it(tmp_pat
     assert isinstance(debug.exception, ZeroDivisionError)
 
 
+@pytest.mark.slow
 def test_unreadable_file_and_folder_are_reported_as_permission_denied(tmp_path):
     """chmod alone does not stop root, so the check runs with real permissions as `nobody`.
 
@@ -816,6 +818,7 @@ def test_forged_script_helper_builds_a_readable_archive(tmp_path):
     assert ckpt.modules["bn"].class_name == "BatchNorm2d"
 
 
+@pytest.mark.slow
 def test_torchscript_negative_stride_is_refused_not_read_out_of_bounds(tmp_path):
     storage = FakeStorage("0", 18)
     root = ScriptNode(
@@ -840,6 +843,7 @@ def test_torchscript_zero_stride_view_claiming_2_pow_40_elements_is_refused(tmp_
     assert_one_line_error(cli("inspect", str(path)), str(path), f"claims {2**40} elements")
 
 
+@pytest.mark.slow
 def test_torchscript_shared_nodes_nested_exponentially_are_refused(tmp_path):
     storage = FakeStorage("0", 18)
     node = ScriptNode(
@@ -854,6 +858,7 @@ def test_torchscript_shared_nodes_nested_exponentially_are_refused(tmp_path):
     assert proc.stderr.strip().startswith(f"bnaudit: error: {path}: TorchScript archive names more than 100000 modules")
 
 
+@pytest.mark.slow
 def test_torchscript_huge_memo_index_is_not_allocated(tmp_path):
     # LONG_BINPUT 0xFFFFFFF0: the C unpickler would grow its memo array to 32 GiB.
     # Run under a 4 GiB address-space limit so that a regression fails instead of swapping.
@@ -1079,6 +1084,7 @@ def test_odd_counters_are_ignored_not_crashed_on(tmp_path, counter):
     assert "BN003" not in codes_for(file, "bn")
 
 
+@pytest.mark.slow
 def test_ten_thousand_bn_layers(tmp_path):
     rng = np.random.default_rng(0)
     tensors = {}

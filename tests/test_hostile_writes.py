@@ -253,6 +253,7 @@ def check_ending(signum: int, returncode: int, stderr: str) -> None:
         assert stderr.strip().splitlines()[-1] == "bnaudit: interrupted"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["INT", "TERM", "KILL"])
 def test_recalibrate_stopped_while_calibrating_leaves_nothing(world: dict, tmp_path: Path, signum: int) -> None:
     marker = world["root"] / "blocked"
@@ -320,6 +321,7 @@ SLOW_WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode, signum, existing",
     [
@@ -399,6 +401,7 @@ FULL_DISK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_full_disk_is_one_line_and_leaves_no_file_in_every_format(world: dict, tmp_path: Path) -> None:
     runs, outputs = [], []
     for kind in world["checkpoints"]:

@@ -310,6 +310,7 @@ def test_a_non_weight_file_named_explicitly_is_one_line_and_exit_0(tmp_path, tra
     assert result.stderr == ""
 
 
+@pytest.mark.slow
 def test_training_args_are_never_unpickled_even_when_the_module_exists(tmp_path, trained):
     """The restricted reader refuses the class: the skip comes from the name and the
     globals torch lists without running the pickle, so an importable module with a side

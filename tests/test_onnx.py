@@ -585,6 +585,7 @@ def test_onnx_is_sniffed_from_its_bytes_not_its_name(exports, tmp_path):
     one_line_error(cli("inspect", str(not_onnx)), "not a checkpoint")
 
 
+@pytest.mark.slow
 def test_without_the_onnx_package_one_line_names_the_extra(exports):
     code = (
         "import sys; sys.modules['onnx'] = None\n"

@@ -19,7 +19,10 @@ import pytest
 import torch
 from conftest import REPO, bn_entries, save_safetensors, save_torch
 
-pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+pytestmark = [
+    pytest.mark.slow,  # git and the hook's bnaudit processes
+    pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed"),
+]
 
 
 def healthy_state() -> dict[str, torch.Tensor]:

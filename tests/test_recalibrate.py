@@ -678,6 +678,7 @@ def test_cli_bad_requests_are_one_line_errors(
     assert not out.exists() and os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_python_m_bnaudit_recalibrate_end_to_end_and_ctrl_c_leaves_nothing(world: dict, tmp_path: Path) -> None:
     import signal
     import subprocess
@@ -816,6 +817,7 @@ def test_real_broken_model_recovers_its_healthy_accuracy(broken: str, tmp_path: 
     assert doc["eval"]["after"]["eval_mode"]["accuracy"] == pytest.approx(after)
 
 
+@pytest.mark.slow
 def test_inspect_trusts_the_provenance_of_recalibrated_layers_only(tmp_path: Path) -> None:
     """A recalibrated layer's counter is its number of calibration batches (5 here):
     BN003's (1-m)^t premise does not apply to it, but still does to an excluded layer."""

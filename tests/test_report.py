@@ -119,6 +119,7 @@ print(json.dumps(printed))
 """
 
 
+@pytest.mark.slow
 def test_emit_renders_an_inspect_report_in_each_format_without_the_runtime():
     # A fresh interpreter: what emitting imports is what `inspect` of a safetensors file pays.
     import json

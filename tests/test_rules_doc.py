@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 from bnaudit.audit.ruledocs import generated_blocks
@@ -118,6 +119,7 @@ def test_unknown_rule_is_one_line_and_exit_2(cli):
     assert result.stderr.strip() == f"bnaudit: error: unknown rule 'BN999' (known: {', '.join(RULES)})"
 
 
+@pytest.mark.slow
 def test_rules_command_does_not_import_torch():
     code = (
         "import sys\nfrom bnaudit.cli import main\nsys.argv = ['bnaudit', 'rules', 'BN003']\n"

@@ -322,6 +322,7 @@ def test_interrupted_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.Mo
     assert (tmp_path / "out.bin").read_bytes() == b"forced" and os.listdir(tmp_path) == ["out.bin"]
 
 
+@pytest.mark.slow
 def test_killed_writer_leaves_no_file(tmp_path: Path) -> None:
     out, started = tmp_path / "out" / "model.pt", tmp_path / "started"
     out.parent.mkdir()

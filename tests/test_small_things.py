@@ -25,6 +25,7 @@ def bnaudit(*args: str, columns: int = 100, **kwargs) -> subprocess.CompletedPro
     return subprocess.run([sys.executable, "-m", "bnaudit", *args], cwd=REPO, env=env, timeout=300, **options)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, line",
     [
@@ -44,6 +45,7 @@ def test_usage_errors_are_one_line_in_our_words(args, line):
     assert "Value error" not in proc.stderr and "Input should be" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["inspect", "rules", "gap", "invariance", "recalibrate"])
 def test_help_uses_a_wide_terminal_and_shows_no_python_types(command):
     out = bnaudit(command, "--help", columns=250).stdout
@@ -57,6 +59,7 @@ def test_help_uses_a_wide_terminal_and_shows_no_python_types(command):
     assert all(len(line) <= 80 for line in narrow.splitlines())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["table", "json"])
 def test_a_closed_pipe_ends_quietly_with_exit_0(fmt):
     read, write = os.pipe()
@@ -75,6 +78,7 @@ def bnaudit_error(path) -> str:
     return json.loads(bnaudit("inspect", str(path), "--format", "json").stdout)["files"][0]["error"]
 
 
+@pytest.mark.slow
 def test_an_error_is_said_once_whatever_the_format(tmp_path):
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
@@ -96,6 +100,7 @@ def test_an_error_is_said_once_whatever_the_format(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_gap_json_position_and_the_table_number_use_the_same_base():
     args = ["gap", "sample_models/reset_stats.pt", *ARCH, "--data", VAL, "--batch-size", "64"]
     doc = json.loads(bnaudit(*args, "--format", "json").stdout)

@@ -79,12 +79,14 @@ def numpy_safetensors(tmp_path) -> str:
     return path
 
 
+@pytest.mark.slow
 def test_help_imports_neither_torch_nor_pydantic():
     code, loaded = run_probe("--help")
     assert code == 0
     assert not loaded["torch"] and not loaded["pydantic"]
 
 
+@pytest.mark.slow
 def test_inspect_safetensors_imports_neither_torch_nor_numpy_nor_pydantic(numpy_safetensors):
     out: list[str] = []
     code, loaded = run_probe("inspect", numpy_safetensors, "--format", "json", "--eps", "1e-5", stdout=out)
@@ -94,6 +96,7 @@ def test_inspect_safetensors_imports_neither_torch_nor_numpy_nor_pydantic(numpy_
     assert not loaded["torch"] and not loaded["numpy"] and not loaded["pydantic"]
 
 
+@pytest.mark.slow
 def test_inspect_torchscript_does_not_import_torch(tmp_path):
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4)).eval()
     path = str(tmp_path / "scripted.pt")
@@ -103,6 +106,7 @@ def test_inspect_torchscript_does_not_import_torch(tmp_path):
     assert not loaded["torch"]
 
 
+@pytest.mark.slow
 def test_inspect_of_a_file_that_is_no_checkpoint_does_not_import_torch(tmp_path):
     path = tmp_path / "notes.pt"
     path.write_text("not a checkpoint\n")
@@ -111,6 +115,7 @@ def test_inspect_of_a_file_that_is_no_checkpoint_does_not_import_torch(tmp_path)
     assert not loaded["torch"]
 
 
+@pytest.mark.slow
 def test_inspect_torch_save_file_does_import_torch(tmp_path):
     # The probe's counterpart: a torch.save zip needs torch.load, and the probe sees it.
     path = save_torch(bn_entries("bn"), tmp_path / "model.pt")
@@ -119,6 +124,7 @@ def test_inspect_torch_save_file_does_import_torch(tmp_path):
     assert loaded["torch"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [("rules",), ("rules", "BN004")])
 def test_rules_command_imports_neither_torch_nor_numpy(args):
     code, loaded = run_probe(*args)
@@ -190,6 +196,7 @@ def test_layer_names_that_look_like_markup_are_printed_verbatim(cli, tmp_path):
 # --- `main` builds only the command it runs; typer's whole group answers the same ------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [

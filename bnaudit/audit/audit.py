@@ -93,6 +93,7 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
             recalibrated=provenance.layers,
             unauditable=tuple(ckpt.unauditable),
             folded=ckpt.folded,
+            decomposed=ckpt.decomposed,
         )
     )
     report = FileReport(ckpt.path)
@@ -100,6 +101,13 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
         producer = ckpt.metadata.get("onnx.producer") or "an unnamed producer"
         opset = ckpt.metadata.get("onnx.opset") or "?"
         report.notes.append(f"ONNX model from {producer}, opset {opset}: eps and momentum from its nodes")
+    if ckpt.format == "pt2":
+        producer = ckpt.metadata.get("pt2.producer") or "an unknown torch"
+        programs = ckpt.metadata.get("pt2.programs") or "none"
+        report.notes.append(
+            f"torch.export archive from {producer}, program(s) {programs}: eps and momentum from its nodes"
+        )
+    report.notes.extend(ckpt.notes)
     if ckpt.shards:
         report.notes.append(f"{ckpt.shards} shards read as one checkpoint through the index")
     if ckpt.shard_of is not None:
@@ -116,7 +124,8 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
     report.not_loaded = list(ckpt.not_loaded)
     report.layers = [LayerSummary.of(layer, config.near_eps_factor) for layer in discovery.layers]
     report.findings = findings
-    report.settings = statement(not_from_file(discovery.layers), "not in a state dict")
+    missing_from = "not shown by the program" if ckpt.format == "pt2" else "not in a state dict"
+    report.settings = statement(not_from_file(discovery.layers), missing_from)
     return report
 
 
@@ -150,9 +159,9 @@ def audit_file(
     try:
         ckpt = read_checkpoint(path, key=key, trust_pickle=trust_pickle)
         module = None
-        # an ONNX graph holds only its BN tensors (no conv weights to match against --arch)
-        # and names its own nodes' settings: --arch would only add noise there
-        arch_used = model is not None and ckpt.format != "onnx"
+        # an exported graph (ONNX, .pt2) holds only its BN tensors (no conv weights to match
+        # against --arch) and names its own nodes' settings: --arch would only add noise there
+        arch_used = model is not None and ckpt.format not in ("onnx", "pt2")
         if arch_used:
             from bnaudit.runtime.models import match_checkpoint
 
@@ -161,7 +170,7 @@ def audit_file(
             module = facts_from_module_infos(ckpt.modules)
         report = audit_checkpoint(ckpt, config, module)
         if model is not None and not arch_used:
-            report.notes.append("--arch not used for an ONNX model: its nodes carry their own settings")
+            report.notes.append("--arch not used for an exported graph: its nodes carry their own settings")
     except NotModelWeights as exc:
         return FileReport(path, skipped=exc.what, named=named)
     except BnauditError as exc:

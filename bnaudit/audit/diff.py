@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from bnaudit.audit.exportdiff import (
     ExportCheck,
+    FoldedLayer,
     ParityResult,
     Unpaired,
     fold_checks,
@@ -166,6 +167,10 @@ class DiffReport:
         return exit_code_for((f.severity for f in self.findings), fail_on or self.config.fail_on, exit_zero=exit_zero)
 
 
+# formats that are an exported graph (a checkpoint's export, compared with exportdiff)
+EXPORT_FORMATS = ("onnx", "pt2")
+
+
 def _side(ckpt: Checkpoint, layers: list[BNLayer]) -> Side:
     return Side(ckpt.path, ckpt.format, ckpt.key, ckpt.prefix, ckpt.is_ema, len(layers), ckpt.averaging)
 
@@ -204,10 +209,10 @@ def diff_checkpoints(
 ) -> DiffReport:
     """Compare two opened checkpoints layer by layer (see bnaudit.audit.layerdiff).
 
-    When exactly one side is an ONNX export, the other is its reference checkpoint and the
-    comparison is `bnaudit.audit.exportdiff`'s: `producers` (BN layer -> conv, from the
+    When exactly one side is an export (ONNX model or .pt2 program), the other is its
+    reference checkpoint and the comparison is `bnaudit.audit.exportdiff`'s: `producers` (BN layer -> conv, from the
     model graph with --arch) pairs folded layers, `parity` is the outputs' comparison."""
-    if (a.format == "onnx") != (b.format == "onnx"):
+    if (a.format in EXPORT_FORMATS) != (b.format in EXPORT_FORMATS):
         return _diff_export(a, b, config, producers, parity)
     layers_a = discover_layers(a, config.stated_settings()).layers
     layers_b = discover_layers(b, config.stated_settings()).layers
@@ -240,17 +245,26 @@ def _diff_export(
     producers: Mapping[str, str] | None,
     parity: ParityResult | None,
 ) -> DiffReport:
-    """A checkpoint against its ONNX export (either side): kept BatchNormalization nodes
-    matched and compared, folded layers verified, the rest listed as unpaired."""
-    from bnaudit.formats.onnx import load_onnx
-
-    export_side = "a" if a.format == "onnx" else "b"
+    """A checkpoint against its export (either side): kept BatchNorm nodes matched and
+    compared, folded layers verified (ONNX), the rest listed as unpaired."""
+    export_side = "a" if a.format in EXPORT_FORMATS else "b"
     ref, exp = (b, a) if export_side == "a" else (a, b)
     layers_ref = discover_layers(ref, config.stated_settings()).layers
     layers_exp = discover_layers(exp).layers  # every node carries its own attributes
     pairs, left_ref, left_exp = match_layers(layers_ref, layers_exp)
-    model = exp.graph if exp.graph is not None else load_onnx(exp.path)
-    folded, unpaired, kept_elsewhere, how = fold_checks(ref, left_ref, model, producers)
+    if exp.format == "pt2":
+        # a program keeps BN as a node or as arithmetic on the module's own buffers: no conv to unfold
+        folded: list[FoldedLayer] = []
+        kept_elsewhere: list[BNLayer] = []
+        how = ""
+        unpaired = [
+            Unpaired(layer.name, "no batch-norm node or buffers of that name in the program") for layer in left_ref
+        ]
+    else:
+        from bnaudit.formats.onnx import load_onnx
+
+        model = exp.graph if exp.graph is not None else load_onnx(exp.path)
+        folded, unpaired, kept_elsewhere, how = fold_checks(ref, left_ref, model, producers)
     unpaired_names = {u.name for u in unpaired}
     candidates = [layer for layer in left_ref if layer in kept_elsewhere or layer.name in unpaired_names]
     by_order, _, left_exp = match_by_order(candidates, left_exp)
@@ -265,8 +279,9 @@ def _diff_export(
     kinds = [m for _, _, m in pairs]
     check = ExportCheck(
         export_side=export_side,
-        producer=exp.metadata.get("onnx.producer", ""),
+        producer=exp.metadata.get("onnx.producer", "") or exp.metadata.get("pt2.producer", ""),
         opset=_int(exp.metadata.get("onnx.opset")),
+        kind="a torch.export program" if exp.format == "pt2" else "an ONNX export",
         matching=", then ".join(dict.fromkeys(kinds)),
         pairing=how if folded or unpaired else "",
         folded=folded,
@@ -277,6 +292,9 @@ def _diff_export(
     diffs = []
     for r, e, matched_by in pairs:
         node = kept_node(r, e, exp.modules.get(e.name), matched_by)
+        if exp.format == "pt2":
+            # PyTorch's momentum, no convention to check; an eps the program does not show is not compared
+            node = dataclasses.replace(node, momentum_onnx=None, eps_known=e.settings.eps.known)
         check.nodes.append(node)
         first, second = (e, r) if export_side == "a" else (r, e)
         d = compare_layers(first, second, counter_meaningful=False)
@@ -308,10 +326,11 @@ def _export_diagnosis(check: ExportCheck, findings: list[Finding]) -> list[str]:
     bad = {f.code for f in findings if f.severity in ("error", "warning")}
     kept = len(check.nodes)
     good_folds = [f for f in check.folded if f.check.matches]
-    if not bad & {"BN108", "BN109", "BN110", "BN111", "BN112", "BN113", "BN114"}:
+    matches = not bad & {"BN108", "BN109", "BN110", "BN111", "BN112", "BN113", "BN114"}
+    if matches:
         parts = []
         if kept:
-            parts.append(f"{plural(kept, 'BatchNormalization node')} equal to the checkpoint's layers")
+            parts.append(f"{plural(kept, check.node_word)} equal to the checkpoint's layers")
         if good_folds:
             eps = [f.check.implied_eps for f in good_folds if f.check.implied_eps is not None]
             low, high = f"{min(eps, default=0):.2g}", f"{max(eps, default=0):.2g}"
@@ -336,7 +355,7 @@ def _export_diagnosis(check: ExportCheck, findings: list[Finding]) -> list[str]:
             f"The export's {words} could not be checked: the checkpoint holds no modules and no {words} was given "
             f"(pass {'/'.join(OPTIONS[n] for n in unsure)}, or --arch)."
         )
-    elif check.parity is None or not check.parity.deviates:
+    if not matches and (check.parity is None or not check.parity.deviates):
         causes = check.causes() or ["see the findings above (momentum convention, layers not paired)"]
         lines.append("The export differs from the checkpoint: " + "; ".join(causes) + ".")
     if check.parity is not None and check.parity.deviates:
@@ -373,7 +392,7 @@ def diff(
         sides.append(ckpt)
     report = diff_checkpoints(sides[0], sides[1], config, producers, parity)
     for side in (report.a, report.b):
-        if side.layers == 0 and not (report.export is not None and side.format == "onnx"):
+        if side.layers == 0 and not (report.export is not None and side.format in EXPORT_FORMATS):
             raise BnauditError(
                 f"{side.path}: no BatchNorm layers found" + (f" under key '{side.key}'" if side.key else "")
             )

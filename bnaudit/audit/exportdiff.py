@@ -1,4 +1,4 @@
-"""A checkpoint against its export: the part of `bnaudit diff` that knows about ONNX.
+"""A checkpoint against its export: the part of `bnaudit diff` that knows about ONNX and .pt2.
 
 Torch- and numpy-free, like the rest of audit/: the export's tensors come from
 `bnaudit.formats.onnx` (`read_onnx` for the BatchNormalization nodes, `load_onnx` for the
@@ -18,6 +18,12 @@ Three things are checked (the rules BN108-BN114 of the registry judge the record
                  (initializer name, exporter scope, else order among convs of that shape),
                  and the folding itself (bnaudit.audit.fold).
   unpaired       layers and export convs that could not be paired, and why.
+
+A torch.export program (.pt2) has no folded convs to verify: its BN is a node, or
+arithmetic on buffers that keep the module's names (formats/pt2.py), so every layer is a
+kept node matched by name; a checkpoint layer without one is unpaired. Its momentum is
+PyTorch's own (no ONNX convention to check), and an eps the program does not show (arithmetic
+of a shape formats/pt2.py does not recognise) is not compared.
 
 "Equal beyond float32 rounding": both values rounded to float32 are the same float32 (NaN
 equals NaN), so a float64 checkpoint exported in float32 is equal, a float16 export is not.
@@ -84,6 +90,7 @@ class KeptNode:
     training_mode: bool
     mismatches: tuple[TensorMismatch, ...]
     training_reason: str = ""  # what in the node says training ("training_mode=1", "is_test absent")
+    eps_known: bool = True  # the export shows its eps (a decomposed .pt2 training program may not)
 
     @property
     def eps_checkpoint(self) -> float:
@@ -101,7 +108,7 @@ class KeptNode:
     @property
     def eps_differs(self) -> bool:
         """The node's epsilon is not the checkpoint's eps, both as float32 (the attribute's type)."""
-        return float32(self.eps_export) != float32(self.eps_checkpoint)
+        return self.eps_known and float32(self.eps_export) != float32(self.eps_checkpoint)
 
 
 @dataclass(frozen=True)
@@ -139,7 +146,8 @@ class ParityResult:
     relative deviation of a sample  max_k |y_onnx,k - y_torch,k| / max_k |y_torch,k|
     floor                           FLOOR_FACTOR x the largest relative deviation of the
                                     float32 torch outputs from a float64 re-run of the same
-                                    model (what float32 rounding alone gives), at least 1e-6
+                                    model (what float32 rounding alone gives), rounded up
+                                    to a power of ten (the same on every CPU), at least 1e-6
     agreement                       share of samples whose argmax is the same
     """
 
@@ -158,7 +166,7 @@ class ParityResult:
 
 @dataclass
 class ExportCheck:
-    """What `diff` found comparing a checkpoint with its ONNX export."""
+    """What `diff` found comparing a checkpoint with its export (ONNX model or .pt2 program)."""
 
     export_side: str  # "a" or "b"
     producer: str
@@ -170,6 +178,12 @@ class ExportCheck:
     unpaired: list[Unpaired] = field(default_factory=list)
     unauditable: list[str] = field(default_factory=list)
     parity: ParityResult | None = None
+    kind: str = "an ONNX export"  # the export in words: "an ONNX export", "a torch.export program"
+
+    @property
+    def node_word(self) -> str:
+        """What the export's BN nodes are called: ONNX's op type, or torch.export's batch-norm ops."""
+        return "BatchNormalization node" if self.kind == "an ONNX export" else "batch-norm node"
 
     def explanation(self) -> str:
         """Whether the BatchNormalization nodes (or the folding) explain an output deviation."""
@@ -188,15 +202,14 @@ class ExportCheck:
         causes = []
         if training:
             causes.append(
-                f"{len(training)} BatchNormalization node(s) run in training mode ({', '.join(training[:3])}): "
-                "onnxruntime normalises with each batch's own statistics"
+                f"{len(training)} {self.node_word}(s) run in training mode ({', '.join(training[:3])}): "
+                f"{'onnxruntime' if self.kind == 'an ONNX export' else 'the program'} normalises with each "
+                "batch's own statistics"
             )
         if eps:
-            causes.append(f"BatchNormalization nodes with another eps: {', '.join(eps[:3])}")
+            causes.append(f"{self.node_word}s with another eps: {', '.join(eps[:3])}")
         if stats:
-            causes.append(
-                f"BatchNormalization nodes whose tensors differ from the checkpoint's: {', '.join(stats[:3])}"
-            )
+            causes.append(f"{self.node_word}s whose tensors differ from the checkpoint's: {', '.join(stats[:3])}")
         if folded:
             causes.append(f"layers folded with other statistics or eps: {', '.join(folded[:3])}")
         return causes

@@ -174,6 +174,11 @@ class Checkpoint:
     # node, the evidence that an exporter folded BN into its Conv nodes (else None).
     unauditable: list[str] = field(default_factory=list)
     folded: str | None = None
+    # torch.export programs (formats/pt2.py): what says BN was decomposed into elementwise
+    # arithmetic (no batch-norm node left), else None; and notes on the program's nodes
+    # (a cuDNN node: exported on a GPU), printed with the report.
+    decomposed: str | None = None
+    notes: list[str] = field(default_factory=list)
     # The parsed graph of an ONNX model (formats.onnx.OnnxModel): diff pairs folded convs
     # from it without parsing the file again.
     graph: Any = field(default=None, repr=False, compare=False)

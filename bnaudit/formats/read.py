@@ -2,7 +2,8 @@
 
 The one entry point for readers: sniff, dispatch to the format's reader, pick the
 state dict inside a container and strip wrapper prefixes. Only torch.save files import
-torch (through `torch.load`); safetensors and TorchScript are read without it, ONNX models
+torch (through `torch.load`); safetensors, TorchScript and torch.export (.pt2) archives are
+read without it, ONNX models
 with the `onnx` package (an optional extra).
 """
 
@@ -41,6 +42,12 @@ def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = Fals
         if key is not None:
             raise BnauditError(f"{path}: --key does not apply to ONNX models")
         return read_onnx(path)
+    if fmt == "pt2":
+        from bnaudit.formats.pt2 import read_pt2
+
+        if key is not None:
+            raise BnauditError(f"{path}: --key does not apply to .pt2 archives")
+        return read_pt2(path)
     if fmt == "torchscript":
         from bnaudit.formats.torchscript import read_torchscript, script_metadata
 

@@ -1,7 +1,9 @@
 """Which format a checkpoint file is, from its first bytes, never from its name.
 
-  zip (PK)          TorchScript if it has `*/constants.pkl` or `*/code/`, torch.save if
-                    it has `data.pkl`; entries claiming more bytes than the file are refused
+  zip (PK)          a torch.export archive (`pt2`) if its root folder's `archive_format`
+                    says "pt2"; TorchScript if it has `*/constants.pkl` or `*/code/`,
+                    torch.save if it has `data.pkl`; entries claiming more bytes than the
+                    file are refused
   byte 8 is `{`     safetensors (8-byte header length, then the JSON header)
   byte 0 is 0x80    a pickle: legacy (pre-1.6) torch.save
   protobuf fields   ONNX: a ModelProto starts with field 1 (ir_version, a varint: byte 0x08)
@@ -19,7 +21,7 @@ import zipfile
 from bnaudit.errors import BnauditError
 from bnaudit.text import exception_line
 
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar", ".safetensors", ".onnx")
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar", ".safetensors", ".onnx", ".pt2")
 
 
 def sniff_format(path: str) -> str:
@@ -106,6 +108,9 @@ def _sniff_zip(path: str) -> str:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
             check_zip_sizes(path, archive)
+            # before TorchScript's test: a .pt2 holds `data/constants/` and pickled sample inputs
+            if _is_pt2(names, archive):
+                return "pt2"
     except BnauditError:
         raise
     except Exception as exc:  # zipfile parsing forged bytes: BadZipFile, NotImplementedError, struct.error, ...
@@ -115,6 +120,17 @@ def _sniff_zip(path: str) -> str:
     if any(n.endswith("data.pkl") for n in names):
         return "torch-zip"
     raise BnauditError(f"{path}: zip archive without data.pkl, not a torch.save file")
+
+
+def _is_pt2(names: list[str], archive: zipfile.ZipFile) -> bool:
+    """torch.export's archive: `<root>/archive_format` holding "pt2" (torch's own test,
+    torch.export.pt2_archive.is_pt2_package)."""
+    if not names:
+        return False
+    member = names[0].split("/", 1)[0] + "/archive_format"
+    if member not in names or archive.getinfo(member).file_size > 64:
+        return False
+    return archive.read(member).strip() == b"pt2"
 
 
 def check_zip_sizes(path: str, archive: zipfile.ZipFile) -> None:

@@ -416,6 +416,7 @@ def _export_to_json(check: ExportCheck | None) -> dict[str, Any] | None:
     p = check.parity
     return {
         "export_side": check.export_side,
+        "kind": "pt2" if check.kind == "a torch.export program" else "onnx",
         "producer": check.producer or None,
         "opset": check.opset,
         "matching": check.matching or None,

@@ -14,7 +14,12 @@ from bnaudit.audit.report import FileReport
 from bnaudit.audit.rules import Finding
 from bnaudit.audit.statistics import RELATIVE_DEVIATION
 from bnaudit.config import exit_code_for
-from bnaudit.text import listing, plural
+from bnaudit.text import above_floor, listing, plural
+
+# KL(reference || arrangement) below this many nats prints as "<1e-06": telling two output
+# distributions that close apart takes about 1/KL = 10^6 samples, and float32 kernel noise
+# gives ~1e-13 on a batch-independent model.
+KL_FLOOR = 1e-6
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class InvarianceReport:
     inspection: FileReport
     norm: str = f"{RELATIVE_DEVIATION.name}: {RELATIVE_DEVIATION.formula}"
     float64_noise: float | None = None
+    kl_floor: float = KL_FLOOR
     float64_note: str | None = None
     sites: list[CouplingSite] = field(default_factory=list)
     failures: dict[str, str] = field(default_factory=dict)
@@ -137,13 +143,13 @@ def diagnose(report: InvarianceReport) -> list[str]:
     if report.verdict == "invariant":
         lines.append(
             f"Every output is the same alone and among other samples ({plural(report.samples, 'sample')}, batch "
-            f"sizes {sizes}; largest deviation {report.max_deviation:.2g}): predictions do not depend on their "
-            "batch companions. Nothing to fix."
+            f"sizes {sizes}; largest deviation {above_floor(report.max_deviation, report.screen)}): predictions do "
+            "not depend on their batch companions. Nothing to fix."
         )
         if report.cleared:
             lines.append(
                 f"{plural(report.cleared, 'sample')} differed by more than the screen ({report.screen:.2g}) in "
-                f"{report.dtype} but agreed in float64 (largest float64 deviation {report.float64_noise or 0.0:.2g}, "
+                f"{report.dtype} but agreed in float64 (largest float64 deviation {above_floor(report.float64_noise or 0.0, report.floor)}, "
                 f"floor {report.floor:.2g}): the summation order of the kernels, not the companions."
             )
         return lines

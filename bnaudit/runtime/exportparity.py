@@ -9,8 +9,14 @@ operator library, on the same batches (`bnaudit.runtime.data.make_loader`). Numb
                                   y_onnx against y_torch
   floor                           FLOOR_FACTOR x the largest relative deviation of the float32
                                   torch outputs from a float64 copy of the model on the same
-                                  batch (float32 rounding alone), at least FLOOR_MIN
+                                  batch (float32 rounding alone), rounded up to a power of ten,
+                                  at least FLOOR_MIN (`parity_floor`)
   agreement                       share of samples with the same argmax
+
+The rounding measured is kernel noise: before rounding up, the same model and data give a
+floor of 4.97e-06 on one CPU and 5.26e-06 on another. Rounded up, the floor (1e-05 for both)
+and every decision against it are the same on every machine; a deviation below it prints
+as "<1e-05" (`bnaudit.text.above_floor`; JSON keeps the exact number).
 
 An export with a fixed batch dimension gets batches of exactly that size: a short batch is
 filled with copies of its last sample, whose outputs are dropped (said in the report).
@@ -22,6 +28,7 @@ in the model graph (torch.fx), used to pair folded layers with --arch.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +49,15 @@ FLOOR_FACTOR = 10.0
 FLOOR_MIN = 1e-6
 ONNXRUNTIME_EXTRA = 'pip install "bnaudit[onnx]"'
 _CONV_TYPES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)
+
+
+def parity_floor(rounding: float) -> float:
+    """FLOOR_FACTOR x `rounding` (the largest relative deviation float32 rounding gives)
+    rounded up to a power of ten, at least FLOOR_MIN: between 10x and 100x the rounding."""
+    scaled = FLOOR_FACTOR * rounding
+    if not (math.isfinite(scaled) and scaled > FLOOR_MIN):
+        return max(scaled, FLOOR_MIN)  # NaN stays NaN: every deviation then deviates
+    return float(f"1e{math.ceil(math.log10(scaled))}")  # the double nearest 10^k, as a user types it
 
 
 def bn_producers(model: Any) -> dict[str, str]:
@@ -134,7 +150,7 @@ def measure_parity(session: Any, model: Any, options: DataOptions) -> ParityResu
         batches=batches,
         agreement=agree / samples,
         max_deviation=worst,
-        floor=max(FLOOR_FACTOR * rounding, FLOOR_MIN),
+        floor=parity_floor(rounding),
         batch_size=fixed,
         padded=padded,
     )

@@ -308,6 +308,12 @@ _ONNX_NOT_RUNNABLE = (
     "give the PyTorch checkpoint it was exported from; audit the export with `bnaudit inspect`"
 )
 
+_PT2_NOT_RUNNABLE = (
+    "{path}: a torch.export program is not run here (running it would unpickle parts of the archive; "
+    "only its batch-norm statistics are read): give the PyTorch checkpoint it was exported from; "
+    "audit the program with `bnaudit inspect` and check it with `bnaudit diff checkpoint.pt program.pt2`"
+)
+
 
 def load_runnable(
     checkpoint_path: str,
@@ -323,6 +329,8 @@ def load_runnable(
     fmt = None if is_index(checkpoint_path) else sniff_format(checkpoint_path)
     if fmt == "onnx":
         raise BnauditError(_ONNX_NOT_RUNNABLE.format(path=checkpoint_path))
+    if fmt == "pt2":
+        raise BnauditError(_PT2_NOT_RUNNABLE.format(path=checkpoint_path))
     if arch is not None:
         ckpt = read_checkpoint(checkpoint_path, key=key, trust_pickle=trust_pickle)
         model = build_arch(arch, arch_kwargs)

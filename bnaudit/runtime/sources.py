@@ -398,7 +398,7 @@ def _open_shard(path: str) -> _Shard:
     elif fmt in ("torch-zip", "torch-legacy"):
         tensors = _open_torch_tensors(path, fmt)
     else:
-        what = "an ONNX model" if fmt == "onnx" else "a TorchScript archive"
+        what = {"onnx": "an ONNX model", "pt2": "a torch.export archive"}.get(fmt, "a TorchScript archive")
         raise BnauditError(f"{path}: {what}, not a tensor file with 'inputs'")
     if "inputs" not in tensors:
         found = ", ".join(repr(k) for k in list(tensors)[:8]) or "nothing"

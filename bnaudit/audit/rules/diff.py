@@ -258,5 +258,5 @@ def _check_layers_changed(ctx: DiffContext) -> Iterator[Finding]:
     for name, ca, cb in ctx.reshaped:
         yield r.finding(Severity.WARNING, name, f"channel count changed from {ca} to {cb}: the layer was replaced")
     for side, names in (("A", ctx.only_a), ("B", ctx.only_b)):
-        if names:
+        if names and ctx.export is None:  # an export's own extra layers are BN113's
             yield r.finding(Severity.INFO, None, f"{plural(len(names), 'layer')} only in {side}: {listing(names, 5)}")

@@ -1,9 +1,9 @@
-"""The rules of `bnaudit diff` between a checkpoint and its ONNX export (BN108-BN114).
+"""The rules of `bnaudit diff` between a checkpoint and its export, ONNX or .pt2 (BN108-BN114).
 
 A training-mode node and statistics that are not constants are facts of the export
 itself, reported under inspect's codes (BN012, BN013) by bnaudit.audit.rules.graph.
 
-The side that is not ONNX is the reference; definitions of the numbers in
+The side that is not the export is the reference; definitions of the numbers in
 bnaudit.audit.exportdiff and bnaudit.audit.fold.
 """
 
@@ -199,8 +199,11 @@ def _check_folded(ctx: DiffContext) -> Iterator[Finding]:
     "counts, then its export node by initializer name, exporter scope, or order among convs of that shape). "
     "A layer paired with neither could not be checked: a changed architecture, or an exporter that renamed "
     "everything and reordered the graph. Export convs whose weights equal no checkpoint weight and feed no "
-    "BatchNormalization node are listed too (folded from a BN that could not be paired). Nodes whose "
-    "statistics are not constants (graph inputs, computed) cannot be compared either: BN013 says so.",
+    "BatchNormalization node are listed too (folded from a BN that could not be paired), and so are the "
+    "export's BN layers that match no checkpoint layer (statistics the checkpoint does not hold). Nodes whose "
+    "statistics are not constants (graph inputs, computed, pickled) cannot be compared either: BN013 says so. A torch.export program (.pt2) "
+    "folds nothing into convs: a checkpoint layer with neither a batch-norm node nor buffers of its name in "
+    "the program is unpaired.",
     "Pass --arch so pairing follows the model graph, or export with do_constant_folding=False / optimize=False "
     "to keep the BatchNormalization nodes.",
     command="diff",
@@ -213,6 +216,8 @@ def _check_export_unpaired(ctx: DiffContext) -> Iterator[Finding]:
         layer = None if u.name.startswith("node ") else u.name
         text = u.reason if layer is not None else f"{u.name}: {u.reason}"
         yield r.finding(Severity.WARNING, layer, f"could not be checked: {text}" if layer else text)
+    for name in ctx.only_a + ctx.only_b:  # one side is the export: its layers no checkpoint layer matched
+        yield r.finding(Severity.WARNING, name, "only in the export: no checkpoint layer of that name or channel count")
 
 
 @rule(
@@ -224,7 +229,8 @@ def _check_export_unpaired(ctx: DiffContext) -> Iterator[Finding]:
     "checkpoint in torch (eval mode) and the export in onnxruntime (CPU execution provider only, no custom "
     "operators) on the same batches, and compares the largest relative output deviation, "
     "max |y_onnx - y_torch| / max |y_torch| per sample, with a floor: 10x what float32 rounding alone gives "
-    "(the float32 model against a float64 re-run of itself), at least 1e-6. A correct export stays below the "
+    "(the float32 model against a float64 re-run of itself) rounded up to a power of ten, so that it is the "
+    "same on every CPU, at least 1e-6. A correct export stays below the "
     "floor; argmax agreement alone can hide a training-mode export on easy data. The finding says whether "
     "the BatchNormalization nodes (training mode, eps, tensors) or the folding explain the deviation.",
     "Fix what the other export findings name; if none, compare the operators (torch.onnx.verification).",

@@ -1,4 +1,4 @@
-"""The rules of exported graphs (ONNX): BN012-BN014.
+"""The rules of exported graphs and programs (ONNX models, torch.export archives): BN012-BN014.
 
 A fact about an exported graph has one code whichever command sees it: `inspect` of the
 export and `diff` of a checkpoint against it both report a training-mode node as BN012
@@ -18,19 +18,26 @@ from bnaudit.severity import Severity
     "BN012",
     "training-mode-export",
     Severity.ERROR,
-    "An exported BatchNormalization node normalises with the batch's statistics (training mode).",
-    "An inference graph should normalise with the stored running statistics. A BatchNormalization "
-    "node in training mode (BatchNormalization-14/15 `training_mode=1`; -7 and -9 with the "
-    "training-mode outputs mean/var/saved_mean/saved_var; -6 and older with `is_test=0` or without "
-    "`is_test`, whose default is training) normalises every batch with its own mean and variance: "
-    "a prediction depends on its batch companions, a batch of one normalises to beta, and some "
-    "execution providers refuse the node outright. Exporters leave it this way when the model was "
-    "exported in training mode (`torch.onnx.export(..., training=TrainingMode.TRAINING)`, or "
-    "`model.eval()` forgotten with TrainingMode.PRESERVE). The finding names the node, its "
-    "version and the opset. Reported by `inspect` of the export and by `diff` of a checkpoint "
-    "against it (BN111, diff's code for it before, is an alias).",
-    "Export again from `model.eval()` (torch.onnx.export's default TrainingMode.EVAL), or set "
-    "`training_mode` to 0 and drop the extra outputs with the onnx package.",
+    "A BatchNorm node of an exported graph or program normalises with the batch's statistics (training mode).",
+    "An inference graph should normalise with the stored running statistics. A BatchNorm node in "
+    "training mode normalises every batch with its own mean and variance: a prediction depends on "
+    "its batch companions, a batch of one normalises to beta, and some runtimes refuse the node "
+    "outright. The mode is baked in when the model is exported. ONNX: BatchNormalization-14/15 "
+    "`training_mode=1`; -7 and -9 with the training-mode outputs mean/var/saved_mean/saved_var; -6 "
+    "and older with `is_test=0` or without `is_test`, whose default is training; exporters write it "
+    "when the model was exported in training mode (`torch.onnx.export(..., "
+    "training=TrainingMode.TRAINING)`, or `model.eval()` forgotten with TrainingMode.PRESERVE). "
+    "torch.export (.pt2): `aten.batch_norm` or `_native_batch_norm_legit` with `training=True`, "
+    "`_native_batch_norm_legit_functional` (ExecuTorch refuses it as not core ATen), "
+    "`_batch_norm_with_update`, and, for a program decomposed into elementwise arithmetic, one that "
+    "writes running_mean back (a buffer mutation in its signature); `torch.export.export` records "
+    "the mode the module was in. The finding names the node and what in it says training. Reported "
+    "by `inspect` of the export and by `diff` of a checkpoint against it (BN111, diff's code for it "
+    "before, is an alias).",
+    "Call `model.eval()` before exporting: torch.export.export(model.eval(), ...) (export an eval "
+    "program beside the training one if both are needed); for ONNX, export with "
+    "torch.onnx.export's default TrainingMode.EVAL, or set `training_mode` to 0 and drop the extra "
+    "outputs with the onnx package.",
     aliases=("BN111",),
 )
 def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
@@ -64,12 +71,14 @@ def _training_mode_words(reason: str | None, source: str | None) -> str:
     "BN013",
     "stats-not-constant",
     Severity.INFO,
-    "An exported BatchNormalization node's scale, B, mean or variance is not a constant: it cannot be audited.",
+    "An exported BatchNorm node's scale, B, mean or variance is not a constant (or not read): it cannot be audited.",
     "bnaudit reads the statistics a BatchNormalization node uses from initializers and Constant "
-    "nodes (through Identity nodes). A node whose inputs are graph inputs (statistics fed at run "
-    "time) or computed by other nodes has no stored values to check, so none of the other rules "
-    "can speak for it, and `diff` cannot compare it with the checkpoint. The finding names the "
-    "node and which input is not a constant.",
+    "nodes (through Identity nodes), those of a torch.export node from the program's parameters "
+    "and buffers (through its graph signature). A node whose inputs are graph inputs (statistics "
+    "fed at run time) or computed by other nodes has no stored values to check, so none of the "
+    "other rules can speak for it and `diff` cannot compare it with the checkpoint; nor has a .pt2 node whose tensor is stored as a pickle "
+    "(`use_pickle`, legacy weights), which bnaudit never unpickles. The finding names the node "
+    "and which input is not a constant.",
     "Audit the checkpoint the graph was exported from; or export with the statistics as "
     "initializers (`torch.onnx.export(..., export_params=True)`, the default).",
 )
@@ -92,7 +101,7 @@ def _check_not_constant_in_diff(ctx: DiffContext) -> Iterator[Finding]:
     "BN014",
     "folded-export",
     Severity.INFO,
-    "Exported Conv nodes hold BN folded into their weights: no BatchNormalization node left, or weights made by constant folding.",
+    "No BatchNorm node left in an exported graph: BN folded into Conv weights (ONNX), or decomposed into arithmetic (.pt2).",
     "Both torch exporters fold BatchNorm into the preceding convolution by default (the legacy "
     "exporter with constant folding, the dynamo exporter with its optimiser): the Conv's weights "
     "become W*gamma/sqrt(var+eps) per output channel and its bias beta + (b - mean)*gamma/sqrt(var+eps). "
@@ -103,12 +112,25 @@ def _check_not_constant_in_diff(ctx: DiffContext) -> Iterator[Finding]:
     "module's parameter; BN after a Linear layer stays a node and is audited). A network that had "
     "no BatchNorm and convolutions with their own bias matches the first test as well, so the line "
     "says 'if the model had BatchNorm there'; a graph without BatchNormalization and without such "
-    "a Conv gets no finding.",
+    "a Conv gets no finding. A torch.export program (.pt2) decomposed with a batch-norm table "
+    "(`run_decompositions`) has no batch-norm node either: BN became sub/mul/rsqrt/add on the "
+    "module's buffers. The statistics are still stored as those buffers, so they are audited "
+    "under the module's names; eps is read from the arithmetic (`add(running_var, eps)` in eval "
+    "mode, `add(var, eps)` on the batch variance in training mode), training mode from the "
+    "buffer mutations the signature writes back. "
+    "The finding says which layers were read this way.",
     "Audit the checkpoint instead (`bnaudit inspect model.pt`), and check the folding against it "
     "with `bnaudit diff model.pt model.onnx`; or export with BN nodes kept "
     "(`do_constant_folding=False`, or `optimize=False` with dynamo=True) to audit the export itself.",
 )
 def _check_folded_export(ctx: RuleContext) -> Iterator[Finding]:
+    if ctx.decomposed is not None:
+        yield RULES["BN014"].finding(
+            Severity.INFO,
+            None,
+            f"{ctx.decomposed}: their statistics are read from the buffers, eps from the arithmetic where "
+            "it shows it; check the program against its checkpoint with `bnaudit diff model.pt model.pt2`",
+        )
     if ctx.folded is None:
         return
     yield RULES["BN014"].finding(

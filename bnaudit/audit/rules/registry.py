@@ -44,10 +44,12 @@ class RuleContext:
     # Layers whose statistics `bnaudit recalibrate` wrote (population statistics, not
     # an EMA: their counter is the number of calibration batches).
     recalibrated: frozenset[str] = frozenset()
-    # Exported graphs (ONNX): BatchNormalization nodes whose statistics are not constants,
-    # one note each, and the evidence of BN folded into Conv nodes (Checkpoint.folded).
+    # Exported graphs (ONNX, .pt2): BN nodes whose statistics are not constants (or not
+    # read), one note each, the evidence of BN folded into Conv nodes (Checkpoint.folded),
+    # and of BN decomposed into elementwise arithmetic (Checkpoint.decomposed).
     unauditable: tuple[str, ...] = ()
     folded: str | None = None
+    decomposed: str | None = None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO
 from bnaudit.output.grid import SEVERITY_STYLE
 from bnaudit.output.table.common import bordered, cell, diagnosis_bullets, findings_table, fit_width, g3, indented
-from bnaudit.text import plural, printable
+from bnaudit.text import above_floor, plural, printable
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -160,11 +160,11 @@ def _unmatched_findings_and_summary(report: DiffReport, console: Console) -> Non
 def _export_header(check: ExportCheck, console: Console) -> None:
     """How a checkpoint was matched with its export, under the two sides' lines."""
     side = check.export_side.upper()
-    facts = [f"{side} is an ONNX export" + (f" by {check.producer}" if check.producer else "")]
+    facts = [f"{side} is {check.kind}" + (f" by {check.producer}" if check.producer else "")]
     if check.opset is not None:
         facts.append(f"opset {check.opset}")
     if check.matching:
-        facts.append(f"BatchNormalization nodes matched by {check.matching}")
+        facts.append(f"{check.node_word}s matched by {check.matching}")
     if check.pairing:
         facts.append(f"folded layers paired by {check.pairing}")
     console.print(indented("; ".join(facts), style="dim"))
@@ -204,7 +204,7 @@ def _export_body(check: ExportCheck, console: Console) -> None:
         console.print(
             cell(
                 f"outputs (torch eval vs onnxruntime CPU) on {plural(p.samples, 'sample')}{fixed}: argmax agreement "
-                f"{p.agreement * 100:.1f}%, largest relative deviation {g3(p.max_deviation)} (float32 floor {g3(p.floor)})",
+                f"{p.agreement * 100:.1f}%, largest relative deviation {above_floor(p.max_deviation, p.floor, '.3g')} (float32 floor {g3(p.floor)})",
                 style=style,
             )
         )

@@ -14,7 +14,7 @@ from bnaudit.output.table.common import (
     measurement_header,
     percent,
 )
-from bnaudit.text import plural
+from bnaudit.text import above_floor, plural
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -85,7 +85,7 @@ def _arrangements(report: InvarianceReport, console: Console) -> None:
         table.add_row(
             a.name + (" *" if reference else ""),
             str(a.batches),
-            "-" if reference else f"{a.max_deviation:.2g}",
+            "-" if reference else above_floor(a.max_deviation, report.screen),
             "-" if reference else str(a.coupled),
             "-" if reference or a.changed is None else str(a.changed),
             percent(a.accuracy),
@@ -102,19 +102,23 @@ def _deviation_and_noise(report: InvarianceReport, console: Console) -> None:
     """The largest deviation, changed predictions and KL on one line; the noise floor."""
     from rich.text import Text
 
-    where = f" ({report.max_deviation_sample})" if report.max_deviation_sample else ""
-    parts = [Text(f"largest deviation {report.max_deviation:.3g}{where}")]
+    # below the screen, which sample deviates most is kernel noise too: not named
+    below_screen = report.max_deviation < report.screen
+    where = f" ({report.max_deviation_sample})" if report.max_deviation_sample and not below_screen else ""
+    parts = [Text(f"largest deviation {above_floor(report.max_deviation, report.screen, '.3g')}{where}")]
     if report.changed is not None:
         parts.append(Text(f"predictions changed {report.changed} ({percent(report.changed_share)})"))
-    if report.max_kl is not None:
-        parts.append(Text(f"KL(reference || arrangement) max {report.max_kl:.3g}, mean {report.mean_kl:.3g}"))
+    if report.max_kl is not None and report.mean_kl is not None:
+        kl_max, kl_mean = (above_floor(kl, report.kl_floor, ".3g") for kl in (report.max_kl, report.mean_kl))
+        parts.append(Text(f"KL(reference || arrangement) max {kl_max}, mean {kl_mean}"))
     console.print(Text("  ·  ").join(parts))
     rescored = (
         f"{report.flagged} flagged, {report.cleared} cleared by float64 re-scoring"
         if report.float64
         else f"{report.flagged} flagged" + (", not re-scored in float64" if report.flagged else "")
     )
-    noise = f", largest float64 noise {report.float64_noise:.2g}" if report.float64_noise is not None else ""
+    noise64 = report.float64_noise
+    noise = f", largest float64 noise {above_floor(noise64, report.floor)}" if noise64 is not None else ""
     console.print(
         cell(
             f"noise floor: screen {report.screen:.2g} ({report.dtype}), float64 floor {report.floor:.2g}; "
