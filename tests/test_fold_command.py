@@ -390,3 +390,145 @@ def test_torchscript_archive_pairs_by_name(tmp_path, trained):
     saved = {p.bn: p.collapsed for p in predict_fold(save_torch(state, tmp_path / "m.pt"), Config()).pairs}
     assert report.format == "torchscript" and scripted == saved and scripted["block.bn2"]
     assert report.settings == ""  # eps read from the scripted modules
+
+
+# measured --------------------------------------------------------------------------------
+
+ARCH = """
+import torch.nn as nn
+
+
+def build():
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4), nn.BatchNorm1d(4),
+    )
+"""
+SEQ_PAIRS = {"1": "0", "4": "3", "9": "8"}
+
+
+@pytest.fixture(scope="module")
+def measured_setup(tmp_path_factory):
+    """A trained Sequential CNN with an InceptionV3 channel in BN '4', its builder, labelled data."""
+    import importlib.util
+
+    root = tmp_path_factory.mktemp("measured")
+    (root / "arch.py").write_text(ARCH)
+    spec = importlib.util.spec_from_file_location("fold_arch", root / "arch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(4)
+    x = torch.randn(256, 3, 8, 8)
+    y = (x[:, :, :4].mean((1, 2, 3)) > 0).long() + 2 * (x[:, 0].mean((1, 2)) > 0).long()
+    model = module.build()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
+    model.train()
+    for step in range(60):
+        batch = slice(32 * (step % 8), 32 * (step % 8 + 1))
+        loss = F.cross_entropy(model(x[batch]), y[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state["4.running_var"][3] = INCEPTION_VAR
+    state["4.weight"][3] = 1.0
+    # as in InceptionV3, the channel carries nothing the model uses (there its input is
+    # constant): eval mode keeps its accuracy, while its folded weights set the int8 range
+    state["8.weight"][:, 3] = 0.0
+    model.load_state_dict(state)
+    model.eval()
+    ckpt = save_torch(state, root / "model.pt")
+    data = save_safetensors({"inputs": x, "labels": y}, root / "data.safetensors")
+    return model, ckpt, data, f"{root / 'arch.py'}:build", x, y
+
+
+def _own_folded(model: nn.Module, quantize=None, only=None) -> nn.Module:
+    """The test's own fold (float64, then float32) and int8 weight fake-quantization."""
+    import copy
+
+    folded = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        for bn_name, conv_name in SEQ_PAIRS.items():
+            conv, bn = folded.get_submodule(conv_name), folded.get_submodule(bn_name)
+            s = bn.weight.double() / torch.sqrt(bn.running_var.double() + bn.eps)
+            w = conv.weight.double() * s.reshape(-1, *([1] * (conv.weight.dim() - 1)))
+            b = conv.bias.double() if conv.bias is not None else torch.zeros(w.shape[0], dtype=torch.float64)
+            conv.weight = nn.Parameter(w.float())
+            conv.bias = nn.Parameter((bn.bias.double() + (b - bn.running_mean.double()) * s).float())
+            setattr(folded, bn_name, nn.Identity())
+            if quantize == "tensor" and only in (None, bn_name):
+                conv.weight.copy_(
+                    torch.fake_quantize_per_tensor_affine(
+                        conv.weight, float(conv.weight.abs().max() / 127), 0, -127, 127
+                    )
+                )
+            if quantize == "channel":
+                peaks = conv.weight.abs().flatten(1).amax(1)
+                conv.weight.copy_(
+                    torch.fake_quantize_per_channel_affine(
+                        conv.weight, peaks / 127, torch.zeros(len(peaks), dtype=torch.int32), 0, -127, 127
+                    )
+                )
+    return folded
+
+
+def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype=torch.float32) -> float:
+    with torch.no_grad():
+        return float((model(x.to(dtype)).float().argmax(1) == y).float().mean())
+
+
+@pytest.mark.slow
+def test_measured_targets_equal_the_tests_own_folded_and_quantized_models(measured_setup):
+    from bnaudit.runtime.fold import measure_fold
+    from bnaudit.runtime.sources import DataOptions
+
+    model, ckpt, data, arch, x, y = measured_setup
+    report = measure_fold(ckpt, DataOptions(path=data, batch_size=64), Config(), arch=arch)
+    m = report.measured
+    assert m is not None and m.labelled and m.samples == 256
+    assert m.results["float32"] == _accuracy(model, x, y)
+    assert m.results["folded"] == m.results["float32"]
+    assert m.results["int8_per_tensor"] == _accuracy(_own_folded(model, "tensor"), x, y)
+    assert m.results["int8_per_channel"] == _accuracy(_own_folded(model, "channel"), x, y)
+    for bn in SEQ_PAIRS:
+        drop = _accuracy(_own_folded(model), x, y) - _accuracy(_own_folded(model, "tensor", only=bn), x, y)
+        assert m.pair_drop[bn] == pytest.approx(drop, abs=1e-12), bn
+    # the InceptionV3 channel costs the per-tensor target accuracy; per channel keeps it
+    assert m.results["float32"] > 0.6  # trained: chance is 0.25
+    assert m.results["int8_per_tensor"] < m.results["float32"] - 0.05
+    assert m.pair_drop["4"] > 0.05
+    assert abs(m.results["int8_per_channel"] - m.results["float32"]) < 0.03
+    for target, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        if m.results[target] is not None:
+            import copy
+
+            assert m.results[target] == _accuracy(copy.deepcopy(model).to(dtype), x, y, dtype), target
+
+
+def test_folded_model_equals_eval_mode_within_float32_rounding(measured_setup):
+    from bnaudit.runtime.fold import fold_model
+
+    model, ckpt, *_ = measured_setup
+    report = predict_fold(ckpt, Config())
+    folded = fold_model(model, report.pairs)
+    assert not any(isinstance(m, nn.BatchNorm2d | nn.BatchNorm1d) for m in folded.modules())
+    x = torch.randn(32, 3, 8, 8, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        eval_out, folded_out = model(x), folded(x)
+    scale = eval_out.abs().max()
+    assert float((folded_out - eval_out).abs().max() / scale) < 1e-5
+
+
+@pytest.mark.slow
+def test_cli_measures_with_arch_and_data(measured_setup, cli):
+    model, ckpt, data, arch, x, y = measured_setup
+    result = cli("fold", ckpt, "--arch", arch, "--data", data, "--format", "json", "--isolated", "--exit-zero")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert set(doc["measured"]) == {"float32", "folded", "int8_per_tensor", "int8_per_channel", "fp16", "bf16"}
+    assert doc["measured"]["float32"] == _accuracy(model, x, y)
+    assert {p["bn"]: p["measured_drop"] is not None for p in doc["pairs"]} == dict.fromkeys(SEQ_PAIRS, True)
+    table = cli("fold", ckpt, "--arch", arch, "--data", data, "--isolated", width=160)
+    assert table.exit_code == 1 and "measured on 256 samples: accuracy" in table.stdout
+    assert cli("fold", ckpt, "--arch", arch, "--isolated").exit_code == 2  # --arch without data

@@ -13,6 +13,7 @@ from bnaudit.audit.rules import run_fold_rules
 from bnaudit.audit.settings import statement
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
+from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.reports.fold import FoldReport
 
@@ -21,7 +22,12 @@ def predict_fold(path: str, config: Config, key: str | None = None, trust_pickle
     """The prediction for every BN of the file at `path`: a state dict, safetensors file or
     TorchScript archive (pairs by name), or an ONNX model (pairs from the graph, and convs the
     exporter already folded audited directly). Nothing to audit is a BnauditError."""
-    ckpt = read_checkpoint(path, key=key, trust_pickle=trust_pickle)
+    return predict_checkpoint(read_checkpoint(path, key=key, trust_pickle=trust_pickle), config)
+
+
+def predict_checkpoint(ckpt: Checkpoint, config: Config) -> FoldReport:
+    """`predict_fold` of an opened checkpoint (a model's, with its real eps, under --arch)."""
+    path = ckpt.path
     discovery = discover_layers(ckpt, config.stated_settings())
     if ckpt.format == "onnx" and ckpt.graph is not None:
         from bnaudit.audit.foldgraph import graph_pairs
@@ -31,6 +37,10 @@ def predict_fold(path: str, config: Config, key: str | None = None, trust_pickle
         raise BnauditError(f"{path}: no BatchNorm layers with running statistics to fold")
     else:
         pairs, unpaired = predict_pairs(ckpt.tensors, discovery.layers, config)
+        if ckpt.format == "pt2" and not pairs:
+            # the .pt2 reader keeps the BN tensors only: no producer weight to fold into
+            why = "a .pt2 archive's producers are not read yet: run fold on the state dict the program came from"
+            unpaired = [(name, why) for name, _ in unpaired]
     if not pairs and not unpaired:
         raise BnauditError(f"{path}: no BatchNorm layer and no folded convolution to audit")
     findings = run_fold_rules(FoldContext(tuple(pairs), tuple(unpaired), config))

@@ -11,16 +11,33 @@ from bnaudit import output
 from bnaudit.audit.settings import DEFAULT_EPS
 from bnaudit.cli.boundary import user_errors
 from bnaudit.cli.options import (
+    ArchKwargsOpt,
+    ArchOpt,
+    BatchSizeOpt,
     ConfigOpt,
+    DataOpt,
+    DatasetOpt,
     DebugOpt,
     ExitZeroOpt,
     FailOnOpt,
     Format,
     FormatOpt,
+    ForwardOpt,
+    GrayscaleOpt,
+    ImageSizeOpt,
     IsolatedOpt,
     KeyOpt,
+    MeanOpt,
+    NoShuffleOpt,
+    NumSamplesOpt,
+    SeedOpt,
+    SkipBadOpt,
+    StdOpt,
     TrustPickleOpt,
+    WorkersOpt,
+    data_options,
 )
+from bnaudit.errors import BnauditError
 
 
 def fold_command(
@@ -40,8 +57,24 @@ def fold_command(
     trust_pickle: TrustPickleOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No per-pair table.")] = False,
     debug: DebugOpt = False,
+    arch: ArchOpt = None,
+    arch_kwargs: ArchKwargsOpt = None,
+    data: DataOpt = None,
+    dataset: DatasetOpt = None,
+    forward: ForwardOpt = None,
+    batch_size: BatchSizeOpt = 64,
+    num_samples: NumSamplesOpt = None,
+    seed: SeedOpt = 0,
+    no_shuffle: NoShuffleOpt = False,
+    workers: WorkersOpt = 0,
+    image_size: ImageSizeOpt = None,
+    grayscale: GrayscaleOpt = False,
+    mean: MeanOpt = None,
+    std: StdOpt = None,
+    skip_bad: SkipBadOpt = False,
 ) -> None:
-    """Predict what folding BN into its producer, then int8, fp16 and bf16, do to each channel."""
+    """Predict what folding BN into its producer, then int8, fp16 and bf16, do to each channel;
+    with --data (and --arch), measure it."""
     from bnaudit.audit.foldaudit import predict_fold
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
@@ -49,6 +82,20 @@ def fold_command(
     with user_errors(debug, output_format is Format.json):
         overrides = {"--fail-on": fail_on.value if fail_on else None, "--eps": eps}
         config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=accepted_codes())
-        report = predict_fold(path, config, key=key, trust_pickle=trust_pickle)
+        if data is None and dataset is None:
+            if arch is not None or arch_kwargs is not None or forward is not None:
+                raise BnauditError("--arch, --arch-kwargs and --forward measure: give --data or --dataset too")
+            report = predict_fold(path, config, key=key, trust_pickle=trust_pickle)
+        else:
+            from bnaudit.runtime.fold import measure_fold
+
+            options = data_options(
+                data, dataset, batch_size, num_samples, seed, no_shuffle, workers, image_size, grayscale, mean, std,
+                skip_bad,
+            )  # fmt: skip
+            report = measure_fold(
+                path, options, config, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle,
+                forward_spec=forward,
+            )  # fmt: skip
         output.emit(report, output_format.value, sys.stdout, quiet=quiet)
     raise typer.Exit(report.exit_code(exit_zero=exit_zero))

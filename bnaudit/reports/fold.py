@@ -70,6 +70,8 @@ class FoldReport:
 
     def verdicts(self) -> list[tuple[str, str]]:
         """One line per target: what the prediction (and the measurement) says."""
+        if not self.pairs:
+            return [(t, "not audited: no BN paired with a producer") for t in ("int8", "fp16", "bf16")]
         live = [p for p in self.pairs if p.live_collapsed]
         coarse = [p for p in self.pairs if p.coarse]
         overflow = [p for p in self.pairs if p.fp16_overflow]
@@ -104,4 +106,17 @@ class FoldReport:
             ),
             ("bf16", f"degraded: cancellation in {plural(len(bf16_c), 'pair')}" if bf16_c else "ok"),
         ]
-        return lines
+        m = self.measured
+        if m is None:
+            return lines
+        keys = ("int8_per_tensor", "int8_per_channel", "fp16", "bf16")
+        measured = []
+        for (target, words), key in zip(lines, keys):
+            value, base = m.results.get(key), m.results.get("float32")
+            if value is None or base is None:
+                measured.append((target, f"{words} (not measured)"))
+            elif m.labelled:
+                measured.append((target, f"{words} (measured {value:.1%}, float32 {base:.1%})"))
+            else:
+                measured.append((target, f"{words} (measured divergence {value:.3g})"))
+        return measured
