@@ -38,7 +38,7 @@ def _pairs_table(report: FoldReport) -> Table:
         ("bf16", "right"),
     ]
     if measured is not None:
-        columns.append(("drop", "right"))
+        columns.append(("drop (pt)" if measured.labelled else "drop", "right"))
     for name, justify in columns:
         table.add_column(name, justify=justify, overflow="fold")
     for p in sorted(report.pairs, key=_order):
@@ -67,7 +67,7 @@ _LEGEND = (
 
 
 def _points(x: float | None) -> str:
-    return "-" if x is None else f"{x * 100:+.1f} pt"
+    return "-" if x is None else f"{x * 100:+.1f}"
 
 
 def render_fold(report: FoldReport, console: Console, quiet: bool = False) -> None:
