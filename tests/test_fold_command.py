@@ -532,3 +532,22 @@ def test_cli_measures_with_arch_and_data(measured_setup, cli):
     table = cli("fold", ckpt, "--arch", arch, "--data", data, "--isolated", width=160)
     assert table.exit_code == 1 and "measured on 256 samples: accuracy" in table.stdout
     assert cli("fold", ckpt, "--arch", arch, "--isolated").exit_code == 2  # --arch without data
+
+
+@pytest.mark.slow
+def test_pt2_program_pairs_through_the_graph(tmp_path, trained):
+    import warnings
+
+    state = _with_inception_channel(trained, "block.bn2", 5)
+    path = str(tmp_path / "m.pt2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.export.save(torch.export.export(_model(state), (torch.zeros(2, 3, 12, 12),)), path)
+    report = predict_fold(path, Config())
+    assert report.format == "pt2"
+    assert {p.bn: p.producer for p in report.pairs} == PAIRS and {p.paired_by for p in report.pairs} == {"graph"}
+    for p in report.pairs:
+        w, _ = _folded(state, p.bn, PAIRS[p.bn])
+        assert list(p.collapsed) == _fake_quant_zero_channels(w, per_channel=False), p.bn
+    assert [(name, "add" in why) for name, why in report.unpaired] == [("after_add", True)]
+    assert {p.bn: p for p in report.pairs}["block.bn2"].collapsed

@@ -20,8 +20,8 @@ from bnaudit.reports.fold import FoldReport
 
 def predict_fold(path: str, config: Config, key: str | None = None, trust_pickle: bool = False) -> FoldReport:
     """The prediction for every BN of the file at `path`: a state dict, safetensors file or
-    TorchScript archive (pairs by name), or an ONNX model (pairs from the graph, and convs the
-    exporter already folded audited directly). Nothing to audit is a BnauditError."""
+    TorchScript archive (pairs by name), an ONNX model (pairs from the graph, and convs the
+    exporter already folded audited directly) or a torch.export archive (pairs from its program). Nothing to audit is a BnauditError."""
     return predict_checkpoint(read_checkpoint(path, key=key, trust_pickle=trust_pickle), config)
 
 
@@ -35,12 +35,12 @@ def predict_checkpoint(ckpt: Checkpoint, config: Config) -> FoldReport:
         pairs, unpaired = graph_pairs(ckpt.graph, discovery.layers, config)
     elif not discovery.layers:
         raise BnauditError(f"{path}: no BatchNorm layers with running statistics to fold")
+    elif ckpt.format == "pt2":
+        from bnaudit.audit.foldgraph import program_pairs
+
+        pairs, unpaired = program_pairs(path, discovery.layers, config)
     else:
         pairs, unpaired = predict_pairs(ckpt.tensors, discovery.layers, config)
-        if ckpt.format == "pt2" and not pairs:
-            # the .pt2 reader keeps the BN tensors only: no producer weight to fold into
-            why = "a .pt2 archive's producers are not read yet: run fold on the state dict the program came from"
-            unpaired = [(name, why) for name, _ in unpaired]
     if not pairs and not unpaired:
         raise BnauditError(f"{path}: no BatchNorm layer and no folded convolution to audit")
     findings = run_fold_rules(FoldContext(tuple(pairs), tuple(unpaired), config))

@@ -133,3 +133,26 @@ def graph_pairs(
         conv = node.name or f"Conv_{index}"
         predictions.append(predict_folded(conv, conv, "folded", _weight_maxima(node, weight), bias, None, config))
     return predictions, unpaired
+
+
+def program_pairs(
+    path: str, layers: Sequence[BNLayer], config: Config
+) -> tuple[list[PairPrediction], list[tuple[str, str]]]:
+    """Predictions for the BN layers of a torch.export archive (`.pt2`) paired through its
+    program: the node feeding each batch-norm node (`bnaudit.formats.pt2.batchnorm_producers`)."""
+    from bnaudit.formats.pt2 import batchnorm_producers
+
+    producers = batchnorm_producers(path)
+    predictions: list[PairPrediction] = []
+    unpaired: list[tuple[str, str]] = []
+    for layer in layers:
+        found = producers.get(layer.name)
+        if found is None or found.weight is None:
+            unpaired.append((layer.name, found.why_not if found is not None else "no batch-norm node found for it"))
+            continue
+        if len(found.weight.shape) < 2 or found.weight.shape[0] != layer.num_features:
+            unpaired.append((layer.name, f"its producer {found.name} has no weight of {layer.num_features} outputs"))
+            continue
+        bias = found.bias.read() if found.bias is not None and found.bias.shape == (layer.num_features,) else None
+        predictions.append(predict_pair(layer, found.name, channel_maxima(found.weight), bias, config, "graph"))
+    return predictions, unpaired

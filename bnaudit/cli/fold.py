@@ -42,7 +42,11 @@ from bnaudit.errors import BnauditError
 
 def fold_command(
     path: Annotated[
-        str, typer.Argument(metavar="PATH", help="A checkpoint (.pt, .safetensors) or TorchScript archive.")
+        str,
+        typer.Argument(
+            metavar="PATH",
+            help="A checkpoint (.pt, .safetensors), TorchScript archive, ONNX model or torch.export .pt2 archive.",
+        ),
     ],
     output_format: FormatOpt = Format.table,
     fail_on: FailOnOpt = None,

@@ -191,7 +191,8 @@ def _check_cancellation(ctx: FoldContext) -> Iterator[Finding]:
     "bnaudit pairs each BN with the Conv or Linear before it by the naming conventions of real "
     "libraries (Sequential index i-1, convK/bnK, conv_stem/bn1, downsample.0/.1, .conv/.bn siblings, "
     "transformers convolution/normalization) where the producer's output channels equal the BN's; in an "
-    "exported graph, a BN node whose input is the output of one Conv or Gemm that nothing else reads. A "
+    "exported graph (ONNX, .pt2), a BN node whose input is the output of one Conv, Gemm or linear that "
+    "nothing else reads. A "
     "BN that follows an Add, a concat or a pooling cannot be folded and stays a standalone op, which "
     "some backends (ExecuTorch/XNNPACK, Arm) refuse or decompose; a BN whose producer is named "
     "otherwise is simply not audited by `fold`.",
