@@ -243,14 +243,14 @@ def test_fp16_flush_where_a_real_half_cast_zeroes_the_channel(tmp_path):
     assert list(p.per_channel_collapsed) == [5]  # gamma 0: zero already (BN203, not a flush)
 
 
-def _bf16_forward_error(mean: float, std: float, n: int = 4096) -> float:
-    """The largest error, in standard deviations, of a real bf16 eval-mode BN forward on
-    samples of N(mean, std^2) against the float64 forward."""
+def _half_forward_error(mean: float, std: float, dtype=torch.bfloat16, n: int = 4096) -> float:
+    """The largest error, in standard deviations, of a real half-precision eval-mode BN
+    forward on samples of N(mean, std^2) against the float64 forward."""
     g = torch.Generator().manual_seed(3)
     x = mean + std * torch.randn(n, 1, generator=g, dtype=torch.float64)
     rm, rv = torch.tensor([mean], dtype=torch.float64), torch.tensor([std**2], dtype=torch.float64)
     exact = F.batch_norm(x, rm, rv, training=False, eps=EPS)
-    half = F.batch_norm(x.bfloat16(), rm.bfloat16(), rv.bfloat16(), training=False, eps=EPS)
+    half = F.batch_norm(x.to(dtype), rm.to(dtype), rv.to(dtype), training=False, eps=EPS)
     return float((half.double() - exact).abs().max())
 
 
@@ -268,11 +268,13 @@ def test_bf16_cancellation_flags_agree_with_a_real_bf16_forward(tmp_path):
         "1.running_var": torch.tensor([s**2 for s in stds]),
     }
     (p,) = _predict(tmp_path, state).pairs
-    real = [_bf16_forward_error(m, s) > 0.05 for m, s in zip(means, stds)]
+    real = [_half_forward_error(m, s) > 0.05 for m, s in zip(means, stds)]
     assert list(p.bf16_cancellation) == [i for i in range(c) if real[i]]
     assert real == [False, False, False, False, True, True, True, True]  # both sides exercised
-    # fp16 has 3 more bits: the threshold moves 8x up
-    assert list(p.fp16_cancellation) == [i for i in range(c) if ratios[i] * 2.0**-11 > 0.05]
+    # fp16 has 3 more bits: the threshold moves 8x up, and a real fp16 forward agrees
+    real16 = [_half_forward_error(m, s, torch.float16) > 0.05 for m, s in zip(means, stds)]
+    assert list(p.fp16_cancellation) == [i for i in range(c) if real16[i]]
+    assert real16 == [False, False, False, False, False, True, True, True]
 
 
 def test_eps_from_the_option_changes_the_fold(tmp_path, trained):
@@ -487,6 +489,7 @@ def test_measured_targets_equal_the_tests_own_folded_and_quantized_models(measur
     report = measure_fold(ckpt, DataOptions(path=data, batch_size=64), Config(), arch=arch)
     m = report.measured
     assert m is not None and m.labelled and m.samples == 256
+    assert {p.bn: (p.producer, p.paired_by) for p in report.pairs} == {b: (c, "graph") for b, c in SEQ_PAIRS.items()}
     assert m.results["float32"] == _accuracy(model, x, y)
     assert m.results["folded"] == m.results["float32"]
     assert m.results["int8_per_tensor"] == _accuracy(_own_folded(model, "tensor"), x, y)
@@ -551,3 +554,27 @@ def test_pt2_program_pairs_through_the_graph(tmp_path, trained):
         assert list(p.collapsed) == _fake_quant_zero_channels(w, per_channel=False), p.bn
     assert [(name, "add" in why) for name, why in report.unpaired] == [("after_add", True)]
     assert {p.bn: p for p in report.pairs}["block.bn2"].collapsed
+
+
+def test_a_traced_forward_pairs_exactly(trained):
+    from bnaudit.runtime.fold import traced_producers
+
+    traced = traced_producers(_model(trained))
+    assert traced is not None
+    producers, unfoldable = traced
+    assert producers == PAIRS
+    assert list(unfoldable) == ["after_add"] and "add" in unfoldable["after_add"]
+
+
+def test_an_untraceable_forward_gives_no_graph():
+    from bnaudit.runtime.fold import traced_producers
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return self.bn(self.conv(x)) if x.sum() > 0 else x  # data-dependent: fx cannot trace it
+
+    assert traced_producers(Branchy()) is None

@@ -7,6 +7,8 @@ Reads the file through `bnaudit.formats.read.read_checkpoint`, finds its BN laye
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from bnaudit.audit.foldcheck import FoldContext, predict_pairs
 from bnaudit.audit.layers import discover_layers, not_from_file
 from bnaudit.audit.rules import run_fold_rules
@@ -25,8 +27,15 @@ def predict_fold(path: str, config: Config, key: str | None = None, trust_pickle
     return predict_checkpoint(read_checkpoint(path, key=key, trust_pickle=trust_pickle), config)
 
 
-def predict_checkpoint(ckpt: Checkpoint, config: Config) -> FoldReport:
-    """`predict_fold` of an opened checkpoint (a model's, with its real eps, under --arch)."""
+def predict_checkpoint(
+    ckpt: Checkpoint,
+    config: Config,
+    traced: Mapping[str, str] | None = None,
+    unfoldable: Mapping[str, str] | None = None,
+) -> FoldReport:
+    """`predict_fold` of an opened checkpoint (a model's, with its real eps, under --arch);
+    `traced` (BN -> producer module) and `unfoldable` (BN -> what feeds it instead) come from
+    a traced forward of the model and replace the naming conventions (paired_by "graph")."""
     path = ckpt.path
     discovery = discover_layers(ckpt, config.stated_settings())
     if ckpt.format == "onnx" and ckpt.graph is not None:
@@ -40,7 +49,7 @@ def predict_checkpoint(ckpt: Checkpoint, config: Config) -> FoldReport:
 
         pairs, unpaired = program_pairs(path, discovery.layers, config)
     else:
-        pairs, unpaired = predict_pairs(ckpt.tensors, discovery.layers, config)
+        pairs, unpaired = predict_pairs(ckpt.tensors, discovery.layers, config, traced, unfoldable)
     if not pairs and not unpaired:
         raise BnauditError(f"{path}: no BatchNorm layer and no folded convolution to audit")
     findings = run_fold_rules(FoldContext(tuple(pairs), tuple(unpaired), config))

@@ -138,29 +138,38 @@ def producer_candidates(bn: str) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def _producer(tensors: Mapping[str, TensorRef], name: str, layer: BNLayer, bn_names: set[str]) -> Producer | None:
+    """`name`'s weight and bias when it can be `layer`'s producer: a floating weight of two or
+    more dimensions with the BN's channel count first, and not itself a BN."""
+    weight = tensors.get(f"{name}.weight")
+    if (
+        name in bn_names
+        or weight is None
+        or not weight.is_floating
+        or len(weight.shape) < 2
+        or weight.shape[0] != layer.num_features
+    ):
+        return None
+    bias = tensors.get(f"{name}.bias")
+    ok_bias = bias is not None and bias.is_floating and bias.shape == (layer.num_features,)
+    return Producer(name, weight, bias if ok_bias else None)
+
+
 def pair_by_name(
-    tensors: Mapping[str, TensorRef], layers: Sequence[BNLayer]
+    tensors: Mapping[str, TensorRef], layers: Sequence[BNLayer], traced: Mapping[str, str] | None = None
 ) -> tuple[list[tuple[BNLayer, Producer]], list[str]]:
-    """(BN layer, producer) for every BN whose producer the naming conventions find, and the
+    """(BN layer, producer) for every BN whose producer the naming conventions find (or, with
+    `traced`, the module a traced forward feeds it from: BN name -> producer name), and the
     names of the BN layers without one (see the module docstring)."""
     bn_names = {layer.name for layer in layers}
     pairs: list[tuple[BNLayer, Producer]] = []
     unpaired: list[str] = []
     for layer in layers:
-        producer = None
-        for name in producer_candidates(layer.name):
-            weight = tensors.get(f"{name}.weight")
-            if (
-                name not in bn_names
-                and weight is not None
-                and weight.is_floating
-                and len(weight.shape) >= 2
-                and weight.shape[0] == layer.num_features
-            ):
-                bias = tensors.get(f"{name}.bias")
-                ok_bias = bias is not None and bias.is_floating and bias.shape == (layer.num_features,)
-                producer = Producer(name, weight, bias if ok_bias else None)
-                break
+        candidates = producer_candidates(layer.name) if traced is None else [traced.get(layer.name, "")]
+        producer = next(
+            (p for p in (_producer(tensors, name, layer, bn_names) for name in candidates if name) if p is not None),
+            None,
+        )
         if producer is None:
             unpaired.append(layer.name)
         else:
@@ -292,13 +301,23 @@ NO_PRODUCER_BY_NAME = "no Conv or Linear producer found by name: not folded, not
 
 
 def predict_pairs(
-    tensors: Mapping[str, TensorRef], layers: Sequence[BNLayer], config: Config
+    tensors: Mapping[str, TensorRef],
+    layers: Sequence[BNLayer],
+    config: Config,
+    traced: Mapping[str, str] | None = None,
+    unfoldable: Mapping[str, str] | None = None,
 ) -> tuple[list[PairPrediction], list[tuple[str, str]]]:
-    """Pair every BN layer by name and predict each pair; (BN name, why) of the unpaired."""
-    pairs, unpaired = pair_by_name(tensors, layers)
+    """Pair every BN layer by name (or by `traced`, paired_by "graph": see `pair_by_name`)
+    and predict each pair; (BN name, why) of the unpaired, `unfoldable` saying why where it
+    knows (what a traced forward feeds the BN from)."""
+    pairs, unpaired = pair_by_name(tensors, layers, traced)
     predictions = []
     for layer, producer in pairs:
         maxima = channel_maxima(producer.weight)
         conv_bias = producer.bias.read() if producer.bias is not None else None
-        predictions.append(predict_pair(layer, producer.name, maxima, conv_bias, config))
-    return predictions, [(name, NO_PRODUCER_BY_NAME) for name in unpaired]
+        paired_by = "name" if traced is None else "graph"
+        predictions.append(predict_pair(layer, producer.name, maxima, conv_bias, config, paired_by))
+    if traced is None:
+        return predictions, [(name, NO_PRODUCER_BY_NAME) for name in unpaired]
+    why = unfoldable or {}
+    return predictions, [(name, why.get(name, "not reached by the traced forward")) for name in unpaired]

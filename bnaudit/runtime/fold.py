@@ -54,6 +54,43 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
+def traced_producers(model: nn.Module) -> tuple[dict[str, str], dict[str, str]] | None:
+    """From a torch.fx trace of the model's forward: BN module -> the Conv/Linear module whose
+    output is its input and that nothing else reads; and BN module -> what feeds it instead
+    (an add, a concat, a pooling, a producer read twice). None where the forward cannot be
+    traced symbolically (data-dependent control flow): the names decide then."""
+    import torch.fx
+
+    try:
+        graph = torch.fx.symbolic_trace(model).graph
+    except Exception:  # any failure of tracing user code means: no graph
+        return None
+    modules = dict(model.named_modules())
+    producers: dict[str, str] = {}
+    unfoldable: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op != "call_module" or not isinstance(modules.get(str(node.target)), BN_TYPES):
+            continue
+        bn = str(node.target)
+        source = node.args[0] if node.args else None
+        producer = modules.get(str(source.target)) if isinstance(source, torch.fx.Node) else None
+        if bn in producers or bn in unfoldable:
+            unfoldable[bn] = "called more than once in the forward"
+            producers.pop(bn, None)
+        elif (
+            not isinstance(source, torch.fx.Node)
+            or source.op != "call_module"
+            or not isinstance(producer, PRODUCER_TYPES)
+        ):
+            what = getattr(source, "target", "an input")
+            unfoldable[bn] = f"follows {getattr(what, '__name__', what)}: stays a standalone BatchNorm"
+        elif len(source.users) != 1:
+            unfoldable[bn] = f"its producer {source.target}'s output is read by other nodes too"
+        else:
+            producers[bn] = str(source.target)
+    return producers, unfoldable
+
+
 def foldable(model: nn.Module, pairs: Iterable[PairPrediction]) -> list[PairPrediction]:
     """The pairs whose modules are a Conv/Linear followed by a tracked BatchNorm."""
     found = []
@@ -155,7 +192,10 @@ def measure_fold(
     runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
     if runnable.scripted:
         raise BnauditError(f"{checkpoint}: a TorchScript module cannot be folded here: pass the state dict with --arch")
-    report = predict_checkpoint(runnable.checkpoint, config)
+    traced = traced_producers(runnable.module)
+    report = predict_checkpoint(runnable.checkpoint, config, *(traced or (None, None)))
+    if traced is None:
+        report = dataclasses.replace(report, notes=(*report.notes, "the forward cannot be traced: paired by name"))
     model = runnable.module.eval()
     pairs = foldable(model, report.pairs)
     folded = fold_model(model, pairs)
