@@ -578,3 +578,19 @@ def test_an_untraceable_forward_gives_no_graph():
             return self.bn(self.conv(x)) if x.sum() > 0 else x  # data-dependent: fx cannot trace it
 
     assert traced_producers(Branchy()) is None
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_measure_what_one_process_measures(measured_setup, tmp_path):
+    from conftest import run_ranks
+
+    _, ckpt, data, arch, *_ = measured_setup
+    args = ["-m", "bnaudit", "fold", ckpt, "--arch", arch, "--data", data, "--batch-size", "32", "-f", "json"]
+    args += ["--isolated", "--exit-zero"]
+    one, two = run_ranks(args, tmp_path, ranks=1), run_ranks(args, tmp_path, ranks=2)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    a, b = json.loads(one.stdout), json.loads(two.stdout)  # rank 0 alone printed one document
+    assert a["measured"] == pytest.approx(b["measured"], abs=1e-12)
+    assert [p["measured_drop"] for p in a["pairs"]] == pytest.approx(
+        [p["measured_drop"] for p in b["pairs"]], abs=1e-12
+    )

@@ -9,7 +9,7 @@ import typer
 
 from bnaudit import output
 from bnaudit.audit.settings import DEFAULT_EPS
-from bnaudit.cli.boundary import user_errors
+from bnaudit.cli.boundary import frozen_imports, user_errors
 from bnaudit.cli.options import (
     ArchKwargsOpt,
     ArchOpt,
@@ -83,23 +83,37 @@ def fold_command(
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
 
-    with user_errors(debug, output_format is Format.json):
+    json_output = output_format is Format.json
+    measuring = data is not None or dataset is not None
+    printing = True
+    if measuring:  # under torchrun rank 0 alone prints (errors too): the runner says which
+        from bnaudit.runtime.distributed import prints
+
+        printing = prints()
+    with user_errors(debug, json_output and printing):
         overrides = {"--fail-on": fail_on.value if fail_on else None, "--eps": eps}
         config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=accepted_codes())
-        if data is None and dataset is None:
+        if not measuring:
             if arch is not None or arch_kwargs is not None or forward is not None:
                 raise BnauditError("--arch, --arch-kwargs and --forward measure: give --data or --dataset too")
             report = predict_fold(path, config, key=key, trust_pickle=trust_pickle)
+            output.emit(report, output_format.value, sys.stdout, quiet=quiet)
         else:
+            import torch
+
+            from bnaudit.runtime.distributed import torchrun
             from bnaudit.runtime.fold import measure_fold
 
             options = data_options(
                 data, dataset, batch_size, num_samples, seed, no_shuffle, workers, image_size, grayscale, mean, std,
                 skip_bad,
             )  # fmt: skip
-            report = measure_fold(
-                path, options, config, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle,
-                forward_spec=forward,
-            )  # fmt: skip
-        output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+            # printed inside the runner's wait: torchrun stops every rank as soon as one exits
+            with frozen_imports(), torchrun(torch.device("cpu"), wait=True):
+                report = measure_fold(
+                    path, options, config, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle,
+                    forward_spec=forward,
+                )  # fmt: skip
+                if printing:
+                    output.emit(report, output_format.value, sys.stdout, quiet=quiet)
     raise typer.Exit(report.exit_code(exit_zero=exit_zero))

@@ -18,7 +18,8 @@ Per pair, the folded model with only that pair's producer quantized per tensor (
 weight swapped in and restored around each batch). With labels each result is the top-1
 accuracy (fraction); without, the mean over samples of ||y - y_float32|| / ||y_float32||.
 The drop of a pair is accuracy(folded) - accuracy(pair quantized), or its divergence minus
-the folded model's. Runs in one process (no torchrun sharding).
+the folded model's. Under torchrun (`python -m torch.distributed.run`) every rank scores its
+share of whole batches on the CPU and every rank returns the report of all the samples.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.reports.fold import TARGETS, FoldMeasurement, FoldReport
 from bnaudit.runtime.data import make_loader
+from bnaudit.runtime.distributed import gather_objects, together, torchrun
 from bnaudit.runtime.models import forward, load_forward, load_runnable, output_tensor
 from bnaudit.runtime.sources import DataOptions
 
@@ -174,6 +176,66 @@ class _Scores:
         self.total[target] = self.total.get(target, 0.0) + value
 
 
+_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _score(
+    stream: Iterable[Any],
+    model: nn.Module,
+    folded: nn.Module,
+    models: dict[str, nn.Module | None],
+    pairs: list[PairPrediction],
+    labelled: bool,
+    forward_fn: Callable[[Any, Any], Any] | None,
+    notes: list[str],
+) -> tuple[_Scores, int, set[str]]:
+    """One pass over `stream`: every target and every pair quantized alone, per batch (the
+    module docstring); the half-precision targets the CPU could not run."""
+    scores, samples = _Scores(), 0
+    unsupported: set[str] = set()
+    with torch.no_grad():
+        for batch in stream:
+            labels = batch.labels if labelled else None
+            reference = output_tensor(forward(model, batch.inputs, forward_fn))
+            for target, m in models.items():
+                if m is None or target in unsupported:
+                    continue
+                inputs = _cast(batch.inputs, _HALF[target]) if target in _HALF else batch.inputs
+                try:
+                    out = reference if m is model else output_tensor(forward(m, inputs, forward_fn))
+                except (RuntimeError, NotImplementedError) as exc:
+                    if target not in _HALF:
+                        raise
+                    notes.append(f"{target}: not measured, the CPU cannot run it ({str(exc).splitlines()[0]})")
+                    unsupported.add(target)
+                    continue
+                scores.add(target, out, reference, labels)
+            for p in pairs:
+                producer = _module(folded, p.producer)
+                kept = producer.weight.detach().clone()
+                producer.weight.copy_(quantize_per_tensor(kept))
+                scores.add(f"pair:{p.bn}", output_tensor(forward(folded, batch.inputs, forward_fn)), reference, labels)
+                producer.weight.copy_(kept)
+            samples += batch.size
+    return scores, samples, unsupported
+
+
+def _gathered(
+    totals: dict[str, float], samples: int, unsupported: set[str], notes: list[str]
+) -> tuple[dict[str, float], int, set[str], list[str]]:
+    """Every rank's totals combined, in rank order (under torchrun each rank scored its share
+    of whole batches); the values themselves in one process. Collective."""
+    combined: dict[str, float] = {}
+    count, missing, words = 0, set(), []
+    for total, n, absent, said in gather_objects((totals, samples, unsupported, notes)):
+        for k, v in total.items():
+            combined[k] = combined.get(k, 0.0) + v
+        count += n
+        missing |= absent
+        words += [w for w in said if w not in words]
+    return combined, count, missing, words
+
+
 def measure_fold(
     checkpoint: str,
     options: DataOptions,
@@ -207,36 +269,16 @@ def measure_fold(
         "fp16": copy.deepcopy(model).half(),
         "bf16": copy.deepcopy(model).to(torch.bfloat16),
     }
-    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
     notes: list[str] = []
     stream = make_loader(options)
     labelled = bool(stream.has_labels)
-    scores, samples = _Scores(), 0
-    with torch.no_grad():
-        for batch in stream:
-            labels = batch.labels if labelled else None
-            reference = output_tensor(forward(model, batch.inputs, forward_fn))
-            for target, m in models.items():
-                if m is None:
-                    continue
-                inputs = _cast(batch.inputs, dtypes[target]) if target in dtypes else batch.inputs
-                try:
-                    out = reference if m is model else output_tensor(forward(m, inputs, forward_fn))
-                except (RuntimeError, NotImplementedError) as exc:
-                    if target not in dtypes:
-                        raise
-                    notes.append(f"{target}: not measured, the CPU cannot run it ({str(exc).splitlines()[0]})")
-                    models[target] = None
-                    continue
-                scores.add(target, out, reference, labels)
-            for p in pairs:
-                producer = _module(folded, p.producer)
-                kept = producer.weight.detach().clone()
-                producer.weight.copy_(quantize_per_tensor(kept))
-                scores.add(f"pair:{p.bn}", output_tensor(forward(folded, batch.inputs, forward_fn)), reference, labels)
-                producer.weight.copy_(kept)
-            samples += batch.size
-    mean = {k: v / samples for k, v in scores.total.items()} if samples else {}
+    with torchrun(torch.device("cpu")) as ranks, together():
+        shard = stream.shard(ranks.rank, ranks.world)
+        scores, samples, unsupported = _score(shard, model, folded, models, pairs, labelled, forward_fn, notes)
+    totals, samples, unsupported, notes = _gathered(scores.total, samples, unsupported, notes)
+    for target in unsupported:
+        models[target] = None
+    mean = {k: v / samples for k, v in totals.items()} if samples else {}
     results: dict[str, float | None] = {t: mean.get(t) if models[t] is not None else None for t in TARGETS}
     base = mean.get("folded", 0.0)
     drops = {
