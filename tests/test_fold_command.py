@@ -594,3 +594,31 @@ def test_torchrun_ranks_measure_what_one_process_measures(measured_setup, tmp_pa
     assert [p["measured_drop"] for p in a["pairs"]] == pytest.approx(
         [p["measured_drop"] for p in b["pairs"]], abs=1e-12
     )
+
+
+def test_onnx_linear_without_bias_pairs_through_its_transposed_matmul():
+    pytest.importorskip("onnx")
+    from conftest import SAMPLES
+
+    exported = predict_fold(f"{SAMPLES}/onnx/digits.onnx", Config())
+    saved = {p.bn: p for p in predict_fold(f"{SAMPLES}/healthy.pt", Config()).pairs}
+    # head.1 is nn.Linear(bias=False): MatMul(x, Transpose(head.1.weight)) in the graph
+    assert [(p.bn, p.paired_by) for p in exported.pairs] == [
+        (b, "graph") for b in ("features.1", "features.4", "head.2")
+    ]
+    for p in exported.pairs:
+        assert p.int8_scale == pytest.approx(saved[p.bn].int8_scale, rel=1e-6), p.bn
+        assert p.scale_set_by.channel == saved[p.bn].scale_set_by.channel and p.coarse == saved[p.bn].coarse
+    assert exported.unpaired == ()
+
+
+def test_invalid_statistics_are_never_flagged_as_cancellation(tmp_path):
+    state = {
+        "0.weight": torch.randn(3, 2),
+        "1.weight": torch.ones(3),
+        "1.bias": torch.zeros(3),
+        "1.running_mean": torch.tensor([5.0, float("nan"), 1.0]),
+        "1.running_var": torch.tensor([float("nan"), 1.0, 1.0]),
+    }
+    (p,) = _predict(tmp_path, state).pairs
+    assert p.bf16_cancellation == () and p.fp16_cancellation == ()  # NaN statistics: inspect's BN005

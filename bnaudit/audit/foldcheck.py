@@ -192,6 +192,8 @@ def cancellation_bound(mean: float, var: float, eps: float, unit_roundoff: float
     """e = |mean| u / sqrt(var + eps): the error of x - mean in a format of unit roundoff u,
     in the channel's standard deviations (inf where var + eps <= 0 and mean != 0)."""
     denominator = var + eps
+    if math.isnan(denominator) or math.isnan(mean):
+        return math.nan  # invalid statistics (inspect's BN005): no bound, never flagged
     if not denominator > 0:
         return math.inf if mean != 0 else 0.0
     return abs(mean) * unit_roundoff / math.sqrt(denominator)
@@ -293,7 +295,7 @@ def predict_folded(
         fp16_flush=tuple(c for c, m in enumerate(folded_max) if 0 < m <= FP16_FLUSH),
         fp16_cancellation=tuple(c for c, e in enumerate(bounds["fp16"]) if e > limit),
         bf16_cancellation=tuple(c for c, e in enumerate(bounds["bf16"]) if e > limit),
-        worst_cancellation=max(((e, c) for c, e in enumerate(bounds["bf16"])), default=None),
+        worst_cancellation=max(((e, c) for c, e in enumerate(bounds["bf16"]) if not math.isnan(e)), default=None),
     )
 
 

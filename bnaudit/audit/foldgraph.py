@@ -3,8 +3,8 @@
 Torch-free (the graph is the parsed `bnaudit.formats.onnx.OnnxModel`; nodes are read by
 attribute). Two cases, per node:
 
-  BN node kept      the BatchNormalization node's input X is the output of one Conv or Gemm
-                    node with a constant weight, and nothing else reads X: paired_by
+  BN node kept      the BatchNormalization node's input X is the output of one Conv, Gemm or
+                    MatMul node with a constant weight, and nothing else reads X: paired_by
                     "graph", predicted from the node's statistics and the conv's weight as
                     for a checkpoint (`bnaudit.audit.foldcheck.predict_pair`). A BN node
                     fed by anything else (an Add, a Concat, a pooling, a graph input, a
@@ -16,7 +16,8 @@ attribute). Two cases, per node:
                     audited directly (`predict_folded`, without the BN's numbers).
 
 A Gemm's weight is (N, K) with transB=1 (torch's Linear) and (K, N) otherwise; its alpha and
-beta scale weight and bias. ConvTranspose (weight (C_in, C_out / groups, ...)) is not paired.
+beta scale weight and bias. A MatMul (torch's Linear without bias, exported) has a (K, N)
+weight and no bias. ConvTranspose (weight (C_in, C_out / groups, ...)) is not paired.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from bnaudit.formats.model import TensorRef
 from bnaudit.formats.onnx import OnnxModel, batchnorm_layer_name, constant
 from bnaudit.normkinds import NormKind, onnx_op_kind
 
-PRODUCER_OPS = ("Conv", "Gemm")
+PRODUCER_OPS = ("Conv", "Gemm", "MatMul")
 
 
 def _attribute(node: Any, name: str, default: float) -> float:
@@ -41,27 +42,52 @@ def _attribute(node: Any, name: str, default: float) -> float:
     return default
 
 
-def _weight_maxima(node: Any, weight: TensorRef) -> list[float]:
-    """max_k |W_c,k| per output channel, with a Gemm's layout and alpha."""
-    if node.op_type != "Gemm":
+def _out_last(node: Any) -> bool:
+    """The weight is laid out (K, N), output channels last: MatMul, and Gemm without transB."""
+    return node.op_type == "MatMul" or (node.op_type == "Gemm" and _attribute(node, "transB", 0) != 1)
+
+
+def _weight_maxima(node: Any, weight: TensorRef, out_last: bool) -> list[float]:
+    """max_k |W_c,k| per output channel, with the weight's layout and Gemm's alpha."""
+    if node.op_type == "Conv":
         return channel_maxima(weight)
-    alpha = abs(_attribute(node, "alpha", 1.0))
-    if _attribute(node, "transB", 0) == 1:
+    alpha = abs(_attribute(node, "alpha", 1.0)) if node.op_type == "Gemm" else 1.0
+    if not out_last:
         return [alpha * m for m in channel_maxima(weight)]
     k, n = weight.shape
     values = weight.read()
     return [alpha * max((abs(values[i * n + c]) for i in range(k)), default=0.0) for c in range(n)]
 
 
-def _out_channels(node: Any, weight: TensorRef) -> int | None:
+def _out_channels(weight: TensorRef, out_last: bool) -> int | None:
     if len(weight.shape) < 2:
         return None
-    if node.op_type == "Gemm" and _attribute(node, "transB", 0) != 1:
+    if out_last:
         return weight.shape[-1] if len(weight.shape) == 2 else None
     return weight.shape[0]
 
 
+def _weight(model: OnnxModel, node: Any, producer_of: dict[str, Any]) -> tuple[TensorRef | None, bool]:
+    """(the producer's constant weight, whether its output channels are last). A MatMul's
+    weight may come through a Transpose of a constant (torch's Linear without bias,
+    exported without constant folding): the constant is then (N, K), outputs first."""
+    name = node.input[1] if len(node.input) > 1 else ""
+    weight = constant(model, name) if name else None
+    if weight is not None or node.op_type != "MatMul":
+        return weight, _out_last(node)
+    transpose = producer_of.get(name)
+    if transpose is None or transpose.op_type != "Transpose" or not transpose.input:
+        return None, True
+    perm = [a for a in transpose.attribute if a.name == "perm"]
+    source = constant(model, transpose.input[0])
+    if source is None or len(source.shape) != 2 or (perm and list(perm[0].ints) != [1, 0]):
+        return None, True
+    return source, False
+
+
 def _bias(model: OnnxModel, node: Any, channels: int) -> list[float] | None:
+    if node.op_type == "MatMul":
+        return None  # a MatMul has no bias (one added after it is an Add node: not paired)
     ref = constant(model, node.input[2]) if len(node.input) > 2 and node.input[2] else None
     if ref is None or ref.shape != (channels,):
         return None
@@ -107,12 +133,12 @@ def graph_pairs(
         if readers.get(x, 0) != 1:
             unpaired.append((name, f"its {source.op_type} node's output is read by other nodes too"))
             continue
-        weight = constant(model, source.input[1]) if len(source.input) > 1 else None
-        if weight is None or _out_channels(source, weight) != layer.num_features:
+        weight, out_last = _weight(model, source, producer_of)
+        if weight is None or _out_channels(weight, out_last) != layer.num_features:
             unpaired.append((name, f"its {source.op_type} node has no constant weight of {layer.num_features} outputs"))
             continue
         producer = source.name or f"{source.op_type} node writing {x}"
-        maxima = _weight_maxima(source, weight)
+        maxima = _weight_maxima(source, weight, out_last)
         predictions.append(
             predict_pair(layer, producer, maxima, _bias(model, source, layer.num_features), config, "graph")
         )
@@ -123,7 +149,7 @@ def graph_pairs(
         if any(out in bn_inputs for out in node.output):
             continue
         weight = constant(model, node.input[1])
-        channels = _out_channels(node, weight) if weight is not None else None
+        channels = _out_channels(weight, False) if weight is not None else None
         computed = node.input[1].startswith("onnx::")
         if weight is None or channels is None or (any_bn and not computed):
             continue
@@ -131,7 +157,9 @@ def graph_pairs(
         if bias is None:
             continue
         conv = node.name or f"Conv_{index}"
-        predictions.append(predict_folded(conv, conv, "folded", _weight_maxima(node, weight), bias, None, config))
+        predictions.append(
+            predict_folded(conv, conv, "folded", _weight_maxima(node, weight, False), bias, None, config)
+        )
     return predictions, unpaired
 
 

@@ -100,7 +100,10 @@ def _check_per_channel(ctx: FoldContext) -> Iterator[Finding]:
         if p.per_channel_collapsed:
             c = p.per_channel_collapsed
             yield r.finding(
-                Severity.INFO, p.bn, f"{_channels(c)} of {p.channels} have zero folded weights in {p.producer}", c
+                Severity.INFO,
+                p.bn,
+                f"{_channels(c)} of {p.channels} {'has' if len(c) == 1 else 'have'} zero folded weights in {p.producer}",
+                c,
             )
 
 
