@@ -622,3 +622,18 @@ def test_invalid_statistics_are_never_flagged_as_cancellation(tmp_path):
     }
     (p,) = _predict(tmp_path, state).pairs
     assert p.bf16_cancellation == () and p.fp16_cancellation == ()  # NaN statistics: inspect's BN005
+
+
+def test_a_weight_of_exactly_half_a_step_rounds_to_even_zero(tmp_path):
+    # var + eps = 1: the folded weights are the conv's exactly, and S = 127 / 127 = 1
+    w = torch.tensor([[127.0, 1.0], [0.5, -0.25], [-0.5000001, 0.0], [0.75, 0.1]])
+    state = {
+        "0.weight": w,
+        "1.weight": torch.ones(4),
+        "1.bias": torch.zeros(4),
+        "1.running_mean": torch.zeros(4),
+        "1.running_var": torch.full((4,), 0.75),
+    }
+    (p,) = _predict(tmp_path, state, config=Config(eps=0.25)).pairs
+    assert p.int8_scale == 1.0
+    assert list(p.collapsed) == _fake_quant_zero_channels(w.double(), per_channel=False) == [1]
