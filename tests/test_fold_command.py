@@ -312,6 +312,8 @@ def test_cli_exit_codes_and_json_shape(tmp_path, trained, cli):
     assert pair["measured_drop"] is None and pair["paired_by"] == "name"
     assert doc["summary"]["errors"] >= 1
     assert cli("fold", bad, "--isolated", "--exit-zero").exit_code == 0
+    assert cli("fold", bad, "--isolated", "--ignore", "BN201,BN202,BN206").exit_code == 0
+    assert cli("fold", bad, "--isolated", "--select", "BN201").exit_code == 1
     assert cli("fold", good, "--isolated", "--fail-on", "error").exit_code == 0
     missing = cli("fold", str(tmp_path / "nope.pt"), "--isolated", "--format", "json")
     assert missing.exit_code == 2 and "error" in json.loads(missing.stdout)

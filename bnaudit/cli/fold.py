@@ -35,6 +35,7 @@ from bnaudit.cli.options import (
     StdOpt,
     TrustPickleOpt,
     WorkersOpt,
+    code_list,
     data_options,
 )
 from bnaudit.errors import BnauditError
@@ -51,6 +52,13 @@ def fold_command(
     output_format: FormatOpt = Format.table,
     fail_on: FailOnOpt = None,
     exit_zero: ExitZeroOpt = False,
+    select: Annotated[
+        Optional[list[str]],
+        typer.Option(metavar="CODES", help="Run only these rules (codes or prefixes, e.g. BN201,BN204)."),
+    ] = None,
+    ignore: Annotated[
+        Optional[list[str]], typer.Option(metavar="CODES", help="Do not report these rules (codes or prefixes).")
+    ] = None,
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
     key: KeyOpt = None,
@@ -91,7 +99,12 @@ def fold_command(
 
         printing = prints()
     with user_errors(debug, json_output and printing):
-        overrides = {"--fail-on": fail_on.value if fail_on else None, "--eps": eps}
+        overrides = {
+            "--fail-on": fail_on.value if fail_on else None,
+            "--eps": eps,
+            "--select": code_list(select),
+            "--ignore": code_list(ignore),
+        }
         config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=accepted_codes())
         if not measuring:
             if arch is not None or arch_kwargs is not None or forward is not None:
