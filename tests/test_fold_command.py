@@ -3,6 +3,7 @@ fake-quantization, a real half-precision cast, a real bf16 BN forward)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -639,3 +640,23 @@ def test_a_weight_of_exactly_half_a_step_rounds_to_even_zero(tmp_path):
     (p,) = _predict(tmp_path, state, config=Config(eps=0.25)).pairs
     assert p.int8_scale == 1.0
     assert list(p.collapsed) == _fake_quant_zero_channels(w.double(), per_channel=False) == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_weights_streamed_from_safetensors_give_the_channel_maxima(tmp_path, monkeypatch, dtype):
+    from bnaudit.audit import foldcheck
+    from bnaudit.formats.read import read_checkpoint
+
+    w = (torch.randn(7, 5, 3, 3) * torch.logspace(-3, 3, 7).reshape(-1, 1, 1, 1)).to(dtype)
+    path = save_safetensors({"pad": torch.randn(3), "conv.weight": w}, tmp_path / "w.safetensors")
+    ref = read_checkpoint(path).tensors["conv.weight"]
+    assert ref.location is not None
+    monkeypatch.setattr(foldcheck, "STREAM_VALUES", 90)  # two channels a chunk: 4 chunks
+    streamed = foldcheck.channel_maxima(ref, path)
+    assert streamed == foldcheck.channel_maxima(ref) == w.double().abs().flatten(1).amax(1).tolist()
+
+    def whole_read():
+        raise AssertionError("the weight was read whole")
+
+    # streamed indeed: the tensor's own reader (all values at once) is never called
+    assert foldcheck.channel_maxima(dataclasses.replace(ref, _reader=whole_read), path) == streamed

@@ -49,7 +49,10 @@ def predict_checkpoint(
 
         pairs, unpaired = program_pairs(path, discovery.layers, config)
     else:
-        pairs, unpaired = predict_pairs(ckpt.tensors, discovery.layers, config, traced, unfoldable)
+        # a single safetensors file: the locations of its tensors are offsets in it
+        single = ckpt.format == "safetensors" and not ckpt.shards
+        stream_from = ckpt.path if single else None
+        pairs, unpaired = predict_pairs(ckpt.tensors, discovery.layers, config, traced, unfoldable, stream_from)
     if not pairs and not unpaired:
         raise BnauditError(f"{path}: no BatchNorm layer and no folded convolution to audit")
     findings = run_fold_rules(FoldContext(tuple(pairs), tuple(unpaired), config))

@@ -52,7 +52,8 @@ from dataclasses import dataclass
 from bnaudit.audit.formulas import folded_conv
 from bnaudit.audit.layers import BNLayer
 from bnaudit.config import Config
-from bnaudit.formats.model import TensorRef
+from bnaudit.errors import BnauditError
+from bnaudit.formats.model import STORAGE_ITEMSIZE, TensorRef, decode_values
 
 INT8_LEVELS = 127
 # A weight at or below this many scales rounds to 0 (round half to even sends 0.5 to 0).
@@ -177,15 +178,35 @@ def pair_by_name(
     return pairs, unpaired
 
 
-def channel_maxima(weight: TensorRef) -> list[float]:
+# Values decoded at a time when a weight is streamed from its file (about 32 MB of floats).
+STREAM_VALUES = 1 << 20
+
+
+def channel_maxima(weight: TensorRef, path: str | None = None) -> list[float]:
     """max_k |W_c,k| for every output channel c (first dimension) of a stored weight.
 
-    The values are read once and reduced per channel at once; the list of one tensor's
-    values is the peak memory (about 32 bytes a weight)."""
-    values = weight.read()
-    n = weight.shape[0]
-    per = len(values) // n if n else 0
-    return [max(map(abs, values[c * per : (c + 1) * per]), default=0.0) for c in range(n)]
+    With `path`, the file the weight's `location` refers to (a single safetensors file),
+    whole channels are decoded STREAM_VALUES at a time, so the memory stays bounded whatever
+    the layer's size; otherwise the values are read at once (about 32 bytes a weight)."""
+    n = weight.shape[0] if weight.shape else 0
+    per = math.prod(weight.shape[1:]) if n else 0
+    size = STORAGE_ITEMSIZE.get(weight.dtype, 0)
+    if path is None or weight.location is None or not weight.is_floating or weight.location[1] != n * per * size:
+        values = weight.read()
+        return [max(map(abs, values[c * per : (c + 1) * per]), default=0.0) for c in range(n)]
+    offset = weight.location[0]
+    rows = max(1, STREAM_VALUES // max(per, 1))
+    maxima: list[float] = []
+    with open(path, "rb") as f:
+        for first in range(0, n, rows):
+            count = min(rows, n - first)
+            f.seek(offset + first * per * size)
+            raw = f.read(count * per * size)
+            if len(raw) != count * per * size:
+                raise BnauditError(f"{path}: truncated tensor data in '{weight.name}'")
+            values = decode_values(raw, weight.dtype)
+            maxima += [max(map(abs, values[c * per : (c + 1) * per]), default=0.0) for c in range(count)]
+    return maxima
 
 
 def cancellation_bound(mean: float, var: float, eps: float, unit_roundoff: float) -> float:
@@ -308,14 +329,16 @@ def predict_pairs(
     config: Config,
     traced: Mapping[str, str] | None = None,
     unfoldable: Mapping[str, str] | None = None,
+    stream_from: str | None = None,
 ) -> tuple[list[PairPrediction], list[tuple[str, str]]]:
     """Pair every BN layer by name (or by `traced`, paired_by "graph": see `pair_by_name`)
     and predict each pair; (BN name, why) of the unpaired, `unfoldable` saying why where it
-    knows (what a traced forward feeds the BN from)."""
+    knows (what a traced forward feeds the BN from). `stream_from`: the single safetensors
+    file the tensors' locations refer to (`channel_maxima` streams the weights from it)."""
     pairs, unpaired = pair_by_name(tensors, layers, traced)
     predictions = []
     for layer, producer in pairs:
-        maxima = channel_maxima(producer.weight)
+        maxima = channel_maxima(producer.weight, stream_from)
         conv_bias = producer.bias.read() if producer.bias is not None else None
         paired_by = "name" if traced is None else "graph"
         predictions.append(predict_pair(layer, producer.name, maxima, conv_bias, config, paired_by))
