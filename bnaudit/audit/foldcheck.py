@@ -10,8 +10,9 @@ channel c:
 
 Every prediction below depends on a channel's weights only through M'_c = max_k |W'_c,k|
 = |s_c| * max_k |W_c,k| (rounding is monotone, so the maximum of the rounded products is
-the rounded product of the maximum): the producer's weights are read one tensor at a
-time and reduced to one number per channel at once.
+the rounded product of the maximum): the producer's weights are reduced to one number per
+channel as they are read (`channel_maxima`: from a safetensors file, streamed whole channels
+at a time).
 
 int8, per tensor  symmetric, scale S = max_c M'_c / 127, q = round_half_even(W'/S) clamped
                   to [-127, 127]. Channel c *collapses* when every weight rounds to 0:

@@ -40,10 +40,10 @@ from bnaudit.reports.fold import TARGETS, FoldMeasurement, FoldReport
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.distributed import gather_objects, together, torchrun
 from bnaudit.runtime.models import forward, load_forward, load_runnable, output_tensor
+from bnaudit.runtime.norms import has_stock_forward, is_batchnorm
 from bnaudit.runtime.sources import DataOptions
 
 PRODUCER_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
-BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def _module(model: nn.Module, name: str) -> Any:
@@ -71,7 +71,7 @@ def traced_producers(model: nn.Module) -> tuple[dict[str, str], dict[str, str]] 
     producers: dict[str, str] = {}
     unfoldable: dict[str, str] = {}
     for node in graph.nodes:
-        if node.op != "call_module" or not isinstance(modules.get(str(node.target)), BN_TYPES):
+        if node.op != "call_module" or not is_batchnorm(modules.get(str(node.target))):
             continue
         bn = str(node.target)
         source = node.args[0] if node.args else None
@@ -94,14 +94,15 @@ def traced_producers(model: nn.Module) -> tuple[dict[str, str], dict[str, str]] 
 
 
 def foldable(model: nn.Module, pairs: Iterable[PairPrediction]) -> list[PairPrediction]:
-    """The pairs whose modules are a Conv/Linear followed by a tracked BatchNorm."""
+    """The pairs whose modules are a Conv/Linear and a tracked BatchNorm with PyTorch's forward."""
     found = []
     for p in pairs:
         try:
             producer, bn = _module(model, p.producer), _module(model, p.bn)
         except AttributeError:
             continue
-        if isinstance(producer, PRODUCER_TYPES) and isinstance(bn, BN_TYPES) and bn.running_var is not None:
+        # folding reproduces PyTorch's own eval forward: a BN with a forward of its own is left
+        if isinstance(producer, PRODUCER_TYPES) and has_stock_forward(model, bn) and bn.running_var is not None:
             found.append(p)
     return found
 
