@@ -4,7 +4,8 @@
     python benchmarks/run.py --quick    # smaller inputs, fewer repeats
     python benchmarks/run.py --only 1,2 # some targets only (8: sharded checkpoint through its index;
                                         # 9: invariance against a plain loop;
-                                        # 10: .onnx with external data, needs the onnx extra)
+                                        # 10: .onnx with external data, needs the onnx extra;
+                                        # 11: torch.save files without torch, one and a folder of 50)
 
 Every input is built here, in a temporary folder deleted at the end: a ResNet-50-shaped
 state dict (53 BN layers, 25.6 M parameters) with and without 1 GiB of other tensors,
@@ -586,6 +587,35 @@ def build_resnet50_onnx(tmp: str, extra_bytes: int) -> dict:
     return {"files": files, "bn_layers": sum(1 for k in state if k.endswith(".running_mean"))}
 
 
+def build_torch_save_files(tmp: str, copies: int) -> dict:
+    """For target 11: the ResNet-50 state dict as a torch.save zip, and a folder of `copies`
+    distinct torch.save checkpoints (ResNet-50's stem and layer1: 11 BN layers, ~1 MiB
+    each, statistics scaled per file so that no two are alike)."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    state = resnet50_state_dict()
+    one = os.path.join(tmp, "resnet50_torchfree.pt")
+    torch.save(state, one)
+    part = {k: v for k, v in state.items() if k.startswith(("conv1.", "bn1.", "layer1."))}
+    folder = os.path.join(tmp, "torch_save_folder")
+    os.makedirs(folder)
+    st_folder = os.path.join(tmp, "safetensors_folder")  # the same files as safetensors, for context
+    os.makedirs(st_folder)
+    for i in range(copies):
+        scaled = {k: v * (1 + i / 1000) if v.is_floating_point() else v for k, v in part.items()}
+        torch.save(scaled, os.path.join(folder, f"ckpt_{i:03d}.pt"))
+        save_file({k: v.contiguous() for k, v in scaled.items()}, os.path.join(st_folder, f"ckpt_{i:03d}.safetensors"))
+    return {
+        "one": one,
+        "folder": folder,
+        "first": os.path.join(folder, "ckpt_000.pt"),
+        "st_folder": st_folder,
+        "st_first": os.path.join(st_folder, "ckpt_000.safetensors"),
+    }
+
+
 BUILDERS = {
     f.__name__: f
     for f in (
@@ -598,6 +628,7 @@ BUILDERS = {
         build_wide_model,
         build_tensor_data,
         build_image_folder,
+        build_torch_save_files,
     )
 }
 
@@ -784,7 +815,69 @@ def target_2_startup(tmp: str, st_resnet: str | None, pt_resnet: str | None, rep
         report("inspect_resnet", "bnaudit inspect .safetensors (ResNet-50) vs import typer, rich")
     if pt_resnet:
         t = median_wall(runs["inspect_pt"])
-        line("2", "bnaudit inspect torch.save zip (ResNet-50; needs torch)", t / base, None, fmt_s(t))
+        line("2", "bnaudit inspect torch.save zip (ResNet-50; see target 11)", t / base, None, fmt_s(t))
+
+
+# Runs the CLI as `python -m bnaudit ARGS`, then says whether torch was imported.
+_TORCH_PROBE = (
+    "import runpy, sys; sys.argv = ['bnaudit', *sys.argv[1:]]\n"
+    "try:\n    runpy.run_module('bnaudit', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+    "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)"
+)
+
+
+def target_11_torch_save_without_torch(tmp: str, repeats: int, copies: int = 50) -> None:
+    """torch.save files are read by bnaudit's own unpickler: inspect of a ResNet-50 torch.save
+    zip costs at most 2.5x `import typer, rich` with torch never imported, and a folder of
+    `copies` checkpoints at most 1.5x one of them (start-up dominates; no per-file torch)."""
+    built = build("build_torch_save_files", tmp, copies)
+    bn = [PY, "-m", "bnaudit", "inspect"]
+    probe = subprocess.run(
+        [PY, "-c", _TORCH_PROBE, "inspect", built["one"], "--exit-zero"],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=REPO,
+    )
+    torch_free = probe.stderr.strip().splitlines()[-1:] == ["NO-TORCH"]
+    line("11", "inspect torch.save zip: torch absent from sys.modules", None, None, "yes" if torch_free else "NO")
+    runs = compare(
+        {
+            "base": [PY, "-c", "import typer, rich"],
+            "pt": bn + [built["one"]],
+            "first": bn + [built["first"]],
+            "folder": bn + [built["folder"]],
+            "st_first": bn + [built["st_first"]],
+            "st_folder": bn + [built["st_folder"]],
+        },
+        repeats,
+    )
+    t = {k: median_wall(v) for k, v in runs.items()}
+    ratio = t["pt"] / t["base"]
+    line(
+        "11",
+        "inspect torch.save zip (ResNet-50) vs import typer, rich",
+        ratio if torch_free else float("inf"),
+        2.5,
+        f"{fmt_s(t['pt'])} vs {fmt_s(t['base'])}" + ("" if torch_free else "; torch was imported"),
+    )
+    line(
+        "11",
+        f"inspect a folder of {copies} torch.save files vs one of them",
+        t["folder"] / t["first"],
+        1.5,
+        f"{fmt_s(t['folder'])} vs {fmt_s(t['first'])}",
+    )
+    line(
+        "11",
+        f"context: the same {copies} files as .safetensors vs one of them",
+        None,
+        None,
+        f"{t['st_folder'] / t['st_first']:.2f}x ({fmt_s(t['st_folder'])} vs {fmt_s(t['st_first'])})",
+    )
+    shutil.rmtree(built["folder"])
+    shutil.rmtree(built["st_folder"])
+    os.remove(built["one"])
 
 
 @dataclass(frozen=True)
@@ -1028,7 +1121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.build:  # a child started by build()
         print(json.dumps(BUILDERS[args.build[0]](*json.loads(args.build[1]))))
         return 0
-    only = {int(x) for x in args.only.split(",")} if args.only else {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
+    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 12))
     repeats = args.repeats or (3 if args.quick else 5)
     extra_bytes = 256 * MiB if args.quick else GiB
     samples = 512 if args.quick else 2048
@@ -1057,6 +1150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             target_8_sharded(tmp, extra_bytes, repeats)
         if 10 in only:
             target_10_onnx_external_data(tmp, extra_bytes, repeats)
+        if 11 in only:
+            target_11_torch_save_without_torch(tmp, max(repeats * 2, 7))
         if only & {3, 4, 5, 6, 9}:
             folder = os.path.join(tmp, "model")
             os.makedirs(folder)

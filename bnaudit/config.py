@@ -49,6 +49,10 @@ class Config:
     max_gain         BN004 is a warning when some such channel's eval gain >= max_gain
     max_live_gain    BN004 is an error when a live channel's eval gain > max_live_gain
     max_init_weight  BN003 fires when (1 - momentum)^num_batches_tracked > max_init_weight
+    max_implied_var_ratio   BN003 is an error when the stored running_var is this many times
+                     the data's variance it implies (or 1/this), median over the channels
+    max_implied_mean_shift  BN003 is an error when the stored running_mean sits this many of
+                     the data's standard deviations from the mean it implies (median)
     eps, momentum    used where the file holds no modules (None: not stated, PyTorch's
                      defaults assumed; see bnaudit.audit.settings and `stated_settings`)
     select, ignore   rule-code prefixes: run only the selected rules, minus the ignored
@@ -70,6 +74,8 @@ class Config:
     near_eps_factor: float = 10.0
     max_gain: float = 100.0
     max_init_weight: float = 0.05
+    max_implied_var_ratio: float = 4.0
+    max_implied_mean_shift: float = 1.0
     max_live_gain: float = 100.0
     eps: float | None = None
     momentum: float | None = None
@@ -97,6 +103,8 @@ class Config:
             "near-eps-factor": self.near_eps_factor,
             "max-gain": self.max_gain,
             "max-init-weight": self.max_init_weight,
+            "max-implied-var-ratio": self.max_implied_var_ratio,
+            "max-implied-mean-shift": self.max_implied_mean_shift,
             "max-live-gain": self.max_live_gain,
             "eps": self.eps,
             "momentum": self.momentum,
@@ -185,6 +193,13 @@ def _open_fraction(value: Any) -> float:
     number = _number(value)
     if not 0 < number < 1:
         raise ValueError(f"expected a number between 0 and 1 (exclusive), got {value!r}")
+    return number
+
+
+def _above_one(value: Any) -> float:
+    number = _number(value)
+    if number <= 1:
+        raise ValueError(f"expected a number above 1, got {value!r}")
     return number
 
 
@@ -286,6 +301,20 @@ KEYS: dict[str, Key] = {
             "max_init_weight",
             _ignoring_codes(_open_fraction),
             "BN003: fires when the initial values still weigh (1-momentum)^t above this fraction",
+        ),
+        Key(
+            "max-implied-var-ratio",
+            "max_implied_var_ratio",
+            _ignoring_codes(_above_one),
+            "BN003: error when the stored running_var is this many times the data's variance it "
+            "implies, (stored - w)/(1 - w), or 1/this (median over channels)",
+        ),
+        Key(
+            "max-implied-mean-shift",
+            "max_implied_mean_shift",
+            _ignoring_codes(_positive),
+            "BN003: error when the stored running_mean sits this many of the data's standard "
+            "deviations from the mean it implies, stored/(1 - w) (median over channels)",
         ),
         Key(
             "max-live-gain",

@@ -229,6 +229,56 @@ def norm_calls(code: str) -> tuple[str, ...]:
     return tuple(found)
 
 
+# `_0 = __torch__.torch.nn.functional.batch_norm`: scripted code calls functions through a local name
+_ALIAS = re.compile(r"^[ \t]*(\w+) = ((?:__torch__\.)?(?:torch|ops)\.[\w.]+)[ \t]*$", re.MULTILINE)
+_CALLEE = re.compile(r"(?<![\w.])((?:__torch__\.)?(?:torch|ops)\.[\w.]+|\w+)\(")
+
+
+def constant_training_calls(code: str) -> tuple[str, ...]:
+    """The BatchNorm operators a piece of TorchScript code calls with the literal `True` as
+    its training argument (`NormOp.training_arg`), canonical names in order of first
+    appearance: `torch.batch_norm(x, w, b, mean, var, True, 0.1, 1e-05, True)`, which
+    tracing in training mode writes, or a scripted `F.batch_norm(..., True, ...)` called
+    through a local alias (`_0 = __torch__.torch.nn.functional.batch_norm`). Such a call
+    normalises with the batch's statistics whatever the module's training flag: `.eval()`
+    cannot switch it. A training argument computed at run time (`bn_training`) is not one."""
+    aliases: dict[str, str] = dict(_ALIAS.findall(code))
+    found: dict[str, None] = {}
+    for match in _CALLEE.finditer(code):
+        op = norm_op(aliases.get(match.group(1), match.group(1)))
+        if op is None or op.kind is not BN or op.training_arg is None:
+            continue
+        arguments = _call_arguments(code, match.end())
+        if len(arguments) > op.training_arg and arguments[op.training_arg] == "True":
+            found[op.name] = None
+    return tuple(found)
+
+
+_MAX_CALL_CHARS = 10_000
+
+
+def _call_arguments(code: str, start: int) -> list[str]:
+    """The top-level, comma-separated arguments of the call whose "(" ends just before
+    `start`, stripped (a trailing comma leaves no empty argument)."""
+    arguments: list[str] = []
+    depth, begin = 0, start
+    # bounded: the code comes from the archive, and an unclosed call must not make every
+    # call site rescan the rest of the file
+    for i in range(start, min(len(code), start + _MAX_CALL_CHARS)):
+        ch = code[i]
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                arguments.append(code[begin:i].strip())
+                break
+            depth -= 1
+        elif ch == "," and depth == 0:
+            arguments.append(code[begin:i].strip())
+            begin = i + 1
+    return [a for a in arguments if a]
+
+
 # `(self).name(` in TorchScript code: a call of one of the module's own methods
 _SELF_METHOD = re.compile(r"\(self\)\.(\w+)\(")
 

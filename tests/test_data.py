@@ -4,13 +4,16 @@ workers, and every bad-data case as one clear error."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import textwrap
 import uuid
 
 import numpy as np
 import pytest
 import torch
-from conftest import count_data_reads
+from conftest import REPO, count_data_reads
 from PIL import Image
 from safetensors.torch import save_file
 from typer.testing import CliRunner
@@ -180,7 +183,7 @@ def test_tensor_file_batches_read_only_their_rows(tmp_path, monkeypatch, fmt):
     else:  # the view: rows 5.. of a larger tensor, saved with its whole storage
         padded = torch.cat([torch.full((5, 3, 4), -1.0), x])
         torch.save({"inputs": padded[5:] if fmt == "torch-zip-view" else x, "labels": y}, path)
-    read = count_data_reads(monkeypatch)
+    read = count_safetensors_reads(monkeypatch) if fmt == "safetensors" else count_data_reads(monkeypatch)
     stream = make_loader(DataOptions(path=str(path), batch_size=8, seed=3))
     batches = list(stream)
     order = torch.cat([b.labels for b in batches])  # labels are row % 3: check rows via inputs
@@ -189,6 +192,72 @@ def test_tensor_file_batches_read_only_their_rows(tmp_path, monkeypatch, fmt):
     assert torch.equal(torch.cat([b.inputs for b in batches]), x[rows]) and torch.equal(order, y[rows])
     assert sum(read) == x.numel() * 4  # every input byte read once, in reads of whole rows
     assert all(n % (3 * 4 * 4) == 0 for n in read)
+
+
+@pytest.mark.slow
+def test_streaming_a_safetensors_data_file_keeps_one_batch_in_memory(tmp_path):
+    # 32 MiB of inputs read in 1 MiB batches: the peak RSS of the reading process may grow
+    # by a few batches, not by the file (as a reader that loads the tensor per slice would)
+    path = tmp_path / "big.safetensors"
+    save_file({"inputs": torch.zeros(2048, 4096), "labels": torch.zeros(2048, dtype=torch.int64)}, path)
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, from this (large) process
+    script = textwrap.dedent(f"""
+        from bnaudit.runtime.safetensors_files import open_safetensors
+
+        def peak_kib():
+            with open("/proc/self/status") as f:
+                return int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
+
+        inputs = open_safetensors({str(path)!r})["inputs"]
+        before = peak_kib()
+        for start in range(0, 2048, 64):
+            assert inputs.take(list(range(start, start + 64))).shape == (64, 4096)
+        print((peak_kib() - before) // 1024)
+    """)
+    env = {**os.environ, "PYTHONPATH": REPO}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert int(done.stdout) < 8, done.stdout  # MiB
+
+
+def count_safetensors_reads(monkeypatch) -> list[int]:
+    """Route `safe_open` in bnaudit.runtime.safetensors_files through a handle that records
+    the byte count of every slice read from the package: the list that fills as data is read."""
+    import bnaudit.runtime.safetensors_files as module
+
+    read: list[int] = []
+    real = module.safe_open
+
+    class Slice:
+        def __init__(self, stored):
+            self.stored = stored
+
+        def __getitem__(self, key):
+            tensor = self.stored[key]
+            read.append(tensor.numel() * tensor.element_size())
+            return tensor
+
+        def __getattr__(self, name):
+            return getattr(self.stored, name)
+
+    class Handle:
+        def __init__(self, *args, **kwargs):
+            self.handle = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.file = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def get_slice(self, name):
+            return Slice(self.file.get_slice(name))
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    monkeypatch.setattr(module, "safe_open", Handle)
+    return read
 
 
 def test_torch_file_inputs_not_in_row_order_are_still_read_right(tmp_path):

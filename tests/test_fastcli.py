@@ -91,7 +91,10 @@ def test_fast_path_answers_as_plain_typer(args):
     "args, words",
     [
         (["--eps", "abc"], "--eps: expected a number"),
-        (["--format", "JSON"], "--format: 'JSON' is not one of 'table', 'json', 'sarif'"),
+        (
+            ["--format", "JSON"],
+            "--format: 'JSON' is not one of 'table', 'json', 'sarif', 'github', 'gitlab', 'junit', 'markdown'",
+        ),
     ],
 )
 def test_a_refused_value_is_one_line_naming_the_option_on_both_paths(args, words):

@@ -574,6 +574,15 @@ def test_safetensors_malformed_json_header_is_one_line(tmp_path, header):
     assert_one_line_error(result, str(path))
 
 
+def test_safetensors_statistics_sharing_their_bytes_are_refused(tmp_path):
+    # running_mean and running_var claiming the same 12 bytes: the safetensors package
+    # refuses the file ("invalid offset"), and so does inspect, naming the tensor
+    header, data = st_tensors({"bn.running_mean": np.zeros(3, np.float32)})
+    header["bn.running_var"] = dict(header["bn.running_mean"])
+    path = write_safetensors(tmp_path / "aliased.safetensors", header, data)
+    assert_one_line_error(cli("inspect", str(path)), str(path), "'bn.running_var' overlaps the tensor before it")
+
+
 def test_safetensors_file_cut_after_header_is_refused(tmp_path):
     header, data = st_tensors({"bn.running_mean": np.zeros(3, np.float32), "bn.running_var": np.ones(3, np.float32)})
     path = write_safetensors(tmp_path / "cut.safetensors", header, data[:-4])

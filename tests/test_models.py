@@ -164,6 +164,38 @@ def test_model_whose_own_keys_start_with_model_gets_its_prefix_back(pkg, tmp_pat
     assert torch.equal(runnable.module.state_dict()["model.gate.running_var"], state["model.gate.running_var"])
 
 
+@pytest.mark.parametrize("outer", ["", "module."])
+def test_arch_reads_a_safetensors_checkpoint_through_the_package(pkg, tmp_path, monkeypatch, outer):
+    import bnaudit.runtime.safetensors_files as module
+
+    ref = _module(pkg).Wrapper()
+    state = _trained_state(ref)
+    save_file({outer + k: v for k, v in state.items()}, tmp_path / "w.safetensors")
+    read: list[str] = []
+    real = module.safe_open
+
+    class Handle:  # safe_open, recording the names of the tensors read through it
+        def __init__(self, *args, **kwargs):
+            self.handle = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.file = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.file.get_tensor(name)
+
+    monkeypatch.setattr(module, "safe_open", Handle)
+    runnable = load_runnable(str(tmp_path / "w.safetensors"), arch=f"{pkg}.models:Wrapper")
+    assert sorted(read) == sorted(outer + k for k in state)  # each by its stored name, once
+    for k, v in state.items():
+        assert torch.equal(runnable.module.state_dict()[k], v), k
+
+
 def test_torchscript_runs_without_arch(pkg, tmp_path):
     ref = _module(pkg).net(momentum=None)
     _trained_state(ref)

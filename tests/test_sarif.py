@@ -39,7 +39,8 @@ def validator():
 def workspace(tmp_path, monkeypatch):
     """models/two bad.pt: BN004 in two layers (one near-eps channel each, gain 316: warning)
     and BN010 (counters 100 and 1000: a file-level info); models/good.safetensors: healthy;
-    models/junk.pt: unreadable. The current directory is the workspace."""
+    models/junk.pt: unreadable (a zip that breaks off: it claims a format, so a folder scan
+    reports it instead of skipping it). The current directory is the workspace."""
     models = tmp_path / "models"
     models.mkdir()
     var = torch.tensor([0.0, 1.0, 1.0])
@@ -53,7 +54,7 @@ def workspace(tmp_path, monkeypatch):
         models / "two bad.pt",
     )
     save_safetensors(bn_entries("bn", 4, counter=1000), models / "good.safetensors")
-    (models / "junk.pt").write_bytes(b"not a checkpoint")
+    (models / "junk.pt").write_bytes(b"PK\x03\x04not a checkpoint")
     monkeypatch.chdir(tmp_path)
     return tmp_path
 

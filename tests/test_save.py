@@ -108,6 +108,68 @@ def test_safetensors_out_changes_only_the_updated_bytes_and_keeps_metadata(tmp_p
     assert json.loads(metadata["bnaudit"]) == {"method": "exact", "samples": 90}
 
 
+def _expected(sd: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    """`sd` with NEW applied (cast to the stored dtypes), each tensor a copy of its own."""
+    out = {}
+    for name, tensor in sd.items():
+        short = name.removeprefix(prefix)
+        out[name] = (NEW[short].to(tensor.dtype) if short in NEW else tensor).clone()
+    return out
+
+
+def assert_same_safetensors(ours: bytes, theirs: bytes) -> None:
+    """`ours` is the file `theirs` is, byte for byte but for the order of the `__metadata__`
+    entries: the package keeps metadata in a hash map whose order varies from call to call
+    (and writes every header with the same compact JSON, so equal parses and equal lengths
+    leave nothing else to differ)."""
+
+    def parts(blob: bytes) -> tuple[int, list, bytes]:
+        n = int.from_bytes(blob[:8], "little")
+        header = json.loads(blob[8 : 8 + n], object_pairs_hook=list)
+        header = [(k, sorted(v) if k == "__metadata__" else v) for k, v in header]
+        return n, header, blob[8 + n :]
+
+    assert len(ours) == len(theirs) and parts(ours) == parts(theirs)
+
+
+def test_safetensors_out_from_a_torch_file_is_what_the_package_writes(tmp_path: Path) -> None:
+    from safetensors.torch import save
+
+    src, out = tmp_path / "in.pt", tmp_path / "out.safetensors"
+    sd = state_dict()
+    sd["fc.tied"] = sd["fc.weight"]  # tied: one storage, two names (the package alone refuses these)
+    torch.save(sd, src)
+    provenance = {"method": "exact", "samples": 90, "note": "é"}
+    save_like(read_checkpoint(str(src)), NEW, str(out), provenance=provenance)
+    record = json.dumps(provenance, sort_keys=True)
+    assert_same_safetensors(out.read_bytes(), save(_expected(sd), metadata={"format": "pt", "bnaudit": record}))
+
+
+def test_safetensors_out_from_a_hand_made_safetensors_file_is_what_the_package_writes(tmp_path: Path) -> None:
+    # a file another writer made: tensors in name order, no alignment padding, metadata last;
+    # the output is the package's layout of the same tensors, the metadata kept
+    from safetensors.torch import save
+
+    src, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    sd = state_dict("module.")
+    header, data = {}, b""
+    for name in sorted(sd):
+        header[name] = {
+            "dtype": {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}[
+                sd[name].dtype
+            ],
+            "shape": list(sd[name].shape),
+            "data_offsets": [len(data), len(data) + len(raw(sd[name]))],
+        }
+        data += raw(sd[name])
+    header["__metadata__"] = {"origin": "by hand"}
+    text = json.dumps(header).encode()
+    src.write_bytes(len(text).to_bytes(8, "little") + text + data)
+    save_like(read_checkpoint(str(src)), NEW, str(out), provenance={"method": "exact"})
+    metadata = {"origin": "by hand", "bnaudit": json.dumps({"method": "exact"})}
+    assert_same_safetensors(out.read_bytes(), save(_expected(sd, "module."), metadata=metadata))
+
+
 # ----------------------------------------------------------------------------- torch containers
 
 

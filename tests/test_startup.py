@@ -31,7 +31,7 @@ try:
 except SystemExit as exc:
     code = exc.code
 sys.stdout.flush()
-loaded = {name: name in sys.modules for name in ("torch", "pydantic", "numpy")}
+loaded = {name: name in sys.modules for name in ("torch", "pydantic", "numpy", "safetensors")}
 print("PROBE" + json.dumps({"exit": code, "loaded": loaded}), file=sys.stderr)
 """
 
@@ -94,6 +94,8 @@ def test_inspect_safetensors_imports_neither_torch_nor_numpy_nor_pydantic(numpy_
     (layer,) = json.loads(out[0])["files"][0]["layers"]  # the audit really ran, on the values
     assert layer["var"] == {"min": pytest.approx(0.5), "median": pytest.approx(1.15), "max": pytest.approx(2.0)}
     assert not loaded["torch"] and not loaded["numpy"] and not loaded["pydantic"]
+    # the package itself stays out too: its safe_open imports numpy; formats/safetensors.py reads the header
+    assert not loaded["safetensors"]
 
 
 @pytest.mark.slow
@@ -116,12 +118,13 @@ def test_inspect_of_a_file_that_is_no_checkpoint_does_not_import_torch(tmp_path)
 
 
 @pytest.mark.slow
-def test_inspect_torch_save_file_does_import_torch(tmp_path):
-    # The probe's counterpart: a torch.save zip needs torch.load, and the probe sees it.
+def test_inspect_torch_save_file_imports_neither_torch_nor_numpy(tmp_path):
+    # A torch.save zip is read by bnaudit's own unpickler (formats/torchsave.py); the probe's
+    # counterpart, --trust-pickle importing torch, is in test_torchfree.py.
     path = save_torch(bn_entries("bn"), tmp_path / "model.pt")
     code, loaded = run_probe("inspect", path, "--exit-zero")
     assert code == 0
-    assert loaded["torch"]
+    assert not loaded["torch"] and not loaded["numpy"]
 
 
 @pytest.mark.slow

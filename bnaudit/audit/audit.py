@@ -1,88 +1,49 @@
 """`inspect`: paths -> checkpoint -> layers -> rules -> InspectReport.
 
-A directory expands to every file under it whose name ends in a checkpoint suffix
-(`.onnx` included, without the external-data files its models refer to), plus shard
-indexes (a sharded checkpoint is audited once, through its index, also when its shards
-are named next to it) and accelerate's `random_states_N.pkl`; a file named
+Directories (and Hugging Face caches) expand as audit/scan.py says; a file named
 explicitly is read whatever its name. One unreadable file becomes a FileReport with
 `error` set; the others are still audited. Optimizer, scheduler and RNG state and
-pickled training arguments become a FileReport with `skipped` set (formats/classify.py).
+pickled training arguments become a FileReport with `skipped` set (formats/classify.py);
+so do, in a scanned folder only, files of no checkpoint format (formats/sniff.py) and
+data sets (tensors `inputs` / `labels`: formats/classify.data_tensors).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from bnaudit.audit.layers import ModuleFacts, discover_layers, facts_from_module_infos, not_from_file
 from bnaudit.audit.provenance import recalibration_provenance
 from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
 from bnaudit.audit.rules import Finding, RuleContext, run_rules
+from bnaudit.audit.scan import targets, without_external_data, without_indexed_shards
 from bnaudit.audit.settings import statement
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
-from bnaudit.formats.classify import SCANNED_NAMES, NotModelWeights
+from bnaudit.formats.classify import NotModelWeights, data_tensors
+from bnaudit.formats.hfcache import HubSource
 from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.read import read_checkpoint
-from bnaudit.formats.shards import index_beside, is_index, series_members
-from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES
+from bnaudit.formats.shards import index_beside
+from bnaudit.formats.sniff import NotACheckpoint
 from bnaudit.severity import Severity
 
 
-def _scan_directory(path: str) -> list[str]:
-    """Files under `path` to audit, walked in sorted order: names with a checkpoint suffix,
-    shard indexes and the training-run files `formats.classify.SCANNED_NAMES` recognises.
-    `inspect` then drops, once for every target, the shards an index stands for and the
-    external-data files of ONNX models."""
-    found: list[str] = []
-
-    # A folder that cannot be listed is kept as an entry of its own, so it is
-    # reported (as unreadable) instead of silently contributing nothing.
-    def unlistable(err: OSError, into: list[str] = found) -> None:
-        into.append(err.filename)
-
-    for root, dirs, files in os.walk(path, onerror=unlistable):
-        dirs.sort()
-        found += [
-            os.path.join(root, f)
-            for f in sorted(files)
-            if f.lower().endswith(CHECKPOINT_SUFFIXES) or is_index(f) or SCANNED_NAMES.match(f)
-        ]
-    if not found:
-        raise BnauditError(f"{path}: directory holds no checkpoint files ({' '.join(CHECKPOINT_SUFFIXES)})")
-    return found
-
-
-def _without_external_data(paths: list[str]) -> list[str]:
-    """`paths` minus the external-data files (`weights.bin`, ...) of the ONNX models among
-    them: those bytes belong to their model, not to a checkpoint of their own."""
-    models = [p for p in paths if p.lower().endswith(".onnx")]
-    if not models:
-        return paths
-    from bnaudit.formats.onnx import external_data_files
-
-    data: set[str] = set()
-    for model in models:
-        data |= external_data_files(model)
-    return [p for p in paths if os.path.realpath(p) not in data]
-
-
-def _without_indexed_shards(paths: list[str]) -> list[str]:
-    """`paths` minus the shards of an index that is also in `paths`: a sharded checkpoint
-    is audited once, through its index."""
-    members: set[str] = set()
-    for p in paths:
-        if is_index(p):
-            members |= series_members(p)
-    return [p for p in paths if is_index(p) or os.path.realpath(p) not in members]
-
-
-def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | None = None) -> FileReport:
+def audit_checkpoint(
+    ckpt: Checkpoint, config: Config, module: ModuleFacts | None = None, producers: Mapping[str, str] | None = None
+) -> FileReport:
     """Audit an opened checkpoint; `module` (when the model is known) makes BN001 exact and
-    enables the module-only rules. Raises BnauditError for unreadable tensors."""
+    enables the module-only rules; `producers` (BN layer -> the module feeding it, from the
+    model's graph) tells BN004 which filters feed which channel. Raises BnauditError for
+    unreadable tensors."""
     discovery = discover_layers(ckpt, config.stated_settings())
+    live_layers = None
+    if ckpt.live_tensors is not None:
+        live = Checkpoint(ckpt.path, ckpt.format, ckpt.live_tensors, modules=ckpt.modules)
+        live_layers = {layer.name: layer for layer in discover_layers(live, config.stated_settings()).layers}
     provenance = recalibration_provenance(ckpt)
     findings = run_rules(
         RuleContext(
@@ -94,6 +55,10 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
             unauditable=tuple(ckpt.unauditable),
             folded=ckpt.folded,
             decomposed=ckpt.decomposed,
+            averaging=ckpt.averaging,
+            live_layers=live_layers,
+            tensors=ckpt.tensors,
+            producers=producers or {},
         )
     )
     report = FileReport(ckpt.path)
@@ -146,6 +111,7 @@ def audit_file(
     model: Any = None,
     debug: bool = False,
     named: bool = True,
+    producers: Mapping[str, str] | None = None,
 ) -> FileReport:
     """Audit one checkpoint; a user-caused problem becomes `FileReport.error`, a file that
     is not model weights `FileReport.skipped`. `named`: the user named it (not a scan).
@@ -158,6 +124,9 @@ def audit_file(
     """
     try:
         ckpt = read_checkpoint(path, key=key, trust_pickle=trust_pickle)
+        data = data_tensors({name: ref.shape for name, ref in ckpt.tensors.items()})
+        if data is not None and not named:
+            return FileReport(path, skipped=f"tensors {data}", skip_reason="data, not a model", named=named)
         module = None
         # an exported graph (ONNX, .pt2) holds only its BN tensors (no conv weights to match
         # against --arch) and names its own nodes' settings: --arch would only add noise there
@@ -168,11 +137,17 @@ def audit_file(
             ckpt, module = match_checkpoint(ckpt, model)
         elif ckpt.holds_module and ckpt.modules:
             module = facts_from_module_infos(ckpt.modules)
-        report = audit_checkpoint(ckpt, config, module)
+        report = audit_checkpoint(ckpt, config, module, producers if arch_used else None)
         if model is not None and not arch_used:
             report.notes.append("--arch not used for an exported graph: its nodes carry their own settings")
+        if data is not None:
+            report.notes.append(f"tensors {data}: data, not a model")
     except NotModelWeights as exc:
         return FileReport(path, skipped=exc.what, named=named)
+    except NotACheckpoint as exc:
+        if named or exc.path != path:  # named, or a shard of this index: the file is broken
+            return FileReport(path, error=str(exc).removeprefix(f"{path}: "), named=named)
+        return FileReport(path, skipped=exc.what, skip_reason="not a checkpoint", named=named)
     except BnauditError as exc:
         return FileReport(path, error=str(exc).removeprefix(f"{path}: "), named=named)
     except Exception as exc:
@@ -195,45 +170,66 @@ def inspect(
     arch: str | None = None,
     arch_kwargs: str | dict[str, Any] | None = None,
     debug: bool = False,
+    all_revisions: bool = False,
 ) -> InspectReport:
     """Audit checkpoints (files or directories) and return the report.
 
     `arch` (MODULE:CALLABLE, with `arch_kwargs` JSON) names the model: BN001 becomes
     exact and BN006 / BN007 / BN011 apply; its real eps and momentum replace the defaults.
+    `all_revisions`: every snapshot of a Hugging Face cache repo, not only refs/main's.
 
     >>> report = inspect("sample_models/")      # doctest: +SKIP
     >>> report.exit_code(), report.summary()    # doctest: +SKIP
     """
     config = config or Config()
     model = None
+    producers: dict[str, str] = {}
     if arch is not None:
-        from bnaudit.runtime.models import build_arch
+        from bnaudit.runtime.models import bn_producers, build_arch
 
         model = build_arch(arch, arch_kwargs, meta=True)  # names, shapes, settings: no weights needed
+
+        producers = bn_producers(model)  # once for every file: the graph is the model's
     elif arch_kwargs is not None:
         raise BnauditError("--arch-kwargs needs --arch")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    # (path, named by the user, error of an unusable directory)
-    targets: list[tuple[str, bool, str | None]] = []
-    for path in [os.fspath(p) for p in paths]:
-        if not os.path.isdir(path):
-            targets.append((path, True, None))
-            continue
-        try:
-            targets += [(p, False, None) for p in _scan_directory(path)]
-        except BnauditError as exc:
-            targets.append((path, True, str(exc).removeprefix(f"{path}: ")))
-    kept = set(_without_external_data(_without_indexed_shards([p for p, _, error in targets if error is None])))
+    found = targets([os.fspath(p) for p in paths], all_revisions=all_revisions)
+    kept = set(without_external_data(without_indexed_shards([t.path for t in found if t.error is None])))
     files: list[FileReport] = []
-    for path, named, error in targets:
-        if error is not None:
-            files.append(FileReport(path, error=error))
+    for target in found:
+        path, named = target.path, target.named
+        if target.error is not None:
+            report = FileReport(path, error=target.error, named=named)
         elif named and (pattern := config.exclusion(path)) is not None:
             # named explicitly: say so instead of auditing nothing in silence
             where = f" in {config.source}" if config.source else ""
-            files.append(FileReport(path, excluded=f'excluded by the configuration (exclude "{pattern}"{where})'))
+            report = FileReport(path, excluded=f'excluded by the configuration (exclude "{pattern}"{where})')
         elif path in kept and not config.excludes(path):
-            report = audit_file(path, config, key=key, trust_pickle=trust_pickle, model=model, debug=debug, named=named)
-            files.append(report)
+            report = audit_file(
+                path,
+                config,
+                key=key,
+                trust_pickle=trust_pickle,
+                model=model,
+                debug=debug,
+                named=named,
+                producers=producers,
+            )
+        else:
+            continue
+        if target.hub is not None:
+            _from_the_hub(report, target.hub)
+        files.append(report)
     return InspectReport(files, config)
+
+
+def _from_the_hub(report: FileReport, hub: HubSource) -> None:
+    """Name a file of a Hugging Face cache by repo and revision (the full commit, its refs,
+    the other revisions holding the same blobs) instead of its snapshot path."""
+    report.hub = hub
+    refs = f" ({', '.join(hub.refs)})" if hub.refs else ""
+    report.notes.insert(0, f"Hugging Face cache: {hub.repo_id} at revision {hub.revision}{refs}")
+    if hub.also_in:
+        others = ", ".join(r[:12] for r in hub.also_in)
+        report.notes.insert(1, f"the same file in revision{'s' if len(hub.also_in) > 1 else ''} {others}: read once")

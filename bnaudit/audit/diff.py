@@ -48,6 +48,7 @@ from bnaudit.audit.settings import OPTIONS, statement
 from bnaudit.config import SEVERITIES, Config, exit_code_for
 from bnaudit.errors import BnauditError
 from bnaudit.formats.containers import averaged_model_record
+from bnaudit.formats.ema import copy_words
 from bnaudit.formats.model import Averaging, Checkpoint, recalibration_record
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.severity import Severity
@@ -141,6 +142,9 @@ class DiffReport:
             lines.append("eps changed: side B evaluates another function than side A was trained as.")
         if self.export is not None:
             lines.extend(_export_diagnosis(self.export, self.findings))
+        for label, side in (("A", self.a), ("B", self.b)):
+            if side.is_ema and side.averaging is not None and side.averaging.kind != "AveragedModel":
+                lines.append(f"Side {label} is an {copy_words(side.averaging)}: {side.averaging.counter_meaning}.")
         averaged = next((s.averaging for s in (self.b, self.a) if s.averaging is not None), None)
         if by[TRAINED] and averaged is not None:
             lines.append(
@@ -232,7 +236,28 @@ def diff_checkpoints(
                 compare_layers(la, lb, recalibrated=la.name in recalibrated, counter_meaningful=counters_meaningful)
             )
     report.only_b = [layer.name for layer in layers_b if layer.name not in names_a]
-    context = DiffContext(report.layers, config, report.only_a, report.only_b, report.reshaped, provenance=provenance)
+    copy_side, live_side = (a, layers_a, b), (b, layers_b, a)
+    averaged_pairs: tuple[tuple[BNLayer, BNLayer], ...] = ()
+    averaged_kind = ""
+    if a.is_ema != b.is_ema:
+        (copy, copy_layers, _), (_, live_layers, _) = (copy_side, live_side) if a.is_ema else (live_side, copy_side)
+        live_by_name = {layer.name: layer for layer in live_layers}
+        averaged_pairs = tuple(
+            (layer, live_by_name[layer.name])
+            for layer in copy_layers
+            if layer.name in live_by_name and layer.num_features == live_by_name[layer.name].num_features
+        )
+        averaged_kind = f"side {'A' if a.is_ema else 'B'}, an {copy_words(copy.averaging)}"
+    context = DiffContext(
+        report.layers,
+        config,
+        report.only_a,
+        report.only_b,
+        report.reshaped,
+        provenance=provenance,
+        averaged_pairs=averaged_pairs,
+        averaged_kind=averaged_kind,
+    )
     report.findings = run_diff_rules(context)
     report.settings = statement(not_from_file(layers_a + layers_b), "a side holds no modules")
     return _buffers_decided(report)

@@ -111,6 +111,32 @@ def initial_weight(momentum: float | None, updates: int) -> float:
     return float((1.0 - momentum) ** updates)
 
 
+def implied_data_value(stored: float, initial: float, weight: float) -> float:
+    """x = (stored - w * initial) / (1 - w): what the data contributed to a running buffer
+    that still holds its initial value (running_mean 0, running_var 1) with the weight
+    w = initial_weight(m, t), since stored = w * initial + (1 - w) * x. For running_var, x is
+    the momentum-weighted mean of the batches' unbiased variances (weights m * (1 - m)^(t-k),
+    summing to 1 - w); for running_mean, of the batch means. In the buffer's units; NaN
+    where w >= 1 (the buffer has seen no data)."""
+    if not weight < 1.0:
+        return math.nan
+    return (stored - weight * initial) / (1.0 - weight)
+
+
+def variance_overstatement(stored_var: float, data_var: float, eps: float) -> float:
+    """q = (stored + eps) / (max(data, 0) + eps): how many times the variance eval mode
+    divides by exceeds the data's (dimensionless; eval mode scales the channel by
+    sqrt(1 / q) relative to normalising by the data's variance; q < 1: understated). A
+    negative implied data variance (the stored value below w * 1) counts as 0."""
+    return (stored_var + eps) / (max(data_var, 0.0) + eps)
+
+
+def mean_shift(stored_mean: float, data_mean: float, data_var: float, eps: float) -> float:
+    """|stored - data| / sqrt(max(data_var, 0) + eps): how far eval mode's running_mean sits
+    from the data's mean, in the data's standard deviations (dimensionless)."""
+    return abs(stored_mean - data_mean) / math.sqrt(max(data_var, 0.0) + eps)
+
+
 def all_finite(values: Sequence[float]) -> bool:
     """No NaN or Inf among the values: one C-speed sum (a sum that overflows only sends
     the caller down its slower per-value path)."""

@@ -134,9 +134,9 @@ class LayerDiff:
     settings_a: Settings
     settings_b: Settings
     recalibrated: bool = False
-    # False when a side is an EMA copy: its counter is not a count of its batches (timm
-    # averages it towards 0, torchvision halves it, AveragedModel copies the live model's
-    # counter or averages it)
+    # False when a side is an EMA copy: its counter is not a count of its batches (timm's
+    # ModelEmaV2 averages and truncates it, 0 early on; ModelEmaV3 copies the live model's;
+    # torchvision halves it; AveragedModel copies the live model's counter or averages it)
     counter_meaningful: bool = True
 
     @property
@@ -267,6 +267,10 @@ class DiffContext:
     reshaped: list[tuple[str, int, int]] = field(default_factory=list)  # name, C on A, C on B
     provenance: str = ""  # "bnaudit recalibrate (method ..., N samples, date)" when B has the record
     export: ExportCheck | None = None  # one side is an ONNX export of the other
+    # One side an averaged copy (EMA/SWA), the other not: (copy's layer, live layer) of every
+    # matched layer, and the copy's kind in words ("EMA copy (timm ModelEmaV3)")
+    averaged_pairs: tuple[tuple[BNLayer, BNLayer], ...] = ()
+    averaged_kind: str = ""
 
 
 def matches(name: str, globs: tuple[str, ...]) -> bool:

@@ -16,6 +16,7 @@ from bnaudit.audit.formulas import eval_gains, near_eps_channels
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.rules import Finding
 from bnaudit.config import SEVERITIES, Config, exit_code_for, severity_rank
+from bnaudit.formats.hfcache import HubSource
 from bnaudit.formats.model import Averaging
 from bnaudit.severity import Severity
 
@@ -73,6 +74,11 @@ def _median(ordered: list[float]) -> float:
     return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
 
 
+# FileReport.skip_reason: a training-run file (formats/classify.py), a file of no
+# checkpoint format found by a scan (formats/sniff.py), a data set found by a scan.
+SKIP_REASONS = ("not model weights", "not a checkpoint", "data, not a model")
+
+
 @dataclass
 class FileReport:
     path: str
@@ -92,13 +98,27 @@ class FileReport:
     # Named on the command line but excluded by the configuration: why (not audited).
     excluded: str | None = None
     # Recognisably not model weights (optimizer, scheduler, RNG state, training
-    # arguments): what it is. Never audited, never an exit code.
+    # arguments), no checkpoint format at all, or a data set found by a scan: what it is.
+    # Never audited, never an exit code.
     skipped: str | None = None
+    # Why a skipped file has nothing to audit: SKIP_REASONS.
+    skip_reason: str = "not model weights"
     # False for a file a directory scan found; True for one the user named (an
     # unreadable named file is exit 2 even with --exit-zero).
     named: bool = True
     # What the reader says about the layout (shards joined, a shard read alone).
     notes: list[str] = field(default_factory=list)
+    # A file of a Hugging Face cache: its repo, revision and path in the snapshot.
+    hub: HubSource | None = None
+
+    @property
+    def shown(self) -> str:
+        """The name printed for the file: its path, or `repo@revision/file` from the hub cache."""
+        return self.hub.shown() if self.hub is not None else self.path
+
+    def skipped_line(self) -> str:
+        """ "path: skipped: optimizer state (state, param_groups): not model weights"."""
+        return f"{self.shown}: skipped: {self.skipped}: {self.skip_reason}"
 
     def layer_status(self, name: str) -> str:
         severities = [f.severity for f in self.findings if f.layer == name]

@@ -18,7 +18,7 @@ def inspect(
         list[str],
         typer.Argument(
             metavar="PATHS...",
-            help="Checkpoint files, shard indexes (*.safetensors.index.json) or directories (searched for .pt .pth .ckpt .bin .tar .safetensors and shard indexes).",
+            help="Checkpoint files, shard indexes (*.safetensors.index.json) or directories (searched for .pt .pth .ckpt .bin .tar .safetensors .onnx .jit .pt2 and shard indexes; a Hugging Face cache by repo and revision).",
         ),
     ],
     output_format: InspectFormatOpt = InspectFormat.table,
@@ -74,6 +74,13 @@ def inspect(
             "--layers", help="With several files: a layer table for every file, not only those with findings."
         ),
     ] = False,
+    all_revisions: Annotated[
+        bool,
+        typer.Option(
+            "--all-revisions",
+            help="In a Hugging Face cache, audit every downloaded snapshot, not only the one refs/main names (each file read once).",
+        ),
+    ] = False,
     debug: DebugOpt = False,
     arch: Annotated[
         Optional[str],
@@ -106,7 +113,14 @@ def inspect(
         }
         config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=accepted_codes())
         report = run_inspect(
-            paths, config, key=key, trust_pickle=trust_pickle, arch=arch, arch_kwargs=arch_kwargs, debug=debug
+            paths,
+            config,
+            key=key,
+            trust_pickle=trust_pickle,
+            arch=arch,
+            arch_kwargs=arch_kwargs,
+            debug=debug,
+            all_revisions=all_revisions,
         )
         # emitting stays inside the boundary: the values it prints come from the files
         output.emit(report, output_format.value, sys.stdout, quiet=quiet, all_layers=all_layers)

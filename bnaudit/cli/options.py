@@ -20,15 +20,28 @@ class Format(str, Enum):
 
 
 class InspectFormat(str, Enum):
+    """The formats of the commands that report findings at locations (inspect, diff): the
+    table, JSON, SARIF, and what CI systems read (bnaudit.output: github, gitlab, junit,
+    markdown)."""
+
     table = "table"
     json = "json"
     sarif = "sarif"
+    github = "github"
+    gitlab = "gitlab"
+    junit = "junit"
+    markdown = "markdown"
 
 
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")]
 FormatOpt = Annotated[Format, typer.Option("--format", "-f", help="Report format.")]
 InspectFormatOpt = Annotated[
-    InspectFormat, typer.Option("--format", "-f", help="Report format (sarif: SARIF 2.1.0 for code scanning).")
+    InspectFormat,
+    typer.Option(
+        "--format",
+        "-f",
+        help="Report format. sarif: SARIF 2.1.0 for code scanning; github: workflow-command annotations; gitlab: Code Quality JSON; junit: JUnit XML; markdown: a job summary ($GITHUB_STEP_SUMMARY).",
+    ),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no per-layer table.")]
 

@@ -6,6 +6,11 @@ names, and only those, are allowed, resolved from the installed packages and nev
 the file; anything else is refused with the list of globals the file would need and the
 advice to pass `--trust-pickle` (the user's explicit opt-out). Legacy files are checked
 first by `legacy.check_legacy_claims`; this module owns the policy, legacy.py the parsing.
+
+Readers that take lazy tensors (inspect, diff, shards) get the file through
+`torchsave.read_torch_free` under the same policy, without importing torch; torch.load
+reads only for `--trust-pickle`, for callers that need torch tensors (writing, running a
+model, data files) and for files naming torch globals that reader does not rebuild.
 """
 
 from __future__ import annotations
@@ -101,7 +106,12 @@ _MISSING_GLOBAL_RES = (re.compile(r"GLOBAL ([\w.]+)"), re.compile(r"got <class '
 
 
 def load_torch_object(
-    path: str, trust_pickle: bool = False, mmap: bool = True, hint: str = "", stand_ins: bool = False
+    path: str,
+    trust_pickle: bool = False,
+    mmap: bool = True,
+    hint: str = "",
+    stand_ins: bool = False,
+    lazy: bool = False,
 ) -> Any:
     """`torch.load` a torch.save file without running pickled code.
 
@@ -112,6 +122,9 @@ def load_torch_object(
     the caller's advice. `stand_ins=True` (reading to audit, not to write back): a zip
     archive that needs other globals is read by `standins.read_with_stand_ins` instead,
     those globals left as inert stand-ins and its tensors as lazy `TensorRef`s.
+    `lazy=True` (implied by `stand_ins`): the caller takes lazy `TensorRef`s and
+    `PickledModule`s (formats/torchsave.py) instead of torch tensors and modules, so a file
+    of tensors, plain containers and torch.nn modules is read without importing torch.
     """
     legacy = not mmap
     try:
@@ -120,16 +133,21 @@ def load_torch_object(
         # torch's C++ reader takes UTF-8 paths only; a file name that is not (bytes
         # kept by surrogateescape) is read through an open file object, without mmap.
         with open(path, "rb") as handle:
-            return _load_torch_object(path, handle, trust_pickle, False, legacy, hint, stand_ins)
-    return _load_torch_object(path, path, trust_pickle, mmap, legacy, hint, stand_ins)
+            return _load_torch_object(path, handle, trust_pickle, False, legacy, hint, stand_ins, lazy)
+    return _load_torch_object(path, path, trust_pickle, mmap, legacy, hint, stand_ins, lazy)
 
 
 def _load_torch_object(
-    path: str, source: Any, trust_pickle: bool, mmap: bool, legacy: bool, hint: str = "", stand_ins: bool = False
+    path: str,
+    source: Any,
+    trust_pickle: bool,
+    mmap: bool,
+    legacy: bool,
+    hint: str = "",
+    stand_ins: bool = False,
+    lazy: bool = False,
 ) -> Any:
     import pickle
-
-    import torch
 
     def rewound() -> Any:
         if not isinstance(source, str):
@@ -137,6 +155,8 @@ def _load_torch_object(
         return source
 
     if trust_pickle:
+        import torch
+
         # the pickled classes are imported by module name: from the working tree too, as --arch does
         cwd = os.getcwd()
         if cwd not in sys.path and "" not in sys.path:
@@ -151,8 +171,6 @@ def _load_torch_object(
             ) from None
         except Exception as exc:
             raise BnauditError(f"{path}: cannot load: {exception_line(exc, with_type=False)}") from exc
-    allowed = _plain_allowlist(numpy_names=False)
-    with_numpy = False
     if legacy:
         try:
             check_legacy_claims(path)
@@ -166,6 +184,18 @@ def _load_torch_object(
                 refusal = str(_unsafe_globals_error(path, unsafe)).removeprefix(f"{path}: ")
                 raise BnauditError(f"{exc}; {refusal}") from None
             raise
+    if stand_ins or lazy:
+        from bnaudit.formats.torchsave import NeedsTorch, read_torch_free
+
+        try:
+            return read_torch_free(path, legacy, _stand_in_allowed, stand_ins)
+        except NeedsTorch:
+            pass  # a file only torch rebuilds (or refuses): its loader reads it, as always
+    import torch
+
+    allowed = _plain_allowlist(numpy_names=False)
+    with_numpy = False
+    if legacy:
         if stand_ins:
             layout = legacy_layout(path)
             unsafe = [

@@ -14,7 +14,7 @@ Those are recognised, never audited and never an error:
                project, e.g. a pickled `TrainingArguments`), the file name says what it is
                (`training_args.bin`, `rng_state_3.pth`, `zero_pp_rank_0_mp_rank_00_optim_states.pt`,
                ...) and the globals it would need are listed without running anything
-               (the zip's pickle is scanned by torch, a plain pickle's opcodes by pickletools).
+               (the opcodes of the zip's data.pkl or of a plain pickle, by pickletools).
 
 A file that is neither stays an error: nothing here ever unpickles beyond the
 restricted reader.
@@ -76,6 +76,23 @@ _RNG_KEYS = {
     "torch_musa_manual_seed",
     "xm_seed",
 }
+
+
+# What bnaudit's own data files hold (runtime/sources.py: `inputs` and `labels`; numpy
+# files' `x` and `y`) and the usual name for labels elsewhere.
+_DATA_INPUTS = {"inputs", "x"}
+_DATA_NAMES = _DATA_INPUTS | {"labels", "targets", "y"}
+
+
+def data_tensors(shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    """ "inputs (300, 1, 8, 8), labels (300,)" when the tensors (name -> shape) are a data
+    set rather than a model: every name is one of inputs / labels / targets / x / y and
+    one of them is inputs or x. A model's names are module paths (`fc.weight`), so one
+    parameter among them makes it a model. None otherwise."""
+    names = set(shapes)
+    if not names or not names <= _DATA_NAMES or not names & _DATA_INPUTS:
+        return None
+    return ", ".join(f"{name} {tuple(shapes[name])}" for name in sorted(names, key=lambda n: n not in _DATA_INPUTS))
 
 
 def kind_from_name(path: str) -> str | None:
@@ -226,9 +243,13 @@ def _could_run_code(name: str) -> bool:
 
 def _needed_globals(path: str) -> list[str]:
     if zipfile.is_zipfile(path):
-        import torch
-
-        return [str(g) for g in torch.serialization.get_unsafe_globals_in_checkpoint(path)]
+        # every global of data.pkl (torch's own scan lists only those outside its allow-list:
+        # the rest are torch., collections., builtins. names, dropped below either way)
+        with zipfile.ZipFile(path) as archive:
+            entry = next(n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1)
+            if archive.getinfo(entry).file_size > 16 * 1024 * 1024:
+                raise ValueError("data.pkl too large to scan")
+            return _pickle_globals(archive.read(entry))
     with open(path, "rb") as f:
         return _pickle_globals(f.read(16 * 1024 * 1024))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,7 @@ from bnaudit.formats.model import (
     record_from_state_dict_metadata,
     torch_ref,
 )
+from bnaudit.formats.pickled import PickledModule
 from bnaudit.normkinds import NormKind, classify
 from bnaudit.text import exception_line
 
@@ -36,7 +38,25 @@ def checkpoint_from_object(path: str, fmt: str, obj: Any, key: str | None) -> Ch
     if not candidates:
         raise BnauditError(f"{path}: holds no state dict (no mapping of names to tensors)")
     chosen = choose_state_dict(path, candidates, key)
-    return strip_wrapper_prefix(wrap_candidate(path, fmt, candidates, chosen))
+    ckpt = strip_wrapper_prefix(wrap_candidate(path, fmt, candidates, chosen))
+    if ckpt.is_ema:
+        live = live_counterpart(candidates, chosen)
+        if live is not None:
+            ckpt.live_tensors = strip_wrapper_prefix(wrap_candidate(path, fmt, candidates, live)).tensors
+        if ckpt.averaging is None:
+            from bnaudit.formats.ema import ema_averaging
+
+            ckpt.averaging = ema_averaging(ckpt.tensors, ckpt.live_tensors)
+    return ckpt
+
+
+def live_counterpart(candidates: dict[str, Any], chosen: str) -> str | None:
+    """The live model beside an averaged copy `chosen` in the same container: the state dict
+    `choose_state_dict` would pick among the candidates that are not EMA copies, or None."""
+    others = {k: v for k, v in candidates.items() if k != chosen and not _is_ema_key(k)}
+    if not others:
+        return None
+    return choose_state_dict("", others, None)
 
 
 def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str) -> Checkpoint:
@@ -46,7 +66,7 @@ def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str)
     modules: dict[str, ModuleInfo] = {}
     metadata = record_from_state_dict_metadata(getattr(source, "_metadata", None))
     if _is_module(source):
-        record = getattr(source, MODULE_RECORD_ATTRIBUTE, None)
+        record = _attribute(source, MODULE_RECORD_ATTRIBUTE)
         metadata = {"bnaudit": record} if isinstance(record, str) else {}
         try:
             modules = module_infos(source)
@@ -171,11 +191,29 @@ def _is_tensor(value: Any) -> bool:
 
 
 def _is_module(value: Any) -> bool:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return False
-    return isinstance(value, torch.nn.Module)
+    if isinstance(value, PickledModule):  # read without torch (formats/torchsave.py)
+        return True
+    # a torch module exists only where torch was imported: never import it to ask
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.nn.Module)
+
+
+def _attribute(module: Any, name: str) -> Any:
+    """`getattr(module, name, None)` of a torch module or a `PickledModule`."""
+    return module.attribute(name) if isinstance(module, PickledModule) else getattr(module, name, None)
+
+
+def _has(module: Any, name: str) -> bool:
+    return module.has(name) if isinstance(module, PickledModule) else hasattr(module, name)
+
+
+def _class_facts(module: Any) -> tuple[str, tuple[str, ...]]:
+    """(class name, qualified base class names nearest first) of a module. A pickled one's
+    bases are unknown without importing its class: its name decides (`normkinds.CLASSES`)."""
+    if isinstance(module, PickledModule):
+        return module.class_name, ()
+    cls = type(module)
+    return cls.__name__, tuple(f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__[1:] if c is not object)
 
 
 def _is_tensor_mapping(value: Any) -> bool:
@@ -259,24 +297,24 @@ def strip_wrapper_prefix(ckpt: Checkpoint) -> Checkpoint:
 
 
 def module_infos(model: Any) -> dict[str, ModuleInfo]:
-    """eps / momentum / tracking of every module of an nn.Module that holds or could hold
+    """eps / momentum / tracking of every module of an nn.Module (or a `PickledModule`) that holds or could hold
     running statistics: a normalisation module of the table (`bnaudit.normkinds`), or any
     other module with a running_mean (BN001 checks those too)."""
     infos: dict[str, ModuleInfo] = {}
     for name, mod in model.named_modules():
-        bases = tuple(f"{c.__module__}.{c.__qualname__}" for c in type(mod).__mro__[1:] if c is not object)
-        known = classify(type(mod).__name__, bases) is not NormKind.NOT_NORM
-        if known or hasattr(mod, "running_mean") or hasattr(mod, "track_running_stats"):
-            momentum = getattr(mod, "momentum", None)
-            tracking = getattr(mod, "track_running_stats", None)
+        class_name, bases = _class_facts(mod)
+        known = classify(class_name, bases) is not NormKind.NOT_NORM
+        if known or _has(mod, "running_mean") or _has(mod, "track_running_stats"):
+            momentum = _attribute(mod, "momentum")
+            tracking = _attribute(mod, "track_running_stats")
             infos[name] = ModuleInfo(
-                class_name=type(mod).__name__,
+                class_name=class_name,
                 bases=bases,
-                eps=real_or_none(getattr(mod, "eps", None)),
+                eps=real_or_none(_attribute(mod, "eps")),
                 momentum=real_or_none(momentum),
                 track_running_stats=tracking if isinstance(tracking, bool) else None,
                 # a momentum that is neither a number nor None (cumulative) says nothing
-                momentum_known=hasattr(mod, "momentum") and (momentum is None or real_or_none(momentum) is not None),
+                momentum_known=_has(mod, "momentum") and (momentum is None or real_or_none(momentum) is not None),
             )
     return infos
 

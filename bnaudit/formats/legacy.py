@@ -178,22 +178,26 @@ class LegacyLayout:
     pickle: bytes
     storages: dict[str, LegacyStorage]
     globals: list[str]
+    byteorder: str = "little"
 
 
 def legacy_layout(path: str) -> LegacyLayout:
     """The layout of a legacy torch.save file whose claims `check_legacy_claims` accepts.
 
     After the pickles come the storages in the order of the key list, each as an 8-byte
-    little-endian element count and that many elements; each count is checked against
-    the claim and the file's end.
+    element count and that many elements, both in the byte order of the machine that
+    saved it (the sys info's `little_endian`); each count is checked against the claim
+    and the file's end.
     """
     check_legacy_claims(path)
     size = os.path.getsize(path)
     try:
         with open(path, "rb") as f:
             reader = _StrictReader(f, size)
-            for _ in range(3):  # magic, protocol version, sys info
+            for _ in range(2):  # magic, protocol version
                 _LegacyScanner(reader).load()
+            info = _LegacyScanner(reader).load()
+            big = isinstance(info, dict) and info.get("little_endian") is False
             start = f.tell()
             scanner = _LegacyScanner(reader)
             scanner.load()
@@ -205,7 +209,7 @@ def legacy_layout(path: str) -> LegacyLayout:
             storages: dict[str, LegacyStorage] = {}
             for key in keys if isinstance(keys, list) else []:
                 f.seek(position)
-                count = int.from_bytes(f.read(8), "little", signed=True)
+                count = int.from_bytes(f.read(8), "big" if big else "little", signed=True)
                 dtype = scanner.dtypes.get(str(key), "")
                 itemsize = STORAGE_ITEMSIZE.get(dtype, 0)
                 if count < 0 or itemsize == 0 or position + 8 + count * itemsize > size:
@@ -216,7 +220,7 @@ def legacy_layout(path: str) -> LegacyLayout:
         raise
     except Exception as exc:  # any parse failure of forged bytes
         raise BnauditError(f"{path}: damaged torch.save file ({exception_line(exc, with_type=False)})") from None
-    return LegacyLayout(main, storages, scanner.globals)
+    return LegacyLayout(main, storages, scanner.globals, "big" if big else "little")
 
 
 def whole_model_refusal(path: str) -> BnauditError:

@@ -19,7 +19,6 @@ audit/ and runtime/ depend on these records, not on any file format.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import struct
 import sys
@@ -74,7 +73,8 @@ class TensorRef:
         return torch.tensor(values, dtype=getattr(torch, self.dtype)).reshape(self.shape)
 
     def renamed(self, name: str) -> TensorRef:
-        return dataclasses.replace(self, name=name)
+        # not dataclasses.replace: a folder scan renames every tensor of every file
+        return TensorRef(name, self.shape, self.dtype, self._reader, self._torch, self.location)
 
     def _guarded(self, reader: Callable[[], _T]) -> _T:
         try:
@@ -113,6 +113,9 @@ class ModuleInfo:
     training_reason: str | None = None
     bases: tuple[str, ...] = ()
     calls: tuple[str, ...] = ()
+    # TorchScript: the saved module's training flag, which torch.jit.load restores (a
+    # model saved in training mode is loaded in training mode until .eval()); None: unknown
+    saved_training: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,10 @@ class Checkpoint:
     is_ema: bool = False
     # An averaged copy (SWA / EMA weights): how it was averaged, None for a live model.
     averaging: Averaging | None = None
+    # An averaged copy's live model, when the same container holds it beside the copy
+    # (timm's {"state_dict", "state_dict_ema"}): its tensors, names stripped alike; the
+    # copy's statistics are judged against its (bnaudit.audit.rules.checkpoint BN003).
+    live_tensors: dict[str, TensorRef] | None = field(default=None, repr=False, compare=False)
     modules: dict[str, ModuleInfo] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     holds_module: bool = False

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bnaudit.errors import BnauditError
+from bnaudit.formats.hfcache import in_blobs
 from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, ModuleInfo, TensorRef, decode_values, read_into
 from bnaudit.normkinds import NormKind, onnx_op
 from bnaudit.text import exception_line, listing, plural, printable
@@ -256,7 +257,8 @@ def _external_entry(path: str, folder: str, name: str, tensor: Any) -> tuple[str
         raise BnauditError(f"{path}: external data location '{shown}' leaves the model's folder (..): refused")
     real_folder = os.path.realpath(folder)
     target = os.path.realpath(os.path.join(real_folder, *[p for p in parts if p not in ("", ".")]))
-    if os.path.commonpath([real_folder, target]) != real_folder:
+    # a Hugging Face cache snapshot's files are links into its repo's blobs/: that far only
+    if os.path.commonpath([real_folder, target]) != real_folder and not in_blobs(folder, target):
         raise BnauditError(f"{path}: external data location '{shown}' resolves outside the model's folder: refused")
     try:
         offset = int(entries.get("offset", "0") or "0")

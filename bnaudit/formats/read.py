@@ -1,10 +1,10 @@
 """`read_checkpoint`: a path in, a `Checkpoint` of lazy tensors out, whatever the format.
 
 The one entry point for readers: sniff, dispatch to the format's reader, pick the
-state dict inside a container and strip wrapper prefixes. Only torch.save files import
-torch (through `torch.load`); safetensors, TorchScript and torch.export (.pt2) archives are
-read without it, ONNX models
-with the `onnx` package (an optional extra).
+state dict inside a container and strip wrapper prefixes. safetensors, TorchScript, torch.save
+files and torch.export (.pt2) archives are read without torch (torch.save through
+formats/torchsave.py; torch.load only with --trust-pickle or for a file naming torch globals
+that reader does not rebuild), ONNX models with the `onnx` package (an optional extra).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
     {"metadata": {"total_size": 1234}, "weight_map": {"bn1.running_mean": "model-00001-of-00003.safetensors", ...}}
 
 The index is untrusted: `read_index` refuses a tensor listed twice, a shard path that
-leaves the index's folder (absolute, `..`, or a symlink resolving outside), and a
+leaves the index's folder (absolute, `..`, or a symlink resolving outside it, except into
+the repo's `blobs/` in a Hugging Face cache snapshot: formats/hfcache.py), and a
 missing shard; `read_sharded` also refuses a file of the series (same stem, `-of-N`) the
 index does not list and a tensor that the shards and the index disagree on. Shards are
 opened lazily (safetensors headers only; torch.save zips through mmap), so a BN layer
@@ -24,6 +25,7 @@ from typing import Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.containers import find_state_dicts, strip_wrapper_prefix, wrap_candidate
+from bnaudit.formats.hfcache import in_blobs
 from bnaudit.formats.model import Checkpoint, TensorRef
 from bnaudit.formats.safetensors import read_safetensors
 from bnaudit.formats.sniff import sniff_format
@@ -97,8 +99,9 @@ def _inside(folder: str, name: str, index_path: str) -> str:
     if ".." in re.split(r"[/\\]", name):
         raise BnauditError(f"{index_path}: shard path '{name}' leaves the index's folder ('..')")
     joined = os.path.join(folder, name)
-    real_folder = os.path.realpath(folder)
-    if os.path.commonpath([real_folder, os.path.realpath(joined)]) != real_folder:
+    real_folder, real = os.path.realpath(folder), os.path.realpath(joined)
+    # a Hugging Face cache snapshot's shards are links into its repo's blobs/: that far only
+    if os.path.commonpath([real_folder, real]) != real_folder and not in_blobs(folder, real):
         raise BnauditError(
             f"{index_path}: shard '{name}' is a symlink to {os.path.realpath(joined)}, outside the index's "
             "folder: refused (copy the shards next to the index)"
@@ -178,7 +181,7 @@ def _shard_tensors(shard: str, trust_pickle: bool) -> tuple[str, dict[str, Tenso
     # here: the unpicklers cost start-up that safetensors shards never need
     from bnaudit.formats.allowlist import load_torch_object
 
-    obj = load_torch_object(shard, trust_pickle=trust_pickle, mmap=fmt == "torch-zip")
+    obj = load_torch_object(shard, trust_pickle=trust_pickle, mmap=fmt == "torch-zip", lazy=True)
     candidates = find_state_dicts(obj)
     if "" not in candidates:
         raise BnauditError(f"{shard}: a shard must be a plain state dict (name -> tensor)")

@@ -2,14 +2,20 @@
 
   zip (PK)          a torch.export archive (`pt2`) if its root folder's `archive_format`
                     says "pt2"; TorchScript if it has `*/constants.pkl` or `*/code/`,
-                    torch.save if it has `data.pkl`; entries claiming more bytes than the
-                    file are refused
-  byte 8 is `{`     safetensors (8-byte header length, then the JSON header)
-  byte 0 is 0x80    a pickle: legacy (pre-1.6) torch.save
+                    torch.save if it has `data.pkl`; entries of those claiming more bytes
+                    than the file are refused. A zip of none of these layouts (a wheel, a
+                    zip of images) is `NotACheckpoint`, named for what it is from its
+                    member names: its members are never read.
+  byte 8 is `{`     safetensors (8-byte header length, then the JSON header; JSON
+                    whitespace before the `{` allowed, as the safetensors package does)
+  byte 0 is 0x80    a pickle (PROTO opcode, protocol 2 to 5): legacy (pre-1.6) torch.save
   protobuf fields   ONNX: a ModelProto starts with field 1 (ir_version, a varint: byte 0x08)
                     followed by further ModelProto fields of the right wire types
-Anything else, a folder, a pipe or a device is refused with one line. Only the first
-64 bytes (and a zip's directory) are read here, so a wrong file costs next to nothing.
+Bytes of none of these (a Core ML `weight.bin`, a text file named `.bin`) raise
+`NotACheckpoint`: a folder scan lists such a file as skipped, while a file that claims a
+format and breaks it (a damaged zip, an empty file: a save that never finished) stays an
+error. A folder, a pipe or a device is refused with one line. Only the first 64 bytes
+(and a zip's directory) are read here, so a wrong file costs next to nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +27,18 @@ import zipfile
 from bnaudit.errors import BnauditError
 from bnaudit.text import exception_line
 
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar", ".safetensors", ".onnx", ".pt2")
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar", ".safetensors", ".onnx", ".jit", ".pt2")
+
+NEITHER = "neither torch.save, TorchScript, safetensors nor ONNX"
+
+
+class NotACheckpoint(BnauditError):
+    """`path` is no checkpoint format at all: `what` says what it is instead."""
+
+    def __init__(self, path: str, what: str) -> None:
+        super().__init__(f"{path}: not a checkpoint ({what})")
+        self.path = path
+        self.what = what
 
 
 def sniff_format(path: str) -> str:
@@ -50,13 +67,13 @@ def sniff_format(path: str) -> str:
         raise BnauditError(f"{path}: empty file, not a checkpoint")
     if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
         return _sniff_zip(path)
-    if len(head) >= 9 and head[8:9] == b"{":
+    if head[8:].lstrip(b" \t\n\r")[:1] == b"{":  # JSON whitespace may precede the header's object
         return "safetensors"
-    if head[:1] == b"\x80":
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return "torch-legacy"
     if looks_like_onnx(head):
         return "onnx"
-    raise BnauditError(f"{path}: not a checkpoint (neither torch.save, TorchScript, safetensors nor ONNX)")
+    raise NotACheckpoint(path, NEITHER)
 
 
 # ModelProto's fields and their wire types (0 varint, 2 length-delimited): ir_version 1,
@@ -107,19 +124,37 @@ def _sniff_zip(path: str) -> str:
     try:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
-            check_zip_sizes(path, archive)
             # before TorchScript's test: a .pt2 holds `data/constants/` and pickled sample inputs
-            if _is_pt2(names, archive):
-                return "pt2"
+            fmt = "pt2" if _is_pt2(names, archive) else _torch_layout(names)
+            if fmt is not None:  # only a torch layout's records are ever read: size them
+                check_zip_sizes(path, archive)
     except BnauditError:
         raise
     except Exception as exc:  # zipfile parsing forged bytes: BadZipFile, NotImplementedError, struct.error, ...
         raise BnauditError(f"{path}: damaged zip archive ({exception_line(exc, with_type=False)})") from None
+    if fmt is None:
+        raise NotACheckpoint(path, zip_kind(names))
+    return fmt
+
+
+def _torch_layout(names: list[str]) -> str | None:
     if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
         return "torchscript"
     if any(n.endswith("data.pkl") for n in names):
         return "torch-zip"
-    raise BnauditError(f"{path}: zip archive without data.pkl, not a torch.save file")
+    return None
+
+
+def zip_kind(names: list[str]) -> str:
+    """What a zip archive without a torch layout is, from its member names: a wheel
+    (`*.dist-info/WHEEL`) or a zip; naming the members that look like checkpoints (a
+    wheel shipping its models)."""
+    inside = [n for n in names if n.lower().endswith(CHECKPOINT_SUFFIXES)]
+    shown = ", ".join(inside[:3]) + (f" and {len(inside) - 3} more" if len(inside) > 3 else "")
+    holds = f"; unzip it to audit the checkpoint files it holds: {shown}" if inside else ""
+    if any(n.count("/") == 1 and n.endswith(".dist-info/WHEEL") for n in names):
+        return f"a Python wheel (a zip archive of a package){holds}"
+    return f"a zip archive without data.pkl, not a torch.save file{holds}"
 
 
 def _is_pt2(names: list[str], archive: zipfile.ZipFile) -> bool:

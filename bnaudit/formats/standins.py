@@ -90,7 +90,7 @@ class CalledStandIn(pickle.UnpicklingError):
 _STAND_IN_TYPES = (StandIn, StandInObject)
 
 
-class _StandInUnpickler(ArchiveUnpickler):
+class StandInUnpickler(ArchiveUnpickler):
     # pickle._Unpickler's opcode table, with the four opcodes that call or rebuild replaced
     dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(ArchiveUnpickler.dispatch)
 
@@ -187,7 +187,7 @@ def read_with_stand_ins(path: str, allowed: Callable[[str], Any]) -> Any:
 
     def load() -> Any:
         archive, root, data = open_archive_pickle(path)
-        return _StandInUnpickler(data, archive, root, allowed).load()
+        return StandInUnpickler(data, archive, root, allowed).load()
 
     return _unpickled(path, load)
 
@@ -277,7 +277,7 @@ def with_stand_ins_checked(path: str, obj: Any, build: Callable[[], Checkpoint])
     return ckpt
 
 
-class _LegacyStandInUnpickler(_StandInUnpickler):
+class _LegacyStandInUnpickler(StandInUnpickler):
     """The stand-in unpickler over the main pickle of a legacy torch.save file: storages
     are the file ranges `legacy_layout` found, tensors lazy slices of the file."""
 

@@ -31,7 +31,7 @@ from bnaudit.formats.model import (
 )
 from bnaudit.formats.safetensors import is_count
 from bnaudit.formats.sniff import check_zip_sizes
-from bnaudit.normkinds import norm_calls
+from bnaudit.normkinds import constant_training_calls, norm_calls
 from bnaudit.text import exception_line
 
 
@@ -277,6 +277,8 @@ def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleI
         if "running_mean" in attrs or "track_running_stats" in attrs:
             eps, momentum = attrs.get("eps"), attrs.get("momentum")
             tracking = attrs.get("track_running_stats")
+            training = attrs.get("training")
+            constant = code.training_calls
             modules[prefix.rstrip(".")] = ModuleInfo(
                 cls,
                 real_or_none(eps),
@@ -284,6 +286,14 @@ def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleI
                 tracking if isinstance(tracking, bool) else None,
                 momentum_known="momentum" in attrs and (momentum is None or real_or_none(momentum) is not None),
                 calls=code.calls,
+                training_mode=True if constant else None,
+                training_reason=(
+                    f"its TorchScript code calls {', '.join(constant)} with training=True as a constant "
+                    "(traced in training mode? .eval() cannot switch it)"
+                    if constant
+                    else None
+                ),
+                saved_training=training if isinstance(training, bool) else None,
             )
         for name, value in attrs.items():
             if not isinstance(name, str):
@@ -307,6 +317,8 @@ def read_torchscript(path: str) -> tuple[dict[str, TensorRef], dict[str, ModuleI
 class _ScriptClass:
     constants: dict[str, Any]
     calls: tuple[str, ...]
+    # BatchNorm operators its code calls with a literal training=True (normkinds.constant_training_calls)
+    training_calls: tuple[str, ...] = ()
 
 
 _NO_CLASS = _ScriptClass({}, ())
@@ -351,7 +363,7 @@ class _ScriptClasses:
             values: dict[str, Any] = {}
             for key, literal in self._FINAL_RE.findall(body):
                 values[key] = _literal(literal.strip())
-            classes[name] = _ScriptClass(values, norm_calls(body))
+            classes[name] = _ScriptClass(values, norm_calls(body), constant_training_calls(body))
         return classes
 
 

@@ -1,9 +1,10 @@
 """`save_like`: write a checkpoint again in its own format with new BN statistics.
 
 Only `running_mean`, `running_var` and `num_batches_tracked` are ever replaced; every
-other byte, key and piece of metadata stays as it was, so a recalibrated file drops in
-where the original was. Separate from the readers: writing needs torch for torch.save
-and TorchScript files, reading safetensors does not.
+other tensor, key and piece of metadata stays as it was, so a recalibrated file drops in
+where the original was. Separate from the readers: writing needs torch, reading does not.
+Safetensors files are written by the `safetensors` package (`safetensors.torch.save`), so
+each is a file the reference wrote; only the atomic naming (`atomic_write`) is bnaudit's.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import zipfile
 from collections.abc import Mapping
 from typing import Any
@@ -20,7 +20,7 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.atomic import atomic_write, check_output
 from bnaudit.formats.model import MODULE_RECORD_ATTRIBUTE, Checkpoint, statistics_digest
-from bnaudit.formats.safetensors import SAFETENSORS_DTYPE_CODES, read_safetensors, read_safetensors_header
+from bnaudit.formats.safetensors import SAFETENSORS_DTYPE_CODES
 from bnaudit.formats.torchscript import RECORD_EXTRA_FILE
 from bnaudit.text import exception_line, plural
 
@@ -44,9 +44,10 @@ def save_like(
     `num_batches_tracked` buffers; each is cast to the stored dtype and must keep the
     stored shape. Everything else stays as it is:
 
-      safetensors   the header with `__metadata__` kept plus a `bnaudit` entry (the
-                    provenance as JSON); the data section copied byte for byte, then
-                    only the updated tensors' bytes overwritten in place
+      safetensors   every tensor read with `safetensors.safe_open` and written again by
+                    the package, the updated ones replaced, with `__metadata__` kept plus
+                    a `bnaudit` entry (the provenance as JSON): for a file the package
+                    wrote, only the updated tensors' bytes and the header change
       torch-zip/legacy  the whole container reloaded (same allow-list as reading) and
                     saved in the same serialization; only the selected state dict's
                     entries replaced; no new keys: the provenance goes into the state
@@ -97,7 +98,7 @@ def save_like(
             tensors = _state_dict_at(obj, ckpt.key)
 
             def write(f: Any) -> None:
-                _write_new_safetensors(tensors, {"format": "pt", **({"bnaudit": record} if record else {})}, f)
+                write_safetensors(tensors, {"format": "pt", **({"bnaudit": record} if record else {})}, f)
         else:
             if record is not None:
                 obj = _attach_record(ckpt, obj, record)
@@ -115,7 +116,7 @@ def save_like(
             tensors = dict(module.state_dict())
 
             def write(f: Any) -> None:
-                _write_new_safetensors(tensors, {"format": "pt", **({"bnaudit": record} if record else {})}, f)
+                write_safetensors(tensors, {"format": "pt", **({"bnaudit": record} if record else {})}, f)
         else:
             if record is not None:
                 extra[RECORD_EXTRA_FILE] = record.encode("utf-8")
@@ -196,34 +197,57 @@ def _state_dict_at(obj: Any, key: str | None) -> dict[str, Any]:
 
 def _safetensors_as_state_dict(ckpt: Checkpoint) -> Any:
     """The tensors of a safetensors checkpoint, all of them, as a torch state dict (names
-    as stored: the wrapper prefix kept)."""
+    as stored: the wrapper prefix kept; in the order of their bytes in the file)."""
     from collections import OrderedDict
 
-    tensors, _metadata = read_safetensors(ckpt.path)
-    return OrderedDict((name, ref.to_torch()) for name, ref in tensors.items())
+    return OrderedDict(_read_all_safetensors(ckpt.path)[0])
 
 
-def _write_new_safetensors(tensors: Mapping[str, Any], metadata: Mapping[str, str], f: Any) -> None:
-    """A safetensors file of `tensors` (torch, any layout: written contiguous, shared
-    storage written once per name) with `metadata` as `__metadata__`."""
-    if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian
-        raise BnauditError("writing safetensors needs a little-endian machine")
-    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
+def _read_all_safetensors(path: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every tensor of a safetensors file (torch, in file order) and its metadata, read by
+    the `safetensors` package."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.offset_keys()}, dict(f.metadata() or {})
+    except (SafetensorError, OSError) as exc:  # changed since it was read
+        raise BnauditError(f"{path}: cannot read safetensors file ({exception_line(exc, with_type=False)})") from None
+
+
+def write_safetensors(tensors: Mapping[str, Any], metadata: Mapping[str, str], f: Any) -> None:
+    """Write `tensors` (torch, any device and layout) with `metadata` as `__metadata__` (none
+    when empty) into the new, empty file `f`: the bytes of `safetensors.torch.save`. Tensors
+    sharing storage (tied weights, an EMA copy) are written once per name, as copies,
+    where the package would refuse them.
+
+    `save`, not `save_file`: the package's `save_file` writes a temporary file of its own
+    and renames it over the name given, which would bypass `atomic_write` (an unnamed
+    file, never left behind). The cost is one copy of the file's bytes in memory.
+    """
+    from safetensors.torch import save
+
+    f.write(save(_standalone(tensors), metadata=dict(metadata) or None))
+
+
+def _standalone(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """`tensors` on the CPU, contiguous, each name with storage of its own (a copy for the
+    second and later names of a shared storage), dtypes checked against safetensors'."""
+    import torch
+
+    out: dict[str, Any] = {}
+    seen: set[int] = set()
     for name, tensor in tensors.items():
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        code = SAFETENSORS_DTYPE_CODES.get(dtype)
-        if code is None:
+        t = tensor.detach().to("cpu")
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in SAFETENSORS_DTYPE_CODES:
             raise BnauditError(f"tensor '{name}': dtype {dtype} has no safetensors equivalent")
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": code, "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
-    f.write(len(raw).to_bytes(8, "little"))
-    f.write(raw)
-    for tensor in tensors.values():
-        f.write(_tensor_bytes(tensor))
+        storage = t.untyped_storage().data_ptr()
+        if not t.is_contiguous() or (storage and storage in seen):
+            t = t.clone(memory_format=torch.contiguous_format)
+        seen.add(storage)
+        out[name] = t
+    return out
 
 
 def statistics_digests(ckpt: Checkpoint, updates: Mapping[str, Any], layers: list[str]) -> dict[str, str]:
@@ -303,43 +327,15 @@ def _prepare_updates(ckpt: Checkpoint, updates: Mapping[str, Any]) -> dict[str, 
     return prepared
 
 
-def _tensor_bytes(tensor: Any) -> bytes:
-    """A tensor's bytes in memory order (little-endian here), without the numpy bridge
-    (which would import numpy: start-up time)."""
-    import ctypes
-
-    t = tensor.detach().cpu().contiguous()
-    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
-
-
 def _write_safetensors_like(
     ckpt: Checkpoint, prepared: dict[str, Any], provenance: Mapping[str, Any] | None, f: Any
 ) -> None:
-    if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian
-        raise BnauditError("writing safetensors needs a little-endian machine")
-    stored = read_safetensors_header(ckpt.path)
-    header = stored.entries
-    with open(ckpt.path, "rb") as src:
-        src.seek(stored.data_start)
-        metadata = dict(stored.metadata)
-        if provenance is not None:
-            metadata["bnaudit"] = json.dumps(dict(provenance), sort_keys=True)
-        new_header = {"__metadata__": metadata, **header} if metadata else header
-        raw = json.dumps(new_header, separators=(",", ":")).encode("utf-8")
-        raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned, as safetensors does
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        data_start = f.tell()
-        while chunk := src.read(16 * 1024 * 1024):
-            f.write(chunk)
+    tensors, metadata = _read_all_safetensors(ckpt.path)
     for name, tensor in prepared.items():
-        begin, end = header[ckpt.prefix + name]["data_offsets"]
-        data = _tensor_bytes(tensor)
-        if len(data) != end - begin:  # pragma: no cover - _prepare_updates checked shape and dtype
-            raise ValueError(f"{name}: {len(data)} bytes for a slot of {end - begin}")
-        f.seek(data_start + begin)
-        f.write(data)
-    f.seek(0, os.SEEK_END)
+        tensors[ckpt.prefix + name] = tensor
+    if provenance is not None:
+        metadata["bnaudit"] = json.dumps(dict(provenance), sort_keys=True)
+    write_safetensors(tensors, metadata, f)
 
 
 def _apply_to_container(ckpt: Checkpoint, obj: Any, prepared: dict[str, Any]) -> None:

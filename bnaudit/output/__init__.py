@@ -1,6 +1,7 @@
 """One emitter interface for every report kind; the only place that knows rich, JSON and SARIF.
 
-    emit(report, fmt, stream)          inspect, diff: table / json / sarif; gap, invariance,
+    emit(report, fmt, stream)          inspect, diff: table / json / sarif and the CI formats
+                                       github / gitlab / junit / markdown; gap, invariance,
                                        recalibrate: table / json
     emit_diagnostics(report, stream)   what a report has to say on stderr (unreadable files, warnings)
     emit_error / emit_warning          the CLI's one-line messages
@@ -8,14 +9,17 @@
     progress(description, stream)      a progress bar while gap or recalibrate runs
 
 The emitters are chosen by the report's type (`formats_of`, `table.render`,
-`json.to_json`, `sarif.to_sarif`). The records live in torch-free modules
+`json.to_json`, `sarif.to_sarif`, and one module per CI format: `github.to_github`,
+`gitlab.to_gitlab`, `junit.to_junit`, `markdown.to_markdown`, which read the files of a
+report through `checked.checked_files`). The records live in torch-free modules
 (`bnaudit.audit` for inspect and diff, `bnaudit.reports` for gap, invariance and
 recalibrate), so this package never imports the torch-heavy modules that measure:
 `--help`, `rules` and `inspect` of a safetensors file stay torch-free.
 
 Strings from files and models (names, paths, messages, model descriptions) are untrusted:
 the table renderers pass each through `bnaudit.text.printable` where they draw it, and the
-one-line messages here pass theirs once. JSON and SARIF keep them exact (a consumer matches
+one-line messages here pass theirs once; the CI formats make them safe for their consumer
+(GitHub's command escaping, XML, Markdown). JSON, SARIF and GitLab's JSON keep them exact (a consumer matches
 layer names against the state dict) and safe: the encoder writes every control and
 non-ASCII character as a \\u escape.
 """
@@ -41,19 +45,23 @@ if TYPE_CHECKING:
     Report = InspectReport | DiffReport | GapReport | InvarianceReport | RecalibrationReport | FoldReport
 
 
+FINDINGS_FORMATS = ("table", "json", "sarif", "github", "gitlab", "junit", "markdown")
+
+
 def formats_of(report: object) -> tuple[str, ...]:
-    """The formats `report`'s type has emitters for: inspect and diff reports table, JSON
-    and SARIF (findings at locations); the measurements table and JSON; anything else none.
+    """The formats `report`'s type has emitters for: inspect and diff reports table, JSON,
+    SARIF and the CI formats (findings at locations); the measurements table and JSON;
+    anything else none.
     Each record module is imported only when the types before it did not match (see
     `bnaudit.output.table.render`)."""
     from bnaudit.audit.report import InspectReport
 
     if isinstance(report, InspectReport):
-        return ("table", "json", "sarif")
+        return FINDINGS_FORMATS
     from bnaudit.audit.diff import DiffReport
 
     if isinstance(report, DiffReport):
-        return ("table", "json", "sarif")
+        return FINDINGS_FORMATS
     from bnaudit.reports.gap import GapReport
     from bnaudit.reports.invariance import InvarianceReport
     from bnaudit.reports.recalibrate import RecalibrationReport
@@ -103,16 +111,42 @@ def emit(
 
         render(report, console(stream, width), quiet=quiet, all_layers=all_layers)
         return
+    if fmt in ("github", "junit", "markdown"):
+        _write(stream, _ci_text(report, fmt))
+        return
+    document: object
     if fmt == "sarif":
         from bnaudit.output.sarif import to_sarif
 
         document = to_sarif(report)
+    elif fmt == "gitlab":
+        from bnaudit.output.gitlab import to_gitlab
+
+        document = to_gitlab(report)
     else:
         from bnaudit.output.json import to_json
 
         document = to_json(report)
+    _write(stream, jsonlib.dumps(document, indent=2, allow_nan=False) + "\n")
+
+
+def _ci_text(report: Report, fmt: str) -> str:
+    if fmt == "github":
+        from bnaudit.output.github import to_github
+
+        return to_github(report)
+    if fmt == "junit":
+        from bnaudit.output.junit import to_junit
+
+        return to_junit(report)
+    from bnaudit.output.markdown import to_markdown
+
+    return to_markdown(report)
+
+
+def _write(stream: IO[str], text: str) -> None:
     try:
-        stream.write(jsonlib.dumps(document, indent=2, allow_nan=False) + "\n")
+        stream.write(text)
         stream.flush()
     except BrokenPipeError:
         raise OutputClosed() from None
@@ -152,15 +186,16 @@ def emit_diagnostics(report: Report, stream: IO[str], fmt: str = "table") -> Non
     not read and recalibrate's warnings.
 
     An unreadable file is said once: with a table, here (the table marks the file
-    `unreadable`, and stderr is where a hook's log and a terminal show errors); with JSON
-    or SARIF, in the document only (`files[].error`, a notification)."""
+    `unreadable`, and stderr is where a hook's log and a terminal show errors); with any
+    other format, in the document only (JSON `files[].error`, a SARIF notification, an
+    annotation, a Code Quality issue, a JUnit error, a line of the summary)."""
     from bnaudit.audit.report import InspectReport
 
     if isinstance(report, InspectReport):
         if fmt == "table":
             for file in report.files:
                 if file.error:
-                    emit_error(f"{file.path}: {file.error}", stream)
+                    emit_error(f"{file.shown}: {file.error}", stream)
         return
     from bnaudit.reports.recalibrate import RecalibrationReport
 

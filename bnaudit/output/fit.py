@@ -92,10 +92,10 @@ def concise_lines(report: InspectReport) -> list[str]:
         if file.error:
             continue
         if file.excluded:
-            lines.append(f"{file.path}: {file.excluded}")
+            lines.append(f"{file.shown}: {file.excluded}")
             continue
         for f in file.findings:
-            where = f"{file.path}: {f.layer}: " if f.layer is not None else f"{file.path}: "
+            where = f"{file.shown}: {f.layer}: " if f.layer is not None else f"{file.shown}: "
             lines.append(f"{where}{f.code} {f.name}: {f.message}")
     lines.append(summary_line(report))
     return lines
@@ -113,5 +113,9 @@ def summary_line(report: InspectReport) -> str:
     if s["excluded"]:
         line += f", {plural(s['excluded'], 'excluded file')}"
     if report.skipped:
-        line += f", {len(report.skipped)} skipped (not model weights)"
+        reasons: dict[str, int] = {}
+        for file in report.skipped:
+            reasons[file.skip_reason] = reasons.get(file.skip_reason, 0) + 1
+        why = next(iter(reasons)) if len(reasons) == 1 else "; ".join(f"{n} {r}" for r, n in reasons.items())
+        line += f", {len(report.skipped)} skipped ({why})"
     return line

@@ -17,6 +17,7 @@ from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO, MEAN_SHI
 if TYPE_CHECKING:
     from bnaudit.audit.diff import DiffReport, Side
     from bnaudit.audit.exportdiff import ExportCheck
+    from bnaudit.formats.hfcache import HubSource
     from bnaudit.formats.model import Averaging
     from bnaudit.output import Report
     from bnaudit.reports.fold import FoldReport
@@ -110,7 +111,9 @@ def inspect_to_json(report: InspectReport) -> dict[str, Any]:
                 "error": file.error,
                 "excluded": file.excluded,
                 "skipped": file.skipped,
+                "skip_reason": file.skip_reason if file.skipped else None,
                 "notes": file.notes,
+                "hub": hub_to_json(file.hub),
             }
         )
     return {"version": __version__, "config": report.config.as_dict(), "files": files, "summary": report.summary()}
@@ -339,6 +342,20 @@ def averaging_to_json(averaging: Averaging | None) -> dict[str, Any] | None:
         "n_averaged": averaging.n_averaged,
         "buffers": averaging.buffers,
         "counter_meaning": averaging.counter_meaning,
+    }
+
+
+def hub_to_json(hub: HubSource | None) -> dict[str, Any] | None:
+    """Where a file of a Hugging Face cache comes from (bnaudit.formats.hfcache.HubSource)."""
+    if hub is None:
+        return None
+    return {
+        "repo_type": hub.repo_type,
+        "repo_id": hub.repo_id,
+        "revision": hub.revision,
+        "file": hub.file,
+        "refs": list(hub.refs),
+        "also_in": list(hub.also_in),
     }
 
 

@@ -32,6 +32,7 @@ from bnaudit.audit.report import InspectReport
 from bnaudit.audit.ruledocs import explain_rule, worst_severity
 from bnaudit.audit.rules import RULES, Finding
 from bnaudit.config import Config
+from bnaudit.output.checked import location
 
 if TYPE_CHECKING:
     from bnaudit.audit.diff import DiffReport
@@ -49,11 +50,10 @@ LEVELS = {"error": "error", "warning": "warning", "info": "note"}
 
 
 def _artifact_location(path: str, base: str) -> dict[str, str]:
-    absolute = os.path.abspath(path)
-    relative = os.path.relpath(absolute, base)
-    if relative == ".." or relative.startswith(".." + os.sep):
-        return {"uri": Path(absolute).as_uri()}
-    return {"uri": quote(Path(relative).as_posix(), safe="/"), "uriBaseId": "%SRCROOT%"}
+    where = location(path, base)  # the CI formats' path, as a URI
+    if os.path.isabs(where):
+        return {"uri": Path(where).as_uri()}
+    return {"uri": quote(where, safe="/"), "uriBaseId": "%SRCROOT%"}
 
 
 def _fingerprint(finding: Finding, uri: str) -> str:
@@ -92,7 +92,7 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
             notifications.append(
                 {
                     "level": "note",
-                    "message": {"text": f"{file.path}: {file.excluded}"},
+                    "message": {"text": f"{file.shown}: {file.excluded}"},
                     "locations": [{"physicalLocation": {"artifactLocation": location}}],
                 }
             )
@@ -101,7 +101,7 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
             notifications.append(
                 {
                     "level": "error",
-                    "message": {"text": f"{file.path}: {file.error}"},
+                    "message": {"text": f"{file.shown}: {file.error}"},
                     "locations": [{"physicalLocation": {"artifactLocation": location}}],
                 }
             )
@@ -110,7 +110,7 @@ def inspect_to_sarif(report: InspectReport, base: str | None = None) -> dict[str
             notifications.append(
                 {
                     "level": "note",
-                    "message": {"text": f"{file.path}: skipped: {file.skipped}: not model weights"},
+                    "message": {"text": file.skipped_line()},
                     "locations": [{"physicalLocation": {"artifactLocation": location}}],
                 }
             )

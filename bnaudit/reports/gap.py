@@ -214,7 +214,15 @@ def diagnose(report: GapReport, scripted: bool = False) -> list[str]:
             "so eval mode normalises with values that describe no data. Recalibrate: "
             "`bnaudit recalibrate` on a few thousand representative samples."
         )
-    if immature:
+    if immature and report.inspection.is_ema:
+        averaging = report.inspection.averaging
+        kind = f" ({averaging.kind})" if averaging is not None else ""
+        lines.append(
+            f"This is an EMA copy{kind} whose statistics are immature (BN003) in {layer_list(immature)}: the "
+            "average still holds much of the initial mean 0 and variance 1, whatever the data. Not a "
+            "preprocessing problem: recalibrate it, or use the live statistics (`bnaudit recalibrate`)."
+        )
+    elif immature:
         lines.append(
             f"Immature statistics (BN003) in {layer_list(immature)}: the initial values still weigh in. "
             "Recalibrate with `bnaudit recalibrate`."

@@ -21,7 +21,7 @@ as "<1e-05" (`bnaudit.text.above_floor`; JSON keeps the exact number).
 An export with a fixed batch dimension gets batches of exactly that size: a short batch is
 filled with copies of its last sample, whose outputs are dropped (said in the report).
 
-Also here, because it needs the model: `bn_producers`, the conv that feeds each BN module
+Also used here, from runtime.models: `bn_producers`, the conv that feeds each BN module
 in the model graph (torch.fx), used to pair folded layers with --arch.
 """
 
@@ -41,14 +41,12 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.onnx import load_onnx
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.deviation import relative_deviations
-from bnaudit.runtime.models import load_runnable, output_tensor
-from bnaudit.runtime.norms import batchnorm_modules
+from bnaudit.runtime.models import bn_producers, load_runnable, output_tensor
 from bnaudit.runtime.sources import DataOptions
 
 FLOOR_FACTOR = 10.0
 FLOOR_MIN = 1e-6
 ONNXRUNTIME_EXTRA = 'pip install "bnaudit[onnx]"'
-_CONV_TYPES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)
 
 
 def parity_floor(rounding: float) -> float:
@@ -58,36 +56,6 @@ def parity_floor(rounding: float) -> float:
     if not (math.isfinite(scaled) and scaled > FLOOR_MIN):
         return max(scaled, FLOOR_MIN)  # NaN stays NaN: every deviation then deviates
     return float(f"1e{math.ceil(math.log10(scaled))}")  # the double nearest 10^k, as a user types it
-
-
-def bn_producers(model: Any) -> dict[str, str]:
-    """BN module name -> the Conv/Linear module whose output it normalises, from the model
-    graph (torch.fx symbolic trace); where tracing fails, module order: the last Conv/Linear
-    with as many output channels registered before the BN."""
-    norms = batchnorm_modules(model)
-    modules = dict(model.named_modules())
-    try:
-        import torch.fx
-
-        graph = torch.fx.symbolic_trace(model).graph
-        found: dict[str, str] = {}
-        for node in graph.nodes:
-            if node.op == "call_module" and node.target in norms and node.args:
-                source = node.args[0]
-                if getattr(source, "op", None) == "call_module" and isinstance(modules.get(source.target), _CONV_TYPES):
-                    found[str(node.target)] = str(source.target)
-        return found
-    except Exception:  # user code that fx cannot trace: fall back to definition order
-        pass
-    found = {}
-    last: dict[int, str] = {}
-    for name, module in modules.items():
-        if isinstance(module, _CONV_TYPES):
-            channels = module.out_features if isinstance(module, torch.nn.Linear) else module.out_channels
-            last[channels] = name
-        elif name in norms and getattr(norms[name], "num_features", None) in last:
-            found[name] = last[norms[name].num_features]
-    return found
 
 
 def _session(path: str) -> Any:

@@ -52,6 +52,7 @@ from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.shards import is_index
 from bnaudit.formats.sniff import sniff_format
 from bnaudit.runtime.norms import batchnorm_modules
+from bnaudit.runtime.safetensors_files import read_checkpoint_tensors
 from bnaudit.text import exception_line, plural
 
 
@@ -292,11 +293,12 @@ def check_fits(ckpt: Checkpoint, facts: ModuleFacts, arch: str) -> None:
 
 def load_state(model: Any, ckpt: Checkpoint) -> None:
     """Copy every checkpoint tensor the model has into it (dtype converted by copy_)."""
-    state = {}
     model_keys = set(model.state_dict().keys())
-    for name, ref in ckpt.tensors.items():
-        if name in model_keys:
-            state[name] = ref.to_torch()
+    refs = {name: ref for name, ref in ckpt.tensors.items() if name in model_keys}
+    if ckpt.format == "safetensors" and not ckpt.shards:  # torch is loaded: the package reads it
+        state = read_checkpoint_tensors(ckpt.path, refs)
+    else:
+        state = {name: ref.to_torch() for name, ref in refs.items()}
     model.load_state_dict(state, strict=False)
 
 
@@ -473,3 +475,37 @@ def output_tensor(output: Any) -> Any:
         f"the model returned {type(output).__name__}, which holds no tensor; pass --forward MODULE:CALLABLE "
         "returning the logits"
     )
+
+
+# The layers whose output a BN module normalises (bn_producers)
+_CONV_TYPES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)
+
+
+def bn_producers(model: Any) -> dict[str, str]:
+    """BN module name -> the Conv/Linear module whose output it normalises, from the model
+    graph (torch.fx symbolic trace); where tracing fails, module order: the last Conv/Linear
+    with as many output channels registered before the BN."""
+    norms = batchnorm_modules(model)
+    modules = dict(model.named_modules())
+    try:
+        import torch.fx
+
+        graph = torch.fx.symbolic_trace(model).graph
+        found: dict[str, str] = {}
+        for node in graph.nodes:
+            if node.op == "call_module" and node.target in norms and node.args:
+                source = node.args[0]
+                if getattr(source, "op", None) == "call_module" and isinstance(modules.get(source.target), _CONV_TYPES):
+                    found[str(node.target)] = str(source.target)
+        return found
+    except Exception:  # user code that fx cannot trace: fall back to definition order
+        pass
+    found = {}
+    last: dict[int, str] = {}
+    for name, module in modules.items():
+        if isinstance(module, _CONV_TYPES):
+            channels = module.out_features if isinstance(module, torch.nn.Linear) else module.out_channels
+            last[channels] = name
+        elif name in norms and getattr(norms[name], "num_features", None) in last:
+            found[name] = last[norms[name].num_features]
+    return found

@@ -39,11 +39,11 @@ import torch
 from bnaudit.errors import BnauditError
 from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.model import read_into
-from bnaudit.formats.safetensors import read_safetensors
 from bnaudit.formats.sniff import sniff_format
 from bnaudit.formats.torchscript import stored_tensors
 from bnaudit.runtime.models import exit_message, import_callable
 from bnaudit.runtime.numpy_files import StoredRows, open_numpy
+from bnaudit.runtime.safetensors_files import SafetensorsRows, open_safetensors
 from bnaudit.text import plural
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
@@ -260,7 +260,7 @@ def resize_center_crop(image: Any, size: int) -> Any:
 @dataclass
 class _Shard:
     path: str
-    inputs: Any  # FileRows or torch tensor, indexed by sample
+    inputs: Any  # FileRows, SafetensorsRows or torch tensor, indexed by sample
     labels: Any  # torch tensor, or None
     length: int
 
@@ -343,7 +343,7 @@ def _fits_int64(dtype: Any) -> bool:
 
 def _take(values: Any, rows: list[int]) -> Any:
     """values[rows] (FileRows or a tensor) as a new tensor."""
-    if isinstance(values, FileRows):
+    if isinstance(values, (FileRows, SafetensorsRows)):
         return values.take(rows)
     return values[torch.as_tensor(rows, dtype=torch.int64)]
 
@@ -394,7 +394,7 @@ def _open_shard(path: str) -> _Shard:
             for k, v in open_numpy(path).items()
         }
     elif fmt == "safetensors":
-        tensors = _open_safetensors(path)
+        tensors = open_safetensors(path)
     elif fmt in ("torch-zip", "torch-legacy"):
         tensors = _open_torch_tensors(path, fmt)
     else:
@@ -419,20 +419,6 @@ def _open_shard(path: str) -> _Shard:
 def _integer_dtype(dtype: Any) -> bool:
     text = str(dtype).removeprefix("torch.")
     return text.startswith(("int", "uint"))
-
-
-def _open_safetensors(path: str) -> dict[str, Any]:
-    """A safetensors data file's tensors (validated by our reader): the inputs as FileRows,
-    read batch by batch; the rest (labels: one integer a sample) read whole."""
-
-    refs, _ = read_safetensors(path)  # validates every header claim against the file
-    out: dict[str, Any] = {}
-    for name, ref in refs.items():
-        if name == "inputs" and ref.shape and ref.location is not None:
-            out[name] = FileRows(path, ref.location[0], ref.dtype, ref.shape)
-        else:
-            out[name] = ref.to_torch()
-    return out
 
 
 def _open_torch_tensors(path: str, fmt: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The inspect rules on a checkpoint's BN layers (BN001-BN011).
+"""The inspect rules on a checkpoint's BN layers (BN001-BN011; BN003 in `immature`).
 
 The formulas (eval gain, initial weight, near-eps channels) are defined in
 bnaudit.audit.formulas; one definition is the rules' own:
@@ -13,39 +13,29 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from bnaudit.audit.formulas import all_finite, eval_gains, initial_weight, near_eps_channels
+from bnaudit.audit.formulas import all_finite, eval_gains, near_eps_channels
+from bnaudit.audit.immaturity import has_identity_stats, has_initial_affine
 from bnaudit.audit.layers import BNLayer
+from bnaudit.audit.producers import producer_weight, zero_filter_channels
 from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, rule, three_digits
 from bnaudit.severity import Severity
 from bnaudit.text import listing, plural
+
+
+def _constant_channels(ctx: RuleContext, layer: BNLayer, channels: list[int]) -> set[int]:
+    """The channels among `channels` whose producing layer (the model graph's, else by
+    naming convention: bnaudit.audit.producers) has an all-zero filter: a constant input,
+    not a live one."""
+    if not channels or not ctx.tensors:
+        return set()
+    weight = producer_weight(layer.name, layer.num_features, ctx.tensors, ctx.producers.get(layer.name))
+    return zero_filter_channels(weight, channels) if weight is not None else set()
 
 
 def _is_live(layer: BNLayer, channel: int) -> bool:
     """|running_mean_c| >= sqrt(running_var_c + eps): see "live channel" above."""
     mean, var = layer.running_mean[channel], layer.running_var[channel]
     return math.isfinite(mean) and abs(mean) >= math.sqrt(max(var, 0.0) + layer.eps)
-
-
-# From here on the initial 0/1 outweigh everything the buffers have seen: an error.
-IMMATURE_ERROR_WEIGHT = 0.5
-
-
-def _has_identity_stats(layer: BNLayer) -> bool:
-    """running_mean == 0 and running_var == 1 in every channel of a layer that has channels.
-
-    A 0-channel layer holds no statistics to lose: "every channel" must not be vacuous.
-    """
-    return layer.num_features > 0 and _all_equal(layer.running_mean, 0.0) and _all_equal(layer.running_var, 1.0)
-
-
-def _all_equal(values: list[float], value: float) -> bool:
-    return values.count(value) == len(values)  # count: == in C (NaN never equal, -0.0 == 0.0)
-
-
-def _has_initial_affine(layer: BNLayer) -> bool:
-    return (layer.weight is None or _all_equal(layer.weight, 1.0)) and (
-        layer.bias is None or _all_equal(layer.bias, 0.0)
-    )
 
 
 @rule(
@@ -115,13 +105,13 @@ def _check_missing_buffers(ctx: RuleContext) -> Iterator[Finding]:
 def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN002"]
     layers = ctx.discovery.layers
-    identity = [layer for layer in layers if _has_identity_stats(layer)]
+    identity = [layer for layer in layers if has_identity_stats(layer)]
     if not identity:
         return
     folded = (
         len(identity) == len(layers)
         and all(layer.num_batches_tracked is None for layer in layers)
-        and all(not _has_initial_affine(layer) for layer in layers)
+        and all(not has_initial_affine(layer) for layer in layers)
     )
     if folded:
         yield r.finding(
@@ -134,7 +124,7 @@ def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
     for layer in identity:
         if layer.weight is None and layer.bias is None:
             message = "running_mean is 0 and running_var is 1 in every channel (no affine parameters)"
-        elif _has_initial_affine(layer):
+        elif has_initial_affine(layer):
             message = "layer looks untrained: statistics 0/1 and weight 1, bias 0 as initialised"
         else:
             message = (
@@ -144,42 +134,6 @@ def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
         if layer.num_batches_tracked:
             message += f" (num_batches_tracked = {layer.num_batches_tracked})"
         yield r.finding(Severity.ERROR, layer.name, message)
-
-
-@rule(
-    "BN003",
-    "immature-stats",
-    (Severity.ERROR, Severity.WARNING),
-    "After t = num_batches_tracked updates the initial values still weigh (1-momentum)^t above the threshold.",
-    "The running buffers start at mean 0 and variance 1 and move by new = (1-m)*old + m*batch. After t "
-    "updates the initial values keep the weight (1-m)^t: 0.9^3 = 72.9% after 3 updates at momentum "
-    "0.1, still 4.2% after 30. A short fine-tune leaves buffers that describe no data. Error when "
-    "the initial values weigh 50% or more (the buffers are then more initialisation than data: two "
-    "updates at momentum 0.1 leave 81%), warning between the threshold and 50%. Default "
-    "threshold 5% (`max-init-weight`). EMA copies are not checked (their counter means nothing), nor "
-    "layers that the file's recalibration record says `bnaudit recalibrate` wrote (population "
-    "statistics: their counter is the number of calibration batches).",
-    "Train longer, or re-estimate the statistics with `bnaudit recalibrate` (a few thousand samples suffice).",
-    settings=("max-init-weight", "momentum"),
-)
-def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
-    if ctx.is_ema:
-        return
-    r = RULES["BN003"]
-    for layer in ctx.discovery.layers:
-        t, m = layer.num_batches_tracked, layer.momentum
-        if layer.name in ctx.recalibrated:
-            continue
-        if t is None or t <= 0 or m is None or not 0.0 < m < 1.0 or _has_identity_stats(layer):
-            continue
-        weight = initial_weight(m, t)
-        if weight > ctx.config.max_init_weight:
-            assumed = " (assumed)" if layer.settings.momentum.assumed else ""
-            yield r.finding(
-                Severity.ERROR if weight >= IMMATURE_ERROR_WEIGHT else Severity.WARNING,
-                layer.name,
-                f"initial values still weigh {weight * 100:.1f}% after {plural(t, 'update')} at momentum {m:g}{assumed}",
-            )
 
 
 @rule(
@@ -197,7 +151,11 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
     "gain and little happens; that is plausible and stays a warning. A channel whose mean sits many "
     "standard deviations away from 0 carries a real signal, and a variance that small for it means "
     "the statistics are broken (a corrupted or mis-converted buffer): every natural fluctuation of "
-    "the signal is multiplied hundreds of times. Threshold factor 10 (`near-eps-factor`).",
+    "the signal is multiplied hundreds of times. A channel whose producing layer's filter is all zero "
+    "(found by the state dict's naming conventions: `features.3` feeds `features.4`, `conv1` feeds "
+    "`bn1`, `downsample.0` feeds `downsample.1`) receives that layer's bias alone, a constant equal to "
+    "its running_mean: whatever its mean and gain it is not live, and the message says so. Threshold "
+    "factor 10 (`near-eps-factor`).",
     "Prune the dead channels, or check the data that reaches the layer; `bnaudit gap` shows whether eval mode suffers.",
     settings=("near-eps-factor", "max-gain", "max-live-gain", "eps"),
 )
@@ -212,6 +170,8 @@ def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
         gains = {c: all_gains[c] for c in channels}
         worst = max(g for g in gains.values() if not math.isnan(g)) if any(map(math.isfinite, gains.values())) else 0.0
         live = [c for c in channels if _is_live(layer, c) and gains[c] > cfg.max_live_gain]
+        constant = _constant_channels(ctx, layer, live)
+        live = [c for c in live if c not in constant]
         severity = Severity.ERROR if live else Severity.WARNING if worst >= cfg.max_gain else Severity.INFO
         # worst first, NaN last; sorted is stable, so ties keep channel order
         order = sorted(channels, key=lambda c: -(0.0 if math.isnan(gains[c]) else gains[c]))
@@ -226,6 +186,11 @@ def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
             )
         else:
             tail = "" if severity == Severity.WARNING else f"; muted by small |gamma| (max gain {worst:.1f})"
+        if constant:
+            tail += (
+                f"; ch {listing(sorted(constant), 5)}: the producing layer's filter is all zero, so the input is "
+                "the constant running_mean and the gain multiplies nothing"
+            )
         yield r.finding(
             severity,
             layer.name,
@@ -403,13 +368,16 @@ def _check_low_precision(ctx: RuleContext) -> Iterator[Finding]:
     "PyTorch increments num_batches_tracked on every training-mode forward, so 0 with real statistics "
     "means the values were written some other way: converted weights (e.g. from Keras or ONNX) or "
     "momentum 0. Usually legitimate; worth knowing when momentum=None (cumulative averaging divides "
-    "by the counter) or when the layer will be fine-tuned.",
+    "by the counter) or when the layer will be fine-tuned. Not checked in an EMA copy, whose counter "
+    "counts nothing (timm's ModelEmaV2 averages it and truncates it to 0 early on).",
     "Nothing to fix if the weights were converted; otherwise check how the statistics were produced.",
 )
 def _check_counter_zero(ctx: RuleContext) -> Iterator[Finding]:
+    if ctx.is_ema:  # an EMA copy's counter counts nothing (timm's ModelEmaV2 leaves it 0)
+        return
     r = RULES["BN009"]
     for layer in ctx.discovery.layers:
-        if layer.num_batches_tracked == 0 and not _has_identity_stats(layer):
+        if layer.num_batches_tracked == 0 and not has_identity_stats(layer):
             yield r.finding(
                 Severity.INFO,
                 layer.name,

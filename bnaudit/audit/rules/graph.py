@@ -1,8 +1,9 @@
-"""The rules of exported graphs and programs (ONNX models, torch.export archives): BN012-BN014.
+"""The rules of exported graphs and programs (ONNX models, torch.export archives, TorchScript): BN012-BN014.
 
 A fact about an exported graph has one code whichever command sees it: `inspect` of the
 export and `diff` of a checkpoint against it both report a training-mode node as BN012
-and statistics that are not constants as BN013.
+and statistics that are not constants as BN013. A TorchScript archive is a program of
+the same kind: a BatchNorm call whose training argument its code fixes to True is BN012.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from bnaudit.severity import Severity
 @rule(
     "BN012",
     "training-mode-export",
-    Severity.ERROR,
+    (Severity.ERROR, Severity.WARNING),
     "A BatchNorm node of an exported graph or program normalises with the batch's statistics (training mode).",
     "An inference graph should normalise with the stored running statistics. A BatchNorm node in "
     "training mode normalises every batch with its own mean and variance: a prediction depends on "
@@ -31,13 +32,18 @@ from bnaudit.severity import Severity
     "`_native_batch_norm_legit_functional` (ExecuTorch refuses it as not core ATen), "
     "`_batch_norm_with_update`, and, for a program decomposed into elementwise arithmetic, one that "
     "writes running_mean back (a buffer mutation in its signature); `torch.export.export` records "
-    "the mode the module was in. The finding names the node and what in it says training. Reported "
-    "by `inspect` of the export and by `diff` of a checkpoint against it (BN111, diff's code for it "
-    "before, is an alias).",
+    "the mode the module was in. TorchScript: a program traced in training mode calls "
+    "`torch.batch_norm(..., True, ...)` with training=True as a constant (so does a scripted call of "
+    "`F.batch_norm(..., training=True)`), which `.eval()` cannot switch: an error for each such "
+    "layer; a module saved in training mode whose training argument is computed (`torch.jit.script` "
+    "of a model without `.eval()`) is loaded in training mode by `torch.jit.load` and normalises with "
+    "batch statistics, updating its running ones, until the caller calls `.eval()`: a warning. The "
+    "finding names the node and what in it says training. Reported by `inspect` of the export and by "
+    "`diff` of a checkpoint against it (BN111, diff's code for it before, is an alias).",
     "Call `model.eval()` before exporting: torch.export.export(model.eval(), ...) (export an eval "
-    "program beside the training one if both are needed); for ONNX, export with "
-    "torch.onnx.export's default TrainingMode.EVAL, or set `training_mode` to 0 and drop the extra "
-    "outputs with the onnx package.",
+    "program beside the training one if both are needed); torch.jit.trace(model.eval(), example) or "
+    "torch.jit.script(model.eval()); for ONNX, export with torch.onnx.export's default "
+    "TrainingMode.EVAL, or set `training_mode` to 0 and drop the extra outputs with the onnx package.",
     aliases=("BN111",),
 )
 def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
@@ -47,6 +53,14 @@ def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
     for name, info in ctx.module.norms.items():
         if info.training_mode:
             yield r.finding(Severity.ERROR, name, _training_mode_words(info.training_reason, info.source))
+        elif info.saved_training and info.calls:  # a normalisation module, flag computed at run time
+            yield r.finding(
+                Severity.WARNING,
+                name,
+                "saved in training mode (its training flag is True): torch.jit.load returns it in training "
+                "mode, where it normalises with each batch's statistics and overwrites its running ones "
+                "until .eval() is called",
+            )
 
 
 @also_in("BN012", "diff")

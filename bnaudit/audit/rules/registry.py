@@ -20,7 +20,8 @@ from bnaudit.severity import Severity
 if TYPE_CHECKING:
     from bnaudit.audit.foldcheck import FoldContext
     from bnaudit.audit.layerdiff import DiffContext
-    from bnaudit.audit.layers import Discovery, ModuleFacts
+    from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
+    from bnaudit.formats.model import Averaging, TensorRef
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,16 @@ class RuleContext:
     unauditable: tuple[str, ...] = ()
     folded: str | None = None
     decomposed: str | None = None
+    # An averaged copy (is_ema): what averaged it (formats.model.Averaging), and the BN
+    # layers of its live model by name when the same container holds it.
+    averaging: Averaging | None = None
+    live_layers: Mapping[str, BNLayer] | None = None
+    # Every tensor of the checkpoint by name: the layers that feed the BN layers (BN004
+    # consults their filters, bnaudit.audit.producers).
+    tensors: Mapping[str, TensorRef] = field(default_factory=dict)
+    # BN layer -> the Conv/Linear module feeding it, from the model's graph (--arch); where
+    # absent, BN004 falls back on naming conventions
+    producers: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

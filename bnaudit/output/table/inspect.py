@@ -104,7 +104,7 @@ def _files_table(files: list[FileReport], console: Console) -> Any:
 
     rows = [
         [
-            printable(f.path),
+            printable(f.shown),
             printable(f.format or "-"),
             "-" if f.error or f.excluded else str(len(f.layers)),
             "-" if f.error or f.excluded else _worst_gain(f),
@@ -130,7 +130,7 @@ def _file_detail(file: FileReport, console: Console, columns: tuple[_Column, ...
     """A file's title, its notes, its layer table and its findings."""
     from rich.text import Text
 
-    title = cell(file.path, style="bold")
+    title = cell(file.shown, style="bold")
     where = f"{file.format}" + (f", key '{file.key}'" if file.key else "")
     if file.prefix:
         where += f", prefix '{file.prefix}' stripped"
@@ -186,9 +186,9 @@ def render_inspect(report: InspectReport, console: Console, quiet: bool = False,
         if file.error:
             continue  # said once, on stderr (output.emit_diagnostics)
         if file.excluded:
-            console.print(cell(f"{file.path}: {file.excluded}", style="dim"), soft_wrap=True)
+            console.print(cell(f"{file.shown}: {file.excluded}", style="dim"), soft_wrap=True)
         elif file.skipped:
-            console.print(cell(f"{file.path}: skipped: {file.skipped}: not model weights", style="dim"), soft_wrap=True)
+            console.print(cell(file.skipped_line(), style="dim"), soft_wrap=True)
         elif any(file is f for f in shown):
             _file_detail(file, console, columns)
     if several and not all_layers and len(shown) < s["files"] - s["unreadable"]:

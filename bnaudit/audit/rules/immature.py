@@ -1,0 +1,158 @@
+"""BN003, immature statistics: judged by the counter where it counts updates, and by the
+statistics themselves where it does not (an EMA copy, a file without counters); the
+estimates are bnaudit.audit.immaturity's. Also spoken in `diff` of a live model against
+its EMA copy (one code per fact)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from bnaudit.audit.formulas import initial_weight
+from bnaudit.audit.immaturity import (
+    against_live,
+    has_identity_stats,
+    has_initial_affine,
+    implied_damage,
+    unmoved_fraction,
+)
+from bnaudit.audit.layerdiff import DiffContext
+from bnaudit.audit.layers import BNLayer
+from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, also_in, rule
+from bnaudit.config import Config
+from bnaudit.formats.ema import copy_words
+from bnaudit.severity import Severity
+from bnaudit.text import plural
+
+# From here on the initial 0/1 outweigh everything the buffers have seen: an error.
+IMMATURE_ERROR_WEIGHT = 0.5
+
+
+@rule(
+    "BN003",
+    "immature-stats",
+    (Severity.ERROR, Severity.WARNING),
+    "After t = num_batches_tracked updates the initial values still weigh (1-momentum)^t above the threshold.",
+    "The running buffers start at mean 0 and variance 1 and move by new = (1-m)*old + m*batch. After t "
+    "updates the initial values keep the weight w = (1-m)^t: 0.9^3 = 72.9% after 3 updates at momentum "
+    "0.1, still 4.2% after 30. A short fine-tune leaves buffers that describe no data. How much that "
+    "hurts depends on the data too: stored = w*init + (1-w)*data, so the data's statistics are "
+    "implied per channel, var_data = (var_stored - w)/(1 - w) and mean_data = mean_stored/(1 - w), and "
+    "the stored variance overstates the data's by q = (var_stored + eps)/(var_data + eps). Data of "
+    "small variance (inputs scaled to 0.1) turns 15% of initial values into a variance several times "
+    "too large, and eval mode shrinks every such channel. Error when the median q over the layer's "
+    "channels reaches 4 or falls to 1/4 (`max-implied-var-ratio`), or the median distance between "
+    "the stored and the implied mean reaches 1 data standard deviation (`max-implied-mean-shift`); "
+    "the message then gives the factor. Error also when the initial values weigh 50% or more (the "
+    "buffers are then more initialisation than data: two updates at momentum 0.1 leave 81%); warning "
+    "between the threshold and 50% when the implied error is small. Default threshold 5% "
+    "(`max-init-weight`). An EMA copy's counter means nothing (timm's ModelEmaV2 averages it "
+    "toward 0, ModelEmaV3 copies the live model's), so a copy is judged by its statistics: "
+    "where the container holds the live model too (timm's CheckpointSaver: state_dict and "
+    "state_dict_ema), the copy's statistics sit between the initial 1/0 and the live ones and "
+    "the initial values' weight is estimated per channel, w = (var_ema - var_live)/(1 - var_live) "
+    "and (mean_live - mean_ema)/mean_live (median; `ModelEmaV3(decay=0.999)` after 100 steps "
+    "without warmup leaves 0.999^100 = 90.5%). Reported when that weight exceeds `max-init-weight` "
+    "and the copy's variance differs from the live one by a factor 1.5 or its mean by half a live "
+    "standard deviation (closer, it is a lagging average, or one begun from a trained model); an "
+    "error when the difference passes `max-implied-var-ratio` or `max-implied-mean-shift`, or the "
+    "weight is 50% or more. `diff` "
+    "of a live model against its EMA copy reports the same. Without the live copy, and in a file without counters, a layer with trained weights "
+    "whose running_var is still 1 within float32 rounding in half its channels or more is a "
+    "warning. Layers that the file's recalibration record says `bnaudit recalibrate` wrote are not "
+    "checked (population statistics: their counter is the number of calibration batches).",
+    "Train longer, or re-estimate the statistics with `bnaudit recalibrate` (a few thousand samples suffice).",
+    settings=("max-init-weight", "max-implied-var-ratio", "max-implied-mean-shift", "momentum"),
+)
+def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
+    r = RULES["BN003"]
+    cfg = ctx.config
+    for layer in ctx.discovery.layers:
+        t, m = layer.num_batches_tracked, layer.momentum
+        if layer.name in ctx.recalibrated or has_identity_stats(layer):
+            continue
+        if ctx.is_ema or t is None:
+            finding = _immature_without_counter(ctx, layer)
+            if finding is not None:
+                yield finding
+            continue
+        if t <= 0 or m is None or not 0.0 < m < 1.0:
+            continue
+        weight = initial_weight(m, t)
+        if weight <= cfg.max_init_weight:
+            continue
+        assumed = " (assumed)" if layer.settings.momentum.assumed else ""
+        message = (
+            f"initial values still weigh {weight * 100:.1f}% after {plural(t, 'update')} at momentum {m:g}{assumed}"
+        )
+        damage = implied_damage(layer, weight)
+        harmful = damage is not None and (
+            max(damage.var_ratio, 1.0 / damage.var_ratio) >= cfg.max_implied_var_ratio
+            or damage.mean_shift >= cfg.max_implied_mean_shift
+        )
+        if harmful and damage is not None:
+            message += f": {damage.describe()}"
+        severity = Severity.ERROR if harmful or weight >= IMMATURE_ERROR_WEIGHT else Severity.WARNING
+        yield r.finding(severity, layer.name, message)
+
+
+# Below these an averaged copy's statistics are close enough to the live ones to say nothing
+# about its start: var within a factor 1.5, mean within half a live standard deviation.
+NOTABLE_VAR_FACTOR = 1.5
+NOTABLE_MEAN_SHIFT = 0.5
+
+
+def _against_live_finding(copy: BNLayer, live: BNLayer, what: str, cfg: Config) -> Finding | None:
+    """BN003 for an averaged copy's layer judged against the live model's layer
+    (immaturity.against_live): reported when the initial values' estimated weight exceeds
+    max-init-weight and the copy's statistics differ notably from the live ones; an error
+    when that difference passes max-implied-var-ratio / max-implied-mean-shift, or w >= 50%."""
+    compared = against_live(copy, live)
+    if compared is None or compared.initial_weight is None or compared.initial_weight <= cfg.max_init_weight:
+        return None
+    w = compared.initial_weight
+    factor = max(compared.var_ratio, 1.0 / compared.var_ratio)
+    if factor < NOTABLE_VAR_FACTOR and compared.mean_shift < NOTABLE_MEAN_SHIFT:
+        return None  # close to the live statistics: a lagging average (or one begun from a trained model)
+    harmful = factor >= cfg.max_implied_var_ratio or compared.mean_shift >= cfg.max_implied_mean_shift
+    message = (
+        f"{what}: the initial values still weigh about {w * 100:.0f}% of its statistics, estimated "
+        f"against the live model: {compared.describe()}; recalibrate it, or use the live statistics"
+    )
+    severity = Severity.ERROR if harmful or w >= IMMATURE_ERROR_WEIGHT else Severity.WARNING
+    return RULES["BN003"].finding(severity, copy.name, message)
+
+
+@also_in("BN003", "diff")
+def _check_immature_copy_in_diff(ctx: DiffContext) -> Iterator[Finding]:
+    """An averaged copy diffed against its live model: the copy's statistics far from the
+    live ones because they still hold the initial values, not because the weights moved."""
+    for copy, live in ctx.averaged_pairs:
+        if has_identity_stats(copy):
+            continue
+        finding = _against_live_finding(copy, live, ctx.averaged_kind, ctx.config)
+        if finding is not None:
+            yield finding
+
+
+# Half the channels or more still at the initial variance: the layer's statistics never moved.
+UNMOVED_SHARE = 0.5
+
+
+def _immature_without_counter(ctx: RuleContext, layer: BNLayer) -> Finding | None:
+    """BN003 for an averaged copy or a layer without a counter: against the live model's
+    layer where the container holds it, else by the share of channels still at variance 1."""
+    r, cfg = RULES["BN003"], ctx.config
+    what = copy_words(ctx.averaging)
+    live = ctx.live_layers.get(layer.name) if ctx.is_ema and ctx.live_layers is not None else None
+    if live is not None:
+        return _against_live_finding(layer, live, what, cfg)
+    share = unmoved_fraction(layer)
+    if share < UNMOVED_SHARE or has_initial_affine(layer):
+        return None
+    subject = what if ctx.is_ema else "no counter"
+    return r.finding(
+        Severity.WARNING,
+        layer.name,
+        f"{subject}: running_var is still the initial 1 (within float32 rounding) in {share * 100:.0f}% of "
+        "the channels while the weights are trained: statistics that never moved from their start",
+    )

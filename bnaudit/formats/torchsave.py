@@ -1,0 +1,364 @@
+"""torch.save files (zip and legacy) read without importing torch.
+
+The file's main pickle goes through bnaudit's restricted unpickler (the stand-in one of
+formats/standins.py, whose opcodes never call a class they do not know), with torch's
+own rebuild functions replaced by readers of the file:
+
+  torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)
+                        a lazy `TensorRef`: only the bytes of the elements it spans,
+                        [offset, offset + sum((size_i - 1) * stride_i) + 1) elements of
+                        its storage, are read, and only when the tensor is read
+  _rebuild_parameter, _rebuild_parameter_with_state
+                        the tensor itself (what a state dict holds)
+  ('storage', torch.FloatStorage, key, location, numel)
+                        zip: the record `<root>/data/<key>` (its size bounds the
+                        storage, whatever `numel` claims); legacy: the range
+                        `legacy.legacy_layout` found
+  torch.nn.modules.*    a `PickledModule` (class name and `__dict__` as data)
+  _codecs.encode(text, "latin1")
+                        the bytes protocol 2 pickles that way
+
+Byte order: the zip's `byteorder` record ("little" when absent, as torch assumes), a
+legacy file's `little_endian` entry; big-endian elements are swapped before decoding.
+Any other torch global (quantized, sparse or nested tensors, torch.Size, dtypes,
+storages of other types) raises `NeedsTorch`: the caller reads that file with
+`torch.load` as before. A file that names globals outside the allow-list is left to the
+stand-in reader, exactly as before.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import math
+import os
+import pickle
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from bnaudit.errors import BnauditError
+from bnaudit.formats.legacy import LegacyLayout, legacy_layout, whole_model_refusal
+from bnaudit.formats.model import STORAGE_DTYPES, STORAGE_ITEMSIZE, TensorRef, decode_values
+from bnaudit.formats.pickled import PickledModule
+from bnaudit.formats.standins import (
+    CalledStandIn,
+    StandIn,
+    StandInObject,
+    StandInUnpickler,
+    read_legacy_with_stand_ins,
+    read_with_stand_ins,
+)
+from bnaudit.formats.torchscript import check_tensor_record, open_archive_pickle
+from bnaudit.text import exception_line
+
+NN_MODULE_PREFIXES = ("torch.nn.modules.", "torch.ao.nn.", "torch.nn.intrinsic.", "torch.nn.quantized.")
+
+# Globals torch.load(weights_only=True) rebuilds that this reader does not: files naming
+# them are read by torch as before (besides every other `torch.*` name).
+_TORCH_ONLY = {"builtins.bytearray", "builtins.complex", "collections.Counter"}
+
+
+class NeedsTorch(Exception):  # a signal to the caller, not an error
+    """The file names a global only torch rebuilds (`name`): read it with torch.load."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+class _ModuleClass:
+    """A `torch.nn` class named by the file: instantiated only as a `PickledModule`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+@dataclass(frozen=True)
+class _Storage:
+    """A storage's elements: `numel` of `dtype` at file offset `start` of `path` (an
+    uncompressed record or a legacy range), or inside the zip record `entry`."""
+
+    path: str
+    dtype: str
+    numel: int
+    start: int | None
+    entry: str | None = None
+
+    def read(self, first: int, count: int) -> bytearray:
+        """The raw bytes of elements [first, first + count)."""
+        size = STORAGE_ITEMSIZE[self.dtype]
+        data = bytearray(count * size)
+        if not data:
+            return data
+        if self.start is not None:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                position, chunks, left = self.start + first * size, [], len(data)
+                while left:  # one pread returns at most about 2 GiB
+                    chunk = os.pread(fd, left, position)
+                    if not chunk:
+                        raise BnauditError(f"{self.path}: truncated tensor data")
+                    chunks.append(chunk)
+                    position, left = position + len(chunk), left - len(chunk)
+            finally:
+                os.close(fd)
+            return bytearray(b"".join(chunks))
+        with zipfile.ZipFile(self.path) as archive, archive.open(str(self.entry)) as member:
+            member.seek(first * size)
+            chunk = member.read(len(data))
+        if len(chunk) != len(data):
+            raise BnauditError(f"{self.path}: truncated tensor data")
+        return bytearray(chunk)
+
+
+def _swapped(raw: bytearray, itemsize: int) -> bytearray:
+    """Each `itemsize`-byte element of `raw` with its bytes reversed (big <-> little endian)."""
+    out = bytearray(len(raw))
+    for k in range(itemsize):
+        out[k::itemsize] = raw[itemsize - 1 - k :: itemsize]
+    return out
+
+
+def lazy_tensor(
+    storage: _Storage, offset: int, size: tuple[int, ...], stride: tuple[int, ...], big_endian: bool
+) -> TensorRef:
+    """The view (offset, size, stride) of `storage`, read lazily.
+
+    Element (i_0, ..., i_n) is storage element offset + sum(i_k * stride_k); the view spans
+    span = sum((size_k - 1) * stride_k) + 1 elements from `offset`, which must lie inside the
+    storage, and may not claim more elements than the storage holds (only zero strides
+    could: decoding would allocate the claim). Values come out row-major.
+    """
+    numel = math.prod(size)
+    span = sum((s - 1) * st for s, st in zip(size, stride)) + 1 if numel else 0
+    if numel > storage.numel:
+        raise pickle.UnpicklingError(f"tensor claims {numel} elements, its storage holds {storage.numel}")
+    if offset + span > storage.numel:
+        raise pickle.UnpicklingError("tensor view runs past its storage")
+    itemsize = STORAGE_ITEMSIZE[storage.dtype]
+    contiguous, step = True, 1
+    for extent, st in zip(reversed(size), reversed(stride)):
+        contiguous = contiguous and (extent <= 1 or st == step)
+        step *= extent
+
+    def raw() -> bytearray:
+        data = storage.read(offset, span)
+        return _swapped(data, itemsize) if big_endian and itemsize > 1 else data
+
+    def read() -> list[float]:
+        flat = decode_values(raw(), storage.dtype)
+        if contiguous:
+            return flat
+        index = [0]
+        for extent, st in zip(size, stride):  # row-major: the last dimension varies fastest
+            index = [base + i * st for base in index for i in range(extent)]
+        return [flat[i] for i in index]
+
+    def to_torch() -> Any:
+        import torch
+
+        dtype = getattr(torch, storage.dtype)
+        if numel == 0:
+            return torch.empty(size, dtype=dtype)
+        base = torch.frombuffer(raw(), dtype=dtype)  # ours and writable: no copy
+        return base.as_strided(size, stride, 0).contiguous()
+
+    # no `location`: data files are streamed through their own reader (runtime/data.py)
+    return TensorRef("", tuple(size), storage.dtype, read, to_torch)
+
+
+def _rebuild_parameter(data: Any, *rest: Any) -> Any:
+    return data  # an nn.Parameter's tensor is what a state dict holds
+
+
+def _codecs_encode(text: Any, encoding: Any = "utf-8", *rest: Any) -> bytes:
+    # protocol 2 pickles bytes as _codecs.encode(str, "latin1"); nothing else is accepted
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1") or rest:
+        raise pickle.UnpicklingError("_codecs.encode called with something other than latin1 text")
+    return text.encode("latin1")
+
+
+class _FreeUnpickler(StandInUnpickler):
+    """The stand-in unpickler with torch's rebuild functions replaced (module docstring)."""
+
+    def __init__(self, data: bytes, allowed: Callable[[str], Any], big_endian: bool) -> None:
+        super().__init__(data, None, "", allowed)
+        self.big_endian = big_endian
+        self.rebuild_tensor = self._rebuild_tensor
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self.proto < 3:
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        full = f"{module}.{name}"
+        if full == "torch._utils._rebuild_tensor_v2":
+            return self.rebuild_tensor
+        if full in ("torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state"):
+            return _rebuild_parameter
+        if full == "_codecs.encode":
+            return _codecs_encode
+        if module == "torch" and name in STORAGE_DTYPES:
+            return STORAGE_DTYPES[name]
+        if full.startswith(NN_MODULE_PREFIXES) and name.isidentifier():
+            return _ModuleClass(full)
+        if module == "torch" or module.startswith("torch.") or full in _TORCH_ONLY:
+            raise NeedsTorch(full)
+        return super().find_class(module, name)
+
+    def storage(self, pid: Any) -> _Storage:
+        raise NotImplementedError
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unexpected persistent id {str(pid)[:80]}")
+        if pid[1] not in STORAGE_DTYPES.values() or not isinstance(pid[2], str):
+            raise pickle.UnpicklingError(f"malformed storage record {str(pid)[:80]}")
+        return self.storage(pid)
+
+    def _rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> TensorRef:
+        check_tensor_record(storage, offset, size, stride, _Storage)
+        return lazy_tensor(storage, offset, size, stride, self.big_endian)
+
+    def load_reduce(self) -> None:
+        # pickle's REDUCE with the stand-in reader's refusal inlined: a torch.save pickle is
+        # mostly REDUCEs, and each level of calls costs start-up in a folder scan
+        stack = self.stack
+        args = stack.pop()
+        func = stack[-1]
+        if isinstance(func, _ModuleClass):  # calling an nn class: torch's loader decides
+            raise NeedsTorch(func.name)
+        if isinstance(func, (StandIn, StandInObject)):
+            raise CalledStandIn(func.name)
+        stack[-1] = func(*args)
+
+    def load_newobj(self) -> None:
+        if isinstance(self.stack[-2], _ModuleClass):
+            args = self.stack.pop()
+            cls = self.stack.pop()
+            if args != ():
+                raise NeedsTorch(cls.name)
+            self.append(PickledModule(cls.name))  # type: ignore[attr-defined]
+            return
+        super().load_newobj()
+
+    def load_build(self) -> None:
+        if isinstance(self.stack[-2], _ModuleClass):
+            raise NeedsTorch(self.stack[-2].name)
+        if isinstance(self.stack[-2], PickledModule):
+            state = self.stack.pop()
+            if not isinstance(state, dict):
+                raise pickle.UnpicklingError(f"state of {self.stack[-1].class_name} is not a dict")
+            self.stack[-1].state = state
+            return
+        super().load_build()
+
+    def _instantiate(self, klass: Any, args: Any) -> None:
+        if isinstance(klass, _ModuleClass):
+            raise NeedsTorch(klass.name)
+        super()._instantiate(klass, args)
+
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(StandInUnpickler.dispatch)
+    dispatch[pickle.REDUCE[0]] = load_reduce
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+class _ZipUnpickler(_FreeUnpickler):
+    def __init__(
+        self, data: bytes, allowed: Callable[[str], Any], big_endian: bool, path: str, records: dict[str, _Storage]
+    ) -> None:
+        super().__init__(data, allowed, big_endian)
+        self.path, self.records = path, records
+
+    def storage(self, pid: Any) -> _Storage:
+        record = self.records.get(pid[2])
+        if record is None:
+            raise pickle.UnpicklingError(f"storage record data/{pid[2][:40]} is missing")
+        itemsize = STORAGE_ITEMSIZE[pid[1]]
+        # the record, not the pickle's claim, bounds the storage (as torch's mmap does)
+        return _Storage(self.path, pid[1], record.numel // itemsize, record.start, record.entry)
+
+
+class _LegacyUnpickler(_FreeUnpickler):
+    def __init__(self, layout: LegacyLayout, allowed: Callable[[str], Any], path: str) -> None:
+        super().__init__(layout.pickle, allowed, layout.byteorder == "big")
+        self.path, self.layout = path, layout
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and pid and pid[0] == "module":
+            raise whole_model_refusal(self.path)
+        if isinstance(pid, tuple) and len(pid) > 5 and pid[5] is not None:
+            raise NeedsTorch("a storage view (torch < 0.4)")
+        return super().persistent_load(pid)
+
+    def storage(self, pid: Any) -> _Storage:
+        found = self.layout.storages.get(str(pid[2]))
+        if found is None or found.dtype != pid[1]:
+            raise pickle.UnpicklingError(f"malformed storage record {str(pid)[:80]}")
+        return _Storage(self.path, found.dtype, found.numel, found.offset)
+
+
+def _zip_records(path: str, archive: zipfile.ZipFile, root: str) -> tuple[dict[str, _Storage], bool]:
+    """The `data/<key>` records of a torch zip archive (their numel in bytes) and whether its
+    byte order is big-endian."""
+    size = os.path.getsize(path)
+    records: dict[str, _Storage] = {}
+    prefix = f"{root}/data/"
+    with open(path, "rb") as f:
+        for info in archive.infolist():
+            if not info.filename.startswith(prefix):
+                continue
+            start = None
+            if info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1:
+                f.seek(info.header_offset)
+                head = f.read(30)
+                if head[:4] == b"PK\x03\x04":
+                    names, extra = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30], "little")
+                    start = info.header_offset + 30 + names + extra
+                    if start + info.file_size > size:
+                        raise BnauditError(f"{path}: zip record '{info.filename}' runs past the end of the file")
+            key = info.filename[len(prefix) :]
+            records[key] = _Storage(path, "uint8", info.file_size, start, info.filename)
+    order = f"{root}/byteorder"
+    byteorder = archive.read(order) if order in archive.namelist() else b"little"
+    if byteorder not in (b"little", b"big"):
+        raise BnauditError(f"{path}: unknown byte order {byteorder[:20]!r} in the archive")
+    return records, byteorder == b"big"
+
+
+def read_torch_free(path: str, legacy: bool, allowed: Callable[[str], Any], stand_ins: bool) -> Any:
+    """The object a torch.save file holds, tensors as lazy `TensorRef`s, torch.nn modules as
+    `PickledModule`s, without importing torch.
+
+    `allowed` gives the plain-data globals rebuilt for real (allowlist.py's policy). A file
+    naming other globals: with `stand_ins`, read by the stand-in reader as before; without,
+    `NeedsTorch` (torch's loader refuses it, listing them). Raises `NeedsTorch` for a file
+    only torch's loader rebuilds.
+    """
+    unpickler: _FreeUnpickler
+    called = False
+    try:
+        if legacy:
+            layout = legacy_layout(path)
+            unpickler = _LegacyUnpickler(layout, allowed, path)
+        else:
+            archive, root, data = open_archive_pickle(path)
+            with archive:
+                records, big = _zip_records(path, archive, root)
+            unpickler = _ZipUnpickler(data, allowed, big, path, records)
+        obj = unpickler.load()
+    except (BnauditError, NeedsTorch):
+        raise
+    except CalledStandIn:  # the stand-in reader refuses it, naming the global
+        obj, called = None, True
+    except Exception as exc:  # forged bytes fail anywhere in the pickle machine
+        raise BnauditError(f"{path}: not a readable torch.save file ({exception_line(exc, with_type=False)})") from None
+    if called or unpickler.stand_ins:
+        if not stand_ins:
+            raise NeedsTorch(next(iter(unpickler.stand_ins), "a global"))
+        if legacy:
+            return read_legacy_with_stand_ins(path, legacy_layout(path), allowed)
+        return read_with_stand_ins(path, allowed)
+    return obj
