@@ -660,3 +660,20 @@ def test_weights_streamed_from_safetensors_give_the_channel_maxima(tmp_path, mon
 
     # streamed indeed: the tensor's own reader (all values at once) is never called
     assert foldcheck.channel_maxima(dataclasses.replace(ref, _reader=whole_read), path) == streamed
+
+
+def test_ci_formats_name_the_collapsed_pair(tmp_path, trained, cli):
+    import xml.etree.ElementTree as ET
+
+    bad = save_torch(_with_inception_channel(trained, "block.bn2", 5), tmp_path / "bad.pt")
+    github = cli("fold", bad, "--isolated", "-f", "github")
+    assert github.exit_code == 1
+    assert any(
+        line.startswith("::error ") and "title=BN201 int8-per-tensor-collapse" in line and "::block.bn2: " in line
+        for line in github.stdout.splitlines()
+    )
+    junit = ET.fromstring(cli("fold", bad, "--isolated", "-f", "junit").stdout)
+    assert junit.get("name") == "bnaudit fold" and int(junit.get("failures")) >= 1
+    issues = json.loads(cli("fold", bad, "--isolated", "-f", "gitlab").stdout)
+    assert "BN201" in {i["check_name"] for i in issues}
+    assert "bnaudit fold" in cli("fold", bad, "--isolated", "-f", "markdown").stdout

@@ -20,8 +20,7 @@ from bnaudit.cli.options import (
     DebugOpt,
     ExitZeroOpt,
     FailOnOpt,
-    Format,
-    FormatOpt,
+    FoldFormat,
     ForwardOpt,
     GrayscaleOpt,
     ImageSizeOpt,
@@ -49,7 +48,14 @@ def fold_command(
             help="A checkpoint (.pt, .safetensors), TorchScript archive, ONNX model or torch.export .pt2 archive.",
         ),
     ],
-    output_format: FormatOpt = Format.table,
+    output_format: Annotated[
+        FoldFormat,
+        typer.Option(
+            "--format",
+            "-f",
+            help="Report format. github: workflow-command annotations; gitlab: Code Quality JSON; junit: JUnit XML; markdown: a job summary.",
+        ),
+    ] = FoldFormat.table,
     fail_on: FailOnOpt = None,
     exit_zero: ExitZeroOpt = False,
     select: Annotated[
@@ -91,7 +97,7 @@ def fold_command(
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
 
-    json_output = output_format is Format.json
+    json_output = output_format in (FoldFormat.json, FoldFormat.gitlab)
     measuring = data is not None or dataset is not None
     printing = True
     if measuring:  # under torchrun rank 0 alone prints (errors too): the runner says which

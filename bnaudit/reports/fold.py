@@ -49,7 +49,7 @@ class FoldReport:
     pairs: tuple[PairPrediction, ...]
     unpaired: tuple[tuple[str, str], ...]  # (BN layer, why it cannot be folded)
     findings: tuple[Finding, ...]
-    fail_on: Severity | None
+    fail_on: Severity  # findings at or above it fail the run (the configuration's fail-on)
     settings: str = ""  # which eps was not read from the file (bnaudit.audit.settings.statement)
     measured: FoldMeasurement | None = None
     notes: tuple[str, ...] = field(default=())
