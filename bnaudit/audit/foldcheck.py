@@ -41,7 +41,9 @@ output channels) equals the BN's channel count: Sequential index i-1 for P = par
 conv_stem for bn1, conv_head for bn2 (timm); P's sibling conv for P = parent.bn; and
 convolution for parent.normalization (transformers). A BN without such a producer is
 listed as unpaired: folding needs the layer before it, and a BN after an Add, a concat
-or a pooling stays a standalone op (which some backends refuse).
+or a pooling stays a standalone op (which some backends refuse). Names cannot tell a
+ConvTranspose (weight (C_in, C_out / groups, ...)) whose C_in equals the BN's channels from
+a Conv: such a pair is read as a Conv; a graph (ONNX, .pt2, --arch) does not pair it.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class PairPrediction:
     paired_by: str  # "name": naming conventions; "graph": the BN node's input; "folded": no BN left
     channels: int
     eps: float | None  # None for a conv already folded
-    int8_scale: float | None  # S; None when a folded weight is not finite (BN005's case)
+    int8_scale: float | None  # S; None when a folded weight is not finite (BN005's case) or all are 0
     collapsed: tuple[int, ...]
     live_collapsed: tuple[int, ...]  # collapsed channels whose W'_c is not all zero
     coarse: tuple[int, ...]
