@@ -78,7 +78,7 @@ from bnaudit.runtime.confidence import difference_interval, wilson
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.deviation import relative_l2s
 from bnaudit.runtime.distributed import distributed, gather_objects, together, torchrun
-from bnaudit.runtime.inputs import input_problem
+from bnaudit.runtime.inputs import input_problem, locate_failure
 from bnaudit.runtime.models import (
     forward,
     load_forward,
@@ -431,7 +431,7 @@ def _run(
     except BnauditError:
         raise
     except Exception as exc:
-        where = _locate_failure(model, call)
+        where = locate_failure(model, call)
         mode = "train mode (batch statistics)" if train else "eval mode"
         problem = input_problem(model, inputs, grayscale) if forward_fn is None else None
         raise BnauditError(
@@ -446,45 +446,6 @@ def _run(
             f"batch {index}: the --forward function returned {type(output).__name__}, which holds no tensor: "
             "it must return the model's output (the logits, one row per sample)"
         ) from None
-
-
-def _shapes(args: tuple[Any, ...]) -> str:
-    shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
-    if not shapes:
-        return "no tensor"
-    return "shape " + ", ".join(str(s) for s in shapes)
-
-
-def _locate_failure(model: Any, call: Callable[[], Any]) -> str:
-    """Re-run a failed forward with hooks on every module; the innermost module entered
-    and not left is the one that failed. Empty for TorchScript (no hooks)."""
-    if isinstance(model, torch.jit.ScriptModule):
-        return ""
-    stack: list[tuple[str, str, str]] = []
-    failed: list[tuple[str, str, str]] = []
-    handles = []
-    for name, module in model.named_modules():
-
-        def pre(mod: Any, args: tuple[Any, ...], _name: str = name) -> None:
-            stack.append((_name, type(mod).__name__, _shapes(args)))
-
-        def post(mod: Any, args: tuple[Any, ...], out: Any) -> None:
-            if stack:
-                stack.pop()
-
-        handles.append(module.register_forward_pre_hook(pre))
-        handles.append(module.register_forward_hook(post))
-    try:
-        call()
-    except Exception:
-        failed = list(stack)
-    finally:
-        for handle in handles:
-            handle.remove()
-    if not failed:
-        return ""
-    name, kind, shape = failed[-1]
-    return f"layer '{name or '(model)'}' ({kind}) got input {shape}: "
 
 
 def _compare(out_train: Any, out_eval: Any, labels: Any, batch: Any, totals: _Totals) -> None:

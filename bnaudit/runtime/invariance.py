@@ -57,17 +57,6 @@ above the screen (below it, which sample is largest is noise too). KL below
 close apart takes about 1/KL = 10^6 samples; float32 kernel noise gives ~1e-13 on the
 sample model) prints as "<1e-06".
 
-Printed figures (`bnaudit.text.above_floor`; JSON keeps the exact numbers). A float32
-deviation below the screen is kernel-order noise whose digits differ between CPUs (3.8e-07
-on one, 4.7e-07 on another): tables and diagnoses print it as "<1.5e-05", and a float64
-deviation below the floor as "<1.5e-08". The largest deviation's sample is named only
-above the screen (below it, which sample is largest is noise too). KL below
-
-  KL_FLOOR      1e-6 nats: telling two output distributions that close apart takes about
-                1/KL = 10^6 samples; float32 kernel noise gives ~1e-13 on the sample model
-
-prints as "<1e-06".
-
 The verdict rests on the float64 deviation, which lies about seven orders of magnitude
 from either side of the floor, so no hand-tuned tolerance decides it. Where no float64
 copy runs (a --forward or graph that insists on float32) the screen decides, and the
