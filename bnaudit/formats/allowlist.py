@@ -147,43 +147,10 @@ def _load_torch_object(
     stand_ins: bool = False,
     lazy: bool = False,
 ) -> Any:
-    import pickle
-
-    def rewound() -> Any:
-        if not isinstance(source, str):
-            source.seek(0)
-        return source
-
     if trust_pickle:
-        import torch
-
-        # the pickled classes are imported by module name: from the working tree too, as --arch does
-        cwd = os.getcwd()
-        if cwd not in sys.path and "" not in sys.path:
-            sys.path.insert(0, cwd)
-        try:
-            return torch.load(rewound(), map_location="cpu", weights_only=False)
-        except ModuleNotFoundError as exc:
-            raise BnauditError(
-                f"{path}: cannot load: its pickled classes need the module '{exc.name}', which is neither "
-                f"installed nor found from {cwd}; install it, or run from the project's folder or add "
-                "that folder to PYTHONPATH"
-            ) from None
-        except Exception as exc:
-            raise BnauditError(f"{path}: cannot load: {exception_line(exc, with_type=False)}") from exc
+        return _load_trusted(path, source)
     if legacy:
-        try:
-            check_legacy_claims(path)
-        except NotTorchSave as exc:
-            unsafe = list(
-                dict.fromkeys(
-                    n for n in exc.globals if _allowed_global(n) is None and n not in _torch_weights_only_globals()
-                )
-            )
-            if unsafe:  # say what it would have run, and what to do instead
-                refusal = str(_unsafe_globals_error(path, unsafe)).removeprefix(f"{path}: ")
-                raise BnauditError(f"{exc}; {refusal}") from None
-            raise
+        _check_legacy(path)
     if stand_ins or lazy:
         from bnaudit.formats.torchsave import NeedsTorch, read_torch_free
 
@@ -205,7 +172,7 @@ def _load_torch_object(
                 return read_legacy_with_stand_ins(path, layout, _stand_in_allowed)
     else:
         try:
-            needed = torch.serialization.get_unsafe_globals_in_checkpoint(rewound())
+            needed = torch.serialization.get_unsafe_globals_in_checkpoint(_rewound(source))
         except Exception as exc:
             raise BnauditError(f"{path}: damaged torch.save archive ({exception_line(exc, with_type=False)})") from exc
         unsafe = [n for n in needed if _allowed_global(n) is None]
@@ -216,13 +183,69 @@ def _load_torch_object(
         allowed += [_allowed_global(n) for n in needed]
         if _names_numpy(needed):
             allowed, with_numpy = allowed + _plain_allowlist(numpy_names=True), True
+    return _load_allowing(path, source, allowed, with_numpy, mmap, hint)
+
+
+def _rewound(source: Any) -> Any:
+    """`source` ready to be read from its start: a path as is, an open file sought to 0."""
+    if not isinstance(source, str):
+        source.seek(0)
+    return source
+
+
+def _load_trusted(path: str, source: Any) -> Any:
+    """`torch.load` without limits (--trust-pickle): the file's pickle runs as it likes."""
+    import torch
+
+    # the pickled classes are imported by module name: from the working tree too, as --arch does
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        return torch.load(_rewound(source), map_location="cpu", weights_only=False)
+    except ModuleNotFoundError as exc:
+        raise BnauditError(
+            f"{path}: cannot load: its pickled classes need the module '{exc.name}', which is neither "
+            f"installed nor found from {cwd}; install it, or run from the project's folder or add "
+            "that folder to PYTHONPATH"
+        ) from None
+    except Exception as exc:
+        raise BnauditError(f"{path}: cannot load: {exception_line(exc, with_type=False)}") from exc
+
+
+def _check_legacy(path: str) -> None:
+    """A legacy file's storage claims against its size (`legacy.check_legacy_claims`); a
+    file that is no torch.save file and names globals outside the allow-list is refused
+    with the allow-list's refusal."""
+    try:
+        check_legacy_claims(path)
+    except NotTorchSave as exc:
+        unsafe = list(
+            dict.fromkeys(
+                n for n in exc.globals if _allowed_global(n) is None and n not in _torch_weights_only_globals()
+            )
+        )
+        if unsafe:  # say what it would have run, and what to do instead
+            refusal = str(_unsafe_globals_error(path, unsafe)).removeprefix(f"{path}: ")
+            raise BnauditError(f"{exc}; {refusal}") from None
+        raise
+
+
+def _load_allowing(path: str, source: Any, allowed: list[Any], with_numpy: bool, mmap: bool, hint: str) -> Any:
+    """`torch.load(weights_only=True)` with the `allowed` globals, widened by each refused
+    allow-listed global until the file loads (at most 64 attempts); a refused global
+    outside the allow-list ends it with the refusal."""
+    import pickle
+
+    import torch
+
     # A legacy pickle cannot be scanned up front (and a zip one may name classes only
     # while it is built): load, and let each refused global either join the allow
     # list (an allow-listed name) or end the attempt with a refusal.
     for _ in range(64):
         try:
             with torch.serialization.safe_globals(allowed):
-                return torch.load(rewound(), map_location="cpu", weights_only=True, mmap=mmap)
+                return torch.load(_rewound(source), map_location="cpu", weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as exc:
             text = str(exc)
             if "persistent_load" in text:

@@ -16,7 +16,7 @@ from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO, MEAN_SHI
 
 if TYPE_CHECKING:
     from bnaudit.audit.diff import DiffReport, Side
-    from bnaudit.audit.exportdiff import ExportCheck
+    from bnaudit.audit.exportdiff import ExportCheck, FoldedLayer, KeptNode
     from bnaudit.formats.hfcache import HubSource
     from bnaudit.formats.model import Averaging
     from bnaudit.output import Report
@@ -438,60 +438,8 @@ def _export_to_json(check: ExportCheck | None) -> dict[str, Any] | None:
         "opset": check.opset,
         "matching": check.matching or None,
         "pairing": check.pairing or None,
-        "nodes": [
-            {
-                "name": n.name,
-                "node": n.node,
-                "source": n.source,
-                "matched_by": n.matched_by,
-                "eps": {
-                    "export": json_number(n.eps_export),
-                    "checkpoint": json_number(n.eps_checkpoint),
-                    "checkpoint_source": n.checkpoint.eps.source.value,
-                },
-                "momentum": {
-                    "onnx": json_number(n.momentum_onnx),
-                    "checkpoint": json_number(n.momentum_checkpoint),
-                    "checkpoint_source": n.checkpoint.momentum.source.value,
-                },
-                "settings_assumed": n.settings_assumed,
-                "training_mode": n.training_mode,
-                "mismatches": [
-                    {
-                        "tensor": m.tensor,
-                        "export_dtype": m.export_dtype,
-                        "channels": m.channels,
-                        "max_abs": json_number(m.max_abs),
-                        "max_rel": json_number(m.max_rel),
-                        "rounding": m.rounding,
-                        "initial": m.initial,
-                    }
-                    for m in n.mismatches
-                ],
-            }
-            for n in check.nodes
-        ],
-        "folded": [
-            {
-                "name": f.name,
-                "conv": f.conv,
-                "node": f.node,
-                "pairing": f.pairing,
-                "channels": f.check.channels,
-                "eps": json_number(f.eps),
-                "eps_source": f.eps_setting.source.value,
-                "fits_eps": json_number(f.fits_eps),
-                "scaled_copy": f.check.scaled_copy,
-                "residual": json_number(f.check.residual),
-                "scale_error": json_number(f.check.scale_error),
-                "shift_error": json_number(f.check.shift_error),
-                "implied_eps": json_number(f.check.implied_eps),
-                "implied_eps_note": f.check.eps_note,
-                "matches": f.check.matches,
-                "cause": f.check.cause or None,
-            }
-            for f in check.folded
-        ],
+        "nodes": [_export_node_to_json(n) for n in check.nodes],
+        "folded": [_folded_to_json(f) for f in check.folded],
         "unpaired": [{"name": u.name, "reason": u.reason} for u in check.unpaired],
         "unauditable": list(check.unauditable),
         "parity": None
@@ -552,4 +500,60 @@ def fold_to_json(report: FoldReport) -> dict[str, Any]:
         "measured": None if measured is None else {k: json_number(v) for k, v in measured.results.items()},
         "findings": [finding_to_json(f) for f in report.findings],
         "summary": report.summary(),
+    }
+
+
+def _export_node_to_json(n: KeptNode) -> dict[str, Any]:
+    """One BN layer against its export node: settings with their provenance, tensor mismatches."""
+    return {
+        "name": n.name,
+        "node": n.node,
+        "source": n.source,
+        "matched_by": n.matched_by,
+        "eps": {
+            "export": json_number(n.eps_export),
+            "checkpoint": json_number(n.eps_checkpoint),
+            "checkpoint_source": n.checkpoint.eps.source.value,
+        },
+        "momentum": {
+            "onnx": json_number(n.momentum_onnx),
+            "checkpoint": json_number(n.momentum_checkpoint),
+            "checkpoint_source": n.checkpoint.momentum.source.value,
+        },
+        "settings_assumed": n.settings_assumed,
+        "training_mode": n.training_mode,
+        "mismatches": [
+            {
+                "tensor": m.tensor,
+                "export_dtype": m.export_dtype,
+                "channels": m.channels,
+                "max_abs": json_number(m.max_abs),
+                "max_rel": json_number(m.max_rel),
+                "rounding": m.rounding,
+                "initial": m.initial,
+            }
+            for m in n.mismatches
+        ],
+    }
+
+
+def _folded_to_json(f: FoldedLayer) -> dict[str, Any]:
+    """One BN layer folded into its export's convolution: the fit of the folded scale and shift."""
+    return {
+        "name": f.name,
+        "conv": f.conv,
+        "node": f.node,
+        "pairing": f.pairing,
+        "channels": f.check.channels,
+        "eps": json_number(f.eps),
+        "eps_source": f.eps_setting.source.value,
+        "fits_eps": json_number(f.fits_eps),
+        "scaled_copy": f.check.scaled_copy,
+        "residual": json_number(f.check.residual),
+        "scale_error": json_number(f.check.scale_error),
+        "shift_error": json_number(f.check.shift_error),
+        "implied_eps": json_number(f.check.implied_eps),
+        "implied_eps_note": f.check.eps_note,
+        "matches": f.check.matches,
+        "cause": f.check.cause or None,
     }

@@ -79,7 +79,7 @@ from bnaudit.runtime.confidence import difference_interval, wilson
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.deviation import relative_l2s
 from bnaudit.runtime.distributed import distributed, gather_objects, together, torchrun
-from bnaudit.runtime.inputs import input_problem
+from bnaudit.runtime.inputs import input_problem, locate_failure
 from bnaudit.runtime.models import (
     forward,
     load_forward,
@@ -186,27 +186,61 @@ def measure_model_gap(
     norms = norm_modules(model)
     # Hooks cannot be attached inside a TorchScript module: no per-layer drift there.
     hooked = {} if runnable.scripted else norms
-    # InstanceNorm's running statistics average per-instance statistics (stats.InstanceStats)
-    instance = {name for name, m in hooked.items() if not is_batchnorm(m)}
-    accumulated: dict[str, ChannelStats | InstanceStats] = {
-        name: InstanceStats() if name in instance else ChannelStats() for name in hooked
-    }
-    totals = _Totals()
     # --grayscale applies to image folders only: elsewhere it is no fix to suggest
     grayscale = stream.options.grayscale if getattr(stream.source, "is_images", False) else None
-    # the model's own input, per channel: what the preprocessing produced
-    input_stats = ChannelStats()
-    example: Any = None
     rank, world = distributed() if shard else (0, 1)
     local = stream.shard(rank, world)
+    totals, seen = _score_batches(
+        model, local, device, forward_fn, norms, hooked, grayscale, train_first, progress, world > 1
+    )
+    totals.skipped, totals.notes = local.skipped, list(getattr(local, "notes", []))
+    if world > 1:
+        totals = _reduce_totals(totals)
+        seen = _merge_ranks(seen, device)
+    layers = _drift(norms, seen.layers, hooked)
+    report = _gap_report(runnable, stream, device, totals, layers, inspection)
+    _add_input_statistics(report, seen, runnable, norms, forward_fn)
+    report.diagnosis = diagnose(report, scripted=runnable.scripted)
+    return report
+
+
+@dataclass
+class _Seen:
+    """What the eval-mode passes saw: each hooked layer's input statistics, the model's
+    own input per channel (what the preprocessing produced), and one input sample for
+    `_probe_first_layer`."""
+
+    layers: dict[str, ChannelStats | InstanceStats]
+    inputs: ChannelStats = field(default_factory=ChannelStats)
+    example: Any = None
+
+
+def _score_batches(
+    model: Any,
+    local: Any,
+    device: Any,
+    forward_fn: Callable[[Any, Any], Any] | None,
+    norms: dict[str, Any],
+    hooked: dict[str, Any],
+    grayscale: bool | None,
+    train_first: bool,
+    progress: Callable[[int, int], None] | None,
+    collective: bool,
+) -> tuple[_Totals, _Seen]:
+    """This process's share of the batches (`local`), each through both modes, compared
+    (`_compare`) and recorded in eval mode; `collective` keeps the ranks in step (`together`)."""
+    # InstanceNorm's running statistics average per-instance statistics (stats.InstanceStats)
+    instance = {name for name, m in hooked.items() if not is_batchnorm(m)}
+    seen = _Seen({name: InstanceStats() if name in instance else ChannelStats() for name in hooked})
+    totals = _Totals()
     mine = local.plan
-    with batch_statistics(model, {}), torch.no_grad(), together() if world > 1 else contextlib.nullcontext():
+    with batch_statistics(model, {}), torch.no_grad(), together() if collective else contextlib.nullcontext():
         for batch in local if mine else ():
             inputs = to_device(batch.inputs, device)
             if _image_like(inputs):
-                input_stats.update(inputs)
-                if example is None:
-                    example = inputs[:1]
+                seen.inputs.update(inputs)
+                if seen.example is None:
+                    seen.example = inputs[:1]
             labels = None if batch.labels is None else batch.labels.to(device)
 
             # called within this iteration only: the defaults pin this batch for the linter
@@ -217,7 +251,7 @@ def measure_model_gap(
                 with record_bn_inputs(hooked, instance) as stats:
                     out = _run(model, inputs, forward_fn, batch.index, norms, train=False, grayscale=grayscale)
                 for name, s in stats.items():
-                    accumulated[name].add(s)  # type: ignore[arg-type]  # the same kind, by name
+                    seen.layers[name].add(s)  # type: ignore[arg-type]  # the same kind, by name
                 return out
 
             if train_first:
@@ -230,18 +264,25 @@ def measure_model_gap(
             totals.batches += 1
             if progress is not None:
                 progress(totals.batches, len(mine))
-    totals.skipped, totals.notes = local.skipped, list(getattr(local, "notes", []))
-    if world > 1:
-        totals = _reduce_totals(totals)
-        # every rank's statistics of each layer's input and of the model's input, merged
-        *layer_stats, merged_input = all_gather_stats([*accumulated.values(), input_stats])
-        accumulated = dict(zip(accumulated, layer_stats, strict=True))
-        assert isinstance(merged_input, ChannelStats)
-        input_stats = merged_input
-        example = _shared_example(example, device)
-    layers = _drift(norms, accumulated, hooked)
+    return totals, seen
+
+
+def _merge_ranks(seen: _Seen, device: Any) -> _Seen:
+    """Every rank's statistics of each layer's input and of the model's input, merged, and
+    the first rank's example (module docstring). Collective."""
+    *layer_stats, merged_input = all_gather_stats([*seen.layers.values(), seen.inputs])
+    layers = dict(zip(seen.layers, layer_stats, strict=True))
+    assert isinstance(merged_input, ChannelStats)
+    return _Seen(layers, merged_input, _shared_example(seen.example, device))
+
+
+def _gap_report(
+    runnable: Any, stream: Any, device: Any, totals: _Totals, layers: list[LayerDrift], inspection: Any
+) -> GapReport:
+    """The report of the combined totals: accuracies, gap and their intervals over the
+    labelled samples, agreement and divergence over all (module docstring)."""
     labelled = totals.labelled
-    report = GapReport(
+    return GapReport(
         checkpoint=runnable.checkpoint.path,
         model=runnable.describe(),
         data=stream.description,
@@ -267,18 +308,26 @@ def measure_model_gap(
         eval_interval=wilson(totals.correct_eval, labelled) if labelled else None,
         gap_interval=difference_interval(totals.correct_train, totals.correct_eval, labelled) if labelled else None,
     )
-    if input_stats.count >= 2:
-        report.input_mean = [float(v) for v in input_stats.mean.cpu()]
-        report.input_std = [math.sqrt(max(float(v), 0.0)) for v in input_stats.var.cpu()]
+
+
+def _add_input_statistics(
+    report: GapReport, seen: _Seen, runnable: Any, norms: dict[str, Any], forward_fn: Any
+) -> None:
+    """The model input's per-channel mean and std, whether the drift points at the
+    preprocessing (`_preprocessing_suspect`) and, when it does, the input statistics the
+    first BN layer's running statistics imply (`attribution.implied_input`)."""
+    if seen.inputs.count >= 2:
+        report.input_mean = [float(v) for v in seen.inputs.mean.cpu()]
+        report.input_std = [math.sqrt(max(float(v), 0.0)) for v in seen.inputs.var.cpu()]
     report.preprocessing_mismatch = _preprocessing_suspect(report, statistics_mature(runnable))
     if report.preprocessing_mismatch and report.input_mean is not None and report.input_std is not None:
-        first_name = min((d for d in layers if d.drift is not None), key=lambda d: d.position).name
+        first_name = min((d for d in report.layers if d.drift is not None), key=lambda d: d.position).name
         first = norms[first_name]
-        stats = accumulated[first_name]
+        stats = seen.layers[first_name]
         implied = implied_input(
             report.input_mean,
             report.input_std,
-            _probe_first_layer(model, first, example, forward_fn),
+            _probe_first_layer(runnable.module, first, seen.example, forward_fn),
             stats.mean.cpu(),
             stats.var.cpu(),
             first.running_mean.detach().double().cpu(),
@@ -286,8 +335,6 @@ def measure_model_gap(
         )
         if implied is not None:
             report.implied_mean, report.implied_std = implied
-    report.diagnosis = diagnose(report, scripted=runnable.scripted)
-    return report
 
 
 def _shared_example(example: Any, device: Any) -> Any:
@@ -385,7 +432,7 @@ def _run(
     except BnauditError:
         raise
     except Exception as exc:
-        where = _locate_failure(model, call)
+        where = locate_failure(model, call)
         mode = "train mode (batch statistics)" if train else "eval mode"
         problem = input_problem(model, inputs, grayscale) if forward_fn is None else None
         raise BnauditError(
@@ -400,45 +447,6 @@ def _run(
             f"batch {index}: the --forward function returned {type(output).__name__}, which holds no tensor: "
             "it must return the model's output (the logits, one row per sample)"
         ) from None
-
-
-def _shapes(args: tuple[Any, ...]) -> str:
-    shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
-    if not shapes:
-        return "no tensor"
-    return "shape " + ", ".join(str(s) for s in shapes)
-
-
-def _locate_failure(model: Any, call: Callable[[], Any]) -> str:
-    """Re-run a failed forward with hooks on every module; the innermost module entered
-    and not left is the one that failed. Empty for TorchScript (no hooks)."""
-    if isinstance(model, torch.jit.ScriptModule):
-        return ""
-    stack: list[tuple[str, str, str]] = []
-    failed: list[tuple[str, str, str]] = []
-    handles = []
-    for name, module in model.named_modules():
-
-        def pre(mod: Any, args: tuple[Any, ...], _name: str = name) -> None:
-            stack.append((_name, type(mod).__name__, _shapes(args)))
-
-        def post(mod: Any, args: tuple[Any, ...], out: Any) -> None:
-            if stack:
-                stack.pop()
-
-        handles.append(module.register_forward_pre_hook(pre))
-        handles.append(module.register_forward_hook(post))
-    try:
-        call()
-    except Exception:
-        failed = list(stack)
-    finally:
-        for handle in handles:
-            handle.remove()
-    if not failed:
-        return ""
-    name, kind, shape = failed[-1]
-    return f"layer '{name or '(model)'}' ({kind}) got input {shape}: "
 
 
 def _compare(out_train: Any, out_eval: Any, labels: Any, batch: Any, totals: _Totals) -> None:

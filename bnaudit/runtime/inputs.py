@@ -1,4 +1,5 @@
-"""Inputs a model cannot take, said in one line that names the fix.
+"""Inputs a model cannot take, said in one line that names the fix, and where in the
+model a failed forward failed (`locate_failure`).
 
 Checked only after a forward has failed, so a model that accepts what it is given (its
 own casting, a first layer of another kind) is never second-guessed.
@@ -6,6 +7,7 @@ own casting, a first layer of another kind) is never second-guessed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,3 +47,42 @@ def input_problem(model: Any, inputs: Any, grayscale: bool | None) -> str | None
     else:
         fix = f"convert the images to {plural(want, 'channel')}"
     return f"the inputs have {plural(have, 'channel')} but the model's first layer {name} expects {want}: {fix}"
+
+
+def _shapes(args: tuple[Any, ...]) -> str:
+    shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
+    if not shapes:
+        return "no tensor"
+    return "shape " + ", ".join(str(s) for s in shapes)
+
+
+def locate_failure(model: Any, call: Callable[[], Any]) -> str:
+    """Re-run a failed forward with hooks on every module; the innermost module entered
+    and not left is the one that failed. Empty for TorchScript (no hooks)."""
+    if isinstance(model, torch.jit.ScriptModule):
+        return ""
+    stack: list[tuple[str, str, str]] = []
+    failed: list[tuple[str, str, str]] = []
+    handles = []
+    for name, module in model.named_modules():
+
+        def pre(mod: Any, args: tuple[Any, ...], _name: str = name) -> None:
+            stack.append((_name, type(mod).__name__, _shapes(args)))
+
+        def post(mod: Any, args: tuple[Any, ...], out: Any) -> None:
+            if stack:
+                stack.pop()
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    try:
+        call()
+    except Exception:
+        failed = list(stack)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not failed:
+        return ""
+    name, kind, shape = failed[-1]
+    return f"layer '{name or '(model)'}' ({kind}) got input {shape}: "

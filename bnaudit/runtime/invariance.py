@@ -57,17 +57,6 @@ above the screen (below it, which sample is largest is noise too). KL below
 close apart takes about 1/KL = 10^6 samples; float32 kernel noise gives ~1e-13 on the
 sample model) prints as "<1e-06".
 
-Printed figures (`bnaudit.text.above_floor`; JSON keeps the exact numbers). A float32
-deviation below the screen is kernel-order noise whose digits differ between CPUs (3.8e-07
-on one, 4.7e-07 on another): tables and diagnoses print it as "<1.5e-05", and a float64
-deviation below the floor as "<1.5e-08". The largest deviation's sample is named only
-above the screen (below it, which sample is largest is noise too). KL below
-
-  KL_FLOOR      1e-6 nats: telling two output distributions that close apart takes about
-                1/KL = 10^6 samples; float32 kernel noise gives ~1e-13 on the sample model
-
-prints as "<1e-06".
-
 The verdict rests on the float64 deviation, which lies about seven orders of magnitude
 from either side of the floor, so no hand-tuned tolerance decides it. Where no float64
 copy runs (a --forward or graph that insists on float32) the screen decides, and the
@@ -395,21 +384,9 @@ def measure_model_invariance(
             device=device,
             forward_fn=forward_fn,
         )
-        sites: list[CouplingSite] = []
-        if bool(check.coupled.any()) or failures:
-            precise = check.model is not None
-            sites = locate_coupling(
-                check.model if precise else model,
-                samples,
-                reference_arrangement,
-                others,
-                check.deviations if precise else comparison.deviations,
-                check.coupled,
-                FLOOR if precise else screen,
-                device=device,
-                forward_fn=forward_fn,
-                float64=precise,
-            )
+        sites = _coupling_sites(
+            model, samples, reference_arrangement, others, comparison, check, failures, screen, device, forward_fn
+        )
     report = _build_report(
         runnable,
         stream,
@@ -435,6 +412,38 @@ def measure_model_invariance(
     return report
 
 
+def _coupling_sites(
+    model: Any,
+    samples: Samples,
+    reference_arrangement: Arrangement,
+    others: list[tuple[Arrangement, Any]],
+    comparison: Comparison,
+    check: Float64Check,
+    failures: Any,
+    screen: float,
+    device: Any,
+    forward_fn: Any,
+) -> list[CouplingSite]:
+    """Where the coupling enters (`locate_coupling`), looked for only when a sample is
+    coupled or an arrangement failed: in the float64 copy against FLOOR where one ran,
+    else in the model itself against the screen."""
+    if not (bool(check.coupled.any()) or failures):
+        return []
+    precise = check.model is not None
+    return locate_coupling(
+        check.model if precise else model,
+        samples,
+        reference_arrangement,
+        others,
+        check.deviations if precise else comparison.deviations,
+        check.coupled,
+        FLOOR if precise else screen,
+        device=device,
+        forward_fn=forward_fn,
+        float64=precise,
+    )
+
+
 def _build_report(
     runnable: Any,
     stream: Any,
@@ -451,6 +460,8 @@ def _build_report(
     screen: float,
     inspection: FileReport,
 ) -> InvarianceReport:
+    """The report of the scored arrangements (module docstring); the float64 outcome, the
+    coupling sites, the failures and the diagnosis are the caller's to fill in."""
     n = len(samples)
     labels = samples.labels
     classifier = comparison.classifier
@@ -460,45 +471,9 @@ def _build_report(
             raise BnauditError(
                 f"labels range over {int(labels.min())}..{int(labels.max())} but the model has {k} outputs"
             )
-
-    def accuracy(out: Any) -> float | None:
-        if labels is None or not classifier:
-            return None
-        return float((out.argmax(dim=1) == labels).double().mean())
-
-    per_arrangement = deviations64 if deviations64 is not None else comparison.deviations
-    results = [
-        ArrangementResult(
-            reference_arrangement.name,
-            reference_arrangement.batch_size,
-            reference_arrangement.order,
-            len(reference_arrangement.batches),
-            0.0,
-            0,
-            0 if classifier else None,
-            accuracy(reference),
-        )
-    ]
-    changed_any = torch.zeros(n, dtype=torch.bool)
-    for row, (a, out) in enumerate(others):
-        coupled_here = coupled_mask & (per_arrangement[row] > (FLOOR if deviations64 is not None else screen))
-        changed = None
-        if comparison.changed is not None:
-            changes = comparison.changed[row] & coupled_here
-            changed_any |= changes
-            changed = int(changes.sum())
-        results.append(
-            ArrangementResult(
-                a.name,
-                a.batch_size,
-                a.order,
-                len(a.batches),
-                float(comparison.deviations[row].max()),
-                int(coupled_here.sum()),
-                changed,
-                accuracy(out),
-            )
-        )
+    results, changed_any = _arrangement_results(
+        reference_arrangement, others, reference, comparison, coupled_mask, deviations64, screen, labels, n
+    )
     deviation = comparison.deviation
     worst = int(deviation.argmax())
     kl = comparison.kl.amax(dim=0) if comparison.kl is not None else None
@@ -531,6 +506,65 @@ def _build_report(
         skipped=stream.skipped,
         notes=list(getattr(stream, "notes", [])),
     )
+
+
+def _arrangement_results(
+    reference_arrangement: Arrangement,
+    others: list[tuple[Arrangement, Any]],
+    reference: Any,
+    comparison: Comparison,
+    coupled_mask: Any,
+    deviations64: Any,
+    screen: float,
+    labels: Any,
+    n: int,
+) -> tuple[list[ArrangementResult], Any]:
+    """One result per arrangement, the reference first, and the mask of samples whose top-1
+    class changed in some arrangement. A sample counts in an arrangement when it is coupled
+    and its deviation there exceeds the threshold that decided: FLOOR on the float64
+    deviations where they exist, else the screen."""
+    classifier = comparison.classifier
+    per_arrangement = deviations64 if deviations64 is not None else comparison.deviations
+    results = [
+        ArrangementResult(
+            reference_arrangement.name,
+            reference_arrangement.batch_size,
+            reference_arrangement.order,
+            len(reference_arrangement.batches),
+            0.0,
+            0,
+            0 if classifier else None,
+            _accuracy(reference, labels, classifier),
+        )
+    ]
+    changed_any = torch.zeros(n, dtype=torch.bool)
+    for row, (a, out) in enumerate(others):
+        coupled_here = coupled_mask & (per_arrangement[row] > (FLOOR if deviations64 is not None else screen))
+        changed = None
+        if comparison.changed is not None:
+            changes = comparison.changed[row] & coupled_here
+            changed_any |= changes
+            changed = int(changes.sum())
+        results.append(
+            ArrangementResult(
+                a.name,
+                a.batch_size,
+                a.order,
+                len(a.batches),
+                float(comparison.deviations[row].max()),
+                int(coupled_here.sum()),
+                changed,
+                _accuracy(out, labels, classifier),
+            )
+        )
+    return results, changed_any
+
+
+def _accuracy(out: Any, labels: Any, classifier: bool | None) -> float | None:
+    """Top-1 accuracy of `out` against the labels; None without labels or class scores."""
+    if labels is None or not classifier:
+        return None
+    return float((out.argmax(dim=1) == labels).double().mean())
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -275,13 +275,7 @@ def _run_pass(
     calls_now: dict[str, int] = {}
     stopped: list[str] = []
     expected = {name: num_features(m) for name, m in observed.items()}
-    # One fixed shift per layer (its old running_mean): the sums then do not depend on
-    # which sample comes first, so any batching or sharding agrees to float64 rounding.
-    shifts = {}
-    for name, m in observed.items():
-        old = m.running_mean.detach().float()
-        # float64 once here, not on every call (the value is the float32 one either way)
-        shifts[name] = torch.where(torch.isfinite(old), old, torch.zeros_like(old)).double()
+    shifts = _shifts(observed)
 
     def on_input(name: str, x: Any) -> ChannelStats:
         if x.dim() < 2 or x.shape[1] != expected[name]:
@@ -325,25 +319,48 @@ def _run_pass(
                 if stopped:
                     stopped.clear()
                 elif isinstance(exc, ValueError) and "Expected more than 1 value per channel" in str(exc):
-                    raise BnauditError(
-                        f"batch {index}: {plural(n, 'sample')} {'gives' if n == 1 else 'give'} one value per channel, which a BatchNorm "
-                        "layer cannot normalise in training mode; use --batch-size 2 or more "
-                        "(or --method sequential)"
-                    ) from None
+                    raise _one_value_per_channel(index, n) from None
                 elif isinstance(exc, BnauditError):
                     raise
                 else:
                     raise _rejected(index, exc) from exc
-            for name, calls in calls_now.items():
-                record = result.records[name]
-                record.batches += 1
-                record.max_calls = max(record.max_calls, calls)
-            result.samples += n
-            result.batches += 1
-            result.max_batch = max(result.max_batch, n)
+            _count_batch(result, calls_now, n)
             if progress is not None:
                 progress()
     return result
+
+
+def _shifts(observed: dict[str, Any]) -> dict[str, Any]:
+    """One fixed shift per layer (its old running_mean, 0 where not finite), in float64."""
+    # The sums then do not depend on which sample comes first, so any batching or
+    # sharding agrees to float64 rounding.
+    shifts = {}
+    for name, m in observed.items():
+        old = m.running_mean.detach().float()
+        # float64 once here, not on every call (the value is the float32 one either way)
+        shifts[name] = torch.where(torch.isfinite(old), old, torch.zeros_like(old)).double()
+    return shifts
+
+
+def _count_batch(result: PassResult, calls_now: dict[str, int], n: int) -> None:
+    """Add one forward of `n` samples to the pass's counts; `calls_now`: how often each
+    observed layer ran in it."""
+    for name, calls in calls_now.items():
+        record = result.records[name]
+        record.batches += 1
+        record.max_calls = max(record.max_calls, calls)
+    result.samples += n
+    result.batches += 1
+    result.max_batch = max(result.max_batch, n)
+
+
+def _one_value_per_channel(index: int, n: int) -> BnauditError:
+    """Training-mode BN on a batch that gives one value per channel (PyTorch's ValueError)."""
+    return BnauditError(
+        f"batch {index}: {plural(n, 'sample')} {'gives' if n == 1 else 'give'} one value per channel, which a BatchNorm "
+        "layer cannot normalise in training mode; use --batch-size 2 or more "
+        "(or --method sequential)"
+    )
 
 
 def _rejected(index: int, exc: BaseException) -> BnauditError:
@@ -485,7 +502,6 @@ def recalibrate_module(
     chosen, left = select_layers(targets, include, exclude)
     skipped = left + skipped
     world = distributed()[1]
-    warnings: list[str] = []
     passes = len(chosen) if method == "sequential" else 1
     planned = len(batches) * passes if isinstance(batches, Sized) else 0
     done = 0
@@ -496,66 +512,106 @@ def recalibrate_module(
         if progress is not None:
             progress(done, max(planned, done))
 
-    samples = n_batches = max_batch = 0
-
     if method in ("exact", "cumulative"):
+        calibrated, counts = _calibrate_together(model, batches, forward, chosen, method, autocast, tick, skipped)
+    else:
+        calibrated, counts = _calibrate_in_order(model, batches, forward, chosen, autocast, tick, skipped)
+    samples, n_batches, max_batch = counts
+    if samples == 0:
+        raise BnauditError("the calibration data yielded no samples")
+    warnings = _warnings(samples, calibrated)
+    return Calibration(method, samples, n_batches, max_batch or None, world, calibrated, skipped, warnings)
+
+
+def _calibrate_together(
+    model: Any,
+    batches: Iterable[Any],
+    forward: Callable[[Any, Any], Any],
+    chosen: dict[str, Any],
+    method: str,
+    autocast: Any,
+    tick: Callable[[], None],
+    skipped: list[SkippedLayer],
+) -> tuple[list[LayerCalibration], tuple[int, int, int]]:
+    """exact and cumulative: every chosen layer measured in one pass in which all of them
+    normalise by batch statistics (module docstring). Layers the data never reached go to `skipped`. Returns the
+    calibrated layers and the pass's (samples, batches, largest batch)."""
+    with together():
+        result = _run_pass(
+            model,
+            batches,
+            forward,
+            chosen,
+            chosen,
+            cumulative=method == "cumulative",
+            autocast=autocast,
+            progress=tick,
+        )
+    result = reduce_pass(result, chosen, method == "cumulative")
+    calibrated = []
+    for name, module in chosen.items():
+        record = result.records[name]
+        if record.stats.count == 0:
+            skipped.append(SkippedLayer(name, "never reached by the data: statistics kept"))
+            continue
+        calibrated.append(_finish_layer(name, module, record, method, _eps(module)))
+    for layer in calibrated:  # all checked before any buffer changes
+        _store(layer.name, chosen[layer.name], layer.new_mean, layer.new_var, layer.batches)
+    return calibrated, (result.samples, result.batches, result.max_batch)
+
+
+def _calibrate_in_order(
+    model: Any,
+    batches: Iterable[Any],
+    forward: Callable[[Any, Any], Any],
+    chosen: dict[str, Any],
+    autocast: Any,
+    tick: Callable[[], None],
+    skipped: list[SkippedLayer],
+) -> tuple[list[LayerCalibration], tuple[int, int, int]]:
+    """sequential: one pass per chosen layer in forward order, each stored before the
+    next pass runs (module docstring). Layers the data never reached go to `skipped`.
+    Returns the calibrated layers in registration order and the last pass's (samples,
+    batches, largest batch); zeros when no pass ran."""
+    samples = n_batches = max_batch = 0
+    calibrated = []
+    with together():
+        order, calls = _forward_order(model, batches, forward, chosen, autocast)
+    order, calls = _agree_order(order, calls)
+    for step, name in enumerate(order):
+        module = chosen[name]
+        # A pass stops at the layer's first call; a layer called several times per
+        # forward needs the whole forward, in which it and the layers not yet
+        # calibrated normalise by batch statistics.
+        pending = {n: chosen[n] for n in order[step:]}
         with together():
             result = _run_pass(
                 model,
                 batches,
                 forward,
-                chosen,
-                chosen,
-                cumulative=method == "cumulative",
+                {name: module},
+                pending,
+                stop_after=name if calls.get(name, 1) <= 1 else None,
                 autocast=autocast,
                 progress=tick,
             )
-        result = reduce_pass(result, chosen, method == "cumulative")
+        result = reduce_pass(result, {name: module}, False)
         samples, n_batches, max_batch = result.samples, result.batches, result.max_batch
-        calibrated = []
-        for name, module in chosen.items():
-            record = result.records[name]
-            if record.stats.count == 0:
-                skipped.append(SkippedLayer(name, "never reached by the data: statistics kept"))
-                continue
-            calibrated.append(_finish_layer(name, module, record, method, _eps(module)))
-        for layer in calibrated:  # all checked before any buffer changes
-            _store(layer.name, chosen[layer.name], layer.new_mean, layer.new_var, layer.batches)
-    else:
-        calibrated = []
-        with together():
-            order, calls = _forward_order(model, batches, forward, chosen, autocast)
-        order, calls = _agree_order(order, calls)
-        for step, name in enumerate(order):
-            module = chosen[name]
-            # A pass stops at the layer's first call; a layer called several times per
-            # forward needs the whole forward, in which it and the layers not yet
-            # calibrated normalise by batch statistics.
-            pending = {n: chosen[n] for n in order[step:]}
-            with together():
-                result = _run_pass(
-                    model,
-                    batches,
-                    forward,
-                    {name: module},
-                    pending,
-                    stop_after=name if calls.get(name, 1) <= 1 else None,
-                    autocast=autocast,
-                    progress=tick,
-                )
-            result = reduce_pass(result, {name: module}, False)
-            samples, n_batches, max_batch = result.samples, result.batches, result.max_batch
-            record = result.records[name]
-            if record.stats.count == 0:
-                skipped.append(SkippedLayer(name, "never reached by the data: statistics kept"))
-                continue
-            layer = _finish_layer(name, module, record, method, _eps(module))
-            _store(name, module, layer.new_mean, layer.new_var, layer.batches)
-            calibrated.append(layer)
-        calibrated.sort(key=lambda layer: list(chosen).index(layer.name))
+        record = result.records[name]
+        if record.stats.count == 0:
+            skipped.append(SkippedLayer(name, "never reached by the data: statistics kept"))
+            continue
+        layer = _finish_layer(name, module, record, "sequential", _eps(module))
+        _store(name, module, layer.new_mean, layer.new_var, layer.batches)
+        calibrated.append(layer)
+    calibrated.sort(key=lambda layer: list(chosen).index(layer.name))
+    return calibrated, (samples, n_batches, max_batch)
 
-    if samples == 0:
-        raise BnauditError("the calibration data yielded no samples")
+
+def _warnings(samples: int, calibrated: list[LayerCalibration]) -> list[str]:
+    """What makes the new statistics doubtful: few samples, few values per channel, a
+    layer whose buffers pool several calls per forward."""
+    warnings: list[str] = []
     if samples < MIN_SAMPLES:
         warnings.append(
             f"only {samples} calibration samples: Wu & Johnson (2021) report 10^3-10^4 as enough for "
@@ -573,4 +629,4 @@ def recalibrate_module(
                 f"layer {layer.name} runs {layer.calls_per_batch} times per forward: its statistics pool "
                 "the inputs of every call (one set of buffers serves them all)"
             )
-    return Calibration(method, samples, n_batches, max_batch or None, world, calibrated, skipped, warnings)
+    return warnings
