@@ -43,12 +43,13 @@ from bnaudit.audit.layerdiff import (
     describe_group,
 )
 from bnaudit.audit.layers import BNLayer, discover_layers, not_from_file
+from bnaudit.audit.provenance import recalibration_provenance
 from bnaudit.audit.rules import Finding, run_diff_rules
 from bnaudit.audit.settings import OPTIONS, statement
 from bnaudit.config import SEVERITIES, Config, exit_code_for
 from bnaudit.errors import BnauditError
 from bnaudit.formats.containers import averaged_model_record
-from bnaudit.formats.model import Averaging, Checkpoint, recalibration_record
+from bnaudit.formats.model import Averaging, Checkpoint
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.severity import Severity
 from bnaudit.text import plural
@@ -78,7 +79,9 @@ class DiffReport:
     reshaped: list[tuple[str, int, int]] = field(default_factory=list)  # name, C on A, C on B
     findings: list[Finding] = field(default_factory=list)
     settings: str = ""  # the eps / momentum not read from a file: given or assumed (audit.settings.statement)
-    provenance: str = ""  # bnaudit's recalibration record of side B, in words
+    provenance: str = ""  # who re-estimated side B's verified layers (audit.provenance), in words
+    # side B's record names layers whose statistics it does not match (audit.provenance)
+    record_mismatch: str = ""
     # set when one side is an ONNX export of the other (bnaudit.audit.exportdiff)
     export: ExportCheck | None = None
 
@@ -132,6 +135,8 @@ class DiffReport:
                 f"{plural(len(by[RE_ESTIMATED]), 'layer')} ({describe_group(by[RE_ESTIMATED], every)}) had their "
                 f"statistics re-estimated{how}."
             )
+        if self.record_mismatch:
+            lines.append(f"Side B: {self.record_mismatch}.")
         if any(f.code == "BN104" for f in self.findings):
             lines.append(
                 "Some layers counted more batches than others during the same run: see BN104 "
@@ -189,17 +194,6 @@ def _buffers_decided(report: DiffReport) -> DiffReport:
     return report
 
 
-def _recalibration(ckpt: Checkpoint) -> tuple[frozenset[str], str]:
-    record = recalibration_record(ckpt.metadata)
-    names = record.get("recalibrated_layers") if record else None
-    if record is None or not isinstance(names, list):
-        return frozenset(), ""
-    described = (
-        f"bnaudit recalibrate (method {record.get('method')}, {record.get('samples')} samples, {record.get('date')})"
-    )
-    return frozenset(n for n in names if isinstance(n, str)), described
-
-
 def diff_checkpoints(
     a: Checkpoint,
     b: Checkpoint,
@@ -218,8 +212,10 @@ def diff_checkpoints(
     layers_b = discover_layers(b, config.stated_settings()).layers
     by_name_b = {layer.name: layer for layer in layers_b}
     names_a = {layer.name for layer in layers_a}
-    recalibrated, provenance = _recalibration(b)
-    report = DiffReport(_side(a, layers_a), _side(b, layers_b), config, provenance=provenance)
+    record = recalibration_provenance(b)  # verified against B's statistics, as inspect does
+    recalibrated = record.layers
+    report = DiffReport(_side(a, layers_a), _side(b, layers_b), config, provenance=record.source)
+    report.record_mismatch = record.mismatch
     counters_meaningful = not (a.is_ema or b.is_ema)  # an EMA copy's counter counts nothing
     for la in layers_a:
         lb = by_name_b.get(la.name)
@@ -232,7 +228,9 @@ def diff_checkpoints(
                 compare_layers(la, lb, recalibrated=la.name in recalibrated, counter_meaningful=counters_meaningful)
             )
     report.only_b = [layer.name for layer in layers_b if layer.name not in names_a]
-    context = DiffContext(report.layers, config, report.only_a, report.only_b, report.reshaped, provenance=provenance)
+    context = DiffContext(
+        report.layers, config, report.only_a, report.only_b, report.reshaped, provenance=record.source
+    )
     report.findings = run_diff_rules(context)
     report.settings = statement(not_from_file(layers_a + layers_b), "a side holds no modules")
     return _buffers_decided(report)
