@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+import pytest
 import torch
 from conftest import SAMPLES, save_safetensors
 
@@ -43,3 +44,90 @@ def test_forged_recalibration_record_does_not_silence_bn101(tmp_path):
     assert report.provenance == "" and any("does not match" in line for line in report.diagnosis())
     # the same record, judged the same way by inspect
     assert "does not match" in inspect(forged).files[0].provenance
+
+
+# ----------------------------------------------------------------------------- ONNX external data
+
+
+def bn_onnx(folder, location: str | None = None, name: str = "bn", opset: int = 15):
+    """One BatchNormalization node (C=3) as torch's legacy exporter names it
+    (`bn.running_mean` ...); with `location`, the four tensors are external data in that
+    file, written at consecutive offsets as onnx's save_as_external_data does."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    values = {
+        f"{name}.weight": np.array([1.0, 2.0, 3.0], np.float32),
+        f"{name}.bias": np.array([0.1, 0.2, 0.3], np.float32),
+        f"{name}.running_mean": np.array([0.5, -0.5, 0.25], np.float32),
+        f"{name}.running_var": np.array([1.5, 2.5, 3.5], np.float32),
+    }
+    inits = []
+    offset = 0
+    blob = b""
+    for key, array in values.items():
+        tensor = numpy_helper.from_array(array, key)
+        if location is not None:
+            raw = array.tobytes()
+            tensor.ClearField("raw_data")
+            tensor.data_location = TensorProto.EXTERNAL
+            for k, v in (("location", location), ("offset", str(offset)), ("length", str(len(raw)))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = k, v
+            blob += raw
+            offset += len(raw)
+        inits.append(tensor)
+    node = helper.make_node("BatchNormalization", ["x", *values], ["y"], name=f"/{name}/BatchNormalization")
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 2, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 2, 2])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="pytorch")
+    path = folder / "model.onnx"
+    onnx.save(model, str(path))
+    if location is not None:
+        target = folder / location
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(blob)
+    return path, values
+
+
+def test_external_data_folder_swapped_for_a_symlink_after_the_check_is_refused(tmp_path):
+    """The location `sub/weights.bin` is checked when the model is loaded; `sub` is then
+    replaced by a symlink to a folder outside (a TOCTOU swap): reading must not follow it."""
+    from bnaudit.errors import BnauditError
+    from bnaudit.formats.onnx import read_onnx
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    path, _ = bn_onnx(folder, "sub/weights.bin")
+    ckpt = read_onnx(str(path))  # checked here: sub/weights.bin lies inside the folder
+    outside = tmp_path / "secret"
+    outside.mkdir()
+    blob = (folder / "sub" / "weights.bin").read_bytes()
+    (outside / "weights.bin").write_bytes(blob[::-1])  # other bytes, the same size
+    (folder / "sub" / "weights.bin").unlink()
+    (folder / "sub").rmdir()
+    (folder / "sub").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(BnauditError, match="external data of 'bn.running_var'"):
+        ckpt.tensors["bn.running_var"].read()
+
+
+def test_external_data_read_through_its_checked_path(tmp_path):
+    """The walk that refuses a swapped folder still reads a nested location, and a symlink
+    inside the folder that stays inside (resolved when loaded) keeps working."""
+    from bnaudit.formats.onnx import read_onnx
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    path, values = bn_onnx(folder, "sub/deeper/weights.bin")
+    ckpt = read_onnx(str(path))
+    assert ckpt.tensors["bn.running_var"].read() == [float(v) for v in values["bn.running_var"]]
+    (folder / "alias").symlink_to(folder / "sub", target_is_directory=True)
+    path, values = bn_onnx(folder, "alias/deeper/weights.bin")
+    ckpt = read_onnx(str(path))
+    assert ckpt.tensors["bn.weight"].read() == [1.0, 2.0, 3.0]

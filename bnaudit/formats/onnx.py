@@ -228,7 +228,8 @@ def _tensor_reader(path: str, folder: str, name: str, tensor: Any) -> Callable[[
             raise BnauditError(
                 f"{path}: tensor '{printable(name)}' claims {length} bytes of external data for shape {list(shape)} ({dtype})"
             )
-        return lambda: _external_ref(path, location, name, offset, nbytes, dtype, shape)
+        real_folder = os.path.realpath(folder)
+        return lambda: _external_ref(path, real_folder, location, name, offset, nbytes, dtype, shape)
     return lambda: TensorRef(name, shape, dtype, lambda: _embedded_values(path, name, tensor, dtype, count))
 
 
@@ -270,16 +271,42 @@ def _external_entry(path: str, folder: str, name: str, tensor: Any) -> tuple[str
     return target, offset, length
 
 
+def _open_inside(folder: str, target: str) -> int:
+    """A read-only descriptor of `target` opened component by component from `folder`, every
+    component with O_NOFOLLOW: the path was checked when the model was loaded (`target` is
+    its real path, so it holds no symlink then); a folder swapped for a symlink since fails
+    to open (ELOOP / ENOTDIR) instead of leading outside. Where the platform has no dir_fd,
+    the descriptor's own path is checked once it is open."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    parts = os.path.relpath(target, folder).split(os.sep)
+    if os.open not in os.supports_dir_fd or not hasattr(os, "O_DIRECTORY"):
+        fd = os.open(target, flags)
+        real = os.path.realpath(target)
+        if os.path.commonpath([folder, real]) != folder or not os.path.samestat(os.fstat(fd), os.stat(real)):
+            os.close(fd)
+            raise OSError(0, "the path changed since it was checked")
+        return fd
+    directory = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=directory)
+            os.close(directory)
+            directory = inner
+        return os.open(parts[-1], flags, dir_fd=directory)
+    finally:
+        os.close(directory)
+
+
 def _external_ref(
-    path: str, location: str, name: str, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]
+    path: str, folder: str, location: str, name: str, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]
 ) -> TensorRef:
     def raw() -> bytearray:
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
         try:
-            fd = os.open(location, flags)
+            fd = _open_inside(folder, location)
         except OSError as exc:
             raise BnauditError(
-                f"{path}: external data of '{printable(name)}' cannot be opened ({exc.strerror or exc})"
+                f"{path}: external data of '{printable(name)}' cannot be opened inside the model's folder "
+                f"({exc.strerror or exc})"
             ) from None
         with os.fdopen(fd, "rb", buffering=0) as f:
             info = os.fstat(f.fileno())
