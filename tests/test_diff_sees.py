@@ -131,3 +131,50 @@ def test_external_data_read_through_its_checked_path(tmp_path):
     path, values = bn_onnx(folder, "alias/deeper/weights.bin")
     ckpt = read_onnx(str(path))
     assert ckpt.tensors["bn.weight"].read() == [1.0, 2.0, 3.0]
+
+
+# ----------------------------------------------------------------------------- names exact in JSON
+
+
+def conv_onnx(folder, conv_name: str, with_bias: bool = True):
+    """A conv net exported without BatchNormalization nodes (constant weights, and a bias
+    where `with_bias`), named as the exporter names its nodes."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((2, 3, 1, 1), np.float32), "conv.weight")
+    b = numpy_helper.from_array(np.zeros(2, np.float32), "conv.bias")
+    inputs = ["x", "conv.weight", "conv.bias"] if with_bias else ["x", "conv.weight"]
+    node = helper.make_node("Conv", inputs, ["y"], name=conv_name)
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 2, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 2, 2])],
+        [w, b] if with_bias else [w],
+    )
+    path = folder / "model.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_json_keeps_onnx_names_exact_and_the_terminal_escapes_them(tmp_path, cli):
+    name = "/conv\u202e\u200f1/Conv"  # a right-to-left override and mark, as a hostile export could carry
+    path = conv_onnx(tmp_path, name)
+    doc = json.loads(cli("inspect", str(path), "--format", "json").stdout)
+    messages = [f["message"] for file in doc["files"] for f in file["findings"]]
+    assert any(name in m for m in messages), messages
+    table = cli("inspect", str(path), width=200).stdout
+    assert "\u202e" not in table and "\u200f" not in table
+    assert "/conv\\u202e\\u200f1/Conv" in table
+
+
+@pytest.mark.parametrize(
+    "char", ["\u200e", "\u200f", "\u061c", "\u202a", "\u202e", "\u2066", "\u2069", "\u2028", "\u2029"]
+)
+def test_printable_escapes_the_controls_a_terminal_honours(char):
+    from bnaudit.text import printable
+
+    assert printable(f"a{char}b") == f"a\\u{ord(char):04x}b"
+    assert printable("layer.ÿ-é") == "layer.ÿ-é"  # printable non-ASCII stays as it is

@@ -38,7 +38,7 @@ from typing import Any
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, ModuleInfo, TensorRef, decode_values, read_into
 from bnaudit.normkinds import NormKind, onnx_op
-from bnaudit.text import exception_line, listing, plural, printable
+from bnaudit.text import exception_line, listing, plural
 
 ONNX_EXTRA = 'pip install "bnaudit[onnx]"'
 
@@ -215,7 +215,7 @@ def _tensor_reader(path: str, folder: str, name: str, tensor: Any) -> Callable[[
     the bytes are read when the TensorRef is read."""
     shape = tuple(int(d) for d in tensor.dims)
     if any(d < 0 for d in shape):
-        raise BnauditError(f"{path}: tensor '{printable(name)}' has a negative dimension {list(shape)}")
+        raise BnauditError(f"{path}: tensor '{name}' has a negative dimension {list(shape)}")
     dtype = _ONNX_DTYPES.get(tensor.data_type)
     count = math.prod(shape)
     external = _external_entry(path, folder, name, tensor) if tensor.data_location == _EXTERNAL else None
@@ -226,7 +226,7 @@ def _tensor_reader(path: str, folder: str, name: str, tensor: Any) -> Callable[[
         nbytes = count * _ITEMSIZE[dtype]
         if length is not None and length != nbytes:
             raise BnauditError(
-                f"{path}: tensor '{printable(name)}' claims {length} bytes of external data for shape {list(shape)} ({dtype})"
+                f"{path}: tensor '{name}' claims {length} bytes of external data for shape {list(shape)} ({dtype})"
             )
         real_folder = os.path.realpath(folder)
         return lambda: _external_ref(path, real_folder, location, name, offset, nbytes, dtype, shape)
@@ -235,9 +235,7 @@ def _tensor_reader(path: str, folder: str, name: str, tensor: Any) -> Callable[[
 
 def _unsupported(path: str, name: str, data_type: int, shape: tuple[int, ...]) -> TensorRef:
     def fail() -> list[float]:
-        raise BnauditError(
-            f"{path}: tensor '{printable(name)}' has ONNX data type {data_type}, not a number bnaudit reads"
-        )
+        raise BnauditError(f"{path}: tensor '{name}' has ONNX data type {data_type}, not a number bnaudit reads")
 
     return TensorRef(name, shape, f"onnx-type-{data_type}", fail)
 
@@ -247,9 +245,9 @@ def _external_entry(path: str, folder: str, name: str, tensor: Any) -> tuple[str
     checked to stay inside the model's folder."""
     entries = {e.key: e.value for e in tensor.external_data}
     location = entries.get("location", "")
-    shown = printable(location)[:200]
+    shown = location[:200]
     if not location or "\x00" in location:
-        raise BnauditError(f"{path}: tensor '{printable(name)}' has external data without a usable location")
+        raise BnauditError(f"{path}: tensor '{name}' has external data without a usable location")
     parts = location.replace("\\", "/").split("/")
     if os.path.isabs(location) or location.startswith(("/", "\\")) or (len(location) > 1 and location[1] == ":"):
         raise BnauditError(f"{path}: external data location '{shown}' is an absolute path: refused")
@@ -263,11 +261,9 @@ def _external_entry(path: str, folder: str, name: str, tensor: Any) -> tuple[str
         offset = int(entries.get("offset", "0") or "0")
         length = int(entries["length"]) if entries.get("length") else None
     except ValueError:
-        raise BnauditError(
-            f"{path}: tensor '{printable(name)}' has a malformed external data offset or length"
-        ) from None
+        raise BnauditError(f"{path}: tensor '{name}' has a malformed external data offset or length") from None
     if offset < 0 or (length is not None and length < 0):
-        raise BnauditError(f"{path}: tensor '{printable(name)}' has a negative external data offset or length")
+        raise BnauditError(f"{path}: tensor '{name}' has a negative external data offset or length")
     return target, offset, length
 
 
@@ -305,16 +301,15 @@ def _external_ref(
             fd = _open_inside(folder, location)
         except OSError as exc:
             raise BnauditError(
-                f"{path}: external data of '{printable(name)}' cannot be opened inside the model's folder "
-                f"({exc.strerror or exc})"
+                f"{path}: external data of '{name}' cannot be opened inside the model's folder ({exc.strerror or exc})"
             ) from None
         with os.fdopen(fd, "rb", buffering=0) as f:
             info = os.fstat(f.fileno())
             if not stat.S_ISREG(info.st_mode):
-                raise BnauditError(f"{path}: external data of '{printable(name)}' is not a regular file")
+                raise BnauditError(f"{path}: external data of '{name}' is not a regular file")
             if offset + nbytes > info.st_size:
                 raise BnauditError(
-                    f"{path}: external data of '{printable(name)}' lies past the end of its file "
+                    f"{path}: external data of '{name}' lies past the end of its file "
                     f"(bytes {offset}..{offset + nbytes}, file has {info.st_size})"
                 )
             data = bytearray(nbytes)
@@ -331,7 +326,7 @@ def _embedded_values(path: str, name: str, tensor: Any, dtype: str, count: int) 
     if tensor.HasField("raw_data"):
         raw = tensor.raw_data
         if len(raw) != count * _ITEMSIZE[dtype]:
-            raise BnauditError(f"{path}: tensor '{printable(name)}' has {len(raw)} bytes for {count} values of {dtype}")
+            raise BnauditError(f"{path}: tensor '{name}' has {len(raw)} bytes for {count} values of {dtype}")
         return decode_values(raw, dtype)
     if dtype == "float32":
         values: list[float] = [float(v) for v in tensor.float_data]
@@ -347,7 +342,7 @@ def _embedded_values(path: str, name: str, tensor: Any, dtype: str, count: int) 
     else:
         values = [int(v) for v in tensor.int32_data]
     if len(values) != count:
-        raise BnauditError(f"{path}: tensor '{printable(name)}' has {len(values)} values for shape {list(tensor.dims)}")
+        raise BnauditError(f"{path}: tensor '{name}' has {len(values)} values for shape {list(tensor.dims)}")
     return values
 
 
@@ -597,4 +592,4 @@ def read_onnx(path: str) -> Checkpoint:
 
 
 def _conv_list(names: list[str]) -> str:
-    return f"{plural(len(names), 'Conv node')} ({listing(printable(n) for n in names)})"
+    return f"{plural(len(names), 'Conv node')} ({listing(names)})"
