@@ -178,3 +178,71 @@ def test_printable_escapes_the_controls_a_terminal_honours(char):
 
     assert printable(f"a{char}b") == f"a\\u{ord(char):04x}b"
     assert printable("layer.ÿ-é") == "layer.ÿ-é"  # printable non-ASCII stays as it is
+
+
+# ----------------------------------------------------------------------------- ONNX local functions
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 3, 1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+def two_blocks() -> torch.nn.Module:
+    """Two conv-BN blocks whose statistics differ (set as training would leave them)."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(Block(), Block())
+    g = torch.Generator().manual_seed(4)
+    for block in model:
+        block.bn.running_mean.copy_(torch.randn(3, generator=g))
+        block.bn.running_var.copy_(torch.rand(3, generator=g) + 0.5)
+        block.bn.weight.data.copy_(torch.rand(3, generator=g) + 0.5)
+        block.bn.bias.data.copy_(torch.randn(3, generator=g))
+        block.bn.num_batches_tracked.fill_(100)
+    return model.eval()
+
+
+def legacy_export(model, path, **options) -> str:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.randn(1, 3, 4, 4),), str(path), dynamo=False, **options)
+    return str(path)
+
+
+def test_bn_in_a_function_called_twice_is_one_layer_per_call_site(tmp_path):
+    """The legacy exporter's export_modules_as_functions={nn.BatchNorm2d}: one function
+    BatchNorm2d, called by two nodes with their own initializers."""
+    from bnaudit.formats.onnx import read_onnx
+
+    model = two_blocks()
+    path = legacy_export(
+        model, tmp_path / "f.onnx", do_constant_folding=False, export_modules_as_functions={torch.nn.BatchNorm2d}
+    )
+    ckpt = read_onnx(path)
+    assert sorted(ckpt.modules) == ["0.bn", "1.bn"]
+    state = model.state_dict()
+    for layer in ("0.bn", "1.bn"):
+        for leaf in ("weight", "bias", "running_mean", "running_var"):
+            expected = state[f"{layer}.{leaf}"].double().tolist()
+            assert ckpt.tensors[f"{layer}.{leaf}"].read() == expected, (layer, leaf)
+    checkpoint = tmp_path / "model.pt"
+    torch.save(state, checkpoint)
+    report = diff(str(checkpoint), path)
+    assert [d.name for d in report.layers] == ["0.bn", "1.bn"]
+    assert report.export is not None and report.export.unpaired == [] and report.only_b == []
+    assert all(not n.mismatches for n in report.export.nodes)
+
+
+def test_onnx_node_with_statistics_fed_at_run_time_names_its_layer(tmp_path, cli):
+    """export_params=False: every parameter and buffer is a graph input; BN013 names the layer."""
+    path = legacy_export(two_blocks(), tmp_path / "noparams.onnx", do_constant_folding=False, export_params=False)
+    doc = json.loads(cli("inspect", path, "--format", "json").stdout)
+    found = [(f["code"], f["layer"]) for file in doc["files"] for f in file["findings"] if f["code"] == "BN013"]
+    assert sorted(found) == [("BN013", "0.bn"), ("BN013", "1.bn")]

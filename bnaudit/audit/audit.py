@@ -92,6 +92,7 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
             module=module,
             recalibrated=provenance.layers,
             unauditable=tuple(ckpt.unauditable),
+            unauditable_layers=dict(ckpt.unauditable_layers),
             folded=ckpt.folded,
             decomposed=ckpt.decomposed,
         )

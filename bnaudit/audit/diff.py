@@ -285,6 +285,7 @@ def _diff_export(
         folded=folded,
         unpaired=unpaired,
         unauditable=list(getattr(exp, "unauditable", [])),
+        unauditable_layers=dict(exp.unauditable_layers),
         parity=parity,
     )
     diffs = []

@@ -177,6 +177,7 @@ class ExportCheck:
     folded: list[FoldedLayer] = field(default_factory=list)
     unpaired: list[Unpaired] = field(default_factory=list)
     unauditable: list[str] = field(default_factory=list)
+    unauditable_layers: dict[str, str] = field(default_factory=dict)  # note -> its layer, where known
     parity: ParityResult | None = None
     kind: str = "an ONNX export"  # the export in words: "an ONNX export", "a torch.export program"
 

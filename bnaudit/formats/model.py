@@ -173,6 +173,8 @@ class Checkpoint:
     # constants, one printable note each; and, for a graph without any BatchNormalization
     # node, the evidence that an exporter folded BN into its Conv nodes (else None).
     unauditable: list[str] = field(default_factory=list)
+    # note -> the layer it is about, where the reader knows it (its findings name the layer)
+    unauditable_layers: dict[str, str] = field(default_factory=dict)
     folded: str | None = None
     # torch.export programs (formats/pt2.py): what says BN was decomposed into elementwise
     # arithmetic (no batch-norm node left), else None; and notes on the program's nodes

@@ -184,6 +184,72 @@ def _with_function_nodes(proto: Any) -> Iterator[tuple[str, Any]]:
             yield from _subgraph_nodes(node, where)
 
 
+@dataclass(frozen=True)
+class _CallSite:
+    """A node of a local function's body as one call instantiates it: the function's formal
+    inputs and outputs renamed to the call's, attributes that refer to the function's own
+    (`ref_attr_name`) replaced by the call's values, the label prefixed by the call's."""
+
+    name: str
+    op_type: str
+    domain: str
+    input: list[str]
+    output: list[str]
+    attribute: list[Any]
+
+
+def _call_sites(proto: Any) -> Iterator[tuple[str, Any]]:
+    """(graph path, node) of every node as it runs: the main graph and its subgraphs, where
+    a call of a local function stands for its body once per call (a BatchNorm2d function
+    called twice is two BN nodes, each with the initializers its call passes), then the
+    bodies of functions no graph calls, as written."""
+    functions = {(f.domain, f.name): f for f in proto.functions}
+    called: set[tuple[str, str]] = set()
+
+    def expand(where: str, node: Any, depth: int) -> Iterator[tuple[str, Any]]:
+        function = functions.get((node.domain, node.op_type))
+        if function is None or depth > 16:  # deeper nesting than exporters write: the call stays a node
+            yield where, node
+            return
+        called.add((node.domain, node.op_type))
+        renames = {**dict(zip(function.input, node.input)), **dict(zip(function.output, node.output))}
+        given = {a.name: a for a in node.attribute}
+        label = node.name or node.op_type
+        for inner in function.node:
+            site = _CallSite(
+                f"{label}/{inner.name or inner.op_type}",
+                inner.op_type,
+                inner.domain,
+                [renames.get(n, n) for n in inner.input],
+                [renames.get(n, n) for n in inner.output],
+                _bound_attributes(inner, given),
+            )
+            yield from expand(f"function:{function.name}", site, depth + 1)
+
+    for where, node in _walk_graph(proto.graph, "main"):
+        yield from expand(where, node, 0)
+    for key, function in functions.items():
+        if key not in called:
+            where = f"function:{function.name}"
+            for node in function.node:
+                yield where, node
+                yield from _subgraph_nodes(node, where)
+
+
+def _bound_attributes(node: Any, given: dict[str, Any]) -> list[Any]:
+    out = []
+    for attr in node.attribute:
+        if not attr.ref_attr_name:
+            out.append(attr)
+        elif attr.ref_attr_name in given:
+            bound = type(attr)()
+            bound.CopyFrom(given[attr.ref_attr_name])
+            bound.name = attr.name
+            out.append(bound)
+        # a reference the call does not set: the operator's default applies, as at run time
+    return out
+
+
 def _add_constant(
     constants: dict[str, Callable[[], TensorRef]], path: str, folder: str, name: str, tensor: Any
 ) -> None:
@@ -504,10 +570,11 @@ def read_onnx(path: str) -> Checkpoint:
     tensors: dict[str, TensorRef] = {}
     modules: dict[str, ModuleInfo] = {}
     unauditable: list[str] = []
+    unauditable_layers: dict[str, str] = {}
     bn_nodes = 0
     convs: list[str] = []  # Conv nodes whose weight and bias are constants
     computed: list[str] = []  # ... whose weight the exporter computed by constant folding
-    for index, (where, node) in enumerate(model.nodes()):
+    for index, (where, node) in enumerate(_call_sites(model.proto)):
         if node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type == "Conv":
@@ -534,7 +601,9 @@ def read_onnx(path: str) -> Checkpoint:
         inputs = list(node.input)
         if len(inputs) < 5:
             unauditable.append(f"{node_words}: {len(inputs)} inputs instead of 5 (X, scale, B, mean, var)")
+            unauditable_layers[unauditable[-1]] = label
             continue
+        name = _layer_name(node, inputs, label)
         refs: dict[str, TensorRef] = {}
         missing: list[str] = []
         for (leaf, onnx_name), input_name in zip(_BN_INPUTS, inputs[1:5]):
@@ -548,8 +617,8 @@ def read_onnx(path: str) -> Checkpoint:
                 refs[leaf] = ref
         if missing:
             unauditable.append(f"{node_words}: {'; '.join(missing)}: not constants, cannot be audited")
+            unauditable_layers[unauditable[-1]] = name
             continue
-        name = _layer_name(node, inputs, label)
         if name in modules:
             name = f"{name}#{index}"
         if any(len(r.shape) != 1 for r in (refs["running_mean"], refs["running_var"])):
@@ -557,6 +626,7 @@ def read_onnx(path: str) -> Checkpoint:
                 f"{node_words}: statistics of shape {list(refs['running_var'].shape)} (spatial=0, per activation): "
                 "not audited"
             )
+            unauditable_layers[unauditable[-1]] = name
             continue
         attrs = _attributes(node)
         eps = _f32(attrs.get("epsilon", 1e-5))
@@ -582,6 +652,7 @@ def read_onnx(path: str) -> Checkpoint:
         holds_module=True,
         metadata={"onnx.producer": model.producer, "onnx.opset": str(model.opset) if model.opset is not None else ""},
         unauditable=unauditable,
+        unauditable_layers=unauditable_layers,
         graph=model,
     )
     if bn_nodes == 0 and convs:

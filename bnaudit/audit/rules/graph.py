@@ -85,7 +85,7 @@ def _training_mode_words(reason: str | None, source: str | None) -> str:
 def _check_not_constant(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN013"]
     for note in ctx.unauditable:
-        yield r.finding(Severity.INFO, None, note)
+        yield r.finding(Severity.INFO, ctx.unauditable_layers.get(note), note)
 
 
 @also_in("BN013", "diff")
@@ -94,7 +94,7 @@ def _check_not_constant_in_diff(ctx: DiffContext) -> Iterator[Finding]:
         return
     r = RULES["BN013"]
     for note in ctx.export.unauditable:
-        yield r.finding(Severity.INFO, None, note)
+        yield r.finding(Severity.INFO, ctx.export.unauditable_layers.get(note), note)
 
 
 @rule(

@@ -47,6 +47,7 @@ class RuleContext:
     # read), one note each, the evidence of BN folded into Conv nodes (Checkpoint.folded),
     # and of BN decomposed into elementwise arithmetic (Checkpoint.decomposed).
     unauditable: tuple[str, ...] = ()
+    unauditable_layers: Mapping[str, str] = field(default_factory=dict)  # note -> its layer, where known
     folded: str | None = None
     decomposed: str | None = None
 
