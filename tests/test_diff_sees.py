@@ -207,12 +207,12 @@ def two_blocks() -> torch.nn.Module:
     return model.eval()
 
 
-def legacy_export(model, path, **options) -> str:
+def legacy_export(model, path, size: int = 4, **options) -> str:
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, (torch.randn(1, 3, 4, 4),), str(path), dynamo=False, **options)
+        torch.onnx.export(model, (torch.randn(1, 3, size, size),), str(path), dynamo=False, **options)
     return str(path)
 
 
@@ -246,3 +246,140 @@ def test_onnx_node_with_statistics_fed_at_run_time_names_its_layer(tmp_path, cli
     doc = json.loads(cli("inspect", path, "--format", "json").stdout)
     found = [(f["code"], f["layer"]) for file in doc["files"] for f in file["findings"] if f["code"] == "BN013"]
     assert sorted(found) == [("BN013", "0.bn"), ("BN013", "1.bn")]
+
+
+# ----------------------------------------------------------------------------- diff says what it sees
+
+
+def test_export_causes_name_every_layer_or_say_how_many_more(tmp_path):
+    """Six conv-BN blocks exported in training mode: the diagnosis names three nodes and
+    says how many more, in the table and in JSON (it used to name three and stop)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Block() for _ in range(6)]).eval()
+    checkpoint = tmp_path / "model.pt"
+    torch.save(model.state_dict(), checkpoint)
+    path = legacy_export(
+        model, tmp_path / "train.onnx", do_constant_folding=False, training=torch.onnx.TrainingMode.TRAINING
+    )
+    report = diff(str(checkpoint), path)
+    assert len(report.export.nodes) == 6 and all(n.training_mode for n in report.export.nodes)
+    [line] = [line for line in report.diagnosis() if "training mode" in line]
+    assert "6 BatchNormalization node(s) run in training mode (0.bn, 1.bn, 2.bn and 3 more)" in line
+
+
+def state_with(channels: dict[str, int], seed: int) -> dict[str, torch.Tensor]:
+    from conftest import bn_entries
+
+    state: dict[str, torch.Tensor] = {}
+    for i, (name, c) in enumerate(channels.items()):
+        g = torch.Generator().manual_seed(seed * 100 + i)
+        state.update(bn_entries(name, c, mean=torch.randn(c, generator=g), var=torch.rand(c, generator=g) + 0.5))
+    return state
+
+
+def test_same_names_other_channel_counts_says_so(tmp_path):
+    """Every layer present on both sides by name, none with the same channel count: not
+    "No BN layer is present on both sides"."""
+    from conftest import save_torch
+
+    a = save_torch(state_with({"features.1": 8, "features.4": 16}, 1), tmp_path / "a.pt")
+    b = save_torch(state_with({"features.1": 12, "features.4": 24}, 2), tmp_path / "b.pt")
+    report = diff(a, b)
+    assert report.reshaped == [("features.1", 8, 12), ("features.4", 16, 24)]
+    lines = report.diagnosis()
+    assert "No BN layer is present on both sides." not in lines
+    assert any(
+        "2 layers have the same names on both sides but other channel counts (features.1: 8 -> 12, "
+        "features.4: 16 -> 24)" in line
+        for line in lines
+    ), lines
+
+
+def paddle_like_onnx(path, channels: list[int], seed: int) -> str:
+    """BN nodes named as paddle2onnx names them (`p2o.BatchNormalization.N`, tensors
+    `batch_norm_N.w_0` ...): the names say nothing about the model."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    nodes, inits, inputs, outputs = [], [], [], []
+    for i, c in enumerate(channels):
+        tensors = [
+            numpy_helper.from_array(rng.uniform(0.5, 1.5, c).astype(np.float32), f"batch_norm_{i}.w_0"),
+            numpy_helper.from_array(rng.normal(size=c).astype(np.float32), f"batch_norm_{i}.b_0"),
+            numpy_helper.from_array(rng.normal(size=c).astype(np.float32), f"batch_norm_{i}.w_1"),
+            numpy_helper.from_array(rng.uniform(0.5, 2.0, c).astype(np.float32), f"batch_norm_{i}.w_2"),
+        ]
+        inits += tensors
+        inputs.append(helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [1, c, 4, 4]))
+        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [1, c, 4, 4]))
+        nodes.append(
+            helper.make_node(
+                "BatchNormalization",
+                [f"x{i}", *(t.name for t in tensors)],
+                [f"y{i}"],
+                name=f"p2o.BatchNormalization.{i}",
+            )
+        )
+    graph = helper.make_graph(nodes, "paddle", inputs, outputs, inits)
+    onnx.save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)], producer_name="PaddlePaddle"), str(path)
+    )
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("channels_a", "channels_b", "why"),
+    [
+        ([16, 32, 64], [16, 32, 64, 96, 96, 128, 128, 256], "only 3 of 8 layers pair by name"),
+        ([16, 32, 64, 128], [16, 24, 48, 96], "3 of the 4 layers that pair by name have other channel counts"),
+    ],
+)
+def test_unrelated_models_sharing_generic_names_are_a_warning(tmp_path, channels_a, channels_b, why):
+    a = paddle_like_onnx(tmp_path / "det.onnx", channels_a, 1)
+    b = paddle_like_onnx(tmp_path / "rec.onnx", channels_b, 2)
+    report = diff(a, b)
+    [finding] = [f for f in report.findings if "different models" in f.message]
+    assert finding.code == "BN107" and finding.severity == "warning" and finding.layer is None
+    assert why in finding.message
+    assert report.exit_code() == 1
+    assert any("look like different models" in line for line in report.diagnosis())
+    assert not any("trained normally" in line for line in report.diagnosis())
+
+
+def test_a_checkpoint_and_its_fine_tuned_copy_are_not_different_models(tmp_path):
+    """The warning's other side: a fine-tuned copy with one layer added pairs fully."""
+    from conftest import save_torch
+
+    a = save_torch(state_with({"a.bn": 8, "b.bn": 8, "c.bn": 16}, 1), tmp_path / "a.pt")
+    b = save_torch(state_with({"a.bn": 8, "b.bn": 8, "c.bn": 16, "d.bn": 4}, 2), tmp_path / "b.pt")
+    assert not any("different models" in f.message for f in diff(a, b).findings)
+
+
+def test_bn014_without_checkpoint_tells_folding_from_no_bn_only_where_it_can(tmp_path):
+    """facenet's PNet (conv + PReLU, never any BN) and a conv-BN net folded by the legacy
+    exporter's constant folding: only the second shows the folding (weights the exporter
+    computed, `onnx::Conv_N`); the first says the export alone cannot tell."""
+    from bnaudit import inspect
+
+    class PNet(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1 = torch.nn.Conv2d(3, 10, 3)
+            self.prelu1 = torch.nn.PReLU(10)
+            self.conv2 = torch.nn.Conv2d(10, 16, 3)
+            self.prelu2 = torch.nn.PReLU(16)
+
+        def forward(self, x):
+            return self.prelu2(self.conv2(self.prelu1(self.conv1(x))))
+
+    pnet = legacy_export(PNet().eval(), tmp_path / "pnet.onnx", size=12)
+    folded = legacy_export(two_blocks(), tmp_path / "folded.onnx")  # constant folding on: BN folded
+
+    def bn014(path: str) -> str:
+        [finding] = [f for f in inspect(path).files[0].findings if f.code == "BN014"]
+        return finding.message
+
+    assert "cannot be told apart" in bn014(pnet)
+    assert "cannot be told apart" not in bn014(folded) and "folded" in bn014(folded)

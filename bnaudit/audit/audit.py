@@ -94,6 +94,7 @@ def audit_checkpoint(ckpt: Checkpoint, config: Config, module: ModuleFacts | Non
             unauditable=tuple(ckpt.unauditable),
             unauditable_layers=dict(ckpt.unauditable_layers),
             folded=ckpt.folded,
+            folded_ambiguous=ckpt.folded_ambiguous,
             decomposed=ckpt.decomposed,
         )
     )

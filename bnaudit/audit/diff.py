@@ -41,6 +41,7 @@ from bnaudit.audit.layerdiff import (
     LayerDiff,
     compare_layers,
     describe_group,
+    unrelated,
 )
 from bnaudit.audit.layers import BNLayer, discover_layers, not_from_file
 from bnaudit.audit.provenance import recalibration_provenance
@@ -135,6 +136,12 @@ class DiffReport:
                 f"{plural(len(by[RE_ESTIMATED]), 'layer')} ({describe_group(by[RE_ESTIMATED], every)}) had their "
                 f"statistics re-estimated{how}."
             )
+        why = None if self.export is not None else unrelated(len(self.layers), self.reshaped, self.only_a, self.only_b)
+        if why:
+            lines.append(
+                f"The two files look like different models ({why}): layers that share a generic name "
+                "are not the same layer, so their verdicts say nothing about training."
+            )
         if self.record_mismatch:
             lines.append(f"Side B: {self.record_mismatch}.")
         if any(f.code == "BN104" for f in self.findings):
@@ -158,7 +165,15 @@ class DiffReport:
             lines.append(
                 f"{plural(len(by[TRAINED]), 'layer')} trained normally (weights, statistics and counter moved)."
             )
-        if not self.layers and (self.export is None or not self.export.folded):
+        if self.reshaped and not self.layers:
+            changes = ", ".join(f"{name}: {ca} -> {cb}" for name, ca, cb in self.reshaped[:5])
+            more = f" and {len(self.reshaped) - 5} more" if len(self.reshaped) > 5 else ""
+            lines.append(
+                f"{plural(len(self.reshaped), 'layer')} {'has' if len(self.reshaped) == 1 else 'have'} the same "
+                f"{'name' if len(self.reshaped) == 1 else 'names'} on both sides but other channel counts "
+                f"({changes}{more}): replaced, not trained; nothing else is present on both sides."
+            )
+        elif not self.layers and (self.export is None or not self.export.folded):
             lines.append("No BN layer is present on both sides.")
         elif len(by[UNCHANGED]) == len(self.layers) and self.export is None:
             lines.append("Every matched layer is bit-identical on both sides.")

@@ -41,6 +41,7 @@ from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.settings import Setting, Settings
 from bnaudit.formats.model import Checkpoint, TensorRef
 from bnaudit.normkinds import NormKind, onnx_op_kind
+from bnaudit.text import listing
 
 CONV_OPS = ("Conv", "Gemm", "MatMul")
 
@@ -203,16 +204,16 @@ class ExportCheck:
         causes = []
         if training:
             causes.append(
-                f"{len(training)} {self.node_word}(s) run in training mode ({', '.join(training[:3])}): "
+                f"{len(training)} {self.node_word}(s) run in training mode ({listing(training)}): "
                 f"{'onnxruntime' if self.kind == 'an ONNX export' else 'the program'} normalises with each "
                 "batch's own statistics"
             )
         if eps:
-            causes.append(f"{self.node_word}s with another eps: {', '.join(eps[:3])}")
+            causes.append(f"{self.node_word}s with another eps: {listing(eps)}")
         if stats:
-            causes.append(f"{self.node_word}s whose tensors differ from the checkpoint's: {', '.join(stats[:3])}")
+            causes.append(f"{self.node_word}s whose tensors differ from the checkpoint's: {listing(stats)}")
         if folded:
-            causes.append(f"layers folded with other statistics or eps: {', '.join(folded[:3])}")
+            causes.append(f"layers folded with other statistics or eps: {listing(folded)}")
         return causes
 
 

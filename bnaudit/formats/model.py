@@ -176,6 +176,9 @@ class Checkpoint:
     # note -> the layer it is about, where the reader knows it (its findings name the layer)
     unauditable_layers: dict[str, str] = field(default_factory=dict)
     folded: str | None = None
+    # True when `folded` rests on convolutions with constant weights and bias alone, which a
+    # network that never had BN shows as well (no weight the exporter computed)
+    folded_ambiguous: bool = False
     # torch.export programs (formats/pt2.py): what says BN was decomposed into elementwise
     # arithmetic (no batch-norm node left), else None; and notes on the program's nodes
     # (a cuDNN node: exported on a GPU), printed with the report.

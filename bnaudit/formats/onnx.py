@@ -655,10 +655,13 @@ def read_onnx(path: str) -> Checkpoint:
         unauditable_layers=unauditable_layers,
         graph=model,
     )
-    if bn_nodes == 0 and convs:
-        ckpt.folded = f"no BatchNormalization node; {_conv_list(convs)} with constant weights and bias"
-    elif computed:
+    if computed:
         ckpt.folded = f"{_conv_list(computed)} with weights computed by the exporter's constant folding (onnx::Conv_*)"
+        if bn_nodes == 0:
+            ckpt.folded = f"no BatchNormalization node; {ckpt.folded}"
+    elif bn_nodes == 0 and convs:
+        ckpt.folded = f"no BatchNormalization node; {_conv_list(convs)} with constant weights and bias"
+        ckpt.folded_ambiguous = True
     return ckpt
 
 

@@ -7,7 +7,7 @@ import fnmatch
 from collections.abc import Iterator
 
 from bnaudit.audit import layerdiff
-from bnaudit.audit.layerdiff import DiffContext, LayerDiff, describe_group, matches
+from bnaudit.audit.layerdiff import DiffContext, LayerDiff, describe_group, matches, unrelated
 from bnaudit.audit.rules.registry import RULES, Finding, rule, three_digits
 from bnaudit.audit.settings import assumed_note, provenance_words
 from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO
@@ -244,17 +244,28 @@ def _check_settings_changed(ctx: DiffContext) -> Iterator[Finding]:
     "BN107",
     "layers-changed",
     (Severity.WARNING, Severity.INFO),
-    "A layer's channel count changed (warning), or layers exist on one side only (info).",
+    "A layer's channel count changed or the two files look like different models (warning), or "
+    "layers exist on one side only (info).",
     "Layers are matched by name after each side's wrapper prefix (module., _orig_mod., model.) is "
     "stripped. A layer whose channel count changed was replaced, not trained: its statistics "
     "cannot be compared. Layers on one side only were added, removed or renamed; a rename "
-    "hides what happened to them.",
+    "hides what happened to them. Generic names (`p2o.BatchNormalization.0` in every "
+    "paddle2onnx export, `bn1`) pair layers of models that have nothing in common: when fewer "
+    "than half of all layer names pair, or most pairs disagree in channel count, the two files "
+    "look like different models (warning) and their verdicts compare unrelated layers.",
     "Nothing to fix when the architecture changed on purpose; otherwise check the key names "
     "(--key-a / --key-b choose the state dicts of a container).",
     command="diff",
 )
 def _check_layers_changed(ctx: DiffContext) -> Iterator[Finding]:
     r = RULES["BN107"]
+    why = None if ctx.export is not None else unrelated(len(ctx.layers), ctx.reshaped, ctx.only_a, ctx.only_b)
+    if why:
+        yield r.finding(
+            Severity.WARNING,
+            None,
+            f"the two files look like different models: {why}; the layers that share a name are compared anyway",
+        )
     for name, ca, cb in ctx.reshaped:
         yield r.finding(Severity.WARNING, name, f"channel count changed from {ca} to {cb}: the layer was replaced")
     for side, names in (("A", ctx.only_a), ("B", ctx.only_b)):

@@ -49,6 +49,7 @@ class RuleContext:
     unauditable: tuple[str, ...] = ()
     unauditable_layers: Mapping[str, str] = field(default_factory=dict)  # note -> its layer, where known
     folded: str | None = None
+    folded_ambiguous: bool = False  # Checkpoint.folded_ambiguous: a net without BN looks the same
     decomposed: str | None = None
 
 
