@@ -383,3 +383,129 @@ def test_bn014_without_checkpoint_tells_folding_from_no_bn_only_where_it_can(tmp
 
     assert "cannot be told apart" in bn014(pnet)
     assert "cannot be told apart" not in bn014(folded) and "folded" in bn014(folded)
+
+
+# ----------------------------------------------------------------------------- output volume and -q
+
+
+class BasicBlock(torch.nn.Module):
+    """torchvision's BasicBlock, its module names kept (conv1/bn1/conv2/bn2/downsample)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(cout)
+        self.conv2 = torch.nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = torch.nn.Sequential(
+                torch.nn.Conv2d(cin, cout, 1, stride, bias=False), torch.nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x):
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet18(torch.nn.Module):
+    """torchvision's resnet18 layout (20 BN layers under the same names), narrower."""
+
+    def __init__(self, widths=(8, 16, 32, 64), classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, widths[0], 7, 2, 3, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(widths[0])
+        cin = widths[0]
+        for i, w in enumerate(widths):
+            stride = 1 if i == 0 else 2
+            self.add_module(f"layer{i + 1}", torch.nn.Sequential(BasicBlock(cin, w, stride), BasicBlock(w, w, 1)))
+            cin = w
+        self.fc = torch.nn.Linear(cin, classes)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        for i in range(4):
+            x = getattr(self, f"layer{i + 1}")(x)
+        return self.fc(x.mean((2, 3)))
+
+
+@pytest.fixture(scope="module")
+def resnet_freeze_bug(tmp_path_factory):
+    """pretrained -> fine-tuned with the backbone frozen by requires_grad only (train() on
+    every step): all 20 BN layers updated their statistics while their weights stayed."""
+    folder = tmp_path_factory.mktemp("resnet")
+    torch.manual_seed(0)
+    model = ResNet18()
+    g = torch.Generator().manual_seed(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(3):  # "pretraining"
+        x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    a = folder / "pretrained.pt"
+    torch.save(model.state_dict(), a)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("fc."))
+    opt = torch.optim.SGD(model.fc.parameters(), lr=0.05)
+    for _ in range(4):
+        model.train()
+        x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    b = folder / "finetuned.pt"
+    torch.save(model.state_dict(), b)
+    bn_names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    return str(a), str(b), bn_names
+
+
+def test_freeze_bug_on_resnet18_collapses_into_one_finding_row(resnet_freeze_bug, cli):
+    a, b, bn_names = resnet_freeze_bug
+    assert len(bn_names) == 20
+    report = diff(a, b)
+    assert sorted(f.layer for f in report.findings if f.code == "BN101") == sorted(bn_names)
+    result = cli("diff", a, b, "--isolated", width=120)
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    rows = [line for line in lines if line.startswith("BN101")]
+    assert len(rows) == 1 and "20 layers (bn1," in rows[0]
+    # 20 table rows, one finding row and the summary: nowhere near 20 four-line findings
+    assert len(lines) < 50, result.stdout
+
+
+def test_diff_quiet_prints_one_greppable_line_per_finding(resnet_freeze_bug, cli):
+    a, b, bn_names = resnet_freeze_bug
+    result = cli("diff", a, b, "--isolated", "-q", width=80)
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert len(lines) == 21, result.stdout  # 20 findings and the summary line
+    for line, name in zip(lines, bn_names):
+        assert line.startswith(f"{b}: {name}: BN101 frozen-but-updating: weight and bias bit-identical")
+    assert lines[-1] == "20 matched BN layers: 0 errors, 20 warnings, 0 infos"
+
+
+def test_diff_quiet_says_the_output_comparison_in_one_line_when_it_passes(cli):
+    args = [
+        "diff",
+        os.path.join(SAMPLES, "healthy.pt"),
+        os.path.join(SAMPLES, "onnx", "folded.onnx"),
+        "--arch",
+        ARCH,
+        "--data",
+        os.path.join(SAMPLES, "data", "digits_val.safetensors"),
+        "--num-samples",
+        "64",
+        "--isolated",
+        "-q",
+    ]
+    result = cli(*args, width=80)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2, result.stdout
+    assert lines[0].startswith(
+        f"{os.path.join(SAMPLES, 'onnx', 'folded.onnx')}: outputs (torch eval vs onnxruntime CPU)"
+    )
+    assert "on 64 samples" in lines[0] and lines[0].endswith("outputs agree within float32 rounding")
+    assert lines[1] == "0 matched BN layers, 3 folded layers: 0 errors, 0 warnings, 0 infos"
