@@ -509,3 +509,54 @@ def test_diff_quiet_says_the_output_comparison_in_one_line_when_it_passes(cli):
     )
     assert "on 64 samples" in lines[0] and lines[0].endswith("outputs agree within float32 rounding")
     assert lines[1] == "0 matched BN layers, 3 folded layers: 0 errors, 0 warnings, 0 infos"
+
+
+# ----------------------------------------------------------------------------- say what was measured
+
+
+@pytest.fixture(scope="module")
+def timm_checkpoint(tmp_path_factory):
+    """What timm's CheckpointSaver writes with ModelEmaV3: the live weights under
+    `state_dict`, the EMA copy under `state_dict_ema` (here with statistics that differ)."""
+    folder = tmp_path_factory.mktemp("timm")
+    live = torch.load(os.path.join(SAMPLES, "healthy.pt"), weights_only=True)
+    ema = {k: (v * 0.9 if k.endswith("running_mean") else v.clone()) for k, v in live.items()}
+    path = folder / "last.pth.tar"
+    torch.save({"epoch": 9, "arch": "digits_net", "state_dict": live, "version": 2, "state_dict_ema": ema}, path)
+    return str(path)
+
+
+def test_gap_names_the_state_dict_it_measured(timm_checkpoint, cli):
+    common = [
+        "gap",
+        timm_checkpoint,
+        "--arch",
+        ARCH,
+        "--data",
+        os.path.join(SAMPLES, "data", "digits_val.safetensors"),
+        "--num-samples",
+        "64",
+        "--isolated",
+    ]
+    live = json.loads(cli(*common, "--format", "json").stdout)
+    ema = json.loads(cli(*common, "--key", "state_dict_ema", "--format", "json").stdout)
+    assert live["key"] == "state_dict" and ema["key"] == "state_dict_ema"
+    assert live["prefix"] is None
+    first_live = cli(*common, width=200).stdout.splitlines()[0]
+    first_ema = cli(*common, "--key", "state_dict_ema", width=200).stdout.splitlines()[0]
+    assert "key 'state_dict'" in first_live and "key 'state_dict_ema'" in first_ema
+
+
+def test_every_command_names_key_and_prefix_the_same_way(tmp_path, cli):
+    """A DDP container: inspect, diff and gap say `key 'model', prefix 'module.' stripped`."""
+    state = torch.load(os.path.join(SAMPLES, "healthy.pt"), weights_only=True)
+    path = tmp_path / "ddp.pt"
+    torch.save({"model": {f"module.{k}": v for k, v in state.items()}, "epoch": 3}, path)
+    words = "key 'model', prefix 'module.' stripped"
+    assert words in cli("inspect", str(path), "--isolated", width=200).stdout
+    assert words in cli("diff", str(path), str(path), "--isolated", width=200).stdout.splitlines()[0]
+    gap = cli(
+        "gap", str(path), "--arch", ARCH, "--data", os.path.join(SAMPLES, "data", "digits_val.safetensors"),
+        "--num-samples", "32", "--isolated", width=200,
+    )  # fmt: skip
+    assert words in gap.stdout.splitlines()[0], gap.stdout

@@ -116,6 +116,8 @@ def gap_to_json(report: GapReport) -> dict[str, Any]:
     return {
         "version": __version__,
         "checkpoint": report.checkpoint,
+        "key": report.key,
+        "prefix": report.prefix or None,
         "model": report.model,
         "data": report.data,
         "samples": report.samples,
@@ -163,6 +165,8 @@ def invariance_to_json(report: InvarianceReport) -> dict[str, Any]:
     return {
         "version": __version__,
         "checkpoint": report.checkpoint,
+        "key": report.key,
+        "prefix": report.prefix or None,
         "model": report.model,
         "data": report.data,
         "samples": report.samples,
@@ -297,6 +301,7 @@ def recalibrate_to_json(report: RecalibrationReport) -> dict[str, Any]:
         "output": report.output,
         "format": report.format,
         "key": report.key,
+        "prefix": report.prefix or None,
         "model": report.model,
         "data": report.data,
         "method": report.method,

@@ -7,7 +7,16 @@ from typing import TYPE_CHECKING
 
 from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO
 from bnaudit.output.grid import SEVERITY_STYLE
-from bnaudit.output.table.common import bordered, cell, diagnosis_bullets, findings_table, fit_width, g3, indented
+from bnaudit.output.table.common import (
+    bordered,
+    cell,
+    diagnosis_bullets,
+    findings_table,
+    fit_width,
+    g3,
+    indented,
+    source_words,
+)
 from bnaudit.text import above_floor, plural, printable
 
 if TYPE_CHECKING:
@@ -125,10 +134,7 @@ def _sides(report: DiffReport, console: Console) -> None:
     """The two files, the settings and provenance notes, how an export was matched."""
     for label, side in (("A", report.a), ("B", report.b)):
         title = cell(f"{label}: {side.path}", style="bold")
-        where = f"{side.format}" + (f", key '{side.key}'" if side.key else "")
-        if side.prefix:
-            where += f", prefix '{side.prefix}' stripped"
-        where += f", {plural(side.layers, 'BN layer')}"
+        where = f"{source_words(side.format, side.key, side.prefix)}, {plural(side.layers, 'BN layer')}"
         title.append(printable(f"  ({where})"), style="dim")
         console.print(title)
     averaged = [(label, side.averaging) for label, side in (("A", report.a), ("B", report.b)) if side.averaging]
