@@ -14,6 +14,7 @@ from conftest import SAMPLES, save_safetensors
 from bnaudit.audit.diff import diff
 
 sys.path.insert(0, SAMPLES)
+from digits_net import digits_net
 
 ARCH = os.path.join(SAMPLES, "digits_net.py") + ":digits_net"
 CALIB = os.path.join(SAMPLES, "data", "digits_calib.safetensors")
@@ -560,3 +561,29 @@ def test_every_command_names_key_and_prefix_the_same_way(tmp_path, cli):
         "--num-samples", "32", "--isolated", width=200,
     )  # fmt: skip
     assert words in gap.stdout.splitlines()[0], gap.stdout
+
+
+def test_linear_after_the_last_bn_is_not_called_folded(tmp_path):
+    """The live checkpoint against an export of its EMA copy (timm's ModelEmaV3 weights
+    exported with the legacy exporter's defaults: convs folded, BN1d kept): the classifier
+    after the last BN differs from the live one, but nothing was folded into it."""
+    live = torch.load(os.path.join(SAMPLES, "healthy.pt"), weights_only=True)
+    model = digits_net()
+    model.load_state_dict(live)
+    other = digits_net()  # the EMA copy: decay 0.99 towards weights trained from another start
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), other.parameters()):
+            p.mul_(0.99).add_(q, alpha=0.01)
+    model.eval()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.rand(1, 1, 8, 8),), str(tmp_path / "ema.onnx"), dynamo=False)
+    report = diff(os.path.join(SAMPLES, "healthy.pt"), str(tmp_path / "ema.onnx"))
+    about_fc = [f for f in report.findings if f.code == "BN113" and ("head.5" in f.message or "Gemm" in f.message)]
+    assert about_fc, [f.message for f in report.findings]
+    for f in about_fc:
+        assert "folded from a BN" not in f.message
+        assert "no BatchNorm" in f.message or "no BN" in f.message
+    assert not any("folded from a BN" in f.message and "Gemm" in f.message for f in report.findings)

@@ -277,7 +277,7 @@ def _diff_export(
         from bnaudit.formats.onnx import load_onnx
 
         model = exp.graph if exp.graph is not None else load_onnx(exp.path)
-        folded, unpaired, kept_elsewhere, how = fold_checks(ref, left_ref, model, producers)
+        folded, unpaired, kept_elsewhere, how = fold_checks(ref, left_ref, model, producers, layers_ref)
     unpaired_names = {u.name for u in unpaired}
     candidates = [layer for layer in left_ref if layer in kept_elsewhere or layer.name in unpaired_names]
     by_order, _, left_exp = match_by_order(candidates, left_exp)
