@@ -37,6 +37,7 @@ from typing import Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, ModuleInfo, TensorRef, decode_values, read_into
+from bnaudit.formats.onnxgraph import all_graphs, call_sites, with_function_nodes
 from bnaudit.normkinds import NormKind, onnx_op
 from bnaudit.text import exception_line, listing, plural
 
@@ -63,7 +64,6 @@ _ONNX_DTYPES = {
 }
 _ITEMSIZE = {**STORAGE_ITEMSIZE, "uint16": 2, "uint32": 4, "uint64": 8}
 _EXTERNAL = 1  # TensorProto.DataLocation.EXTERNAL
-_GRAPH, _GRAPHS = 5, 10  # AttributeProto.AttributeType
 
 # BatchNormalization's inputs after X, under the names of the PyTorch tensors they hold
 _BN_INPUTS = (("weight", "scale"), ("bias", "B"), ("running_mean", "input_mean"), ("running_var", "input_var"))
@@ -99,35 +99,7 @@ class OnnxModel:
         return None if make is None else make()
 
     def nodes(self) -> Iterator[tuple[str, Any]]:
-        yield from _with_function_nodes(self.proto)
-
-
-def _walk_graph(graph: Any, where: str) -> Iterator[tuple[str, Any]]:
-    for node in graph.node:
-        yield where, node
-        yield from _subgraph_nodes(node, where)
-
-
-def _subgraph_nodes(node: Any, where: str) -> Iterator[tuple[str, Any]]:
-    for sub_where, sub in _subgraphs(node, where):
-        yield from _walk_graph(sub, sub_where)
-
-
-def _subgraphs(node: Any, where: str) -> Iterator[tuple[str, Any]]:
-    label = node.name or node.op_type
-    for attr in node.attribute:
-        if attr.type == _GRAPH:
-            yield f"{where}/{label}.{attr.name}", attr.g
-        elif attr.type == _GRAPHS:
-            for i, g in enumerate(attr.graphs):
-                yield f"{where}/{label}.{attr.name}[{i}]", g
-
-
-def _all_graphs(graph: Any, where: str = "main") -> Iterator[tuple[str, Any]]:
-    yield where, graph
-    for node in graph.node:
-        for sub_where, sub in _subgraphs(node, where):
-            yield from _all_graphs(sub, sub_where)
+        yield from with_function_nodes(self.proto)
 
 
 def load_onnx(path: str) -> OnnxModel:
@@ -141,10 +113,10 @@ def load_onnx(path: str) -> OnnxModel:
     folder = os.path.dirname(os.path.abspath(path))
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
     constants: dict[str, Callable[[], TensorRef]] = {}
-    for _where, graph in _all_graphs(proto.graph):
+    for _where, graph in all_graphs(proto.graph):
         for tensor in graph.initializer:
             _add_constant(constants, path, folder, tensor.name, tensor)
-    for _where, node in _with_function_nodes(proto):
+    for _where, node in with_function_nodes(proto):
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.output) == 1:
             _add_constant_node(constants, path, folder, node)
     producer = " ".join(p for p in (proto.producer_name, proto.producer_version) if p)
@@ -173,81 +145,6 @@ def _parse(path: str) -> Any:
     if not proto.HasField("graph"):
         raise BnauditError(f"{path}: malformed ONNX model (no graph)")
     return proto
-
-
-def _with_function_nodes(proto: Any) -> Iterator[tuple[str, Any]]:
-    yield from _walk_graph(proto.graph, "main")
-    for function in proto.functions:
-        where = f"function:{function.name}"
-        for node in function.node:
-            yield where, node
-            yield from _subgraph_nodes(node, where)
-
-
-@dataclass(frozen=True)
-class _CallSite:
-    """A node of a local function's body as one call instantiates it: the function's formal
-    inputs and outputs renamed to the call's, attributes that refer to the function's own
-    (`ref_attr_name`) replaced by the call's values, the label prefixed by the call's."""
-
-    name: str
-    op_type: str
-    domain: str
-    input: list[str]
-    output: list[str]
-    attribute: list[Any]
-
-
-def _call_sites(proto: Any) -> Iterator[tuple[str, Any]]:
-    """(graph path, node) of every node as it runs: the main graph and its subgraphs, where
-    a call of a local function stands for its body once per call (a BatchNorm2d function
-    called twice is two BN nodes, each with the initializers its call passes), then the
-    bodies of functions no graph calls, as written."""
-    functions = {(f.domain, f.name): f for f in proto.functions}
-    called: set[tuple[str, str]] = set()
-
-    def expand(where: str, node: Any, depth: int) -> Iterator[tuple[str, Any]]:
-        function = functions.get((node.domain, node.op_type))
-        if function is None or depth > 16:  # deeper nesting than exporters write: the call stays a node
-            yield where, node
-            return
-        called.add((node.domain, node.op_type))
-        renames = {**dict(zip(function.input, node.input)), **dict(zip(function.output, node.output))}
-        given = {a.name: a for a in node.attribute}
-        label = node.name or node.op_type
-        for inner in function.node:
-            site = _CallSite(
-                f"{label}/{inner.name or inner.op_type}",
-                inner.op_type,
-                inner.domain,
-                [renames.get(n, n) for n in inner.input],
-                [renames.get(n, n) for n in inner.output],
-                _bound_attributes(inner, given),
-            )
-            yield from expand(f"function:{function.name}", site, depth + 1)
-
-    for where, node in _walk_graph(proto.graph, "main"):
-        yield from expand(where, node, 0)
-    for key, function in functions.items():
-        if key not in called:
-            where = f"function:{function.name}"
-            for node in function.node:
-                yield where, node
-                yield from _subgraph_nodes(node, where)
-
-
-def _bound_attributes(node: Any, given: dict[str, Any]) -> list[Any]:
-    out = []
-    for attr in node.attribute:
-        if not attr.ref_attr_name:
-            out.append(attr)
-        elif attr.ref_attr_name in given:
-            bound = type(attr)()
-            bound.CopyFrom(given[attr.ref_attr_name])
-            bound.name = attr.name
-            out.append(bound)
-        # a reference the call does not set: the operator's default applies, as at run time
-    return out
 
 
 def _add_constant(
@@ -423,9 +320,9 @@ def external_data_files(path: str) -> set[str]:
     folder = os.path.dirname(os.path.abspath(path))
     found: set[str] = set()
     tensors: list[Any] = []
-    for _where, graph in _all_graphs(proto.graph):
+    for _where, graph in all_graphs(proto.graph):
         tensors += graph.initializer
-    for _where, node in _with_function_nodes(proto):
+    for _where, node in with_function_nodes(proto):
         tensors += [a.t for a in node.attribute if a.HasField("t")]
     for tensor in tensors:
         if tensor.data_location == _EXTERNAL:
@@ -520,7 +417,7 @@ def _resolve(name: str, identities: dict[str, str]) -> str:
 
 def _graph_inputs(model: OnnxModel) -> set[str]:
     names: set[str] = set()
-    for _where, graph in _all_graphs(model.proto.graph):
+    for _where, graph in all_graphs(model.proto.graph):
         names |= {i.name for i in graph.input}
     for function in model.proto.functions:
         names |= set(function.input)
@@ -574,7 +471,7 @@ def read_onnx(path: str) -> Checkpoint:
     bn_nodes = 0
     convs: list[str] = []  # Conv nodes whose weight and bias are constants
     computed: list[str] = []  # ... whose weight the exporter computed by constant folding
-    for index, (where, node) in enumerate(_call_sites(model.proto)):
+    for index, (where, node) in enumerate(call_sites(model.proto)):
         if node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type == "Conv":
