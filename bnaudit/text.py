@@ -10,9 +10,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-# C0/C1 controls, DEL, the bidi overrides that can reorder what a reader sees, and lone
-# surrogates (bytes of a non-UTF-8 file name, which a UTF-8 stdout refuses to encode).
-_UNPRINTABLE = "[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+# C0/C1 controls, DEL, the bidi controls that can reorder what a reader sees (marks
+# U+200E/F and U+061C, embeddings and overrides U+202A-E, isolates U+2066-9), the line
+# and paragraph separators a terminal may break on, and lone surrogates (bytes of a
+# non-UTF-8 file name, which a UTF-8 stdout refuses to encode).
+_UNPRINTABLE = "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
 _ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 

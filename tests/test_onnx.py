@@ -393,7 +393,7 @@ def test_statistics_fed_by_a_graph_input_cannot_be_audited(exports, tmp_path):
 
     path = edited(exports["legacy-kept"], tmp_path / "fed.onnx", as_input)
     report = inspect(str(path))
-    assert codes(report) == [("BN013", None)]
+    assert codes(report) == [("BN013", "features.1")]  # the layer named in its field, not only the message
     message = report.files[0].findings[0].message
     assert "input_mean 'features.1.running_mean' is a graph input" in message
     assert sorted(layer.name for layer in report.files[0].layers) == ["features.4", "head.2"]

@@ -115,8 +115,9 @@ def test_an_error_that_quotes_the_name_is_one_inert_line(tmp_path, fmt):
     torch.save(model.eval(), tmp_path / "m.pt")
     result = run("gap", str(tmp_path / "m.pt"), "--data", VAL, "--num-samples", "16", "--format", fmt)
     assert result.exit_code == 2
-    if fmt == "json":  # said once: in the document
-        assert result.stderr == "" and SHOWN in json.loads(result.stdout)["error"]
+    if fmt == "json":  # said once: in the document, the name exact (JSON's own escapes keep stdout inert)
+        assert result.stderr == "" and EVIL in json.loads(result.stdout)["error"]
+        assert "\x1b" not in result.stdout and "\x07" not in result.stdout
         return
     (line,) = result.stderr.splitlines()
     assert line.startswith("bnaudit: error: ") and SHOWN in line

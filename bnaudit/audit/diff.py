@@ -41,8 +41,10 @@ from bnaudit.audit.layerdiff import (
     LayerDiff,
     compare_layers,
     describe_group,
+    unrelated,
 )
 from bnaudit.audit.layers import BNLayer, discover_layers, not_from_file
+from bnaudit.audit.provenance import recalibration_provenance
 from bnaudit.audit.resolve import read_model_checkpoint
 from bnaudit.audit.rules import Finding, run_diff_rules
 from bnaudit.audit.settings import OPTIONS, statement
@@ -50,7 +52,7 @@ from bnaudit.config import SEVERITIES, Config, exit_code_for
 from bnaudit.errors import BnauditError
 from bnaudit.formats.containers import averaged_model_record
 from bnaudit.formats.ema import copy_words
-from bnaudit.formats.model import Averaging, Checkpoint, recalibration_record
+from bnaudit.formats.model import Averaging, Checkpoint
 from bnaudit.severity import Severity
 from bnaudit.text import plural
 
@@ -79,7 +81,9 @@ class DiffReport:
     reshaped: list[tuple[str, int, int]] = field(default_factory=list)  # name, C on A, C on B
     findings: list[Finding] = field(default_factory=list)
     settings: str = ""  # the eps / momentum not read from a file: given or assumed (audit.settings.statement)
-    provenance: str = ""  # bnaudit's recalibration record of side B, in words
+    provenance: str = ""  # who re-estimated side B's verified layers (audit.provenance), in words
+    # side B's record names layers whose statistics it does not match (audit.provenance)
+    record_mismatch: str = ""
     # set when one side is an ONNX export of the other (bnaudit.audit.exportdiff)
     export: ExportCheck | None = None
 
@@ -133,6 +137,14 @@ class DiffReport:
                 f"{plural(len(by[RE_ESTIMATED]), 'layer')} ({describe_group(by[RE_ESTIMATED], every)}) had their "
                 f"statistics re-estimated{how}."
             )
+        why = None if self.export is not None else unrelated(len(self.layers), self.reshaped, self.only_a, self.only_b)
+        if why:
+            lines.append(
+                f"The two files look like different models ({why}): layers that share a generic name "
+                "are not the same layer, so their verdicts say nothing about training."
+            )
+        if self.record_mismatch:
+            lines.append(f"Side B: {self.record_mismatch}.")
         if any(f.code == "BN104" for f in self.findings):
             lines.append(
                 "Some layers counted more batches than others during the same run: see BN104 "
@@ -157,7 +169,15 @@ class DiffReport:
             lines.append(
                 f"{plural(len(by[TRAINED]), 'layer')} trained normally (weights, statistics and counter moved)."
             )
-        if not self.layers and (self.export is None or not self.export.folded):
+        if self.reshaped and not self.layers:
+            changes = ", ".join(f"{name}: {ca} -> {cb}" for name, ca, cb in self.reshaped[:5])
+            more = f" and {len(self.reshaped) - 5} more" if len(self.reshaped) > 5 else ""
+            lines.append(
+                f"{plural(len(self.reshaped), 'layer')} {'has' if len(self.reshaped) == 1 else 'have'} the same "
+                f"{'name' if len(self.reshaped) == 1 else 'names'} on both sides but other channel counts "
+                f"({changes}{more}): replaced, not trained; nothing else is present on both sides."
+            )
+        elif not self.layers and (self.export is None or not self.export.folded):
             lines.append("No BN layer is present on both sides.")
         elif len(by[UNCHANGED]) == len(self.layers) and self.export is None:
             lines.append("Every matched layer is bit-identical on both sides.")
@@ -193,17 +213,6 @@ def _buffers_decided(report: DiffReport) -> DiffReport:
     return report
 
 
-def _recalibration(ckpt: Checkpoint) -> tuple[frozenset[str], str]:
-    record = recalibration_record(ckpt.metadata)
-    names = record.get("recalibrated_layers") if record else None
-    if record is None or not isinstance(names, list):
-        return frozenset(), ""
-    described = (
-        f"bnaudit recalibrate (method {record.get('method')}, {record.get('samples')} samples, {record.get('date')})"
-    )
-    return frozenset(n for n in names if isinstance(n, str)), described
-
-
 def diff_checkpoints(
     a: Checkpoint,
     b: Checkpoint,
@@ -222,8 +231,10 @@ def diff_checkpoints(
     layers_b = discover_layers(b, config.stated_settings()).layers
     by_name_b = {layer.name: layer for layer in layers_b}
     names_a = {layer.name for layer in layers_a}
-    recalibrated, provenance = _recalibration(b)
-    report = DiffReport(_side(a, layers_a), _side(b, layers_b), config, provenance=provenance)
+    record = recalibration_provenance(b)  # verified against B's statistics, as inspect does
+    recalibrated = record.layers
+    report = DiffReport(_side(a, layers_a), _side(b, layers_b), config, provenance=record.source)
+    report.record_mismatch = record.mismatch
     counters_meaningful = not (a.is_ema or b.is_ema)  # an EMA copy's counter counts nothing
     for la in layers_a:
         lb = by_name_b.get(la.name)
@@ -254,7 +265,7 @@ def diff_checkpoints(
         report.only_a,
         report.only_b,
         report.reshaped,
-        provenance=provenance,
+        provenance=record.source,
         averaged_pairs=averaged_pairs,
         averaged_kind=averaged_kind,
     )
@@ -289,7 +300,7 @@ def _diff_export(
         from bnaudit.formats.onnx import load_onnx
 
         model = exp.graph if exp.graph is not None else load_onnx(exp.path)
-        folded, unpaired, kept_elsewhere, how = fold_checks(ref, left_ref, model, producers)
+        folded, unpaired, kept_elsewhere, how = fold_checks(ref, left_ref, model, producers, layers_ref)
     unpaired_names = {u.name for u in unpaired}
     candidates = [layer for layer in left_ref if layer in kept_elsewhere or layer.name in unpaired_names]
     by_order, _, left_exp = match_by_order(candidates, left_exp)
@@ -312,6 +323,7 @@ def _diff_export(
         folded=folded,
         unpaired=unpaired,
         unauditable=list(getattr(exp, "unauditable", [])),
+        unauditable_layers=dict(exp.unauditable_layers),
         parity=parity,
     )
     diffs = []

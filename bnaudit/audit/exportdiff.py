@@ -41,6 +41,7 @@ from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.settings import Setting, Settings
 from bnaudit.formats.model import Checkpoint, TensorRef
 from bnaudit.normkinds import NormKind, onnx_op_kind
+from bnaudit.text import listing
 
 CONV_OPS = ("Conv", "Gemm", "MatMul")
 
@@ -177,6 +178,7 @@ class ExportCheck:
     folded: list[FoldedLayer] = field(default_factory=list)
     unpaired: list[Unpaired] = field(default_factory=list)
     unauditable: list[str] = field(default_factory=list)
+    unauditable_layers: dict[str, str] = field(default_factory=dict)  # note -> its layer, where known
     parity: ParityResult | None = None
     kind: str = "an ONNX export"  # the export in words: "an ONNX export", "a torch.export program"
 
@@ -202,16 +204,16 @@ class ExportCheck:
         causes = []
         if training:
             causes.append(
-                f"{len(training)} {self.node_word}(s) run in training mode ({', '.join(training[:3])}): "
+                f"{len(training)} {self.node_word}(s) run in training mode ({listing(training)}): "
                 f"{'onnxruntime' if self.kind == 'an ONNX export' else 'the program'} normalises with each "
                 "batch's own statistics"
             )
         if eps:
-            causes.append(f"{self.node_word}s with another eps: {', '.join(eps[:3])}")
+            causes.append(f"{self.node_word}s with another eps: {listing(eps)}")
         if stats:
-            causes.append(f"{self.node_word}s whose tensors differ from the checkpoint's: {', '.join(stats[:3])}")
+            causes.append(f"{self.node_word}s whose tensors differ from the checkpoint's: {listing(stats)}")
         if folded:
-            causes.append(f"layers folded with other statistics or eps: {', '.join(folded[:3])}")
+            causes.append(f"layers folded with other statistics or eps: {listing(folded)}")
         return causes
 
 
@@ -505,13 +507,16 @@ def fold_checks(
     layers: list[BNLayer],
     model: Any,
     producers: Mapping[str, str] | None = None,
+    every_layer: list[BNLayer] | None = None,
 ) -> tuple[list[FoldedLayer], list[Unpaired], list[BNLayer], str]:
     """Verify the folding of checkpoint BN `layers` that have no node in the export.
 
     `producers` (BN layer -> conv module name, from the model graph with --arch) replaces
     the key-order guess. Returns the folded layers, the layers and export convs that could
     not be paired (with why), the layers whose conv still feeds a BatchNormalization node
-    in the export (a renamed node, left for matching by order), and how pairing was done."""
+    in the export (a renamed node, left for matching by order), and how pairing was done.
+    `every_layer`: all the checkpoint's BN layers (default `layers`), whose convs are the
+    only ones a BN can have been folded into."""
     how_conv = "the model graph (--arch)" if producers is not None else "checkpoint key order and channel counts"
     feeding = dict(producers) if producers is not None else checkpoint_producers(ckpt, layers)
     nodes = conv_nodes(model)
@@ -542,7 +547,11 @@ def fold_checks(
             continue
         folded.append(_fold(ckpt, layer, conv, node, f"conv by {how_conv}, its node by {how_node}"))
     used = {paired[c][0].name for c in paired}
-    unpaired.extend(_unexplained_nodes(ckpt, [n for n in nodes if n.name not in used and not n.feeds_batchnorm]))
+    every = every_layer if every_layer is not None else layers
+    all_feeding = dict(producers) if producers is not None else checkpoint_producers(ckpt, every)
+    folds_into = {conv + ".weight" for conv in all_feeding.values()}
+    left = [n for n in nodes if n.name not in used and not n.feeds_batchnorm]
+    unpaired.extend(_unexplained_nodes(ckpt, left, folds_into))
     return folded, unpaired, kept_elsewhere, how_conv
 
 
@@ -582,24 +591,36 @@ def _fold(ckpt: Checkpoint, layer: BNLayer, conv: str, node: ConvNode, pairing: 
     return FoldedLayer(layer.name, conv, node.name, pairing, layer.settings.eps, check, fits)
 
 
-def _unexplained_nodes(ckpt: Checkpoint, nodes: list[ConvNode]) -> Iterator[Unpaired]:
+def _unexplained_nodes(ckpt: Checkpoint, nodes: list[ConvNode], folds_into: set[str]) -> Iterator[Unpaired]:
     """Export convs paired with no folded layer whose weight is not a checkpoint weight
-    (same name or shape, equal beyond float32 rounding): folded from something the
-    checkpoint does not hold."""
-    by_shape: dict[tuple[int, ...], list[TensorRef]] = {}
+    (same shape, equal beyond float32 rounding). Folded from a BN the checkpoint does not
+    pair only where a checkpoint weight of that shape feeds a BN (`folds_into`: the
+    weights of the convs that feed the checkpoint's BN layers); a layer no BN follows (a
+    classifier after the last BN) has nothing folded into it: its weights simply differ
+    (an export of other weights, such as the EMA copy of a live checkpoint)."""
+    by_shape: dict[tuple[int, ...], list[tuple[str, TensorRef]]] = {}
     for key, ref in ckpt.tensors.items():
         if key.endswith("weight") and len(ref.shape) >= 2:
-            by_shape.setdefault(ref.shape, []).append(ref)
+            by_shape.setdefault(ref.shape, []).append((key, ref))
     for node in nodes:
         candidates = by_shape.get(node.out_shape, [])
         if not candidates:
             continue  # no checkpoint weight of that shape: another layer type, nothing to say
         rows = _rows(node.weight.read(), node.weight.shape, node.out_last)
         values = [x * node.weight_factor for row in rows for x in row]
-        if any(all(map(_f32_equal, ref.read(), values)) for ref in candidates):
+        if any(all(map(_f32_equal, ref.read(), values)) for _, ref in candidates):
             continue
+        if any(key in folds_into for key, _ in candidates):
+            yield Unpaired(
+                f"node {node.name}",
+                f"export conv with weight shape {list(node.out_shape)} equals no checkpoint weight and feeds no "
+                "BatchNormalization node: folded from a BN it could not be paired with",
+            )
+            continue
+        names = listing(key.removesuffix(".weight") for key, _ in candidates)
         yield Unpaired(
             f"node {node.name}",
-            f"export conv with weight shape {list(node.out_shape)} equals no checkpoint weight and feeds no "
-            "BatchNormalization node: folded from a BN it could not be paired with",
+            f"weight of shape {list(node.out_shape)} equals no checkpoint weight of that shape ({names}), and no BN "
+            "follows that layer in the checkpoint, so nothing was folded into it: the export holds other weights "
+            "than the checkpoint (another copy, such as the EMA weights?)",
         )

@@ -38,6 +38,7 @@ from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.settings import Settings
 from bnaudit.audit.statistics import channel_log_var_ratio, channel_shift
 from bnaudit.config import Config
+from bnaudit.text import plural
 
 if TYPE_CHECKING:  # the export check's modules are needed only when one side is an export
     from bnaudit.audit.exportdiff import ExportCheck
@@ -271,6 +272,24 @@ class DiffContext:
     # matched layer, and the copy's kind in words ("EMA copy (timm ModelEmaV3)")
     averaged_pairs: tuple[tuple[BNLayer, BNLayer], ...] = ()
     averaged_kind: str = ""
+
+
+def unrelated(matched: int, reshaped: list[tuple[str, int, int]], only_a: list[str], only_b: list[str]) -> str | None:
+    """Why two checkpoints look like different models, or None.
+
+    Layers pair by name; generic names (`p2o.BatchNormalization.0`, `bn1`) pair between
+    models that have nothing in common. With P = matched + reshaped pairs among the
+    U = P + |only A| + |only B| layer names of both sides: different models when
+    P < U / 2 (fewer than half of the layers pair) or reshaped > P / 2 (most pairs
+    disagree in channel count).
+    """
+    pairs = matched + len(reshaped)
+    names = pairs + len(only_a) + len(only_b)
+    if pairs and 2 * pairs < names:
+        return f"only {pairs} of {names} layers pair by name"
+    if reshaped and 2 * len(reshaped) > pairs:
+        return f"{len(reshaped)} of the {plural(pairs, 'layer')} that pair by name have other channel counts"
+    return None
 
 
 def matches(name: str, globs: tuple[str, ...]) -> bool:

@@ -23,14 +23,23 @@ from bnaudit.text import plural
 @dataclass(frozen=True)
 class Provenance:
     """`layers`: the recalibrated layers whose stored statistics match the record;
-    `note`: the line the report prints ("" when the file has no usable record)."""
+    `note`: the line the report prints ("" when the file has no usable record);
+    `source`: who re-estimated the verified layers, "bnaudit recalibrate (method ...,
+    N samples, date)" ("" when no layer is verified), for messages about those layers;
+    `mismatch`: the part of the note about claimed layers whose statistics the record does
+    not match ("" when there are none)."""
 
     layers: frozenset[str]
     note: str
+    source: str = ""
+    mismatch: str = ""
 
 
 def recalibration_provenance(ckpt: Checkpoint) -> Provenance:
-    """The layers `ckpt`'s recalibration record may speak for, and the report's note."""
+    """The layers `ckpt`'s recalibration record may speak for, and the report's note.
+
+    The one place a record is judged: every command (inspect, diff) asks it, so a record
+    that inspect refuses cannot change another command's verdicts."""
     record = recalibration_record(ckpt.metadata)
     names = record.get("recalibrated_layers") if record else None
     if record is None or not isinstance(names, list):
@@ -40,19 +49,22 @@ def recalibration_provenance(ckpt: Checkpoint) -> Provenance:
     verified = frozenset(n for n in claimed if _matches(ckpt, n, digests))
     if not claimed:
         return Provenance(frozenset(), "")
-    note = ""
+    note = source = ""
     if verified:
-        note = (
-            f"statistics of {plural(len(verified), 'layer')} re-estimated by bnaudit recalibrate "
-            f"(method {record.get('method')}, {record.get('samples')} samples, {record.get('date')})"
+        source = (
+            f"bnaudit recalibrate (method {record.get('method')}, {record.get('samples')} samples, "
+            f"{record.get('date')})"
         )
+        note = f"statistics of {plural(len(verified), 'layer')} re-estimated by {source}"
     stale = len(claimed) - len(verified)
+    mismatch = ""
     if stale:
-        note += ("; " if note else "") + (
+        mismatch = (
             f"a bnaudit recalibrate record names {plural(stale, 'layer')} whose statistics it does not match "
             "(changed since, or a record from another file): audited as usual"
         )
-    return Provenance(verified, note)
+        note += ("; " if note else "") + mismatch
+    return Provenance(verified, note, source, mismatch)
 
 
 def _matches(ckpt: Checkpoint, layer: str, digests: Any) -> bool:

@@ -87,7 +87,14 @@ def diff_command(
             "--trust-pickle", help="Unpickle arbitrary classes: runs code from the files. Only for files you trust."
         ),
     ] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the summary line and errors.")] = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet",
+            "-q",
+            help="One line per finding (path: layer: CODE name: message), the output comparison when it passed, and the summary line.",
+        ),
+    ] = False,
     debug: DebugOpt = False,
     arch: Annotated[
         Optional[str],

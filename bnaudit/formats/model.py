@@ -180,7 +180,12 @@ class Checkpoint:
     # constants, one printable note each; and, for a graph without any BatchNormalization
     # node, the evidence that an exporter folded BN into its Conv nodes (else None).
     unauditable: list[str] = field(default_factory=list)
+    # note -> the layer it is about, where the reader knows it (its findings name the layer)
+    unauditable_layers: dict[str, str] = field(default_factory=dict)
     folded: str | None = None
+    # True when `folded` rests on convolutions with constant weights and bias alone, which a
+    # network that never had BN shows as well (no weight the exporter computed)
+    folded_ambiguous: bool = False
     # torch.export programs (formats/pt2.py): what says BN was decomposed into elementwise
     # arithmetic (no batch-norm node left), else None; and notes on the program's nodes
     # (a cuDNN node: exported on a GPU), printed with the report.

@@ -38,8 +38,9 @@ from typing import Any
 from bnaudit.errors import BnauditError
 from bnaudit.formats.hfcache import in_blobs
 from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, ModuleInfo, TensorRef, decode_values, read_into
+from bnaudit.formats.onnxgraph import all_graphs, call_sites, with_function_nodes
 from bnaudit.normkinds import NormKind, onnx_op
-from bnaudit.text import exception_line, listing, plural, printable
+from bnaudit.text import exception_line, listing, plural
 
 ONNX_EXTRA = 'pip install "bnaudit[onnx]"'
 
@@ -64,7 +65,6 @@ _ONNX_DTYPES = {
 }
 _ITEMSIZE = {**STORAGE_ITEMSIZE, "uint16": 2, "uint32": 4, "uint64": 8}
 _EXTERNAL = 1  # TensorProto.DataLocation.EXTERNAL
-_GRAPH, _GRAPHS = 5, 10  # AttributeProto.AttributeType
 
 # BatchNormalization's inputs after X, under the names of the PyTorch tensors they hold
 _BN_INPUTS = (("weight", "scale"), ("bias", "B"), ("running_mean", "input_mean"), ("running_var", "input_var"))
@@ -100,35 +100,7 @@ class OnnxModel:
         return None if make is None else make()
 
     def nodes(self) -> Iterator[tuple[str, Any]]:
-        yield from _with_function_nodes(self.proto)
-
-
-def _walk_graph(graph: Any, where: str) -> Iterator[tuple[str, Any]]:
-    for node in graph.node:
-        yield where, node
-        yield from _subgraph_nodes(node, where)
-
-
-def _subgraph_nodes(node: Any, where: str) -> Iterator[tuple[str, Any]]:
-    for sub_where, sub in _subgraphs(node, where):
-        yield from _walk_graph(sub, sub_where)
-
-
-def _subgraphs(node: Any, where: str) -> Iterator[tuple[str, Any]]:
-    label = node.name or node.op_type
-    for attr in node.attribute:
-        if attr.type == _GRAPH:
-            yield f"{where}/{label}.{attr.name}", attr.g
-        elif attr.type == _GRAPHS:
-            for i, g in enumerate(attr.graphs):
-                yield f"{where}/{label}.{attr.name}[{i}]", g
-
-
-def _all_graphs(graph: Any, where: str = "main") -> Iterator[tuple[str, Any]]:
-    yield where, graph
-    for node in graph.node:
-        for sub_where, sub in _subgraphs(node, where):
-            yield from _all_graphs(sub, sub_where)
+        yield from with_function_nodes(self.proto)
 
 
 def load_onnx(path: str) -> OnnxModel:
@@ -142,10 +114,10 @@ def load_onnx(path: str) -> OnnxModel:
     folder = os.path.dirname(os.path.abspath(path))
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
     constants: dict[str, Callable[[], TensorRef]] = {}
-    for _where, graph in _all_graphs(proto.graph):
+    for _where, graph in all_graphs(proto.graph):
         for tensor in graph.initializer:
             _add_constant(constants, path, folder, tensor.name, tensor)
-    for _where, node in _with_function_nodes(proto):
+    for _where, node in with_function_nodes(proto):
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.output) == 1:
             _add_constant_node(constants, path, folder, node)
     producer = " ".join(p for p in (proto.producer_name, proto.producer_version) if p)
@@ -174,15 +146,6 @@ def _parse(path: str) -> Any:
     if not proto.HasField("graph"):
         raise BnauditError(f"{path}: malformed ONNX model (no graph)")
     return proto
-
-
-def _with_function_nodes(proto: Any) -> Iterator[tuple[str, Any]]:
-    yield from _walk_graph(proto.graph, "main")
-    for function in proto.functions:
-        where = f"function:{function.name}"
-        for node in function.node:
-            yield where, node
-            yield from _subgraph_nodes(node, where)
 
 
 def _add_constant(
@@ -216,7 +179,7 @@ def _tensor_reader(path: str, folder: str, name: str, tensor: Any) -> Callable[[
     the bytes are read when the TensorRef is read."""
     shape = tuple(int(d) for d in tensor.dims)
     if any(d < 0 for d in shape):
-        raise BnauditError(f"{path}: tensor '{printable(name)}' has a negative dimension {list(shape)}")
+        raise BnauditError(f"{path}: tensor '{name}' has a negative dimension {list(shape)}")
     dtype = _ONNX_DTYPES.get(tensor.data_type)
     count = math.prod(shape)
     external = _external_entry(path, folder, name, tensor) if tensor.data_location == _EXTERNAL else None
@@ -227,17 +190,16 @@ def _tensor_reader(path: str, folder: str, name: str, tensor: Any) -> Callable[[
         nbytes = count * _ITEMSIZE[dtype]
         if length is not None and length != nbytes:
             raise BnauditError(
-                f"{path}: tensor '{printable(name)}' claims {length} bytes of external data for shape {list(shape)} ({dtype})"
+                f"{path}: tensor '{name}' claims {length} bytes of external data for shape {list(shape)} ({dtype})"
             )
-        return lambda: _external_ref(path, location, name, offset, nbytes, dtype, shape)
+        real_folder = os.path.realpath(folder)
+        return lambda: _external_ref(path, real_folder, location, name, offset, nbytes, dtype, shape)
     return lambda: TensorRef(name, shape, dtype, lambda: _embedded_values(path, name, tensor, dtype, count))
 
 
 def _unsupported(path: str, name: str, data_type: int, shape: tuple[int, ...]) -> TensorRef:
     def fail() -> list[float]:
-        raise BnauditError(
-            f"{path}: tensor '{printable(name)}' has ONNX data type {data_type}, not a number bnaudit reads"
-        )
+        raise BnauditError(f"{path}: tensor '{name}' has ONNX data type {data_type}, not a number bnaudit reads")
 
     return TensorRef(name, shape, f"onnx-type-{data_type}", fail)
 
@@ -247,9 +209,9 @@ def _external_entry(path: str, folder: str, name: str, tensor: Any) -> tuple[str
     checked to stay inside the model's folder."""
     entries = {e.key: e.value for e in tensor.external_data}
     location = entries.get("location", "")
-    shown = printable(location)[:200]
+    shown = location[:200]
     if not location or "\x00" in location:
-        raise BnauditError(f"{path}: tensor '{printable(name)}' has external data without a usable location")
+        raise BnauditError(f"{path}: tensor '{name}' has external data without a usable location")
     parts = location.replace("\\", "/").split("/")
     if os.path.isabs(location) or location.startswith(("/", "\\")) or (len(location) > 1 and location[1] == ":"):
         raise BnauditError(f"{path}: external data location '{shown}' is an absolute path: refused")
@@ -264,32 +226,55 @@ def _external_entry(path: str, folder: str, name: str, tensor: Any) -> tuple[str
         offset = int(entries.get("offset", "0") or "0")
         length = int(entries["length"]) if entries.get("length") else None
     except ValueError:
-        raise BnauditError(
-            f"{path}: tensor '{printable(name)}' has a malformed external data offset or length"
-        ) from None
+        raise BnauditError(f"{path}: tensor '{name}' has a malformed external data offset or length") from None
     if offset < 0 or (length is not None and length < 0):
-        raise BnauditError(f"{path}: tensor '{printable(name)}' has a negative external data offset or length")
+        raise BnauditError(f"{path}: tensor '{name}' has a negative external data offset or length")
     return target, offset, length
 
 
+def _open_inside(folder: str, target: str) -> int:
+    """A read-only descriptor of `target` opened component by component from `folder`, every
+    component with O_NOFOLLOW: the path was checked when the model was loaded (`target` is
+    its real path, so it holds no symlink then); a folder swapped for a symlink since fails
+    to open (ELOOP / ENOTDIR) instead of leading outside. Where the platform has no dir_fd,
+    the descriptor's own path is checked once it is open."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    parts = os.path.relpath(target, folder).split(os.sep)
+    if os.open not in os.supports_dir_fd or not hasattr(os, "O_DIRECTORY"):
+        fd = os.open(target, flags)
+        real = os.path.realpath(target)
+        if os.path.commonpath([folder, real]) != folder or not os.path.samestat(os.fstat(fd), os.stat(real)):
+            os.close(fd)
+            raise OSError(0, "the path changed since it was checked")
+        return fd
+    directory = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=directory)
+            os.close(directory)
+            directory = inner
+        return os.open(parts[-1], flags, dir_fd=directory)
+    finally:
+        os.close(directory)
+
+
 def _external_ref(
-    path: str, location: str, name: str, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]
+    path: str, folder: str, location: str, name: str, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]
 ) -> TensorRef:
     def raw() -> bytearray:
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
         try:
-            fd = os.open(location, flags)
+            fd = _open_inside(folder, location)
         except OSError as exc:
             raise BnauditError(
-                f"{path}: external data of '{printable(name)}' cannot be opened ({exc.strerror or exc})"
+                f"{path}: external data of '{name}' cannot be opened inside the model's folder ({exc.strerror or exc})"
             ) from None
         with os.fdopen(fd, "rb", buffering=0) as f:
             info = os.fstat(f.fileno())
             if not stat.S_ISREG(info.st_mode):
-                raise BnauditError(f"{path}: external data of '{printable(name)}' is not a regular file")
+                raise BnauditError(f"{path}: external data of '{name}' is not a regular file")
             if offset + nbytes > info.st_size:
                 raise BnauditError(
-                    f"{path}: external data of '{printable(name)}' lies past the end of its file "
+                    f"{path}: external data of '{name}' lies past the end of its file "
                     f"(bytes {offset}..{offset + nbytes}, file has {info.st_size})"
                 )
             data = bytearray(nbytes)
@@ -306,7 +291,7 @@ def _embedded_values(path: str, name: str, tensor: Any, dtype: str, count: int) 
     if tensor.HasField("raw_data"):
         raw = tensor.raw_data
         if len(raw) != count * _ITEMSIZE[dtype]:
-            raise BnauditError(f"{path}: tensor '{printable(name)}' has {len(raw)} bytes for {count} values of {dtype}")
+            raise BnauditError(f"{path}: tensor '{name}' has {len(raw)} bytes for {count} values of {dtype}")
         return decode_values(raw, dtype)
     if dtype == "float32":
         values: list[float] = [float(v) for v in tensor.float_data]
@@ -322,7 +307,7 @@ def _embedded_values(path: str, name: str, tensor: Any, dtype: str, count: int) 
     else:
         values = [int(v) for v in tensor.int32_data]
     if len(values) != count:
-        raise BnauditError(f"{path}: tensor '{printable(name)}' has {len(values)} values for shape {list(tensor.dims)}")
+        raise BnauditError(f"{path}: tensor '{name}' has {len(values)} values for shape {list(tensor.dims)}")
     return values
 
 
@@ -337,9 +322,9 @@ def external_data_files(path: str) -> set[str]:
     folder = os.path.dirname(os.path.abspath(path))
     found: set[str] = set()
     tensors: list[Any] = []
-    for _where, graph in _all_graphs(proto.graph):
+    for _where, graph in all_graphs(proto.graph):
         tensors += graph.initializer
-    for _where, node in _with_function_nodes(proto):
+    for _where, node in with_function_nodes(proto):
         tensors += [a.t for a in node.attribute if a.HasField("t")]
     for tensor in tensors:
         if tensor.data_location == _EXTERNAL:
@@ -445,7 +430,7 @@ def _resolve(name: str, identities: dict[str, str]) -> str:
 
 def _graph_inputs(model: OnnxModel) -> set[str]:
     names: set[str] = set()
-    for _where, graph in _all_graphs(model.proto.graph):
+    for _where, graph in all_graphs(model.proto.graph):
         names |= {i.name for i in graph.input}
     for function in model.proto.functions:
         names |= set(function.input)
@@ -495,10 +480,11 @@ def read_onnx(path: str) -> Checkpoint:
     tensors: dict[str, TensorRef] = {}
     modules: dict[str, ModuleInfo] = {}
     unauditable: list[str] = []
+    unauditable_layers: dict[str, str] = {}
     bn_nodes = 0
     convs: list[str] = []  # Conv nodes whose weight and bias are constants
     computed: list[str] = []  # ... whose weight the exporter computed by constant folding
-    for index, (where, node) in enumerate(model.nodes()):
+    for index, (where, node) in enumerate(call_sites(model.proto)):
         if node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type == "Conv":
@@ -525,7 +511,9 @@ def read_onnx(path: str) -> Checkpoint:
         inputs = list(node.input)
         if len(inputs) < 5:
             unauditable.append(f"{node_words}: {len(inputs)} inputs instead of 5 (X, scale, B, mean, var)")
+            unauditable_layers[unauditable[-1]] = label
             continue
+        name = _layer_name(node, inputs, label)
         refs: dict[str, TensorRef] = {}
         missing: list[str] = []
         for (leaf, onnx_name), input_name in zip(_BN_INPUTS, inputs[1:5]):
@@ -539,8 +527,8 @@ def read_onnx(path: str) -> Checkpoint:
                 refs[leaf] = ref
         if missing:
             unauditable.append(f"{node_words}: {'; '.join(missing)}: not constants, cannot be audited")
+            unauditable_layers[unauditable[-1]] = name
             continue
-        name = batchnorm_layer_name(node, index)
         if name in modules:
             name = f"{name}#{index}"
         if any(len(r.shape) != 1 for r in (refs["running_mean"], refs["running_var"])):
@@ -548,6 +536,7 @@ def read_onnx(path: str) -> Checkpoint:
                 f"{node_words}: statistics of shape {list(refs['running_var'].shape)} (spatial=0, per activation): "
                 "not audited"
             )
+            unauditable_layers[unauditable[-1]] = name
             continue
         attrs = _attributes(node)
         eps = _f32(attrs.get("epsilon", 1e-5))
@@ -573,14 +562,18 @@ def read_onnx(path: str) -> Checkpoint:
         holds_module=True,
         metadata={"onnx.producer": model.producer, "onnx.opset": str(model.opset) if model.opset is not None else ""},
         unauditable=unauditable,
+        unauditable_layers=unauditable_layers,
         graph=model,
     )
-    if bn_nodes == 0 and convs:
-        ckpt.folded = f"no BatchNormalization node; {_conv_list(convs)} with constant weights and bias"
-    elif computed:
+    if computed:
         ckpt.folded = f"{_conv_list(computed)} with weights computed by the exporter's constant folding (onnx::Conv_*)"
+        if bn_nodes == 0:
+            ckpt.folded = f"no BatchNormalization node; {ckpt.folded}"
+    elif bn_nodes == 0 and convs:
+        ckpt.folded = f"no BatchNormalization node; {_conv_list(convs)} with constant weights and bias"
+        ckpt.folded_ambiguous = True
     return ckpt
 
 
 def _conv_list(names: list[str]) -> str:
-    return f"{plural(len(names), 'Conv node')} ({listing(printable(n) for n in names)})"
+    return f"{plural(len(names), 'Conv node')} ({listing(names)})"

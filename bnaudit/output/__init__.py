@@ -166,11 +166,10 @@ def emit_error(message: str, stream: IO[str], *, json_stream: IO[str] | None = N
     """An error said once: `bnaudit: error: MESSAGE` on `stream`, or, with `json_stream`
     (--format json), only `{"error": MESSAGE}` there, so that a JSON consumer reads a
     document whatever happened (and `2>&1` still parses)."""
-    message = one_line(message)
-    if json_stream is not None:
-        _line(json_stream, jsonlib.dumps({"error": message}))
+    if json_stream is not None:  # JSON escapes what it must itself: the names stay exact there
+        _line(json_stream, jsonlib.dumps({"error": " ".join(message.split())}))
         return
-    _line(stream, f"bnaudit: error: {message}")
+    _line(stream, f"bnaudit: error: {one_line(message)}")
 
 
 def emit_warning(message: str, stream: IO[str]) -> None:

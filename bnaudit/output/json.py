@@ -124,6 +124,8 @@ def gap_to_json(report: GapReport) -> dict[str, Any]:
     return {
         "version": __version__,
         "checkpoint": report.checkpoint,
+        "key": report.key,
+        "prefix": report.prefix or None,
         "model": report.model,
         "data": report.data,
         "samples": report.samples,
@@ -171,6 +173,8 @@ def invariance_to_json(report: InvarianceReport) -> dict[str, Any]:
     return {
         "version": __version__,
         "checkpoint": report.checkpoint,
+        "key": report.key,
+        "prefix": report.prefix or None,
         "model": report.model,
         "data": report.data,
         "samples": report.samples,
@@ -305,6 +309,7 @@ def recalibrate_to_json(report: RecalibrationReport) -> dict[str, Any]:
         "output": report.output,
         "format": report.format,
         "key": report.key,
+        "prefix": report.prefix or None,
         "model": report.model,
         "data": report.data,
         "method": report.method,

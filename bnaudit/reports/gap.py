@@ -146,6 +146,16 @@ class GapReport:
         return self.inspection.findings
 
     @property
+    def key(self) -> str | None:
+        """The state dict measured: --key, or the one the reader chose in a container."""
+        return self.inspection.key
+
+    @property
+    def prefix(self) -> str:
+        """The wrapper prefix stripped from its keys ("" when none)."""
+        return self.inspection.prefix
+
+    @property
     def gap_significant(self) -> bool | None:
         """Whether the gap's 95% interval excludes 0 (None without labels)."""
         if self.gap_interval is None:

@@ -92,6 +92,16 @@ class InvarianceReport:
     exit_zero: bool = False
 
     @property
+    def key(self) -> str | None:
+        """The state dict measured: --key, or the one the reader chose in a container."""
+        return self.inspection.key
+
+    @property
+    def prefix(self) -> str:
+        """The wrapper prefix stripped from its keys ("" when none)."""
+        return self.inspection.prefix
+
+    @property
     def findings(self) -> list[Finding]:
         return self.inspection.findings
 

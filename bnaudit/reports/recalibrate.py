@@ -61,3 +61,4 @@ class RecalibrationReport:
     provenance: dict[str, Any]
     eval_before: GapReport | None = None
     eval_after: GapReport | None = None
+    prefix: str = ""  # the wrapper prefix stripped from the input's keys

@@ -1,5 +1,9 @@
 """The rules of `bnaudit diff` between two checkpoints (BN101-BN107): they judge how each
-layer changed (layerdiff.LayerDiff; definitions of the numbers in bnaudit.audit.layerdiff)."""
+layer changed (layerdiff.LayerDiff; definitions of the numbers in bnaudit.audit.layerdiff).
+
+A message says what the layer's row of the table and its JSON record do not: the per-layer
+numbers (shift, log-ratio, weight change) are there already, so the same fact on many
+layers reads the same and collapses into one row (a freeze bug on 20 layers is one row)."""
 
 from __future__ import annotations
 
@@ -7,21 +11,11 @@ import fnmatch
 from collections.abc import Iterator
 
 from bnaudit.audit import layerdiff
-from bnaudit.audit.layerdiff import DiffContext, LayerDiff, describe_group, matches
-from bnaudit.audit.rules.registry import RULES, Finding, rule, three_digits
+from bnaudit.audit.layerdiff import DiffContext, LayerDiff, describe_group, matches, unrelated
+from bnaudit.audit.rules.registry import RULES, Finding, rule
 from bnaudit.audit.settings import assumed_note, provenance_words
-from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO
 from bnaudit.severity import Severity
 from bnaudit.text import listing, plural
-
-
-def _numbers_of(d: LayerDiff) -> str:
-    parts = []
-    if d.max_mean_shift is not None:
-        parts.append(f"{MAX_MEAN_SHIFT.column} {three_digits(d.max_mean_shift)}")
-    if d.max_var_log_ratio is not None:
-        parts.append(f"{MAX_VAR_LOG_RATIO.column} {three_digits(d.max_var_log_ratio)}")
-    return ", ".join(parts)
 
 
 def _counter_words(d: LayerDiff) -> str:
@@ -53,8 +47,8 @@ def _check_frozen_updating(ctx: DiffContext) -> Iterator[Finding]:
             yield r.finding(
                 Severity.ERROR if expected else Severity.WARNING,
                 d.name,
-                f"weight and bias bit-identical but running statistics moved ({_numbers_of(d)}; "
-                f"{_counter_words(d)}): the module ran in training mode while its weights were frozen"
+                f"weight and bias bit-identical but running statistics moved ({_counter_words(d)}): "
+                "the module ran in training mode while its weights were frozen"
                 + (" (expected frozen)" if expected else ""),
             )
 
@@ -86,16 +80,11 @@ def _check_stale(ctx: DiffContext) -> Iterator[Finding]:
         yield r.finding(
             severity,
             d.name,
-            f"{' and '.join(d.moved)} moved (weight change {_fmt_opt(d.weight_change)}, bias change "
-            f"{_fmt_opt(d.bias_change)} of the layer's scale) while running statistics are bit-identical "
+            f"{' and '.join(d.moved)} moved while running statistics are bit-identical "
             f"and the counter did not grow: weights trained or averaged (EMA/SWA) without updating the "
             f"statistics; recalibrate"
             + (f" (change above stale-max-change {limit:g})" if severity == Severity.ERROR else ""),
         )
-
-
-def _fmt_opt(x: float | None) -> str:
-    return "-" if x is None else three_digits(x)
 
 
 @rule(
@@ -120,7 +109,7 @@ def _check_re_estimated(ctx: DiffContext) -> Iterator[Finding]:
         else:
             how = "statistics re-estimated (a recalibration such as update_bn)"
         weights = "weights identical" if d.params_identical else "weights also moved"
-        yield r.finding(Severity.INFO, d.name, f"{how}: {_numbers_of(d)}; {_counter_words(d)}; {weights}")
+        yield r.finding(Severity.INFO, d.name, f"{how}: {_counter_words(d)}; {weights}")
 
 
 @rule(
@@ -244,17 +233,28 @@ def _check_settings_changed(ctx: DiffContext) -> Iterator[Finding]:
     "BN107",
     "layers-changed",
     (Severity.WARNING, Severity.INFO),
-    "A layer's channel count changed (warning), or layers exist on one side only (info).",
+    "A layer's channel count changed or the two files look like different models (warning), or "
+    "layers exist on one side only (info).",
     "Layers are matched by name after each side's wrapper prefix (module., _orig_mod., model.) is "
     "stripped. A layer whose channel count changed was replaced, not trained: its statistics "
     "cannot be compared. Layers on one side only were added, removed or renamed; a rename "
-    "hides what happened to them.",
+    "hides what happened to them. Generic names (`p2o.BatchNormalization.0` in every "
+    "paddle2onnx export, `bn1`) pair layers of models that have nothing in common: when fewer "
+    "than half of all layer names pair, or most pairs disagree in channel count, the two files "
+    "look like different models (warning) and their verdicts compare unrelated layers.",
     "Nothing to fix when the architecture changed on purpose; otherwise check the key names "
     "(--key-a / --key-b choose the state dicts of a container).",
     command="diff",
 )
 def _check_layers_changed(ctx: DiffContext) -> Iterator[Finding]:
     r = RULES["BN107"]
+    why = None if ctx.export is not None else unrelated(len(ctx.layers), ctx.reshaped, ctx.only_a, ctx.only_b)
+    if why:
+        yield r.finding(
+            Severity.WARNING,
+            None,
+            f"the two files look like different models: {why}; the layers that share a name are compared anyway",
+        )
     for name, ca, cb in ctx.reshaped:
         yield r.finding(Severity.WARNING, name, f"channel count changed from {ca} to {cb}: the layer was replaced")
     for side, names in (("A", ctx.only_a), ("B", ctx.only_b)):

@@ -99,7 +99,7 @@ def _training_mode_words(reason: str | None, source: str | None) -> str:
 def _check_not_constant(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN013"]
     for note in ctx.unauditable:
-        yield r.finding(Severity.INFO, None, note)
+        yield r.finding(Severity.INFO, ctx.unauditable_layers.get(note), note)
 
 
 @also_in("BN013", "diff")
@@ -108,7 +108,7 @@ def _check_not_constant_in_diff(ctx: DiffContext) -> Iterator[Finding]:
         return
     r = RULES["BN013"]
     for note in ctx.export.unauditable:
-        yield r.finding(Severity.INFO, None, note)
+        yield r.finding(Severity.INFO, ctx.export.unauditable_layers.get(note), note)
 
 
 @rule(
@@ -123,10 +123,11 @@ def _check_not_constant_in_diff(ctx: DiffContext) -> Iterator[Finding]:
     "test sees: a graph without any BatchNormalization node that has at least one Conv node whose "
     "weight and bias are both constants; or, in any graph, Conv nodes whose weight torch's legacy "
     "exporter computed by constant folding (it names such tensors `onnx::Conv_N` instead of the "
-    "module's parameter; BN after a Linear layer stays a node and is audited). A network that had "
-    "no BatchNorm and convolutions with their own bias matches the first test as well, so the line "
-    "says 'if the model had BatchNorm there'; a graph without BatchNormalization and without such "
-    "a Conv gets no finding. A torch.export program (.pt2) decomposed with a batch-norm table "
+    "module's parameter; BN after a Linear layer stays a node and is audited). A network that never "
+    "had BatchNorm and convolutions with their own bias (facenet's PNet) matches the first test as "
+    "well: without weights the exporter computed, the line says that folding and the absence of "
+    "BN cannot be told apart from the export alone, and that `bnaudit diff` with the checkpoint "
+    "tells them apart; a graph without BatchNormalization and without such a Conv gets no finding. A torch.export program (.pt2) decomposed with a batch-norm table "
     "(`run_decompositions`) has no batch-norm node either: BN became sub/mul/rsqrt/add on the "
     "module's buffers. The statistics are still stored as those buffers, so they are audited "
     "under the module's names; eps is read from the arithmetic (`add(running_var, eps)` in eval "
@@ -147,9 +148,18 @@ def _check_folded_export(ctx: RuleContext) -> Iterator[Finding]:
         )
     if ctx.folded is None:
         return
+    if ctx.folded_ambiguous:
+        yield RULES["BN014"].finding(
+            Severity.INFO,
+            None,
+            f"{ctx.folded}: BatchNorm folded into these convolutions and a network that never had BatchNorm "
+            "cannot be told apart from the export alone; if it had BatchNorm, audit the checkpoint and check "
+            "the folding with `bnaudit diff model.pt model.onnx`",
+        )
+        return
     yield RULES["BN014"].finding(
         Severity.INFO,
         None,
-        f"{ctx.folded}: if the model had BatchNorm there, the exporter folded its statistics into these "
-        "convolutions and they cannot be audited from the export: audit the checkpoint",
+        f"{ctx.folded}: the exporter folded BatchNorm statistics into these convolutions and they cannot be "
+        "audited from the export: audit the checkpoint",
     )

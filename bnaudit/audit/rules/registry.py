@@ -49,7 +49,9 @@ class RuleContext:
     # read), one note each, the evidence of BN folded into Conv nodes (Checkpoint.folded),
     # and of BN decomposed into elementwise arithmetic (Checkpoint.decomposed).
     unauditable: tuple[str, ...] = ()
+    unauditable_layers: Mapping[str, str] = field(default_factory=dict)  # note -> its layer, where known
     folded: str | None = None
+    folded_ambiguous: bool = False  # Checkpoint.folded_ambiguous: a net without BN looks the same
     decomposed: str | None = None
     # An averaged copy (is_ema): what averaged it (formats.model.Averaging), and the BN
     # layers of its live model by name when the same container holds it.

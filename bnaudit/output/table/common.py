@@ -143,11 +143,32 @@ def findings_table(findings: list[Finding], title: str | None = None) -> Any:
     return table
 
 
-def measurement_header(console: Console, checkpoint: str, model: str, data: str, notes: list[str]) -> None:
-    """The first lines of a measurement's report (gap, invariance): the checkpoint and the
-    model that ran it, the data, and what the reader noted about the data."""
+def source_words(what: str | None, key: str | None, prefix: str | None) -> str:
+    """Where a command's input came from, said the same way by every command:
+    "torch-zip, key 'state_dict_ema', prefix 'module.' stripped" (`what`: the format, or
+    the model that ran it)."""
+    parts = [what] if what else []
+    if key:
+        parts.append(f"key '{key}'")
+    if prefix:
+        parts.append(f"prefix '{prefix}' stripped")
+    return ", ".join(parts)
+
+
+def measurement_header(
+    console: Console,
+    checkpoint: str,
+    model: str,
+    data: str,
+    notes: list[str],
+    key: str | None = None,
+    prefix: str | None = None,
+) -> None:
+    """The first lines of a measurement's report (gap, invariance): the checkpoint, the
+    model that ran it and the state dict measured (`key`, `prefix`: `source_words`), the
+    data, and what the reader noted about the data."""
     title = cell(checkpoint, style="bold")
-    title.append(printable(f"  ({model})"), style="dim")
+    title.append(printable(f"  ({source_words(model, key, prefix)})"), style="dim")
     console.print(title)
     console.print(cell(f"data: {data}", style="dim"))
     for note in notes:

@@ -7,7 +7,16 @@ from typing import TYPE_CHECKING
 
 from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO
 from bnaudit.output.grid import SEVERITY_STYLE
-from bnaudit.output.table.common import bordered, cell, diagnosis_bullets, findings_table, fit_width, g3, indented
+from bnaudit.output.table.common import (
+    bordered,
+    cell,
+    diagnosis_bullets,
+    findings_table,
+    fit_width,
+    g3,
+    indented,
+    source_words,
+)
 from bnaudit.text import above_floor, plural, printable
 
 if TYPE_CHECKING:
@@ -15,7 +24,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from bnaudit.audit.diff import DiffReport
-    from bnaudit.audit.exportdiff import ExportCheck
+    from bnaudit.audit.exportdiff import ExportCheck, ParityResult
     from bnaudit.audit.layerdiff import LayerDiff
 
 
@@ -43,18 +52,68 @@ VERDICT_STYLE = {
 }
 
 
+def concise_diff_lines(report: DiffReport) -> list[str]:
+    """`diff -q`: `path: layer: CODE name: message` per finding (`path: CODE name: message`
+    for one about no layer), as `inspect -q` writes them, the path being the side the
+    findings are about (B, or the export); the output comparison in one line when it
+    passed (a deviation is BN114's line); then the summary line. Not collapsed: grep and problem matchers want one location a line.
+    Unprintable characters are escaped by the caller, once."""
+    path = report.b.path
+    if report.export is not None and report.export.export_side == "a":
+        path = report.a.path
+    lines = [
+        f"{path}: {f.layer}: {f.code} {f.name}: {f.message}"
+        if f.layer is not None
+        else f"{path}: {f.code} {f.name}: {f.message}"
+        for f in report.findings
+    ]
+    parity = report.export.parity if report.export is not None else None
+    if parity is not None and not any(f.code == "BN114" for f in report.findings):  # a deviation is BN114's line
+        lines.append(f"{path}: {_parity_words(parity)}")
+    lines.append(_summary_line(report))
+    return lines
+
+
+def _summary_line(report: DiffReport) -> str:
+    s = report.summary()
+    folded = f", {plural(s['folded'], 'folded layer')}" if "folded" in s else ""
+    return (
+        f"{plural(s['matched'], 'matched BN layer')}{folded}: {plural(s['errors'], 'error')}, "
+        f"{plural(s['warnings'], 'warning')}, {plural(s['infos'], 'info')}"
+    )
+
+
+def _parity_words(p: ParityResult) -> str:
+    fixed = f", fixed batch size {p.batch_size} ({p.padded} padding samples)" if p.batch_size else ""
+    verdict = "outputs deviate beyond float32 rounding" if p.deviates else "outputs agree within float32 rounding"
+    return (
+        f"outputs (torch eval vs onnxruntime CPU) on {plural(p.samples, 'sample')}{fixed}: argmax agreement "
+        f"{p.agreement * 100:.1f}%, largest relative deviation {above_floor(p.max_deviation, p.floor, '.3g')} "
+        f"(float32 floor {g3(p.floor)}): {verdict}"
+    )
+
+
 def render_diff(report: DiffReport, console: Console, quiet: bool = False) -> None:
     """Rich rendering of a DiffReport: both sides, one row per layer that changed
     (unchanged layers folded into one line), one-side-only and reshaped layers, the
-    findings, a summary by verdict with its layer groups, and the diagnosis."""
+    findings (identical ones on several layers as one row, `fit.collapse`), a summary by
+    verdict with its layer groups, and the diagnosis. `quiet`: `concise_diff_lines`."""
     from rich.text import Text
 
+    s = report.summary()
+    worst = "error" if s["errors"] else "warning" if s["warnings"] else "ok"
+    if quiet:
+        *lines, summary = concise_diff_lines(report)
+        for line in lines:
+            console.print(cell(line), soft_wrap=True)
+        console.print(Text(summary, style=SEVERITY_STYLE[worst]), soft_wrap=True)
+        return
     _sides(report, console)
     changed = [d for d in report.layers if d.verdict != "unchanged"]
     unchanged = [d.name for d in report.layers if d.verdict == "unchanged"]
-    if changed and not quiet:
+    if changed:
         console.print(fit_width(_layers_table(changed), console.width))
-    if unchanged and not quiet:
+    if unchanged:
         from bnaudit.audit.layerdiff import describe_group
 
         every = [d.name for d in report.layers]
@@ -65,31 +124,17 @@ def render_diff(report: DiffReport, console: Console, quiet: bool = False) -> No
                 style="dim",
             )
         )
-    if report.export is not None and not quiet:
+    if report.export is not None:
         _export_body(report.export, console)
-    if not quiet:
-        _unmatched_findings_and_summary(report, console)
-    errors = [f for f in report.findings if f.severity == "error"]
-    if quiet and errors:  # -q: a CI log still shows what failed
-        console.print(fit_width(findings_table(errors), console.width))
-    s = report.summary()
-    folded = f", {plural(s['folded'], 'folded layer')}" if "folded" in s else ""
-    line = (
-        f"{plural(s['matched'], 'matched BN layer')}{folded}: {plural(s['errors'], 'error')}, "
-        f"{plural(s['warnings'], 'warning')}, {plural(s['infos'], 'info')}"
-    )
-    worst = "error" if s["errors"] else "warning" if s["warnings"] else "ok"
-    console.print(Text(line, style=SEVERITY_STYLE[worst]), soft_wrap=True)
+    _unmatched_findings_and_summary(report, console)
+    console.print(Text(_summary_line(report), style=SEVERITY_STYLE[worst]), soft_wrap=True)
 
 
 def _sides(report: DiffReport, console: Console) -> None:
     """The two files, the settings and provenance notes, how an export was matched."""
     for label, side in (("A", report.a), ("B", report.b)):
         title = cell(f"{label}: {side.path}", style="bold")
-        where = f"{side.format}" + (f", key '{side.key}'" if side.key else "")
-        if side.prefix:
-            where += f", prefix '{side.prefix}' stripped"
-        where += f", {plural(side.layers, 'BN layer')}"
+        where = f"{source_words(side.format, side.key, side.prefix)}, {plural(side.layers, 'BN layer')}"
         title.append(printable(f"  ({where})"), style="dim")
         console.print(title)
     averaged = [(label, side.averaging) for label, side in (("A", report.a), ("B", report.b)) if side.averaging]
@@ -199,12 +244,4 @@ def _export_body(check: ExportCheck, console: Console) -> None:
         console.print(fit_width(table, console.width))
     p = check.parity
     if p is not None:
-        style = "red" if p.deviates else "green"
-        fixed = f", fixed batch size {p.batch_size} ({p.padded} padding samples)" if p.batch_size else ""
-        console.print(
-            cell(
-                f"outputs (torch eval vs onnxruntime CPU) on {plural(p.samples, 'sample')}{fixed}: argmax agreement "
-                f"{p.agreement * 100:.1f}%, largest relative deviation {above_floor(p.max_deviation, p.floor, '.3g')} (float32 floor {g3(p.floor)})",
-                style=style,
-            )
-        )
+        console.print(cell(_parity_words(p), style="red" if p.deviates else "green"))

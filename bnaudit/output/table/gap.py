@@ -29,7 +29,7 @@ def render_gap(report: GapReport, console: Console, quiet: bool = False) -> None
     """Rich rendering: header, the two modes, per-layer drift (worst first), findings, diagnosis."""
     from rich.text import Text
 
-    measurement_header(console, report.checkpoint, report.model, report.data, report.notes)
+    measurement_header(console, report.checkpoint, report.model, report.data, report.notes, report.key, report.prefix)
     order = f"shuffled with seed {report.seed}" if report.shuffle else "file order, --no-shuffle"
     skipped = f", {plural(report.skipped, 'unreadable image')} skipped" if report.skipped else ""
     console.print(

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
 from bnaudit.output.fit import concise_lines, shorten_middle, summary_line
 from bnaudit.output.grid import SEVERITY_STYLE, layout_grid
-from bnaudit.output.table.common import NAME_MIN, bordered, cell, findings_table, fit_width, g3, indented
+from bnaudit.output.table.common import NAME_MIN, bordered, cell, findings_table, fit_width, g3, indented, source_words
 from bnaudit.text import printable
 
 if TYPE_CHECKING:
@@ -131,10 +131,7 @@ def _file_detail(file: FileReport, console: Console, columns: tuple[_Column, ...
     from rich.text import Text
 
     title = cell(file.shown, style="bold")
-    where = f"{file.format}" + (f", key '{file.key}'" if file.key else "")
-    if file.prefix:
-        where += f", prefix '{file.prefix}' stripped"
-    title.append(printable(f"  ({where})"), style="dim")
+    title.append(printable(f"  ({source_words(file.format, file.key, file.prefix)})"), style="dim")
     console.print(title)
     if file.other_keys:
         console.print(indented(f"other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))

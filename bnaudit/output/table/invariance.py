@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 def render_invariance(report: InvarianceReport, console: Console, quiet: bool = False) -> None:
     """Rich rendering: header, verdict, one row per arrangement, the noise floor, the
     coupling sites, findings, diagnosis."""
-    measurement_header(console, report.checkpoint, report.model, report.data, report.notes)
+    measurement_header(console, report.checkpoint, report.model, report.data, report.notes, report.key, report.prefix)
     order = f"shuffled with seed {report.seed}" if report.shuffle else "file order, --no-shuffle"
     skipped = f", {plural(report.skipped, 'unreadable image')} skipped" if report.skipped else ""
     sizes = ", ".join(str(s) for s in report.batch_sizes)

@@ -6,7 +6,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MEAN_SHIFT, RELATIVE_L2, VAR_LOG_RATIO
-from bnaudit.output.table.common import Justify, bordered, cell, drift_value, fit_width, indented, percent, span
+from bnaudit.output.table.common import (
+    Justify,
+    bordered,
+    cell,
+    drift_value,
+    fit_width,
+    indented,
+    percent,
+    source_words,
+    span,
+)
 from bnaudit.text import plural, printable
 
 if TYPE_CHECKING:
@@ -34,7 +44,7 @@ def render_recalibrate(report: RecalibrationReport, console: Console, quiet: boo
     title = cell(report.input, style="bold")
     title.append(" -> ", style="dim")
     title.append(printable(report.output), style="bold green")
-    title.append(printable(f"  ({report.format}" + (f", key '{report.key}'" if report.key else "") + ")"), style="dim")
+    title.append(printable(f"  ({source_words(report.format, report.key, report.prefix)})"), style="dim")
     console.print(title)
     console.print(cell(f"model: {report.model}", style="dim"))
     console.print(cell(f"data: {report.data}", style="dim"))

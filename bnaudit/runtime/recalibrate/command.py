@@ -295,6 +295,7 @@ def recalibrate_checkpoint(
                 provenance=provenance,
                 eval_before=eval_before,
                 eval_after=eval_after,
+                prefix=ckpt.prefix,
             )
 
 
