@@ -20,7 +20,8 @@ hyper_parameters and args pickle classes of a project module that does not exist
 is audited), and `traced_train.pt` (the healthy model traced with its BatchNorm layers in
 training mode: batch-dependent predictions for `bnaudit invariance`), and `swa/` (SWA with
 torch.optim.swa_utils.AveragedModel: live.pt, swa.pt its state dict before update_bn, swa_bn.pt
-after it).
+after it), and `dcp/` (a torch.distributed.checkpoint folder: the model and AdamW state after 3
+steps on the calibration split, saved by `dcp.save` in one process; `--dcp-only` rewrites it).
 `python sample_models/generate.py --layouts-only` rewrites just these,
 from the committed healthy.safetensors and calibration data (no scikit-learn needed).
 
@@ -197,6 +198,33 @@ def write_trainer_checkpoint(healthy: dict[str, torch.Tensor], x, y, folder: str
         f.write(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")
 
 
+def write_dcp_checkpoint(healthy: dict[str, torch.Tensor], x, y, folder: str, steps: int = 3) -> None:
+    """What a torch.distributed.checkpoint user writes after `steps` AdamW steps (the issue's
+    `dcp.save({"model": ..., "optim": ...}, checkpoint_id="ckpt/")`), in one process: the
+    folder `.metadata` + `__0_0.distcp`, the model and the optimizer's state flattened into it."""
+    import torch.distributed.checkpoint as dcp
+
+    shutil.rmtree(folder, ignore_errors=True)
+    torch.manual_seed(0)
+    model = digits_net()
+    model.load_state_dict(healthy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        idx = torch.randperm(len(y), generator=g)[:BATCH]
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    # a relative checkpoint_id: the folder's metadata records it, and no absolute path of this machine
+    dcp.save(
+        {"model": model.state_dict(), "optim": optimizer.state_dict()},
+        checkpoint_id=os.path.relpath(folder),
+        no_dist=True,
+    )
+
+
 PROJECT_CONFIG = """
 import dataclasses
 
@@ -271,6 +299,7 @@ def write_layouts(healthy: dict[str, torch.Tensor], xc, yc) -> None:
     write_lightning_checkpoint(healthy, os.path.join(HERE, "lightning", "last.ckpt"))
     write_traced_in_training_mode(healthy, xc, os.path.join(HERE, "traced_train.pt"))
     write_averaged_model(healthy, xc, yc, os.path.join(HERE, "swa"))
+    write_dcp_checkpoint(healthy, xc, yc, os.path.join(HERE, "dcp"))
 
 
 def write_averaged_model(healthy: dict[str, torch.Tensor], x, y, folder: str, epochs: int = 4) -> None:
@@ -383,8 +412,20 @@ def main() -> None:
     )
     parser.add_argument("--onnx-only", action="store_true", help="rewrite onnx/ from healthy.safetensors")
     parser.add_argument("--pt2-only", action="store_true", help="rewrite pt2/ from healthy.safetensors")
+    parser.add_argument("--dcp-only", action="store_true", help="rewrite dcp/ from healthy.safetensors")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.dcp_only:
+        from safetensors.torch import load_file
+
+        calib = load_file(os.path.join(HERE, "data", "digits_calib.safetensors"))
+        write_dcp_checkpoint(
+            load_file(os.path.join(HERE, "healthy.safetensors")),
+            calib["inputs"],
+            calib["labels"],
+            os.path.join(HERE, "dcp"),
+        )
+        return
     if args.pt2_only:
         from safetensors.torch import load_file
 

@@ -91,10 +91,10 @@ def test_cli_select_ignore_and_severity_through_the_alias(cli, tmp_path):
 def test_rules_lists_the_alias_and_explains_it_as_its_rule(cli):
     listing = cli("rules", width=400).stdout.splitlines()
     (row,) = [line for line in listing if line.startswith("BN111")]
-    assert [c.strip() for c in row.split("│")][:3] == ["BN111", "alias of BN012", "error"]
+    assert [c.strip() for c in row.split("│")][:3] == ["BN111", "alias of BN012", "error / warning"]
     explained = cli("rules", "bn111", width=120)
     assert explained.exit_code == 0
-    assert explained.stdout.startswith("BN012 training-mode-export\ndefault severity: error\nalias: BN111 ")
+    assert explained.stdout.startswith("BN012 training-mode-export\ndefault severity: error / warning\nalias: BN111 ")
 
 
 def test_statistics_that_are_not_constants_are_bn013_in_diff_too(tmp_path):

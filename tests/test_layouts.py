@@ -483,7 +483,7 @@ def test_json_and_sarif_carry_skipped_files_and_notes(tmp_path, trained, cli):
     assert result.exit_code == alone.exit_code != 2
 
 
-def test_gap_reads_a_sharded_checkpoint_and_recalibrate_refuses_to_write_one(tmp_path, cli):
+def test_gap_reads_a_sharded_checkpoint_and_recalibrate_writes_one_as_a_folder(tmp_path, cli):
     from conftest import SAMPLES
 
     index = os.path.join(SAMPLES, "sharded", "model.safetensors.index.json")
@@ -497,8 +497,11 @@ def test_gap_reads_a_sharded_checkpoint_and_recalibrate_refuses_to_write_one(tmp
     assert no_arch.exit_code == 2 and "a sharded checkpoint holds tensors, not a model: pass --arch" in no_arch.stderr
     out = tmp_path / "recal.safetensors"
     recal = cli("recalibrate", index, "--arch", arch, "--data", val, "--output", str(out))
-    assert recal.exit_code == 2 and "writing a sharded checkpoint is not supported" in recal.stderr
+    assert recal.exit_code == 2 and "a sharded checkpoint is written as a folder of shards" in recal.stderr
     assert not out.exists()
+    folder = tmp_path / "recal"
+    recal = cli("recalibrate", index, "--arch", arch, "--data", val, "--output", str(folder))
+    assert recal.exit_code == 0 and sorted(os.listdir(folder)) == sorted(os.listdir(os.path.dirname(index)))
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])

@@ -182,6 +182,11 @@ def expected_findings(gs: list[Group]) -> dict:
         trained_affine.append(not initial)
         if counter is not None and counter > 0 and not is_identity and (1 - MOMENTUM) ** counter > 0.05:
             out["BN003"].add(g.prefix)
+        # no counter: trained weights over a running_var still at the initial 1 (within float32
+        # rounding, 8 * 2^-23) in half the channels or more
+        unmoved = c > 0 and np.mean(np.abs(var - 1.0) <= 8 * 2.0**-23) >= 0.5
+        if counter_ref is None and not is_identity and not initial and unmoved:
+            out["BN003"].add(g.prefix)
     folded = bool(layers) and all(identity) and all(counters_none) and all(trained_affine)
     out["BN002"] = [None] if folded else sorted(g.prefix for g, i in zip(layers, identity) if i)
     return out

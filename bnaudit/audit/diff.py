@@ -43,6 +43,7 @@ from bnaudit.audit.layerdiff import (
     describe_group,
 )
 from bnaudit.audit.layers import BNLayer, discover_layers, not_from_file
+from bnaudit.audit.resolve import read_model_checkpoint
 from bnaudit.audit.rules import Finding, run_diff_rules
 from bnaudit.audit.settings import OPTIONS, statement
 from bnaudit.config import SEVERITIES, Config, exit_code_for
@@ -50,7 +51,6 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.containers import averaged_model_record
 from bnaudit.formats.ema import copy_words
 from bnaudit.formats.model import Averaging, Checkpoint, recalibration_record
-from bnaudit.formats.read import read_checkpoint
 from bnaudit.severity import Severity
 from bnaudit.text import plural
 
@@ -401,7 +401,9 @@ def diff(
 ) -> DiffReport:
     """What happened to the BatchNorm state between two checkpoints.
 
-    Raises BnauditError when a side cannot be read or holds no BN layer.
+    A side given as a folder is the model checkpoint inspect audits in it
+    (`bnaudit.audit.resolve`). Raises BnauditError when a side cannot be read or holds no
+    BN layer.
 
     >>> report = diff("pretrained.pt", "finetuned.pt")   # doctest: +SKIP
     >>> report.groups()                                  # doctest: +SKIP
@@ -413,8 +415,7 @@ def diff(
         if checkpoint_a is not None and not sides:
             sides.append(checkpoint_a)  # loaded with --arch: its modules carry the real eps and momentum
             continue
-        ckpt = read_checkpoint(path, key=key, trust_pickle=trust_pickle)
-        sides.append(ckpt)
+        sides.append(read_model_checkpoint(path, key=key, trust_pickle=trust_pickle))
     report = diff_checkpoints(sides[0], sides[1], config, producers, parity)
     for side in (report.a, report.b):
         if side.layers == 0 and not (report.export is not None and side.format in EXPORT_FORMATS):

@@ -3,7 +3,8 @@
 A folder expands to every file under it whose name ends in a checkpoint suffix (`.onnx`
 included, without the external-data files its models refer to), plus shard indexes (a
 sharded checkpoint is audited once, through its index, also when its shards are named next
-to it) and accelerate's `random_states_N.pkl`. A Hugging Face cache (the hub folder, one
+to it), accelerate's `random_states_N.pkl` and torch.distributed.checkpoint folders (one
+holding `.metadata` is one checkpoint; its files are not listed). A Hugging Face cache (the hub folder, one
 `models--ORG--NAME` folder, or a `snapshots/<commit>` folder; formats/hfcache.py) expands
 to the files of each repo's current snapshot (every snapshot with `all_revisions` or when
 the `snapshots/` folder itself is named, each set of blobs once), each tagged with its repo
@@ -20,7 +21,7 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.classify import SCANNED_NAMES
 from bnaudit.formats.hfcache import HubSource, Snapshot, check_link, is_repo_folder, snapshot_of, snapshots
 from bnaudit.formats.shards import is_index, series_members
-from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES
+from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES, is_dcp_folder
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ def targets(paths: list[str], all_revisions: bool = False) -> list[Target]:
     for path in paths:
         if not os.path.isdir(path):
             found.append(_named_file(path))
+            continue
+        if is_dcp_folder(path):  # a folder that is one checkpoint
+            found.append(Target(path, True))
             continue
         try:
             found += _folder(path, all_revisions)
@@ -92,6 +96,10 @@ def _walk(path: str, all_revisions: bool) -> list[Target]:
 
     for root, dirs, files in os.walk(path, onerror=unlistable):
         dirs.sort()
+        if is_dcp_folder(root):  # one checkpoint, whatever its chunk files are named
+            found.append(Target(root, False))
+            dirs.clear()
+            continue
         for name in [d for d in dirs if is_repo_folder(os.path.join(root, d))]:
             dirs.remove(name)
             repo = os.path.join(root, name)

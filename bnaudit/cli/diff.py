@@ -28,7 +28,9 @@ from bnaudit.errors import BnauditError
 
 
 def diff_command(
-    path_a: Annotated[str, typer.Argument(metavar="A", help="The checkpoint before (e.g. pretrained.pt).")],
+    path_a: Annotated[
+        str, typer.Argument(metavar="A", help="The checkpoint before (e.g. pretrained.pt, or a folder holding one).")
+    ],
     path_b: Annotated[str, typer.Argument(metavar="B", help="The checkpoint after (e.g. finetuned.ckpt).")],
     key_a: Annotated[
         Optional[str], typer.Option("--key-a", metavar="KEY", help="Container key of A's state dict (e.g. state_dict).")
@@ -130,10 +132,11 @@ def diff_command(
         if arch is not None or arch_kwargs is not None:
             if arch is None:
                 raise BnauditError("--arch-kwargs needs --arch")
+            from bnaudit.audit.resolve import model_checkpoint
             from bnaudit.formats.sniff import sniff_format
             from bnaudit.runtime.exportparity import diff_export
 
-            if sniff_format(path_b) != "onnx":
+            if sniff_format(model_checkpoint(path_b, trust_pickle=trust_pickle)) != "onnx":
                 raise BnauditError(f"--arch applies to a checkpoint against its ONNX export: {path_b} is not ONNX")
             options = None
             if data is not None:

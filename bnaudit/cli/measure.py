@@ -49,7 +49,8 @@ def gap(
     checkpoint: Annotated[
         str,
         typer.Argument(
-            metavar="CHECKPOINT", help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module."
+            metavar="CHECKPOINT",
+            help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module; or a folder holding one (as inspect finds it).",
         ),
     ],
     data: DataOpt = None,
@@ -190,7 +191,8 @@ def invariance(
     checkpoint: Annotated[
         str,
         typer.Argument(
-            metavar="CHECKPOINT", help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module."
+            metavar="CHECKPOINT",
+            help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module; or a folder holding one (as inspect finds it).",
         ),
     ],
     data: DataOpt = None,

@@ -49,7 +49,8 @@ def recalibrate(
     checkpoint: Annotated[
         str,
         typer.Argument(
-            metavar="CHECKPOINT", help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module."
+            metavar="CHECKPOINT",
+            help="A state dict (with --arch), a TorchScript archive or a pickled nn.Module; or a folder holding one (as inspect finds it).",
         ),
     ],
     output_path: Annotated[
@@ -58,7 +59,7 @@ def recalibrate(
             "--output",
             "-o",
             metavar="PATH",
-            help="Where to write the recalibrated checkpoint: .safetensors writes safetensors, .pt/.pth/.ckpt/.bin a torch file, any other name the input's format.",
+            help="Where to write the recalibrated checkpoint: .safetensors writes safetensors, .pt/.pth/.ckpt/.bin a torch file, any other name the input's format; a sharded checkpoint is written as a folder of shards.",
         ),
     ],
     data: DataOpt = None,

@@ -4,6 +4,9 @@
 missing or read-only folder, or that exists without `force`); `atomic_write` builds the
 file unnamed (O_TMPFILE, or a hidden temporary where that is missing) and names it only
 when complete and fsynced, so a crash or kill never leaves half a checkpoint.
+`check_folder_output` and `atomic_folder` do the same for a checkpoint that is a folder
+(shards and their index, a distributed checkpoint): built in a hidden temporary folder beside the target, renamed
+into place when complete.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bnaudit.errors import BnauditError
+from bnaudit.formats.sniff import is_dcp_folder
 
 _AT_FDCWD, _AT_EMPTY_PATH = -100, 0x1000
 
@@ -25,7 +29,9 @@ def check_output(output: str, source: str | None = None, force: bool = False) ->
     directory = os.path.dirname(os.path.abspath(output))
     if source is not None and os.path.exists(output) and os.path.exists(source) and os.path.samefile(output, source):
         raise BnauditError(f"{output}: is the input checkpoint; write the new one to another file")
-    if os.path.isdir(output):
+    # a folder checkpoint (torch.distributed.checkpoint) is rewritten as a folder: --force replaces it
+    folders = source is not None and is_dcp_folder(source) and is_dcp_folder(output)
+    if os.path.isdir(output) and not folders:
         raise BnauditError(f"{output}: is a directory")
     if not os.path.isdir(directory):
         raise BnauditError(f"{output}: folder {directory} does not exist")
@@ -173,3 +179,100 @@ def _fsync_dir(directory: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def check_folder_output(output: str, source_folder: str, marker: str, force: bool = False) -> None:
+    """Refuse, before any work, an output folder for a checkpoint that is a folder (shards
+    and their index): one with a checkpoint file's name, the input's folder, inside it or
+    holding it, in a missing or read-only folder, or existing without `force`. With
+    `force` an existing folder is replaced only when it holds `marker` (the index file:
+    a previous output) and files only, so a mistyped --output never deletes a tree."""
+    from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES
+
+    if not output:
+        raise BnauditError("the output path is empty")
+    if output.lower().endswith(CHECKPOINT_SUFFIXES) and not os.path.isdir(output):
+        raise BnauditError(
+            f"{output}: a sharded checkpoint is written as a folder of shards like its input; give --output a "
+            f"folder name (it will hold the shards and {marker})"
+        )
+    real_out, real_source = os.path.realpath(output), os.path.realpath(source_folder)
+    if real_out == real_source:
+        raise BnauditError(f"{output}: is the input checkpoint's folder; write the new one to another folder")
+    if os.path.commonpath([real_out, real_source]) == real_source:
+        raise BnauditError(f"{output}: lies inside the input folder {source_folder}; write it elsewhere")
+    if os.path.commonpath([real_out, real_source]) == real_out:
+        raise BnauditError(f"{output}: holds the input checkpoint ({source_folder}); write it elsewhere")
+    directory = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(directory):
+        raise BnauditError(f"{output}: folder {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise BnauditError(f"{output}: folder {directory} is not writable")
+    if not os.path.lexists(output):
+        return
+    if not force:
+        raise BnauditError(f"{output}: already exists (pass --force to overwrite)")
+    if os.path.islink(output) or not os.path.isdir(output):
+        raise BnauditError(f"{output}: exists and is not a folder; a sharded checkpoint is written as a folder")
+    entries = os.listdir(output)
+    if marker not in entries or any(os.path.isdir(os.path.join(output, e)) for e in entries):
+        raise BnauditError(
+            f"{output}: exists and is not a sharded checkpoint folder (no {marker}, or subfolders): "
+            "refusing to replace it; choose another --output"
+        )
+
+
+def atomic_folder(output: str, fill: Callable[[str], None], force: bool = False) -> None:
+    """Create the folder `output` from `fill(folder)` all at once, or not at all.
+
+    `fill` writes into a hidden temporary folder beside `output` (same filesystem); its
+    files and the folder are fsynced, then it is renamed to `output`. With `force` an
+    existing `output` is first renamed aside, and removed only once the new folder has its
+    name (put back if the rename fails). A crash, Ctrl-C or error in `fill` removes the
+    temporary folder and leaves `output` as it was.
+    """
+    import shutil
+    import tempfile
+
+    output = os.fspath(output)
+    directory = os.path.dirname(os.path.abspath(output))
+    base = os.path.basename(os.path.normpath(output))
+    try:
+        temp = tempfile.mkdtemp(dir=directory, prefix=f".{base}.bnaudit-{os.getpid()}-", suffix=".tmp")
+    except OSError as exc:
+        raise BnauditError(f"cannot write {output}: {exc.strerror or exc}") from None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temp, 0o777 & ~umask)  # mkdtemp's 0700 is for the temporary name only
+        fill(temp)
+        for name in os.listdir(temp):
+            fd = os.open(os.path.join(temp, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(temp)
+        if os.path.lexists(output):
+            if not force:
+                raise FileExistsError(output)
+            old = f"{temp[: -len('.tmp')]}.old"
+            os.rename(output, old)
+            try:
+                os.rename(temp, output)
+            except BaseException:
+                os.rename(old, output)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(temp, output)
+        _fsync_dir(directory)
+    except FileExistsError:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise BnauditError(f"{output}: already exists (pass --force to overwrite)") from None
+    except OSError as exc:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise BnauditError(f"cannot write {output}: {exc.strerror or exc}") from None
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise

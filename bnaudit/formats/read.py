@@ -2,7 +2,8 @@
 
 The one entry point for readers: sniff, dispatch to the format's reader, pick the
 state dict inside a container and strip wrapper prefixes. safetensors, TorchScript, torch.save
-files and torch.export (.pt2) archives are read without torch (torch.save through
+files, torch.export (.pt2) archives and torch.distributed.checkpoint folders (formats/dcp.py)
+are read without torch (torch.save through
 formats/torchsave.py; torch.load only with --trust-pickle or for a file naming torch globals
 that reader does not rebuild), ONNX models with the `onnx` package (an optional extra).
 """
@@ -48,6 +49,10 @@ def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = Fals
         if key is not None:
             raise BnauditError(f"{path}: --key does not apply to .pt2 archives")
         return read_pt2(path)
+    if fmt == "dcp":
+        from bnaudit.formats.dcp import read_dcp
+
+        return read_dcp(path, key)
     if fmt == "torchscript":
         from bnaudit.formats.torchscript import read_torchscript, script_metadata
 

@@ -234,6 +234,9 @@ def read_sharded(path: str, trust_pickle: bool = False) -> Checkpoint:
             raise BnauditError(
                 f"{path}: the index puts tensor '{name}' in {os.path.basename(shard)}, which does not hold it"
             )
+    record = index.metadata.get("bnaudit")
+    if isinstance(record, str):  # recalibrate's record: in the index too, for shards that carry no metadata
+        metadata.setdefault("bnaudit", record)
     ckpt = Checkpoint(path, "+".join(sorted(set(formats))), tensors, metadata=metadata)
     ckpt.shards = len(index.shards)
     return strip_wrapper_prefix(ckpt)

@@ -11,10 +11,12 @@
   byte 0 is 0x80    a pickle (PROTO opcode, protocol 2 to 5): legacy (pre-1.6) torch.save
   protobuf fields   ONNX: a ModelProto starts with field 1 (ir_version, a varint: byte 0x08)
                     followed by further ModelProto fields of the right wire types
+  a folder holding  a torch.distributed.checkpoint (DCP) folder (`dcp`): what dcp.save writes
+  `.metadata`       (formats/dcp.py)
 Bytes of none of these (a Core ML `weight.bin`, a text file named `.bin`) raise
 `NotACheckpoint`: a folder scan lists such a file as skipped, while a file that claims a
 format and breaks it (a damaged zip, an empty file: a save that never finished) stays an
-error. A folder, a pipe or a device is refused with one line. Only the first 64 bytes
+error. Another folder, a pipe or a device is refused with one line. Only the first 64 bytes
 (and a zip's directory) are read here, so a wrong file costs next to nothing.
 """
 
@@ -29,6 +31,15 @@ from bnaudit.text import exception_line
 
 if TYPE_CHECKING:
     import zipfile
+
+# torch.distributed.checkpoint's metadata file: the folder holding it is one checkpoint.
+DCP_METADATA = ".metadata"
+
+
+def is_dcp_folder(path: str) -> bool:
+    """A folder that torch.distributed.checkpoint wrote (it holds `.metadata`)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, DCP_METADATA))
+
 
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar", ".safetensors", ".onnx", ".jit", ".pt2")
 
@@ -51,6 +62,8 @@ def sniff_format(path: str) -> str:
         # (/dev/zero, /dev/urandom) never ends; neither is a checkpoint.
         mode = os.stat(path).st_mode
         if stat.S_ISDIR(mode):
+            if is_dcp_folder(path):
+                return "dcp"
             raise IsADirectoryError(path)
         if not stat.S_ISREG(mode):
             raise BnauditError(f"{path}: not a regular file (a pipe, socket or device)")

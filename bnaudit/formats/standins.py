@@ -192,6 +192,31 @@ def read_with_stand_ins(path: str, allowed: Callable[[str], Any]) -> Any:
     return _unpickled(path, load)
 
 
+class _PlainStandInUnpickler(StandInUnpickler):
+    """The stand-in unpickler over a plain pickle (no archive, no persistent ids): only
+    the globals `allowed` gives are real; torch's tensor and storage records are not."""
+
+    def __init__(self, data: bytes, allowed: Callable[[str], Any]) -> None:
+        super().__init__(data, None, "", allowed)
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        obj = self.allowed(full)
+        if obj is not None:
+            return obj
+        return self.stand_ins.setdefault(full, StandIn(full))
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError(f"unexpected persistent id {str(pid)[:80]}")
+
+
+def read_pickle_with_stand_ins(path: str, data: bytes, allowed: Callable[[str], Any]) -> Any:
+    """The object the plain pickle `data` (read from `path`) holds: every global that
+    `allowed` does not give replaced by a `StandIn`; a pickle that calls one is refused,
+    naming it (torch.distributed.checkpoint's `.metadata`, formats/dcp.py)."""
+    return _unpickled(path, lambda: _PlainStandInUnpickler(data, allowed).load())
+
+
 def _unpickled(path: str, load: Callable[[], Any]) -> Any:
     """`load()`, its failures as one line each: a call of a stand-in names the global."""
     try:

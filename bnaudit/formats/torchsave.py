@@ -29,6 +29,7 @@ stand-in reader, exactly as before.
 from __future__ import annotations
 
 import _compat_pickle
+import io
 import math
 import os
 import pickle
@@ -300,10 +301,12 @@ class _LegacyUnpickler(_FreeUnpickler):
         return _Storage(self.path, found.dtype, found.numel, found.offset)
 
 
-def _zip_records(path: str, archive: zipfile.ZipFile, root: str) -> tuple[dict[str, _Storage], bool]:
+def _zip_records(
+    path: str, archive: zipfile.ZipFile, root: str, base: int = 0, end: int | None = None
+) -> tuple[dict[str, _Storage], bool]:
     """The `data/<key>` records of a torch zip archive (their numel in bytes) and whether its
-    byte order is big-endian."""
-    size = os.path.getsize(path)
+    byte order is big-endian; an archive stored inside `path` lies at [base, end)."""
+    size = os.path.getsize(path) if end is None else end
     records: dict[str, _Storage] = {}
     prefix = f"{root}/data/"
     with open(path, "rb") as f:
@@ -312,11 +315,11 @@ def _zip_records(path: str, archive: zipfile.ZipFile, root: str) -> tuple[dict[s
                 continue
             start = None
             if info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1:
-                f.seek(info.header_offset)
+                f.seek(base + info.header_offset)
                 head = f.read(30)
                 if head[:4] == b"PK\x03\x04":
                     names, extra = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30], "little")
-                    start = info.header_offset + 30 + names + extra
+                    start = base + info.header_offset + 30 + names + extra
                     if start + info.file_size > size:
                         raise BnauditError(f"{path}: zip record '{info.filename}' runs past the end of the file")
             key = info.filename[len(prefix) :]
@@ -361,4 +364,65 @@ def read_torch_free(path: str, legacy: bool, allowed: Callable[[str], Any], stan
         if legacy:
             return read_legacy_with_stand_ins(path, legacy_layout(path), allowed)
         return read_with_stand_ins(path, allowed)
+    return obj
+
+
+class _Window(io.RawIOBase):
+    """Bytes [start, start + length) of an open file as a file of their own (zipfile reads
+    an archive stored inside a larger file through it)."""
+
+    def __init__(self, f: Any, start: int, length: int) -> None:
+        super().__init__()
+        self.f, self.start, self.length, self.position = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        origin = {0: 0, 1: self.position, 2: self.length}[whence]
+        self.position = max(0, origin + offset)
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        count = max(0, min(len(buffer), self.length - self.position))
+        self.f.seek(self.start + self.position)
+        data = self.f.read(count)
+        buffer[: len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+
+def read_stored_tensor(path: str, start: int, length: int) -> TensorRef:
+    """The one tensor a torch.save zip archive stored at bytes [start, start + length) of
+    `path` holds (a torch.distributed.checkpoint chunk: formats/dcp.py), its elements read
+    lazily from `path` like any torch.save file's. Only tensor records are rebuilt: any other
+    global, anything but one tensor, a compressed record or one past the range is one line."""
+    where = f"{path}: torch.save archive at bytes {start}..{start + length}"
+    try:
+        with open(path, "rb") as f:
+            archive = zipfile.ZipFile(io.BufferedReader(_Window(f, start, length)))
+            for info in archive.infolist():
+                if info.file_size > length:
+                    raise BnauditError(f"{where}: entry '{info.filename}' claims more bytes than the archive holds")
+            entry = next(n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1)
+            root = entry.split("/")[0]
+            records, big = _zip_records(path, archive, root, base=start, end=start + length)
+            if any(r.start is None for r in records.values()):
+                raise BnauditError(f"{where}: a compressed tensor record (torch.save never writes one)")
+            unpickler = _ZipUnpickler(archive.read(entry), lambda name: None, big, path, records)
+            obj = unpickler.load()
+    except BnauditError:
+        raise
+    except NeedsTorch as exc:
+        raise BnauditError(f"{where}: names {exc.name}, which a stored tensor never needs") from None
+    except Exception as exc:  # forged bytes fail anywhere in zipfile or the pickle machine
+        raise BnauditError(f"{where}: unreadable ({exception_line(exc, with_type=False)})") from None
+    if unpickler.stand_ins or not isinstance(obj, TensorRef):
+        raise BnauditError(f"{where}: holds {type(obj).__name__}, not one tensor")
     return obj

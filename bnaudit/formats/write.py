@@ -18,9 +18,12 @@ from typing import Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.allowlist import load_torch_object
-from bnaudit.formats.atomic import atomic_write, check_output
+from bnaudit.formats.atomic import atomic_folder, atomic_write, check_folder_output, check_output
+from bnaudit.formats.classify import SCANNED_NAMES
 from bnaudit.formats.model import MODULE_RECORD_ATTRIBUTE, Checkpoint, statistics_digest
 from bnaudit.formats.safetensors import SAFETENSORS_DTYPE_CODES
+from bnaudit.formats.shards import ShardIndex, is_index, read_index
+from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES, sniff_format
 from bnaudit.formats.torchscript import RECORD_EXTRA_FILE
 from bnaudit.text import exception_line, plural
 
@@ -55,6 +58,9 @@ def save_like(
                     and torch.load(weights_only=True) keep and load_state_dict ignores
       torchscript   the archive loaded, buffers set, saved with its extra files and the
                     provenance as the extra file `bnaudit.json`
+      dcp           a torch.distributed.checkpoint folder: every tensor and object saved
+                    again by `dcp.save` in one process, the provenance in `bnaudit.json`
+                    beside its files (`_write_dcp_like`)
 
     Across formats: to `.safetensors` from a torch file, the chosen state dict's tensors
     (names as stored, contiguous) with `{"format": "pt", "bnaudit": provenance}` as
@@ -65,13 +71,20 @@ def save_like(
     `recalibrate` puts `statistics_digests` into the provenance: inspect trusts the
     record for a layer only while its stored statistics match.
 
-    Written atomically (see `atomic_write`); the input is never opened for writing.
-    Non-finite statistics are refused, naming the layer.
+    A sharded checkpoint (`ckpt.path` its index) is written as a folder `output` laid out
+    like its own (`_save_sharded_like`): the shards holding updated statistics rewritten
+    in their format, the others and the folder's non-checkpoint files (config.json, ...)
+    copied byte for byte, the index with the same weight map, `total_size` recomputed and
+    the provenance in its metadata.
+
+    Written atomically (see `atomic_write`, `atomic_folder`); the input is never opened
+    for writing. Non-finite statistics are refused, naming the layer.
     """
-    if ckpt.shards:  # one file per shard would have to be rewritten and re-indexed
-        raise BnauditError(
-            f"{ckpt.path}: writing a sharded checkpoint is not supported; recalibrate a single-file copy"
-        )
+    if ckpt.shards:
+        check_destination(output, ckpt.path, force)
+        check_writable(ckpt, output, trust_pickle)
+        _save_sharded_like(ckpt, _prepare_updates(ckpt, updates), output, force, provenance, trust_pickle)
+        return
     check_output(output, ckpt.path, force)
     target = output_format(ckpt.format, output)
     check_writable(ckpt, output, trust_pickle)
@@ -125,9 +138,57 @@ def save_like(
                 import torch
 
                 torch.jit.save(module, f, _extra_files=extra)
+    elif ckpt.format == "dcp":
+        _write_dcp_like(ckpt, prepared, record, output, force)
+        return
     else:  # pragma: no cover - read_checkpoint knows no other format
         raise BnauditError(f"{ckpt.path}: cannot write format {ckpt.format}")
     atomic_write(output, write, force=force)
+
+
+def _write_dcp_like(ckpt: Checkpoint, prepared: dict[str, Any], record: str | None, output: str, force: bool) -> None:
+    """A torch.distributed.checkpoint folder written again by `dcp.save` in this one process
+    (no process group: `no_dist`), every tensor and object of the input (optimizer state
+    included) under its own key path, the updated buffers replaced; DCP reshards it on
+    load, so FSDP or DDP models of any world size `dcp.load` it. Pickled objects are read
+    back with `torch.load(weights_only=True)` (plain data) or the write is refused. The
+    provenance goes into `bnaudit.json` beside DCP's files (DCP reads only what its
+    metadata names). Built in a temporary folder and renamed (`atomic_folder`)."""
+    import io
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from bnaudit.formats.dcp import RECORD_FILE, nested_state_dict, read_dcp_layout, stored_bytes, tensor_ref
+
+    layout = read_dcp_layout(ckpt.path)
+    values: dict[str, Any] = {fqn: tensor_ref(layout.folder, t).to_torch() for fqn, t in layout.tensors.items()}
+    for fqn, chunk in layout.objects.items():
+        blob = stored_bytes(layout.folder, chunk, f"{ckpt.path}: object '{fqn}'")
+        try:
+            values[fqn] = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise BnauditError(
+                f"{ckpt.path}: cannot be written back: the object '{fqn}' is not plain data "
+                f"({exception_line(exc, with_type=False)})"
+            ) from None
+    state = nested_state_dict(layout, values)
+    target = state
+    for part in ckpt.key.split("/") if ckpt.key else []:
+        target = target[part]
+    for name, value in prepared.items():
+        target[ckpt.prefix + name] = value
+
+    def build(folder: str) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP's notes on saving without a process group
+            dcp_save(state, checkpoint_id=folder, no_dist=True)
+        if record is not None:
+            with open(os.path.join(folder, RECORD_FILE), "w", encoding="utf-8") as f:
+                f.write(record)
+
+    atomic_folder(output, build, force=force)
 
 
 # Output names whose format bnaudit knows; any other name keeps the input's format.
@@ -146,18 +207,38 @@ def output_format(input_format: str, output: str) -> str:
     return input_format
 
 
+def check_destination(output: str, source: str, force: bool = False) -> None:
+    """Refuse, before any work, an output `save_like` could not write for the checkpoint
+    at `source`: a folder for a shard index (`check_folder_output`), a file otherwise
+    (`check_output`)."""
+    if is_index(source):
+        check_folder_output(output, os.path.dirname(source) or ".", os.path.basename(source), force)
+    else:
+        check_output(output, source, force)
+
+
 def check_writable(ckpt: Checkpoint, output: str, trust_pickle: bool = False) -> None:
     """Refuse, before any work, a checkpoint `save_like` could not write to `output`: a
     torch container that `output`'s format (safetensors: named tensors and string metadata
     only) cannot hold, naming what does not fit, and a container read with stand-ins
     (their objects were never loaded, so they cannot be saved again)."""
+    suffix = os.path.splitext(output)[1].lower()
+    if ckpt.format == "dcp" and suffix in (".safetensors", *_TORCH_SUFFIXES):
+        raise BnauditError(
+            f"{output}: a torch.distributed.checkpoint folder is written back as a folder: name the output "
+            "without a file suffix (torch's dcp_to_torch_save converts the result to one file)"
+        )
     if ckpt.not_loaded and not trust_pickle:
         raise BnauditError(
             f"{ckpt.path}: cannot be written back: it holds objects of classes that were not loaded "
             f"({ckpt.not_loaded[0]}); pass --trust-pickle if you trust the file, or save the state dict alone"
         )
-    if output_format(ckpt.format, output) != "safetensors" or ckpt.format in ("safetensors", "torchscript"):
-        return
+    if (
+        ckpt.shards
+        or output_format(ckpt.format, output) != "safetensors"
+        or ckpt.format in ("safetensors", "torchscript")
+    ):
+        return  # shards are written back each in its own format
     if ckpt.holds_module:
         raise BnauditError(
             f"{output}: a safetensors file cannot hold the pickled nn.Module of {ckpt.path} (only its "
@@ -330,12 +411,110 @@ def _prepare_updates(ckpt: Checkpoint, updates: Mapping[str, Any]) -> dict[str, 
 def _write_safetensors_like(
     ckpt: Checkpoint, prepared: dict[str, Any], provenance: Mapping[str, Any] | None, f: Any
 ) -> None:
-    tensors, metadata = _read_all_safetensors(ckpt.path)
-    for name, tensor in prepared.items():
-        tensors[ckpt.prefix + name] = tensor
-    if provenance is not None:
-        metadata["bnaudit"] = json.dumps(dict(provenance), sort_keys=True)
+    record = json.dumps(dict(provenance), sort_keys=True) if provenance is not None else None
+    _rewrite_safetensors(ckpt.path, {ckpt.prefix + n: v for n, v in prepared.items()}, record, f)
+
+
+def _rewrite_safetensors(source: str, updates: Mapping[str, Any], record: str | None, f: Any) -> None:
+    """The safetensors file `source` again, written by the package: `updates` (stored name ->
+    tensor of the stored dtype and shape) in place of their tensors and `record` as the
+    `bnaudit` metadata (the file's other metadata kept)."""
+    tensors, metadata = _read_all_safetensors(source)
+    tensors.update(updates)
+    if record is not None:
+        metadata["bnaudit"] = record
     write_safetensors(tensors, metadata, f)
+
+
+def _save_sharded_like(
+    ckpt: Checkpoint,
+    prepared: Mapping[str, Any],
+    output: str,
+    force: bool,
+    provenance: Mapping[str, Any] | None,
+    trust_pickle: bool,
+) -> None:
+    """A sharded checkpoint written again as the folder `output`, laid out like the input's
+    (what transformers' `save_pretrained` writes and `from_pretrained` reads):
+
+      shards        the same file names; a shard holding updated statistics rewritten in its
+                    own format (safetensors: `_rewrite_safetensors`, the record in its
+                    metadata; torch: reloaded, entries replaced, saved again), every other
+                    shard copied byte for byte
+      index         the input's JSON with the same `weight_map`, `metadata.total_size` the
+                    bytes of every tensor stored (sum of numel x element size), and
+                    `metadata.bnaudit` the provenance record; written as transformers writes
+                    it (indent 2, sorted keys, final newline)
+      other files   the regular files beside the index that are no checkpoint (config.json,
+                    tokenizer and generation configs, README.md) copied, so the folder loads
+                    as the input did; checkpoints of other series and subfolders are not
+    """
+    import shutil
+
+    import torch
+
+    index = read_index(ckpt.path)
+    folder = os.path.dirname(ckpt.path) or "."
+    record = json.dumps(dict(provenance), sort_keys=True) if provenance is not None else None
+    by_shard: dict[str, dict[str, Any]] = {}
+    for name, value in prepared.items():
+        stored = ckpt.prefix + name
+        by_shard.setdefault(index.weight_map[stored], {})[stored] = value
+    with open(ckpt.path, encoding="utf-8") as f:
+        document = json.load(f)  # read_index validated it
+    sizes = {
+        dtype: torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        for dtype in {r.dtype for r in ckpt.tensors.values()}
+    }
+    document["metadata"] = {
+        **(document.get("metadata") or {}),
+        "total_size": sum(math.prod(r.shape) * sizes[r.dtype] for r in ckpt.tensors.values()),
+        **({"bnaudit": record} if record is not None else {}),
+    }
+
+    def fill(temp: str) -> None:
+        for shard in index.shards:
+            target = os.path.join(temp, os.path.relpath(shard, folder))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            updates = by_shard.get(shard)
+            if not updates:
+                shutil.copyfile(shard, target)
+            elif sniff_format(shard) == "safetensors":
+                with open(target, "wb") as out:
+                    _rewrite_safetensors(shard, updates, record, out)
+            else:
+                _rewrite_torch_shard(shard, updates, target, trust_pickle)
+        for name in _companions(folder, index):
+            shutil.copyfile(os.path.join(folder, name), os.path.join(temp, name))
+        with open(os.path.join(temp, os.path.basename(ckpt.path)), "w", encoding="utf-8") as out:
+            out.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
+
+    atomic_folder(output, fill, force=force)
+
+
+def _rewrite_torch_shard(shard: str, updates: Mapping[str, Any], target: str, trust_pickle: bool) -> None:
+    """A torch.save shard (a plain state dict) saved again with `updates` replacing its entries."""
+    import torch
+
+    fmt = sniff_format(shard)
+    state = load_torch_object(shard, trust_pickle=trust_pickle, mmap=fmt == "torch-zip")
+    for name, value in updates.items():
+        state[name] = value.to(state[name].device)  # a new tensor: the loaded one maps the input
+    torch.save(state, target, _use_new_zipfile_serialization=fmt == "torch-zip")
+
+
+def _companions(folder: str, index: ShardIndex) -> list[str]:
+    """Names of the regular files beside a shard index that belong to no checkpoint."""
+    shards = {os.path.realpath(s) for s in index.shards}
+    return [
+        name
+        for name in sorted(os.listdir(folder))
+        if os.path.isfile(os.path.join(folder, name))
+        and not name.lower().endswith(CHECKPOINT_SUFFIXES)
+        and not is_index(name)
+        and not SCANNED_NAMES.match(name)
+        and os.path.realpath(os.path.join(folder, name)) not in shards
+    ]
 
 
 def _apply_to_container(ckpt: Checkpoint, obj: Any, prepared: dict[str, Any]) -> None:

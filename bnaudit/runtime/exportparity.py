@@ -36,6 +36,7 @@ import torch
 
 from bnaudit.audit.diff import DiffReport, diff
 from bnaudit.audit.exportdiff import ParityResult
+from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.onnx import load_onnx
@@ -137,6 +138,9 @@ def diff_export(
     """`diff checkpoint export --arch ...`: folded layers paired through the model graph,
     the checkpoint's real eps/momentum from the model's modules, and with `data` the
     outputs of both compared."""
+    # a folder: the checkpoint (the export) inspect finds in it
+    checkpoint = model_checkpoint(checkpoint, trust_pickle=trust_pickle)
+    export = model_checkpoint(export, trust_pickle=trust_pickle)
     runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
     producers = bn_producers(runnable.module)
     parity = None

@@ -65,6 +65,7 @@ from typing import Any
 import torch
 
 from bnaudit.audit.audit import audit_checkpoint
+from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.config import Config, measurement_fail_on
 from bnaudit.errors import BnauditError
 from bnaudit.reports.gap import NEEDS_LABELS, GapReport, LayerDrift, check_max_gap, diagnose
@@ -576,6 +577,7 @@ def measure_gap(
     if options.batch_size < 2:  # before the model loads: the cheapest refusal first
         raise BnauditError("--batch-size must be at least 2: train-mode BatchNorm normalises by batch statistics")
     forward_fn = load_forward(forward)
+    checkpoint = model_checkpoint(checkpoint, trust_pickle=trust_pickle)  # a folder: the model inspect finds
     runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
     stream = make_loader(replace(options, pin_memory=target.type == "cuda"))
     if max_gap is not None and stream.has_labels is False:

@@ -89,6 +89,7 @@ import torch
 
 from bnaudit.audit.audit import audit_checkpoint
 from bnaudit.audit.report import FileReport
+from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.config import Config, measurement_fail_on
 from bnaudit.errors import BnauditError
 from bnaudit.reports.invariance import ArrangementResult, CouplingSite, InvarianceReport, diagnose
@@ -570,6 +571,7 @@ def measure_invariance(
     options.validate()
     sizes = check_batch_sizes(batch_sizes or [1, options.batch_size])
     forward_fn = load_forward(forward)
+    checkpoint = model_checkpoint(checkpoint, trust_pickle=trust_pickle)  # a folder: the model inspect finds
     runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
     stream = make_loader(replace(options, pin_memory=target.type == "cuda"))
     with torchrun(target) as ranks:

@@ -324,7 +324,9 @@ def load_runnable(
     key: str | None = None,
     trust_pickle: bool = False,
 ) -> RunnableModel:
-    """A runnable model (in eval mode, on the CPU) from a checkpoint and optional --arch."""
+    """A runnable model (in eval mode, on the CPU) from a checkpoint file and optional --arch.
+    The commands turn a folder into the checkpoint file it holds first, as inspect decides
+    (`bnaudit.audit.resolve.model_checkpoint`)."""
     if arch is None and arch_kwargs is not None:
         raise BnauditError("--arch-kwargs needs --arch")
     # from the bytes, before any reader: refused with or without --arch and without the onnx extra
@@ -348,9 +350,10 @@ def load_runnable(
         )
     if fmt == "torchscript":
         return _load_torchscript(checkpoint_path, key)
-    if fmt == "safetensors":
+    if fmt in ("safetensors", "dcp"):
+        what = "a safetensors file" if fmt == "safetensors" else "a torch.distributed.checkpoint folder"
         raise BnauditError(
-            f"{checkpoint_path}: a safetensors file holds tensors, not a model: pass --arch MODULE:CALLABLE "
+            f"{checkpoint_path}: {what} holds tensors, not a model: pass --arch MODULE:CALLABLE "
             "(the function that builds the model)"
         )
     return _load_pickled_module(checkpoint_path, fmt, key, trust_pickle)

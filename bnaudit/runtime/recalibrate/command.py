@@ -1,6 +1,7 @@
-"""`recalibrate` on a checkpoint file: load the model, re-estimate its BatchNorm
-statistics on calibration data (`methods.recalibrate_module`), write a new checkpoint in
-the input's format with only those buffers changed (`formats.write.save_like`, atomic), and
+"""`recalibrate` on a checkpoint (a file, or a folder holding one: `audit.resolve`): load the
+model, re-estimate its BatchNorm statistics on calibration data (`methods.recalibrate_module`),
+write a new checkpoint in the input's format and layout (a sharded checkpoint as a folder of
+shards) with only those buffers changed (`formats.write.save_like`, atomic), and
 report per layer how far the old and the new statistics are from the calibration data
 (`bnaudit.audit.statistics.Drift`), and with held-out data the gap report of both checkpoints.
 
@@ -24,10 +25,10 @@ from typing import Any
 import torch
 
 from bnaudit import __version__
+from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
-from bnaudit.formats.atomic import check_output
-from bnaudit.formats.write import check_writable, save_like, statistics_digests
+from bnaudit.formats.write import check_destination, check_writable, save_like, statistics_digests
 from bnaudit.reports.gap import GapReport, is_large
 from bnaudit.reports.recalibrate import LayerChange, RecalibrationReport, SkippedLayer
 from bnaudit.runtime.attribution import BROAD_FRACTION, channel_scores
@@ -148,7 +149,8 @@ def recalibrate_checkpoint(
     with sigterm_unwinds():
         if method not in METHODS:
             raise BnauditError(f"unknown --method {method!r} (choose from {', '.join(METHODS)})")
-        check_output(output, checkpoint, force)
+        checkpoint = model_checkpoint(checkpoint, trust_pickle=trust_pickle)  # a folder: the model inspect finds
+        check_destination(output, checkpoint, force)  # a sharded input is written as a folder
         options.validate()
         protect_inputs(
             output,
@@ -268,7 +270,9 @@ def recalibrate_checkpoint(
             save_like(ckpt, updates, output, force=force, provenance=provenance, trust_pickle=trust_pickle)
             eval_after = None
             if eval_data is not None:
-                written = load_runnable(output, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
+                written = load_runnable(
+                    model_checkpoint(output), arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle
+                )
                 eval_after = _measure(written, eval_data, target, forward_fn, config)
             return RecalibrationReport(
                 input=checkpoint,
