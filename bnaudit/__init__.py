@@ -10,6 +10,8 @@ Public API (the CLI is a thin layer over it):
     bnaudit.recalibrate_checkpoint(checkpoint, output, DataOptions(path=...), arch=..., config=...)
         -> RecalibrationReport
     bnaudit.recalibrate_module(model, batches, method="exact") -> Calibration   (an nn.Module in place)
+    bnaudit.predict_fold(path, config) -> FoldReport        (folding, int8, fp16, bf16: predicted)
+    bnaudit.measure_fold(checkpoint, DataOptions(path=...), config, arch=...) -> FoldReport  (and measured)
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ __all__ = [
     "__version__",
     "diff",
     "inspect",
+    "measure_fold",
     "measure_gap",
     "measure_invariance",
+    "predict_fold",
     "recalibrate_checkpoint",
     "recalibrate_module",
 ]
@@ -39,6 +43,8 @@ _LAZY = {
     "measure_invariance": ("bnaudit.runtime.invariance", "measure_invariance"),
     "recalibrate_checkpoint": ("bnaudit.runtime.recalibrate.command", "recalibrate_checkpoint"),
     "recalibrate_module": ("bnaudit.runtime.recalibrate.methods", "recalibrate_module"),
+    "predict_fold": ("bnaudit.audit.foldaudit", "predict_fold"),
+    "measure_fold": ("bnaudit.runtime.fold", "measure_fold"),
     "Config": ("bnaudit.config", "Config"),
     "DataOptions": ("bnaudit.runtime.sources", "DataOptions"),
     "BnauditError": ("bnaudit.errors", "BnauditError"),

@@ -63,6 +63,8 @@ class Config:
     expect_trained   diff: layer-name globs whose weights must change (BN105)
     stale_max_change diff: BN102 is an error when the weight/bias change of a layer with
                      stale statistics exceeds this fraction of the layer's scale max|gamma|
+    max_cancellation fold: BN206 flags a channel whose half-precision cancellation bound
+                     |running_mean| * u / sqrt(var + eps) exceeds this (u: the format's unit roundoff)
     source           the configuration file these settings came from (None: none)
     from_file        the fields whose value the configuration file set (the others are
                      defaults, or given on the command line / by the caller)
@@ -85,6 +87,7 @@ class Config:
     expect_frozen: tuple[str, ...] = ()
     expect_trained: tuple[str, ...] = ()
     stale_max_change: float = 0.1
+    max_cancellation: float = 0.05
     source: str | None = field(default=None, compare=False)
     from_file: frozenset[str] = field(default=frozenset(), compare=False)
 
@@ -113,6 +116,7 @@ class Config:
             "expect-frozen": list(self.expect_frozen),
             "expect-trained": list(self.expect_trained),
             "stale-max-change": self.stale_max_change,
+            "max-cancellation": self.max_cancellation,
         }
 
     @property
@@ -373,6 +377,13 @@ KEYS: dict[str, Key] = {
             _ignoring_codes(_positive),
             "diff: BN102 is an error when weights with stale statistics moved by more than this "
             "fraction of the layer's scale max|gamma|",
+        ),
+        Key(
+            "max-cancellation",
+            "max_cancellation",
+            _ignoring_codes(_positive),
+            "fold: BN206 flags a channel whose fp16/bf16 cancellation bound |mean| * u / sqrt(var + eps) "
+            "exceeds this (in units of the channel's standard deviation)",
         ),
     )
 }

@@ -31,6 +31,9 @@ its BatchNormalization nodes kept: the legacy exporter with do_constant_folding=
 by mistake: BatchNormalization nodes with training_mode=1). Needs the onnx extra at generation
 time (`pip install "bnaudit[onnx]"`); `--onnx-only` rewrites just these from healthy.safetensors.
 
+An InceptionV3-like channel: `inception_channel.safetensors` (see `write_inception_channel`;
+`--fold-only` rewrites just it from healthy.safetensors).
+
 torch.export archives (issue #23): `pt2/eval.pt2` (the healthy model exported with
 torch.export.export from model.eval() and saved with torch.export.save: aten.batch_norm nodes
 with training=False) and `pt2/training.pt2` (the same model exported in train mode, the
@@ -402,6 +405,20 @@ def write_pt2_samples(healthy: dict[str, torch.Tensor], folder: str) -> None:
             torch.export.save(program, os.path.join(folder, name))
 
 
+def write_inception_channel(healthy: dict[str, torch.Tensor], name: str = "inception_channel.safetensors") -> None:
+    """inception_channel.safetensors: the healthy weights with one channel of features.4 given
+    the statistics torchvision's InceptionV3 ships (running_var 1.86e-14, gamma 1) and, as
+    there, carrying nothing the model uses (head.1's weights that read it are 0), so eval mode
+    keeps its accuracy while the folded channel sets the int8 per-tensor range (`bnaudit fold`)."""
+    sd = {k: v.clone() for k, v in healthy.items()}
+    channel = 5
+    sd["features.4.running_var"][channel] = 1.86e-14
+    sd["features.4.weight"][channel] = 1.0
+    per_channel = sd["head.1.weight"].shape[1] // sd["features.4.running_var"].shape[0]  # flattened 4x4 maps
+    sd["head.1.weight"][:, channel * per_channel : (channel + 1) * per_channel] = 0.0
+    save_st(sd, name, {"source": "bnaudit sample_models/generate.py: an InceptionV3-like channel"})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images-per-class", type=int, default=10)
@@ -413,8 +430,16 @@ def main() -> None:
     parser.add_argument("--onnx-only", action="store_true", help="rewrite onnx/ from healthy.safetensors")
     parser.add_argument("--pt2-only", action="store_true", help="rewrite pt2/ from healthy.safetensors")
     parser.add_argument("--dcp-only", action="store_true", help="rewrite dcp/ from healthy.safetensors")
+    parser.add_argument(
+        "--fold-only", action="store_true", help="rewrite inception_channel.safetensors from healthy.safetensors"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.fold_only:
+        from safetensors.torch import load_file
+
+        write_inception_channel(load_file(os.path.join(HERE, "healthy.safetensors")))
+        return
     if args.dcp_only:
         from safetensors.torch import load_file
 
@@ -528,6 +553,7 @@ def main() -> None:
     write_onnx_samples(healthy, os.path.join(HERE, "onnx"))
     write_onnx_folded_sample(healthy, os.path.join(HERE, "onnx"))
     write_pt2_samples(healthy, os.path.join(HERE, "pt2"))
+    write_inception_channel(healthy)
 
 
 def fine_tune_frozen_backbone(pretrained, x, y, epochs: int = 2) -> dict[str, torch.Tensor]:

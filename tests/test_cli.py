@@ -181,6 +181,7 @@ def test_sample_models_show_every_rule(cli):
     assert by_file["reset_stats.pt"] == {"BN002"}
     assert by_file["immature.pt"] == {"BN003"}
     assert by_file["dead_channel.safetensors"] == {"BN004"}
+    assert by_file["inception_channel.safetensors"] == {"BN004"}  # bnaudit fold's sample
     assert by_file["nan_stats.pt"] == {"BN005"}
     assert by_file["fp16_buffers.safetensors"] == {"BN008"}
     assert by_file["converted.safetensors"] == {"BN009"}

@@ -53,6 +53,13 @@ def test_registry_has_the_documented_codes_and_names():
         "BN112": "folded-mismatch",
         "BN113": "export-unpaired",
         "BN114": "export-output-deviates",
+        "BN201": "int8-per-tensor-collapse",
+        "BN202": "int8-per-tensor-coarse",
+        "BN203": "int8-per-channel-collapse",
+        "BN204": "fp16-overflow",
+        "BN205": "fp16-flush",
+        "BN206": "half-cancellation",
+        "BN207": "bn-not-paired",
     }
 
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from bnaudit import __version__, fastcli, output
-from bnaudit.cli import diff, inspect, measure, recalibrate
+from bnaudit.cli import diff, fold, inspect, measure, recalibrate
 from bnaudit.errors import OutputClosed
 
 _APP_SETTINGS: dict[str, Any] = dict(
@@ -62,6 +62,7 @@ for _name, _function in (
     ("invariance", measure.invariance),
     ("recalibrate", recalibrate.recalibrate),
     ("diff", diff.diff_command),
+    ("fold", fold.fold_command),
 ):
     app.command(_name, cls=fastcli.FastCommand)(_function)
 

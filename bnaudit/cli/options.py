@@ -33,6 +33,18 @@ class InspectFormat(str, Enum):
     markdown = "markdown"
 
 
+class FoldFormat(str, Enum):
+    """fold's formats: the table, JSON and what CI systems read (its findings are at one
+    file, the checkpoint)."""
+
+    table = "table"
+    json = "json"
+    github = "github"
+    gitlab = "gitlab"
+    junit = "junit"
+    markdown = "markdown"
+
+
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")]
 FormatOpt = Annotated[Format, typer.Option("--format", "-f", help="Report format.")]
 InspectFormatOpt = Annotated[

@@ -414,6 +414,17 @@ def _layer_name(node: Any, inputs: list[str], fallback: str) -> str:
     return node.name or fallback
 
 
+def batchnorm_layer_name(node: Any, index: int) -> str:
+    """The layer name `read_onnx` gives BatchNormalization node `node`, the `index`-th of
+    `OnnxModel.nodes()` (before a repeated name gets its `#index` suffix)."""
+    return _layer_name(node, list(node.input), node.name or f"BatchNormalization_{index}")
+
+
+def constant(model: OnnxModel, name: str) -> TensorRef | None:
+    """The constant `name` stands for, through Identity nodes (see `_identity_sources`), or None."""
+    return model.initializer(_resolve(name, _identity_sources(model)))
+
+
 def _identity_sources(model: OnnxModel) -> dict[str, str]:
     """output -> input of every Identity node (the legacy exporter shares equal initializers
     through Identity nodes: `bn.running_var = Identity(bn.weight)`)."""
@@ -529,7 +540,7 @@ def read_onnx(path: str) -> Checkpoint:
         if missing:
             unauditable.append(f"{node_words}: {'; '.join(missing)}: not constants, cannot be audited")
             continue
-        name = _layer_name(node, inputs, label)
+        name = batchnorm_layer_name(node, index)
         if name in modules:
             name = f"{name}#{index}"
         if any(len(r.shape) != 1 for r in (refs["running_mean"], refs["running_var"])):

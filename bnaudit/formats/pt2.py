@@ -425,3 +425,86 @@ def _read_decomposed(
             # what the arithmetic computes, so that normkinds classifies the layer as BatchNorm
             calls=("aten::batch_norm",),
         )
+
+
+# The operators a BatchNorm folds into: their output channels are the first dimension of
+# their weight (aten.convolution with transposed=True is not one: its weight is (C_in, C_out/g, ...)).
+_PRODUCER_OPS = ("aten.conv1d.", "aten.conv2d.", "aten.conv3d.", "aten.linear.", "aten.convolution.")
+
+
+@dataclass(frozen=True)
+class GraphProducer:
+    """What feeds a BN node of a program: the Conv/Linear node it folds into (`name` its
+    module's name from its weight's state-dict name, `weight`, `bias`), or, where it cannot
+    be folded, `why_not` (what feeds it instead)."""
+
+    name: str
+    weight: TensorRef | None
+    bias: TensorRef | None
+    why_not: str = ""
+
+
+def _stored(arg: Any, inputs: dict[str, _Input], payloads: dict[str, Payload]) -> tuple[str | None, TensorRef | None]:
+    """(state-dict name, stored tensor) of the placeholder an argument names; None where not."""
+    source = inputs.get(_tensor_name(arg) or "")
+    payload = payloads.get(source.fqn) if source is not None and source.fqn else None
+    return (source.fqn if source is not None else None), (payload.ref if payload is not None else None)
+
+
+def batchnorm_producers(path: str) -> dict[str, GraphProducer]:
+    """For every batch-norm node of the archive's programs, by the layer name `read_pt2`
+    gives it: the node whose output is its input, when that is a Conv or Linear operator
+    with a stored weight and nothing else reads that output."""
+    archive = open_pt2(path)
+    found: dict[str, GraphProducer] = {}
+    for model, program in archive.programs.items():
+        prefix = f"{model}:" if len(archive.programs) > 1 else ""
+        gm = program["graph_module"]
+        signature = gm.get("signature") if isinstance(gm.get("signature"), dict) else {}
+        inputs = _signature_inputs(signature)
+        payloads = archive.payloads.get(model, {})
+        nodes = _nodes(program)
+        producers = _producers(nodes)
+        readers: dict[str, int] = {}
+        for node in nodes:
+            for arg in _args(node)[1]:
+                value = _tensor_name(arg)
+                if value is not None:
+                    readers[value] = readers.get(value, 0) + 1
+
+        for index, node in enumerate(nodes):
+            target = node.get("target")
+            op = norm_op(target) if isinstance(target, str) else None
+            if op is None or op.kind is not NormKind.BATCH_NORM:
+                continue
+            named, ordered = _args(node)
+            fqns = {
+                leaf: _stored(named.get(leaf, ordered[i] if i < len(ordered) else None), inputs, payloads)[0]
+                for i, leaf in enumerate(_LEAVES, start=1)
+            }
+            label = node.get("name") if isinstance(node.get("name"), str) else f"node_{index}"
+            name = prefix + _layer_name(fqns, str(label))
+            name = f"{name}#{label}" if name in found else name
+            x = _tensor_name(named.get("input", ordered[0] if ordered else None))
+            source_node = producers.get(x or "")
+            source_target = str(source_node.get("target")) if source_node is not None else ""
+            if source_node is None or not any(p in source_target for p in _PRODUCER_OPS):
+                what = "a graph input" if source_node is None else f"{printable(source_target)}"
+                found[name] = GraphProducer("", None, None, f"follows {what}: stays a standalone batch norm")
+                continue
+            p_named, p_ordered = _args(source_node)
+            transposed = p_named.get("transposed")
+            if isinstance(transposed, dict) and transposed.get("as_bool"):
+                found[name] = GraphProducer("", None, None, "follows a transposed convolution: not paired")
+                continue
+            if readers.get(x or "", 0) != 1:
+                found[name] = GraphProducer("", None, None, "its producer's output is read by other nodes too")
+                continue
+            fqn, weight = _stored(p_named.get("weight", p_ordered[1] if len(p_ordered) > 1 else None), inputs, payloads)
+            bias = _stored(p_named.get("bias", p_ordered[2] if len(p_ordered) > 2 else None), inputs, payloads)[1]
+            if weight is None:
+                found[name] = GraphProducer("", None, None, "its producer's weight is not stored in the archive")
+                continue
+            module = fqn.removesuffix(".weight") if fqn else str(source_node.get("name") or "producer")
+            found[name] = GraphProducer(prefix + module, weight, bias)
+    return found

@@ -36,11 +36,12 @@ from bnaudit.text import printable
 if TYPE_CHECKING:
     from bnaudit.audit.diff import DiffReport
     from bnaudit.audit.report import InspectReport
+    from bnaudit.reports.fold import FoldReport
     from bnaudit.reports.gap import GapReport
     from bnaudit.reports.invariance import InvarianceReport
     from bnaudit.reports.recalibrate import RecalibrationReport
 
-    Report = InspectReport | DiffReport | GapReport | InvarianceReport | RecalibrationReport
+    Report = InspectReport | DiffReport | GapReport | InvarianceReport | RecalibrationReport | FoldReport
 
 
 FINDINGS_FORMATS = ("table", "json", "sarif", "github", "gitlab", "junit", "markdown")
@@ -66,6 +67,10 @@ def formats_of(report: object) -> tuple[str, ...]:
 
     if isinstance(report, (GapReport, InvarianceReport, RecalibrationReport)):
         return ("table", "json")
+    from bnaudit.reports.fold import FoldReport
+
+    if isinstance(report, FoldReport):
+        return tuple(f for f in FINDINGS_FORMATS if f != "sarif")
     return ()
 
 

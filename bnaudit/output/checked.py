@@ -88,6 +88,11 @@ def checked_files(report: Report, base: str | None = None) -> list[CheckedFile]:
 
     if isinstance(report, DiffReport):
         return [_diff_file(report, base)]
+    from bnaudit.reports.fold import FoldReport
+
+    if isinstance(report, FoldReport):  # one file: the checkpoint whose BN layers fold
+        names = [p.bn for p in report.pairs] + [name for name, _ in report.unpaired]
+        return [CheckedFile(report.path, location(report.path, base), _layers(names, report.findings), report.findings)]
     raise ValueError(f"no findings at locations in a {type(report).__name__} report")
 
 
@@ -109,7 +114,20 @@ def fail_on(report: Report) -> Severity:
 
     if isinstance(report, (InspectReport, DiffReport)):
         return Severity.parse(report.config.fail_on)
+    from bnaudit.reports.fold import FoldReport
+
+    if isinstance(report, FoldReport):
+        return report.fail_on
     raise ValueError(f"no findings at locations in a {type(report).__name__} report")
+
+
+def title(report: Report) -> str:
+    """The command that made the report, as the CI formats name it ("bnaudit inspect")."""
+    if isinstance(report, InspectReport):
+        return "bnaudit inspect"
+    from bnaudit.reports.fold import FoldReport
+
+    return "bnaudit fold" if isinstance(report, FoldReport) else "bnaudit diff"
 
 
 def counts(findings: Iterable[Finding]) -> dict[Severity, int]:

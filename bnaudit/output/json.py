@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from bnaudit.formats.hfcache import HubSource
     from bnaudit.formats.model import Averaging
     from bnaudit.output import Report
+    from bnaudit.reports.fold import FoldReport
     from bnaudit.reports.gap import GapReport, LayerDrift
     from bnaudit.reports.invariance import InvarianceReport
     from bnaudit.reports.recalibrate import RecalibrationReport
@@ -46,6 +47,10 @@ def to_json(report: Report) -> dict[str, Any]:
 
     if isinstance(report, RecalibrationReport):
         return recalibrate_to_json(report)
+    from bnaudit.reports.fold import FoldReport
+
+    if isinstance(report, FoldReport):
+        return fold_to_json(report)
     raise ValueError(f"no 'json' emitter for a {type(report).__name__} report")
 
 
@@ -502,4 +507,49 @@ def _export_to_json(check: ExportCheck | None) -> dict[str, Any] | None:
             "padded": p.padded,
             "explanation": check.explanation() if p.deviates else None,
         },
+    }
+
+
+def fold_to_json(report: FoldReport) -> dict[str, Any]:
+    """The `bnaudit fold --format json` document: channel lists as integer indices, null
+    where not measured (definitions in bnaudit.audit.foldcheck and bnaudit.reports.fold)."""
+    measured = report.measured
+    pairs = []
+    for p in report.pairs:
+        setter = p.scale_set_by
+        pairs.append(
+            {
+                "bn": p.bn,
+                "producer": p.producer,
+                "paired_by": p.paired_by,
+                "channels": p.channels,
+                "int8_per_tensor": {
+                    "scale": json_number(p.int8_scale),
+                    "collapsed_channels": list(p.collapsed),
+                    "coarse_channels": list(p.coarse),
+                    "scale_set_by": None
+                    if setter is None
+                    else {
+                        "channel": setter.channel,
+                        "running_var": json_number(setter.running_var),
+                        "gamma": json_number(setter.gamma),
+                        "gain": json_number(setter.gain),
+                    },
+                },
+                "int8_per_channel": {"collapsed_channels": list(p.per_channel_collapsed)},
+                "fp16": {
+                    "overflow_channels": list(p.fp16_overflow),
+                    "flush_channels": list(p.fp16_flush),
+                    "cancellation_channels": list(p.fp16_cancellation),
+                },
+                "bf16": {"cancellation_channels": list(p.bf16_cancellation)},
+                "measured_drop": None if measured is None else json_number(measured.pair_drop.get(p.bn)),
+            }
+        )
+    return {
+        "pairs": pairs,
+        "unpaired": [name for name, _ in report.unpaired],
+        "measured": None if measured is None else {k: json_number(v) for k, v in measured.results.items()},
+        "findings": [finding_to_json(f) for f in report.findings],
+        "summary": report.summary(),
     }

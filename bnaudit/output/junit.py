@@ -26,9 +26,8 @@ import re
 import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING
 
-from bnaudit.audit.report import InspectReport
 from bnaudit.audit.rules import Finding
-from bnaudit.output.checked import CheckedFile, checked_files, fail_on
+from bnaudit.output.checked import CheckedFile, checked_files, fail_on, title
 from bnaudit.severity import Severity
 from bnaudit.text import printable
 
@@ -47,9 +46,9 @@ def xml_text(text: str) -> str:
 
 
 def to_junit(report: Report) -> str:
-    """The JUnit XML document of an inspect or a diff report."""
+    """The JUnit XML document of an inspect, a diff or a fold report."""
     threshold = fail_on(report)
-    name = "bnaudit inspect" if isinstance(report, InspectReport) else "bnaudit diff"
+    name = title(report)
     root = ET.Element("testsuites", name=name)
     for file in checked_files(report):
         root.append(_suite(file, threshold))

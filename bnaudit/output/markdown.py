@@ -24,8 +24,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from bnaudit.audit.report import InspectReport
 from bnaudit.output.checked import CheckedFile, checked_files, counts, fail_on
+from bnaudit.output.checked import title as command_title
 from bnaudit.severity import Severity
 from bnaudit.text import plural, printable
 
@@ -52,7 +52,7 @@ def to_markdown(report: Report, limit: int = LIMIT) -> str:
     unreadable = sum(1 for file in files if file.error is not None)
     skipped = sum(1 for file in files if file.skipped is not None)
     clean = sum(1 for file in files if file.error is None and file.skipped is None and not file.findings)
-    title = "bnaudit inspect" if isinstance(report, InspectReport) else "bnaudit diff"
+    title = command_title(report)
     notes = [
         f"{n} {what}"
         for n, what in ((unreadable, "unreadable"), (skipped, "skipped"), (clean, "without findings"))

@@ -3,11 +3,12 @@
 Importing this package registers every rule: the inspect rules of a checkpoint's layers
 (`checkpoint`, BN001-BN011, and `immature`, BN003) and of an exported graph (`graph`, BN012-BN014), the diff
 rules between two checkpoints (`diff`, BN101-BN107) and between a checkpoint and its
-export (`export`, BN108-BN114). The order of the imports does not matter: `RULES` is
+export (`export`, BN108-BN114), and what folding BN into its producer and then int8 or
+half precision do (`fold`, BN201-BN207, `bnaudit fold`). The order of the imports does not matter: `RULES` is
 kept in code order, the order of `bnaudit rules` and of every report's findings.
 """
 
-from bnaudit.audit.rules import checkpoint, diff, export, graph, immature
+from bnaudit.audit.rules import checkpoint, diff, export, fold, graph, immature
 from bnaudit.audit.rules.registry import (
     ALIASES,
     RULES,
@@ -18,6 +19,7 @@ from bnaudit.audit.rules.registry import (
     rule,
     rule_for,
     run_diff_rules,
+    run_fold_rules,
     run_rules,
 )
 
@@ -31,10 +33,12 @@ __all__ = [
     "checkpoint",
     "diff",
     "export",
+    "fold",
     "graph",
     "immature",
     "rule",
     "rule_for",
     "run_diff_rules",
+    "run_fold_rules",
     "run_rules",
 ]

@@ -2,7 +2,7 @@
 
 Rules register themselves with the `rule` decorator when their module is imported; the
 package (`bnaudit.audit.rules`) imports every rule module, and `RULES` is kept in code
-order: BN001-BN014 (inspect) then BN101-BN114 (diff), whatever the import order. `run_rules` and
+order: BN001-BN014 (inspect), BN101-BN114 (diff), then BN201- (fold), whatever the import order. `run_rules` and
 `run_diff_rules` apply the configuration: `select`/`ignore`, per-layer ignores and the
 `severity` table.
 """
@@ -18,6 +18,7 @@ from bnaudit.config import Config
 from bnaudit.severity import Severity
 
 if TYPE_CHECKING:
+    from bnaudit.audit.foldcheck import FoldContext
     from bnaudit.audit.layerdiff import DiffContext
     from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
     from bnaudit.formats.model import Averaging, TensorRef
@@ -80,6 +81,7 @@ class Rule:
     fix: str
     check: Callable[[RuleContext], Iterable[Finding]] | None = field(default=None, repr=False)
     diff_check: Callable[[DiffContext], Iterable[Finding]] | None = field(default=None, repr=False)
+    fold_check: Callable[[FoldContext], Iterable[Finding]] | None = field(default=None, repr=False)
     settings: tuple[str, ...] = ()  # configuration keys (config.KEYS) that tune the rule
     aliases: tuple[str, ...] = ()
 
@@ -94,8 +96,12 @@ class Rule:
 
     @property
     def commands(self) -> tuple[str, ...]:
-        """The commands whose reports the rule speaks in: "inspect", "diff" or both."""
-        return ("inspect",) * (self.check is not None) + ("diff",) * (self.diff_check is not None)
+        """The commands whose reports the rule speaks in: "inspect", "diff" (or both), "fold"."""
+        return (
+            ("inspect",) * (self.check is not None)
+            + ("diff",) * (self.diff_check is not None)
+            + ("fold",) * (self.fold_check is not None)
+        )
 
     @property
     def command(self) -> str:
@@ -136,12 +142,17 @@ def rule(
     command: str = "inspect",
     aliases: tuple[str, ...] = (),
 ) -> Callable[[_Check], _Check]:
-    """Register a rule whose check speaks in `command`'s reports ("inspect" or "diff")."""
+    """Register a rule whose check speaks in `command`'s reports ("inspect", "diff" or "fold")."""
     severities = severity if isinstance(severity, tuple) else (severity,)
 
     def register(check: _Check) -> _Check:
-        inspect_check, diff_check = (check, None) if command == "inspect" else (None, check)
-        _register(Rule(code, name, severities, summary, explanation, fix, inspect_check, diff_check, settings, aliases))
+        checks = {name: check if name == command else None for name in ("inspect", "diff", "fold")}
+        _register(
+            Rule(
+                code, name, severities, summary, explanation, fix,
+                checks["inspect"], checks["diff"], checks["fold"], settings, aliases,
+            )
+        )  # fmt: skip
         return check
 
     return register
@@ -220,6 +231,16 @@ def run_rules(ctx: RuleContext) -> list[Finding]:
     for r in RULES.values():
         if r.check is not None and _selected(r, config):
             findings += _in_force(r, r.check(ctx), config)
+    return findings
+
+
+def run_fold_rules(ctx: FoldContext) -> list[Finding]:
+    """Every selected fold rule's findings, in rule order, at the configured severity."""
+    config = ctx.config
+    findings: list[Finding] = []
+    for r in RULES.values():
+        if r.fold_check is not None and _selected(r, config):
+            findings += _in_force(r, r.fold_check(ctx), config)
     return findings
 
 

@@ -54,4 +54,11 @@ def render(report: Report, console: Console, *, quiet: bool = False, all_layers:
 
         render_recalibrate(report, console, quiet=quiet)
         return
+    from bnaudit.reports.fold import FoldReport
+
+    if isinstance(report, FoldReport):
+        from bnaudit.output.table.fold import render_fold
+
+        render_fold(report, console, quiet=quiet)
+        return
     raise ValueError(f"no 'table' emitter for a {type(report).__name__} report")

@@ -1,0 +1,68 @@
+"""`predict_fold`: a checkpoint in, a `FoldReport` of predictions out (torch-free).
+
+Reads the file through `bnaudit.formats.read.read_checkpoint`, finds its BN layers
+(`bnaudit.audit.layers`, eps from `bnaudit.audit.settings`), pairs and predicts
+(`bnaudit.audit.foldcheck`) and runs the fold rules (BN201-BN207).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from bnaudit.audit.foldcheck import FoldContext, predict_pairs
+from bnaudit.audit.layers import discover_layers, not_from_file
+from bnaudit.audit.rules import run_fold_rules
+from bnaudit.audit.settings import statement
+from bnaudit.config import Config
+from bnaudit.errors import BnauditError
+from bnaudit.formats.model import Checkpoint
+from bnaudit.formats.read import read_checkpoint
+from bnaudit.reports.fold import FoldReport
+
+
+def predict_fold(path: str, config: Config, key: str | None = None, trust_pickle: bool = False) -> FoldReport:
+    """The prediction for every BN of the file at `path`: a state dict, safetensors file or
+    TorchScript archive (pairs by name), an ONNX model (pairs from the graph, and convs the
+    exporter already folded audited directly) or a torch.export archive (pairs from its program). Nothing to audit is a BnauditError."""
+    return predict_checkpoint(read_checkpoint(path, key=key, trust_pickle=trust_pickle), config)
+
+
+def predict_checkpoint(
+    ckpt: Checkpoint,
+    config: Config,
+    traced: Mapping[str, str] | None = None,
+    unfoldable: Mapping[str, str] | None = None,
+) -> FoldReport:
+    """`predict_fold` of an opened checkpoint (a model's, with its real eps, under --arch);
+    `traced` (BN -> producer module) and `unfoldable` (BN -> what feeds it instead) come from
+    a traced forward of the model and replace the naming conventions (paired_by "graph")."""
+    path = ckpt.path
+    discovery = discover_layers(ckpt, config.stated_settings())
+    if ckpt.format == "onnx" and ckpt.graph is not None:
+        from bnaudit.audit.foldgraph import graph_pairs
+
+        pairs, unpaired = graph_pairs(ckpt.graph, discovery.layers, config)
+    elif not discovery.layers:
+        raise BnauditError(f"{path}: no BatchNorm layers with running statistics to fold")
+    elif ckpt.format == "pt2":
+        from bnaudit.audit.foldgraph import program_pairs
+
+        pairs, unpaired = program_pairs(path, discovery.layers, config)
+    else:
+        # a single safetensors file: the locations of its tensors are offsets in it
+        single = ckpt.format == "safetensors" and not ckpt.shards
+        stream_from = ckpt.path if single else None
+        pairs, unpaired = predict_pairs(ckpt.tensors, discovery.layers, config, traced, unfoldable, stream_from)
+    if not pairs and not unpaired:
+        raise BnauditError(f"{path}: no BatchNorm layer and no folded convolution to audit")
+    findings = run_fold_rules(FoldContext(tuple(pairs), tuple(unpaired), config))
+    return FoldReport(
+        path=path,
+        format=ckpt.format,
+        pairs=tuple(pairs),
+        unpaired=tuple(unpaired),
+        findings=tuple(findings),
+        fail_on=config.fail_on,
+        # momentum plays no part in folding: only eps is said
+        settings=statement([(n, s) for n, s in not_from_file(discovery.layers) if n == "eps"], "not in a state dict"),
+    )

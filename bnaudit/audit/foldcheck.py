@@ -1,0 +1,351 @@
+"""Will a BatchNorm survive being folded into the layer before it, then int8, fp16, bf16?
+
+Torch- and numpy-free (plain Python floats, float64), like the rest of audit/. Deployment
+folds every eval-mode BN into its producer (a Conv or Linear whose output it normalises);
+with the folded scale and bias of `bnaudit.audit.formulas` (`folded_conv`), per output
+channel c:
+
+    W'_c = s_c * W_c,   s_c = gamma_c / sqrt(var_c + eps)
+    b'_c = t_c = beta_c + (b_c - mu_c) * s_c          (b_c the producer's bias, 0 without)
+
+Every prediction below depends on a channel's weights only through M'_c = max_k |W'_c,k|
+= |s_c| * max_k |W_c,k| (rounding is monotone, so the maximum of the rounded products is
+the rounded product of the maximum): the producer's weights are reduced to one number per
+channel as they are read (`channel_maxima`: from a safetensors file, streamed whole channels
+at a time).
+
+int8, per tensor  symmetric, scale S = max_c M'_c / 127, q = round_half_even(W'/S) clamped
+                  to [-127, 127]. Channel c *collapses* when every weight rounds to 0:
+                  M'_c / S <= 1/2 (half-to-even sends exactly 1/2 to 0); the channel then
+                  outputs its bias alone. It is *coarse* when it does not collapse but
+                  M'_c < 8 S: its largest weight gets fewer than 8 levels (under 4 bits).
+                  The channel c* with M'_c* = 127 S *sets the scale*; its BN channel's
+                  var, gamma and gain |s_c*| say why.
+                  range ratio  r_c = M'_c / max_c M'_c; collapse is r_c <= 1/254.
+int8, per channel one scale per channel, S_c = M'_c / 127: only a channel whose W'_c is
+                  all zero already (gamma 0, or zero weights) rounds to nothing.
+fp16              largest finite value 65504; round-to-nearest sends |x| >= 65520 to inf.
+                  *overflow*: var_c, M'_c, |b'_c| or the gain |s_c| is >= 65520.
+                  *flush*: 0 < M'_c <= 2^-25: every weight of the channel rounds to 0
+                  (the smallest subnormal is 2^-24; half of it rounds to even, 0).
+cancellation      a half-precision BN forward (or the folded bias b' = beta - mu s added to
+                  W'x) computes x - mu with x ~ N(mu_c, var_c) and mu_c rounded to the
+                  format: an absolute error up to |mu_c| u, i.e. in the channel's standard
+                  deviations  e_c = |mu_c| u / sqrt(var_c + eps), u the unit roundoff
+                  (fp16 2^-11, bf16 2^-8). Flagged where e_c > max-cancellation (0.05).
+
+Pairing (from the names of a state dict, `pair_by_name`): the producer of BN P is the
+first of these that holds a weight of two or more dimensions whose first dimension (the
+output channels) equals the BN's channel count: Sequential index i-1 for P = parent.i
+(torchvision's Conv2dNormActivation, ResNet's downsample.0/.1); convK for bnK and
+conv_stem for bn1, conv_head for bn2 (timm); P's sibling conv for P = parent.bn; and
+convolution for parent.normalization (transformers). A BN without such a producer is
+listed as unpaired: folding needs the layer before it, and a BN after an Add, a concat
+or a pooling stays a standalone op (which some backends refuse). Names cannot tell a
+ConvTranspose (weight (C_in, C_out / groups, ...)) whose C_in equals the BN's channels from
+a Conv: such a pair is read as a Conv; a graph (ONNX, .pt2, --arch) does not pair it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from bnaudit.audit.formulas import folded_conv
+from bnaudit.audit.layers import BNLayer
+from bnaudit.config import Config
+from bnaudit.errors import BnauditError
+from bnaudit.formats.model import STORAGE_ITEMSIZE, TensorRef, decode_values
+
+INT8_LEVELS = 127
+# A weight at or below this many scales rounds to 0 (round half to even sends 0.5 to 0).
+COLLAPSE_LEVELS = 0.5
+# Below this many levels for its largest weight a channel keeps fewer than 4 bits.
+COARSE_LEVELS = 8.0
+# The smallest magnitude float16 rounds to inf (65504 + half its last step of 32).
+FP16_OVERFLOW = 65520.0
+# The largest magnitude float16 rounds to 0 (half its smallest subnormal 2^-24).
+FP16_FLUSH = 2.0**-25
+# Unit roundoff: half the distance from 1 to the next number of the format.
+UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
+
+
+@dataclass(frozen=True)
+class Producer:
+    """The layer a BN folds into, as a state dict names it."""
+
+    name: str
+    weight: TensorRef
+    bias: TensorRef | None
+
+
+@dataclass(frozen=True)
+class ScaleSetter:
+    """The channel whose folded weights set the per-tensor int8 scale, and its BN numbers."""
+
+    channel: int
+    # its BN channel's numbers; None for a conv an exporter already folded (no BN left)
+    running_var: float | None
+    gamma: float | None
+    gain: float | None  # |gamma| / sqrt(var + eps)
+
+
+@dataclass(frozen=True)
+class PairPrediction:
+    """What folding, int8 and half precision do to one BN and its producer (definitions in
+    the module docstring). Channel lists are indices of output channels."""
+
+    bn: str
+    producer: str
+    paired_by: str  # "name": naming conventions; "graph": the BN node's input; "folded": no BN left
+    channels: int
+    eps: float | None  # None for a conv already folded
+    int8_scale: float | None  # S; None when a folded weight is not finite (BN005's case) or all are 0
+    collapsed: tuple[int, ...]
+    live_collapsed: tuple[int, ...]  # collapsed channels whose W'_c is not all zero
+    coarse: tuple[int, ...]
+    scale_set_by: ScaleSetter | None
+    worst_range_ratio: float | None  # min_c r_c
+    per_channel_collapsed: tuple[int, ...]
+    fp16_overflow: tuple[int, ...]
+    fp16_overflow_what: tuple[str, ...]  # which quantity overflows, one per overflow channel
+    fp16_flush: tuple[int, ...]
+    fp16_cancellation: tuple[int, ...]
+    bf16_cancellation: tuple[int, ...]
+    worst_cancellation: tuple[float, int] | None  # (e_c at bf16, c) of the worst channel
+
+
+@dataclass(frozen=True)
+class FoldContext:
+    """What the fold rules (BN2xx) read."""
+
+    pairs: tuple[PairPrediction, ...]
+    unpaired: tuple[tuple[str, str], ...]  # (BN layer, why it has no producer)
+    config: Config
+
+
+def producer_candidates(bn: str) -> list[str]:
+    """The names a producer of BN `bn` goes by, most specific convention first."""
+    parent, _, leaf = bn.rpartition(".")
+    join = (parent + ".") if parent else ""
+    found: list[str] = []
+    if leaf.isdigit() and int(leaf) > 0:
+        found.append(f"{join}{int(leaf) - 1}")
+    if leaf.startswith("bn") and leaf[2:].isdigit():
+        found.append(f"{join}conv{leaf[2:]}")
+        found.append(join + {"1": "conv_stem", "2": "conv_head"}.get(leaf[2:], f"conv{leaf[2:]}"))
+    if leaf == "bn":
+        found.append(f"{join}conv")
+    if leaf == "normalization":
+        found.append(f"{join}convolution")
+    return list(dict.fromkeys(found))
+
+
+def _producer(tensors: Mapping[str, TensorRef], name: str, layer: BNLayer, bn_names: set[str]) -> Producer | None:
+    """`name`'s weight and bias when it can be `layer`'s producer: a floating weight of two or
+    more dimensions with the BN's channel count first, and not itself a BN."""
+    weight = tensors.get(f"{name}.weight")
+    if (
+        name in bn_names
+        or weight is None
+        or not weight.is_floating
+        or len(weight.shape) < 2
+        or weight.shape[0] != layer.num_features
+    ):
+        return None
+    bias = tensors.get(f"{name}.bias")
+    ok_bias = bias is not None and bias.is_floating and bias.shape == (layer.num_features,)
+    return Producer(name, weight, bias if ok_bias else None)
+
+
+def pair_by_name(
+    tensors: Mapping[str, TensorRef], layers: Sequence[BNLayer], traced: Mapping[str, str] | None = None
+) -> tuple[list[tuple[BNLayer, Producer]], list[str]]:
+    """(BN layer, producer) for every BN whose producer the naming conventions find (or, with
+    `traced`, the module a traced forward feeds it from: BN name -> producer name), and the
+    names of the BN layers without one (see the module docstring)."""
+    bn_names = {layer.name for layer in layers}
+    pairs: list[tuple[BNLayer, Producer]] = []
+    unpaired: list[str] = []
+    for layer in layers:
+        candidates = producer_candidates(layer.name) if traced is None else [traced.get(layer.name, "")]
+        producer = next(
+            (p for p in (_producer(tensors, name, layer, bn_names) for name in candidates if name) if p is not None),
+            None,
+        )
+        if producer is None:
+            unpaired.append(layer.name)
+        else:
+            pairs.append((layer, producer))
+    return pairs, unpaired
+
+
+# Values decoded at a time when a weight is streamed from its file (about 32 MB of floats).
+STREAM_VALUES = 1 << 20
+
+
+def channel_maxima(weight: TensorRef, path: str | None = None) -> list[float]:
+    """max_k |W_c,k| for every output channel c (first dimension) of a stored weight.
+
+    With `path`, the file the weight's `location` refers to (a single safetensors file),
+    whole channels are decoded STREAM_VALUES at a time, so the memory stays bounded whatever
+    the layer's size; otherwise the values are read at once (about 32 bytes a weight)."""
+    n = weight.shape[0] if weight.shape else 0
+    per = math.prod(weight.shape[1:]) if n else 0
+    size = STORAGE_ITEMSIZE.get(weight.dtype, 0)
+    if path is None or weight.location is None or not weight.is_floating or weight.location[1] != n * per * size:
+        values = weight.read()
+        return [max(map(abs, values[c * per : (c + 1) * per]), default=0.0) for c in range(n)]
+    offset = weight.location[0]
+    rows = max(1, STREAM_VALUES // max(per, 1))
+    maxima: list[float] = []
+    with open(path, "rb") as f:
+        for first in range(0, n, rows):
+            count = min(rows, n - first)
+            f.seek(offset + first * per * size)
+            raw = f.read(count * per * size)
+            if len(raw) != count * per * size:
+                raise BnauditError(f"{path}: truncated tensor data in '{weight.name}'")
+            values = decode_values(raw, weight.dtype)
+            maxima += [max(map(abs, values[c * per : (c + 1) * per]), default=0.0) for c in range(count)]
+    return maxima
+
+
+def cancellation_bound(mean: float, var: float, eps: float, unit_roundoff: float) -> float:
+    """e = |mean| u / sqrt(var + eps): the error of x - mean in a format of unit roundoff u,
+    in the channel's standard deviations (inf where var + eps <= 0 and mean != 0)."""
+    denominator = var + eps
+    if math.isnan(denominator) or math.isnan(mean):
+        return math.nan  # invalid statistics (inspect's BN005): no bound, never flagged
+    if not denominator > 0:
+        return math.inf if mean != 0 else 0.0
+    return abs(mean) * unit_roundoff / math.sqrt(denominator)
+
+
+@dataclass(frozen=True)
+class BNNumbers:
+    """A BN's numbers per channel as folding uses them (absent for a conv already folded)."""
+
+    gamma: list[float]
+    scales: list[float]  # s_c = gamma_c / sqrt(var_c + eps), signed
+    running_mean: list[float]
+    running_var: list[float]
+    eps: float
+
+
+def predict_pair(
+    layer: BNLayer,
+    producer: str,
+    maxima: Sequence[float],
+    conv_bias: Sequence[float] | None,
+    config: Config,
+    paired_by: str = "name",
+) -> PairPrediction:
+    """The prediction for one pair from its BN's statistics and the producer's per-channel
+    weight maxima `maxima` (`channel_maxima`), in float64 (module docstring)."""
+    n = layer.num_features
+    # affine parameters of another length (BN005 reports them) count as absent
+    g = layer.weight if layer.weight is not None and len(layer.weight) == n else None
+    beta = layer.bias if layer.bias is not None and len(layer.bias) == n else None
+    scales, biases = folded_conv(g, beta, layer.running_mean, layer.running_var, layer.eps, conv_bias)
+    folded_max = [abs(s) * m if m != 0 else 0.0 for s, m in zip(scales, maxima)]
+    stats = BNNumbers(g if g is not None else [1.0] * n, scales, layer.running_mean, layer.running_var, layer.eps)
+    return predict_folded(layer.name, producer, paired_by, folded_max, biases, stats, config)
+
+
+def predict_folded(
+    bn: str,
+    producer: str,
+    paired_by: str,
+    folded_max: Sequence[float],
+    folded_bias: Sequence[float],
+    stats: BNNumbers | None,
+    config: Config,
+) -> PairPrediction:
+    """The prediction from the folded weights' per-channel maxima M'_c and folded biases b'_c,
+    with the BN's numbers where they are known (`stats` None: a conv an exporter already
+    folded; its scale setter then has no BN numbers and cancellation cannot be told)."""
+    n = len(folded_max)
+    top = max(folded_max, default=0.0)
+    int8_scale: float | None = None
+    collapsed: list[int] = []
+    coarse: list[int] = []
+    setter = None
+    ratio = None
+    if all(math.isfinite(m) for m in folded_max) and top > 0:
+        int8_scale = top / INT8_LEVELS
+        collapsed = [c for c, m in enumerate(folded_max) if m / int8_scale <= COLLAPSE_LEVELS]
+        coarse = [c for c, m in enumerate(folded_max) if COLLAPSE_LEVELS < m / int8_scale < COARSE_LEVELS]
+        c_top = list(folded_max).index(top)
+        setter = (
+            ScaleSetter(c_top, None, None, None)
+            if stats is None
+            else ScaleSetter(c_top, stats.running_var[c_top], stats.gamma[c_top], abs(stats.scales[c_top]))
+        )
+        ratio = min(folded_max) / top
+    overflow: list[int] = []
+    what: list[str] = []
+    for c in range(n):
+        candidates = [("weight", folded_max[c]), ("bias", folded_bias[c])]
+        if stats is not None:
+            candidates = [("running_var", stats.running_var[c]), *candidates, ("gain", stats.scales[c])]
+        causes = [label for label, x in candidates if abs(x) >= FP16_OVERFLOW]
+        if causes:
+            overflow.append(c)
+            what.append("/".join(causes))
+    bounds: dict[str, list[float]] = {fmt: [] for fmt in UNIT_ROUNDOFF}
+    if stats is not None:
+        bounds = {
+            fmt: [cancellation_bound(mu, v, stats.eps, u) for mu, v in zip(stats.running_mean, stats.running_var)]
+            for fmt, u in UNIT_ROUNDOFF.items()
+        }
+    limit = config.max_cancellation
+    return PairPrediction(
+        bn=bn,
+        producer=producer,
+        paired_by=paired_by,
+        channels=n,
+        eps=None if stats is None else stats.eps,
+        int8_scale=int8_scale,
+        collapsed=tuple(collapsed),
+        live_collapsed=tuple(c for c in collapsed if folded_max[c] > 0),
+        coarse=tuple(coarse),
+        scale_set_by=setter,
+        worst_range_ratio=ratio,
+        per_channel_collapsed=tuple(c for c, m in enumerate(folded_max) if m == 0),
+        fp16_overflow=tuple(overflow),
+        fp16_overflow_what=tuple(what),
+        fp16_flush=tuple(c for c, m in enumerate(folded_max) if 0 < m <= FP16_FLUSH),
+        fp16_cancellation=tuple(c for c, e in enumerate(bounds["fp16"]) if e > limit),
+        bf16_cancellation=tuple(c for c, e in enumerate(bounds["bf16"]) if e > limit),
+        worst_cancellation=max(((e, c) for c, e in enumerate(bounds["bf16"]) if not math.isnan(e)), default=None),
+    )
+
+
+NO_PRODUCER_BY_NAME = "no Conv or Linear producer found by name: not folded, not audited"
+
+
+def predict_pairs(
+    tensors: Mapping[str, TensorRef],
+    layers: Sequence[BNLayer],
+    config: Config,
+    traced: Mapping[str, str] | None = None,
+    unfoldable: Mapping[str, str] | None = None,
+    stream_from: str | None = None,
+) -> tuple[list[PairPrediction], list[tuple[str, str]]]:
+    """Pair every BN layer by name (or by `traced`, paired_by "graph": see `pair_by_name`)
+    and predict each pair; (BN name, why) of the unpaired, `unfoldable` saying why where it
+    knows (what a traced forward feeds the BN from). `stream_from`: the single safetensors
+    file the tensors' locations refer to (`channel_maxima` streams the weights from it)."""
+    pairs, unpaired = pair_by_name(tensors, layers, traced)
+    predictions = []
+    for layer, producer in pairs:
+        maxima = channel_maxima(producer.weight, stream_from)
+        conv_bias = producer.bias.read() if producer.bias is not None else None
+        paired_by = "name" if traced is None else "graph"
+        predictions.append(predict_pair(layer, producer.name, maxima, conv_bias, config, paired_by))
+    if traced is None:
+        return predictions, [(name, NO_PRODUCER_BY_NAME) for name in unpaired]
+    why = unfoldable or {}
+    return predictions, [(name, why.get(name, "not reached by the traced forward")) for name in unpaired]

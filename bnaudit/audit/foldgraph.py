@@ -1,0 +1,186 @@
+"""Fold predictions for an exported graph (ONNX): pairs from the graph, folded convs as they are.
+
+Torch-free (the graph is the parsed `bnaudit.formats.onnx.OnnxModel`; nodes are read by
+attribute). Two cases, per node:
+
+  BN node kept      the BatchNormalization node's input X is the output of one Conv, Gemm or
+                    MatMul node with a constant weight, and nothing else reads X: paired_by
+                    "graph", predicted from the node's statistics and the conv's weight as
+                    for a checkpoint (`bnaudit.audit.foldcheck.predict_pair`). A BN node
+                    fed by anything else (an Add, a Concat, a pooling, a graph input, a
+                    conv output read twice) cannot be folded: listed as unpaired.
+  conv folded       a Conv node with constant weight and bias whose BN the exporter folded
+                    (the graph has no BatchNormalization node at all, or the weight is one
+                    the legacy exporter's constant folding computed, `onnx::Conv_N`) and
+                    that feeds no BN node: paired_by "folded", its weights W' and bias b'
+                    audited directly (`predict_folded`, without the BN's numbers).
+
+A Gemm's weight is (N, K) with transB=1 (torch's Linear) and (K, N) otherwise; its alpha and
+beta scale weight and bias. A MatMul (torch's Linear without bias, exported) has a (K, N)
+weight and no bias. ConvTranspose (weight (C_in, C_out / groups, ...)) is not paired.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from bnaudit.audit.foldcheck import PairPrediction, channel_maxima, predict_folded, predict_pair
+from bnaudit.audit.layers import BNLayer
+from bnaudit.config import Config
+from bnaudit.formats.model import TensorRef
+from bnaudit.formats.onnx import OnnxModel, batchnorm_layer_name, constant
+from bnaudit.normkinds import NormKind, onnx_op_kind
+
+PRODUCER_OPS = ("Conv", "Gemm", "MatMul")
+
+
+def _attribute(node: Any, name: str, default: float) -> float:
+    for a in node.attribute:
+        if a.name == name:
+            return float(a.i) if a.type == 2 else float(a.f)  # AttributeProto.INT = 2
+    return default
+
+
+def _out_last(node: Any) -> bool:
+    """The weight is laid out (K, N), output channels last: MatMul, and Gemm without transB."""
+    return node.op_type == "MatMul" or (node.op_type == "Gemm" and _attribute(node, "transB", 0) != 1)
+
+
+def _weight_maxima(node: Any, weight: TensorRef, out_last: bool) -> list[float]:
+    """max_k |W_c,k| per output channel, with the weight's layout and Gemm's alpha."""
+    if node.op_type == "Conv":
+        return channel_maxima(weight)
+    alpha = abs(_attribute(node, "alpha", 1.0)) if node.op_type == "Gemm" else 1.0
+    if not out_last:
+        return [alpha * m for m in channel_maxima(weight)]
+    k, n = weight.shape
+    values = weight.read()
+    return [alpha * max((abs(values[i * n + c]) for i in range(k)), default=0.0) for c in range(n)]
+
+
+def _out_channels(weight: TensorRef, out_last: bool) -> int | None:
+    if len(weight.shape) < 2:
+        return None
+    if out_last:
+        return weight.shape[-1] if len(weight.shape) == 2 else None
+    return weight.shape[0]
+
+
+def _weight(model: OnnxModel, node: Any, producer_of: dict[str, Any]) -> tuple[TensorRef | None, bool]:
+    """(the producer's constant weight, whether its output channels are last). A MatMul's
+    weight may come through a Transpose of a constant (torch's Linear without bias,
+    exported without constant folding): the constant is then (N, K), outputs first."""
+    name = node.input[1] if len(node.input) > 1 else ""
+    weight = constant(model, name) if name else None
+    if weight is not None or node.op_type != "MatMul":
+        return weight, _out_last(node)
+    transpose = producer_of.get(name)
+    if transpose is None or transpose.op_type != "Transpose" or not transpose.input:
+        return None, True
+    perm = [a for a in transpose.attribute if a.name == "perm"]
+    source = constant(model, transpose.input[0])
+    if source is None or len(source.shape) != 2 or (perm and list(perm[0].ints) != [1, 0]):
+        return None, True
+    return source, False
+
+
+def _bias(model: OnnxModel, node: Any, channels: int) -> list[float] | None:
+    if node.op_type == "MatMul":
+        return None  # a MatMul has no bias (one added after it is an Add node: not paired)
+    ref = constant(model, node.input[2]) if len(node.input) > 2 and node.input[2] else None
+    if ref is None or ref.shape != (channels,):
+        return None
+    beta = _attribute(node, "beta", 1.0) if node.op_type == "Gemm" else 1.0
+    return [beta * v for v in ref.read()]
+
+
+def graph_pairs(
+    model: OnnxModel, layers: Sequence[BNLayer], config: Config
+) -> tuple[list[PairPrediction], list[tuple[str, str]]]:
+    """Predictions for the BN nodes paired through the graph and for the convs already
+    folded; (BN layer, why) for every BN node that cannot be folded."""
+    nodes = list(model.nodes())
+    producer_of: dict[str, Any] = {}
+    readers: dict[str, int] = {}
+    for _, node in nodes:
+        for out in node.output:
+            producer_of[out] = node
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    by_name = {layer.name: layer for layer in layers}
+    seen: set[str] = set()
+    predictions: list[PairPrediction] = []
+    unpaired: list[tuple[str, str]] = []
+    bn_inputs: set[str] = set()
+    for index, (_, node) in enumerate(nodes):
+        if node.domain not in ("", "ai.onnx") or onnx_op_kind(node.op_type) is not NormKind.BATCH_NORM:
+            continue
+        if node.input:
+            bn_inputs.add(node.input[0])
+        name = batchnorm_layer_name(node, index)
+        name = f"{name}#{index}" if name in seen else name
+        layer = by_name.get(name)
+        if layer is None:
+            continue  # statistics that are not constants: inspect's BN013
+        seen.add(name)
+        x = node.input[0] if node.input else ""
+        source = producer_of.get(x)
+        if source is None or source.op_type not in PRODUCER_OPS:
+            what = "a graph input" if source is None else f"a {source.op_type} node"
+            unpaired.append((name, f"follows {what}: stays a standalone BatchNormalization"))
+            continue
+        if readers.get(x, 0) != 1:
+            unpaired.append((name, f"its {source.op_type} node's output is read by other nodes too"))
+            continue
+        weight, out_last = _weight(model, source, producer_of)
+        if weight is None or _out_channels(weight, out_last) != layer.num_features:
+            unpaired.append((name, f"its {source.op_type} node has no constant weight of {layer.num_features} outputs"))
+            continue
+        producer = source.name or f"{source.op_type} node writing {x}"
+        maxima = _weight_maxima(source, weight, out_last)
+        predictions.append(
+            predict_pair(layer, producer, maxima, _bias(model, source, layer.num_features), config, "graph")
+        )
+    any_bn = bool(bn_inputs) or bool(layers)
+    for index, (_, node) in enumerate(nodes):
+        if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.input) < 3 or not node.input[2]:
+            continue
+        if any(out in bn_inputs for out in node.output):
+            continue
+        weight = constant(model, node.input[1])
+        channels = _out_channels(weight, False) if weight is not None else None
+        computed = node.input[1].startswith("onnx::")
+        if weight is None or channels is None or (any_bn and not computed):
+            continue
+        bias = _bias(model, node, channels)
+        if bias is None:
+            continue
+        conv = node.name or f"Conv_{index}"
+        predictions.append(
+            predict_folded(conv, conv, "folded", _weight_maxima(node, weight, False), bias, None, config)
+        )
+    return predictions, unpaired
+
+
+def program_pairs(
+    path: str, layers: Sequence[BNLayer], config: Config
+) -> tuple[list[PairPrediction], list[tuple[str, str]]]:
+    """Predictions for the BN layers of a torch.export archive (`.pt2`) paired through its
+    program: the node feeding each batch-norm node (`bnaudit.formats.pt2.batchnorm_producers`)."""
+    from bnaudit.formats.pt2 import batchnorm_producers
+
+    producers = batchnorm_producers(path)
+    predictions: list[PairPrediction] = []
+    unpaired: list[tuple[str, str]] = []
+    for layer in layers:
+        found = producers.get(layer.name)
+        if found is None or found.weight is None:
+            unpaired.append((layer.name, found.why_not if found is not None else "no batch-norm node found for it"))
+            continue
+        if len(found.weight.shape) < 2 or found.weight.shape[0] != layer.num_features:
+            unpaired.append((layer.name, f"its producer {found.name} has no weight of {layer.num_features} outputs"))
+            continue
+        bias = found.bias.read() if found.bias is not None and found.bias.shape == (layer.num_features,) else None
+        predictions.append(predict_pair(layer, found.name, channel_maxima(found.weight), bias, config, "graph"))
+    return predictions, unpaired

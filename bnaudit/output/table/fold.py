@@ -1,0 +1,112 @@
+"""The fold table: one row per BN/producer pair, worst range ratio first; then, when
+measured, the accuracy per target; the findings; one verdict line per target."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from bnaudit.output.table.common import Justify, bordered, cell, fit_width, g3, percent
+from bnaudit.text import plural
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from bnaudit.audit.foldcheck import PairPrediction
+    from bnaudit.reports.fold import FoldReport
+
+
+def _count(channels: tuple[int, ...]) -> str:
+    return str(len(channels)) if channels else "-"
+
+
+def _order(p: PairPrediction) -> float:
+    return p.worst_range_ratio if p.worst_range_ratio is not None else 2.0
+
+
+def _pairs_table(report: FoldReport) -> Table:
+    measured = report.measured
+    table = bordered("pairs, smallest range ratio first")
+    columns: list[tuple[str, Justify]] = [
+        ("bn", "left"),
+        ("producer", "left"),
+        ("C", "right"),
+        ("ratio", "right"),
+        ("int8/T", "right"),
+        ("int8/C", "right"),
+        ("fp16", "right"),
+        ("bf16", "right"),
+    ]
+    if measured is not None:
+        columns.append(("drop (pt)" if measured.labelled else "drop", "right"))
+    for name, justify in columns:
+        table.add_column(name, justify=justify, overflow="fold")
+    for p in sorted(report.pairs, key=_order):
+        style = "bold red" if p.live_collapsed or p.fp16_overflow else ("yellow" if p.coarse else "")
+        row = [
+            cell(p.bn),
+            cell(p.producer),
+            str(p.channels),
+            g3(p.worst_range_ratio),
+            f"{_count(p.collapsed)}/{_count(p.coarse)}",
+            _count(p.per_channel_collapsed),
+            f"{_count(p.fp16_overflow)}/{_count(p.fp16_flush)}/{_count(p.fp16_cancellation)}",
+            _count(p.bf16_cancellation),
+        ]
+        if measured is not None:
+            drop = measured.pair_drop.get(p.bn)
+            row.append(_points(drop) if measured.labelled else g3(drop))
+        table.add_row(*row, style=style)
+    return table
+
+
+_LEGEND = (
+    "ratio: min_c max|W'_c| / max|W'| after folding; int8/T: per-tensor collapsed/coarse channels; "
+    "int8/C: per-channel collapsed; fp16: overflow/flush/cancellation channels; bf16: cancellation channels"
+)
+
+
+def _points(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:+.1f}"
+
+
+def render_fold(report: FoldReport, console: Console, quiet: bool = False) -> None:
+    """The report: title, pairs table (unless quiet), measured targets, findings, verdicts."""
+    from rich.text import Text
+
+    from bnaudit.output.table.common import findings_table
+
+    title = cell(report.path, style="bold")
+    how = ", ".join(sorted({p.paired_by for p in report.pairs})) or "none"
+    title.append(f"  ({report.format}; {plural(len(report.pairs), 'pair')}, paired by {how})", style="dim")
+    console.print(title)
+    if report.settings:
+        console.print(cell(report.settings, style="dim"))
+    for note in report.notes:
+        console.print(cell(f"note: {note}", style="dim"))
+    console.print()
+    if report.pairs and not quiet:
+        console.print(fit_width(_pairs_table(report), console.width))
+        console.print(cell(_LEGEND, style="dim"))
+        console.print()
+    if report.unpaired:
+        console.print(cell(f"not folded: {', '.join(name for name, _ in report.unpaired)} (BN207)", style="dim"))
+        console.print()
+    m = report.measured
+    if m is not None:
+        measured = bordered(
+            f"measured on {plural(m.samples, 'sample')}: " + ("accuracy" if m.labelled else "divergence from float32")
+        )
+        for target in m.results:
+            measured.add_column(target, justify="right")
+        measured.add_row(*((percent(v) if m.labelled else g3(v)) for v in m.results.values()))
+        console.print(fit_width(measured, console.width))
+        for note in m.notes:
+            console.print(cell(f"note: {note}", style="dim"))
+        console.print()
+    if report.findings:
+        console.print(fit_width(findings_table(list(report.findings)), console.width))
+        console.print()
+    console.print(Text("verdict", style="bold"))
+    for target, words in report.verdicts():
+        console.print(cell(f"  {target}: {words}"))
