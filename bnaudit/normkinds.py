@@ -215,14 +215,16 @@ def batch_norm_ops_with_training_argument() -> tuple[NormOp, ...]:
 
 # Names in TorchScript code that can name an operator: torch.x, ops.ns.x, and the
 # functional module's functions. [\w.]+ is linear: no nested quantifier to backtrack.
-_CODE_NAME = re.compile(r"(?<![\w.])(?:__torch__\.)?(?:torch|ops)\.[\w.]+")
+# The patterns of TorchScript code are strings, compiled (and cached) by `re` on first
+# use: most runs read no TorchScript, and compiling them costs every start-up.
+_CODE_NAME = r"(?<![\w.])(?:__torch__\.)?(?:torch|ops)\.[\w.]+"
 
 
 def norm_calls(code: str) -> tuple[str, ...]:
     """The normalisation operators a piece of TorchScript code names, canonical names in
     order of first appearance (`torch.batch_norm(...)` -> `aten::batch_norm`)."""
     found: dict[str, None] = {}
-    for match in _CODE_NAME.finditer(code):
+    for match in re.finditer(_CODE_NAME, code):
         op = norm_op(match.group(0))
         if op is not None:
             found[op.name] = None
@@ -230,8 +232,8 @@ def norm_calls(code: str) -> tuple[str, ...]:
 
 
 # `_0 = __torch__.torch.nn.functional.batch_norm`: scripted code calls functions through a local name
-_ALIAS = re.compile(r"^[ \t]*(\w+) = ((?:__torch__\.)?(?:torch|ops)\.[\w.]+)[ \t]*$", re.MULTILINE)
-_CALLEE = re.compile(r"(?<![\w.])((?:__torch__\.)?(?:torch|ops)\.[\w.]+|\w+)\(")
+_ALIAS = r"(?m)^[ \t]*(\w+) = ((?:__torch__\.)?(?:torch|ops)\.[\w.]+)[ \t]*$"
+_CALLEE = r"(?<![\w.])((?:__torch__\.)?(?:torch|ops)\.[\w.]+|\w+)\("
 
 
 def constant_training_calls(code: str) -> tuple[str, ...]:
@@ -242,9 +244,9 @@ def constant_training_calls(code: str) -> tuple[str, ...]:
     through a local alias (`_0 = __torch__.torch.nn.functional.batch_norm`). Such a call
     normalises with the batch's statistics whatever the module's training flag: `.eval()`
     cannot switch it. A training argument computed at run time (`bn_training`) is not one."""
-    aliases: dict[str, str] = dict(_ALIAS.findall(code))
+    aliases: dict[str, str] = dict(re.findall(_ALIAS, code))
     found: dict[str, None] = {}
-    for match in _CALLEE.finditer(code):
+    for match in re.finditer(_CALLEE, code):
         op = norm_op(aliases.get(match.group(1), match.group(1)))
         if op is None or op.kind is not BN or op.training_arg is None:
             continue
@@ -280,14 +282,14 @@ def _call_arguments(code: str, start: int) -> list[str]:
 
 
 # `(self).name(` in TorchScript code: a call of one of the module's own methods
-_SELF_METHOD = re.compile(r"\(self\)\.(\w+)\(")
+_SELF_METHOD = r"\(self\)\.(\w+)\("
 
 
 def own_method_calls(code: str) -> tuple[str, ...]:
     """The module's own methods a piece of TorchScript code calls (`(self)._apply_instance_norm(x)`),
     in order of first appearance; its submodules' forwards are `(self.child).forward` and
     not among them."""
-    return tuple(dict.fromkeys(_SELF_METHOD.findall(code)))
+    return tuple(dict.fromkeys(re.findall(_SELF_METHOD, code)))
 
 
 def _bare(name: str) -> str:

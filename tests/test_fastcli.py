@@ -24,6 +24,7 @@ import typer.main
 import typer.models
 from conftest import REPO
 
+import bnaudit
 from bnaudit import cli, fastcli
 
 # The in-process tests change the internals of the typer fastcli was written for; on any
@@ -355,3 +356,42 @@ def test_plain_typer_is_requested_by_any_value_but_empty_or_zero(monkeypatch):
     for value, requested in (("1", True), ("yes", True), ("0", False), ("", False)):
         monkeypatch.setenv(fastcli.PLAIN_TYPER_ENV, value)
         assert fastcli.plain_typer_requested() is requested
+
+
+@on_tested_typer
+@pytest.mark.parametrize("args, code", [(("--help",), 0), ((), 2)])  # alone: the help, as a usage error
+def test_help_lists_every_command_without_building_its_options(monkeypatch, capsys, args, code):
+    # `bnaudit --help` (and `bnaudit` alone) lists the commands by name and docstring; typer
+    # builds a command's options from its annotations (get_type_hints on dozens of
+    # Annotated options), which was half of --help's time.
+    monkeypatch.delenv(fastcli.PLAIN_TYPER_ENV, raising=False)
+    monkeypatch.setenv("COLUMNS", "100")
+    built = _record_groups(monkeypatch, lambda record: lambda typer_instance: record(typer_instance))
+
+    def run() -> tuple[object, str]:
+        monkeypatch.setattr(sys, "argv", ["bnaudit", *args])
+        with pytest.raises(SystemExit) as exc:
+            cli.main()
+        captured = capsys.readouterr()
+        return exc.value.code, captured.out + "|" + captured.err
+
+    lean_code, lean_help = run()
+    (lean,) = built
+    assert lean_code == code and lean is not cli.app
+    group = typer.main.get_group(lean)
+    names = [c.name for c in cli.app.registered_commands]
+    assert list(group.commands) == names
+    assert all(command.params == [] for command in group.commands.values())
+    assert all(f"  {name} " in lean_help for name in names)
+    # the same help, to the byte, as the whole app's, whose commands have all their options
+    full = typer.main.get_command(cli.app)
+    assert all(full.commands[name].params for name in names)
+    monkeypatch.setenv(fastcli.PLAIN_TYPER_ENV, "1")
+    assert run() == (lean_code, lean_help)
+
+
+@on_tested_typer
+def test_version_is_answered_by_the_group_of_listed_commands(monkeypatch, capsys):
+    monkeypatch.delenv(fastcli.PLAIN_TYPER_ENV, raising=False)
+    code, out = _run_main(monkeypatch, capsys, "--version")
+    assert (code, out) == (0, f"bnaudit {bnaudit.__version__}\n")

@@ -236,3 +236,80 @@ def test_main_answers_as_the_whole_typer_group(numpy_safetensors, args):
     ]
     assert (runs[0].returncode, runs[0].stdout, runs[0].stderr) == (runs[1].returncode, runs[1].stdout, runs[1].stderr)
     assert runs[0].stdout or runs[0].stderr
+
+
+# --- what the start-up budget's commands import: the pins of the cuts ------------------
+
+# Runs the CLI like `python -m bnaudit ARGS` and names which of the modules given as its
+# first argument were loaded. Imports nothing itself (not even json) that it could report.
+MODULES_PROBE = """
+import runpy, sys
+wanted = sys.argv[1].split(",")
+sys.argv = ["bnaudit", *sys.argv[2:]]
+try:
+    runpy.run_module("bnaudit", run_name="__main__")
+except SystemExit:
+    pass
+sys.stdout.flush()
+print("LOADED " + ",".join(m for m in wanted if m in sys.modules), file=sys.stderr)
+"""
+
+# Never needed by a command that reads no tensors through torch, numpy or the safetensors package.
+HEAVY = ("torch", "numpy", "pydantic", "safetensors", "onnx", "onnxruntime", "bnaudit.runtime", "importlib.metadata")
+# Not needed to list the commands: the audit, the renderers, configuration and JSON.
+NOT_FOR_HELP = (
+    "bnaudit.audit.audit",
+    "bnaudit.audit.rules",
+    "bnaudit.formats",
+    "bnaudit.output.table",
+    "rich.console",
+    "tomllib",
+    "json",
+)
+# Not needed to inspect a safetensors file: the other readers, the diff, JSON output, and
+# the standard modules only some paths use (statistics brings decimal and fractions).
+NOT_FOR_INSPECT = (
+    "bnaudit.audit.diff",
+    "bnaudit.formats.torchsave",
+    "bnaudit.formats.torchscript",
+    "bnaudit.formats.onnx",
+    "bnaudit.output.json",
+    "statistics",
+    "decimal",
+    "fractions",
+    "zipfile",
+)
+
+
+def loaded_modules(modules: tuple[str, ...], *args: str) -> set[str]:
+    proc = subprocess.run(
+        [sys.executable, "-c", MODULES_PROBE, ",".join(modules), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=fast_path_env(),
+        timeout=120,
+        check=False,
+    )
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("LOADED "))
+    return {m for m in line.removeprefix("LOADED ").split(",") if m}
+
+
+@pytest.mark.slow
+def test_the_modules_probe_sees_what_a_command_loads(numpy_safetensors):
+    # the probe must be able to fail: inspect does load the audit and the table renderer
+    assert loaded_modules(("bnaudit.audit.audit", "rich.console"), "inspect", numpy_safetensors) == {
+        "bnaudit.audit.audit",
+        "rich.console",
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [("--help",), (), ("--version",)])
+def test_help_loads_none_of_the_modules_it_does_not_need(args):
+    assert loaded_modules(HEAVY + NOT_FOR_HELP, *args) == set()
+
+
+@pytest.mark.slow
+def test_inspect_of_a_safetensors_file_loads_none_of_the_modules_it_does_not_need(numpy_safetensors):
+    assert loaded_modules(HEAVY + NOT_FOR_INSPECT, "inspect", numpy_safetensors) == set()

@@ -19,7 +19,6 @@ channels (a few odd channels, dead or constant, must not decide for the layer):
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass
 
 from bnaudit.audit.formulas import implied_data_value, mean_shift, variance_overstatement
@@ -62,6 +61,8 @@ def implied_damage(layer: BNLayer, weight: float) -> ImpliedDamage | None:
     """The data's statistics the stored ones imply, w = (1 - m)^t being the initial values'
     weight (formulas.implied_data_value), compared with the stored ones; None when no
     channel has finite statistics."""
+    import statistics  # here: it imports decimal, fractions and random, 3 ms of every inspect
+
     ratios: list[tuple[float, int]] = []
     shifts: list[float] = []
     for c, (mean, var) in enumerate(zip(layer.running_mean, layer.running_var)):
@@ -118,6 +119,8 @@ def against_live(copy: BNLayer, live: BNLayer) -> LiveComparison | None:
     layers differ in channels or no channel has finite, non-negative statistics."""
     if copy.num_features != live.num_features:
         return None
+    import statistics  # here: see implied_damage
+
     eps = copy.eps
     weights: list[float] = []
     ratios: list[float] = []

@@ -25,7 +25,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import zipfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -242,6 +241,8 @@ def _could_run_code(name: str) -> bool:
 
 
 def _needed_globals(path: str) -> list[str]:
+    import zipfile  # here: only pickled files get this far, and most inspected files are not
+
     if zipfile.is_zipfile(path):
         # every global of data.pkl (torch's own scan lists only those outside its allow-list:
         # the rest are torch., collections., builtins. names, dropped below either way)

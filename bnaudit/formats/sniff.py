@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import os
 import stat
-import zipfile
+from typing import TYPE_CHECKING
 
 from bnaudit.errors import BnauditError
 from bnaudit.text import exception_line
+
+if TYPE_CHECKING:
+    import zipfile
 
 # torch.distributed.checkpoint's metadata file: the folder holding it is one checkpoint.
 DCP_METADATA = ".metadata"
@@ -134,6 +137,8 @@ def looks_like_onnx(head: bytes) -> bool:
 
 
 def _sniff_zip(path: str) -> str:
+    import zipfile  # here: a safetensors or ONNX file is told apart without it
+
     try:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()

@@ -27,7 +27,6 @@ non-ASCII character as a \\u escape.
 from __future__ import annotations
 
 import contextlib
-import json as jsonlib  # not `json`: importing the submodule output.json rebinds that name here
 from collections.abc import Callable, Iterator, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
@@ -127,6 +126,8 @@ def emit(
         from bnaudit.output.json import to_json
 
         document = to_json(report)
+    import json as jsonlib  # here: --help and tables do without it (not `json`: the submodule)
+
     _write(stream, jsonlib.dumps(document, indent=2, allow_nan=False) + "\n")
 
 
@@ -167,6 +168,8 @@ def emit_error(message: str, stream: IO[str], *, json_stream: IO[str] | None = N
     (--format json), only `{"error": MESSAGE}` there, so that a JSON consumer reads a
     document whatever happened (and `2>&1` still parses)."""
     if json_stream is not None:  # JSON escapes what it must itself: the names stay exact there
+        import json as jsonlib  # here: see emit
+
         _line(json_stream, jsonlib.dumps({"error": " ".join(message.split())}))
         return
     _line(stream, f"bnaudit: error: {one_line(message)}")
