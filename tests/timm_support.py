@@ -37,3 +37,15 @@ def import_timm() -> Any:
     import timm.utils
 
     return timm
+
+
+def import_lightning() -> Any:
+    """The lightning package (skips the test where it is not installed). torchmetrics,
+    which lightning imports, imports torchvision where it is installed: the same operator
+    schemas first."""
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning is not installed")
+    _declare_torchvision_ops()
+    import lightning
+
+    return lightning
