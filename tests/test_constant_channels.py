@@ -141,3 +141,71 @@ def test_a_zero_filter_channel_is_not_live_by_the_model_graph_with_arch(tmp_path
     assert plain.severity == "error"
     (f,) = [f for f in inspect(path, arch=f"{source}:odd").files[0].findings if f.code == "BN004"]
     assert (f.severity, f.channels) == ("warning", (CHANNEL,)) and "filter is all zero" in f.message
+
+
+# Exported graphs (ONNX with BatchNormalization nodes kept, torch.export .pt2): the producer is
+# the Conv/Gemm/MatMul node (conv/linear op) feeding the BN node, as `fold` pairs them.
+CONTROL = 1  # nonzero filter, the same statistics as CHANNEL: still live
+
+
+class _Exported(nn.Module):
+    """Names no convention pairs, and a Linear + BatchNorm1d (Gemm/MatMul in ONNX)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Conv2d(3, 4, 3)
+        self.normaliser = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 4)
+        self.headnorm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.normaliser(self.encoder(x))).mean(dim=(2, 3))
+        return self.headnorm(self.head(y))
+
+
+def _exported_model() -> nn.Module:
+    """Trained statistics, then CHANNEL's filter zeroed in both producers, and CHANNEL and
+    CONTROL given a near-eps variance with |mean| far above sqrt(var + eps): "live" by the
+    mean test, gain 1/sqrt(1e-7 + 1e-5) ~ 315 > 100."""
+    torch.manual_seed(0)
+    model = _Exported()
+    model.train()
+    with torch.no_grad():
+        for _ in range(5):
+            model(torch.randn(8, 3, 8, 8))
+        for conv, norm in ((model.encoder, model.normaliser), (model.head, model.headnorm)):
+            conv.weight[CHANNEL] = 0.0
+            norm.running_var[[CHANNEL, CONTROL]] = 1e-7
+            norm.running_mean[[CHANNEL, CONTROL]] = BIAS
+    return model.eval()
+
+
+def _assert_constant_not_live(path: str) -> None:
+    bn004 = {f.layer: f for f in inspect(path).files[0].findings if f.code == "BN004"}
+    assert len(bn004) == 2, bn004
+    for f in bn004.values():
+        assert set(f.channels) == {CHANNEL, CONTROL}
+        assert f.severity == "error" and f"ch {CONTROL} is live" in f.message
+        assert f"ch {CHANNEL}: the producing layer's filter is all zero" in f.message
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["legacy", "dynamo"])
+def test_a_zero_filter_channel_is_not_live_in_an_onnx_graph(tmp_path, dynamo):
+    import warnings
+
+    path = str(tmp_path / "m.onnx")
+    kept = {"optimize": False} if dynamo else {"do_constant_folding": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_exported_model(), (torch.randn(2, 3, 8, 8),), path, dynamo=dynamo, **kept)
+    _assert_constant_not_live(path)
+
+
+def test_a_zero_filter_channel_is_not_live_in_a_pt2_archive(tmp_path):
+    import warnings
+
+    path = str(tmp_path / "m.pt2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.export.save(torch.export.export(_exported_model(), (torch.randn(2, 3, 8, 8),)), path)
+    _assert_constant_not_live(path)
