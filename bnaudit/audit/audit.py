@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from bnaudit.audit.layers import ModuleFacts, discover_layers, facts_from_module_infos, not_from_file
+from bnaudit.audit.layers import BNLayer, ModuleFacts, discover_layers, facts_from_module_infos, not_from_file
+from bnaudit.audit.producers import LazyProducers, ProducerFilter
 from bnaudit.audit.provenance import recalibration_provenance
 from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
 from bnaudit.audit.rules import Finding, RuleContext, run_rules
@@ -61,6 +62,7 @@ def audit_checkpoint(
             live_layers=live_layers,
             tensors=ckpt.tensors,
             producers=producers or {},
+            graph_producers=_graph_producers(ckpt, discovery.layers),
         )
     )
     report = FileReport(ckpt.path)
@@ -94,6 +96,19 @@ def audit_checkpoint(
     missing_from = "not shown by the program" if ckpt.format == "pt2" else "not in a state dict"
     report.settings = statement(not_from_file(discovery.layers), missing_from)
     return report
+
+
+def _graph_producers(ckpt: Checkpoint, layers: Sequence[BNLayer]) -> Mapping[str, ProducerFilter]:
+    """An exported graph's BN producers, paired only when BN004 asks (bnaudit.audit.foldgraph)."""
+    if ckpt.format not in ("onnx", "pt2"):
+        return {}
+
+    def pair() -> Mapping[str, ProducerFilter]:
+        from bnaudit.audit.foldgraph import exported_producers
+
+        return exported_producers(ckpt, layers)
+
+    return LazyProducers(pair)
 
 
 def _possibly_split(finding: Finding, k: int, n: int) -> Finding:

@@ -23,12 +23,14 @@ weight and no bias. ConvTranspose (weight (C_in, C_out / groups, ...)) is not pa
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from bnaudit.audit.foldcheck import PairPrediction, channel_maxima, predict_folded, predict_pair
 from bnaudit.audit.layers import BNLayer
+from bnaudit.audit.producers import ProducerFilter
 from bnaudit.config import Config
-from bnaudit.formats.model import TensorRef
+from bnaudit.formats.model import Checkpoint, TensorRef
 from bnaudit.formats.onnx import OnnxModel, batchnorm_layer_name, constant
 from bnaudit.normkinds import NormKind, onnx_op_kind
 
@@ -95,11 +97,23 @@ def _bias(model: OnnxModel, node: Any, channels: int) -> list[float] | None:
     return [beta * v for v in ref.read()]
 
 
-def graph_pairs(
-    model: OnnxModel, layers: Sequence[BNLayer], config: Config
-) -> tuple[list[PairPrediction], list[tuple[str, str]]]:
-    """Predictions for the BN nodes paired through the graph and for the convs already
-    folded; (BN layer, why) for every BN node that cannot be folded."""
+@dataclass(frozen=True)
+class _GraphPair:
+    """A BN node's producer: its node, the tensor it writes (the BN's X), constant weight and
+    the weight's layout."""
+
+    layer: BNLayer
+    node: Any
+    x: str
+    weight: TensorRef
+    out_last: bool
+
+
+def _graph_producers(
+    model: OnnxModel, layers: Sequence[BNLayer]
+) -> tuple[list[_GraphPair], list[tuple[str, str]], set[str]]:
+    """(the BN nodes paired with their producer, (BN layer, why) for the others, the names
+    every BN node reads as input X): the pairing in the module docstring."""
     nodes = list(model.nodes())
     producer_of: dict[str, Any] = {}
     readers: dict[str, int] = {}
@@ -110,7 +124,7 @@ def graph_pairs(
             readers[name] = readers.get(name, 0) + 1
     by_name = {layer.name: layer for layer in layers}
     seen: set[str] = set()
-    predictions: list[PairPrediction] = []
+    pairs: list[_GraphPair] = []
     unpaired: list[tuple[str, str]] = []
     bn_inputs: set[str] = set()
     for index, (_, node) in enumerate(nodes):
@@ -137,11 +151,26 @@ def graph_pairs(
         if weight is None or _out_channels(weight, out_last) != layer.num_features:
             unpaired.append((name, f"its {source.op_type} node has no constant weight of {layer.num_features} outputs"))
             continue
-        producer = source.name or f"{source.op_type} node writing {x}"
-        maxima = _weight_maxima(source, weight, out_last)
-        predictions.append(
-            predict_pair(layer, producer, maxima, _bias(model, source, layer.num_features), config, "graph")
-        )
+        pairs.append(_GraphPair(layer, source, x, weight, out_last))
+    return pairs, unpaired, bn_inputs
+
+
+def _producer_name(pair: _GraphPair) -> str:
+    return pair.node.name or f"{pair.node.op_type} node writing {pair.x}"
+
+
+def graph_pairs(
+    model: OnnxModel, layers: Sequence[BNLayer], config: Config
+) -> tuple[list[PairPrediction], list[tuple[str, str]]]:
+    """Predictions for the BN nodes paired through the graph and for the convs already
+    folded; (BN layer, why) for every BN node that cannot be folded."""
+    nodes = list(model.nodes())
+    pairs, unpaired, bn_inputs = _graph_producers(model, layers)
+    predictions: list[PairPrediction] = []
+    for pair in pairs:
+        maxima = _weight_maxima(pair.node, pair.weight, pair.out_last)
+        bias = _bias(model, pair.node, pair.layer.num_features)
+        predictions.append(predict_pair(pair.layer, _producer_name(pair), maxima, bias, config, "graph"))
     any_bn = bool(bn_inputs) or bool(layers)
     for index, (_, node) in enumerate(nodes):
         if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.input) < 3 or not node.input[2]:
@@ -163,24 +192,50 @@ def graph_pairs(
     return predictions, unpaired
 
 
-def program_pairs(
-    path: str, layers: Sequence[BNLayer], config: Config
-) -> tuple[list[PairPrediction], list[tuple[str, str]]]:
-    """Predictions for the BN layers of a torch.export archive (`.pt2`) paired through its
-    program: the node feeding each batch-norm node (`bnaudit.formats.pt2.batchnorm_producers`)."""
+def _program_producers(
+    path: str, layers: Sequence[BNLayer]
+) -> tuple[list[tuple[BNLayer, str, TensorRef, TensorRef | None]], list[tuple[str, str]]]:
+    """(BN layer, its producer's name, weight and bias) for the BN layers of a torch.export archive (`.pt2`) paired
+    through its program (`bnaudit.formats.pt2.batchnorm_producers`), (BN layer, why) for the
+    others."""
     from bnaudit.formats.pt2 import batchnorm_producers
 
     producers = batchnorm_producers(path)
-    predictions: list[PairPrediction] = []
+    pairs: list[tuple[BNLayer, str, TensorRef, TensorRef | None]] = []
     unpaired: list[tuple[str, str]] = []
     for layer in layers:
         found = producers.get(layer.name)
         if found is None or found.weight is None:
             unpaired.append((layer.name, found.why_not if found is not None else "no batch-norm node found for it"))
-            continue
-        if len(found.weight.shape) < 2 or found.weight.shape[0] != layer.num_features:
+        elif len(found.weight.shape) < 2 or found.weight.shape[0] != layer.num_features:
             unpaired.append((layer.name, f"its producer {found.name} has no weight of {layer.num_features} outputs"))
-            continue
-        bias = found.bias.read() if found.bias is not None and found.bias.shape == (layer.num_features,) else None
-        predictions.append(predict_pair(layer, found.name, channel_maxima(found.weight), bias, config, "graph"))
+        else:
+            pairs.append((layer, found.name, found.weight, found.bias))
+    return pairs, unpaired
+
+
+def program_pairs(
+    path: str, layers: Sequence[BNLayer], config: Config
+) -> tuple[list[PairPrediction], list[tuple[str, str]]]:
+    """Predictions for the BN layers of a torch.export archive (`.pt2`) paired through its
+    program: the node feeding each batch-norm node (`bnaudit.formats.pt2.batchnorm_producers`)."""
+    pairs, unpaired = _program_producers(path, layers)
+    predictions: list[PairPrediction] = []
+    for layer, name, weight, stored_bias in pairs:
+        ok = stored_bias is not None and stored_bias.shape == (layer.num_features,)
+        bias = stored_bias.read() if stored_bias is not None and ok else None
+        predictions.append(predict_pair(layer, name, channel_maxima(weight), bias, config, "graph"))
     return predictions, unpaired
+
+
+def exported_producers(ckpt: Checkpoint, layers: Sequence[BNLayer]) -> dict[str, ProducerFilter]:
+    """BN layer -> the stored weight of its producer, for an exported graph (ONNX with BN
+    nodes kept, `.pt2`), by the same pairing as `graph_pairs` / `program_pairs`; empty for
+    any other format (a state dict's producers are found by name: bnaudit.audit.producers)."""
+    if ckpt.format == "onnx" and ckpt.graph is not None:
+        pairs, _, _ = _graph_producers(ckpt.graph, layers)
+        return {p.layer.name: ProducerFilter(_producer_name(p), p.weight, p.out_last) for p in pairs}
+    if ckpt.format == "pt2":
+        found, _ = _program_producers(ckpt.path, layers)
+        return {layer.name: ProducerFilter(name, weight) for layer, name, weight, _ in found}
+    return {}

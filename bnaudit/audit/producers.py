@@ -9,6 +9,11 @@ torchvision, timm and mmcv name their modules by (first match wins):
   Sequential    `features.4` is fed by `features.3` (also `downsample.1` by `downsample.0`)
   paired names  `bn1` by `conv1`, `bn` by `conv`, `norm2` by `conv2` in the same parent
 
+Exported graphs (ONNX with BatchNormalization nodes kept, torch.export `.pt2`) name the
+producer in the graph: the node feeding the BN node, as `bnaudit fold` pairs them
+(bnaudit.audit.foldgraph.exported_producers gives a `ProducerFilter` per BN layer). An ONNX
+MatMul, or Gemm without transB, stores its weight (K, N), output channels last.
+
 A candidate counts only when its weight has at least 2 dimensions and one output channel
 per BN channel (shape[0] == C). An output channel whose filter is all zero outputs its bias
 alone: a constant, so the BN channel's input always equals its running_mean, its running
@@ -19,7 +24,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 
 from bnaudit.formats.model import TensorRef
 
@@ -46,12 +52,49 @@ def producer_weight(
     return None
 
 
-def zero_filter_channels(weight: TensorRef, channels: Iterable[int]) -> set[int]:
-    """The output channels among `channels` whose filter (weight[c], every input and tap)
-    is all zero."""
+@dataclass(frozen=True)
+class ProducerFilter:
+    """The stored weight of the node feeding a BN layer in an exported graph: output channels
+    first (Conv, Linear, Gemm with transB), or last (`out_last`: (K, N), ONNX MatMul and Gemm
+    without transB)."""
+
+    name: str
+    weight: TensorRef
+    out_last: bool = False
+
+
+class LazyProducers(Mapping[str, ProducerFilter]):
+    """BN layer -> ProducerFilter, computed by `load` on first lookup: BN004 asks only when a
+    channel would otherwise be called live, so most files never pair their graph."""
+
+    def __init__(self, load: Callable[[], Mapping[str, ProducerFilter]]) -> None:
+        self._load = load
+        self._found: Mapping[str, ProducerFilter] | None = None
+
+    def _mapping(self) -> Mapping[str, ProducerFilter]:
+        if self._found is None:
+            self._found = self._load()
+        return self._found
+
+    def __getitem__(self, key: str) -> ProducerFilter:
+        return self._mapping()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._mapping())
+
+    def __len__(self) -> int:
+        return len(self._mapping())
+
+
+def zero_filter_channels(weight: TensorRef, channels: Iterable[int], out_last: bool = False) -> set[int]:
+    """The output channels among `channels` whose filter (weight[c], every input and tap; with
+    `out_last`, the column weight[:, c] of a (K, N) weight) is all zero."""
     wanted = sorted(set(channels))
     if not wanted:
         return set()
     values = weight.read()
+    if out_last:
+        k, n = weight.shape
+        return {c for c in wanted if 0 <= c < n and not any(values[i * n + c] for i in range(k))}
     per_channel = math.prod(weight.shape[1:])
     return {c for c in wanted if 0 <= c < weight.shape[0] and not any(values[c * per_channel : (c + 1) * per_channel])}

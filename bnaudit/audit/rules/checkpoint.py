@@ -23,10 +23,15 @@ from bnaudit.text import listing, plural
 
 
 def _constant_channels(ctx: RuleContext, layer: BNLayer, channels: list[int]) -> set[int]:
-    """The channels among `channels` whose producing layer (the model graph's, else by
-    naming convention: bnaudit.audit.producers) has an all-zero filter: a constant input,
-    not a live one."""
-    if not channels or not ctx.tensors:
+    """The channels among `channels` whose producing layer (an exported graph's node, the
+    model graph's module, else by naming convention: bnaudit.audit.producers) has an
+    all-zero filter: a constant input, not a live one."""
+    if not channels:
+        return set()
+    exported = ctx.graph_producers.get(layer.name)
+    if exported is not None:
+        return zero_filter_channels(exported.weight, channels, exported.out_last)
+    if not ctx.tensors:
         return set()
     weight = producer_weight(layer.name, layer.num_features, ctx.tensors, ctx.producers.get(layer.name))
     return zero_filter_channels(weight, channels) if weight is not None else set()

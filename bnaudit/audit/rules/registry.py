@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from bnaudit.audit.foldcheck import FoldContext
     from bnaudit.audit.layerdiff import DiffContext
     from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
+    from bnaudit.audit.producers import ProducerFilter
     from bnaudit.formats.model import Averaging, TensorRef
 
 
@@ -63,6 +64,10 @@ class RuleContext:
     # BN layer -> the Conv/Linear module feeding it, from the model's graph (--arch); where
     # absent, BN004 falls back on naming conventions
     producers: Mapping[str, str] = field(default_factory=dict)
+    # Exported graphs (ONNX with BN nodes kept, .pt2): BN layer -> the weight of the node
+    # feeding it, paired as `fold` pairs them (bnaudit.audit.foldgraph.exported_producers);
+    # possibly lazy (bnaudit.audit.producers.LazyProducers)
+    graph_producers: Mapping[str, ProducerFilter] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
