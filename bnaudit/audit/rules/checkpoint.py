@@ -157,8 +157,9 @@ def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
     "standard deviations away from 0 carries a real signal, and a variance that small for it means "
     "the statistics are broken (a corrupted or mis-converted buffer): every natural fluctuation of "
     "the signal is multiplied hundreds of times. A channel whose producing layer's filter is all zero "
-    "(found by the state dict's naming conventions: `features.3` feeds `features.4`, `conv1` feeds "
-    "`bn1`, `downsample.0` feeds `downsample.1`) receives that layer's bias alone, a constant equal to "
+    "(the node feeding the BN node in an ONNX graph or a `.pt2` program, as `bnaudit fold` pairs them; "
+    "the model's graph with --arch; else the state dict's naming conventions: `features.3` feeds "
+    "`features.4`, `conv1` feeds `bn1`, `downsample.0` feeds `downsample.1`) receives that layer's bias alone, a constant equal to "
     "its running_mean: whatever its mean and gain it is not live, and the message says so. Threshold "
     "factor 10 (`near-eps-factor`).",
     "Prune the dead channels, or check the data that reaches the layer; `bnaudit gap` shows whether eval mode suffers.",
