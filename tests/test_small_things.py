@@ -31,7 +31,7 @@ def bnaudit(*args: str, columns: int = 100, **kwargs) -> subprocess.CompletedPro
     [
         (
             ["inspect", HEALTHY, "--fail-on", "fatal"],
-            "--fail-on: 'fatal' is not one of 'error', 'warning', 'info' (see bnaudit inspect --help)",
+            "--fail-on: 'fatal' is not one of 'info', 'warning', 'error' (see bnaudit inspect --help)",
         ),
         (["inspect", HEALTHY, "--eps", "abc"], "--eps: expected a number (see bnaudit inspect --help)"),
         (["gap", HEALTHY, "--batch-size", "1.5"], "--batch-size: expected a whole number (see bnaudit gap --help)"),
