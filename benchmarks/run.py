@@ -4,7 +4,8 @@
     python benchmarks/run.py --quick    # smaller inputs, fewer repeats
     python benchmarks/run.py --only 1,2 # some targets only (8: sharded checkpoint through its index;
                                         # 9: invariance against a plain loop;
-                                        # 10: .onnx with external data, needs the onnx extra)
+                                        # 10: .onnx with external data, needs the onnx extra;
+                                        # 11: diff --data on a fixed-batch-2 ONNX export)
 
 Every input is built here, in a temporary folder deleted at the end: a ResNet-50-shaped
 state dict (53 BN layers, 25.6 M parameters) with and without 1 GiB of other tensors,
@@ -367,6 +368,27 @@ def _save_with_statistics(folder: str, builder: str, name: str) -> str:
     return path
 
 
+def build_fixed_batch_onnx(folder: str, ckpt: str) -> str:
+    """bench_model.net with `ckpt`'s weights exported with a fixed batch of 2 (the legacy
+    exporter, no dynamic axes), as exports made from a traced batch of 2 are."""
+    import contextlib
+    import io
+    import warnings
+
+    import torch
+
+    sys.path.insert(0, folder)
+    import bench_model  # type: ignore[import-not-found]
+
+    model = bench_model.net()
+    model.load_state_dict(torch.load(ckpt, map_location="cpu", weights_only=True))
+    path = os.path.join(folder, "fixed_batch_2.onnx")
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model.eval(), (torch.zeros(2, 3, 32, 32),), path, dynamo=False, input_names=["x"])
+    return path
+
+
 def build_tensor_data(path: str, samples: int) -> str:
     import torch
     from safetensors.torch import save_file
@@ -598,6 +620,7 @@ BUILDERS = {
         build_wide_model,
         build_tensor_data,
         build_image_folder,
+        build_fixed_batch_onnx,
     )
 }
 
@@ -942,6 +965,66 @@ def target_9_invariance(w: Workload, ckpt: str, repeats: int) -> None:
     )
 
 
+# diff --data's output comparison written out as plain loops over the same data: the
+# export by itself (onnxruntime, sub-batches of its fixed batch of 2, the last padded),
+# and the whole comparison (also the torch model in eval mode, batches of 64).
+REF_ORT_LOOP = """
+import sys, numpy as np, onnxruntime
+from safetensors.numpy import load_file
+x = load_file({data!r})["inputs"].astype(np.float32)
+session = onnxruntime.InferenceSession({onnx!r}, providers=["CPUExecutionProvider"])
+if len(x) % 2:
+    x = np.concatenate([x, x[-1:]])
+outputs = [session.run(None, {{"x": x[i : i + 2]}})[0] for i in range(0, len(x), 2)]
+if {torch_too}:
+    import torch
+    sys.path.insert(0, {folder!r})
+    from bench_model import net
+    model = net()
+    model.load_state_dict(torch.load({ckpt!r}, map_location="cpu", weights_only=True))
+    model.eval()
+    y = np.concatenate(outputs)
+    with torch.no_grad():
+        agree = sum(int((model(b).argmax(1).numpy() == y[i * 64 : i * 64 + len(b)].argmax(1)).sum())
+                    for i, b in enumerate(torch.from_numpy(x).split(64)))
+    print(agree)
+"""
+
+
+def target_11_export_parity(w: Workload, repeats: int, samples: int) -> None:
+    what = "diff --data, fixed-batch-2 ONNX vs a plain onnxruntime loop"
+    try:
+        import onnxruntime  # type: ignore[import-untyped]  # noqa: F401
+    except ImportError:
+        return skip("11", what, "onnxruntime is not installed (the onnx extra)")
+    export = build("build_fixed_batch_onnx", w.folder, w.ckpt)
+    refs = {}
+    for name, torch_too in (("ort", False), ("ort+torch", True)):
+        refs[name] = os.path.join(w.folder, f"ref_{name.replace('+', '_')}.py")
+        with open(refs[name], "w") as f:
+            f.write(REF_ORT_LOOP.format(data=w.data, onnx=export, folder=w.folder, ckpt=w.ckpt, torch_too=torch_too))
+    cmd = [PY, "-m", "bnaudit", "diff", w.ckpt, export, "--arch", w.arch, "--data", w.data]
+    cmd += ["--batch-size", str(w.batch), "--format", "json", "--isolated"]
+    runs = compare({"ort": [PY, refs["ort"]], "ort+torch": [PY, refs["ort+torch"]], "diff": cmd}, repeats,
+                   env=child_env(ONE_THREAD))  # fmt: skip
+    t_ort, t_both, t_diff = (median_wall(runs[k]) for k in ("ort", "ort+torch", "diff"))
+    load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    line(
+        "11",
+        what,
+        t_diff / t_ort,
+        1.2,
+        f"{fmt_s(t_diff)} vs {fmt_s(t_ort)}, {samples} samples, whole processes, {load}",
+    )
+    line(
+        "11",
+        "diff --data vs a plain loop comparing torch and onnxruntime",
+        t_diff / t_both,
+        None,
+        f"{fmt_s(t_diff)} vs {fmt_s(t_both)} (diff also runs a float64 copy for the noise floor)",
+    )
+
+
 def target_5_memory(
     w: Workload,
     small: str,
@@ -1028,7 +1111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.build:  # a child started by build()
         print(json.dumps(BUILDERS[args.build[0]](*json.loads(args.build[1]))))
         return 0
-    only = {int(x) for x in args.only.split(",")} if args.only else {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
+    only = {int(x) for x in args.only.split(",")} if args.only else {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}
     repeats = args.repeats or (3 if args.quick else 5)
     extra_bytes = 256 * MiB if args.quick else GiB
     samples = 512 if args.quick else 2048
@@ -1057,7 +1140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             target_8_sharded(tmp, extra_bytes, repeats)
         if 10 in only:
             target_10_onnx_external_data(tmp, extra_bytes, repeats)
-        if only & {3, 4, 5, 6, 9}:
+        if only & {3, 4, 5, 6, 9, 11}:
             folder = os.path.join(tmp, "model")
             os.makedirs(folder)
             ckpt = build("build_small_model", folder)
@@ -1069,6 +1152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 target_4_gap(w, repeats, samples)
             if 9 in only:
                 target_9_invariance(w, build("build_wide_model", folder), repeats)
+            if 11 in only:
+                target_11_export_parity(w, repeats, samples)
             if only & {5, 6}:
                 small = build("build_image_folder", os.path.join(tmp, "images_small"), n_images)
                 large = build("build_image_folder", os.path.join(tmp, "images_large"), n_images * 10)
