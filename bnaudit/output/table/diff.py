@@ -7,12 +7,20 @@ from typing import TYPE_CHECKING
 
 from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO
 from bnaudit.output.grid import SEVERITY_STYLE
-from bnaudit.output.table.common import bordered, cell, diagnosis_bullets, findings_table, fit_width, g3, indented
+from bnaudit.output.table.common import (
+    Column,
+    Row,
+    cell,
+    diagnosis_bullets,
+    g3,
+    indented,
+    print_findings,
+    print_fitted,
+)
 from bnaudit.text import above_floor, plural, printable
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from rich.table import Table
 
     from bnaudit.audit.diff import DiffReport
     from bnaudit.audit.exportdiff import ExportCheck
@@ -53,7 +61,7 @@ def render_diff(report: DiffReport, console: Console, quiet: bool = False) -> No
     changed = [d for d in report.layers if d.verdict != "unchanged"]
     unchanged = [d.name for d in report.layers if d.verdict == "unchanged"]
     if changed and not quiet:
-        console.print(fit_width(_layers_table(changed), console.width))
+        _layers_table(changed, console)
     if unchanged and not quiet:
         from bnaudit.audit.layerdiff import describe_group
 
@@ -71,7 +79,7 @@ def render_diff(report: DiffReport, console: Console, quiet: bool = False) -> No
         _unmatched_findings_and_summary(report, console)
     errors = [f for f in report.findings if f.severity == "error"]
     if quiet and errors:  # -q: a CI log still shows what failed
-        console.print(fit_width(findings_table(errors), console.width))
+        print_findings(console, errors)
     s = report.summary()
     folded = f", {plural(s['folded'], 'folded layer')}" if "folded" in s else ""
     line = (
@@ -106,27 +114,40 @@ def _sides(report: DiffReport, console: Console) -> None:
     console.print()
 
 
-def _layers_table(changed: list[LayerDiff]) -> Table:
+# Least telling first: the batch counter's change, the channel count, the weight and
+# bias changes (the statistics' changes and the verdict stay).
+_LAYER_COLUMNS = (
+    Column("layer", name=True),
+    Column("C", "right", drop=2),
+    Column("Δweight", "right", drop=3),
+    Column("Δbias", "right", drop=4),
+    Column(MAX_MEAN_SHIFT.column, "right"),
+    Column(MAX_VAR_LOG_RATIO.column, "right"),
+    Column("Δbatches", "right", drop=1),
+    Column("verdict", wrap=True),
+)
+
+
+def _layers_table(changed: list[LayerDiff], console: Console) -> None:
     """One row per layer that changed: the changes (`bnaudit.audit.layerdiff`) and the verdict."""
     from rich.text import Text
 
-    table = bordered()
-    table.add_column("layer", overflow="fold", min_width=min(24, max(len(d.name) for d in changed)))
-    for header in ("C", "Δweight", "Δbias", MAX_MEAN_SHIFT.column, MAX_VAR_LOG_RATIO.column, "Δbatches"):
-        table.add_column(header, justify="right")  # headers wrap at spaces, numbers have none
-    table.add_column("verdict")
-    for d in changed:
-        table.add_row(
-            cell(d.name),
-            str(d.num_features),
-            _delta(d.weight_change, d.weight_identical),
-            _delta(d.bias_change, d.bias_identical),
-            _delta(d.max_mean_shift, d.mean_identical and d.var_identical),
-            _delta(d.max_var_log_ratio, d.var_identical),
-            _batches_delta(d),
-            Text(d.verdict, style=VERDICT_STYLE[d.verdict]),
+    rows = [
+        Row(
+            (
+                d.name,
+                str(d.num_features),
+                _delta(d.weight_change, d.weight_identical),
+                _delta(d.bias_change, d.bias_identical),
+                _delta(d.max_mean_shift, d.mean_identical and d.var_identical),
+                _delta(d.max_var_log_ratio, d.var_identical),
+                _batches_delta(d),
+                Text(d.verdict, style=VERDICT_STYLE[d.verdict]),
+            )
         )
-    return table
+        for d in changed
+    ]
+    print_fitted(console, _LAYER_COLUMNS, rows)
 
 
 def _unmatched_findings_and_summary(report: DiffReport, console: Console) -> None:
@@ -141,7 +162,7 @@ def _unmatched_findings_and_summary(report: DiffReport, console: Console) -> Non
             console.print(cell(f"only in {label}: {plural(len(names), 'layer')}: {shown}", style="dim"))
     console.print()
     if report.findings:
-        console.print(fit_width(findings_table(report.findings), console.width))
+        print_findings(console, report.findings)
         console.print()
     groups = report.groups()
     if report.layers:
@@ -170,33 +191,47 @@ def _export_header(check: ExportCheck, console: Console) -> None:
     console.print(indented("; ".join(facts), style="dim"))
 
 
+# the node a layer was folded into goes first, then the channel count and the shift error
+_FOLDED_COLUMNS = (
+    Column("folded layer", name=True),
+    Column("into", name=True, drop=1),
+    Column("C", "right", drop=2),
+    Column("scale err", "right"),
+    Column("shift err", "right", drop=3),
+    Column("implied eps", "right"),
+    Column("status", wrap=True),
+)
+
+
 def _export_body(check: ExportCheck, console: Console) -> None:
     """The folded layers (one row each), the unpaired ones and the output comparison."""
     from rich.text import Text
 
     if check.folded:
-        table = bordered()
-        table.add_column("folded layer", overflow="fold", min_width=min(24, max(len(f.name) for f in check.folded)))
-        table.add_column("into", overflow="fold")
-        for header in ("C", "scale err", "shift err", "implied eps"):
-            table.add_column(header, justify="right")
-        table.add_column("status")
+        rows = []
         for f in check.folded:
             c = f.check
-            table.add_row(
-                cell(f.name),
-                cell(f.node),
-                str(c.channels),
-                g3(c.scale_error),
-                g3(c.shift_error),
-                "-" if c.implied_eps is None else f"{c.implied_eps:.2g}",
+            status = (
                 Text("matches", style="green")
                 if c.matches
                 else Text(f"matches at eps {f.fits_eps:.2g}", style="yellow")
                 if f.fits_eps is not None
-                else Text("MISMATCH", style="red"),
+                else Text("MISMATCH", style="red")
             )
-        console.print(fit_width(table, console.width))
+            rows.append(
+                Row(
+                    (
+                        f.name,
+                        f.node,
+                        str(c.channels),
+                        g3(c.scale_error),
+                        g3(c.shift_error),
+                        "-" if c.implied_eps is None else f"{c.implied_eps:.2g}",
+                        status,
+                    )
+                )
+            )
+        print_fitted(console, _FOLDED_COLUMNS, rows)
     p = check.parity
     if p is not None:
         style = "red" if p.deviates else "green"
