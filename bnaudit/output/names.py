@@ -87,13 +87,18 @@ def _regex(words: tuple[str, ...], runs: _Runs) -> re.Pattern[str]:
     return re.compile("^" + re.escape(_SEP).join(pieces) + "$", re.MULTILINE)
 
 
-def shorten_names(names: Sequence[str], width: int, separators: str = "./") -> dict[str, str]:
+def shorten_names(
+    names: Sequence[str], width: int, separators: str = "./", context: Sequence[str] = ()
+) -> dict[str, str]:
     """Each name -> itself if it fits `width` characters, else a shortening at segment
     boundaries that no other name of `names` could be read as (see the module docstring);
     wider than `width` where no unique one fits. Different names stay different.
-    `separators` "/" for paths: a file name ("model.safetensors") is one segment."""
+    `separators` "/" for paths: a file name ("model.safetensors") is one segment.
+    `context`: more names a shortening must not stand for (the model's other layers
+    where a table shows some of them)."""
     unique = list(dict.fromkeys(names))
-    words = {name: tuple(name[s:e] for s, e in _segments(name, separators)) for name in unique}
+    every = list(dict.fromkeys([*unique, *context]))
+    words = {name: tuple(name[s:e] for s, e in _segments(name, separators)) for name in every}
     lines = {name: _SEP.join(w) for name, w in words.items()}
     everyone = "\n".join(lines.values())
     shown: dict[str, str] = {}

@@ -122,7 +122,11 @@ def _least(text: Any, wrap: bool) -> int:
 
 
 def fitted_table(
-    columns: Sequence[Column], rows: Sequence[Row], width: int, title: str | None = None
+    columns: Sequence[Column],
+    rows: Sequence[Row],
+    width: int,
+    title: str | None = None,
+    context: Sequence[str] = (),
 ) -> tuple[Any, list[str]]:
     """The table drawn within `width` columns without breaking a name or a word, and the
     headers of the columns it dropped to get there.
@@ -132,6 +136,8 @@ def fitted_table(
     go first; then names are shortened at segment boundaries so that different names
     stay different (never below what keeps them unique; never folded), words wrap at
     spaces only (`fit_width`). What was dropped is said under the table (`dropped_note`).
+    `context`: the model's layer names where the rows show some of them (a shortened name
+    then stands for no other layer of the model either).
     """
     names = [i for i, c in enumerate(columns) if c.name]
     kept = list(range(len(columns)))
@@ -148,7 +154,11 @@ def fitted_table(
             kept.remove(min(droppable, key=lambda i: columns[i].drop))
             continue
         shown = {
-            i: shorten_names([printable(r.cells[i]) for r in rows], max(room, NAME_FLOOR, len(columns[i].header)))
+            i: shorten_names(
+                [printable(r.cells[i]) for r in rows],
+                max(room, NAME_FLOOR, len(columns[i].header)),
+                context=[printable(n) for n in context],
+            )
             for i in names
         }
         need = others + sum(max([len(v) for v in shown[i].values()] or [0]) for i in names)
@@ -174,6 +184,16 @@ def _as_cell(value: Any) -> Any:
     return cell(value) if isinstance(value, str) else value
 
 
+def prefix_note(prefix: str | None, names: Sequence[str]) -> str | None:
+    """Where bare layer names came from, said once: after a wrapper prefix is stripped,
+    a name such as "1" (an nn.Sequential's child) says little, and grep finds
+    "model.1.running_mean", not "1". None where no name starts with an index."""
+    bare = next((n for n in names if n.split(".", 1)[0].isdigit()), None)
+    if not prefix or bare is None:
+        return None
+    return f"layer names without the prefix '{prefix}': layer {bare} is '{prefix}{bare}' in the file"
+
+
 def dropped_note(dropped: Sequence[str], width: int) -> Any:
     """The dim line under a table that had to leave columns out."""
     from rich.text import Text
@@ -182,10 +202,14 @@ def dropped_note(dropped: Sequence[str], width: int) -> Any:
 
 
 def print_fitted(
-    console: Console, columns: Sequence[Column], rows: Sequence[Row], title: str | None = None
+    console: Console,
+    columns: Sequence[Column],
+    rows: Sequence[Row],
+    title: str | None = None,
+    context: Sequence[str] = (),
 ) -> list[str]:
     """`fitted_table` at the console's width, printed, with the dropped-columns note."""
-    table, dropped = fitted_table(columns, rows, console.width, title)
+    table, dropped = fitted_table(columns, rows, console.width, title, context)
     console.print(table)
     if dropped:
         console.print(dropped_note(dropped, console.width))
@@ -237,18 +261,20 @@ _FINDING_COLUMNS = (
 )
 
 
-def findings_table(findings: list[Finding], width: int, title: str | None = None) -> tuple[Any, list[str]]:
+def findings_table(
+    findings: list[Finding], width: int, title: str | None = None, context: Sequence[str] = ()
+) -> tuple[Any, list[str]]:
     """Findings, identical ones on several layers as one row (`fit.collapse`): words are
     wrapped whole, codes and severities never; layer names shortened at segment
     boundaries, all the table's names together so that different layers stay different
     (`bnaudit.output.names`), as far as the other columns leave room. The table and the
-    columns dropped to fit `width`."""
+    columns dropped to fit `width`; `context` as for `fitted_table`."""
     rows = collapse(findings)
     every = [printable(n) for row in rows for n in row.layers]
     code = max((len(w) for row in rows for w in f"{row.code} {row.name}".split()), default=0)
     message = max((len(w) for row in rows for w in printable(row.message).split()), default=0)
     room = max(width - code - message - 3 * 2, NAME_FLOOR)  # severity dropped first if it must
-    shown = shorten_names(every, min(room, NAME_MIN)) if every else {}
+    shown = shorten_names(every, min(room, NAME_MIN), context=[printable(n) for n in context]) if every else {}
     table_rows = []
     for row in rows:
         shortened = FindingRow(
@@ -267,9 +293,11 @@ def findings_table(findings: list[Finding], width: int, title: str | None = None
     return fitted_table(_FINDING_COLUMNS, table_rows, width, title)
 
 
-def print_findings(console: Console, findings: list[Finding], title: str | None = None) -> None:
+def print_findings(
+    console: Console, findings: list[Finding], title: str | None = None, context: Sequence[str] = ()
+) -> None:
     """The findings table at the console's width, with the dropped-columns note."""
-    table, dropped = findings_table(findings, console.width, title)
+    table, dropped = findings_table(findings, console.width, title, context)
     console.print(table)
     if dropped:
         console.print(dropped_note(dropped, console.width))
@@ -286,11 +314,13 @@ def measurement_header(console: Console, checkpoint: str, model: str, data: str,
         console.print(cell(f"note: {note}", style="dim"))
 
 
-def findings_and_diagnosis(console: Console, findings: list[Finding], lines: list[str]) -> None:
+def findings_and_diagnosis(
+    console: Console, findings: list[Finding], lines: list[str], context: Sequence[str] = ()
+) -> None:
     """The end of a measurement's report (gap, invariance): the checkpoint's inspect
     findings, then the diagnosis."""
     if findings:
-        print_findings(console, findings, "inspect findings for this checkpoint")
+        print_findings(console, findings, "inspect findings for this checkpoint", context)
         console.print()
     diagnosis_bullets(console, lines)
 

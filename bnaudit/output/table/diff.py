@@ -14,6 +14,7 @@ from bnaudit.output.table.common import (
     diagnosis_bullets,
     g3,
     indented,
+    prefix_note,
     print_findings,
     print_fitted,
 )
@@ -60,12 +61,12 @@ def render_diff(report: DiffReport, console: Console, quiet: bool = False) -> No
     _sides(report, console)
     changed = [d for d in report.layers if d.verdict != "unchanged"]
     unchanged = [d.name for d in report.layers if d.verdict == "unchanged"]
+    every = [d.name for d in report.layers]
     if changed and not quiet:
-        _layers_table(changed, console)
+        _layers_table(changed, console, every)
     if unchanged and not quiet:
         from bnaudit.audit.layerdiff import describe_group
 
-        every = [d.name for d in report.layers]
         console.print(
             cell(
                 f"{plural(len(unchanged), 'unchanged layer')} "
@@ -79,7 +80,7 @@ def render_diff(report: DiffReport, console: Console, quiet: bool = False) -> No
         _unmatched_findings_and_summary(report, console)
     errors = [f for f in report.findings if f.severity == "error"]
     if quiet and errors:  # -q: a CI log still shows what failed
-        print_findings(console, errors)
+        print_findings(console, errors, context=[d.name for d in report.layers])
     s = report.summary()
     folded = f", {plural(s['folded'], 'folded layer')}" if "folded" in s else ""
     line = (
@@ -100,6 +101,11 @@ def _sides(report: DiffReport, console: Console) -> None:
         where += f", {plural(side.layers, 'BN layer')}"
         title.append(printable(f"  ({where})"), style="dim")
         console.print(title)
+    names = [d.name for d in report.layers]
+    for label, side, own in (("A", report.a, report.only_a), ("B", report.b, report.only_b)):
+        bare = prefix_note(side.prefix, [*names, *own])
+        if bare:
+            console.print(indented(f"{label}: {bare}", style="dim"))
     averaged = [(label, side.averaging) for label, side in (("A", report.a), ("B", report.b)) if side.averaging]
     if len(averaged) == 2 and averaged[0][1] == averaged[1][1]:
         averaged = [("A and B", averaged[0][1])]
@@ -128,7 +134,7 @@ _LAYER_COLUMNS = (
 )
 
 
-def _layers_table(changed: list[LayerDiff], console: Console) -> None:
+def _layers_table(changed: list[LayerDiff], console: Console, every: list[str]) -> None:
     """One row per layer that changed: the changes (`bnaudit.audit.layerdiff`) and the verdict."""
     from rich.text import Text
 
@@ -147,7 +153,7 @@ def _layers_table(changed: list[LayerDiff], console: Console) -> None:
         )
         for d in changed
     ]
-    print_fitted(console, _LAYER_COLUMNS, rows)
+    print_fitted(console, _LAYER_COLUMNS, rows, context=every)
 
 
 def _unmatched_findings_and_summary(report: DiffReport, console: Console) -> None:
@@ -162,7 +168,7 @@ def _unmatched_findings_and_summary(report: DiffReport, console: Console) -> Non
             console.print(cell(f"only in {label}: {plural(len(names), 'layer')}: {shown}", style="dim"))
     console.print()
     if report.findings:
-        print_findings(console, report.findings)
+        print_findings(console, report.findings, context=[d.name for d in report.layers])
         console.print()
     groups = report.groups()
     if report.layers:

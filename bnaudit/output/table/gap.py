@@ -73,7 +73,7 @@ def render_gap(report: GapReport, console: Console, quiet: bool = False) -> None
         _drift_table(report.layers, console)
         console.print()
 
-    findings_and_diagnosis(console, report.findings, report.diagnosis)
+    findings_and_diagnosis(console, report.findings, report.diagnosis, [d.name for d in report.layers])
 
 
 def _scripted_line(layers: int) -> str:

@@ -10,7 +10,7 @@ from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
 from bnaudit.output.fit import concise_lines, summary_line
 from bnaudit.output.grid import SEVERITY_STYLE, layout_grid
 from bnaudit.output.names import shorten_names
-from bnaudit.output.table.common import NAME_MIN, bordered, cell, fit_width, g3, indented, print_findings
+from bnaudit.output.table.common import NAME_MIN, bordered, cell, fit_width, g3, indented, prefix_note, print_findings
 from bnaudit.text import printable
 
 if TYPE_CHECKING:
@@ -145,6 +145,9 @@ def _file_detail(file: FileReport, console: Console, columns: tuple[_Column, ...
         where += f", prefix '{file.prefix}' stripped"
     title.append(printable(f"  ({where})"), style="dim")
     console.print(title)
+    bare = prefix_note(file.prefix, [s.name for s in file.layers])
+    if bare:
+        console.print(indented(bare, style="dim"))
     if file.other_keys:
         console.print(indented(f"other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))
     if file.settings:
@@ -160,7 +163,7 @@ def _file_detail(file: FileReport, console: Console, columns: tuple[_Column, ...
     else:
         console.print(Text("  no BatchNorm layers found", style="dim"))
     if file.findings:
-        print_findings(console, file.findings)
+        print_findings(console, file.findings, context=[s.name for s in file.layers])
     console.print()
 
 
