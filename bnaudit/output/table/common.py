@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from bnaudit.audit.rules import Finding
-from bnaudit.output.fit import FindingRow, collapse
+from bnaudit.output.fit import FindingRow, collapse, shorten_middle
 from bnaudit.output.grid import SEVERITY_STYLE
 from bnaudit.output.names import shorten_names
 from bnaudit.text import printable
@@ -110,6 +110,7 @@ class Row:
 
 
 NAME_FLOOR = 12  # a name column is not shortened below this while other columns can go
+MESSAGE_MIN = 30  # the message column of a findings table gets at least this much
 
 
 def _least(text: Any, wrap: bool) -> int:
@@ -273,24 +274,43 @@ def findings_table(
     every = [printable(n) for row in rows for n in row.layers]
     code = max((len(w) for row in rows for w in f"{row.code} {row.name}".split()), default=0)
     message = max((len(w) for row in rows for w in printable(row.message).split()), default=0)
-    room = max(width - code - message - 3 * 2, NAME_FLOOR)  # severity dropped first if it must
+    room = max(width - code - min(message, MESSAGE_MIN) - 3 * 2, NAME_FLOOR)  # severity dropped first
     shown = shorten_names(every, min(room, NAME_MIN), context=[printable(n) for n in context]) if every else {}
-    table_rows = []
-    for row in rows:
-        shortened = FindingRow(
-            row.code, row.name, row.severity, tuple(shown[printable(n)] for n in row.layers), row.message
-        )
-        table_rows.append(
-            Row(
-                (
-                    cell(f"{row.code} {row.name}"),
-                    cell(row.severity, style=SEVERITY_STYLE[row.severity]),
-                    cell(shortened.where()),
-                    cell(row.message),
-                )
+    wheres = [
+        FindingRow(r.code, r.name, r.severity, tuple(shown[printable(n)] for n in r.layers), r.message).where()
+        for r in rows
+    ]
+    layer = max((len(w) for where in wheres for w in where.split()), default=0)
+    code = max((len(f"{r.code} {r.name}") for r in rows), default=0)  # drawn whole: narrower than the message
+    # a name quoted in a message (an ONNX node's path) longer than the message column can
+    # be: shortened there at segment boundaries like any name; JSON and -q keep it whole
+    words = max(width - code - layer - 3 * 2, MESSAGE_MIN)
+    table_rows = [
+        Row(
+            (
+                cell(f"{r.code} {r.name}"),
+                cell(r.severity, style=SEVERITY_STYLE[r.severity]),
+                cell(where),
+                cell(_fit_words(printable(r.message), words)),
             )
         )
+        for r, where in zip(rows, wheres)
+    ]
     return fitted_table(_FINDING_COLUMNS, table_rows, width, title)
+
+
+def _fit_words(text: str, width: int) -> str:
+    """`text` with each word longer than `width` shortened at its segment boundaries
+    (quotes and trailing punctuation kept around it)."""
+    out = []
+    for word in text.split(" "):
+        if len(word) > width:
+            core = word.strip("'\"(),:;")
+            at = word.index(core) if core else 0
+            short = shorten_middle(core, max(width - (len(word) - len(core)), 1))
+            word = word[:at] + short + word[at + len(core) :]
+        out.append(word)
+    return " ".join(out)
 
 
 def print_findings(
