@@ -101,6 +101,7 @@ class Column:
     drop: int = 0
     name: bool = False
     wrap: bool = False
+    max_width: int | None = None
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,9 @@ def fitted_table(
             table.add_column(c.header, justify=c.justify, no_wrap=True, min_width=wide)
         else:
             # headers wrap at their spaces; cells only where `wrap`, else min_width keeps them whole
-            table.add_column(c.header, justify=c.justify, min_width=None if c.wrap else cells[i], overflow="fold")
+            table.add_column(
+                c.header, justify=c.justify, min_width=None if c.wrap else cells[i], max_width=c.max_width, overflow="fold"
+            )
     for r in rows:
         drawn = [cell(shown[i][printable(r.cells[i])]) if i in names else _as_cell(r.cells[i]) for i in kept]
         table.add_row(*drawn, style=r.style)
@@ -257,7 +260,7 @@ def span(pair: tuple[float, float] | None, signed: bool = False) -> str:
 _FINDING_COLUMNS = (
     Column("code", wrap=True),  # "BN109 eps-mismatch" may wrap at its space
     Column("severity", drop=1),  # the code's colour says it too
-    Column("layer", wrap=True),  # names shortened before (a row may list several)
+    Column("layer", wrap=True, max_width=NAME_MIN + 4),  # names shortened before (a row may list several)
     Column("message", wrap=True),
 )
 
