@@ -176,7 +176,11 @@ def fitted_table(
         else:
             # headers wrap at their spaces; cells only where `wrap`, else min_width keeps them whole
             table.add_column(
-                c.header, justify=c.justify, min_width=None if c.wrap else cells[i], max_width=c.max_width, overflow="fold"
+                c.header,
+                justify=c.justify,
+                min_width=None if c.wrap else cells[i],
+                max_width=c.max_width,
+                overflow="fold",
             )
     for r in rows:
         drawn = [cell(shown[i][printable(r.cells[i])]) if i in names else _as_cell(r.cells[i]) for i in kept]
