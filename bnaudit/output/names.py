@@ -7,7 +7,7 @@ keeps up to three runs of whole segments (one at the start, one inside, one at t
 and writes "…" for each run of segments it leaves out:
 
     resnet.encoder.stages.1.layers.0.shortcut.normalization
-    …stages.1.layers.0.shortcut…        (24 columns)
+    …stages.1.layers.0.shortcut…        (30 columns, among ResNet-50's 53 BN layers)
 
 It never cuts inside a segment, so every part shown is a substring of the name (grep
 finds it), and it is chosen so that the shortened name could stand for no other name of
