@@ -13,7 +13,9 @@ It never cuts inside a segment, so every part shown is a substring of the name (
 finds it), and it is chosen so that the shortened name could stand for no other name of
 the column: read as a pattern ("…" = one or more segments), it matches its own name only.
 Among the shortenings that fit and are unique, the one keeping the most characters wins
-(each "…" costs two characters of score; at equal score the one keeping the leaf).
+(each "…" costs three characters of score, a kept run that starts with a bare index
+after a "…" four more, one that is only indices eight more; at equal score the one
+keeping the leaf).
 Where none fits, the shortest unique one is used and is wider than asked: the table then
 drops columns (`bnaudit.output.table.common.fitted_table`), it never folds a name.
 """
@@ -137,8 +139,10 @@ def _shorten(name: str, width: int, own: tuple[str, ...], others: str, masks: se
     for runs in _candidates(n):
         gaps = len(runs) - 1 + (runs[0][0] > 0) + (runs[-1][1] < n)
         length = gaps + sum(ends[end - 1] - starts[start] for start, end in runs)
-        # a run that starts with a bare index after "…" ("…0.layers") hides what it indexes
+        # a run that starts with a bare index after "…" ("…0.layers") hides what it indexes;
+        # a run that is nothing but one ("…0…") says less still
         bare = sum(1 for start, _ in runs if start and own[start].isdigit())
+        bare += sum(2 for start, end in runs if start and all(w.isdigit() for w in own[start:end]))
         scored.append((length, -(length - 3 * gaps - 4 * bare), runs[-1][1] < n, runs))
     fitting = sorted((s for s in scored if s[0] <= width), key=lambda s: (s[1], s[2]))
     # then, where none fits and is unique, the shortest unique one
