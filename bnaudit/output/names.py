@@ -17,7 +17,8 @@ Among the shortenings that fit and are unique, the one keeping the most characte
 after a "…" four more, one that is only indices eight more; at equal score the one
 keeping the leaf).
 Where none fits, the shortest unique one is used and is wider than asked: the table then
-drops columns (`bnaudit.output.table.common.fitted_table`), it never folds a name.
+drops columns (`bnaudit.output.table.common.fitted_table`), it never folds a name. Only a
+name of one segment wider than the column is cut inside, in its middle.
 """
 
 from __future__ import annotations
@@ -130,8 +131,9 @@ def shorten_names(
 
 def _shorten(name: str, width: int, own: tuple[str, ...], others: str, masks: set[int], separators: str = "./") -> str:
     spans = _segments(name, separators)
-    if len(spans) < 2:
-        return name
+    if len(spans) < 2:  # one word wider than the column (a hostile name): cut in its middle
+        keep = max(width - 1, 2)
+        return name[: keep - keep // 2] + ELLIPSIS + name[len(name) - keep // 2 :]
     n = len(spans)
     starts = [0, *(s for s, _ in spans[1:])]
     ends = [*(e for _, e in spans[:-1]), len(name)]
