@@ -6,7 +6,8 @@
     python benchmarks/run.py --only 1,2 # some targets only (8: sharded checkpoint through its index;
                                         # 9: invariance against a plain loop;
                                         # 10: .onnx with external data, needs the onnx extra;
-                                        # 11: torch.save files without torch, one and a folder of 50)
+                                        # 11: torch.save files without torch, one and a folder of 50
+                                        # 12: diff --data on a fixed-batch-2 ONNX export)
 
 Every input is built here, in a temporary folder deleted at the end: a ResNet-50-shaped
 state dict (53 BN layers, 25.6 M parameters) with and without 1 GiB of other tensors,
@@ -376,6 +377,27 @@ def _save_with_statistics(folder: str, builder: str, name: str) -> str:
     return path
 
 
+def build_fixed_batch_onnx(folder: str, ckpt: str) -> str:
+    """bench_model.net with `ckpt`'s weights exported with a fixed batch of 2 (the legacy
+    exporter, no dynamic axes), as exports made from a traced batch of 2 are."""
+    import contextlib
+    import io
+    import warnings
+
+    import torch
+
+    sys.path.insert(0, folder)
+    import bench_model  # type: ignore[import-not-found]
+
+    model = bench_model.net()
+    model.load_state_dict(torch.load(ckpt, map_location="cpu", weights_only=True))
+    path = os.path.join(folder, "fixed_batch_2.onnx")
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model.eval(), (torch.zeros(2, 3, 32, 32),), path, dynamo=False, input_names=["x"])
+    return path
+
+
 def build_tensor_data(path: str, samples: int) -> str:
     import torch
     from safetensors.torch import save_file
@@ -637,6 +659,7 @@ BUILDERS = {
         build_tensor_data,
         build_image_folder,
         build_torch_save_files,
+        build_fixed_batch_onnx,
     )
 }
 
@@ -1068,6 +1091,100 @@ def target_9_invariance(w: Workload, ckpt: str, repeats: int) -> None:
     )
 
 
+# diff --data's output comparison written out as plain loops over the same data: the
+# export by itself (onnxruntime, sub-batches of its fixed batch of 2, the last padded),
+# and the whole comparison (also the torch model in eval mode, batches of 64).
+REF_ORT_LOOP = """
+import sys, numpy as np, onnxruntime
+from safetensors.numpy import load_file
+x = load_file({data!r})["inputs"].astype(np.float32)
+session = onnxruntime.InferenceSession({onnx!r}, providers=["CPUExecutionProvider"])
+if len(x) % 2:
+    x = np.concatenate([x, x[-1:]])
+outputs = [session.run(None, {{"x": x[i : i + 2]}})[0] for i in range(0, len(x), 2)]
+if {torch_too}:
+    import torch
+    sys.path.insert(0, {folder!r})
+    from bench_model import net
+    model = net()
+    model.load_state_dict(torch.load({ckpt!r}, map_location="cpu", weights_only=True))
+    model.eval()
+    y = np.concatenate(outputs)
+    with torch.no_grad():
+        agree = sum(int((model(b).argmax(1).numpy() == y[i * 64 : i * 64 + len(b)].argmax(1)).sum())
+                    for i, b in enumerate(torch.from_numpy(x).split(64)))
+    print(agree)
+"""
+
+
+# The onnxruntime side alone, in one process: diff --data's run_export over the data in
+# batches of 64 against the plain loop, interleaved, medians of `repeats` rounds.
+EXPORT_RUN = """
+import json, statistics, sys, time, numpy as np, onnxruntime
+from safetensors.numpy import load_file
+from bnaudit.runtime.exportparity import run_export
+x = load_file({data!r})["inputs"].astype(np.float32)
+session = onnxruntime.InferenceSession({onnx!r}, providers=["CPUExecutionProvider"])
+def plain():
+    padded = np.concatenate([x, x[-1:]]) if len(x) % 2 else x
+    return [session.run(None, {{"x": padded[i : i + 2]}})[0] for i in range(0, len(padded), 2)]
+def ours():
+    return [run_export(session, "x", x[i : i + {batch}], 2)[0] for i in range(0, len(x), {batch})]
+times = {{"plain": [], "ours": []}}
+for round_ in range({repeats} + 1):
+    for name, run in (("plain", plain), ("ours", ours)):
+        start = time.perf_counter()
+        run()
+        if round_:
+            times[name].append(time.perf_counter() - start)
+print(json.dumps({{k: statistics.median(v) for k, v in times.items()}}))
+"""
+
+
+def target_12_export_parity(w: Workload, repeats: int, samples: int) -> None:
+    what = "diff --data: onnxruntime side vs plain loop, batch-2 export"
+    try:
+        import onnxruntime  # type: ignore[import-untyped]  # noqa: F401
+    except ImportError:
+        return skip("12", what, "onnxruntime is not installed (the onnx extra)")
+    export = build("build_fixed_batch_onnx", w.folder, w.ckpt)
+    script = os.path.join(w.folder, "export_run.py")
+    with open(script, "w") as f:
+        f.write(EXPORT_RUN.format(data=w.data, onnx=export, batch=w.batch, repeats=repeats))
+    proc = subprocess.run([PY, script], capture_output=True, text=True, env=child_env(ONE_THREAD), cwd=REPO)
+    if proc.returncode:
+        raise RuntimeError(f"{script} failed:\n{proc.stderr[-2000:]}")
+    t = json.loads(proc.stdout.strip().splitlines()[-1])
+    load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    line(
+        "12",
+        what,
+        t["ours"] / t["plain"],
+        1.2,
+        f"{fmt_s(t['ours'])} vs {fmt_s(t['plain'])}, {samples} samples in batches of {w.batch}, one process, {load}",
+    )
+    # whole processes, for context: diff also runs the torch model and its float64 copy
+    refs = {}
+    for name, torch_too in (("ort", False), ("ort+torch", True)):
+        refs[name] = os.path.join(w.folder, f"ref_{name.replace('+', '_')}.py")
+        with open(refs[name], "w") as f:
+            f.write(REF_ORT_LOOP.format(data=w.data, onnx=export, folder=w.folder, ckpt=w.ckpt, torch_too=torch_too))
+    cmd = [PY, "-m", "bnaudit", "diff", w.ckpt, export, "--arch", w.arch, "--data", w.data]
+    cmd += ["--batch-size", str(w.batch), "--format", "json", "--isolated"]
+    runs = compare({"ort": [PY, refs["ort"]], "ort+torch": [PY, refs["ort+torch"]], "diff": cmd}, repeats,
+                   env=child_env(ONE_THREAD))  # fmt: skip
+    t_ort, t_both, t_diff = (median_wall(runs[k]) for k in ("ort", "ort+torch", "diff"))
+    line("12", "diff --data vs a plain onnxruntime loop, whole processes", t_diff / t_ort, None,
+         f"{fmt_s(t_diff)} vs {fmt_s(t_ort)}")  # fmt: skip
+    line(
+        "12",
+        "diff --data vs plain torch + onnxruntime loop, processes",
+        t_diff / t_both,
+        None,
+        f"{fmt_s(t_diff)} vs {fmt_s(t_both)} (diff also runs a float64 copy for the noise floor)",
+    )
+
+
 def target_5_memory(
     w: Workload,
     small: str,
@@ -1155,7 +1272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.build:  # a child started by build()
         print(json.dumps(BUILDERS[args.build[0]](*json.loads(args.build[1]))))
         return 0
-    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 12))
+    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 13))
     repeats = args.repeats or (3 if args.quick else 5)
     extra_bytes = 256 * MiB if args.quick else GiB
     samples = 512 if args.quick else 2048
@@ -1186,7 +1303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             target_10_onnx_external_data(tmp, extra_bytes, repeats)
         if 11 in only:
             target_11_torch_save_without_torch(tmp, max(repeats * 2, 7))
-        if only & {3, 4, 5, 6, 9}:
+        if only & {3, 4, 5, 6, 9, 12}:
             folder = os.path.join(tmp, "model")
             os.makedirs(folder)
             ckpt = build("build_small_model", folder)
@@ -1198,6 +1315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 target_4_gap(w, repeats, samples)
             if 9 in only:
                 target_9_invariance(w, build("build_wide_model", folder), repeats)
+            if 12 in only:
+                target_12_export_parity(w, repeats, samples)
             if only & {5, 6}:
                 small = build("build_image_folder", os.path.join(tmp, "images_small"), n_images)
                 large = build("build_image_folder", os.path.join(tmp, "images_large"), n_images * 10)

@@ -108,6 +108,8 @@ def test_statistics_that_are_not_constants_are_bn013_in_diff_too(tmp_path):
     onnx.save(model, str(path))
     inspected = [c for c in found(inspect(str(path), Config())) if c[0] == "BN013"]
     diffed = found(diff(CHECKPOINT, str(path), Config()))
-    assert inspected == [c for c in diffed if c[0] == "BN013"] == [("BN013", "info", "features.1")]  # the layer named (issue 21)
+    assert (
+        inspected == [c for c in diffed if c[0] == "BN013"] == [("BN013", "info", "features.1")]
+    )  # the layer named (issue 21)
     # BN113 keeps its own fact only: the checkpoint layer that could not be paired
     assert [c for c in diffed if c[0] == "BN113"] == [("BN113", "warning", "features.1")]

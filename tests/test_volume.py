@@ -4,8 +4,10 @@ finding, and tables fit 80 columns without breaking a word."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -133,6 +135,16 @@ def test_quiet_prints_one_concise_line_per_finding(cli, deep):
     assert result.stdout.splitlines() == [*expected, summary]
 
 
+def segments_pattern(shown: str) -> re.Pattern[str]:
+    """A shortened name as a pattern: each "…" one or more whole segments (with the
+    separators around them), the rest as written."""
+    parts = shown.split("…")
+    regex = re.escape(parts[0])
+    for before, part in itertools.pairwise(parts):
+        regex += ("[./]" if before else "") + r"[^./]+(?:[./][^./]+)*" + ("[./]" if part else "") + re.escape(part)
+    return re.compile(regex)
+
+
 def test_tables_fit_80_columns_without_breaking_a_word(cli, deep, tmp_path):
     # a copy whose layer names are longer than any column can hold
     state = load_file(str(deep / "deep_short.safetensors"))
@@ -153,12 +165,13 @@ def test_tables_fit_80_columns_without_breaking_a_word(cli, deep, tmp_path):
     full = [
         n.replace("backbone_encoder_stages", "model.backbone_encoder_stages_of_a_very_deep_network") for n in bn_names()
     ]
-    cells = [line.split("│")[0].strip() for line in lines if "│" in line and line.startswith("model.")]
-    cells = [cell for cell in cells if "…" in cell]
+    layer_rows = [line for line in lines if "│" in line and not line.startswith(("BN", " ")) and "-zip │" not in line]
+    cells = [cell for cell in (line.split("│")[0].strip() for line in layer_rows) if "…" in cell]
+    cells = [cell for cell in cells if not cell.endswith((".safetensors", ".pt"))]  # the files table's paths
     assert cells, "no layer name was shortened"
     for cell in cells:
-        head, _, tail = cell.partition("…")
-        assert any(n.startswith(head) and n.endswith(tail) for n in full), cell
+        # whole segments around each "…", and the name of one layer only
+        assert len([n for n in full if segments_pattern(cell).fullmatch(n)]) == 1, cell
     # the message column, read down its lines, is the message with whole words
     doc = json.loads(cli("inspect", str(long_names), "--format", "json").stdout)
     message = doc["files"][0]["findings"][0]["message"]
@@ -171,7 +184,8 @@ def test_tables_fit_80_columns_without_breaking_a_word(cli, deep, tmp_path):
     assert " ".join(c for c in column if c) == message
 
 
-def test_shorten_middle_keeps_both_ends():
+def test_shorten_middle_keeps_whole_segments():
     assert shorten_middle("backbone.layer3.0.bn1", 30) == "backbone.layer3.0.bn1"
-    assert shorten_middle("backbone.layer3.0.bn1", 11) == "backb…0.bn1"
+    assert shorten_middle("backbone.layer3.0.bn1", 14) == "…layer3.0.bn1"
+    assert shorten_middle("backbone.layer3.0.bn1", 11) == "backbone…"
     assert len(shorten_middle("x" * 100, 24)) == 24

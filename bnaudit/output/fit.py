@@ -1,7 +1,7 @@
 """Output that grows with the problems, not with the model: the pieces every renderer of
 inspect shares, as plain strings (no rich here).
 
-    shorten_middle(text, width)   "backbone.layer3.0.bn1" -> "backbone.…3.0.bn1"
+    shorten_middle(text, width)   "backbone.layer3.0.bn1" -> "…layer3.0.bn1"
     collapse(findings)            identical findings on many layers -> one row naming them
     concise_lines(report)         `--quiet`: one line per finding, the format linters use
     summary_line(report)          the last line of every inspect table
@@ -13,20 +13,21 @@ from dataclasses import dataclass
 
 from bnaudit.audit.report import InspectReport
 from bnaudit.audit.rules import Finding
+from bnaudit.output.names import ELLIPSIS, shorten_names
 from bnaudit.text import listing, plural
-
-ELLIPSIS = "…"
 
 
 def shorten_middle(text: str, width: int) -> str:
-    """`text` cut to `width` characters by replacing its middle with one "…".
+    """`text` cut to `width` characters at segment boundaries ("." and "/"), the parts
+    left out written "…" (`bnaudit.output.names`): "backbone.layer3.0.bn1" -> "…layer3.0.bn1".
 
-    The middle, because layer names differ at both ends: the top-level module says where
-    in the network, the leaf says which norm ("backbone.…3.0.bn1"). Never wraps inside a
-    word, which is what folding a long name across lines would do.
+    Names differ at both ends: the top-level module says where in the network, the leaf
+    which norm. Only a single segment longer than `width` is cut inside, in its middle;
+    a column of several names goes through `names.shorten_names`, which keeps them distinct.
     """
-    if len(text) <= width:
-        return text
+    shown = shorten_names([text], width)[text]
+    if len(shown) <= width:
+        return shown
     if width <= 1:
         return ELLIPSIS[:width]
     keep = width - 1

@@ -14,7 +14,8 @@ def layout_grid(headers: list[str], rows: list[list[str]], console: Any, min_fir
     ResNet-50's 53 rows, half of what a pre-commit run may take. The layer table is
     a fixed grid (first column folded, numbers right-justified, status last), so it
     is laid out here; tests/test_report.py compares both, styles included. None where
-    rich would have to shrink more than the first column (a very narrow terminal).
+    rich would have to shrink more than the first column (a very narrow terminal) or a
+    name is wider than the first column leaves (names are shortened, never folded).
     """
     from rich.cells import cell_len
     from rich.text import Text
@@ -45,10 +46,7 @@ def layout_grid(headers: list[str], rows: list[list[str]], console: Any, min_fir
     out.append("\n" + "╇".join("━" * (w + (1 if i in (0, last) else 2)) for i, w in enumerate(widths)))
     plain = [""] * last
     for row in rows:
-        name = [row[0]]
-        if cell_len(row[0]) > first:
-            name = [part.plain for part in Text(row[0]).wrap(console, first, overflow="fold")]
-        line([name[0], *row[1:]], "│", "", [*plain, SEVERITY_STYLE[row[-1]]])
-        for part in name[1:]:
-            line([part, *[""] * last], "│", "", [*plain, ""])
+        if cell_len(row[0]) > first:  # a name is never folded (bnaudit.output.names shortens it)
+            return None
+        line(row, "│", "", [*plain, SEVERITY_STYLE[row[-1]]])
     return out

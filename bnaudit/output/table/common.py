@@ -10,11 +10,14 @@ the fixed words of the tables are ours.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from bnaudit.audit.rules import Finding
 from bnaudit.output.fit import FindingRow, collapse, shorten_middle
 from bnaudit.output.grid import SEVERITY_STYLE
+from bnaudit.output.names import shorten_names
 from bnaudit.text import printable
 
 if TYPE_CHECKING:
@@ -84,6 +87,143 @@ def fit_width(table: Any, width: int) -> Any:
     return table
 
 
+@dataclass(frozen=True)
+class Column:
+    """A column of a table that `fitted_table` lays out.
+
+    `drop`: 0 never dropped; else dropped to fit the width, lowest first (least telling).
+    `name`: cells are names from the file (strings), shortened at segment boundaries
+    (`bnaudit.output.names`) and never wrapped. `wrap`: prose that wraps at its spaces
+    (a header always may); other cells are never wrapped."""
+
+    header: str
+    justify: Justify = "left"
+    drop: int = 0
+    name: bool = False
+    wrap: bool = False
+    max_width: int | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    cells: tuple[Any, ...]  # str or rich Text; a name column's cells are str
+    style: str = ""
+
+
+NAME_FLOOR = 12  # a name column is not shortened below this while other columns can go
+MESSAGE_MIN = 30  # the message column of a findings table gets at least this much
+
+
+def _least(text: Any, wrap: bool) -> int:
+    """The narrowest a cell can be drawn: its longest line, or its longest word if it wraps."""
+    from rich.cells import cell_len
+
+    plain = text.plain if hasattr(text, "plain") else str(text)
+    pieces = plain.split() if wrap else plain.splitlines()
+    return max(map(cell_len, pieces), default=0)
+
+
+def fitted_table(
+    columns: Sequence[Column],
+    rows: Sequence[Row],
+    width: int,
+    title: str | None = None,
+    context: Sequence[str] = (),
+) -> tuple[Any, list[str]]:
+    """The table drawn within `width` columns without breaking a name or a word, and the
+    headers of the columns it dropped to get there.
+
+    The one rule of every table: a name column gets min(its longest name, NAME_MIN)
+    characters; where the other columns leave less, the columns with the lowest `drop`
+    go first; then names are shortened at segment boundaries so that different names
+    stay different (never below what keeps them unique; never folded), words wrap at
+    spaces only (`fit_width`). What was dropped is said under the table (`dropped_note`).
+    `context`: the model's layer names where the rows show some of them (a shortened name
+    then stands for no other layer of the model either).
+    """
+    names = [i for i, c in enumerate(columns) if c.name]
+    kept = list(range(len(columns)))
+
+    cells = {i: max([_least(r.cells[i], columns[i].wrap) for r in rows] or [0]) for i in kept}
+    fixed = {i: max(_least(columns[i].header, True), cells[i]) for i in kept if i not in names}
+    longest = {i: max([len(printable(r.cells[i])) for r in rows] or [0]) for i in names}
+    shown: dict[int, dict[str, str]] = {}
+    while True:
+        others = sum(fixed[i] for i in kept if i not in names) + 3 * (len(kept) - 1)
+        room = (width - others) // max(len(names), 1)
+        droppable = [i for i in kept if columns[i].drop]
+        if droppable and any(room < min(longest[i], NAME_MIN) for i in names):
+            kept.remove(min(droppable, key=lambda i: columns[i].drop))
+            continue
+        shown = {
+            i: shorten_names(
+                [printable(r.cells[i]) for r in rows],
+                max(room, NAME_FLOOR, len(columns[i].header)),
+                context=[printable(n) for n in context],
+            )
+            for i in names
+        }
+        need = others + sum(max([len(v) for v in shown[i].values()] or [0]) for i in names)
+        if need <= width or not droppable:
+            break
+        kept.remove(min(droppable, key=lambda i: columns[i].drop))
+    table = bordered(title)
+    for i in kept:
+        c = columns[i]
+        if c.name:
+            wide = max([len(columns[i].header), *(len(v) for v in shown[i].values())])
+            table.add_column(c.header, justify=c.justify, no_wrap=True, min_width=wide)
+        else:
+            # headers wrap at their spaces; cells only where `wrap`, else min_width keeps them whole
+            table.add_column(
+                c.header,
+                justify=c.justify,
+                min_width=None if c.wrap else cells[i],
+                max_width=c.max_width,
+                overflow="fold",
+            )
+    for r in rows:
+        drawn = [cell(shown[i][printable(r.cells[i])]) if i in names else _as_cell(r.cells[i]) for i in kept]
+        table.add_row(*drawn, style=r.style)
+    return fit_width(table, width), [columns[i].header for i in range(len(columns)) if i not in kept]
+
+
+def _as_cell(value: Any) -> Any:
+    return cell(value) if isinstance(value, str) else value
+
+
+def prefix_note(prefix: str | None, names: Sequence[str]) -> str | None:
+    """Where bare layer names came from, said once: after a wrapper prefix is stripped,
+    a name such as "1" (an nn.Sequential's child) says little, and grep finds
+    "model.1.running_mean", not "1". None where no name starts with an index."""
+    bare = next((n for n in names if n.split(".", 1)[0].isdigit()), None)
+    if not prefix or bare is None:
+        return None
+    return f"layer names without the prefix '{prefix}': layer {bare} is '{prefix}{bare}' in the file"
+
+
+def dropped_note(dropped: Sequence[str], width: int) -> Any:
+    """The dim line under a table that had to leave columns out."""
+    from rich.text import Text
+
+    return Text(f"dropped to fit {width} columns: {', '.join(dropped)}", style="dim")
+
+
+def print_fitted(
+    console: Console,
+    columns: Sequence[Column],
+    rows: Sequence[Row],
+    title: str | None = None,
+    context: Sequence[str] = (),
+) -> list[str]:
+    """`fitted_table` at the console's width, printed, with the dropped-columns note."""
+    table, dropped = fitted_table(columns, rows, console.width, title, context)
+    console.print(table)
+    if dropped:
+        console.print(dropped_note(dropped, console.width))
+    return dropped
+
+
 def cell(text: str, style: str = "") -> Any:
     """A table cell that shows `text` as is: plain strings would be parsed as rich markup."""
     from rich.text import Text
@@ -121,26 +261,73 @@ def span(pair: tuple[float, float] | None, signed: bool = False) -> str:
     return f"{pair[0] * 100:.1f}-{pair[1] * 100:.1f}%"
 
 
-def findings_table(findings: list[Finding], title: str | None = None) -> Any:
-    """Findings, identical ones on several layers as one row (`fit.collapse`): words are
-    wrapped whole, codes and severities never, long layer names shortened in the middle."""
+_FINDING_COLUMNS = (
+    Column("code", wrap=True),  # "BN109 eps-mismatch" may wrap at its space
+    Column("severity", drop=1),  # the code's colour says it too
+    Column("layer", wrap=True, max_width=NAME_MIN + 4),  # names shortened before (a row may list several)
+    Column("message", wrap=True),
+)
 
-    table = bordered(title)
-    table.add_column("code", no_wrap=True)
-    table.add_column("severity", no_wrap=True)
-    table.add_column("layer", max_width=NAME_MIN + 4)
-    table.add_column("message", overflow="fold")  # fold: only a word longer than the column
-    for row in collapse(findings):
-        shortened = FindingRow(
-            row.code, row.name, row.severity, tuple(shorten_middle(n, NAME_MIN) for n in row.layers), row.message
+
+def findings_table(
+    findings: list[Finding], width: int, title: str | None = None, context: Sequence[str] = ()
+) -> tuple[Any, list[str]]:
+    """Findings, identical ones on several layers as one row (`fit.collapse`): words are
+    wrapped whole, codes and severities never; layer names shortened at segment
+    boundaries, all the table's names together so that different layers stay different
+    (`bnaudit.output.names`), as far as the other columns leave room. The table and the
+    columns dropped to fit `width`; `context` as for `fitted_table`."""
+    rows = collapse(findings)
+    every = [printable(n) for row in rows for n in row.layers]
+    code = max((len(w) for row in rows for w in f"{row.code} {row.name}".split()), default=0)
+    message = max((len(w) for row in rows for w in printable(row.message).split()), default=0)
+    room = max(width - code - min(message, MESSAGE_MIN) - 3 * 2, NAME_FLOOR)  # severity dropped first
+    shown = shorten_names(every, min(room, NAME_MIN), context=[printable(n) for n in context]) if every else {}
+    wheres = [
+        FindingRow(r.code, r.name, r.severity, tuple(shown[printable(n)] for n in r.layers), r.message).where()
+        for r in rows
+    ]
+    layer = max((len(w) for where in wheres for w in where.split()), default=0)
+    code = max((len(f"{r.code} {r.name}") for r in rows), default=0)  # drawn whole: narrower than the message
+    # a name quoted in a message (an ONNX node's path) longer than the message column can
+    # be: shortened there at segment boundaries like any name; JSON and -q keep it whole
+    words = max(width - code - layer - 3 * 2, MESSAGE_MIN)
+    table_rows = [
+        Row(
+            (
+                cell(f"{r.code} {r.name}"),
+                cell(r.severity, style=SEVERITY_STYLE[r.severity]),
+                cell(where),
+                cell(_fit_words(printable(r.message), words)),
+            )
         )
-        table.add_row(
-            cell(f"{row.code} {row.name}"),
-            cell(row.severity, style=SEVERITY_STYLE[row.severity]),
-            cell(shortened.where()),
-            cell(row.message),
-        )
-    return table
+        for r, where in zip(rows, wheres)
+    ]
+    return fitted_table(_FINDING_COLUMNS, table_rows, width, title)
+
+
+def _fit_words(text: str, width: int) -> str:
+    """`text` with each word longer than `width` shortened at its segment boundaries
+    (quotes and trailing punctuation kept around it)."""
+    out = []
+    for word in text.split(" "):
+        if len(word) > width:
+            core = word.strip("'\"(),:;")
+            at = word.index(core) if core else 0
+            short = shorten_middle(core, max(width - (len(word) - len(core)), 1))
+            word = word[:at] + short + word[at + len(core) :]
+        out.append(word)
+    return " ".join(out)
+
+
+def print_findings(
+    console: Console, findings: list[Finding], title: str | None = None, context: Sequence[str] = ()
+) -> None:
+    """The findings table at the console's width, with the dropped-columns note."""
+    table, dropped = findings_table(findings, console.width, title, context)
+    console.print(table)
+    if dropped:
+        console.print(dropped_note(dropped, console.width))
 
 
 def source_words(what: str | None, key: str | None, prefix: str | None) -> str:
@@ -175,11 +362,13 @@ def measurement_header(
         console.print(cell(f"note: {note}", style="dim"))
 
 
-def findings_and_diagnosis(console: Console, findings: list[Finding], lines: list[str]) -> None:
+def findings_and_diagnosis(
+    console: Console, findings: list[Finding], lines: list[str], context: Sequence[str] = ()
+) -> None:
     """The end of a measurement's report (gap, invariance): the checkpoint's inspect
     findings, then the diagnosis."""
     if findings:
-        console.print(fit_width(findings_table(findings, "inspect findings for this checkpoint"), console.width))
+        print_findings(console, findings, "inspect findings for this checkpoint", context)
         console.print()
     diagnosis_bullets(console, lines)
 

@@ -8,20 +8,21 @@ from typing import TYPE_CHECKING
 from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO
 from bnaudit.output.grid import SEVERITY_STYLE
 from bnaudit.output.table.common import (
-    bordered,
+    Column,
+    Row,
     cell,
     diagnosis_bullets,
-    findings_table,
-    fit_width,
     g3,
     indented,
+    prefix_note,
+    print_findings,
+    print_fitted,
     source_words,
 )
 from bnaudit.text import above_floor, plural, printable
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from rich.table import Table
 
     from bnaudit.audit.diff import DiffReport
     from bnaudit.audit.exportdiff import ExportCheck, ParityResult
@@ -111,12 +112,12 @@ def render_diff(report: DiffReport, console: Console, quiet: bool = False) -> No
     _sides(report, console)
     changed = [d for d in report.layers if d.verdict != "unchanged"]
     unchanged = [d.name for d in report.layers if d.verdict == "unchanged"]
+    every = [d.name for d in report.layers]
     if changed:
-        console.print(fit_width(_layers_table(changed), console.width))
+        _layers_table(changed, console, every)
     if unchanged:
         from bnaudit.audit.layerdiff import describe_group
 
-        every = [d.name for d in report.layers]
         console.print(
             cell(
                 f"{plural(len(unchanged), 'unchanged layer')} "
@@ -137,6 +138,11 @@ def _sides(report: DiffReport, console: Console) -> None:
         where = f"{source_words(side.format, side.key, side.prefix)}, {plural(side.layers, 'BN layer')}"
         title.append(printable(f"  ({where})"), style="dim")
         console.print(title)
+    names = [d.name for d in report.layers]
+    for label, side, own in (("A", report.a, report.only_a), ("B", report.b, report.only_b)):
+        bare = prefix_note(side.prefix, [*names, *own])
+        if bare:
+            console.print(indented(f"{label}: {bare}", style="dim"))
     averaged = [(label, side.averaging) for label, side in (("A", report.a), ("B", report.b)) if side.averaging]
     if len(averaged) == 2 and averaged[0][1] == averaged[1][1]:
         averaged = [("A and B", averaged[0][1])]
@@ -151,27 +157,40 @@ def _sides(report: DiffReport, console: Console) -> None:
     console.print()
 
 
-def _layers_table(changed: list[LayerDiff]) -> Table:
+# Least telling first: the batch counter's change, the channel count, the weight and
+# bias changes (the statistics' changes and the verdict stay).
+_LAYER_COLUMNS = (
+    Column("layer", name=True),
+    Column("C", "right", drop=2),
+    Column("Δweight", "right", drop=3),
+    Column("Δbias", "right", drop=4),
+    Column(MAX_MEAN_SHIFT.column, "right"),
+    Column(MAX_VAR_LOG_RATIO.column, "right"),
+    Column("Δbatches", "right", drop=1),
+    Column("verdict", wrap=True),
+)
+
+
+def _layers_table(changed: list[LayerDiff], console: Console, every: list[str]) -> None:
     """One row per layer that changed: the changes (`bnaudit.audit.layerdiff`) and the verdict."""
     from rich.text import Text
 
-    table = bordered()
-    table.add_column("layer", overflow="fold", min_width=min(24, max(len(d.name) for d in changed)))
-    for header in ("C", "Δweight", "Δbias", MAX_MEAN_SHIFT.column, MAX_VAR_LOG_RATIO.column, "Δbatches"):
-        table.add_column(header, justify="right")  # headers wrap at spaces, numbers have none
-    table.add_column("verdict")
-    for d in changed:
-        table.add_row(
-            cell(d.name),
-            str(d.num_features),
-            _delta(d.weight_change, d.weight_identical),
-            _delta(d.bias_change, d.bias_identical),
-            _delta(d.max_mean_shift, d.mean_identical and d.var_identical),
-            _delta(d.max_var_log_ratio, d.var_identical),
-            _batches_delta(d),
-            Text(d.verdict, style=VERDICT_STYLE[d.verdict]),
+    rows = [
+        Row(
+            (
+                d.name,
+                str(d.num_features),
+                _delta(d.weight_change, d.weight_identical),
+                _delta(d.bias_change, d.bias_identical),
+                _delta(d.max_mean_shift, d.mean_identical and d.var_identical),
+                _delta(d.max_var_log_ratio, d.var_identical),
+                _batches_delta(d),
+                Text(d.verdict, style=VERDICT_STYLE[d.verdict]),
+            )
         )
-    return table
+        for d in changed
+    ]
+    print_fitted(console, _LAYER_COLUMNS, rows, context=every)
 
 
 def _unmatched_findings_and_summary(report: DiffReport, console: Console) -> None:
@@ -186,7 +205,7 @@ def _unmatched_findings_and_summary(report: DiffReport, console: Console) -> Non
             console.print(cell(f"only in {label}: {plural(len(names), 'layer')}: {shown}", style="dim"))
     console.print()
     if report.findings:
-        console.print(fit_width(findings_table(report.findings), console.width))
+        print_findings(console, report.findings, context=[d.name for d in report.layers])
         console.print()
     groups = report.groups()
     if report.layers:
@@ -215,33 +234,47 @@ def _export_header(check: ExportCheck, console: Console) -> None:
     console.print(indented("; ".join(facts), style="dim"))
 
 
+# the node a layer was folded into goes first, then the channel count and the shift error
+_FOLDED_COLUMNS = (
+    Column("folded layer", name=True),
+    Column("into", name=True, drop=1),
+    Column("C", "right", drop=2),
+    Column("scale err", "right"),
+    Column("shift err", "right", drop=3),
+    Column("implied eps", "right"),
+    Column("status", wrap=True),
+)
+
+
 def _export_body(check: ExportCheck, console: Console) -> None:
     """The folded layers (one row each), the unpaired ones and the output comparison."""
     from rich.text import Text
 
     if check.folded:
-        table = bordered()
-        table.add_column("folded layer", overflow="fold", min_width=min(24, max(len(f.name) for f in check.folded)))
-        table.add_column("into", overflow="fold")
-        for header in ("C", "scale err", "shift err", "implied eps"):
-            table.add_column(header, justify="right")
-        table.add_column("status")
+        rows = []
         for f in check.folded:
             c = f.check
-            table.add_row(
-                cell(f.name),
-                cell(f.node),
-                str(c.channels),
-                g3(c.scale_error),
-                g3(c.shift_error),
-                "-" if c.implied_eps is None else f"{c.implied_eps:.2g}",
+            status = (
                 Text("matches", style="green")
                 if c.matches
                 else Text(f"matches at eps {f.fits_eps:.2g}", style="yellow")
                 if f.fits_eps is not None
-                else Text("MISMATCH", style="red"),
+                else Text("MISMATCH", style="red")
             )
-        console.print(fit_width(table, console.width))
+            rows.append(
+                Row(
+                    (
+                        f.name,
+                        f.node,
+                        str(c.channels),
+                        g3(c.scale_error),
+                        g3(c.shift_error),
+                        "-" if c.implied_eps is None else f"{c.implied_eps:.2g}",
+                        status,
+                    )
+                )
+            )
+        print_fitted(console, _FOLDED_COLUMNS, rows)
     p = check.parity
     if p is not None:
         console.print(cell(_parity_words(p), style="red" if p.deviates else "green"))

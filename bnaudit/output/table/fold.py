@@ -74,7 +74,7 @@ def render_fold(report: FoldReport, console: Console, quiet: bool = False) -> No
     """The report: title, pairs table (unless quiet), measured targets, findings, verdicts."""
     from rich.text import Text
 
-    from bnaudit.output.table.common import findings_table
+    from bnaudit.output.table.common import print_findings
 
     title = cell(report.path, style="bold")
     how = ", ".join(sorted({p.paired_by for p in report.pairs})) or "none"
@@ -105,7 +105,7 @@ def render_fold(report: FoldReport, console: Console, quiet: bool = False) -> No
             console.print(cell(f"note: {note}", style="dim"))
         console.print()
     if report.findings:
-        console.print(fit_width(findings_table(list(report.findings)), console.width))
+        print_findings(console, list(report.findings))
         console.print()
     console.print(Text("verdict", style="bold"))
     for target, words in report.verdicts():

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MEAN_SHIFT, RELATIVE_L2, VAR_LOG_RATIO
 from bnaudit.output.table.common import (
-    Justify,
+    Column,
+    Row,
     bordered,
     cell,
     drift_value,
@@ -14,13 +15,13 @@ from bnaudit.output.table.common import (
     fit_width,
     measurement_header,
     percent,
+    print_fitted,
     span,
 )
 from bnaudit.text import plural
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from rich.table import Table
 
     from bnaudit.reports.gap import GapReport, LayerDrift
 
@@ -69,10 +70,10 @@ def render_gap(report: GapReport, console: Console, quiet: bool = False) -> None
         console.print(cell(_scripted_line(len(report.layers)), style="dim"))
         console.print()
     elif report.layers and not quiet:
-        console.print(fit_width(_drift_table(report.layers), console.width))
+        _drift_table(report.layers, console)
         console.print()
 
-    findings_and_diagnosis(console, report.findings, report.diagnosis)
+    findings_and_diagnosis(console, report.findings, report.diagnosis, [d.name for d in report.layers])
 
 
 def _scripted_line(layers: int) -> str:
@@ -90,24 +91,25 @@ def _worst_channel(d: LayerDrift) -> str:
     return f"{c.index}: {drift_value(c.score)}"
 
 
-def _drift_table(layers: list[LayerDrift]) -> Table:
+# Least telling first: the kind (BatchNorm2d nearly everywhere), the channel count, the
+# worst channel, then the largest channel shift (the mean shift and the drift stay).
+_DRIFT_COLUMNS = (
+    Column("layer", name=True),
+    Column("#", "right"),
+    Column("kind", drop=1),
+    Column("C", "right", drop=2),
+    Column(MEAN_SHIFT.column, "right", drop=5),
+    Column(MAX_MEAN_SHIFT.column, "right", drop=4),
+    Column(VAR_LOG_RATIO.column, "right", drop=6),
+    Column("drift", "right"),
+    Column("worst ch", "right", drop=3),
+)
+
+
+def _drift_table(layers: list[LayerDrift], console: Console) -> None:
     """Per-layer drift, origins first (their # marked *), then by the worst channel's drift;
     "worst ch" is `index: shift_c + log_var_c` of that channel."""
-
-    table = bordered("per-layer drift: eval-mode inputs against running statistics; * origin of the drift")
-    columns: tuple[tuple[str, Justify], ...] = (
-        ("layer", "left"),
-        ("#", "right"),
-        ("kind", "left"),
-        ("C", "right"),
-        (MEAN_SHIFT.column, "right"),
-        (MAX_MEAN_SHIFT.column, "right"),
-        (VAR_LOG_RATIO.column, "right"),
-        ("drift", "right"),
-        ("worst ch", "right"),
-    )
-    for col, justify in columns:
-        table.add_column(col, justify=justify, overflow="fold")
+    rows = []
     for d in layers:
         if d.drift is None:
             style = "dim"
@@ -117,8 +119,8 @@ def _drift_table(layers: list[LayerDrift]) -> Table:
             style = "yellow"
         else:
             style = ""
-        table.add_row(
-            cell(d.name),
+        cells = (
+            d.name,
             f"{d.position + 1}{'*' if d.origin else ''}",
             cell(d.kind),
             str(d.channels),
@@ -127,6 +129,7 @@ def _drift_table(layers: list[LayerDrift]) -> Table:
             drift_value(d.var_log_ratio),
             drift_value(d.drift) if d.drift is not None else cell(d.note or "-"),
             _worst_channel(d),
-            style=style,
         )
-    return table
+        rows.append(Row(cells, style))
+    title = "per-layer drift: eval-mode inputs against running statistics; * origin of the drift"
+    print_fitted(console, _DRIFT_COLUMNS, rows, title)

@@ -7,9 +7,20 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
-from bnaudit.output.fit import concise_lines, shorten_middle, summary_line
+from bnaudit.output.fit import concise_lines, summary_line
 from bnaudit.output.grid import SEVERITY_STYLE, layout_grid
-from bnaudit.output.table.common import NAME_MIN, bordered, cell, findings_table, fit_width, g3, indented, source_words
+from bnaudit.output.names import shorten_names
+from bnaudit.output.table.common import (
+    NAME_MIN,
+    bordered,
+    cell,
+    fit_width,
+    g3,
+    indented,
+    prefix_note,
+    print_findings,
+    source_words,
+)
 from bnaudit.text import printable
 
 if TYPE_CHECKING:
@@ -41,15 +52,23 @@ def _layer_layout(files: list[FileReport], width: int) -> tuple[tuple[_Column, .
     for columns, dropped in _LAYOUTS:
         needed = 0
         for file in files:
-            longest = max(len(s.name) for s in file.layers)
             statuses = [file.layer_status(s.name) for s in file.layers]
             cells = [[cell(s) for s in file.layers] for _, cell in columns]
-            total = min(longest, NAME_MIN) + max(6, *map(len, statuses)) + 3 * (len(columns) + 1)
-            total += sum(max(len(header), *map(len, col)) for (header, _), col in zip(columns, cells))
-            needed = max(needed, total)
+            rest = max(6, *map(len, statuses)) + 3 * (len(columns) + 1)
+            rest += sum(max(len(header), *map(len, col)) for (header, _), col in zip(columns, cells))
+            names = [printable(s.name) for s in file.layers]
+            longest = max(map(len, names))
+            # a column leaving less than NAME_MIN to the names goes, before names are cut further
+            room = width - rest
+            name = min(longest, NAME_MIN) if room < min(longest, NAME_MIN) else _name_width(names, room)
+            needed = max(needed, rest + name)
         if needed <= width:
             return columns, dropped
     return _LAYOUTS[-1]
+
+
+def _name_width(names: list[str], room: int) -> int:
+    return max(len(v) for v in shorten_names(names, max(room, len("layer"))).values())
 
 
 def _layer_table(file: FileReport, console: Console, columns: tuple[_Column, ...] | None = None) -> Any:
@@ -62,16 +81,17 @@ def _layer_table(file: FileReport, console: Console, columns: tuple[_Column, ...
     rows = [[printable(s.name), *(printable(cell(s)) for _, cell in columns), statuses[s.name]] for s in file.layers]
     rest = sum(max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers) if i) + 3 * (len(headers) - 1)
     room = max(console.width - rest, NAME_MIN // 2, len(headers[0]))
+    shown = shorten_names([row[0] for row in rows], room)
     for row in rows:
-        row[0] = shorten_middle(row[0], room)
+        row[0] = shown[row[0]]
     longest = max(len(row[0]) for row in rows)
-    grid = layout_grid(headers, rows, console, min(longest, NAME_MIN))
+    grid = layout_grid(headers, rows, console, longest)  # names whole: never folded
     if grid is not None:
         return grid
     from rich.text import Text
 
     table = bordered()
-    table.add_column("layer", overflow="fold", min_width=min(longest, NAME_MIN))
+    table.add_column("layer", no_wrap=True, min_width=longest)
     for header in headers[1:-1]:
         table.add_column(header, justify="right", no_wrap=True)
     table.add_column("status", no_wrap=True)
@@ -115,14 +135,13 @@ def _files_table(files: list[FileReport], console: Console) -> Any:
     headers = ["file", "format", "layers", "worst gain", "status"]
     rest = sum(max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers) if i) + 3 * (len(headers) - 1)
     room = max(console.width - rest, 12)
+    shown = shorten_names([row[0] for row in rows], room, separators="/")
     table = bordered()
     for i, header in enumerate(headers):
         table.add_column(header, justify="right" if i in (2, 3) else "left", no_wrap=True)
     styles = {**SEVERITY_STYLE, "unreadable": "bold red", "excluded": "dim", "skipped": "dim"}
     for row in rows:
-        table.add_row(
-            Text(shorten_middle(row[0], room)), Text(row[1]), row[2], row[3], Text(row[4], style=styles[row[4]])
-        )
+        table.add_row(Text(shown[row[0]]), Text(row[1]), row[2], row[3], Text(row[4], style=styles[row[4]]))
     return table
 
 
@@ -133,6 +152,9 @@ def _file_detail(file: FileReport, console: Console, columns: tuple[_Column, ...
     title = cell(file.shown, style="bold")
     title.append(printable(f"  ({source_words(file.format, file.key, file.prefix)})"), style="dim")
     console.print(title)
+    bare = prefix_note(file.prefix, [s.name for s in file.layers])
+    if bare:
+        console.print(indented(bare, style="dim"))
     if file.other_keys:
         console.print(indented(f"other state dicts: {', '.join(file.other_keys)} (choose with --key)", style="dim"))
     if file.settings:
@@ -148,7 +170,7 @@ def _file_detail(file: FileReport, console: Console, columns: tuple[_Column, ...
     else:
         console.print(Text("  no BatchNorm layers found", style="dim"))
     if file.findings:
-        console.print(fit_width(findings_table(file.findings), console.width))
+        print_findings(console, file.findings, context=[s.name for s in file.layers])
     console.print()
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from bnaudit.output.names import shorten_names
 from bnaudit.output.table.common import (
+    NAME_MIN,
     Justify,
     bordered,
     cell,
@@ -14,7 +16,7 @@ from bnaudit.output.table.common import (
     measurement_header,
     percent,
 )
-from bnaudit.text import above_floor, plural
+from bnaudit.text import above_floor, plural, printable
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -132,7 +134,9 @@ def _deviation_and_noise(report: InvarianceReport, console: Console) -> None:
 def _sites_table(sites: list[CouplingSite]) -> Table:
     """Where samples meet: one row per reason (a whole graph traced in training mode is one finding)."""
     table = bordered("where samples meet")
-    table.add_column("module", overflow="fold")
+    # module names shortened all together (different modules stay different), wrapped at ", "
+    shown = shorten_names([printable(s.module) for s in sites], NAME_MIN)
+    table.add_column("module")
     table.add_column("kind")
     table.add_column("why", overflow="fold")
     groups: dict[str, list[CouplingSite]] = {}
@@ -141,5 +145,6 @@ def _sites_table(sites: list[CouplingSite]) -> Table:
     for group in groups.values():
         kinds = list(dict.fromkeys(s.kind for s in group))
         reason = group[0].reason if len(group) == 1 else group[0].reason.replace(f"{group[0].kind} ", "")
-        table.add_row(cell(", ".join(s.module for s in group)), cell(", ".join(kinds)), cell(reason))
+        modules = ", ".join(shown[printable(s.module)] for s in group)
+        table.add_row(cell(modules), cell(", ".join(kinds)), cell(reason))
     return table

@@ -7,13 +7,15 @@ from typing import TYPE_CHECKING
 
 from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MEAN_SHIFT, RELATIVE_L2, VAR_LOG_RATIO
 from bnaudit.output.table.common import (
-    Justify,
+    Column,
+    Row,
     bordered,
     cell,
     drift_value,
     fit_width,
     indented,
     percent,
+    print_fitted,
     source_words,
     span,
 )
@@ -59,7 +61,7 @@ def render_recalibrate(report: RecalibrationReport, console: Console, quiet: boo
     console.print()
 
     if not quiet:
-        console.print(fit_width(_layers_table(report), console.width))
+        _layers_table(report, console)
         console.print()
     if report.skipped:
         console.print(
@@ -79,29 +81,34 @@ def render_recalibrate(report: RecalibrationReport, console: Console, quiet: boo
     console.print(cell(f"wrote {report.output}: {plural(len(report.layers), 'layer')} recalibrated", style="green"))
 
 
-def _layers_table(report: RecalibrationReport) -> Table:
+# Least telling first: values per channel, the channel count, the largest channel shift
+# (the mean shift and the variance ratio, before -> after, stay).
+_LAYER_COLUMNS = (
+    Column("layer", name=True),
+    Column("C", "right", drop=2),
+    Column("values/ch", "right", drop=1),
+    Column(MEAN_SHIFT.column, "right"),
+    Column(MAX_MEAN_SHIFT.column, "right", drop=3),
+    Column(VAR_LOG_RATIO.column, "right"),
+)
+
+
+def _layers_table(report: RecalibrationReport, console: Console) -> None:
     """Per layer: the drift of the old and of the new statistics against the calibration data."""
-    table = bordered("per-layer drift against the calibration data: old -> new statistics")
-    columns: tuple[tuple[str, Justify], ...] = (
-        ("layer", "left"),
-        ("C", "right"),
-        ("values/ch", "right"),
-        (MEAN_SHIFT.column, "right"),
-        (MAX_MEAN_SHIFT.column, "right"),
-        (VAR_LOG_RATIO.column, "right"),
-    )
-    for col, justify in columns:
-        table.add_column(col, justify=justify, overflow="fold")
-    for c in report.layers:
-        table.add_row(
-            cell(c.name),
-            str(c.channels),
-            str(c.values),
-            _arrow(c.before.mean_shift, c.after.mean_shift),
-            _arrow(c.before.max_mean_shift, c.after.max_mean_shift),
-            _arrow(c.before.var_log_ratio, c.after.var_log_ratio),
+    rows = [
+        Row(
+            (
+                c.name,
+                str(c.channels),
+                str(c.values),
+                _arrow(c.before.mean_shift, c.after.mean_shift),
+                _arrow(c.before.max_mean_shift, c.after.max_mean_shift),
+                _arrow(c.before.var_log_ratio, c.after.var_log_ratio),
+            )
         )
-    return table
+        for c in report.layers
+    ]
+    print_fitted(console, _LAYER_COLUMNS, rows, "per-layer drift against the calibration data: old -> new statistics")
 
 
 def _held_out_table(before: GapReport, after: GapReport) -> Table:
