@@ -231,31 +231,29 @@ def _in_force(r: Rule, found: Iterable[Finding], config: Config) -> list[Finding
     return [replace(f, severity=configured) for f in kept]
 
 
-def run_rules(ctx: RuleContext) -> list[Finding]:
-    """Every selected inspect rule's findings, in rule order, at the configured severity."""
-    config = ctx.config
+def _run(
+    check_of: Callable[[Rule], Callable[[Any], Iterable[Finding]] | None], ctx: Any, config: Config
+) -> list[Finding]:
+    """Every selected rule's findings for one command (`check_of` picks that command's
+    check), in rule order, at the configured severity."""
     findings: list[Finding] = []
     for r in RULES.values():
-        if r.check is not None and _selected(r, config):
-            findings += _in_force(r, r.check(ctx), config)
+        check = check_of(r)
+        if check is not None and _selected(r, config):
+            findings += _in_force(r, check(ctx), config)
     return findings
+
+
+def run_rules(ctx: RuleContext) -> list[Finding]:
+    """Every selected inspect rule's findings, in rule order, at the configured severity."""
+    return _run(lambda r: r.check, ctx, ctx.config)
 
 
 def run_fold_rules(ctx: FoldContext) -> list[Finding]:
     """Every selected fold rule's findings, in rule order, at the configured severity."""
-    config = ctx.config
-    findings: list[Finding] = []
-    for r in RULES.values():
-        if r.fold_check is not None and _selected(r, config):
-            findings += _in_force(r, r.fold_check(ctx), config)
-    return findings
+    return _run(lambda r: r.fold_check, ctx, ctx.config)
 
 
 def run_diff_rules(ctx: DiffContext) -> list[Finding]:
     """Every selected diff rule's findings, in rule order, at the configured severity."""
-    config = ctx.config
-    findings: list[Finding] = []
-    for r in RULES.values():
-        if r.diff_check is not None and _selected(r, config):
-            findings += _in_force(r, r.diff_check(ctx), config)
-    return findings
+    return _run(lambda r: r.diff_check, ctx, ctx.config)
