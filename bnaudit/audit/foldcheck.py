@@ -35,13 +35,11 @@ cancellation      a half-precision BN forward (or the folded bias b' = beta - mu
                   (fp16 2^-11, bf16 2^-8). Flagged where e_c > max-cancellation (0.05).
 
 Pairing (from the names of a state dict, `pair_by_name`): the producer of BN P is the
-first of these that holds a weight of two or more dimensions whose first dimension (the
-output channels) equals the BN's channel count: Sequential index i-1 for P = parent.i
-(torchvision's Conv2dNormActivation, ResNet's downsample.0/.1); convK for bnK and
-conv_stem for bn1, conv_head for bn2 (timm); P's sibling conv for P = parent.bn; and
-convolution for parent.normalization (transformers). A BN without such a producer is
-listed as unpaired: folding needs the layer before it, and a BN after an Add, a concat
-or a pooling stays a standalone op (which some backends refuse). Names cannot tell a
+first of `bnaudit.audit.producers.producer_candidates(P)` (the naming conventions, with the
+libraries they come from) that holds a weight of two or more dimensions whose first
+dimension (the output channels) equals the BN's channel count and is not itself a BN. A BN without such a producer is
+listed as unpaired: folding needs the layer before it, and a BN after an Add, a concat or
+a pooling stays a standalone op (which some backends refuse). Names cannot tell a
 ConvTranspose (weight (C_in, C_out / groups, ...)) whose C_in equals the BN's channels from
 a Conv: such a pair is read as a Conv; a graph (ONNX, .pt2, --arch) does not pair it.
 """
@@ -54,6 +52,7 @@ from dataclasses import dataclass
 
 from bnaudit.audit.formulas import folded_conv
 from bnaudit.audit.layers import BNLayer
+from bnaudit.audit.producers import producer_candidates
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_ITEMSIZE, TensorRef, decode_values
@@ -123,23 +122,6 @@ class FoldContext:
     pairs: tuple[PairPrediction, ...]
     unpaired: tuple[tuple[str, str], ...]  # (BN layer, why it has no producer)
     config: Config
-
-
-def producer_candidates(bn: str) -> list[str]:
-    """The names a producer of BN `bn` goes by, most specific convention first."""
-    parent, _, leaf = bn.rpartition(".")
-    join = (parent + ".") if parent else ""
-    found: list[str] = []
-    if leaf.isdigit() and int(leaf) > 0:
-        found.append(f"{join}{int(leaf) - 1}")
-    if leaf.startswith("bn") and leaf[2:].isdigit():
-        found.append(f"{join}conv{leaf[2:]}")
-        found.append(join + {"1": "conv_stem", "2": "conv_head"}.get(leaf[2:], f"conv{leaf[2:]}"))
-    if leaf == "bn":
-        found.append(f"{join}conv")
-    if leaf == "normalization":
-        found.append(f"{join}convolution")
-    return list(dict.fromkeys(found))
 
 
 def _producer(tensors: Mapping[str, TensorRef], name: str, layer: BNLayer, bn_names: set[str]) -> Producer | None:

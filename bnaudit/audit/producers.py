@@ -3,21 +3,19 @@ and which of its output channels are constant.
 
 Torch-free. A BN layer's producer is the convolution or linear layer whose output it
 normalises: the model's graph names it where the model is known (`--arch`:
-runtime.models.bn_producers); otherwise its weight is found by the conventions that
-torchvision, timm and mmcv name their modules by (first match wins):
-
-  Sequential    `features.4` is fed by `features.3` (also `downsample.1` by `downsample.0`)
-  paired names  `bn1` by `conv1`, `bn` by `conv`, `norm2` by `conv2` in the same parent
+runtime.models.bn_producers); otherwise a state dict's names are all there is, and
+`producer_candidates` lists the names the producer may go by (the one home of these
+conventions: BN004's constant-channel check and `bnaudit fold` both pair through it).
 
 Exported graphs (ONNX with BatchNormalization nodes kept, torch.export `.pt2`) name the
 producer in the graph: the node feeding the BN node, as `bnaudit fold` pairs them
 (bnaudit.audit.foldgraph.exported_producers gives a `ProducerFilter` per BN layer). An ONNX
 MatMul, or Gemm without transB, stores its weight (K, N), output channels last.
 
-A candidate counts only when its weight has at least 2 dimensions and one output channel
-per BN channel (shape[0] == C). An output channel whose filter is all zero outputs its bias
-alone: a constant, so the BN channel's input always equals its running_mean, its running
-variance is 0, and eval mode multiplies a zero deviation by whatever gain it has.
+`producer_weight` (BN004) accepts a candidate only when its weight has at least 2
+dimensions and one output channel per BN channel (shape[0] == C). An output channel whose
+filter is all zero outputs its bias alone: a constant, so the BN channel's input always
+equals its running_mean, its running variance is 0, and eval mode multiplies a zero deviation by whatever gain it has.
 """
 
 from __future__ import annotations
@@ -30,23 +28,53 @@ from dataclasses import dataclass
 from bnaudit.formats.model import TensorRef
 
 _PAIRED = re.compile(r"^(.*?)(bn|norm)(\d*)$")
+# timm's EfficientNet/MobileNetV3/MixNet stems and heads: conv_stem feeds bn1, conv_head bn2.
+_TIMM_STEM_HEAD = {"bn1": "conv_stem", "bn2": "conv_head"}
+
+
+def producer_candidates(bn: str) -> list[str]:
+    """The module names that may hold the producer of BN `bn` (the layer whose output it
+    normalises), in priority order, each once. With P = `bn`, parent.leaf its last name part:
+
+      Sequential index    parent.i <- parent.(i-1) for i >= 1: torchvision
+                          Conv2dNormActivation (`features.3.0`/`.1`), ResNet `downsample.0`/`.1`
+      paired names        parent.<pre>bnK <- parent.<pre>convK (K digits or none, <pre> any
+                          prefix): torchvision and timm ResNet `conv1`/`bn1`, the `conv`/`bn`
+                          siblings of mmcv ConvModule and timm ConvNormAct; the same with
+                          norm for bn (`norm2` <- `conv2`), as hand-written blocks name them
+      stem and head       parent.bn1 <- parent.conv_stem, parent.bn2 <- parent.conv_head: timm
+                          EfficientNet, MobileNetV3 (tried after conv1/conv2)
+      transformers        parent.normalization <- parent.convolution: transformers ResNet,
+                          RegNet, MobileNetV2 `*ConvLayer`
+
+    Names only propose: each caller checks a candidate's weight (one output channel per BN
+    channel). Pre-activation blocks (torchvision DenseNet, timm ResNetV2) put normK *before*
+    convK; the channel check is then the only guard, and it passes where the counts happen to
+    be equal."""
+    parent, _, leaf = bn.rpartition(".")
+    base = f"{parent}." if parent else ""
+    found: list[str] = []
+    if leaf.isdigit() and int(leaf) > 0:
+        found.append(f"{base}{int(leaf) - 1}")
+    paired = _PAIRED.match(leaf)
+    if paired:
+        found.append(f"{base}{paired.group(1)}conv{paired.group(3)}")
+    if leaf in _TIMM_STEM_HEAD:
+        found.append(base + _TIMM_STEM_HEAD[leaf])
+    if leaf == "normalization":
+        found.append(f"{base}convolution")
+    return list(dict.fromkeys(found))
 
 
 def producer_weight(
     bn_name: str, channels: int, tensors: Mapping[str, TensorRef], known: str | None = None
 ) -> TensorRef | None:
     """The weight of the layer that feeds `bn_name`: `known` (the producing module from the
-    model's graph) when given, else by the conventions above; None when none fits."""
-    parent, _, leaf = bn_name.rpartition(".")
-    base = f"{parent}." if parent else ""
-    candidates = [f"{known}.weight"] if known is not None else []
-    if known is None and leaf.isdigit() and int(leaf) > 0:
-        candidates.append(f"{base}{int(leaf) - 1}.weight")
-    paired = _PAIRED.match(leaf) if known is None else None
-    if paired:
-        candidates.append(f"{base}{paired.group(1)}conv{paired.group(3)}.weight")
-    for name in candidates:
-        ref = tensors.get(name)
+    model's graph) when given, else the first of `producer_candidates`; None when none fits
+    (a floating weight of 2 or more dimensions with shape[0] == `channels`)."""
+    names = [known] if known is not None else producer_candidates(bn_name)
+    for name in names:
+        ref = tensors.get(f"{name}.weight")
         if ref is not None and len(ref.shape) >= 2 and ref.shape[0] == channels and ref.is_floating:
             return ref
     return None
