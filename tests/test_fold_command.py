@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from conftest import save_safetensors, save_torch
 
 from bnaudit.audit.foldaudit import predict_fold
-from bnaudit.audit.foldcheck import NO_PRODUCER_BY_NAME, producer_candidates
+from bnaudit.audit.foldcheck import NO_PRODUCER_BY_NAME
+from bnaudit.audit.producers import producer_candidates
 from bnaudit.config import Config
 from bnaudit.reports.fold import FoldReport
 
