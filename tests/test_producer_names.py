@@ -30,9 +30,9 @@ CANDIDATES = {
     "bn2": ["conv2", "conv_head"],
     # .conv/.bn siblings (torchvision BasicConv2d, mmcv ConvModule, timm ConvNormAct)
     "Mixed_5b.branch1x1.bn": ["Mixed_5b.branch1x1.conv"],
-    # normK/convK
-    "block.norm2": ["block.conv2"],
-    "block.norm": ["block.conv"],
+    # normK/convK: not paired (DenseNet's norm1 comes before its conv1)
+    "features.denseblock1.denselayer3.norm1": [],
+    "block.norm": [],
     # transformers ResNet
     "resnet.embedder.embedder.normalization": ["resnet.embedder.embedder.convolution"],
     "resnet.encoder.stages.0.layers.0.shortcut.normalization": [
@@ -57,7 +57,6 @@ PAIRS = {
     "bn1": "conv_stem",
     "bn2": "conv_head",
     "stem.bn": "stem.conv",
-    "block.norm2": "block.conv2",
     "embedder.normalization": "embedder.convolution",
 }
 C, DEAD = 4, 2

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from bnaudit.formats.model import TensorRef
 
-_PAIRED = re.compile(r"^(.*?)(bn|norm)(\d*)$")
+_PAIRED = re.compile(r"^(.*?)(bn)(\d*)$")
 # timm's EfficientNet/MobileNetV3/MixNet stems and heads: conv_stem feeds bn1, conv_head bn2.
 _TIMM_STEM_HEAD = {"bn1": "conv_stem", "bn2": "conv_head"}
 
@@ -40,17 +40,17 @@ def producer_candidates(bn: str) -> list[str]:
                           Conv2dNormActivation (`features.3.0`/`.1`), ResNet `downsample.0`/`.1`
       paired names        parent.<pre>bnK <- parent.<pre>convK (K digits or none, <pre> any
                           prefix): torchvision and timm ResNet `conv1`/`bn1`, the `conv`/`bn`
-                          siblings of mmcv ConvModule and timm ConvNormAct; the same with
-                          norm for bn (`norm2` <- `conv2`), as hand-written blocks name them
+                          siblings of mmcv ConvModule and timm ConvNormAct. Not `normK` <-
+                          `convK`: pre-activation blocks (torchvision DenseNet's denselayers,
+                          timm ResNetV2) put normK before convK, and where the channel counts
+                          happen to agree the pair would name the wrong conv
       stem and head       parent.bn1 <- parent.conv_stem, parent.bn2 <- parent.conv_head: timm
                           EfficientNet, MobileNetV3 (tried after conv1/conv2)
       transformers        parent.normalization <- parent.convolution: transformers ResNet,
                           RegNet, MobileNetV2 `*ConvLayer`
 
     Names only propose: each caller checks a candidate's weight (one output channel per BN
-    channel). Pre-activation blocks (torchvision DenseNet, timm ResNetV2) put normK *before*
-    convK; the channel check is then the only guard, and it passes where the counts happen to
-    be equal."""
+    channel)."""
     parent, _, leaf = bn.rpartition(".")
     base = f"{parent}." if parent else ""
     found: list[str] = []
