@@ -108,7 +108,9 @@ def _check_export_eps(ctx: DiffContext) -> Iterator[Finding]:
     "statistics per batch. Inference is unaffected, hence a warning. The reference is the checkpoint "
     "module's momentum, else the one given by --momentum or the configuration. A checkpoint without "
     "modules and without a given momentum has no known momentum (PyTorch's 0.1 is only assumed): then a "
-    "difference is an info that says what to pass.",
+    "difference is an info that says what to pass. Not BN007, which `inspect` reports from a node's value "
+    "alone (PyTorch momentum above 0.5): BN110 is the comparison with the checkpoint, and each fires where "
+    "the other cannot (ONNX 0.9 against a model built with 0.01; ONNX 0.1 from a model built with 0.9).",
     "Write momentum as 1 - PyTorch momentum (torch.onnx.export does this itself).",
     command="diff",
 )
