@@ -416,3 +416,26 @@ def looks_like_batchnorm_name(prefix: str) -> bool:
     file holds no running statistics at all."""
     low = prefix.lower()
     return any(re.search(p, low) for p in _BN_LIKE_NAMES)
+
+
+# The momentum conventions live here rather than in bnaudit.audit.formulas (which re-exports
+# them) because the readers in formats/ translate an exported node's momentum and formats/
+# must not import audit/; this module is the torch-free table both already import.
+
+
+def pytorch_momentum(retained: float) -> float:
+    """PyTorch's momentum m from the retained fraction r that ONNX BatchNormalization and
+    Keras BatchNormalization call momentum: m = 1 - r (dimensionless).
+
+    PyTorch: running = (1 - m) * running + m * batch (m = weight of the new batch, default 0.1).
+    ONNX / Keras: running = r * running + (1 - r) * batch (r = weight kept, default 0.9 / 0.99).
+    So ONNX 0.9 = PyTorch 0.1. No rounding: a reader that stores float32 attributes rounds
+    the result itself. Inverse of `retained_fraction`."""
+    return 1.0 - retained
+
+
+def retained_fraction(momentum: float) -> float:
+    """The retained fraction r = 1 - m that ONNX/Keras store as momentum, from PyTorch's
+    momentum m (conventions in `pytorch_momentum`, its inverse): PyTorch 0.1 = ONNX 0.9.
+    PyTorch's momentum None (cumulative average) has no ONNX counterpart; callers keep None."""
+    return 1.0 - momentum

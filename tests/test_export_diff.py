@@ -22,6 +22,7 @@ from conftest import SAMPLES, save_safetensors, save_torch, train_classifier
 from onnx import numpy_helper
 from safetensors.torch import load_file
 
+from bnaudit.audit.audit import inspect
 from bnaudit.audit.diff import diff
 from bnaudit.config import Config
 
@@ -216,6 +217,33 @@ def test_momentum_written_in_pytorch_convention_is_bn110(folder, tmp_path):
     given = diff(str(folder / "model.pt"), path, Config(momentum=0.1))
     assert codes(given) == {("BN110", "warning", layer) for layer in BN_LAYERS}
     assert "without conversion" in given.findings[0].message
+
+
+def test_bn110_and_bn007_are_different_facts(folder, tmp_path):
+    """BN110 compares the node's momentum with the checkpoint's (known or given); BN007 judges
+    the node's value alone (a PyTorch momentum above 0.5). Each fires where the other cannot,
+    so they are two codes, not one fact under two names."""
+    # a correctly converted default (ONNX 0.9 = PyTorch 0.1) against a model built with 0.01:
+    # the expected ONNX value is 1 - 0.01 = 0.99, so BN110; the value 0.1 alone is ordinary
+    kept = str(folder / "legacy_kept.onnx")
+    mismatch = diff(str(folder / "model.pt"), kept, Config(momentum=0.01))
+    assert codes(mismatch) == {("BN110", "warning", layer) for layer in BN_LAYERS}
+    assert "expected 0.99 = 1 - PyTorch momentum 0.01" in mismatch.findings[0].message
+    assert "BN007" not in {f.code for f in inspect(kept).findings}
+
+    # ONNX 0.1 from a model really built with PyTorch 0.9 (1 - 0.9 = 0.1, converted): the
+    # comparison agrees, yet the value alone reads as PyTorch 0.9 and BN007 warns
+    def edit(model):
+        for n in model.graph.node:
+            if n.op_type == "BatchNormalization":
+                for a in n.attribute:
+                    if a.name == "momentum":
+                        a.f = 0.1
+
+    path = rewrite(folder / "legacy_kept.onnx", tmp_path / "momentum.onnx", edit)
+    assert diff(str(folder / "model.pt"), path, Config(momentum=0.9)).findings == []
+    bn007 = {(f.code, f.severity, f.layer) for f in inspect(path).findings}
+    assert bn007 == {("BN007", "warning", layer) for layer in BN_LAYERS}
 
 
 def test_one_reset_variance_is_bn108_on_that_layer_only(folder, tmp_path, trained):

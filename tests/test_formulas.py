@@ -16,6 +16,8 @@ from bnaudit.audit.formulas import (
     implied_eps,
     initial_weight,
     near_eps_channels,
+    pytorch_momentum,
+    retained_fraction,
 )
 
 
@@ -86,3 +88,20 @@ def test_near_eps_channels():
     # factor 10 at eps 1e-5: var < 1e-4; 1e-4 itself is not below, NaN and negatives are not near-eps
     assert near_eps_channels([0.0, 5e-5, 1e-4, math.nan, -1.0, 2.0], 1e-5, 10.0) == [0, 1]
     assert near_eps_channels([1.0, 2.0], 1e-5, 10.0) == []
+
+
+def test_momentum_conventions_translate_both_ways_and_have_one_definition():
+    import bnaudit.normkinds as normkinds
+
+    # ONNX/Keras keep r of the old statistics, PyTorch weighs the new batch by m = 1 - r:
+    # ONNX 0.9 = PyTorch 0.1, Keras 0.99 = PyTorch 0.01, HF MobileNetV2's 0.997 = 1 - 0.003
+    assert pytorch_momentum(0.9) == pytest.approx(0.1, abs=1e-15)
+    assert pytorch_momentum(0.99) == pytest.approx(0.01, abs=1e-15)
+    assert retained_fraction(0.1) == pytest.approx(0.9, abs=1e-15)
+    assert retained_fraction(0.003) == pytest.approx(0.997, abs=1e-15)
+    assert retained_fraction(0.0) == 1.0 and pytorch_momentum(1.0) == 0.0
+    for m in (0.0, 0.125, 0.25, 0.5, 0.75, 1.0):  # dyadic, so 1 - m is exact and the round trip too
+        assert pytorch_momentum(retained_fraction(m)) == m
+    # one home: formulas re-exports the readers' definitions (formats/ cannot import audit/)
+    assert pytorch_momentum is normkinds.pytorch_momentum
+    assert retained_fraction is normkinds.retained_fraction

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bnaudit.audit.fold import FoldCheck, float32, fold_layer
+from bnaudit.audit.formulas import retained_fraction
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.settings import Setting, Settings
 from bnaudit.formats.model import Checkpoint, TensorRef
@@ -79,7 +80,7 @@ class KeptNode:
     checkpoint: the checkpoint layer's eps and momentum with their provenance
     (bnaudit.audit.settings: its module's, given, or PyTorch's defaults assumed), which
     `eps_checkpoint` / `momentum_checkpoint` read. momentum_onnx is the node's own
-    attribute (ONNX convention: the retained fraction, 1 - PyTorch momentum)."""
+    attribute (ONNX convention: the retained fraction, 1 - PyTorch momentum: formulas.retained_fraction)."""
 
     name: str
     node: str
@@ -356,7 +357,7 @@ def kept_node(ref: BNLayer, node: BNLayer, info: Any, matched_by: str) -> KeptNo
         source=str(getattr(info, "source", None) or node.name),
         matched_by=matched_by,
         eps_export=node.eps,
-        momentum_onnx=None if momentum is None else 1.0 - momentum,
+        momentum_onnx=None if momentum is None else retained_fraction(momentum),
         checkpoint=ref.settings,
         training_mode=bool(getattr(info, "training_mode", False)),
         mismatches=tuple(mismatches),

@@ -8,7 +8,8 @@ affine parameters):
                     mean and its biased variance (divided by n, the N*H*W values of c)
   running update    running = (1 - m) * running + m * batch, with the batch's unbiased
                     variance (divided by n - 1); m = momentum, the weight of the new batch
-                    (ONNX and Keras store the retained fraction 1 - m instead);
+                    (ONNX and Keras store the retained fraction 1 - m instead:
+                    `retained_fraction`, `pytorch_momentum`);
                     momentum None: cumulative average, m = 1 / num_batches_tracked
   eval forward      y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta
 
@@ -22,6 +23,27 @@ import itertools
 import math
 import operator
 from collections.abc import Sequence
+
+# Defined in bnaudit.normkinds (formats/ needs them and must not import audit/); re-exported
+# so every BN formula can be found here.
+from bnaudit.normkinds import pytorch_momentum, retained_fraction
+
+__all__ = [
+    "all_finite",
+    "eval_gain",
+    "eval_gains",
+    "folded_bias",
+    "folded_conv",
+    "folded_scale",
+    "implied_data_value",
+    "implied_eps",
+    "initial_weight",
+    "mean_shift",
+    "near_eps_channels",
+    "pytorch_momentum",
+    "retained_fraction",
+    "variance_overstatement",
+]
 
 
 def folded_scale(gamma: float, var: float, eps: float) -> float:

@@ -11,7 +11,8 @@ normalises with batch statistics.
 Conventions, from the operator's definition (onnx.defs.get_schema("BatchNormalization", v)):
 
   momentum     ONNX stores the retained fraction: running = running*m + batch*(1 - m), so
-               PyTorch's momentum (the weight of the new batch) is 1 - m: ONNX 0.9 = PyTorch 0.1.
+               PyTorch's momentum (the weight of the new batch) is 1 - m: ONNX 0.9 = PyTorch 0.1
+               (bnaudit.normkinds.pytorch_momentum).
   epsilon      default 1e-5; attributes are float32, so eps and momentum are reported as the
                shortest decimal that rounds to the same float32 (9.99999975e-06 -> 1e-05).
   training     BatchNormalization-14/15: `training_mode` (default 0). -7 and -9: no attribute,
@@ -39,7 +40,7 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.hfcache import in_blobs
 from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, ModuleInfo, TensorRef, decode_values, read_into
 from bnaudit.formats.onnxgraph import all_graphs, call_sites, with_function_nodes
-from bnaudit.normkinds import NormKind, onnx_op
+from bnaudit.normkinds import NormKind, onnx_op, pytorch_momentum
 from bnaudit.text import exception_line, listing, plural
 
 ONNX_EXTRA = 'pip install "bnaudit[onnx]"'
@@ -547,7 +548,7 @@ def read_onnx(path: str) -> Checkpoint:
         modules[name] = ModuleInfo(
             class_name=node.op_type,
             eps=eps,
-            momentum=_f32(1.0 - onnx_momentum),
+            momentum=_f32(pytorch_momentum(onnx_momentum)),
             track_running_stats=True,
             training_mode=mode.training,
             source=source,

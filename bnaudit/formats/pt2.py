@@ -33,7 +33,7 @@ from typing import Any
 
 from bnaudit.formats.model import Checkpoint, ModuleInfo, TensorRef
 from bnaudit.formats.pt2archive import Payload, Pt2Archive, open_pt2
-from bnaudit.normkinds import NormKind, NormOp, Statistics, norm_op
+from bnaudit.normkinds import NormKind, NormOp, Statistics, norm_op, pytorch_momentum
 from bnaudit.text import listing, plural, printable
 
 _LEAVES = ("weight", "bias", "running_mean", "running_var")
@@ -408,7 +408,7 @@ def _read_decomposed(
         else:
             eps = next(_arithmetic(nodes, var_placeholder, "add"), None)
         retained = next(_arithmetic(nodes, placeholders[fqn], "mul"), None) if training else None
-        momentum = None if retained is None else float(f"{1.0 - retained:.12g}")
+        momentum = None if retained is None else float(f"{pytorch_momentum(retained):.12g}")
         found.modules[name] = ModuleInfo(
             class_name=DECOMPOSED,
             eps=eps,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from bnaudit.audit.formulas import all_finite, eval_gains, near_eps_channels
+from bnaudit.audit.formulas import all_finite, eval_gains, near_eps_channels, retained_fraction
 from bnaudit.audit.immaturity import has_identity_stats, has_initial_affine
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.producers import producer_weight, zero_filter_channels
@@ -334,8 +334,8 @@ def _check_update_config(ctx: RuleContext) -> Iterator[Finding]:
                 yield r.finding(
                     Severity.WARNING,
                     name,
-                    f"ONNX momentum {1 - m:.3g} = PyTorch {m:g} (ONNX stores the retained fraction): each "
-                    f"batch would replace {m * 100:.1f}% of the statistics; PyTorch's {1 - m:.3g} written "
+                    f"ONNX momentum {retained_fraction(m):.3g} = PyTorch {m:g} (ONNX stores the retained fraction): each "
+                    f"batch would replace {m * 100:.1f}% of the statistics; PyTorch's {retained_fraction(m):.3g} written "
                     f"unconverted, meant as ONNX {m:g}?",
                 )
                 continue
@@ -343,7 +343,7 @@ def _check_update_config(ctx: RuleContext) -> Iterator[Finding]:
                 Severity.WARNING,
                 name,
                 f"momentum {m:g}: each batch replaces {m * 100:.1f}% of the "
-                f"statistics; a retained fraction (Keras/ONNX convention) meant as {1 - m:.3g}?",
+                f"statistics; a retained fraction (Keras/ONNX convention) meant as {retained_fraction(m):.3g}?",
             )
 
 

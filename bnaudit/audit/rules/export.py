@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from bnaudit.audit.formulas import pytorch_momentum, retained_fraction
 from bnaudit.audit.layerdiff import DiffContext
 from bnaudit.audit.rules.registry import RULES, Finding, rule, three_digits
 from bnaudit.audit.settings import assumed_note, provenance_words
@@ -107,7 +108,9 @@ def _check_export_eps(ctx: DiffContext) -> Iterator[Finding]:
     "statistics per batch. Inference is unaffected, hence a warning. The reference is the checkpoint "
     "module's momentum, else the one given by --momentum or the configuration. A checkpoint without "
     "modules and without a given momentum has no known momentum (PyTorch's 0.1 is only assumed): then a "
-    "difference is an info that says what to pass.",
+    "difference is an info that says what to pass. Not BN007, which `inspect` reports from a node's value "
+    "alone (PyTorch momentum above 0.5): BN110 is the comparison with the checkpoint, and each fires where "
+    "the other cannot (ONNX 0.9 against a model built with 0.01; ONNX 0.1 from a model built with 0.9).",
     "Write momentum as 1 - PyTorch momentum (torch.onnx.export does this itself).",
     command="diff",
 )
@@ -119,13 +122,13 @@ def _check_export_momentum(ctx: DiffContext) -> Iterator[Finding]:
         onnx_m, torch_m = node.momentum_onnx, node.momentum_checkpoint
         if onnx_m is None or torch_m is None:
             continue  # cumulative average (momentum=None) has no ONNX counterpart
-        converted = 1.0 - torch_m
+        converted = retained_fraction(torch_m)
         if abs(onnx_m - converted) <= 1e-6:
             continue
         unconverted = abs(onnx_m - torch_m) <= 1e-6
         reference = node.checkpoint.momentum
         if reference.assumed:
-            seen = f"{1.0 - onnx_m:.4g}"
+            seen = f"{pytorch_momentum(onnx_m):.4g}"
             note = assumed_note("momentum", reference, seen, also="--arch")
             if unconverted:
                 note += f" (if it was built with {torch_m:g}, the export wrote PyTorch's value without conversion)"
