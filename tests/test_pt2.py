@@ -679,3 +679,20 @@ def test_an_eval_node_of_a_cumulative_average_module_does_not_claim_momentum_zer
     info = read_checkpoint(str(path)).modules["1"]
     assert info.momentum_known is False and info.eps == 1e-5
     assert "BN007" not in {f.code for f in inspect(str(path)).files[0].findings}
+
+
+def test_json_keeps_program_names_exact_and_the_terminal_escapes_them(tmp_path, cli):
+    # the reader keeps names as the archive has them; only output/ escapes, for terminals
+    hostile = "batch\u202enorm"  # a right-to-left override, as a hostile archive could carry
+
+    def change(name: str, data: bytes) -> bytes:
+        if name.endswith(".json") and "/models/" in f"/{name}":
+            return data.replace(b'"batch_norm"', json.dumps(hostile).encode())
+        return data
+
+    path = rewrite(REPO / "sample_models/pt2/training.pt2", tmp_path / "hostile.pt2", change)
+    doc = json.loads(cli("inspect", str(path), "--format", "json").stdout)
+    messages = [f["message"] for file in doc["files"] for f in file["findings"] if f["code"] == "BN012"]
+    assert any(f"node '{hostile}'" in m for m in messages), messages
+    table = cli("inspect", str(path), width=200).stdout
+    assert "\u202e" not in table and "batch\\u202enorm" in table

@@ -34,7 +34,7 @@ from typing import Any
 from bnaudit.formats.model import Checkpoint, ModuleInfo, TensorRef
 from bnaudit.formats.pt2archive import Payload, Pt2Archive, open_pt2
 from bnaudit.normkinds import NormKind, NormOp, Statistics, norm_op, pytorch_momentum
-from bnaudit.text import listing, plural, printable
+from bnaudit.text import listing, plural
 
 _LEAVES = ("weight", "bias", "running_mean", "running_var")
 # argument names of the statistics' settings across the batch-norm operators' schemas
@@ -181,7 +181,7 @@ def read_pt2(path: str) -> Checkpoint:
         _read_program(archive, model, program, prefix, found)
         version = program.get("torch_version")
         if isinstance(version, str):
-            producers.append(f"torch {printable(version)}")
+            producers.append(f"torch {version}")
     ckpt = Checkpoint(
         path,
         "pt2",
@@ -190,7 +190,7 @@ def read_pt2(path: str) -> Checkpoint:
         holds_module=True,
         metadata={
             "pt2.producer": ", ".join(dict.fromkeys(producers)),
-            "pt2.programs": ", ".join(printable(m) for m in archive.programs),
+            "pt2.programs": ", ".join(archive.programs),
         },
         not_loaded=list(archive.not_read),
         unauditable=found.unauditable,
@@ -199,7 +199,7 @@ def read_pt2(path: str) -> Checkpoint:
     decomposed = [n for n, info in found.modules.items() if info.class_name == DECOMPOSED]
     if decomposed:
         ckpt.decomposed = (
-            f"no batch-norm node: {plural(len(decomposed), 'layer')} ({listing(printable(n) for n in decomposed)}) "
+            f"no batch-norm node: {plural(len(decomposed), 'layer')} ({listing(decomposed)}) "
             "computed as elementwise arithmetic on their buffers (run_decompositions)"
         )
     if not archive.programs:
@@ -225,7 +225,7 @@ def _read_program(archive: Pt2Archive, model: str, program: dict[str, Any], pref
         found.bn_nodes += 1
         name = node.get("name")
         label = name if isinstance(name, str) else f"node_{index}"
-        where = f"node '{printable(label)}' ({printable(str(target))}) in program '{printable(model)}'"
+        where = f"node '{label}' ({target!s}) in program '{model}'"
         _read_node(op, node, where, label, inputs, payloads, prefix, found, used_stats)
     if found.bn_nodes == nodes_before:
         _read_decomposed(program, model, inputs, payloads, prefix, signature, found, used_stats)
@@ -256,13 +256,13 @@ def _read_node(
         source = inputs.get(value or "")
         if value is None or source is None or source.fqn is None:
             what = "a graph input" if source is not None else "computed in the graph"
-            problems.append(f"{leaf} '{printable(str(value))}' is {what}")
+            problems.append(f"{leaf} '{value!s}' is {what}")
             continue
         fqns[leaf] = source.fqn
         payload = payloads.get(source.fqn)
         if payload is None or payload.ref is None:
             why = payload.why_not if payload is not None else "not in the archive's weights or constants"
-            problems.append(f"{leaf} '{printable(source.fqn)}': {why}")
+            problems.append(f"{leaf} '{source.fqn}': {why}")
             continue
         refs[leaf] = payload.ref
     training, reason = _training(op, named, ordered)
@@ -296,7 +296,7 @@ def _read_node(
     # an eval node of a momentum=None module carries 0.0: indistinguishable from momentum 0
     momentum_known = momentum is not None and not (training is False and momentum == 0.0)
     if op.name in ("aten::cudnn_batch_norm", "aten::miopen_batch_norm"):
-        found.notes.append(f"{printable(name)}: {op.name} ({op.note}): the program was exported on a GPU")
+        found.notes.append(f"{name}: {op.name} ({op.note}): the program was exported on a GPU")
     found.modules[name] = ModuleInfo(
         class_name=str(node.get("target")),
         eps=_number(_first(named, _EPS_ARGS)),
@@ -391,7 +391,7 @@ def _read_decomposed(
             continue
         leaves = {leaf: payloads.get(f"{layer}.{leaf}") for leaf in (*_LEAVES, "num_batches_tracked")}
         unread = [p for p in leaves.values() if p is not None and p.ref is None]
-        where = f"buffers of '{printable(layer)}' in program '{printable(model)}', no batch-norm node"
+        where = f"buffers of '{layer}' in program '{model}', no batch-norm node"
         if unread or leaves["running_mean"] is None or leaves["running_var"] is None:
             why = "; ".join(p.why_not for p in unread) or "statistics not in the archive's weights"
             found.unauditable.append(f"{where}: {why}: cannot be audited")
@@ -418,9 +418,7 @@ def _read_decomposed(
             training_mode=training,
             source=where if eps is None else f"{where}, eps from add({'var' if training else 'running_var'}, {eps:g})",
             training_reason=(
-                f"the program writes {printable(fqn)} back as a buffer mutation; {_EVAL_FIX}"
-                if training
-                else "running statistics"
+                f"the program writes {fqn} back as a buffer mutation; {_EVAL_FIX}" if training else "running statistics"
             ),
             # what the arithmetic computes, so that normkinds classifies the layer as BatchNorm
             calls=("aten::batch_norm",),
@@ -489,7 +487,7 @@ def batchnorm_producers(path: str) -> dict[str, GraphProducer]:
             source_node = producers.get(x or "")
             source_target = str(source_node.get("target")) if source_node is not None else ""
             if source_node is None or not any(p in source_target for p in _PRODUCER_OPS):
-                what = "a graph input" if source_node is None else f"{printable(source_target)}"
+                what = "a graph input" if source_node is None else f"{source_target}"
                 found[name] = GraphProducer("", None, None, f"follows {what}: stays a standalone batch norm")
                 continue
             p_named, p_ordered = _args(source_node)

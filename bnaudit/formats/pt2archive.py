@@ -33,7 +33,7 @@ from typing import Any
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_ITEMSIZE, TensorRef, decode_values
 from bnaudit.formats.sniff import check_zip_sizes
-from bnaudit.text import exception_line, printable
+from bnaudit.text import exception_line
 
 ARCHIVE_FORMAT = "archive_format"
 MODELS_DIR = "models/"
@@ -96,7 +96,7 @@ def _fail(path: str, what: str) -> BnauditError:
 def _plain_name(path: str, name: Any, where: str) -> str:
     """A storage file name from a config: one path component, nothing that leaves its folder."""
     if not isinstance(name, str) or not name or name in (".", "..") or any(c in name for c in "/\\\x00:"):
-        raise _fail(path, f"{where} names the storage file {printable(str(name))[:100]!r}, not a file in its folder")
+        raise _fail(path, f"{where} names the storage file {str(name)[:100]!r}, not a file in its folder")
     return name
 
 
@@ -120,7 +120,7 @@ def _read(path: str, zf: zipfile.ZipFile) -> Pt2Archive:
     for name in names:
         parts = name.split("/")
         if parts[0] != root or len(parts) < 2 or ".." in parts or name.startswith("/") or "\\" in name:
-            raise _fail(path, f"entry {printable(name)[:120]!r} lies outside the root folder {printable(root)!r}")
+            raise _fail(path, f"entry {name[:120]!r} lies outside the root folder {root!r}")
     members = {n[len(root) + 1 :]: n for n in names}
     archive = Pt2Archive(path, root)
 
@@ -165,7 +165,7 @@ def _read(path: str, zf: zipfile.ZipFile) -> Pt2Archive:
             elif config in members:
                 _payloads(path, archive, members, zf, record(config), config, folder, payloads)
             elif config_name == "weights":
-                raise _fail(path, f"model {printable(model)!r} has neither {config} nor {legacy}")
+                raise _fail(path, f"model {model!r} has neither {config} nor {legacy}")
         archive.payloads[model] = payloads
     if not archive.programs and not archive.aotinductor:
         raise _fail(path, "no models/<name>.json")
@@ -186,7 +186,7 @@ def _payloads(
     if not isinstance(entries, dict):
         raise _fail(path, f"{config_member} has no 'config' mapping")
     for fqn, meta in entries.items():
-        where = f"{config_member} entry {printable(str(fqn))[:100]!r}"
+        where = f"{config_member} entry {str(fqn)[:100]!r}"
         if not isinstance(meta, dict):
             raise _fail(path, f"{where} is not an object")
         member = folder + _plain_name(path, meta.get("path_name"), where)
@@ -195,7 +195,7 @@ def _payloads(
         kind = meta["path_name"].split("_", 1)[0]
         if meta.get("use_pickle") or meta["path_name"].startswith(("custom_obj_", "opaque_obj_")):
             what = "a custom object" if kind in ("custom", "opaque") else "a pickled tensor"
-            archive.not_read.append(f"{member} ({printable(fqn)}): {what}, not read")
+            archive.not_read.append(f"{member} ({fqn}): {what}, not read")
             out.setdefault(fqn, Payload(fqn, member, True, None, f"{member} is {what} (not read)"))
             continue
         info = zf.getinfo(members[member])
@@ -211,7 +211,7 @@ def _ints(value: Any, what: str, path: str, where: str) -> list[int]:
     for item in value:
         n = item.get("as_int") if isinstance(item, dict) else None
         if not isinstance(n, int) or isinstance(n, bool):
-            raise _fail(path, f"{where}: {what} {printable(json.dumps(item))[:80]} is not an integer")
+            raise _fail(path, f"{where}: {what} {json.dumps(item)[:80]} is not an integer")
         out.append(n)
     return out
 
@@ -224,9 +224,9 @@ def _strided_ref(
         raise _fail(path, f"{where} has no tensor_meta")
     dtype = SCALAR_TYPES.get(meta.get("dtype"))  # type: ignore[arg-type]
     if dtype is None:
-        return None, f"dtype code {printable(str(meta.get('dtype')))} is not a type bnaudit reads"
+        return None, f"dtype code {meta.get('dtype')!s} is not a type bnaudit reads"
     if meta.get("layout", _STRIDED) != _STRIDED:
-        return None, f"layout {printable(str(meta.get('layout')))} is not a strided tensor"
+        return None, f"layout {meta.get('layout')!s} is not a strided tensor"
     sizes = _ints(meta.get("sizes"), "sizes", path, where)
     strides = _ints(meta.get("strides"), "strides", path, where)
     offset_list = _ints([meta.get("storage_offset", {"as_int": 0})], "storage_offset", path, where)
@@ -267,7 +267,7 @@ def _strided_ref(
                 else:
                     data = f.read()[:span]  # read to its end: zipfile checks the entry's CRC-32
         if len(data) != span:
-            raise BnauditError(f"{archive_path}: {member} ends before the tensor '{printable(fqn)}' does")
+            raise BnauditError(f"{archive_path}: {member} ends before the tensor '{fqn}' does")
         values = decode_values(data, dtype)
         return [values[i - first] for i in _indices(shape, strides, offset)]
 
