@@ -149,7 +149,9 @@ def recalibrate_checkpoint(
     with sigterm_unwinds():
         if method not in METHODS:
             raise BnauditError(f"unknown --method {method!r} (choose from {', '.join(METHODS)})")
-        checkpoint = model_checkpoint(checkpoint, trust_pickle=trust_pickle)  # a folder: the model inspect finds
+        checkpoint = model_checkpoint(
+            checkpoint, trust_pickle=trust_pickle, config=config
+        )  # a folder: the model inspect finds
         check_destination(output, checkpoint, force)  # a sharded input is written as a folder
         options.validate()
         protect_inputs(
