@@ -64,6 +64,7 @@ def predict_checkpoint(
         unpaired=tuple(unpaired),
         findings=tuple(findings),
         fail_on=config.fail_on,
+        config=config,
         # momentum plays no part in folding: only eps is said
         settings=statement([(n, s) for n, s in not_from_file(discovery.layers) if n == "eps"], "not in a state dict"),
     )
