@@ -52,6 +52,10 @@ class TensorRef:
     # read from, for readers that stream it in slices; None where they lie otherwise.
     location: tuple[int, int] | None = field(default=None, compare=False)
 
+    def __setstate__(self, state: Any) -> None:
+        # a pickle's BUILD would replace what reading returns (frozen is no guard against it)
+        raise TypeError("a tensor record takes no pickled state")
+
     @property
     def is_floating(self) -> bool:
         return self.dtype.startswith(("float", "bfloat"))

@@ -49,6 +49,10 @@ class _StorageRef:
     entry: str
     dtype: str
 
+    def __setstate__(self, state: Any) -> None:
+        # a pickle's BUILD would name another record (frozen is no guard against it)
+        raise TypeError("a storage record takes no pickled state")
+
 
 class _RefusedGlobal(pickle.UnpicklingError):
     def __init__(self, name: str) -> None:
