@@ -195,13 +195,18 @@ def check_storage_pid(pid: Any) -> None:
         raise pickle.UnpicklingError(f"malformed storage record {str(pid)[:80]}")
 
 
-def _record_storage(path: str, records: dict[str, _Storage], pid: Any) -> _Storage:
+# A zip archive's `data/<key>` record: (file offset of its bytes when stored uncompressed,
+# else None; its size in bytes; its entry name).
+_Record = tuple[int | None, int, str]
+
+
+def _record_storage(path: str, records: dict[str, _Record], pid: Any) -> _Storage:
     record = records.get(pid[2])
     if record is None:
         raise pickle.UnpicklingError(f"storage record data/{pid[2][:40]} is missing")
-    itemsize = STORAGE_ITEMSIZE[pid[1]]
+    start, nbytes, entry = record
     # the record, not the pickle's claim, bounds the storage (as torch's mmap does)
-    return _Storage(path, pid[1], record.numel // itemsize, record.start, record.entry)
+    return _Storage(path, pid[1], nbytes // STORAGE_ITEMSIZE[pid[1]], start, entry)
 
 
 def _compat_name(module: str, name: str) -> str:
@@ -296,7 +301,7 @@ class _FreeUnpickler(StandInUnpickler):
 
 class _ZipUnpickler(_FreeUnpickler):
     def __init__(
-        self, data: bytes, allowed: Callable[[str], Any], big_endian: bool, path: str, records: dict[str, _Storage]
+        self, data: bytes, allowed: Callable[[str], Any], big_endian: bool, path: str, records: dict[str, _Record]
     ) -> None:
         super().__init__(data, allowed, big_endian)
         self.path, self.records = path, records
@@ -326,29 +331,34 @@ class _LegacyUnpickler(_FreeUnpickler):
 
 def _zip_records(
     path: str, archive: zipfile.ZipFile, root: str, base: int = 0, end: int | None = None
-) -> tuple[dict[str, _Storage], bool]:
-    """The `data/<key>` records of a torch zip archive (their numel in bytes) and whether its
+) -> tuple[dict[str, _Record], bool]:
+    """The `data/<key>` records of a torch zip archive by key and whether its
     byte order is big-endian; an archive stored inside `path` lies at [base, end)."""
-    size = os.path.getsize(path) if end is None else end
-    records: dict[str, _Storage] = {}
+    records: dict[str, _Record] = {}
     prefix = f"{root}/data/"
-    with open(path, "rb") as f:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size if end is None else end
         for info in archive.infolist():
             if not info.filename.startswith(prefix):
                 continue
             start = None
             if info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1:
-                f.seek(base + info.header_offset)
-                head = f.read(30)
+                head = os.pread(fd, 30, base + info.header_offset)  # one call per record, no buffer refilled
                 if head[:4] == b"PK\x03\x04":
                     names, extra = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30], "little")
                     start = base + info.header_offset + 30 + names + extra
                     if start + info.file_size > size:
                         raise BnauditError(f"{path}: zip record '{info.filename}' runs past the end of the file")
             key = info.filename[len(prefix) :]
-            records[key] = _Storage(path, "uint8", info.file_size, start, info.filename)
+            records[key] = (start, info.file_size, info.filename)
+    finally:
+        os.close(fd)
     order = f"{root}/byteorder"
-    byteorder = archive.read(order) if order in archive.namelist() else b"little"
+    try:
+        byteorder = archive.read(order)
+    except KeyError:  # absent: torch assumes little-endian
+        byteorder = b"little"
     if byteorder not in (b"little", b"big"):
         raise BnauditError(f"{path}: unknown byte order {byteorder[:20]!r} in the archive")
     return records, byteorder == b"big"
@@ -429,7 +439,7 @@ class _FastCall(_FastFunction):
 
 
 class _FastZipUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, path: str, records: dict[str, _Storage], calls: dict[str, Any]) -> None:
+    def __init__(self, data: bytes, path: str, records: dict[str, _Record], calls: dict[str, Any]) -> None:
         super().__init__(io.BytesIO(data))
         self.path, self.records, self.calls = path, records, calls
 
@@ -447,7 +457,7 @@ class _FastZipUnpickler(pickle.Unpickler):
         return _record_storage(self.path, self.records, pid)
 
 
-def _fast_load(data: bytes, path: str, records: dict[str, _Storage], big_endian: bool) -> tuple[bool, Any]:
+def _fast_load(data: bytes, path: str, records: dict[str, _Record], big_endian: bool) -> tuple[bool, Any]:
     """(True, the object `data` pickles) when the fast path reads it exactly as the
     restricted unpickler would; (False, None) when that one must read it."""
     if not _plain_pickle(data):
@@ -558,7 +568,7 @@ def read_stored_tensor(path: str, start: int, length: int) -> TensorRef:
             entry = next(n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1)
             root = entry.split("/")[0]
             records, big = _zip_records(path, archive, root, base=start, end=start + length)
-            if any(r.start is None for r in records.values()):
+            if any(start is None for start, _, _ in records.values()):
                 raise BnauditError(f"{where}: a compressed tensor record (torch.save never writes one)")
             unpickler = _ZipUnpickler(archive.read(entry), lambda name: None, big, path, records)
             obj = unpickler.load()
