@@ -390,3 +390,17 @@ def test_a_torch_save_file_with_a_huge_memo_index_is_not_allocated(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "{}"
+
+
+def test_a_torch_save_archive_has_its_directory_parsed_once(tmp_path, monkeypatch):
+    path = torch_built(tmp_path)["state_dict"]
+    parsed: list[str] = []
+    real = zipfile.ZipFile._RealGetContents  # type: ignore[attr-defined]
+
+    def counting(self: zipfile.ZipFile) -> None:
+        parsed.append(str(self.filename))
+        real(self)
+
+    monkeypatch.setattr(zipfile.ZipFile, "_RealGetContents", counting)
+    assert set(read_checkpoint(path).tensors) == set(bn_net().state_dict())
+    assert parsed == [path]  # was two: sniffing, then reading

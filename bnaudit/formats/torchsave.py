@@ -483,14 +483,17 @@ def _fast_load(data: bytes, path: str, records: dict[str, _Record], big_endian: 
     return True, obj
 
 
-def read_torch_free(path: str, legacy: bool, allowed: Callable[[str], Any], stand_ins: bool) -> Any:
+def read_torch_free(
+    path: str, legacy: bool, allowed: Callable[[str], Any], stand_ins: bool, opened: zipfile.ZipFile | None = None
+) -> Any:
     """The object a torch.save file holds, tensors as lazy `TensorRef`s, torch.nn modules as
     `PickledModule`s, without importing torch.
 
     `allowed` gives the plain-data globals rebuilt for real (allowlist.py's policy). A file
     naming other globals: with `stand_ins`, read by the stand-in reader as before; without,
     `NeedsTorch` (torch's loader refuses it, listing them). Raises `NeedsTorch` for a file
-    only torch's loader rebuilds.
+    only torch's loader rebuilds. `opened`: the zip archive of `path` just sniffed (the
+    caller closes it).
     """
     unpickler: _FreeUnpickler
     called = False
@@ -499,9 +502,12 @@ def read_torch_free(path: str, legacy: bool, allowed: Callable[[str], Any], stan
             layout = legacy_layout(path)
             unpickler = _LegacyUnpickler(layout, allowed, path)
         else:
-            archive, root, data = open_archive_pickle(path)
-            with archive:
+            archive, root, data = open_archive_pickle(path, opened)
+            try:
                 records, big = _zip_records(path, archive, root)
+            finally:
+                if archive is not opened:
+                    archive.close()
             fast, obj = _fast_load(data, path, records, big)
             if fast:
                 return obj
