@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import _compat_pickle
 import io
-import math
 import os
 import pickle
 import re
@@ -138,17 +137,18 @@ def lazy_tensor(
     storage, and may not claim more elements than the storage holds (only zero strides
     could: decoding would allocate the claim). Values come out row-major.
     """
-    numel = math.prod(size)
-    span = sum((s - 1) * st for s, st in zip(size, stride)) + 1 if numel else 0
+    numel, span, contiguous = 1, 1, True  # one pass: a folder scan builds thousands of these
+    for extent, st in zip(reversed(size), reversed(stride)):
+        contiguous = contiguous and (extent <= 1 or st == numel)
+        numel *= extent
+        span += (extent - 1) * st
+    if not numel:
+        span = 0
     if numel > storage.numel:
         raise pickle.UnpicklingError(f"tensor claims {numel} elements, its storage holds {storage.numel}")
     if offset + span > storage.numel:
         raise pickle.UnpicklingError("tensor view runs past its storage")
     itemsize = STORAGE_ITEMSIZE[storage.dtype]
-    contiguous, step = True, 1
-    for extent, st in zip(reversed(size), reversed(stride)):
-        contiguous = contiguous and (extent <= 1 or st == step)
-        step *= extent
 
     def raw() -> bytearray:
         data = storage.read(offset, span)
