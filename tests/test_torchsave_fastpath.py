@@ -19,13 +19,16 @@ import struct
 import subprocess
 import sys
 import zipfile
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+import torch.jit._pickle
 from conftest import REPO
 from test_torchfree import SAMPLES, mixed_state, to_big_endian
 
@@ -404,3 +407,57 @@ def test_a_torch_save_archive_has_its_directory_parsed_once(tmp_path, monkeypatc
     monkeypatch.setattr(zipfile.ZipFile, "_RealGetContents", counting)
     assert set(read_checkpoint(path).tensors) == set(bn_net().state_dict())
     assert parsed == [path]  # was two: sniffing, then reading
+
+
+# ----------------------------------------------------------------------------- records take no state
+
+
+class StateOnStorage:
+    """A storage record handed back by an identity global (`via`), then given `state` by
+    BUILD: the pickle would move the bytes a tensor reads (another file, range or record)."""
+
+    def __init__(self, storage: Any, via: Any, state: dict[str, Any]) -> None:
+        self.storage, self.via, self.state = storage, via, state
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            self.via,
+            (self.storage, "tag")
+            if self.via is torch.jit._pickle.restore_type_tag
+            else (self.storage, False, OrderedDict()),
+            self.state,
+        )
+
+
+ELSEWHERE = {"path": "/etc/passwd", "offset": 0, "entry": "scripted/data/1"}
+
+
+@pytest.mark.parametrize("layout", ["zip", "legacy"])
+def test_state_set_on_a_storage_record_is_refused(tmp_path, layout):
+    from test_hostile import FakeStorage, FakeTensor, write_legacy, write_torch_zip
+
+    moved = StateOnStorage(FakeStorage("1", 3), torch._utils._rebuild_parameter, ELSEWHERE)
+    obj = {
+        "bn.running_mean": FakeTensor(FakeStorage("0", 3), 0, (3,), (1,)),
+        "bn.running_var": FakeTensor(moved, 0, (3,), (1,)),
+    }
+    storages = {"0": np.zeros(3), "1": np.ones(3)}
+    write = write_torch_zip if layout == "zip" else write_legacy
+    path = str(write(tmp_path / f"{layout}.pt", obj, storages))
+    with pytest.raises(BnauditError, match="a storage record takes no pickled state"):
+        read_checkpoint(path)  # was: running_var read from /etc/passwd (zip) or the file's header (legacy)
+
+
+def test_state_set_on_a_torchscript_storage_record_is_refused(tmp_path):
+    from test_hostile import BN_CLASS, FakeStorage, FakeTensor, ScriptNode, forged_script
+
+    moved = StateOnStorage(FakeStorage("0", 18), torch.jit._pickle.restore_type_tag, ELSEWHERE)
+    root = ScriptNode(
+        BN_CLASS,
+        {
+            "running_mean": FakeTensor(FakeStorage("0", 18), 0, (2,), (1,)),
+            "running_var": FakeTensor(moved, 0, (2,), (1,)),
+        },
+    )
+    with pytest.raises(BnauditError, match="a storage record takes no pickled state"):
+        read_checkpoint(str(forged_script(tmp_path, root)))  # was: running_var read from another record

@@ -460,7 +460,8 @@ class _FastZipUnpickler(pickle.Unpickler):
 def _fast_load(data: bytes, path: str, records: dict[str, _Record], big_endian: bool) -> tuple[bool, Any]:
     """(True, the object `data` pickles) when the fast path reads it exactly as the
     restricted unpickler would; (False, None) when that one must read it."""
-    if not _plain_pickle(data):
+    count = getattr(sys, "getrefcount", None)  # CPython's; elsewhere the restricted unpickler reads
+    if count is None or not _plain_pickle(data):
         return False, None
     parameter = _FastCall(_rebuild_parameter)
     functions = (_FastRebuild(big_endian), parameter, _FastCall(_codecs_encode))
@@ -471,14 +472,14 @@ def _fast_load(data: bytes, path: str, records: dict[str, _Record], big_endian: 
         "_codecs.encode": functions[2],
         "collections.OrderedDict": OrderedDict,  # the class itself, as the restricted unpickler gives it
     }
-    held = [sys.getrefcount(f) for f in functions]
+    held = [count(f) for f in functions]
     try:
         obj = _FastZipUnpickler(data, path, records, calls).load()  # freed here, with its memo
     except Exception:
         return False, None
     # a function kept as data would not be the restricted unpickler's own: more references
     # to one than before say the object holds it
-    if [sys.getrefcount(f) for f in functions] != held:
+    if [count(f) for f in functions] != held:
         return False, None
     return True, obj
 
