@@ -461,3 +461,18 @@ def test_state_set_on_a_torchscript_storage_record_is_refused(tmp_path):
     )
     with pytest.raises(BnauditError, match="a storage record takes no pickled state"):
         read_checkpoint(str(forged_script(tmp_path, root)))  # was: running_var read from another record
+
+
+def test_state_set_on_a_torchscript_tensor_is_refused(tmp_path):
+    from test_hostile import BN_CLASS, FakeStorage, FakeTensor, ScriptNode, forged_script
+
+    class Retyped(FakeTensor):
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (*super().__reduce__(), {"dtype": "int8", "shape": (8,)})  # BUILD on the tensor
+
+    storage = FakeStorage("0", 18)
+    root = ScriptNode(
+        BN_CLASS, {"running_mean": Retyped(storage, 0, (2,), (1,)), "running_var": FakeTensor(storage, 2, (2,), (1,))}
+    )
+    with pytest.raises(BnauditError, match="a tensor record takes no pickled state"):
+        read_checkpoint(str(forged_script(tmp_path, root)))  # was: read as 8 int8 values
