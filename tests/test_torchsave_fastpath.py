@@ -356,6 +356,10 @@ def test_the_memo_index_is_bounded_before_the_c_unpickler_runs(tmp_path, monkeyp
     # an 'r' inside a string is text, not an opcode
     assert torchsave._plain_pickle(pickle.PROTO + b"\x02" + text("running_var\xff\xff") + pickle.STOP)
     assert not torchsave._plain_pickle(pickle.PROTO + b"\x02" + text("abc")[:-1])
+    assert torchsave._plain_pickle(pickle.PROTO + b"\x02" + text("") + pickle.STOP)
+    assert not torchsave._plain_pickle(pickle.PROTO + b"\x02" + text("")[:-1] + pickle.STOP)
+    assert not torchsave._plain_pickle(pickle.PROTO + b"\x02")
+    assert not torchsave._plain_pickle(pickle.PROTO + b"\x02" + pickle.NEWOBJ + pickle.STOP)  # a class instantiated
 
 
 def test_every_truncation_of_a_state_dicts_pickle_reads_the_same(tmp_path):

@@ -33,6 +33,7 @@ import io
 import os
 import pickle
 import re
+import struct
 import sys
 import zipfile
 from collections import OrderedDict
@@ -382,6 +383,9 @@ _FIXED_RUN = re.compile(
 )
 
 
+_UINT4 = struct.Struct("<I").unpack_from
+
+
 def _plain_pickle(data: bytes) -> bool:
     """`data` is PROTO 2, then opcodes of `_FIXED_RUN` and BINUNICODE strings only, up to a
     STOP. Each opcode is read exactly as the unpickler reads it (its argument's length
@@ -392,9 +396,9 @@ def _plain_pickle(data: bytes) -> bool:
     match = _FIXED_RUN.match
     while True:
         pos = match(data, pos).end()  # type: ignore[union-attr]  # `*` always matches
-        if data[pos : pos + 1] != b"X":
-            return data[pos : pos + 1] == b"."
-        pos += 5 + int.from_bytes(data[pos + 1 : pos + 5], "little")
+        if pos + 5 > end or data[pos] != 0x58:  # not a whole BINUNICODE header: STOP or nothing
+            return pos < end and data[pos] == 0x2E
+        pos += 5 + _UINT4(data, pos + 1)[0]
         if pos > end:
             return False
 
