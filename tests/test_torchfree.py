@@ -410,3 +410,37 @@ def test_forged_state_on_a_tensor_record_is_refused(tmp_path):
     torch.save({"bn.running_var": Forged(), "bn.running_mean": torch.zeros(2)}, path)
     with pytest.raises(BnauditError, match="refused to unpickle: it calls a global that could run code"):
         free_object(path)  # torch.load never reached
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_expanded_buffers_read_like_torch_load(tmp_path, legacy):
+    """A buffer saved as an expanded view (stride 0: one stored element shown n times) is
+    what torch.load gives; a forged claim of 2**40 elements stays refused."""
+    path = str(tmp_path / "expanded.pt")
+    state = OrderedDict(
+        [
+            ("bn.weight", torch.ones(6)),
+            ("bn.bias", torch.zeros(6)),
+            ("bn.running_mean", torch.zeros(1).expand(6)),
+            ("bn.running_var", torch.full((1,), 0.25).expand(6)),
+            ("grid", torch.tensor([[1.0], [2.0]]).expand(2, 3)),  # strides (1, 0)
+            ("bn.num_batches_tracked", torch.tensor(7)),
+        ]
+    )
+    assert state["grid"].stride() == (1, 0) and state["bn.running_var"].stride() == (0,)
+    torch.save(state, path, _use_new_zipfile_serialization=not legacy)
+    assert assert_reads_like_torch(path) == len(state)
+    ckpt = read_checkpoint(path)
+    assert ckpt.tensors["bn.running_var"].read() == [0.25] * 6
+    assert ckpt.tensors["grid"].read() == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+    (file,) = inspect(path).files
+    assert file.error is None and [layer.name for layer in file.layers] == ["bn"]
+
+
+def test_expanded_buffer_of_a_scripted_module_reads_like_torch(tmp_path):
+    module = torch.nn.BatchNorm1d(6).eval()
+    module.running_var = torch.full((1,), 0.25).expand(6)
+    path = str(tmp_path / "scripted.pt")
+    torch.jit.save(torch.jit.script(module), path)
+    assert torch.jit.load(path).running_var.stride() == (0,)
+    assert read_checkpoint(path).tensors["running_var"].read() == [0.25] * 6

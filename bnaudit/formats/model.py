@@ -296,6 +296,18 @@ _ARRAY_CODES = {
 }
 
 
+# How many elements a view may claim beyond its storage's: only zero strides (a buffer
+# saved as `x.expand(n)`, which torch.load reads) can claim more, and decoding allocates
+# the claim, so a forged 2**40 stays refused while any real BN vector fits.
+EXPANDED_LIMIT = 1 << 20
+
+
+def claim_too_large(numel: int, stored: int) -> bool:
+    """A view of `numel` elements over a storage of `stored`: more than the storage holds
+    and more than EXPANDED_LIMIT."""
+    return numel > stored and numel > EXPANDED_LIMIT
+
+
 def decode_values(raw: bytes | bytearray, dtype: str) -> list[float]:
     """Little-endian bytes of `dtype` -> flat list of Python numbers, exactly.
 

@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.legacy import LegacyLayout, legacy_layout, whole_model_refusal
-from bnaudit.formats.model import STORAGE_DTYPES, STORAGE_ITEMSIZE, TensorRef, decode_values
+from bnaudit.formats.model import STORAGE_DTYPES, STORAGE_ITEMSIZE, TensorRef, claim_too_large, decode_values
 from bnaudit.formats.pickled import PickledModule
 from bnaudit.formats.standins import (
     CalledStandIn,
@@ -139,8 +139,9 @@ def lazy_tensor(
 
     Element (i_0, ..., i_n) is storage element offset + sum(i_k * stride_k); the view spans
     span = sum((size_k - 1) * stride_k) + 1 elements from `offset`, which must lie inside the
-    storage, and may not claim more elements than the storage holds (only zero strides
-    could: decoding would allocate the claim). Values come out row-major.
+    storage; a view with zero strides may claim more elements than the storage holds
+    (`x.expand(n)`), up to `model.EXPANDED_LIMIT` (decoding allocates the claim). Values
+    come out row-major.
     """
     numel, span, contiguous = 1, 1, True  # one pass: a folder scan builds thousands of these
     for extent, st in zip(reversed(size), reversed(stride)):
@@ -149,7 +150,7 @@ def lazy_tensor(
         span += (extent - 1) * st
     if not numel:
         span = 0
-    if numel > storage.numel:
+    if claim_too_large(numel, storage.numel):
         raise pickle.UnpicklingError(f"tensor claims {numel} elements, its storage holds {storage.numel}")
     if offset + span > storage.numel:
         raise pickle.UnpicklingError("tensor view runs past its storage")

@@ -27,6 +27,7 @@ from bnaudit.formats.model import (
     STORAGE_ITEMSIZE,
     ModuleInfo,
     TensorRef,
+    claim_too_large,
     decode_values,
 )
 from bnaudit.formats.safetensors import is_count
@@ -106,7 +107,7 @@ class _ScriptUnpickler(pickle._Unpickler):
             numel = math.prod(size)
             if numel == 0:
                 return []
-            if numel > len(flat):  # only zero strides could do it: a copy would allocate the claim
+            if claim_too_large(numel, len(flat)):  # zero strides (x.expand(n)): the copy allocates the claim
                 raise BnauditError(f"tensor claims {numel} elements, its storage {storage.entry} holds {len(flat)}")
             span = offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1
             if offset < 0 or span > len(flat):
