@@ -6,6 +6,7 @@ its EMA copy (one code per fact)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from bnaudit.audit.formulas import initial_weight
 from bnaudit.audit.immaturity import (
@@ -15,13 +16,15 @@ from bnaudit.audit.immaturity import (
     implied_damage,
     unmoved_fraction,
 )
-from bnaudit.audit.layerdiff import DiffContext
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, also_in, rule
 from bnaudit.config import Config
 from bnaudit.formats.ema import copy_words
 from bnaudit.severity import Severity
 from bnaudit.text import plural
+
+if TYPE_CHECKING:  # only the diff's checks take one: inspect never imports the diff
+    from bnaudit.audit.layerdiff import DiffContext
 
 # From here on the initial 0/1 outweigh everything the buffers have seen: an error.
 IMMATURE_ERROR_WEIGHT = 0.5
