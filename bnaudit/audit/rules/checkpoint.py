@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from bnaudit.audit.formulas import all_finite, eval_gains, near_eps_channels, retained_fraction
 from bnaudit.audit.immaturity import has_identity_stats, has_initial_affine
-from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.producers import producer_weight, zero_filter_channels
 from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, rule, three_digits
 from bnaudit.severity import Severity
 from bnaudit.text import listing, plural
+
+if TYPE_CHECKING:  # `bnaudit rules` imports this module and reads no checkpoint
+    from bnaudit.audit.layers import BNLayer
 
 
 def _constant_channels(ctx: RuleContext, layer: BNLayer, channels: list[int]) -> set[int]:

@@ -16,15 +16,14 @@ from bnaudit.audit.immaturity import (
     implied_damage,
     unmoved_fraction,
 )
-from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, also_in, rule
-from bnaudit.config import Config
-from bnaudit.formats.ema import copy_words
 from bnaudit.severity import Severity
 from bnaudit.text import plural
 
-if TYPE_CHECKING:  # only the diff's checks take one: inspect never imports the diff
+if TYPE_CHECKING:  # `bnaudit rules` imports this module and reads no checkpoint; inspect never diffs
     from bnaudit.audit.layerdiff import DiffContext
+    from bnaudit.audit.layers import BNLayer
+    from bnaudit.config import Config
 
 # From here on the initial 0/1 outweigh everything the buffers have seen: an error.
 IMMATURE_ERROR_WEIGHT = 0.5
@@ -144,6 +143,8 @@ UNMOVED_SHARE = 0.5
 def _immature_without_counter(ctx: RuleContext, layer: BNLayer) -> Finding | None:
     """BN003 for an averaged copy or a layer without a counter: against the live model's
     layer where the container holds it, else by the share of channels still at variance 1."""
+    from bnaudit.formats.ema import copy_words  # here: it brings the checkpoint model (see above)
+
     r, cfg = RULES["BN003"], ctx.config
     what = copy_words(ctx.averaging)
     live = ctx.live_layers.get(layer.name) if ctx.is_ema and ctx.live_layers is not None else None
