@@ -70,7 +70,7 @@ CONFIGS = (
 WORKER = WORKER.replace("CONFIGS", repr(CONFIGS))
 HEAD = "def first_output(model, inputs):\n    return model(inputs)[:, :1]\n"
 
-SAMPLES = 41  # batches of 8: 8, 8, 8, 8, 1 -> the last one joins: 8, 8, 8, 9 (3 + 2 batches)
+SAMPLES = 41  # batches of 8: 8, 8, 8, 8, 8, 1 -> the last one joins: 8, 8, 8, 8, 9 (3 + 2 batches)
 
 
 def _data(n: int, shift: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -186,6 +186,29 @@ def test_diff_of_folders_is_diff_of_the_model_files_in_them(layouts, layout):
     ]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fold_of_a_folder_is_fold_of_the_model_file_in_it(layouts, layout):
+    from bnaudit import predict_fold
+    from bnaudit.config import Config
+
+    folder, model = layouts[layout]
+    of_folder, of_file = predict_fold(folder, Config()), predict_fold(model, Config())
+    assert of_folder.path == of_file.path == model
+    assert of_folder.pairs and of_folder == of_file
+
+
+def test_measured_fold_of_a_folder_is_that_of_the_model_file_in_it(layouts):
+    from bnaudit import measure_fold
+    from bnaudit.config import Config
+
+    folder, model = layouts["save_pretrained_sharded"]
+    options = DataOptions(path=VAL, batch_size=32, num_samples=64)
+    of_folder = measure_fold(folder, options, Config(), arch=ARCH)
+    of_file = measure_fold(model, options, Config(), arch=ARCH)
+    assert of_folder.path == of_file.path == model
+    assert of_folder.measured is not None and of_folder.measured == of_file.measured
+
+
 @pytest.mark.parametrize("layout", ["save_pretrained", "trainer", "accelerate", "deepspeed", "lightning"])
 def test_recalibrate_of_a_folder_writes_what_recalibrate_of_its_model_file_writes(layouts, layout, tmp_path):
     folder, model = layouts[layout]
@@ -225,6 +248,24 @@ def test_a_folder_with_several_models_is_refused_naming_them(tmp_path):
     assert "pass the one to use" in message and "optimizer.pt" not in message
     with pytest.raises(BnauditError, match="holds 2 model checkpoints"):
         measure_gap(str(tmp_path), DataOptions(path=VAL, num_samples=8), arch=ARCH)
+
+
+def test_the_configuration_exclude_decides_which_model_a_folder_names(tmp_path):
+    """`exclude` removes files from a folder for every command, as from inspect's scan: a
+    Hub folder with both weight files and `exclude = ["*.bin"]` names model.safetensors."""
+    from bnaudit.config import Config
+
+    state = healthy_state()
+    save_safetensors(state, tmp_path / "model.safetensors")
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    config = Config(exclude=("*.bin",))
+    assert model_checkpoint(str(tmp_path), config=config) == str(tmp_path / "model.safetensors")
+    with pytest.raises(BnauditError, match="holds 2 model checkpoints"):
+        model_checkpoint(str(tmp_path))  # the defaults exclude nothing
+    report = diff(str(tmp_path), str(tmp_path / "pytorch_model.bin"), config)
+    assert report.a.path == str(tmp_path / "model.safetensors") and report.a.format == "safetensors"
+    gap = measure_gap(str(tmp_path), DataOptions(path=VAL, num_samples=8, batch_size=4), arch=ARCH, config=config)
+    assert gap.checkpoint == str(tmp_path / "model.safetensors")
 
 
 def test_a_folder_without_model_weights_or_with_an_unreadable_file_is_refused(tmp_path):

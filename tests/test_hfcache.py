@@ -240,3 +240,25 @@ def test_an_onnx_export_with_external_data_in_a_snapshot(tmp_path):
     (file,) = report.files
     assert file.shown == f"acme/digits-onnx@{SHARDED[:12]}/onnx/model.onnx"
     assert file.error is None and len(file.layers) == 3 and file.findings == []
+
+
+def test_ci_formats_name_a_cached_file_by_repo_and_revision(cache):
+    """GitHub, GitLab, JUnit and Markdown locate a cached file as `repo@revision/file`: the
+    snapshot path under the cache holds the machine's cache folder and the commit hash, so
+    it would differ between runners (GitLab's fingerprints would change every run)."""
+    from bnaudit.output.github import to_github
+    from bnaudit.output.gitlab import to_gitlab
+    from bnaudit.output.junit import to_junit
+    from bnaudit.output.markdown import to_markdown
+
+    report = inspect(str(cache), Config(), all_revisions=True)
+    old = f"acme/tiny@{OLD[:12]}/model.safetensors"
+    assert old in shown(report) and any(f.findings for f in report.files if f.shown == old)
+    github, junit, markdown = to_github(report), to_junit(report), to_markdown(report)
+    gitlab = to_gitlab(report)
+    assert f"file={old}," in github
+    assert f'name="{old}"' in junit
+    assert f"### {old}" in markdown.replace("\\", "")
+    assert old in {issue["location"]["path"] for issue in gitlab}
+    for text in (github, junit, markdown, json.dumps(gitlab)):
+        assert "snapshots" not in text and str(cache) not in text

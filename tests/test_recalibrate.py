@@ -979,4 +979,4 @@ def test_one_batch_is_singular(world: dict, tmp_path: Path) -> None:
         str(tmp_path / "one.safetensors"),
     )
     assert result.exit_code == 0, result.output
-    assert "method exact: 32 samples in 1 batch of 32 " in result.stdout
+    assert "method exact: 32 samples in 1 batch (" in result.stdout

@@ -212,3 +212,37 @@ def test_severity_overrides_set_result_and_rule_levels(workspace):
     assert by_id["BN010"]["defaultConfiguration"]["level"] == "error"
     assert "configured severity: error" in by_id["BN010"]["help"]["text"]
     assert run["properties"]["config"]["severity"] == {"BN004": "info", "BN010": "error"}
+
+
+def test_fold_log_is_valid_and_puts_every_finding_at_the_checkpoint(tmp_path, monkeypatch, validator, cli):
+    """`bnaudit fold --format sarif`: a schema-valid log whose results are the fold findings
+    (BN201-BN207) at the checkpoint's file, the driver's levels at the configured severities."""
+    from bnaudit.audit.foldaudit import predict_fold
+
+    monkeypatch.chdir(tmp_path)
+    # one channel with var 1e-6 beside channels of var 1: its eval gain 1/sqrt(1e-6 + 1e-5)
+    # = 302 sets the int8 scale of the folded conv, which collapses the others
+    state = {"conv.weight": torch.full((4, 3, 1, 1), 0.1)}
+    state.update(bn_entries("bn", 4, var=torch.tensor([1e-6, 1.0, 1.0, 1.0]), counter=1000))
+    path = save_torch(state, tmp_path / "model.pt")
+    config = Config(severity={"BN201": "info"})
+    report = predict_fold(path, config)
+    assert report.findings, "the fixture must give fold findings"
+    log = to_sarif_of(report)
+    assert validator.is_valid(log), sorted(validator.iter_errors(log), key=str)[:1]
+    run = log["runs"][0]
+    assert [r["ruleId"] for r in run["results"]] == [f.code for f in report.findings]
+    assert {r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] for r in run["results"]} == {"model.pt"}
+    levels = {rule["id"]: rule["defaultConfiguration"]["level"] for rule in run["tool"]["driver"]["rules"]}
+    assert levels["BN201"] == "note"
+    result = cli("fold", "model.pt", "--format", "sarif", "--isolated")
+    assert result.exit_code == 1, result.output
+    assert [r["ruleId"] for r in json.loads(result.stdout)["runs"][0]["results"]] == [
+        f.code for f in predict_fold(path, Config()).findings
+    ]
+
+
+def to_sarif_of(report) -> dict:
+    from bnaudit.output.sarif import to_sarif
+
+    return to_sarif(report)

@@ -427,7 +427,7 @@ def diff(
         if checkpoint_a is not None and not sides:
             sides.append(checkpoint_a)  # loaded with --arch: its modules carry the real eps and momentum
             continue
-        sides.append(read_model_checkpoint(path, key=key, trust_pickle=trust_pickle))
+        sides.append(read_model_checkpoint(path, key=key, trust_pickle=trust_pickle, config=config))
     report = diff_checkpoints(sides[0], sides[1], config, producers, parity)
     for side in (report.a, report.b):
         if side.layers == 0 and not (report.export is not None and side.format in EXPORT_FORMATS):

@@ -1,6 +1,6 @@
 """`predict_fold`: a checkpoint in, a `FoldReport` of predictions out (torch-free).
 
-Reads the file through `bnaudit.formats.read.read_checkpoint`, finds its BN layers
+Reads the file (or a folder's model checkpoint) through `bnaudit.audit.resolve`, finds its BN layers
 (`bnaudit.audit.layers`, eps from `bnaudit.audit.settings`), pairs and predicts
 (`bnaudit.audit.foldcheck`) and runs the fold rules (BN201-BN207).
 """
@@ -11,20 +11,21 @@ from collections.abc import Mapping
 
 from bnaudit.audit.foldcheck import FoldContext, predict_pairs
 from bnaudit.audit.layers import discover_layers, not_from_file
+from bnaudit.audit.resolve import read_model_checkpoint
 from bnaudit.audit.rules import run_fold_rules
 from bnaudit.audit.settings import statement
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import Checkpoint
-from bnaudit.formats.read import read_checkpoint
 from bnaudit.reports.fold import FoldReport
 
 
 def predict_fold(path: str, config: Config, key: str | None = None, trust_pickle: bool = False) -> FoldReport:
     """The prediction for every BN of the file at `path`: a state dict, safetensors file or
     TorchScript archive (pairs by name), an ONNX model (pairs from the graph, and convs the
-    exporter already folded audited directly) or a torch.export archive (pairs from its program). Nothing to audit is a BnauditError."""
-    return predict_checkpoint(read_checkpoint(path, key=key, trust_pickle=trust_pickle), config)
+    exporter already folded audited directly) or a torch.export archive (pairs from its program);
+    a folder: the model checkpoint `inspect` finds in it. Nothing to audit is a BnauditError."""
+    return predict_checkpoint(read_model_checkpoint(path, key=key, trust_pickle=trust_pickle, config=config), config)
 
 
 def predict_checkpoint(
@@ -63,6 +64,7 @@ def predict_checkpoint(
         unpaired=tuple(unpaired),
         findings=tuple(findings),
         fail_on=config.fail_on,
+        config=config,
         # momentum plays no part in folding: only eps is said
         settings=statement([(n, s) for n, s in not_from_file(discovery.layers) if n == "eps"], "not in a state dict"),
     )

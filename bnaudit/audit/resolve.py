@@ -28,14 +28,15 @@ from bnaudit.formats.read import read_checkpoint
 _SHOWN = 4
 
 
-def model_checkpoint(path: str | os.PathLike[str], trust_pickle: bool = False) -> str:
+def model_checkpoint(path: str | os.PathLike[str], trust_pickle: bool = False, config: Config | None = None) -> str:
     """`path` itself when it is not a folder; for a folder, the one model checkpoint in it
-    (a file, or a shard index standing for its shards), decided as `inspect` decides.
+    (a file, or a shard index standing for its shards), decided as `inspect` decides with
+    `config` (its `exclude` globs remove files from the choice, as from a scan).
     BnauditError (one line) when the folder holds none, several, or an unreadable file."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         return path
-    report = inspect([path], Config(), trust_pickle=trust_pickle)
+    report = inspect([path], config or Config(), trust_pickle=trust_pickle)
     models = [f.path for f in report.files if f.error is None and f.skipped is None and f.excluded is None]
     broken = [f for f in report.files if f.error is not None]
     if len(broken) == 1 and broken[0].path == path:  # the folder itself: nothing to scan
@@ -70,7 +71,8 @@ def _listing(paths: list[str], named: Callable[[str], str]) -> str:
 
 
 def read_model_checkpoint(
-    path: str | os.PathLike[str], key: str | None = None, trust_pickle: bool = False
+    path: str | os.PathLike[str], key: str | None = None, trust_pickle: bool = False, config: Config | None = None
 ) -> Checkpoint:
     """`read_checkpoint` of the checkpoint `path` names (`model_checkpoint`)."""
-    return read_checkpoint(model_checkpoint(path, trust_pickle=trust_pickle), key=key, trust_pickle=trust_pickle)
+    chosen = model_checkpoint(path, trust_pickle=trust_pickle, config=config)
+    return read_checkpoint(chosen, key=key, trust_pickle=trust_pickle)

@@ -143,7 +143,7 @@ def diff_command(
             from bnaudit.formats.sniff import sniff_format
             from bnaudit.runtime.exportparity import diff_export
 
-            if sniff_format(model_checkpoint(path_b, trust_pickle=trust_pickle)) != "onnx":
+            if sniff_format(model_checkpoint(path_b, trust_pickle=trust_pickle, config=config)) != "onnx":
                 raise BnauditError(f"--arch applies to a checkpoint against its ONNX export: {path_b} is not ONNX")
             options = None
             if data is not None:

@@ -53,7 +53,7 @@ def fold_command(
         typer.Option(
             "--format",
             "-f",
-            help="Report format. github: workflow-command annotations; gitlab: Code Quality JSON; junit: JUnit XML; markdown: a job summary.",
+            help="Report format. sarif: SARIF 2.1.0 for code scanning; github: workflow-command annotations; gitlab: Code Quality JSON; junit: JUnit XML; markdown: a job summary.",
         ),
     ] = FoldFormat.table,
     fail_on: FailOnOpt = None,

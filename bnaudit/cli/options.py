@@ -34,11 +34,12 @@ class InspectFormat(str, Enum):
 
 
 class FoldFormat(str, Enum):
-    """fold's formats: the table, JSON and what CI systems read (its findings are at one
-    file, the checkpoint)."""
+    """fold's formats: those of inspect and diff (its findings are at one file, the
+    checkpoint)."""
 
     table = "table"
     json = "json"
+    sarif = "sarif"
     github = "github"
     gitlab = "gitlab"
     junit = "junit"

@@ -70,7 +70,7 @@ def formats_of(report: object) -> tuple[str, ...]:
     from bnaudit.reports.fold import FoldReport
 
     if isinstance(report, FoldReport):
-        return tuple(f for f in FINDINGS_FORMATS if f != "sarif")
+        return FINDINGS_FORMATS
     return ()
 
 

@@ -6,7 +6,8 @@ An inspect report checks every file it names or finds; a diff report checks one 
 side B (the checkpoint under review, as in SARIF), compared with side A. Locations are
 paths relative to a base folder (the current directory: a CI job runs from the checkout,
 where GitHub and GitLab resolve annotation paths), in POSIX form, or absolute when the
-file lies outside the base. Strings stay exact here; each emitter makes them safe for
+file lies outside the base; a Hugging Face cache file is `repo@revision/file`, the same on
+every runner. Strings stay exact here; each emitter makes them safe for
 its format.
 """
 
@@ -34,7 +35,8 @@ class CheckedFile:
     """One file of a report.
 
     path       the path as the report holds it (what the user typed or a scan found)
-    location   `path` relative to the base folder, POSIX separators (absolute outside it)
+    location   `path` relative to the base folder, POSIX separators (absolute outside it);
+               `repo@revision/file` for a file of the Hugging Face cache
     layers     the BN layers checked, in file order, then any layer only a finding names
     findings   the findings of the file, in report order
     error      why the file could not be read (None when it was)
@@ -74,7 +76,9 @@ def checked_files(report: Report, base: str | None = None) -> list[CheckedFile]:
     if isinstance(report, InspectReport):
         files = []
         for file in report.files:
-            where = location(file.path, base)
+            # a Hugging Face cache file by repo@revision/file: its snapshot path holds the
+            # runner's cache folder and would differ between machines
+            where = file.shown if file.hub is not None else location(file.path, base)
             if file.excluded is not None or file.skipped is not None:
                 why = f"excluded: {file.excluded}" if file.excluded is not None else f"skipped: {file.skipped}"
                 files.append(CheckedFile(file.path, where, skipped=why))

@@ -1,4 +1,4 @@
-"""SARIF 2.1.0 rendering of an inspect or a diff report, in the subset GitHub code scanning reads.
+"""SARIF 2.1.0 rendering of an inspect, a diff or a fold report, in the subset GitHub code scanning reads.
 
 One run; `tool.driver` describes bnaudit and every registered rule (text from
 `bnaudit.docs`, the source `bnaudit rules` prints). Each finding becomes a result:
@@ -37,6 +37,7 @@ from bnaudit.output.checked import location
 if TYPE_CHECKING:
     from bnaudit.audit.diff import DiffReport
     from bnaudit.output import Report
+    from bnaudit.reports.fold import FoldReport
 
 SCHEMA_URI = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
 
@@ -187,13 +188,28 @@ def diff_to_sarif(report: DiffReport, base: str | None = None) -> dict[str, Any]
     return _log(base, codes, report.config, [], results, properties)
 
 
+def fold_to_sarif(report: FoldReport, base: str | None = None) -> dict[str, Any]:
+    """The SARIF log of a fold report: as inspect's, with the checkpoint whose BN layers
+    fold as every result's artifact."""
+    base = os.path.abspath(base or os.getcwd())
+    codes = list(RULES)
+    config = report.config or Config()
+    location = _artifact_location(report.path, base)
+    results = [_result(finding, location, codes) for finding in report.findings]
+    return _log(base, codes, config, [], results, {"config": config.as_dict()})
+
+
 def to_sarif(report: Report) -> dict[str, Any]:
-    """The SARIF log of an inspect or a diff report, chosen by its type (the measurements
-    have no findings at locations: no SARIF)."""
+    """The SARIF log of an inspect, a diff or a fold report, chosen by its type (the
+    measurements have no findings at locations: no SARIF)."""
     if isinstance(report, InspectReport):
         return inspect_to_sarif(report)
     from bnaudit.audit.diff import DiffReport
 
     if isinstance(report, DiffReport):
         return diff_to_sarif(report)
+    from bnaudit.reports.fold import FoldReport
+
+    if isinstance(report, FoldReport):
+        return fold_to_sarif(report)
     raise ValueError(f"no 'sarif' emitter for a {type(report).__name__} report")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from bnaudit.audit.foldcheck import PairPrediction
 from bnaudit.audit.rules import Finding
-from bnaudit.config import SEVERITIES, exit_code_for
+from bnaudit.config import SEVERITIES, Config, exit_code_for
 from bnaudit.severity import Severity
 from bnaudit.text import plural
 
@@ -53,6 +53,8 @@ class FoldReport:
     settings: str = ""  # which eps was not read from the file (bnaudit.audit.settings.statement)
     measured: FoldMeasurement | None = None
     notes: tuple[str, ...] = field(default=())
+    # the configuration the findings were judged with (SARIF describes the rules at its severities)
+    config: Config | None = None
 
     def summary(self) -> dict[str, int]:
         counts = {s: sum(1 for f in self.findings if f.severity == s) for s in SEVERITIES}

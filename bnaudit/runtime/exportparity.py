@@ -170,8 +170,8 @@ def diff_export(
     the checkpoint's real eps/momentum from the model's modules, and with `data` the
     outputs of both compared."""
     # a folder: the checkpoint (the export) inspect finds in it
-    checkpoint = model_checkpoint(checkpoint, trust_pickle=trust_pickle)
-    export = model_checkpoint(export, trust_pickle=trust_pickle)
+    checkpoint = model_checkpoint(checkpoint, trust_pickle=trust_pickle, config=config)
+    export = model_checkpoint(export, trust_pickle=trust_pickle, config=config)
     runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
     producers = bn_producers(runnable.module)
     parity = None

@@ -34,6 +34,7 @@ from torch import nn
 
 from bnaudit.audit.foldaudit import predict_checkpoint
 from bnaudit.audit.foldcheck import PairPrediction
+from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.reports.fold import TARGETS, FoldMeasurement, FoldReport
@@ -252,6 +253,9 @@ def measure_fold(
     measurement on the data `options` describe (module docstring)."""
     options.validate()
     forward_fn = load_forward(forward_spec)
+    checkpoint = model_checkpoint(
+        checkpoint, trust_pickle=trust_pickle, config=config
+    )  # a folder: the model inspect finds
     runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
     if runnable.scripted:
         raise BnauditError(f"{checkpoint}: a TorchScript module cannot be folded here: pass the state dict with --arch")

@@ -585,7 +585,9 @@ def measure_gap(
     if options.batch_size < 2:  # before the model loads: the cheapest refusal first
         raise BnauditError("--batch-size must be at least 2: train-mode BatchNorm normalises by batch statistics")
     forward_fn = load_forward(forward)
-    checkpoint = model_checkpoint(checkpoint, trust_pickle=trust_pickle)  # a folder: the model inspect finds
+    checkpoint = model_checkpoint(
+        checkpoint, trust_pickle=trust_pickle, config=config
+    )  # a folder: the model inspect finds
     runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
     stream = make_loader(replace(options, pin_memory=target.type == "cuda"))
     if max_gap is not None and stream.has_labels is False:

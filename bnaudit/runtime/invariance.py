@@ -605,7 +605,9 @@ def measure_invariance(
     options.validate()
     sizes = check_batch_sizes(batch_sizes or [1, options.batch_size])
     forward_fn = load_forward(forward)
-    checkpoint = model_checkpoint(checkpoint, trust_pickle=trust_pickle)  # a folder: the model inspect finds
+    checkpoint = model_checkpoint(
+        checkpoint, trust_pickle=trust_pickle, config=config
+    )  # a folder: the model inspect finds
     runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
     stream = make_loader(replace(options, pin_memory=target.type == "cuda"))
     with torchrun(target) as ranks:

@@ -18,7 +18,7 @@ from bnaudit.audit.rules import Finding
 from bnaudit.output.fit import FindingRow, collapse, shorten_middle
 from bnaudit.output.grid import SEVERITY_STYLE
 from bnaudit.output.names import shorten_names
-from bnaudit.text import printable
+from bnaudit.text import plural, printable
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -269,6 +269,21 @@ _FINDING_COLUMNS = (
     Column("layer", wrap=True, max_width=NAME_MIN + 4),  # names shortened before (a row may list several)
     Column("message", wrap=True),
 )
+
+
+def batches_text(samples: int, batches: int, size: int, skipped: int | None) -> str:
+    """ "100 samples in 2 batches of 64, the last of 36": the plan of runtime/batching.py,
+    consecutive batches of `size` whose last holds what is left (a last batch of one sample
+    joins the one before it, so it may hold size + 1). With unreadable samples skipped, or
+    an unknown number skipped (None), the batches need not cut evenly: only their number
+    and size are said."""
+    if batches == 1:
+        return f"{plural(samples, 'sample')} in 1 batch"
+    text = f"{plural(samples, 'sample')} in {plural(batches, 'batch', 'batches')} of {size}"
+    last = samples - (batches - 1) * size
+    if skipped is None or skipped or not 1 <= last <= size + 1 or last == size:
+        return text
+    return f"{text}, the last of {last}"
 
 
 def findings_table(

@@ -8,6 +8,7 @@ from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MEAN_SHIFT, RELATIVE_L2, VA
 from bnaudit.output.table.common import (
     Column,
     Row,
+    batches_text,
     bordered,
     cell,
     drift_value,
@@ -35,7 +36,7 @@ def render_gap(report: GapReport, console: Console, quiet: bool = False) -> None
     skipped = f", {plural(report.skipped, 'unreadable image')} skipped" if report.skipped else ""
     console.print(
         cell(
-            f"{plural(report.samples, 'sample')} in {plural(report.batches, 'batch', 'batches')} of {report.batch_size} "
+            f"{batches_text(report.samples, report.batches, report.batch_size, report.skipped)} "
             f"({order}), device {report.device}{skipped}"
         )
     )

@@ -9,6 +9,7 @@ from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MEAN_SHIFT, RELATIVE_L2, VA
 from bnaudit.output.table.common import (
     Column,
     Row,
+    batches_text,
     bordered,
     cell,
     drift_value,
@@ -54,8 +55,8 @@ def render_recalibrate(report: RecalibrationReport, console: Console, quiet: boo
     ranks = f" on {report.world_size} ranks" if report.world_size > 1 else ""
     console.print(
         cell(
-            f"method {report.method}: {plural(report.samples, 'sample')} in {plural(report.batches, 'batch', 'batches')} of "
-            f"{report.batch_size} ({order}), device {report.device}{ranks}"
+            f"method {report.method}: {batches_text(report.samples, report.batches, report.batch_size, None)} "
+            f"({order}), device {report.device}{ranks}"
         )
     )
     console.print()

@@ -147,32 +147,9 @@ def recalibrate_checkpoint(
     warn = warn or (lambda _message: None)
     config = config or Config()
     with sigterm_unwinds():
-        if method not in METHODS:
-            raise BnauditError(f"unknown --method {method!r} (choose from {', '.join(METHODS)})")
-        checkpoint = model_checkpoint(checkpoint, trust_pickle=trust_pickle)  # a folder: the model inspect finds
-        check_destination(output, checkpoint, force)  # a sharded input is written as a folder
-        options.validate()
-        protect_inputs(
-            output,
-            [
-                ("--data", options.path),
-                ("--eval-data", eval_data.path if eval_data is not None else None),
-                *(
-                    (option, _spec_file(spec))
-                    for option, spec in (("--arch", arch), ("--dataset", options.dataset), ("--forward", forward))
-                ),
-            ],
-        )
-        if options.batch_size < 2 and method != "sequential":
-            raise BnauditError(
-                f"--batch-size {options.batch_size}: the {method} method normalises by batch statistics, which a batch of "
-                "one sample does not have (one value per channel in a BatchNorm1d layer); use --batch-size 2 or more, "
-                "or --method sequential"
-            )
-        if eval_data is not None:
-            eval_data.validate()
-            if _same_data(options, eval_data):
-                raise BnauditError("--eval-data must be held-out data, not the calibration data (--data)")
+        # a folder: the model inspect finds in it
+        checkpoint = model_checkpoint(checkpoint, trust_pickle=trust_pickle, config=config)
+        _check_request(checkpoint, output, options, method, eval_data, force, (arch, forward))
         target = resolve_device(device)
         forward_fn = load_forward(forward)
         with torchrun(target) as ranks:
@@ -186,12 +163,7 @@ def recalibrate_checkpoint(
             runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
             ckpt = runnable.checkpoint
             check_writable(ckpt, output, trust_pickle)  # before the calibration, not after it
-            # A layer whose buffers the file lacks cannot be written back without new keys.
-            absent = [
-                name
-                for name in classify_layers(runnable.module)[0]
-                if f"{name}.running_mean" not in ckpt.tensors or f"{name}.running_var" not in ckpt.tensors
-            ]
+            absent = _absent_buffers(runnable)
             stream = make_loader(dataclasses.replace(options, pin_memory=target.type == "cuda"))
             local = stream.shard(ranks.rank, world)
             batches: Any = local if world == 1 or local.plan else []
@@ -200,46 +172,19 @@ def recalibrate_checkpoint(
             if eval_data is not None and ranks.reports:
                 eval_before = _measure(runnable, eval_data, target, forward_fn, config)
             model.to(target)
-
             # --grayscale applies to image folders only: elsewhere it is no fix to suggest
             grayscale = options.grayscale if getattr(stream.source, "is_images", False) else None
-
-            def run(module: Any, batch: Any) -> Any:
-                inputs = to_device(batch.inputs if hasattr(batch, "inputs") else batch, target)
-                try:
-                    return run_forward(module, inputs, forward_fn)
-                except Exception:
-                    problem = input_problem(module, inputs, grayscale) if forward_fn is None else None
-                    if problem is None:
-                        raise
-                    raise BnauditError(
-                        f"batch {getattr(batch, 'index', 0)}: the model rejects the batch: {problem}"
-                    ) from None
-
             calibration = recalibrate_module(
                 model,
                 batches,
                 method=method,
                 include=include,
                 exclude=tuple(exclude) + tuple(absent),
-                forward=run,
+                forward=_batch_runner(target, forward_fn, grayscale),
                 autocast=autocast,
                 progress=progress,
             )
-            skipped = [
-                SkippedLayer(s.name, "its buffers are not in the checkpoint: left out (no new keys are written)")
-                if s.name in absent
-                else s
-                for s in calibration.skipped
-            ]
-            if not calibration.layers:
-                unreached = forward is not None and any(s.reason.startswith("never reached") for s in skipped)
-                raise BnauditError(
-                    "no BatchNorm layer was recalibrated (see the skipped layers: "
-                    + "; ".join(f"{s.name}: {s.reason}" for s in skipped[:4])
-                    + ")"
-                    + (f"; does --forward {forward} call the model on the batch?" if unreached else "")
-                )
+            skipped = _skipped_layers(calibration, absent, forward)
             if not allow_input_mismatch:
                 # every rank holds the same merged statistics: all refuse alike
                 suspicion = input_mismatch(runnable, calibration)
@@ -248,25 +193,7 @@ def recalibrate_checkpoint(
             if not ranks.reports:
                 return None
             updates = {name: value for name, value in calibration.buffers().items() if name in ckpt.tensors}
-            provenance = {
-                "method": method,
-                "samples": calibration.samples,
-                "batches": calibration.batches,
-                "batch_size": options.batch_size,
-                "seed": options.seed,
-                "shuffle": options.shuffle,
-                "data": stream.description,
-                "world_size": world,
-                "layers": len(calibration.layers),
-                # inspect reads this back: these layers hold population statistics, not an
-                # EMA, so their num_batches_tracked (= batches) says nothing about maturity
-                "recalibrated_layers": [layer.name for layer in calibration.layers],
-                # binds the record to the statistics written: inspect ignores it for a layer
-                # whose statistics changed since (bnaudit.audit.provenance)
-                "digests": statistics_digests(ckpt, updates, [layer.name for layer in calibration.layers]),
-                "bnaudit_version": __version__,
-                "date": _record_date(),
-            }
+            provenance = _provenance(calibration, options, stream.description, world, ckpt, updates)
             save_like(ckpt, updates, output, force=force, provenance=provenance, trust_pickle=trust_pickle)
             eval_after = None
             if eval_data is not None:
@@ -297,6 +224,118 @@ def recalibrate_checkpoint(
                 eval_after=eval_after,
                 prefix=ckpt.prefix,
             )
+
+
+def _check_request(
+    checkpoint: str,
+    output: str,
+    options: Any,
+    method: str,
+    eval_data: Any,
+    force: bool,
+    specs: tuple[str | None, str | None],
+) -> None:
+    """The refusals that need no model: the method, the destination, the data options,
+    an output that would replace an input, a batch too small for the method, held-out
+    data that is the calibration data. `specs`: the --arch and --forward specs."""
+    if method not in METHODS:
+        raise BnauditError(f"unknown --method {method!r} (choose from {', '.join(METHODS)})")
+    check_destination(output, checkpoint, force)  # a sharded input is written as a folder
+    options.validate()
+    arch, forward = specs
+    protect_inputs(
+        output,
+        [
+            ("--data", options.path),
+            ("--eval-data", eval_data.path if eval_data is not None else None),
+            *(
+                (option, _spec_file(spec))
+                for option, spec in (("--arch", arch), ("--dataset", options.dataset), ("--forward", forward))
+            ),
+        ],
+    )
+    if options.batch_size < 2 and method != "sequential":
+        raise BnauditError(
+            f"--batch-size {options.batch_size}: the {method} method normalises by batch statistics, which a batch of "
+            "one sample does not have (one value per channel in a BatchNorm1d layer); use --batch-size 2 or more, "
+            "or --method sequential"
+        )
+    if eval_data is not None:
+        eval_data.validate()
+        if _same_data(options, eval_data):
+            raise BnauditError("--eval-data must be held-out data, not the calibration data (--data)")
+
+
+def _absent_buffers(runnable: Any) -> list[str]:
+    """The BN layers whose buffers the file lacks: they cannot be written back without new keys."""
+    tensors = runnable.checkpoint.tensors
+    return [
+        name
+        for name in classify_layers(runnable.module)[0]
+        if f"{name}.running_mean" not in tensors or f"{name}.running_var" not in tensors
+    ]
+
+
+def _batch_runner(target: Any, forward_fn: Any, grayscale: bool | None) -> Callable[[Any, Any], Any]:
+    """The model's forward on one batch; a batch the model rejects for a reason the
+    inputs show (channels, size, scale) is one line naming the batch."""
+
+    def run(module: Any, batch: Any) -> Any:
+        inputs = to_device(batch.inputs if hasattr(batch, "inputs") else batch, target)
+        try:
+            return run_forward(module, inputs, forward_fn)
+        except Exception:
+            problem = input_problem(module, inputs, grayscale) if forward_fn is None else None
+            if problem is None:
+                raise
+            raise BnauditError(f"batch {getattr(batch, 'index', 0)}: the model rejects the batch: {problem}") from None
+
+    return run
+
+
+def _skipped_layers(calibration: Calibration, absent: list[str], forward: str | None) -> list[SkippedLayer]:
+    """The layers left as they were, each with its reason; none recalibrated is an error."""
+    skipped = [
+        SkippedLayer(s.name, "its buffers are not in the checkpoint: left out (no new keys are written)")
+        if s.name in absent
+        else s
+        for s in calibration.skipped
+    ]
+    if not calibration.layers:
+        unreached = forward is not None and any(s.reason.startswith("never reached") for s in skipped)
+        raise BnauditError(
+            "no BatchNorm layer was recalibrated (see the skipped layers: "
+            + "; ".join(f"{s.name}: {s.reason}" for s in skipped[:4])
+            + ")"
+            + (f"; does --forward {forward} call the model on the batch?" if unreached else "")
+        )
+    return skipped
+
+
+def _provenance(
+    calibration: Calibration, options: Any, data: str, world: int, ckpt: Any, updates: dict[str, Any]
+) -> dict[str, Any]:
+    """The recalibration record written into the checkpoint's metadata."""
+    names = [layer.name for layer in calibration.layers]
+    return {
+        "method": calibration.method,
+        "samples": calibration.samples,
+        "batches": calibration.batches,
+        "batch_size": options.batch_size,
+        "seed": options.seed,
+        "shuffle": options.shuffle,
+        "data": data,
+        "world_size": world,
+        "layers": len(calibration.layers),
+        # inspect reads this back: these layers hold population statistics, not an
+        # EMA, so their num_batches_tracked (= batches) says nothing about maturity
+        "recalibrated_layers": names,
+        # binds the record to the statistics written: inspect ignores it for a layer
+        # whose statistics changed since (bnaudit.audit.provenance)
+        "digests": statistics_digests(ckpt, updates, names),
+        "bnaudit_version": __version__,
+        "date": _record_date(),
+    }
 
 
 def input_mismatch(runnable: Any, calibration: Calibration) -> str | None:
