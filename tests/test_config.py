@@ -77,6 +77,7 @@ TOOL_TABLE_SPELLINGS = [
     "[tool]\nbnaudit = { max-gain = 5 }\n",
     '[tool]\n  "bnaudit".max-gain = 5\n',
     "[tool] # tools\nruff = {}\nbnaudit.max-gain = 5\n",
+    "[tool]\r\nbnaudit = { max-gain = 5 }\r\n",
 ]
 ROOT_SPELLINGS = [  # keys before any header
     "tool.bnaudit.max-gain = 5\n",
