@@ -7,7 +7,8 @@ the library and the CLI refuse the same things with the same words.
 
 One module per command family (`inspect`: inspect and rules; `measure`: gap and
 invariance; `recalibrate`; `diff`), the options several of them share in `options`, the
-error boundary in `boundary`; this module registers them on `app` and runs it (`main`).
+error boundary in `boundary`; this module builds the typer app of them (`typer_app`; `app`
+with every command) and runs it (`main`, which imports the module of the command it runs).
 
 Neither this module nor `inspect` has `from __future__ import annotations`: typer reads
 the annotations of the command it runs (get_type_hints), and as strings each would be
