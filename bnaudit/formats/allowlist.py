@@ -19,12 +19,15 @@ import importlib
 import os
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.legacy import NotTorchSave, check_legacy_claims, legacy_layout, whole_model_refusal
 from bnaudit.formats.standins import read_legacy_with_stand_ins, read_with_stand_ins
 from bnaudit.text import exception_line
+
+if TYPE_CHECKING:
+    import zipfile
 
 # Plain-data globals that real checkpoints carry (torchvision/timm `args`, numpy
 # scalars and arrays). Each only rebuilds data; none calls anything it is handed.
@@ -112,6 +115,7 @@ def load_torch_object(
     hint: str = "",
     stand_ins: bool = False,
     lazy: bool = False,
+    opened: zipfile.ZipFile | None = None,
 ) -> Any:
     """`torch.load` a torch.save file without running pickled code.
 
@@ -125,6 +129,8 @@ def load_torch_object(
     `lazy=True` (implied by `stand_ins`): the caller takes lazy `TensorRef`s and
     `PickledModule`s (formats/torchsave.py) instead of torch tensors and modules, so a file
     of tensors, plain containers and torch.nn modules is read without importing torch.
+    `opened`: the zip archive of `path` that `sniff.sniff_opening` just parsed, for the
+    torch-free reader to take (the caller closes it).
     """
     legacy = not mmap
     try:
@@ -133,8 +139,8 @@ def load_torch_object(
         # torch's C++ reader takes UTF-8 paths only; a file name that is not (bytes
         # kept by surrogateescape) is read through an open file object, without mmap.
         with open(path, "rb") as handle:
-            return _load_torch_object(path, handle, trust_pickle, False, legacy, hint, stand_ins, lazy)
-    return _load_torch_object(path, path, trust_pickle, mmap, legacy, hint, stand_ins, lazy)
+            return _load_torch_object(path, handle, trust_pickle, False, legacy, hint, stand_ins, lazy, opened)
+    return _load_torch_object(path, path, trust_pickle, mmap, legacy, hint, stand_ins, lazy, opened)
 
 
 def _load_torch_object(
@@ -146,6 +152,7 @@ def _load_torch_object(
     hint: str = "",
     stand_ins: bool = False,
     lazy: bool = False,
+    opened: zipfile.ZipFile | None = None,
 ) -> Any:
     if trust_pickle:
         return _load_trusted(path, source)
@@ -155,7 +162,7 @@ def _load_torch_object(
         from bnaudit.formats.torchsave import NeedsTorch, read_torch_free
 
         try:
-            return read_torch_free(path, legacy, _stand_in_allowed, stand_ins)
+            return read_torch_free(path, legacy, _stand_in_allowed, stand_ins, opened)
         except NeedsTorch:
             pass  # a file only torch rebuilds (or refuses): its loader reads it, as always
     import torch

@@ -169,6 +169,10 @@ class LegacyStorage:
     dtype: str
     numel: int
 
+    def __setstate__(self, state: Any) -> None:
+        # a pickle's BUILD would move the range read (frozen is no guard against it)
+        raise TypeError("a storage record takes no pickled state")
+
 
 @dataclass(frozen=True)
 class LegacyLayout:

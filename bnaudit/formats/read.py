@@ -10,13 +10,18 @@ that reader does not rebuild), ONNX models with the `onnx` package (an optional 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from bnaudit.errors import BnauditError
 from bnaudit.formats.classify import NotModelWeights, kind_from_object, kind_from_refusal
 from bnaudit.formats.containers import checkpoint_from_object, find_state_dicts, strip_wrapper_prefix
 from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.safetensors import read_safetensors
 from bnaudit.formats.shards import is_index, read_sharded, shard_position
-from bnaudit.formats.sniff import sniff_format
+from bnaudit.formats.sniff import sniff_opening
+
+if TYPE_CHECKING:
+    import zipfile
 
 
 def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = False) -> Checkpoint:
@@ -30,7 +35,10 @@ def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = Fals
         if key is not None:
             raise BnauditError(f"{path}: --key does not apply to sharded checkpoints")
         return read_sharded(path, trust_pickle=trust_pickle)
-    fmt = sniff_format(path)
+    fmt, archive = sniff_opening(path)
+    if archive is not None:  # a torch.save zip archive, its directory parsed once
+        with archive:
+            return _read_torch_save(path, fmt, key, trust_pickle, archive)
     if fmt == "safetensors":
         tensors, metadata = read_safetensors(path)
         if key is not None:
@@ -63,7 +71,9 @@ def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = Fals
     return _read_torch_save(path, fmt, key, trust_pickle)
 
 
-def _read_torch_save(path: str, fmt: str, key: str | None, trust_pickle: bool) -> Checkpoint:
+def _read_torch_save(
+    path: str, fmt: str, key: str | None, trust_pickle: bool, opened: zipfile.ZipFile | None = None
+) -> Checkpoint:
     """A torch.save file (zip or legacy) through the allow-listed or stand-in unpickler."""
     # here: the unpicklers (and pickletools, zipfile's machinery) cost about 8 ms of start-up
     # that inspect of a safetensors file never needs
@@ -71,7 +81,7 @@ def _read_torch_save(path: str, fmt: str, key: str | None, trust_pickle: bool) -
     from bnaudit.formats.standins import stand_ins_in, with_stand_ins_checked
 
     try:
-        obj = load_torch_object(path, trust_pickle=trust_pickle, mmap=fmt == "torch-zip", stand_ins=True)
+        obj = load_torch_object(path, trust_pickle=trust_pickle, mmap=fmt == "torch-zip", stand_ins=True, opened=opened)
     except BnauditError:
         what = None if trust_pickle else kind_from_refusal(path)
         if what is None:

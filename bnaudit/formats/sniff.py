@@ -57,13 +57,22 @@ class NotACheckpoint(BnauditError):
 
 def sniff_format(path: str) -> str:
     """Return the format of `path` from its first bytes (see module docstring)."""
+    fmt, archive = sniff_opening(path)
+    if archive is not None:
+        archive.close()
+    return fmt
+
+
+def sniff_opening(path: str) -> tuple[str, zipfile.ZipFile | None]:
+    """`sniff_format(path)`, and for a torch.save zip archive the archive it parsed, still
+    open (the caller closes it): its reader takes it instead of parsing the directory again."""
     try:
         # stat first: open() on a FIFO blocks until a writer appears, and a device
         # (/dev/zero, /dev/urandom) never ends; neither is a checkpoint.
         mode = os.stat(path).st_mode
         if stat.S_ISDIR(mode):
             if is_dcp_folder(path):
-                return "dcp"
+                return "dcp", None
             raise IsADirectoryError(path)
         if not stat.S_ISREG(mode):
             raise BnauditError(f"{path}: not a regular file (a pipe, socket or device)")
@@ -84,11 +93,11 @@ def sniff_format(path: str) -> str:
     if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
         return _sniff_zip(path)
     if head[8:].lstrip(b" \t\n\r")[:1] == b"{":  # JSON whitespace may precede the header's object
-        return "safetensors"
+        return "safetensors", None
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
-        return "torch-legacy"
+        return "torch-legacy", None
     if looks_like_onnx(head):
-        return "onnx"
+        return "onnx", None
     raise NotACheckpoint(path, NEITHER)
 
 
@@ -136,23 +145,29 @@ def looks_like_onnx(head: bytes) -> bool:
     return fields >= 1
 
 
-def _sniff_zip(path: str) -> str:
+def _sniff_zip(path: str) -> tuple[str, zipfile.ZipFile | None]:
     import zipfile  # here: a safetensors or ONNX file is told apart without it
 
+    archive = None
     try:
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-            # before TorchScript's test: a .pt2 holds `data/constants/` and pickled sample inputs
-            fmt = "pt2" if _is_pt2(names, archive) else _torch_layout(names)
-            if fmt is not None:  # only a torch layout's records are ever read: size them
-                check_zip_sizes(path, archive)
-    except BnauditError:
-        raise
+        archive = zipfile.ZipFile(path)
+        names = archive.namelist()
+        # before TorchScript's test: a .pt2 holds `data/constants/` and pickled sample inputs
+        fmt = "pt2" if _is_pt2(names, archive) else _torch_layout(names)
+        if fmt is not None:  # only a torch layout's records are ever read: size them
+            check_zip_sizes(path, archive)
     except Exception as exc:  # zipfile parsing forged bytes: BadZipFile, NotImplementedError, struct.error, ...
+        if archive is not None:
+            archive.close()
+        if isinstance(exc, BnauditError):
+            raise
         raise BnauditError(f"{path}: damaged zip archive ({exception_line(exc, with_type=False)})") from None
+    if fmt == "torch-zip":
+        return fmt, archive
+    archive.close()
     if fmt is None:
         raise NotACheckpoint(path, zip_kind(names))
-    return fmt
+    return fmt, None
 
 
 def _torch_layout(names: list[str]) -> str | None:

@@ -253,10 +253,15 @@ def stand_ins_in(obj: Any, max_depth: int = 8) -> list[tuple[str, str]]:
         else:
             return
         for key, item in items:
-            walk(item, f"{where}/{key}" if where else str(key), depth + 1)
+            if not isinstance(item, _LEAVES):  # a state dict is mostly tensors: no path built for them
+                walk(item, f"{where}/{key}" if where else str(key), depth + 1)
 
     walk(obj, "", 0)
     return found
+
+
+# Values that hold nothing further and are never stand-ins.
+_LEAVES = (TensorRef, str, bytes, int, float, type(None))
 
 
 def check_stand_ins(path: str, obj: Any, ckpt: Checkpoint) -> list[str]:
@@ -265,7 +270,8 @@ def check_stand_ins(path: str, obj: Any, ckpt: Checkpoint) -> list[str]:
     target = obj
     for part in ckpt.key.split("/") if ckpt.key else []:
         target = target[part]
-    inside = stand_ins_in(target)
+    in_target = stand_ins_in(target)
+    inside = list(in_target)
     metadata = getattr(target, "_metadata", None)
     if metadata is not None:
         inside += stand_ins_in(metadata)
@@ -276,7 +282,7 @@ def check_stand_ins(path: str, obj: Any, ckpt: Checkpoint) -> list[str]:
             f"{path}: refused to unpickle: the state dict holds {name} at {at}, a class that could run "
             "code; if you trust this file, pass --trust-pickle; safer still, save a state dict or a .safetensors file"
         )
-    found = stand_ins_in(obj)
+    found = in_target if target is obj else stand_ins_in(obj)  # the same walk when the root is audited
     notes = [f"{where} holds {name}: not loaded" for where, name in found[:_MAX_NOTES]]
     if len(found) > _MAX_NOTES:
         notes.append(f"and {len(found) - _MAX_NOTES} more objects of classes not loaded")

@@ -49,6 +49,10 @@ class _StorageRef:
     entry: str
     dtype: str
 
+    def __setstate__(self, state: Any) -> None:
+        # a pickle's BUILD would name another record (frozen is no guard against it)
+        raise TypeError("a storage record takes no pickled state")
+
 
 class _RefusedGlobal(pickle.UnpicklingError):
     def __init__(self, name: str) -> None:
@@ -137,10 +141,13 @@ class ArchiveUnpickler(_ScriptUnpickler):
     raises `pickle.UnpicklingError`."""
 
 
-def open_archive_pickle(path: str) -> tuple[zipfile.ZipFile, str, bytes]:
-    """(archive, root folder, bytes of `<root>/data.pkl`) of a torch zip archive, sizes checked."""
-    archive = zipfile.ZipFile(path)
-    check_zip_sizes(path, archive)
+def open_archive_pickle(path: str, opened: zipfile.ZipFile | None = None) -> tuple[zipfile.ZipFile, str, bytes]:
+    """(archive, root folder, bytes of `<root>/data.pkl`) of a torch zip archive, sizes checked;
+    `opened`: the archive of `path` that `sniff.sniff_opening` parsed and checked, taken as is."""
+    archive = opened
+    if archive is None:
+        archive = zipfile.ZipFile(path)
+        check_zip_sizes(path, archive)
     entry = next(n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1)
     return archive, entry.split("/")[0], archive.read(entry)
 
