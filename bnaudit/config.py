@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -428,6 +429,24 @@ def _read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return document
 
 
+def _may_hold_tool_table(raw: bytes) -> bool:
+    """False when the TOML text `raw` cannot define the table tool.bnaudit: a pyproject.toml
+    naming bnaudit only elsewhere (a dependency, a console script) is then neither parsed nor
+    judged, and tomllib (3 ms of a start-up) not imported. True when the word bnaudit could
+    be a key of `tool`: in a dotted key or header after `tool.`, or as a key at the start of
+    a line or of an inline table's entry while a `[tool]` header or `tool = {` exists. Keys
+    spelled with escapes ("bn\\u0061udit") are not seen."""
+    if b"bnaudit" not in raw:
+        return False
+    quote = rb"[\"']?"
+    if re.search(rb"tool" + quote + rb"[ \t]*\.[ \t]*" + quote + rb"bnaudit", raw):
+        return True  # [tool.bnaudit], [ "tool" . 'bnaudit' ], tool.bnaudit.key = ...
+    tool_table = re.search(rb"^[ \t]*\[[ \t]*" + quote + rb"tool" + quote + rb"[ \t]*\]", raw, re.MULTILINE)
+    tool_inline = re.search(rb"tool" + quote + rb"[ \t]*=[ \t]*\{", raw)
+    bnaudit_key = re.search(rb"(?:^|[{,])[ \t]*" + quote + rb"bnaudit" + quote + rb"[ \t]*[.=]", raw, re.MULTILINE)
+    return bool((tool_table or tool_inline) and bnaudit_key)
+
+
 def find_config_file(start: str | os.PathLike[str] | None = None) -> tuple[Path, dict[str, Any]] | None:
     """The nearest bnaudit.toml, or pyproject.toml with [tool.bnaudit], from `start` (default:
     the current directory) upward, with its raw key table; None when there is none."""
@@ -439,7 +458,7 @@ def find_config_file(start: str | os.PathLike[str] | None = None) -> tuple[Path,
         pyproject = directory / _PYPROJECT
         if pyproject.is_file():
             raw = _read_bytes(pyproject)
-            if b"bnaudit" not in raw:  # no [tool.bnaudit] possible: not ours to parse, or to judge
+            if not _may_hold_tool_table(raw):  # not ours to parse, or to judge
                 continue
             table = _tool_table(pyproject, _read_toml(pyproject, raw))
             if table is not None:

@@ -55,6 +55,55 @@ def test_pyproject_of_another_tool_is_not_judged_but_one_naming_bnaudit_is(tmp_p
         find_config_file(tmp_path / "outer" / "inner")
 
 
+# A pyproject.toml of a project that depends on bnaudit and has a console script named
+# after it, but no [tool.bnaudit]: bnaudit's own pyproject.toml looks like this.
+NAMES_BNAUDIT_ELSEWHERE = """[project]
+name = "bnaudit-user"
+dependencies = ["bnaudit>=0.1", 'bnaudit[onnx]']
+
+[project.scripts]
+bnaudit = "bnaudit.cli:main"
+
+[tool.setuptools.packages.find]
+include = ["bnaudit*"]
+"""
+
+# Every way TOML can spell the table tool.bnaudit (each with max-gain = 5), after the
+# lines above that only mention bnaudit.
+TOOL_TABLE_SPELLINGS = [
+    "[tool.bnaudit]\nmax-gain = 5\n",
+    "[ tool . bnaudit ]\nmax-gain = 5\n",
+    "[\"tool\".'bnaudit']\nmax-gain = 5\n",
+    "[tool]\nbnaudit = { max-gain = 5 }\n",
+    '[tool]\n  "bnaudit".max-gain = 5\n',
+    "[tool] # tools\nruff = {}\nbnaudit.max-gain = 5\n",
+    "[tool]\r\nbnaudit = { max-gain = 5 }\r\n",
+]
+ROOT_SPELLINGS = [  # keys before any header
+    "tool.bnaudit.max-gain = 5\n",
+    "tool . bnaudit = { max-gain = 5 }\n",
+    "tool = { ruff = {}, bnaudit = { max-gain = 5 } }\n",
+    "tool = {bnaudit.max-gain = 5}\n",
+]
+
+
+@pytest.mark.parametrize("text", [NAMES_BNAUDIT_ELSEWHERE + t for t in TOOL_TABLE_SPELLINGS] + ROOT_SPELLINGS)
+def test_every_spelling_of_the_tool_table_is_found(tmp_path, text):
+    import tomllib
+
+    assert tomllib.loads(text)["tool"]["bnaudit"] == {"max-gain": 5}  # the spelling is valid TOML
+    pyproject = write(tmp_path / "pyproject.toml", text)
+    assert find_config_file(tmp_path) == (pyproject.resolve(), {"max-gain": 5})
+
+
+def test_pyproject_naming_bnaudit_outside_tool_is_not_judged(tmp_path):
+    # Not parsed: its TOML is not ours to judge (this one's last line is invalid), nor to
+    # pay for at every start-up (a dependency on bnaudit, a script named bnaudit).
+    dedicated = write(tmp_path / "bnaudit.toml", "max-gain = 7\n")
+    write(tmp_path / "inner" / "pyproject.toml", NAMES_BNAUDIT_ELSEWHERE + "[tool.ruff\nline-length = \n")
+    assert find_config_file(tmp_path / "inner") == (dedicated.resolve(), {"max-gain": 7})
+
+
 def test_nearest_file_wins_and_files_are_not_merged(tmp_path):
     write(tmp_path / "pyproject.toml", "[tool.bnaudit]\nmax-gain = 1\nnear-eps-factor = 3\n")
     write(tmp_path / "sub" / "pyproject.toml", "[tool.bnaudit]\nmax-gain = 2\n")

@@ -352,6 +352,15 @@ def test_main_runs_the_whole_app_when_forced_to_plain_typer(monkeypatch, capsys)
     assert built == [cli.app]
 
 
+def test_the_whole_app_is_built_once_on_first_use_with_every_command():
+    # `main` builds an app of the one command it runs; `bnaudit.cli.app` stays the whole one
+    assert cli.app is cli.app
+    assert [c.name for c in cli.app.registered_commands] == list(cli.COMMANDS)
+    assert [c.name for c in cli.typer_app(["fold", "inspect"]).registered_commands] == ["inspect", "fold"]
+    with pytest.raises(AttributeError):
+        cli.no_such_attribute  # noqa: B018  # module attributes other than `app` are not conjured up
+
+
 def test_plain_typer_is_requested_by_any_value_but_empty_or_zero(monkeypatch):
     for value, requested in (("1", True), ("yes", True), ("0", False), ("", False)):
         monkeypatch.setenv(fastcli.PLAIN_TYPER_ENV, value)

@@ -266,10 +266,19 @@ NOT_FOR_HELP = (
     "tomllib",
     "json",
 )
-# Not needed to inspect a safetensors file: the other readers, the diff, JSON output, and
-# the standard modules only some paths use (statistics brings decimal and fractions).
+# Not needed to inspect a safetensors file: the other readers, the diff and fold (the rules
+# of `diff` and `fold` are registered without them), the other commands' CLI modules, JSON
+# output, and the standard modules only some paths use (statistics brings decimal and
+# fractions).
 NOT_FOR_INSPECT = (
     "bnaudit.audit.diff",
+    "bnaudit.audit.layerdiff",
+    "bnaudit.audit.statistics",
+    "bnaudit.audit.foldcheck",
+    "bnaudit.cli.measure",
+    "bnaudit.cli.recalibrate",
+    "bnaudit.cli.diff",
+    "bnaudit.cli.fold",
     "bnaudit.formats.torchsave",
     "bnaudit.formats.torchscript",
     "bnaudit.formats.onnx",
@@ -279,14 +288,28 @@ NOT_FOR_INSPECT = (
     "fractions",
     "zipfile",
 )
+# Not needed to list the rules: no checkpoint is read, nothing audited.
+NOT_FOR_RULES = (
+    "bnaudit.formats",
+    "bnaudit.audit.layers",
+    "bnaudit.audit.report",
+    "bnaudit.audit.audit",
+    "bnaudit.audit.layerdiff",
+    "bnaudit.audit.foldcheck",
+    "bnaudit.cli.measure",
+    "bnaudit.cli.recalibrate",
+    "bnaudit.cli.diff",
+    "bnaudit.cli.fold",
+    "json",
+)
 
 
-def loaded_modules(modules: tuple[str, ...], *args: str) -> set[str]:
+def loaded_modules(modules: tuple[str, ...], *args: str, cwd: str = REPO) -> set[str]:
     proc = subprocess.run(
         [sys.executable, "-c", MODULES_PROBE, ",".join(modules), *args],
         capture_output=True,
         text=True,
-        cwd=REPO,
+        cwd=cwd,
         env=fast_path_env(),
         timeout=120,
         check=False,
@@ -313,3 +336,19 @@ def test_help_loads_none_of_the_modules_it_does_not_need(args):
 @pytest.mark.slow
 def test_inspect_of_a_safetensors_file_loads_none_of_the_modules_it_does_not_need(numpy_safetensors):
     assert loaded_modules(HEAVY + NOT_FOR_INSPECT, "inspect", numpy_safetensors) == set()
+
+
+@pytest.mark.slow
+def test_rules_loads_none_of_the_modules_it_does_not_need():
+    assert loaded_modules(HEAVY + NOT_FOR_RULES, "rules") == set()
+
+
+@pytest.mark.slow
+def test_a_pyproject_naming_bnaudit_outside_tool_is_not_parsed(numpy_safetensors, tmp_path):
+    # a project that depends on bnaudit and runs it: no [tool.bnaudit], so no TOML parser
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "x"\ndependencies = ["bnaudit>=0.1"]\n\n[project.scripts]\nbnaudit = "bnaudit.cli:main"\n'
+    )
+    assert loaded_modules(("tomllib",), "inspect", numpy_safetensors, cwd=str(tmp_path)) == set()
+    (tmp_path / "pyproject.toml").write_text("[tool.bnaudit]\nmax-gain = 50\n")  # the probe can fail
+    assert loaded_modules(("tomllib",), "inspect", numpy_safetensors, cwd=str(tmp_path)) == {"tomllib"}

@@ -50,24 +50,20 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from bnaudit.audit.formulas import folded_conv
+from bnaudit.audit.formulas import (
+    COARSE_LEVELS,
+    COLLAPSE_LEVELS,
+    FP16_FLUSH,
+    FP16_OVERFLOW,
+    INT8_LEVELS,
+    UNIT_ROUNDOFF,
+    folded_conv,
+)
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.producers import producer_candidates
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_ITEMSIZE, TensorRef, decode_values
-
-INT8_LEVELS = 127
-# A weight at or below this many scales rounds to 0 (round half to even sends 0.5 to 0).
-COLLAPSE_LEVELS = 0.5
-# Below this many levels for its largest weight a channel keeps fewer than 4 bits.
-COARSE_LEVELS = 8.0
-# The smallest magnitude float16 rounds to inf (65504 + half its last step of 32).
-FP16_OVERFLOW = 65520.0
-# The largest magnitude float16 rounds to 0 (half its smallest subnormal 2^-24).
-FP16_FLUSH = 2.0**-25
-# Unit roundoff: half the distance from 1 to the next number of the format.
-UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,12 @@ from collections.abc import Sequence
 from bnaudit.normkinds import pytorch_momentum, retained_fraction
 
 __all__ = [
+    "COARSE_LEVELS",
+    "COLLAPSE_LEVELS",
+    "FP16_FLUSH",
+    "FP16_OVERFLOW",
+    "INT8_LEVELS",
+    "UNIT_ROUNDOFF",
     "all_finite",
     "eval_gain",
     "eval_gains",
@@ -44,6 +50,20 @@ __all__ = [
     "retained_fraction",
     "variance_overstatement",
 ]
+
+# What the number formats a folded layer is deployed in do to its values (bnaudit.audit.foldcheck
+# applies them; the fold rules' documentation quotes them).
+INT8_LEVELS = 127  # symmetric int8: the scale S maps the largest magnitude to 127 levels
+# A weight at or below this many scales rounds to 0 (round half to even sends 0.5 to 0).
+COLLAPSE_LEVELS = 0.5
+# Below this many levels for its largest weight a channel keeps fewer than 4 bits.
+COARSE_LEVELS = 8.0
+# The smallest magnitude float16 rounds to inf (65504 + half its last step of 32).
+FP16_OVERFLOW = 65520.0
+# The largest magnitude float16 rounds to 0 (half its smallest subnormal 2^-24).
+FP16_FLUSH = 2.0**-25
+# Unit roundoff: half the distance from 1 to the next number of the format.
+UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
 
 
 def folded_scale(gamma: float, var: float, eps: float) -> float:

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from bnaudit.audit.formulas import implied_data_value, mean_shift, variance_overstatement
-from bnaudit.audit.layers import BNLayer
 from bnaudit.text import plural
+
+if TYPE_CHECKING:  # the rules import this module: `bnaudit rules` reads no layers
+    from bnaudit.audit.layers import BNLayer
 
 
 @dataclass(frozen=True)

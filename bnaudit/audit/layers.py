@@ -123,6 +123,8 @@ def _kind(group: dict[str, TensorRef], module: ModuleInfo | None) -> str:
 
 @dataclass(frozen=True)
 class Discovery:
+    """The BN layers found in a checkpoint, and the key groups that look like BN but are not whole."""
+
     layers: list[BNLayer]
     incomplete: list[IncompleteGroup]
     # 1-D weight/bias pairs under BN-like names, listed only when the file holds

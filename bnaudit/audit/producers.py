@@ -24,8 +24,10 @@ import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from bnaudit.formats.model import TensorRef
+if TYPE_CHECKING:  # the rules import this module: `bnaudit rules` reads no tensors
+    from bnaudit.formats.model import TensorRef
 
 _PAIRED = re.compile(r"^(.*?)(bn)(\d*)$")
 # timm's EfficientNet/MobileNetV3/MixNet stems and heads: conv_stem feeds bn1, conv_head bn2.

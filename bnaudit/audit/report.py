@@ -23,6 +23,8 @@ from bnaudit.severity import Severity
 
 @dataclass(frozen=True)
 class LayerSummary:
+    """What the reports print of one BN layer: its settings and its statistics summarised."""
+
     name: str
     kind: str
     num_features: int
@@ -81,6 +83,8 @@ SKIP_REASONS = ("not model weights", "not a checkpoint", "data, not a model")
 
 @dataclass
 class FileReport:
+    """The audit of one file: its layers and findings, or why it was not audited."""
+
     path: str
     format: str | None = None
     key: str | None = None
@@ -127,6 +131,8 @@ class FileReport:
 
 @dataclass
 class InspectReport:
+    """The result of `inspect`: one FileReport per file, and the configuration they were audited with."""
+
     files: list[FileReport]
     config: Config
 

@@ -7,20 +7,23 @@ the library and the CLI refuse the same things with the same words.
 
 One module per command family (`inspect`: inspect and rules; `measure`: gap and
 invariance; `recalibrate`; `diff`), the options several of them share in `options`, the
-error boundary in `boundary`; this module registers them on `app` and runs it (`main`).
-"""
+error boundary in `boundary`; this module builds the typer app of them (`typer_app`; `app`
+with every command) and runs it (`main`, which imports the module of the command it runs).
 
-from __future__ import annotations
+Neither this module nor `inspect` has `from __future__ import annotations`: typer reads
+the annotations of the command it runs (get_type_hints), and as strings each would be
+compiled and evaluated, every typer.Option built again, in every start-up.
+"""
 
 import copy
 import os
 import sys
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Optional
 
 import typer
 
 from bnaudit import __version__, fastcli, output
-from bnaudit.cli import diff, fold, inspect, measure, recalibrate
 from bnaudit.errors import OutputClosed
 
 _APP_SETTINGS: dict[str, Any] = dict(
@@ -36,7 +39,8 @@ _APP_SETTINGS: dict[str, Any] = dict(
     # help uses the terminal's whole width (click's default stops at 80 columns)
     context_settings={"max_content_width": 10_000},
 )
-app = typer.Typer(**_APP_SETTINGS)
+# The commands in the order of `bnaudit --help`.
+COMMANDS = ("inspect", "rules", "gap", "invariance", "recalibrate", "diff", "fold")
 
 
 def _version(value: bool) -> None:
@@ -45,7 +49,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def _root(
     version: Annotated[
         Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
@@ -54,17 +57,54 @@ def _root(
     """Audit the BatchNorm running statistics of PyTorch models before they ship."""
 
 
-# registration order is the order of `bnaudit --help`
-for _name, _function in (
-    ("inspect", inspect.inspect),
-    ("rules", inspect.rules_command),
-    ("gap", measure.gap),
-    ("invariance", measure.invariance),
-    ("recalibrate", recalibrate.recalibrate),
-    ("diff", diff.diff_command),
-    ("fold", fold.fold_command),
-):
-    app.command(_name, cls=fastcli.FastCommand)(_function)
+def _function(command: str) -> Callable[..., Any]:
+    """The function of `command`. Its module is imported here, so that a run imports the
+    module of the command it runs only (gap's dozens of options are not `inspect`'s)."""
+    if command in ("inspect", "rules"):
+        from bnaudit.cli import inspect
+
+        return inspect.inspect if command == "inspect" else inspect.rules_command
+    if command in ("gap", "invariance"):
+        from bnaudit.cli import measure
+
+        return measure.gap if command == "gap" else measure.invariance
+    if command == "recalibrate":
+        from bnaudit.cli import recalibrate
+
+        return recalibrate.recalibrate
+    if command == "diff":
+        from bnaudit.cli import diff
+
+        return diff.diff_command
+    from bnaudit.cli import fold
+
+    return fold.fold_command
+
+
+def typer_app(commands: Iterable[str] = COMMANDS) -> typer.Typer:
+    """A typer app of bnaudit's group with `commands` (names of COMMANDS, in its order)."""
+    built = typer.Typer(**_APP_SETTINGS)
+    built.callback()(_root)
+    wanted = set(commands)
+    for name in COMMANDS:
+        if name in wanted:
+            built.command(name, cls=fastcli.FastCommand)(_function(name))
+    return built
+
+
+def __getattr__(name: str) -> Any:
+    # `app`, the whole typer app, is built when first asked for (`bnaudit.cli.app`, `from
+    # bnaudit.cli import app`): `main` builds an app of the one command it runs instead
+    if name == "app":
+        return _whole_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _whole_app() -> typer.Typer:
+    whole = globals().get("app")
+    if whole is None:
+        whole = globals()["app"] = typer_app()
+    return whole
 
 
 def main() -> None:
@@ -120,23 +160,22 @@ def _dispatch() -> int:
 def _command() -> Any:
     # typer builds the options of every command before it runs one (gap and recalibrate
     # have dozens: 6 ms of each pre-commit run of inspect). When the first argument names
-    # a command, the group is built with that command alone; anything else (--help, a
-    # typo that deserves "did you mean") gets the whole group. The lean group is built
-    # from typer internals, so only on the typer they were checked against (fastcli).
-    if not fastcli.lean_group_supported(app):
-        return typer.main.get_command(app)
+    # a command, the group is built with that command alone (and only its module
+    # imported); anything else (--help, a typo that deserves "did you mean") gets the
+    # whole group. The lean group is built from typer internals, so only on the typer
+    # they were checked against (fastcli).
     args = sys.argv[1:]
-    if set(args) <= {"--help", "--version"}:
+    listing = set(args) <= {"--help", "--version"}
+    lean = typer_app(() if listing or args[0] not in COMMANDS else args[:1])
+    if not fastcli.lean_group_supported(lean):
+        return typer.main.get_command(_whole_app())
+    if listing:
         # `bnaudit`, `bnaudit --help`, `bnaudit --version` exit before any command runs;
         # the group's help lists each command by its name and docstring only, so the
         # commands are listed without building their options (half of `--help`'s time)
-        named = [_listed_only(c) for c in app.registered_commands]
-    else:
-        named = [c for c in app.registered_commands if c.name == args[0]]
-    if not named:
-        return typer.main.get_command(app)
-    lean = typer.Typer(**_APP_SETTINGS)
-    lean.registered_callback, lean.registered_commands = app.registered_callback, named
+        lean.registered_commands = [_listed_only(c) for c in _whole_app().registered_commands]
+    if not lean.registered_commands:
+        return typer.main.get_command(_whole_app())
     return typer.main.get_group(lean)  # a group even with one command, as the full app
 
 

@@ -1,6 +1,7 @@
 """`bnaudit inspect` and `bnaudit rules`: the checkpoint audit without code or data."""
 
-from __future__ import annotations
+# No `from __future__ import annotations`: typer reads these annotations at every start-up
+# (see bnaudit.cli).
 
 import sys
 from typing import Annotated, Optional

@@ -40,14 +40,15 @@ class NotModelWeights(BnauditError):
         self.what = what
 
 
-# Names the Trainer, accelerate and DeepSpeed give their non-weight files.
-_NAMES: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$"), "DeepSpeed ZeRO optimizer partition"),
-    (re.compile(r"^optimizer(_\d+)?\.(pt|pth|bin)$"), "optimizer state"),
-    (re.compile(r"^(lr_)?scheduler(_\d+)?\.(pt|pth|bin)$"), "LR scheduler state"),
-    (re.compile(r"^(rng_state(_\d+)?\.pth|random_states_\d+\.pkl)$"), "RNG state"),
-    (re.compile(r"^(scaler|grad_scaler)(_\d+)?\.(pt|pth|bin)$"), "AMP grad scaler state"),
-    (re.compile(r"^training_args\.bin$"), "training arguments"),
+# Names the Trainer, accelerate and DeepSpeed give their non-weight files. Patterns, not
+# compiled ones: only torch.save files are asked about, `re` compiles them then.
+_NAMES: tuple[tuple[str, str], ...] = (
+    (r"^(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$", "DeepSpeed ZeRO optimizer partition"),
+    (r"^optimizer(_\d+)?\.(pt|pth|bin)$", "optimizer state"),
+    (r"^(lr_)?scheduler(_\d+)?\.(pt|pth|bin)$", "LR scheduler state"),
+    (r"^(rng_state(_\d+)?\.pth|random_states_\d+\.pkl)$", "RNG state"),
+    (r"^(scaler|grad_scaler)(_\d+)?\.(pt|pth|bin)$", "AMP grad scaler state"),
+    (r"^training_args\.bin$", "training arguments"),
 )
 
 # A directory scan picks these up although their suffix is not a checkpoint's.
@@ -96,7 +97,7 @@ def data_tensors(shapes: Mapping[str, tuple[int, ...]]) -> str | None:
 
 def kind_from_name(path: str) -> str | None:
     name = os.path.basename(path)
-    return next((what for pattern, what in _NAMES if pattern.match(name)), None)
+    return next((what for pattern, what in _NAMES if re.match(pattern, name)), None)
 
 
 def kind_from_object(path: str, obj: Any) -> str | None:

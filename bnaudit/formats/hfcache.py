@@ -50,6 +50,8 @@ class HubSource:
 
 @dataclass(frozen=True)
 class Snapshot:
+    """One `snapshots/<commit>` folder of a repo in the cache, and the refs naming its commit."""
+
     repo_folder: str
     repo_type: str
     repo_id: str

@@ -162,6 +162,9 @@ class Averaging:
 
 @dataclass
 class Checkpoint:
+    """One checkpoint as a reader opened it: its state dict as lazy tensors by name, and what
+    the file says about the layout around them (container key, prefix, modules, shards)."""
+
     path: str
     format: str
     tensors: dict[str, TensorRef]

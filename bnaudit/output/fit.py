@@ -10,11 +10,14 @@ inspect shares, as plain strings (no rich here).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from bnaudit.audit.report import InspectReport
 from bnaudit.audit.rules import Finding
 from bnaudit.output.names import ELLIPSIS, shorten_names
 from bnaudit.text import listing, plural
+
+if TYPE_CHECKING:  # `bnaudit rules` renders through this module and audits nothing
+    from bnaudit.audit.report import InspectReport
 
 
 def shorten_middle(text: str, width: int) -> str:

@@ -12,20 +12,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from bnaudit.audit.formulas import all_finite, eval_gains, near_eps_channels, retained_fraction
-from bnaudit.audit.immaturity import has_identity_stats, has_initial_affine
-from bnaudit.audit.layers import BNLayer
-from bnaudit.audit.producers import producer_weight, zero_filter_channels
 from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, rule, three_digits
 from bnaudit.severity import Severity
 from bnaudit.text import listing, plural
+
+if TYPE_CHECKING:  # `bnaudit rules` imports this module and reads no checkpoint
+    from bnaudit.audit.layers import BNLayer
+
+# The checks import the estimates they use (bnaudit.audit.immaturity, .producers) where they
+# run: `bnaudit rules` imports every rule module and needs none of their records.
 
 
 def _constant_channels(ctx: RuleContext, layer: BNLayer, channels: list[int]) -> set[int]:
     """The channels among `channels` whose producing layer (an exported graph's node, the
     model graph's module, else by naming convention: bnaudit.audit.producers) has an
     all-zero filter: a constant input, not a live one."""
+    from bnaudit.audit.producers import producer_weight, zero_filter_channels
+
     if not channels:
         return set()
     exported = ctx.graph_producers.get(layer.name)
@@ -108,6 +114,8 @@ def _check_missing_buffers(ctx: RuleContext) -> Iterator[Finding]:
     "`bnaudit recalibrate` on representative data.",
 )
 def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
+    from bnaudit.audit.immaturity import has_identity_stats, has_initial_affine
+
     r = RULES["BN002"]
     layers = ctx.discovery.layers
     identity = [layer for layer in layers if has_identity_stats(layer)]
@@ -379,6 +387,8 @@ def _check_low_precision(ctx: RuleContext) -> Iterator[Finding]:
     "Nothing to fix if the weights were converted; otherwise check how the statistics were produced.",
 )
 def _check_counter_zero(ctx: RuleContext) -> Iterator[Finding]:
+    from bnaudit.audit.immaturity import has_identity_stats
+
     if ctx.is_ema:  # an EMA copy's counter counts nothing (timm's ModelEmaV2 leaves it 0)
         return
     r = RULES["BN009"]

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from bnaudit.audit import layerdiff
-from bnaudit.audit.layerdiff import DiffContext, LayerDiff, describe_group, matches, unrelated
 from bnaudit.audit.rules.registry import RULES, Finding, rule
 from bnaudit.audit.settings import assumed_note, provenance_words
 from bnaudit.severity import Severity
 from bnaudit.text import listing, plural
+
+if TYPE_CHECKING:
+    from bnaudit.audit.layerdiff import DiffContext, LayerDiff
+
+# The checks import bnaudit.audit.layerdiff where they run: importing the registry (every
+# `inspect`, `rules`) then never loads the diff's machinery.
 
 
 def _counter_words(d: LayerDiff) -> str:
@@ -40,10 +45,12 @@ def _counter_words(d: LayerDiff) -> str:
     command="diff",
 )
 def _check_frozen_updating(ctx: DiffContext) -> Iterator[Finding]:
+    from bnaudit.audit import layerdiff
+
     r = RULES["BN101"]
     for d in ctx.layers:
         if d.verdict == layerdiff.FROZEN_BUT_UPDATING:
-            expected = matches(d.name, ctx.config.expect_frozen)
+            expected = layerdiff.matches(d.name, ctx.config.expect_frozen)
             yield r.finding(
                 Severity.ERROR if expected else Severity.WARNING,
                 d.name,
@@ -69,6 +76,8 @@ def _check_frozen_updating(ctx: DiffContext) -> Iterator[Finding]:
     command="diff",
 )
 def _check_stale(ctx: DiffContext) -> Iterator[Finding]:
+    from bnaudit.audit import layerdiff
+
     r = RULES["BN102"]
     limit = ctx.config.stale_max_change
     for d in ctx.layers:
@@ -100,6 +109,8 @@ def _check_stale(ctx: DiffContext) -> Iterator[Finding]:
     command="diff",
 )
 def _check_re_estimated(ctx: DiffContext) -> Iterator[Finding]:
+    from bnaudit.audit import layerdiff
+
     r = RULES["BN103"]
     for d in ctx.layers:
         if d.verdict != layerdiff.RE_ESTIMATED:
@@ -128,6 +139,8 @@ def _check_re_estimated(ctx: DiffContext) -> Iterator[Finding]:
     command="diff",
 )
 def _check_uneven_counting(ctx: DiffContext) -> Iterator[Finding]:
+    from bnaudit.audit import layerdiff
+
     groups: dict[int, list[str]] = {}
     for d in ctx.layers:
         change = d.batches_change
@@ -139,11 +152,13 @@ def _check_uneven_counting(ctx: DiffContext) -> Iterator[Finding]:
     # the increment most layers share is the baseline; ties go to the smaller increment
     ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
     base, base_names = ordered[0]
-    parts = [f"+{base} in {plural(len(base_names), 'layer')} ({describe_group(base_names, every)})"]
+    parts = [f"+{base} in {plural(len(base_names), 'layer')} ({layerdiff.describe_group(base_names, every)})"]
     for change, names in ordered[1:6]:
         ratio = change / base
         ratio_text = f"exactly {ratio:g}x" if change % base == 0 or base % change == 0 else f"{ratio:.3g}x"
-        parts.append(f"+{change} in {plural(len(names), 'layer')} ({describe_group(names, every)}): {ratio_text}")
+        parts.append(
+            f"+{change} in {plural(len(names), 'layer')} ({layerdiff.describe_group(names, every)}): {ratio_text}"
+        )
     more = f"; and {len(ordered) - 6} more increments" if len(ordered) > 6 else ""
     twice = any(change == 2 * base for change in groups)
     hint = ": BN forwards run twice per step there (activation checkpointing?)" if twice else ""
@@ -166,14 +181,16 @@ def _check_uneven_counting(ctx: DiffContext) -> Iterator[Finding]:
     command="diff",
 )
 def _check_expectations(ctx: DiffContext) -> Iterator[Finding]:
+    from bnaudit.audit import layerdiff
+
     r = RULES["BN105"]
     cfg = ctx.config
     for d in ctx.layers:
-        if matches(d.name, cfg.expect_frozen) and d.verdict != layerdiff.FROZEN_BUT_UPDATING and d.moved:
+        if layerdiff.matches(d.name, cfg.expect_frozen) and d.verdict != layerdiff.FROZEN_BUT_UPDATING and d.moved:
             if d.moved == ["num_batches_tracked"]:
                 continue  # the counter counts in train() even at momentum 0: nothing the layer computes moved
             yield r.finding(Severity.ERROR, d.name, f"expected frozen, but {', '.join(d.moved)} moved")
-        if matches(d.name, cfg.expect_trained) and d.params_identical:
+        if layerdiff.matches(d.name, cfg.expect_trained) and d.params_identical:
             what = "weight and bias are" if d.verdict != layerdiff.UNCHANGED else "nothing is"
             yield r.finding(Severity.ERROR, d.name, f"expected to train, but {what} bit-identical")
     names = [d.name for d in ctx.layers] + ctx.only_a + ctx.only_b + [n for n, _, _ in ctx.reshaped]
@@ -247,8 +264,10 @@ def _check_settings_changed(ctx: DiffContext) -> Iterator[Finding]:
     command="diff",
 )
 def _check_layers_changed(ctx: DiffContext) -> Iterator[Finding]:
+    from bnaudit.audit import layerdiff
+
     r = RULES["BN107"]
-    why = None if ctx.export is not None else unrelated(len(ctx.layers), ctx.reshaped, ctx.only_a, ctx.only_b)
+    why = None if ctx.export is not None else layerdiff.unrelated(len(ctx.layers), ctx.reshaped, ctx.only_a, ctx.only_b)
     if why:
         yield r.finding(
             Severity.WARNING,

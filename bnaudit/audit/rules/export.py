@@ -10,13 +10,16 @@ bnaudit.audit.exportdiff and bnaudit.audit.fold.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from bnaudit.audit.formulas import pytorch_momentum, retained_fraction
-from bnaudit.audit.layerdiff import DiffContext
 from bnaudit.audit.rules.registry import RULES, Finding, rule, three_digits
 from bnaudit.audit.settings import assumed_note, provenance_words
 from bnaudit.severity import Severity
 from bnaudit.text import plural
+
+if TYPE_CHECKING:  # only the diff's checks take one: inspect never imports the diff
+    from bnaudit.audit.layerdiff import DiffContext
 
 
 @rule(

@@ -4,11 +4,15 @@ int8 or half precision do to each channel (definitions in bnaudit.audit.foldchec
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from bnaudit.audit.foldcheck import COARSE_LEVELS, FoldContext, PairPrediction
+from bnaudit.audit.formulas import COARSE_LEVELS
 from bnaudit.audit.rules.registry import RULES, Finding, rule, three_digits
 from bnaudit.severity import Severity
 from bnaudit.text import listing, plural
+
+if TYPE_CHECKING:  # `bnaudit fold` builds them; registering the rules needs none of it
+    from bnaudit.audit.foldcheck import FoldContext, PairPrediction
 
 
 def _channels(channels: tuple[int, ...]) -> str:

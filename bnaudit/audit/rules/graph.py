@@ -9,10 +9,13 @@ the same kind: a BatchNorm call whose training argument its code fixes to True i
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from bnaudit.audit.layerdiff import DiffContext
 from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, also_in, rule
 from bnaudit.severity import Severity
+
+if TYPE_CHECKING:  # only the diff's checks take one: inspect never imports the diff
+    from bnaudit.audit.layerdiff import DiffContext
 
 
 @rule(

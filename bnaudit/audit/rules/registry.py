@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Finding:
+    """One fact a rule reports: at a layer (or the file, `layer` None), and on which channels."""
+
     code: str
     name: str
     severity: Severity
@@ -37,6 +39,9 @@ class Finding:
 
 @dataclass(frozen=True)
 class RuleContext:
+    """What the inspect rules read: the layers of one checkpoint, the configuration, and what
+    else is known about the file (its modules, how it was exported, averaged or recalibrated)."""
+
     discovery: Discovery
     config: Config
     is_ema: bool = False

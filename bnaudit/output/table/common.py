@@ -106,6 +106,8 @@ class Column:
 
 @dataclass(frozen=True)
 class Row:
+    """One row of a table: its cells, and the style of the whole row."""
+
     cells: tuple[Any, ...]  # str or rich Text; a name column's cells are str
     style: str = ""
 
