@@ -173,6 +173,9 @@ def _stands_for_another(own: tuple[str, ...], runs: _Runs, others: str) -> bool:
     return _regex(own, runs).search(others) is not None
 
 
+_RANKED_KEPT = 12  # segments; 792 candidates, 32 such rankings hold about 10 MB
+
+
 @lru_cache(maxsize=32)
 def _ranked(
     starts: tuple[int, ...], ends: tuple[int, ...], digits: tuple[bool, ...], width: int
@@ -206,7 +209,9 @@ def _shorten(name: str, width: int, own: tuple[str, ...], others: str, masks: se
         return name[: keep - keep // 2] + ELLIPSIS + name[len(name) - keep // 2 :]
     starts = (0, *(s for s, _ in spans[1:]))
     ends = (*(e for _, e in spans[:-1]), len(name))
-    for runs, kept in _ranked(starts, ends, tuple(w.isdigit() for w in own), width):
+    # a name of many segments has thousands of candidates: ranked afresh, not kept
+    rank = _ranked if len(spans) <= _RANKED_KEPT else _ranked.__wrapped__
+    for runs, kept in rank(starts, ends, tuple(w.isdigit() for w in own), width):
         if all(kept & mask for mask in masks) and not _stands_for_another(own, runs, others):
             return _render(name, spans, runs)
     return name
