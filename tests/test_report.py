@@ -1,17 +1,20 @@
-"""The layer table's own grid draws what rich.Table draws, byte for byte, colours included;
-the emitter renders each report kind in its formats, torch-free.
+"""The layer and files tables' own grid draws what rich.Table draws, byte for byte, colours
+included; the emitter renders each report kind in its formats, torch-free.
 
-`output.grid.layout_grid` lays the layer table out itself because rich.Table costs about 70 us a
-cell (half the start-up budget on a ResNet-50). The reference here is rich.Table, set up
-as `output.table` sets it up when the grid declines, rendered by the same console.
+`output.grid.layout_grid` lays the layer table and a folder's files table out itself because
+rich.Table costs about 70 us a cell (half the start-up budget on a ResNet-50, as much again
+for a 50-file folder). The reference here is rich.Table, set up as `output.table` sets it up
+when the grid declines, rendered by the same console.
 """
 
 from __future__ import annotations
 
 import io
 import itertools
+import random
 
 import pytest
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -99,6 +102,131 @@ def test_most_cases_take_the_grid_and_no_name_is_folded():
     # a name wider than the column left: declined (the caller shortens names; never folded)
     assert report.layout_grid(["layer", "C", "var", "status"], rows, console(45, False), 24) is None
     assert report.layout_grid(["layer", "C", "var", "status"], rows, console(100, False), 24) is not None
+
+
+# ----------------------------------------------------------------------------- the files table
+
+FILE_STYLE = {**report.SEVERITY_STYLE, "unreadable": "bold red", "excluded": "dim", "skipped": "dim"}
+SEGMENTS = ["tmp", "runs", "exp-2024-01-01_resnet50_lr0.1", "0", "日本語", "x" * 40, "with space", "esc\\x1b[31m"]
+FILE_NAMES = ["model.safetensors", "ckpt_000.pt", "pytorch_model.bin", "a"]
+FORMATS = ["torch-zip", "safetensors", "torch-legacy", "-", "torchscript", "gguf-ish"]
+GAINS = ["-", "1", "2.05", "316", "1e+06", "0.001"]
+FILES_HEADERS = ["file", "format", "layers", "worst gain", "status"]
+
+
+def files_rows(rng: random.Random, count: int) -> list[list[str]]:
+    rows = []
+    for k in range(count):
+        path = "/".join([*(rng.choice(SEGMENTS) for _ in range(rng.randint(0, 3))), f"{k}_{rng.choice(FILE_NAMES)}"])
+        status = rng.choice(sorted(FILE_STYLE))
+        audited = status not in ("unreadable", "excluded")
+        layers, gain = (str(rng.choice([0, 1, 11, 161, 2048])), rng.choice(GAINS)) if audited else ("-", "-")
+        rows.append([path, rng.choice(FORMATS), layers, gain, status])
+    return rows
+
+
+def rich_files_table(rows: list[list[str]]) -> Table:
+    """The files table as rich draws it: every column on one line, numbers right-justified."""
+    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    for header, justify in zip(FILES_HEADERS, ["left", "left", "right", "right", "left"]):
+        table.add_column(header, justify=justify, no_wrap=True)
+    for row in rows:
+        table.add_row(Text(row[0]), Text(row[1]), row[2], row[3], Text(row[4], style=FILE_STYLE[row[4]]))
+    return table
+
+
+def files_cases():
+    rng = random.Random(20261201)
+    for width in (40, 60, 80, 100, 120, 200):
+        for colour in ("none", "terminal", "NO_COLOR"):
+            for count in (1, 2, 7, 50):
+                yield width, colour, files_rows(rng, count)
+
+
+@pytest.mark.parametrize("width,colour,rows", list(files_cases()))
+def test_files_grid_equals_the_rich_files_table(width, colour, rows, monkeypatch):
+    if colour == "NO_COLOR":
+        monkeypatch.setenv("NO_COLOR", "1")
+    longest = max(cell_len(row[0]) for row in rows)
+    grid = report.layout_grid(FILES_HEADERS, rows, console(width, colour != "none"), longest, (2, 3), FILE_STYLE)
+    if grid is None:  # declined: only where the table does not fit and rich shrinks every column
+        widest = [max(cell_len(h), *(cell_len(r[i]) for r in rows)) for i, h in enumerate(FILES_HEADERS)]
+        assert sum(widest) + 3 * (len(widest) - 1) > width
+        return
+    drawn = {}
+    for what, renderable in (("rich", rich_files_table(rows)), ("grid", grid)):
+        out = console(width, colour != "none")
+        out.print(renderable)
+        drawn[what] = out.file.getvalue()
+    assert drawn["grid"] == drawn["rich"]
+
+
+def test_most_files_tables_take_the_grid():
+    taken = [
+        report.layout_grid(
+            FILES_HEADERS, r, console(w, False), max(map(cell_len, (x[0] for x in r))), (2, 3), FILE_STYLE
+        )
+        for w, _, r in files_cases()
+    ]
+    assert sum(t is not None for t in taken) >= len(taken) // 3
+
+
+def _file_report(rng: random.Random, k: int):
+    from bnaudit.audit.report import FileReport, LayerSummary
+    from bnaudit.audit.rules.registry import Finding
+
+    path = "/".join([*(rng.choice(SEGMENTS) for _ in range(rng.randint(0, 6))), f"{k}_{rng.choice(FILE_NAMES)}"])
+    file = FileReport(path, format=rng.choice([None, "torch-zip", "safetensors"]))
+    kind = rng.random()
+    if kind < 0.1:
+        file.error = "cannot read"
+    elif kind < 0.18:
+        file.excluded = "excluded by the configuration"
+    elif kind < 0.25:
+        file.skipped = "optimizer state"
+    else:
+        gains = [rng.choice([None, 1.0, 2.05, 316.2, 1e6]) for _ in range(rng.randint(0, 3))]
+        file.layers = [
+            LayerSummary(f"layer{i}.bn", "BatchNorm2d", 64, 10, 1e-5, 0.1, "float32", -1, 1, 0.01, 0.5, 2, 0, gain)
+            for i, gain in enumerate(gains)
+        ]
+        if file.layers and rng.random() < 0.5:
+            severity = rng.choice(["error", "warning", "info"])
+            file.findings = [Finding("BN001", "x", severity, file.layers[0].name, "message")]
+    return file
+
+
+def test_inspect_of_a_folder_prints_what_the_rich_files_table_printed(monkeypatch):
+    # The whole inspect table of folder reports, with the files grid and with rich's table
+    # (the grid refused: what `render_inspect` draws wherever the grid declines).
+    from bnaudit.audit.report import InspectReport
+    from bnaudit.config import Config
+    from bnaudit.output.table import inspect as table
+
+    grid = table.layout_grid
+    taken = []
+
+    def files_grid(*args, **kwargs):
+        drawn = grid(*args, **kwargs)
+        if args[0] == FILES_HEADERS:
+            taken.append(drawn is not None)
+        return drawn
+
+    for seed in range(24):
+        rng = random.Random(seed)
+        files = [_file_report(rng, k) for k in range(rng.choice([2, 3, 12, 50]))]
+        width, colour = rng.choice([60, 80, 100, 120, 200]), rng.choice(["none", "terminal", "NO_COLOR"])
+        monkeypatch.delenv("NO_COLOR", raising=False)
+        if colour == "NO_COLOR":
+            monkeypatch.setenv("NO_COLOR", "1")
+        drawn = {}
+        for what, layout in (("grid", files_grid), ("rich", lambda *args, **kwargs: None)):
+            monkeypatch.setattr(table, "layout_grid", layout)
+            out = console(width, colour != "none")
+            table.render_inspect(InspectReport(files, Config()), out)
+            drawn[what] = out.file.getvalue()
+        assert drawn["grid"] == drawn["rich"], (seed, width, colour)
+    assert len(taken) == 24 and sum(taken) >= 8
 
 
 # ----------------------------------------------------------------------------- the emitter

@@ -105,7 +105,8 @@ def shorten_names(
     lines = {name: _SEP.join(w) for name, w in words.items()}
     everyone = "\n".join(lines.values())
     shown: dict[str, str] = {}
-    for name in unique:
+    groups: dict[int, tuple[int, list[dict[str, int]]]] | None = None
+    for j, name in enumerate(every[: len(unique)]):  # j: the name's bit in `_masks` (every starts with unique)
         if len(name) <= width:
             shown[name] = name
             continue
@@ -114,13 +115,8 @@ def shorten_names(
         others = others.removesuffix("\n" + lines[name]) if others != lines[name] else ""
         # a shortening stands for no other name of as many words only if it keeps a word
         # where that name differs: checked on bit masks first, the regex then decides
-        own = words[name]
-        masks = {
-            sum(1 << i for i, (x, y) in enumerate(zip(own, w)) if x != y)
-            for other, w in words.items()
-            if len(w) == len(own) and other != name
-        }
-        shown[name] = _shorten(name, width, own, others, masks, separators)
+        groups = _by_position(list(words.values())) if groups is None else groups
+        shown[name] = _shorten(name, width, words[name], others, _masks(words[name], j, groups), separators)
     if len(set(shown.values())) < len(shown):  # names that differ only in separators: kept whole
         counts: dict[str, int] = {}
         for value in shown.values():
@@ -129,27 +125,93 @@ def shorten_names(
     return shown
 
 
-def _shorten(name: str, width: int, own: tuple[str, ...], others: str, masks: set[int], separators: str = "./") -> str:
-    spans = _segments(name, separators)
-    if len(spans) < 2:  # one word wider than the column (a hostile name): cut in its middle
-        keep = max(width - 1, 2)
-        return name[: keep - keep // 2] + ELLIPSIS + name[len(name) - keep // 2 :]
-    n = len(spans)
-    starts = [0, *(s for s, _ in spans[1:])]
-    ends = [*(e for _, e in spans[:-1]), len(name)]
+def _by_position(words: list[tuple[str, ...]]) -> dict[int, tuple[int, list[dict[str, int]]]]:
+    """For each word count: the names of that many words, and at each position the names
+    with each word there, as sets of bits (bit j: the j-th of `words`)."""
+    groups: dict[int, tuple[int, list[dict[str, int]]]] = {}
+    for j, own in enumerate(words):
+        members, at = groups.get(len(own), (0, [{} for _ in own]))
+        for i, word in enumerate(own):
+            at[i][word] = at[i].get(word, 0) | 1 << j
+        groups[len(own)] = (members | 1 << j, at)
+    return groups
+
+
+def _masks(own: tuple[str, ...], j: int, groups: dict[int, tuple[int, list[dict[str, int]]]]) -> set[int]:
+    """The positions where each other name of as many words as `own` (the j-th) differs
+    from it, one bit mask per distinct set: the names are split position by position into
+    classes of equal masks (a few classes, where comparing name with name costs 50 x 50
+    tuple walks for a folder of 50 paths)."""
+    members, at = groups[len(own)]
+    rest = members & ~(1 << j)
+    classes = {0: rest} if rest else {}
+    for i, word in enumerate(own):
+        same = at[i][word]
+        refined: dict[int, int] = {}
+        for mask, bits in classes.items():
+            if bits & same:
+                refined[mask] = bits & same
+            if bits & ~same:
+                refined[mask | 1 << i] = bits & ~same
+        classes = refined
+    return set(classes)
+
+
+def _stands_for_another(own: tuple[str, ...], runs: _Runs, others: str) -> bool:
+    """Whether the shortening `runs` of `own` matches a line of `others` (`_regex`).
+
+    Each kept run is a literal that a matching line holds where the pattern puts it (the
+    first run at the line's start, the last at its end, any between separators); where one
+    is nowhere in `others`, no line matches and the pattern is never compiled (about 30 us
+    each, one per shortened path of a folder scan)."""
+    text = "\n" + others + "\n"
+    for start, end in runs:
+        before = "\n" if start == 0 else _SEP
+        after = "\n" if end == len(own) else _SEP
+        if before + _SEP.join(own[start:end]) + after not in text:
+            return False
+    return _regex(own, runs).search(others) is not None
+
+
+_RANKED_KEPT = 12  # segments; 792 candidates, 32 such rankings hold about 10 MB
+
+
+@lru_cache(maxsize=32)
+def _ranked(
+    starts: tuple[int, ...], ends: tuple[int, ...], digits: tuple[bool, ...], width: int
+) -> tuple[tuple[_Runs, int], ...]:
+    """The shortenings of a name whose segments are written from `starts` to `ends` (bare
+    indices where `digits`), in the order they are tried, each with its kept segments as
+    bits: the ones that fit `width`, best score first, then all of them, shortest first.
+    Cached: the paths of a folder, the layers of a stage, are alike in all of these."""
+    n = len(starts)
     scored = []
     for runs in _candidates(n):
         gaps = len(runs) - 1 + (runs[0][0] > 0) + (runs[-1][1] < n)
         length = gaps + sum(ends[end - 1] - starts[start] for start, end in runs)
         # a run that starts with a bare index after "…" ("…0.layers") hides what it indexes;
         # a run that is nothing but one ("…0…") says less still
-        bare = sum(1 for start, _ in runs if start and own[start].isdigit())
-        bare += sum(2 for start, end in runs if start and all(w.isdigit() for w in own[start:end]))
+        bare = sum(1 for start, _ in runs if start and digits[start])
+        bare += sum(2 for start, end in runs if start and all(digits[start:end]))
         scored.append((length, -(length - 3 * gaps - 4 * bare), runs[-1][1] < n, runs))
     fitting = sorted((s for s in scored if s[0] <= width), key=lambda s: (s[1], s[2]))
     # then, where none fits and is unique, the shortest unique one
-    for *_, runs in [*fitting, *sorted(scored, key=lambda s: (s[0], s[1], s[2]))]:
-        kept = sum(((1 << end) - (1 << start)) for start, end in runs)
-        if all(kept & mask for mask in masks) and not _regex(own, runs).search(others):
+    return tuple(
+        (runs, sum(((1 << end) - (1 << start)) for start, end in runs))
+        for *_, runs in [*fitting, *sorted(scored, key=lambda s: (s[0], s[1], s[2]))]
+    )
+
+
+def _shorten(name: str, width: int, own: tuple[str, ...], others: str, masks: set[int], separators: str = "./") -> str:
+    spans = _segments(name, separators)
+    if len(spans) < 2:  # one word wider than the column (a hostile name): cut in its middle
+        keep = max(width - 1, 2)
+        return name[: keep - keep // 2] + ELLIPSIS + name[len(name) - keep // 2 :]
+    starts = (0, *(s for s, _ in spans[1:]))
+    ends = (*(e for _, e in spans[:-1]), len(name))
+    # a name of many segments has thousands of candidates: ranked afresh, not kept
+    rank = _ranked if len(spans) <= _RANKED_KEPT else _ranked.__wrapped__
+    for runs, kept in rank(starts, ends, tuple(w.isdigit() for w in own), width):
+        if all(kept & mask for mask in masks) and not _stands_for_another(own, runs, others):
             return _render(name, spans, runs)
     return name

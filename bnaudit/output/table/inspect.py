@@ -118,8 +118,12 @@ def _worst_gain(file: FileReport) -> str:
     return g3(max(gains)) if gains else "-"
 
 
+_FILE_STYLE = {**SEVERITY_STYLE, "unreadable": "bold red", "excluded": "dim", "skipped": "dim"}
+
+
 def _files_table(files: list[FileReport], console: Console) -> Any:
     """One line per file: path, format, BN layers, worst eval gain, status."""
+    from rich.cells import cell_len
     from rich.text import Text
 
     rows = [
@@ -136,12 +140,18 @@ def _files_table(files: list[FileReport], console: Console) -> Any:
     rest = sum(max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers) if i) + 3 * (len(headers) - 1)
     room = max(console.width - rest, 12)
     shown = shorten_names([row[0] for row in rows], room, separators="/")
+    for row in rows:
+        row[0] = shown[row[0]]
+    longest = max(cell_len(row[0]) for row in rows)
+    # the grid where the table fits as it is; rich shrinks every column where it does not
+    grid = layout_grid(headers, rows, console, longest, right=(2, 3), styles=_FILE_STYLE)
+    if grid is not None:
+        return grid
     table = bordered()
     for i, header in enumerate(headers):
         table.add_column(header, justify="right" if i in (2, 3) else "left", no_wrap=True)
-    styles = {**SEVERITY_STYLE, "unreadable": "bold red", "excluded": "dim", "skipped": "dim"}
     for row in rows:
-        table.add_row(Text(shown[row[0]]), Text(row[1]), row[2], row[3], Text(row[4], style=styles[row[4]]))
+        table.add_row(Text(row[0]), Text(row[1]), row[2], row[3], Text(row[4], style=_FILE_STYLE[row[4]]))
     return table
 
 
