@@ -21,7 +21,7 @@ from functools import cached_property
 from bnaudit.audit.formulas import all_finite, eval_gains, near_eps_channels, valid_eval_gains
 from bnaudit.audit.settings import Setting, Settings, resolve, stated_settings
 from bnaudit.formats.model import Checkpoint, ModuleInfo, TensorRef
-from bnaudit.normkinds import NormKind, group_kind, looks_like_batchnorm_name, module_kind
+from bnaudit.normkinds import GroupKind, NormKind, group_kind, looks_like_batchnorm_name, module_kind
 
 _STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -146,11 +146,10 @@ def facts_from_module_infos(modules: dict[str, ModuleInfo]) -> ModuleFacts:
     )
 
 
-def _kind(group: dict[str, TensorRef], module: ModuleInfo | None) -> str:
-    """The layer's kind in words: its module's class when known, else its key group's."""
+def _kind(found: GroupKind | None, module: ModuleInfo | None) -> str:
+    """The layer's kind in words: its module's class when known, else its key group's (`found`)."""
     if module is not None:
         return module.class_name
-    found = group_kind(group)
     return found.label if found is not None else "BatchNorm"
 
 
@@ -209,9 +208,8 @@ def discover_layers(ckpt: Checkpoint, stated: Settings | None = None) -> Discove
             if found.kind is NormKind.NOT_NORM:
                 continue  # a look-alike (BatchRenorm, e3nn, RL observation normaliser)
             if "running_mean" in group and "running_var" in group:
-                layers.append(
-                    _make_layer(prefix, group, resolve(ckpt.modules.get(prefix), stated), ckpt.modules.get(prefix))
-                )
+                module = ckpt.modules.get(prefix)
+                layers.append(_make_layer(prefix, group, resolve(module, stated), _kind(found, module)))
             else:
                 present = tuple(k for k in _STAT_NAMES if k in group)
                 missing = tuple(k for k in ("running_mean", "running_var") if k not in group)
@@ -233,10 +231,10 @@ def discover_layers(ckpt: Checkpoint, stated: Settings | None = None) -> Discove
     return Discovery(layers, incomplete, suspected)
 
 
-def _make_layer(prefix: str, group: dict[str, TensorRef], settings: Settings, module: ModuleInfo | None) -> BNLayer:
+def _make_layer(prefix: str, group: dict[str, TensorRef], settings: Settings, kind: str) -> BNLayer:
     return BNLayer(
         name=prefix,
-        kind=_kind(group, module),
+        kind=kind,
         running_mean=_floats(group["running_mean"]),
         running_var=_floats(group["running_var"]),
         weight=_vector(group.get("weight")),
