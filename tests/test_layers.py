@@ -128,3 +128,50 @@ def test_low_precision_statistics_keep_their_stored_dtype(tmp_path):
     layer = discover_layers(read_checkpoint(save_safetensors(state, tmp_path / "h.safetensors"))).layers[0]
     assert layer.stats_dtype == "float16"
     np.testing.assert_array_equal(layer.running_var, state["bn.running_var"].double().numpy())
+
+
+def _layer_with(var, weight, eps):
+    """A BNLayer built directly (no file): what the cached figures are computed from."""
+    from bnaudit.audit.layers import BNLayer
+    from bnaudit.audit.settings import stated_settings
+
+    return BNLayer(
+        name="bn",
+        kind="BatchNorm",
+        running_mean=[0.5] * len(var),
+        running_var=var,
+        weight=weight,
+        bias=None,
+        num_batches_tracked=10,
+        stats_dtype="float32",
+        settings=stated_settings(eps, None),
+    )
+
+
+def test_a_layers_figures_equal_the_formulas_whatever_is_asked_first():
+    """The figures a layer keeps (gains, near-eps channels per factor, smallest variance) are
+    the formulas' own answers, also when several factors are asked of one layer in turn (a
+    cache kept for the first factor would answer the second wrongly)."""
+    import math
+    import random
+
+    from bnaudit.audit.formulas import all_finite, eval_gains, near_eps_channels
+    from bnaudit.audit.report import LayerSummary
+
+    rng = random.Random(3)
+    specials = [0.0, -0.0, 1e-7, 5e-5, 1e-3, -0.5, math.nan, math.inf, 2.0]
+    for case in range(400):
+        n = rng.choice([0, 1, 2, 5, 33])
+        var = [rng.choice(specials) if rng.random() < 0.3 else rng.uniform(0, 3) for _ in range(n)]
+        weight = rng.choice([None, [rng.gauss(1, 1) for _ in range(n)], [1.0] * max(n - 1, 0)])
+        eps = rng.choice([1e-5, 1e-3, 0.0])
+        factors = rng.sample([1.0, 10.0, 1000.0, 1e6], 3)
+        layer = _layer_with(var, weight, eps)
+        for factor in factors:
+            expected = near_eps_channels(var, eps, factor)
+            assert layer.near_eps(factor) == expected, (case, factor)
+            assert LayerSummary.of(layer, factor).near_eps_channels == len(expected)
+        gains = eval_gains(weight, var, eps)
+        assert [repr(g) for g in layer.gains] == [repr(g) for g in gains], case
+        finite = all_finite(var)
+        assert layer.var_floor == (min(var, default=math.inf) if finite else None)

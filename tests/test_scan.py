@@ -189,3 +189,48 @@ def test_a_data_file_named_explicitly_says_what_it_holds(tmp_path):
     (file,) = inspect(str(path), Config()).files
     assert file.skipped is None and file.error is None and file.layers == []
     assert any("data, not a model" in note and "labels (300,)" in note for note in file.notes)
+
+
+def test_a_folder_scan_collects_garbage_between_files_not_during_them(tmp_path, monkeypatch):
+    """No cyclic garbage collection starts while a file is audited (it would traverse the
+    file's per-channel lists, alive for moments more); the collection a file's allocations
+    call for runs after it, so a file's own cyclic garbage is gone while the next files are
+    audited; the collector is left enabled as it was."""
+    import gc
+    import weakref
+
+    from bnaudit.audit import audit as audit_module
+
+    for i in range(6):
+        save_safetensors(bn_entries("bn", 8), tmp_path / f"m{i}.safetensors")
+    real = audit_module.audit_file
+    inside, starts_inside, kept = [False], [], []
+
+    class Cycle:
+        pass
+
+    def audit_file(*args, **kwargs):
+        inside[0] = True
+        try:
+            report = real(*args, **kwargs)
+            junk = Cycle()
+            junk.itself, junk.ballast = junk, [[] for _ in range(2000)]  # more than a collection's threshold
+            kept.append(weakref.ref(junk))
+            return report
+        finally:
+            inside[0] = False
+
+    def on_collection(phase, info):
+        if phase == "start":
+            starts_inside.append(inside[0])
+
+    monkeypatch.setattr(audit_module, "audit_file", audit_file)
+    assert gc.isenabled()
+    gc.callbacks.append(on_collection)
+    try:
+        report = inspect(str(tmp_path))
+    finally:
+        gc.callbacks.remove(on_collection)
+    assert len(report.files) == 6 and gc.isenabled()
+    assert starts_inside and not any(starts_inside)
+    assert [ref() is None for ref in kept[:-1]] == [True] * 5  # the last file's may wait for a later collection

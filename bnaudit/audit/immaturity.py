@@ -176,4 +176,6 @@ def has_initial_affine(layer: BNLayer) -> bool:
 
 
 def _all_equal(values: list[float], value: float) -> bool:
-    return values.count(value) == len(values)  # count: == in C (NaN never equal, -0.0 == 0.0)
+    # the first value first: trained statistics differ there, and count scans them all
+    # count: == in C (NaN never equal, -0.0 == 0.0)
+    return (not values or values[0] == value) and values.count(value) == len(values)

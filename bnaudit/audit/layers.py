@@ -16,10 +16,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
+from bnaudit.audit.formulas import all_finite, eval_gains, near_eps_channels, valid_eval_gains
 from bnaudit.audit.settings import Setting, Settings, resolve, stated_settings
 from bnaudit.formats.model import Checkpoint, ModuleInfo, TensorRef
-from bnaudit.normkinds import NormKind, group_kind, looks_like_batchnorm_name, module_kind
+from bnaudit.normkinds import GroupKind, NormKind, group_kind, looks_like_batchnorm_name, module_kind
 
 _STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -60,6 +62,37 @@ class BNLayer:
     def settings_assumed(self) -> bool:
         """Not both read from the file: given or assumed (see `settings` for which)."""
         return not self.settings.from_file
+
+    # Figures of the statistics that the layer summary and several rules need, computed once
+    # per layer (the statistics never change after reading; the lists are not to be modified).
+
+    @cached_property
+    def var_finite(self) -> bool:
+        """No NaN or Inf in running_var (bnaudit.audit.formulas.all_finite)."""
+        return all_finite(self.running_var)
+
+    @cached_property
+    def var_floor(self) -> float | None:
+        """The smallest running_var when none is NaN or Inf (+inf for no channel), else None."""
+        return min(self.running_var, default=math.inf) if self.var_finite else None
+
+    @cached_property
+    def gains(self) -> list[float]:
+        """Each channel's eval gain, bnaudit.audit.formulas.eval_gains."""
+        floor = self.var_floor
+        if self.eps > 0 and floor is not None and floor >= 0:  # eval_gains's own test, on a figure at hand
+            return valid_eval_gains(self.weight, self.running_var, self.eps)
+        return eval_gains(self.weight, self.running_var, self.eps)
+
+    def near_eps(self, factor: float) -> list[int]:
+        """The near-eps channels at this threshold factor, bnaudit.audit.formulas.near_eps_channels
+        (once per factor: a layer may be audited under several configurations)."""
+        found: dict[float, list[int]] = self.__dict__.setdefault("_near_eps", {})
+        if factor not in found:
+            floor = self.var_floor  # the formula's own shortcut (none near eps), on a figure at hand
+            none = floor is not None and floor >= factor * self.eps
+            found[factor] = [] if none else near_eps_channels(self.running_var, self.eps, factor)
+        return found[factor]
 
 
 def not_from_file(layers: Iterable[BNLayer]) -> list[tuple[str, Setting]]:
@@ -113,11 +146,10 @@ def facts_from_module_infos(modules: dict[str, ModuleInfo]) -> ModuleFacts:
     )
 
 
-def _kind(group: dict[str, TensorRef], module: ModuleInfo | None) -> str:
-    """The layer's kind in words: its module's class when known, else its key group's."""
+def _kind(found: GroupKind | None, module: ModuleInfo | None) -> str:
+    """The layer's kind in words: its module's class when known, else its key group's (`found`)."""
     if module is not None:
         return module.class_name
-    found = group_kind(group)
     return found.label if found is not None else "BatchNorm"
 
 
@@ -176,9 +208,8 @@ def discover_layers(ckpt: Checkpoint, stated: Settings | None = None) -> Discove
             if found.kind is NormKind.NOT_NORM:
                 continue  # a look-alike (BatchRenorm, e3nn, RL observation normaliser)
             if "running_mean" in group and "running_var" in group:
-                layers.append(
-                    _make_layer(prefix, group, resolve(ckpt.modules.get(prefix), stated), ckpt.modules.get(prefix))
-                )
+                module = ckpt.modules.get(prefix)
+                layers.append(_make_layer(prefix, group, resolve(module, stated), _kind(found, module)))
             else:
                 present = tuple(k for k in _STAT_NAMES if k in group)
                 missing = tuple(k for k in ("running_mean", "running_var") if k not in group)
@@ -200,10 +231,10 @@ def discover_layers(ckpt: Checkpoint, stated: Settings | None = None) -> Discove
     return Discovery(layers, incomplete, suspected)
 
 
-def _make_layer(prefix: str, group: dict[str, TensorRef], settings: Settings, module: ModuleInfo | None) -> BNLayer:
+def _make_layer(prefix: str, group: dict[str, TensorRef], settings: Settings, kind: str) -> BNLayer:
     return BNLayer(
         name=prefix,
-        kind=_kind(group, module),
+        kind=kind,
         running_mean=_floats(group["running_mean"]),
         running_var=_floats(group["running_var"]),
         weight=_vector(group.get("weight")),

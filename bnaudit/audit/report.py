@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bnaudit.audit.formulas import eval_gains, near_eps_channels
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.rules import Finding
 from bnaudit.config import SEVERITIES, Config, exit_code_for, severity_rank
@@ -42,10 +41,8 @@ class LayerSummary:
 
     @classmethod
     def of(cls, layer: BNLayer, near_eps_factor: float) -> LayerSummary:
-        mean, var, gains = map(
-            _numbers, (layer.running_mean, layer.running_var, eval_gains(layer.weight, layer.running_var, layer.eps))
-        )
-        ordered = sorted(var)
+        mean, gains = _numbers(layer.running_mean), _numbers(layer.gains)
+        ordered = sorted(layer.running_var if layer.var_finite else _numbers(layer.running_var))
         return cls(
             name=layer.name,
             kind=layer.kind,
@@ -59,7 +56,7 @@ class LayerSummary:
             var_min=ordered[0] if ordered else None,
             var_median=_median(ordered) if ordered else None,
             var_max=ordered[-1] if ordered else None,
-            near_eps_channels=len(near_eps_channels(layer.running_var, layer.eps, near_eps_factor)),
+            near_eps_channels=len(layer.near_eps(near_eps_factor)),
             max_eval_gain=max(gains, default=None),
         )
 

@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from bnaudit.audit.formulas import all_finite, eval_gains, near_eps_channels, retained_fraction
+from bnaudit.audit.formulas import all_finite, retained_fraction
 from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, rule, three_digits
 from bnaudit.severity import Severity
 from bnaudit.text import listing, plural
@@ -177,10 +177,10 @@ def _check_near_eps(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN004"]
     cfg = ctx.config
     for layer in ctx.discovery.layers:
-        channels = near_eps_channels(layer.running_var, layer.eps, cfg.near_eps_factor)
+        channels = layer.near_eps(cfg.near_eps_factor)
         if not channels:
             continue
-        all_gains = eval_gains(layer.weight, layer.running_var, layer.eps)
+        all_gains = layer.gains
         gains = {c: all_gains[c] for c in channels}
         worst = max(g for g in gains.values() if not math.isnan(g)) if any(map(math.isfinite, gains.values())) else 0.0
         live = [c for c in channels if _is_live(layer, c) and gains[c] > cfg.max_live_gain]
@@ -243,7 +243,8 @@ def _check_invalid(ctx: RuleContext) -> Iterator[Finding]:
             if len(values) != c:
                 problems.append(f"{label} has {len(values)} values but the statistics have {c}")
                 continue
-            channels = [] if all_finite(values) else [i for i, v in enumerate(values) if not math.isfinite(v)]
+            finite = layer.var_finite if values is layer.running_var else all_finite(values)
+            channels = [] if finite else [i for i, v in enumerate(values) if not math.isfinite(v)]
             if channels:
                 nan = sum(1 for i in channels if math.isnan(values[i]))
                 inf = len(channels) - nan
@@ -251,7 +252,8 @@ def _check_invalid(ctx: RuleContext) -> Iterator[Finding]:
                 problems.append(f"{label} has {' and '.join(p for p in parts if p)} (channels {listing(channels, 8)})")
                 bad.update(channels)
         var = layer.running_var
-        negative = [] if all_finite(var) and min(var, default=0.0) >= 0 else [i for i, v in enumerate(var) if v < 0]
+        floor = layer.var_floor
+        negative = [] if floor is not None and floor >= 0 else [i for i, v in enumerate(var) if v < 0]
         if negative:
             problems.append(f"running_var is negative in {plural(len(negative), 'channel')} ({listing(negative, 8)})")
             bad.update(negative)

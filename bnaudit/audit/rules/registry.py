@@ -217,48 +217,73 @@ def _selected(r: Rule, cfg: Config) -> bool:
     return not any(r.named_by(i) for i in cfg.ignore)
 
 
-def _ignored_for_layer(r: Rule, finding: Finding, cfg: Config) -> bool:
-    if finding.layer is None:
-        return False
-    return any(
-        fnmatch.fnmatchcase(finding.layer, pattern) and any(r.named_by(c) for c in codes)
-        for pattern, codes in cfg.per_layer_ignores.items()
-    )
+@dataclass(frozen=True)
+class _Planned:
+    """A rule a command runs under a configuration, and what the configuration does to its
+    findings: the severity it sets for the rule (None: the rule's own) and the layer-name
+    globs whose findings of this rule are not reported."""
+
+    rule: Rule
+    check: Callable[[Any], Iterable[Finding]]
+    severity: Severity | None
+    ignored_layers: tuple[str, ...]
 
 
-def _in_force(r: Rule, found: Iterable[Finding], config: Config) -> list[Finding]:
+# command's check attribute -> (configuration, rules then registered, its plan): a folder scan
+# audits every file under the same configuration, so the plan is made once
+_PLANS: dict[str, tuple[Config, tuple[Rule, ...], list[_Planned]]] = {}
+
+
+def _plan(check_attr: str, config: Config) -> list[_Planned]:
+    """The selected rules that have a `check_attr` check, in rule order, as `config` applies them."""
+    rules = tuple(RULES.values())
+    cached = _PLANS.get(check_attr)
+    if cached is not None and cached[0] is config and cached[1] == rules:
+        return cached[2]
+    plan = [
+        _Planned(
+            r,
+            check,
+            r.configured_severity(config.severity),
+            tuple(p for p, codes in config.per_layer_ignores.items() if any(r.named_by(c) for c in codes)),
+        )
+        for r in rules
+        if (check := getattr(r, check_attr)) is not None and _selected(r, config)
+    ]
+    _PLANS[check_attr] = (config, rules, plan)
+    return plan
+
+
+def _in_force(planned: _Planned, found: Iterable[Finding]) -> list[Finding]:
     """A rule's findings with per-layer ignores applied and the configuration's severity
     for the rule (set under its code, else under an alias) in force."""
-    kept = [f for f in found if not _ignored_for_layer(r, f, config)]
-    configured = r.configured_severity(config.severity)
-    if configured is None:
+    kept = [
+        f for f in found if f.layer is None or not any(fnmatch.fnmatchcase(f.layer, p) for p in planned.ignored_layers)
+    ]
+    if planned.severity is None:
         return kept
-    return [replace(f, severity=configured) for f in kept]
+    return [replace(f, severity=planned.severity) for f in kept]
 
 
-def _run(
-    check_of: Callable[[Rule], Callable[[Any], Iterable[Finding]] | None], ctx: Any, config: Config
-) -> list[Finding]:
-    """Every selected rule's findings for one command (`check_of` picks that command's
+def _run(check_attr: str, ctx: Any, config: Config) -> list[Finding]:
+    """Every selected rule's findings for one command (`check_attr` names that command's
     check), in rule order, at the configured severity."""
     findings: list[Finding] = []
-    for r in RULES.values():
-        check = check_of(r)
-        if check is not None and _selected(r, config):
-            findings += _in_force(r, check(ctx), config)
+    for planned in _plan(check_attr, config):
+        findings += _in_force(planned, planned.check(ctx))
     return findings
 
 
 def run_rules(ctx: RuleContext) -> list[Finding]:
     """Every selected inspect rule's findings, in rule order, at the configured severity."""
-    return _run(lambda r: r.check, ctx, ctx.config)
+    return _run("check", ctx, ctx.config)
 
 
 def run_fold_rules(ctx: FoldContext) -> list[Finding]:
     """Every selected fold rule's findings, in rule order, at the configured severity."""
-    return _run(lambda r: r.fold_check, ctx, ctx.config)
+    return _run("fold_check", ctx, ctx.config)
 
 
 def run_diff_rules(ctx: DiffContext) -> list[Finding]:
     """Every selected diff rule's findings, in rule order, at the configured severity."""
-    return _run(lambda r: r.diff_check, ctx, ctx.config)
+    return _run("diff_check", ctx, ctx.config)
