@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import _compat_pickle
 import io
+import math
+import operator
 import os
 import pickle
 import re
@@ -43,11 +45,19 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.legacy import LegacyLayout, legacy_layout, whole_model_refusal
-from bnaudit.formats.model import STORAGE_DTYPES, STORAGE_ITEMSIZE, TensorRef, claim_too_large, decode_values
+from bnaudit.formats.model import (
+    STORAGE_DTYPES,
+    STORAGE_ITEMSIZE,
+    TensorRef,
+    claim_too_large,
+    decode_values,
+    lazy_ref,
+)
 from bnaudit.formats.pickled import PickledModule
 from bnaudit.formats.standins import (
     CalledStandIn,
@@ -100,13 +110,13 @@ class _Storage:
     def read(self, first: int, count: int) -> bytearray:
         """The raw bytes of elements [first, first + count)."""
         size = STORAGE_ITEMSIZE[self.dtype]
-        data = bytearray(count * size)
-        if not data:
-            return data
+        length = count * size
+        if not length:
+            return bytearray()
         if self.start is not None:
             fd = os.open(self.path, os.O_RDONLY)
             try:
-                position, chunks, left = self.start + first * size, [], len(data)
+                position, chunks, left = self.start + first * size, [], length
                 while left:  # one pread returns at most about 2 GiB
                     chunk = os.pread(fd, left, position)
                     if not chunk:
@@ -118,10 +128,28 @@ class _Storage:
             return bytearray(b"".join(chunks))
         with zipfile.ZipFile(self.path) as archive, archive.open(str(self.entry)) as member:
             member.seek(first * size)
-            chunk = member.read(len(data))
-        if len(chunk) != len(data):
+            chunk = member.read(length)
+        if len(chunk) != length:
             raise BnauditError(f"{self.path}: truncated tensor data")
         return bytearray(chunk)
+
+
+_new = object.__new__
+
+
+def _storage(path: str, dtype: str, numel: int, start: int | None, entry: str | None = None) -> _Storage:
+    """`_Storage(path, dtype, numel, start, entry)`, its fields set without the frozen __init__
+    (a third of the cost): a folder scan builds one for every tensor of every file."""
+    new = _new(_Storage)
+    fields = new.__dict__
+    fields["path"], fields["dtype"], fields["numel"], fields["start"], fields["entry"] = (
+        path,
+        dtype,
+        numel,
+        start,
+        entry,
+    )
+    return new
 
 
 def _swapped(raw: bytearray, itemsize: int) -> bytearray:
@@ -143,43 +171,54 @@ def lazy_tensor(
     (`x.expand(n)`), up to `model.EXPANDED_LIMIT` (decoding allocates the claim). Values
     come out row-major.
     """
-    numel, span, contiguous = 1, 1, True  # one pass: a folder scan builds thousands of these
-    for extent, st in zip(reversed(size), reversed(stride)):
-        contiguous = contiguous and (extent <= 1 or st == numel)
-        numel *= extent
-        span += (extent - 1) * st
-    if not numel:
-        span = 0
+    # at C speed where it can be (a folder scan builds thousands of these):
+    # span = 1 + sum((size_k - 1) * stride_k)
+    numel = math.prod(size)
+    span = 1 + sum(map(operator.mul, size, stride)) - sum(stride) if numel else 0
     if claim_too_large(numel, storage.numel):
         raise pickle.UnpicklingError(f"tensor claims {numel} elements, its storage holds {storage.numel}")
     if offset + span > storage.numel:
         raise pickle.UnpicklingError("tensor view runs past its storage")
-    itemsize = STORAGE_ITEMSIZE[storage.dtype]
-
-    def raw() -> bytearray:
-        data = storage.read(offset, span)
-        return _swapped(data, itemsize) if big_endian and itemsize > 1 else data
-
-    def read() -> list[float]:
-        flat = decode_values(raw(), storage.dtype)
-        if contiguous:
-            return flat
-        index = [0]
-        for extent, st in zip(size, stride):  # row-major: the last dimension varies fastest
-            index = [base + i * st for base in index for i in range(extent)]
-        return [flat[i] for i in index]
-
-    def to_torch() -> Any:
-        import torch
-
-        dtype = getattr(torch, storage.dtype)
-        if numel == 0:
-            return torch.empty(size, dtype=dtype)
-        base = torch.frombuffer(raw(), dtype=dtype)  # ours and writable: no copy
-        return base.as_strided(size, stride, 0).contiguous()
-
+    view = (storage, offset, span, size, stride, big_endian)
     # no `location`: data files are streamed through their own reader (runtime/data.py)
-    return TensorRef("", tuple(size), storage.dtype, read, to_torch)
+    return lazy_ref("", tuple(size), storage.dtype, partial(_view_values, *view), partial(_view_tensor, *view))
+
+
+def _view_bytes(storage: _Storage, offset: int, span: int, big_endian: bool) -> bytearray:
+    """The little-endian bytes of the `span` storage elements a view spans from `offset`."""
+    data = storage.read(offset, span)
+    itemsize = STORAGE_ITEMSIZE[storage.dtype]
+    return _swapped(data, itemsize) if big_endian and itemsize > 1 else data
+
+
+def _view_values(
+    storage: _Storage, offset: int, span: int, size: tuple[int, ...], stride: tuple[int, ...], big_endian: bool
+) -> list[float]:
+    """`TensorRef.read` of a view (`lazy_tensor`): its values row-major."""
+    flat = decode_values(_view_bytes(storage, offset, span, big_endian), storage.dtype)
+    numel, contiguous = 1, True
+    for extent, st in zip(reversed(size), reversed(stride)):
+        contiguous = contiguous and (extent <= 1 or st == numel)
+        numel *= extent
+    if contiguous:
+        return flat
+    index = [0]
+    for extent, st in zip(size, stride):  # row-major: the last dimension varies fastest
+        index = [base + i * st for base in index for i in range(extent)]
+    return [flat[i] for i in index]
+
+
+def _view_tensor(
+    storage: _Storage, offset: int, span: int, size: tuple[int, ...], stride: tuple[int, ...], big_endian: bool
+) -> Any:
+    """`TensorRef.to_torch` of a view (`lazy_tensor`)."""
+    import torch
+
+    dtype = getattr(torch, storage.dtype)
+    if math.prod(size) == 0:
+        return torch.empty(size, dtype=dtype)
+    base = torch.frombuffer(_view_bytes(storage, offset, span, big_endian), dtype=dtype)  # ours and writable
+    return base.as_strided(size, stride, 0).contiguous()
 
 
 def _rebuild_parameter(data: Any, *rest: Any) -> Any:
@@ -212,7 +251,7 @@ def _record_storage(path: str, records: dict[str, _Record], pid: Any) -> _Storag
         raise pickle.UnpicklingError(f"storage record data/{pid[2][:40]} is missing")
     start, nbytes, entry = record
     # the record, not the pickle's claim, bounds the storage (as torch's mmap does)
-    return _Storage(path, pid[1], nbytes // STORAGE_ITEMSIZE[pid[1]], start, entry)
+    return _storage(path, pid[1], nbytes // STORAGE_ITEMSIZE[pid[1]], start, entry)
 
 
 def _compat_name(module: str, name: str) -> tuple[str, str]:
@@ -333,7 +372,7 @@ class _LegacyUnpickler(_FreeUnpickler):
         found = self.layout.storages.get(str(pid[2]))
         if found is None or found.dtype != pid[1]:
             raise pickle.UnpicklingError(f"malformed storage record {str(pid)[:80]}")
-        return _Storage(self.path, found.dtype, found.numel, found.offset)
+        return _storage(self.path, found.dtype, found.numel, found.offset)
 
 
 def _zip_records(
