@@ -142,13 +142,8 @@ def _storage(path: str, dtype: str, numel: int, start: int | None, entry: str | 
     (a third of the cost): a folder scan builds one for every tensor of every file."""
     new = _new(_Storage)
     fields = new.__dict__
-    fields["path"], fields["dtype"], fields["numel"], fields["start"], fields["entry"] = (
-        path,
-        dtype,
-        numel,
-        start,
-        entry,
-    )
+    fields["path"], fields["dtype"], fields["numel"] = path, dtype, numel
+    fields["start"], fields["entry"] = start, entry
     return new
 
 
