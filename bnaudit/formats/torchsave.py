@@ -370,6 +370,11 @@ class _LegacyUnpickler(_FreeUnpickler):
         return _storage(self.path, found.dtype, found.numel, found.offset)
 
 
+_HEADER_PAGE = 4096
+# a zip local header's signature, file name length and extra field length
+_LOCAL_HEADER = struct.Struct("<4s22xHH").unpack_from
+
+
 def _zip_records(
     path: str, archive: zipfile.ZipFile, root: str, base: int = 0, end: int | None = None
 ) -> tuple[dict[str, _Record], bool]:
@@ -380,15 +385,26 @@ def _zip_records(
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size if end is None else end
+        # local headers are read a page at a time: the records of a BN layer's five small
+        # tensors lie within one, and a header the page holds whole is the same 30 bytes
+        page_start, page = 0, b""
         for info in archive.infolist():
             if not info.filename.startswith(prefix):
                 continue
             start = None
             if info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1:
-                head = os.pread(fd, 30, base + info.header_offset)  # one call per record, no buffer refilled
-                if head[:4] == b"PK\x03\x04":
-                    names, extra = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30], "little")
-                    start = base + info.header_offset + 30 + names + extra
+                position = base + info.header_offset
+                at = position - page_start
+                if not (at >= 0 and at + 30 <= len(page)):
+                    page_start, page, at = position, os.pread(fd, _HEADER_PAGE, position), 0
+                if at + 30 <= len(page):
+                    signature, names, extra = _LOCAL_HEADER(page, at)
+                else:  # the file ends inside the header: what a short read of it gives
+                    head = page[at:]
+                    signature, names = head[:4], int.from_bytes(head[26:28], "little")
+                    extra = int.from_bytes(head[28:30], "little")
+                if signature == b"PK\x03\x04":
+                    start = position + 30 + names + extra
                     if start + info.file_size > size:
                         raise BnauditError(f"{path}: zip record '{info.filename}' runs past the end of the file")
             key = info.filename[len(prefix) :]
