@@ -186,3 +186,19 @@ def test_zip_records_read_by_pages_equal_one_read_each(tmp_path: Path) -> None:
         forged.write_bytes(bytes(out))
         compare(forged)
     assert "error" in outcomes and len(outcomes) >= 3  # refusals and several readings exercised
+
+
+def test_read_errors_name_the_tensor() -> None:
+    def torn() -> list[float]:
+        raise ValueError("short read")
+
+    def refused() -> list[float]:
+        raise BnauditError("x.pt: truncated tensor data")
+
+    for make in (TensorRef, lazy_ref):
+        with pytest.raises(BnauditError, match=r"^cannot read tensor 'bn.running_var': short read$"):
+            make("bn.running_var", (2,), "float32", torn).read()
+        with pytest.raises(BnauditError, match=r"^x.pt: truncated tensor data$"):
+            make("bn.running_var", (2,), "float32", refused).read()
+        with pytest.raises(BnauditError, match=r"^cannot read tensor 'w': short read$"):
+            make("w", (2,), "float32", reader, torn).to_torch()
