@@ -202,3 +202,38 @@ def test_read_errors_name_the_tensor() -> None:
             make("bn.running_var", (2,), "float32", refused).read()
         with pytest.raises(BnauditError, match=r"^cannot read tensor 'w': short read$"):
             make("w", (2,), "float32", reader, torn).to_torch()
+
+
+# ----------------------------------------------------------------------------- the pickle's scan
+
+
+def test_remembered_scan_is_the_scan(tmp_path: Path) -> None:
+    """The fast path's opcode scan, remembered for recent pickles, answers as the scan itself
+    for pickles seen before, changed in one byte, cut short, as bytearray and past the size
+    remembered."""
+    import torch
+
+    torch.save(
+        {f"bn{i}.{leaf}": torch.ones(3) for i in range(4) for leaf in ("running_var", "weight")}, tmp_path / "a.pt"
+    )
+    with zipfile.ZipFile(tmp_path / "a.pt") as archive:
+        real = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+    rng = random.Random(7)
+    variants = [real, real[:-1], real + b"x", b"\x80\x03" + real[2:]]
+    for _ in range(300):
+        changed = bytearray(real)
+        changed[rng.randrange(len(real))] = rng.randrange(256)
+        variants.append(bytes(changed))
+    variants += [real[: rng.randrange(len(real))] for _ in range(50)]
+    asked = variants + [rng.choice(variants) for _ in range(2000)]  # most asked again, hits and misses
+    answers = set()
+    for data in asked:
+        assert torchsave._plain_pickle(data) is torchsave._scan(data), data
+        assert torchsave._plain_pickle(bytearray(data)) is torchsave._scan(data)
+        answers.add(torchsave._scan(data))
+    assert answers == {True, False}
+    assert torchsave._remembered_scan.cache_info().currsize <= 16
+    large = real[:-1] + b"X" + (300_000).to_bytes(4, "little") + b"a" * 300_000 + b"."
+    before = torchsave._remembered_scan.cache_info()
+    assert torchsave._plain_pickle(large) is torchsave._scan(large) is True
+    assert torchsave._remembered_scan.cache_info() == before  # too large to be kept

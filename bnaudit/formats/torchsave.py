@@ -33,6 +33,7 @@ exactly leaves the same bytes to the restricted unpickler, which decides as abov
 from __future__ import annotations
 
 import _compat_pickle
+import functools
 import io
 import math
 import operator
@@ -45,7 +46,6 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, ClassVar
 
 from bnaudit.errors import BnauditError
@@ -176,7 +176,9 @@ def lazy_tensor(
         raise pickle.UnpicklingError("tensor view runs past its storage")
     view = (storage, offset, span, size, stride, big_endian)
     # no `location`: data files are streamed through their own reader (runtime/data.py)
-    return lazy_ref("", tuple(size), storage.dtype, partial(_view_values, *view), partial(_view_tensor, *view))
+    return lazy_ref(
+        "", tuple(size), storage.dtype, functools.partial(_view_values, *view), functools.partial(_view_tensor, *view)
+    )
 
 
 def _view_bytes(storage: _Storage, offset: int, span: int, big_endian: bool) -> bytearray:
@@ -448,6 +450,13 @@ def _plain_pickle(data: bytes) -> bool:
     """`data` is PROTO 2, then opcodes of `_FIXED_RUN` and BINUNICODE strings only, up to a
     STOP. Each opcode is read exactly as the unpickler reads it (its argument's length
     fixed by the opcode), so the C unpickler runs no other opcode and no larger memo."""
+    if type(data) is bytes and len(data) <= _REMEMBERED_BYTES:
+        return _remembered_scan(data)
+    return _scan(data)
+
+
+def _scan(data: bytes) -> bool:
+    """`_plain_pickle`'s scan."""
     if data[:2] != b"\x80\x02":
         return False
     pos, end = 2, len(data)
@@ -459,6 +468,13 @@ def _plain_pickle(data: bytes) -> bool:
         pos += 5 + _UINT4(data, pos + 1)[0]
         if pos > end:
             return False
+
+
+# The checkpoints of one model saved alike (a folder of epochs, of seeds) share one pickle,
+# byte for byte: the scan, a function of the bytes alone, is remembered for the last few
+# small ones (at most 16 x 256 KiB held), found again by hash and comparison at C speed.
+_REMEMBERED_BYTES = 1 << 18
+_remembered_scan = functools.lru_cache(maxsize=16)(_scan)
 
 
 class _Abandon(Exception):  # a signal: the restricted unpickler reads the file instead
