@@ -193,6 +193,8 @@ def _view_values(
 ) -> list[float]:
     """`TensorRef.read` of a view (`lazy_tensor`): its values row-major."""
     flat = decode_values(_view_bytes(storage, offset, span, big_endian), storage.dtype)
+    if len(size) == 1 and (stride[0] == 1 or size[0] <= 1):  # most BN buffers: no loop to tell
+        return flat
     numel, contiguous = 1, True
     for extent, st in zip(reversed(size), reversed(stride)):
         contiguous = contiguous and (extent <= 1 or st == numel)
