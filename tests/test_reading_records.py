@@ -1,6 +1,6 @@
 """The records a folder scan builds by the thousand, built the cheap way, equal the plain way.
 
-`model.lazy_ref` and torchsave's `_storage` set a frozen dataclass's fields without its
+`model.lazy_ref` and `views.storage_record` set a frozen dataclass's fields without its
 `__init__`; `torchscript._all_counts` checks a tensor record's sizes and strides by type and
 minimum. Each is compared here with what it stands for: the dataclass's own constructor, and
 `is_count` of every value, over generated values (bools, negatives, int subclasses, floats,
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats import torchsave, torchscript
+from bnaudit.formats import torchsave, torchscript, views
 from bnaudit.formats.model import TensorRef, lazy_ref
 from bnaudit.formats.safetensors import is_count
 from bnaudit.formats.torchscript import check_tensor_record
@@ -57,10 +57,10 @@ def test_lazy_ref_is_the_constructor(args: tuple) -> None:
 
 @pytest.mark.parametrize("args", [("/p", "float32", 10, 64, "r/data/0"), ("/q", "uint8", 0, None, None)])
 def test_storage_is_the_constructor(args: tuple) -> None:
-    cheap, plain = torchsave._storage(*args), torchsave._Storage(*args)
-    assert type(cheap) is torchsave._Storage
+    cheap, plain = views.storage_record(*args), views.Storage(*args)
+    assert type(cheap) is views.Storage
     assert vars(cheap) == vars(plain)
-    assert list(vars(cheap)) == [f.name for f in dataclasses.fields(torchsave._Storage)]
+    assert list(vars(cheap)) == [f.name for f in dataclasses.fields(views.Storage)]
     assert cheap == plain
     with pytest.raises(dataclasses.FrozenInstanceError):
         cheap.numel = 99  # type: ignore[misc]
@@ -91,10 +91,10 @@ def test_all_counts_is_is_count_of_each() -> None:
     [((2, True), (1, 1)), ((2,), (-1,)), ((2.0,), (1,)), ((2, 3), (3,)), ([2], [1]), ((Sub(-1),), (1,))],
 )
 def test_malformed_records_refused(size: object, stride: object) -> None:
-    storage = torchsave._storage("/p", "float32", 10, 0)
+    storage = views.storage_record("/p", "float32", 10, 0)
     with pytest.raises(pickle.UnpicklingError, match="malformed tensor record"):
-        check_tensor_record(storage, 0, size, stride, torchsave._Storage)
-    check_tensor_record(storage, 0, (2, Sub(3)), (3, 1), torchsave._Storage)  # an int subclass is a count
+        check_tensor_record(storage, 0, size, stride, views.Storage)
+    check_tensor_record(storage, 0, (2, Sub(3)), (3, 1), views.Storage)  # an int subclass is a count
 
 
 # ----------------------------------------------------------------------------- zip records

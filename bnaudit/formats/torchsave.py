@@ -35,8 +35,6 @@ from __future__ import annotations
 import _compat_pickle
 import functools
 import io
-import math
-import operator
 import os
 import pickle
 import re
@@ -45,19 +43,11 @@ import sys
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.legacy import LegacyLayout, legacy_layout, whole_model_refusal
-from bnaudit.formats.model import (
-    STORAGE_DTYPES,
-    STORAGE_ITEMSIZE,
-    TensorRef,
-    claim_too_large,
-    decode_values,
-    lazy_ref,
-)
+from bnaudit.formats.model import STORAGE_DTYPES, STORAGE_ITEMSIZE, TensorRef
 from bnaudit.formats.pickled import PickledModule
 from bnaudit.formats.standins import (
     CalledStandIn,
@@ -68,6 +58,7 @@ from bnaudit.formats.standins import (
     read_with_stand_ins,
 )
 from bnaudit.formats.torchscript import check_tensor_record, open_archive_pickle
+from bnaudit.formats.views import Storage, lazy_tensor, storage_record
 from bnaudit.text import exception_line
 
 NN_MODULE_PREFIXES = ("torch.nn.modules.", "torch.ao.nn.", "torch.nn.intrinsic.", "torch.nn.quantized.")
@@ -90,134 +81,6 @@ class _ModuleClass:
 
     def __init__(self, name: str) -> None:
         self.name = name
-
-
-@dataclass(frozen=True)
-class _Storage:
-    """A storage's elements: `numel` of `dtype` at file offset `start` of `path` (an
-    uncompressed record or a legacy range), or inside the zip record `entry`."""
-
-    path: str
-    dtype: str
-    numel: int
-    start: int | None
-    entry: str | None = None
-
-    def __setstate__(self, state: Any) -> None:
-        # C pickle's BUILD would rewrite path and extent (frozen is no guard against it)
-        raise TypeError("a storage record takes no pickled state")
-
-    def read(self, first: int, count: int) -> bytearray:
-        """The raw bytes of elements [first, first + count)."""
-        size = STORAGE_ITEMSIZE[self.dtype]
-        length = count * size
-        if not length:
-            return bytearray()
-        if self.start is not None:
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                position, chunks, left = self.start + first * size, [], length
-                while left:  # one pread returns at most about 2 GiB
-                    chunk = os.pread(fd, left, position)
-                    if not chunk:
-                        raise BnauditError(f"{self.path}: truncated tensor data")
-                    chunks.append(chunk)
-                    position, left = position + len(chunk), left - len(chunk)
-            finally:
-                os.close(fd)
-            return bytearray(b"".join(chunks))
-        with zipfile.ZipFile(self.path) as archive, archive.open(str(self.entry)) as member:
-            member.seek(first * size)
-            chunk = member.read(length)
-        if len(chunk) != length:
-            raise BnauditError(f"{self.path}: truncated tensor data")
-        return bytearray(chunk)
-
-
-_new = object.__new__
-
-
-def _storage(path: str, dtype: str, numel: int, start: int | None, entry: str | None = None) -> _Storage:
-    """`_Storage(path, dtype, numel, start, entry)`, its fields set without the frozen __init__
-    (a third of the cost): a folder scan builds one for every tensor of every file."""
-    new = _new(_Storage)
-    fields = new.__dict__
-    fields["path"], fields["dtype"], fields["numel"] = path, dtype, numel
-    fields["start"], fields["entry"] = start, entry
-    return new
-
-
-def _swapped(raw: bytearray, itemsize: int) -> bytearray:
-    """Each `itemsize`-byte element of `raw` with its bytes reversed (big <-> little endian)."""
-    out = bytearray(len(raw))
-    for k in range(itemsize):
-        out[k::itemsize] = raw[itemsize - 1 - k :: itemsize]
-    return out
-
-
-def lazy_tensor(
-    storage: _Storage, offset: int, size: tuple[int, ...], stride: tuple[int, ...], big_endian: bool
-) -> TensorRef:
-    """The view (offset, size, stride) of `storage`, read lazily.
-
-    Element (i_0, ..., i_n) is storage element offset + sum(i_k * stride_k); the view spans
-    span = sum((size_k - 1) * stride_k) + 1 elements from `offset`, which must lie inside the
-    storage; a view with zero strides may claim more elements than the storage holds
-    (`x.expand(n)`), up to `model.EXPANDED_LIMIT` (decoding allocates the claim). Values
-    come out row-major.
-    """
-    # at C speed where it can be (a folder scan builds thousands of these):
-    # span = 1 + sum((size_k - 1) * stride_k)
-    numel = math.prod(size)
-    span = 1 + sum(map(operator.mul, size, stride)) - sum(stride) if numel else 0
-    if claim_too_large(numel, storage.numel):
-        raise pickle.UnpicklingError(f"tensor claims {numel} elements, its storage holds {storage.numel}")
-    if offset + span > storage.numel:
-        raise pickle.UnpicklingError("tensor view runs past its storage")
-    view = (storage, offset, span, size, stride, big_endian)
-    # no `location`: data files are streamed through their own reader (runtime/data.py)
-    return lazy_ref(
-        "", tuple(size), storage.dtype, functools.partial(_view_values, *view), functools.partial(_view_tensor, *view)
-    )
-
-
-def _view_bytes(storage: _Storage, offset: int, span: int, big_endian: bool) -> bytearray:
-    """The little-endian bytes of the `span` storage elements a view spans from `offset`."""
-    data = storage.read(offset, span)
-    itemsize = STORAGE_ITEMSIZE[storage.dtype]
-    return _swapped(data, itemsize) if big_endian and itemsize > 1 else data
-
-
-def _view_values(
-    storage: _Storage, offset: int, span: int, size: tuple[int, ...], stride: tuple[int, ...], big_endian: bool
-) -> list[float]:
-    """`TensorRef.read` of a view (`lazy_tensor`): its values row-major."""
-    flat = decode_values(_view_bytes(storage, offset, span, big_endian), storage.dtype)
-    if len(size) == 1 and (stride[0] == 1 or size[0] <= 1):  # most BN buffers: no loop to tell
-        return flat
-    numel, contiguous = 1, True
-    for extent, st in zip(reversed(size), reversed(stride)):
-        contiguous = contiguous and (extent <= 1 or st == numel)
-        numel *= extent
-    if contiguous:
-        return flat
-    index = [0]
-    for extent, st in zip(size, stride):  # row-major: the last dimension varies fastest
-        index = [base + i * st for base in index for i in range(extent)]
-    return [flat[i] for i in index]
-
-
-def _view_tensor(
-    storage: _Storage, offset: int, span: int, size: tuple[int, ...], stride: tuple[int, ...], big_endian: bool
-) -> Any:
-    """`TensorRef.to_torch` of a view (`lazy_tensor`)."""
-    import torch
-
-    dtype = getattr(torch, storage.dtype)
-    if math.prod(size) == 0:
-        return torch.empty(size, dtype=dtype)
-    base = torch.frombuffer(_view_bytes(storage, offset, span, big_endian), dtype=dtype)  # ours and writable
-    return base.as_strided(size, stride, 0).contiguous()
 
 
 def _rebuild_parameter(data: Any, *rest: Any) -> Any:
@@ -244,13 +107,13 @@ def check_storage_pid(pid: Any) -> None:
 _Record = tuple[int | None, int, str]
 
 
-def _record_storage(path: str, records: dict[str, _Record], pid: Any) -> _Storage:
+def _record_storage(path: str, records: dict[str, _Record], pid: Any) -> Storage:
     record = records.get(pid[2])
     if record is None:
         raise pickle.UnpicklingError(f"storage record data/{pid[2][:40]} is missing")
     start, nbytes, entry = record
     # the record, not the pickle's claim, bounds the storage (as torch's mmap does)
-    return _storage(path, pid[1], nbytes // STORAGE_ITEMSIZE[pid[1]], start, entry)
+    return storage_record(path, pid[1], nbytes // STORAGE_ITEMSIZE[pid[1]], start, entry)
 
 
 def _compat_name(module: str, name: str) -> tuple[str, str]:
@@ -289,7 +152,7 @@ class _FreeUnpickler(StandInUnpickler):
             raise NeedsTorch(full)
         return super().find_class(module, name)
 
-    def storage(self, pid: Any) -> _Storage:
+    def storage(self, pid: Any) -> Storage:
         raise NotImplementedError
 
     def persistent_load(self, pid: Any) -> Any:
@@ -297,7 +160,7 @@ class _FreeUnpickler(StandInUnpickler):
         return self.storage(pid)
 
     def _rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> TensorRef:
-        check_tensor_record(storage, offset, size, stride, _Storage)
+        check_tensor_record(storage, offset, size, stride, Storage)
         return lazy_tensor(storage, offset, size, stride, self.big_endian)
 
     def load_reduce(self) -> None:
@@ -351,7 +214,7 @@ class _ZipUnpickler(_FreeUnpickler):
         super().__init__(data, allowed, big_endian)
         self.path, self.records = path, records
 
-    def storage(self, pid: Any) -> _Storage:
+    def storage(self, pid: Any) -> Storage:
         return _record_storage(self.path, self.records, pid)
 
 
@@ -367,11 +230,11 @@ class _LegacyUnpickler(_FreeUnpickler):
             raise NeedsTorch("a storage view (torch < 0.4)")
         return super().persistent_load(pid)
 
-    def storage(self, pid: Any) -> _Storage:
+    def storage(self, pid: Any) -> Storage:
         found = self.layout.storages.get(str(pid[2]))
         if found is None or found.dtype != pid[1]:
             raise pickle.UnpicklingError(f"malformed storage record {str(pid)[:80]}")
-        return _storage(self.path, found.dtype, found.numel, found.offset)
+        return storage_record(self.path, found.dtype, found.numel, found.offset)
 
 
 _HEADER_PAGE = 4096
@@ -502,7 +365,7 @@ class _FastRebuild(_FastFunction):
         self.big_endian = big_endian
 
     def __call__(self, storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> TensorRef:
-        check_tensor_record(storage, offset, size, stride, _Storage)
+        check_tensor_record(storage, offset, size, stride, Storage)
         return lazy_tensor(storage, offset, size, stride, self.big_endian)
 
 
