@@ -32,9 +32,13 @@ from bnaudit.normkinds import NormKind, classify
 from bnaudit.text import exception_line
 
 
-def checkpoint_from_object(path: str, fmt: str, obj: Any, key: str | None) -> Checkpoint:
-    """Find the state dict inside a loaded container and wrap it as a `Checkpoint`."""
-    candidates = find_state_dicts(obj)
+def checkpoint_from_object(
+    path: str, fmt: str, obj: Any, key: str | None, candidates: dict[str, Any] | None = None
+) -> Checkpoint:
+    """Find the state dict inside a loaded container and wrap it as a `Checkpoint`;
+    `candidates`: `find_state_dicts(obj)` where the caller has it."""
+    if candidates is None:
+        candidates = find_state_dicts(obj)
     if not candidates:
         raise BnauditError(f"{path}: holds no state dict (no mapping of names to tensors)")
     chosen = choose_state_dict(path, candidates, key)
@@ -73,11 +77,13 @@ def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str)
             source = source.state_dict()
         except Exception as exc:  # attributes come from the file: a forged module breaks here
             raise BnauditError(f"{path}: malformed pickled module ({exception_line(exc, with_type=False)})") from None
-    tensors = {
-        name: t.renamed(name) if isinstance(t, TensorRef) else torch_ref(name, t)
-        for name, t in source.items()
-        if isinstance(name, str) and _is_tensor(t)
-    }
+    tensors: dict[str, TensorRef] = {}
+    for name, t in source.items():
+        if isinstance(name, str):
+            if isinstance(t, TensorRef):  # most of them: no further call to tell it
+                tensors[name] = t.renamed(name)
+            elif _is_tensor(t):
+                tensors[name] = torch_ref(name, t)
     return Checkpoint(
         path,
         fmt,
@@ -123,8 +129,10 @@ def recognise_averaged_model(ckpt: Checkpoint) -> Checkpoint:
 
     With `n_averaged` <= 1 the buffers are the one model's (copied and averaged agree)."""
     ref = ckpt.tensors.get(AVERAGED_COUNT)
+    if ref is None:
+        return ckpt
     others = [n for n in ckpt.tensors if n != AVERAGED_COUNT]
-    if ref is None or not others or not ref.is_integer or math.prod(ref.shape) != 1:
+    if not others or not ref.is_integer or math.prod(ref.shape) != 1:
         return ckpt
     if not all(n.startswith(_AVERAGED_MODULE) for n in others):
         return ckpt
@@ -221,7 +229,7 @@ def _is_tensor_mapping(value: Any) -> bool:
         return False
     if not all(isinstance(k, str) for k in value):
         return False
-    n_tensors = sum(1 for v in value.values() if _is_tensor(v))
+    n_tensors = sum(1 for v in value.values() if isinstance(v, TensorRef) or _is_tensor(v))
     return n_tensors > 0 and n_tensors * 2 >= len(value)
 
 

@@ -93,12 +93,13 @@ def _read_torch_save(
     def by_name() -> str | None:
         return kind_from_refusal(path) if not trust_pickle and stand_ins_in(obj) else None
 
-    if not find_state_dicts(obj):  # with or without --key: nothing here is a model
+    candidates = find_state_dicts(obj)
+    if not candidates:  # with or without --key: nothing here is a model
         what = by_name() or kind_from_object(path, obj)
         if what is not None:
             raise NotModelWeights(path, what)
     try:
-        ckpt = with_stand_ins_checked(path, obj, lambda: checkpoint_from_object(path, fmt, obj, key))
+        ckpt = with_stand_ins_checked(path, obj, lambda: checkpoint_from_object(path, fmt, obj, key, candidates))
     except NotModelWeights:
         raise
     except BnauditError:

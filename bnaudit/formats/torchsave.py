@@ -33,6 +33,7 @@ exactly leaves the same bytes to the restricted unpickler, which decides as abov
 from __future__ import annotations
 
 import _compat_pickle
+import functools
 import io
 import os
 import pickle
@@ -42,12 +43,11 @@ import sys
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.legacy import LegacyLayout, legacy_layout, whole_model_refusal
-from bnaudit.formats.model import STORAGE_DTYPES, STORAGE_ITEMSIZE, TensorRef, claim_too_large, decode_values
+from bnaudit.formats.model import STORAGE_DTYPES, STORAGE_ITEMSIZE, TensorRef
 from bnaudit.formats.pickled import PickledModule
 from bnaudit.formats.standins import (
     CalledStandIn,
@@ -58,6 +58,7 @@ from bnaudit.formats.standins import (
     read_with_stand_ins,
 )
 from bnaudit.formats.torchscript import check_tensor_record, open_archive_pickle
+from bnaudit.formats.views import Storage, lazy_tensor, storage_record
 from bnaudit.text import exception_line
 
 NN_MODULE_PREFIXES = ("torch.nn.modules.", "torch.ao.nn.", "torch.nn.intrinsic.", "torch.nn.quantized.")
@@ -80,106 +81,6 @@ class _ModuleClass:
 
     def __init__(self, name: str) -> None:
         self.name = name
-
-
-@dataclass(frozen=True)
-class _Storage:
-    """A storage's elements: `numel` of `dtype` at file offset `start` of `path` (an
-    uncompressed record or a legacy range), or inside the zip record `entry`."""
-
-    path: str
-    dtype: str
-    numel: int
-    start: int | None
-    entry: str | None = None
-
-    def __setstate__(self, state: Any) -> None:
-        # C pickle's BUILD would rewrite path and extent (frozen is no guard against it)
-        raise TypeError("a storage record takes no pickled state")
-
-    def read(self, first: int, count: int) -> bytearray:
-        """The raw bytes of elements [first, first + count)."""
-        size = STORAGE_ITEMSIZE[self.dtype]
-        data = bytearray(count * size)
-        if not data:
-            return data
-        if self.start is not None:
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                position, chunks, left = self.start + first * size, [], len(data)
-                while left:  # one pread returns at most about 2 GiB
-                    chunk = os.pread(fd, left, position)
-                    if not chunk:
-                        raise BnauditError(f"{self.path}: truncated tensor data")
-                    chunks.append(chunk)
-                    position, left = position + len(chunk), left - len(chunk)
-            finally:
-                os.close(fd)
-            return bytearray(b"".join(chunks))
-        with zipfile.ZipFile(self.path) as archive, archive.open(str(self.entry)) as member:
-            member.seek(first * size)
-            chunk = member.read(len(data))
-        if len(chunk) != len(data):
-            raise BnauditError(f"{self.path}: truncated tensor data")
-        return bytearray(chunk)
-
-
-def _swapped(raw: bytearray, itemsize: int) -> bytearray:
-    """Each `itemsize`-byte element of `raw` with its bytes reversed (big <-> little endian)."""
-    out = bytearray(len(raw))
-    for k in range(itemsize):
-        out[k::itemsize] = raw[itemsize - 1 - k :: itemsize]
-    return out
-
-
-def lazy_tensor(
-    storage: _Storage, offset: int, size: tuple[int, ...], stride: tuple[int, ...], big_endian: bool
-) -> TensorRef:
-    """The view (offset, size, stride) of `storage`, read lazily.
-
-    Element (i_0, ..., i_n) is storage element offset + sum(i_k * stride_k); the view spans
-    span = sum((size_k - 1) * stride_k) + 1 elements from `offset`, which must lie inside the
-    storage; a view with zero strides may claim more elements than the storage holds
-    (`x.expand(n)`), up to `model.EXPANDED_LIMIT` (decoding allocates the claim). Values
-    come out row-major.
-    """
-    numel, span, contiguous = 1, 1, True  # one pass: a folder scan builds thousands of these
-    for extent, st in zip(reversed(size), reversed(stride)):
-        contiguous = contiguous and (extent <= 1 or st == numel)
-        numel *= extent
-        span += (extent - 1) * st
-    if not numel:
-        span = 0
-    if claim_too_large(numel, storage.numel):
-        raise pickle.UnpicklingError(f"tensor claims {numel} elements, its storage holds {storage.numel}")
-    if offset + span > storage.numel:
-        raise pickle.UnpicklingError("tensor view runs past its storage")
-    itemsize = STORAGE_ITEMSIZE[storage.dtype]
-
-    def raw() -> bytearray:
-        data = storage.read(offset, span)
-        return _swapped(data, itemsize) if big_endian and itemsize > 1 else data
-
-    def read() -> list[float]:
-        flat = decode_values(raw(), storage.dtype)
-        if contiguous:
-            return flat
-        index = [0]
-        for extent, st in zip(size, stride):  # row-major: the last dimension varies fastest
-            index = [base + i * st for base in index for i in range(extent)]
-        return [flat[i] for i in index]
-
-    def to_torch() -> Any:
-        import torch
-
-        dtype = getattr(torch, storage.dtype)
-        if numel == 0:
-            return torch.empty(size, dtype=dtype)
-        base = torch.frombuffer(raw(), dtype=dtype)  # ours and writable: no copy
-        return base.as_strided(size, stride, 0).contiguous()
-
-    # no `location`: data files are streamed through their own reader (runtime/data.py)
-    return TensorRef("", tuple(size), storage.dtype, read, to_torch)
 
 
 def _rebuild_parameter(data: Any, *rest: Any) -> Any:
@@ -206,13 +107,13 @@ def check_storage_pid(pid: Any) -> None:
 _Record = tuple[int | None, int, str]
 
 
-def _record_storage(path: str, records: dict[str, _Record], pid: Any) -> _Storage:
+def _record_storage(path: str, records: dict[str, _Record], pid: Any) -> Storage:
     record = records.get(pid[2])
     if record is None:
         raise pickle.UnpicklingError(f"storage record data/{pid[2][:40]} is missing")
     start, nbytes, entry = record
     # the record, not the pickle's claim, bounds the storage (as torch's mmap does)
-    return _Storage(path, pid[1], nbytes // STORAGE_ITEMSIZE[pid[1]], start, entry)
+    return storage_record(path, pid[1], nbytes // STORAGE_ITEMSIZE[pid[1]], start, entry)
 
 
 def _compat_name(module: str, name: str) -> tuple[str, str]:
@@ -251,7 +152,7 @@ class _FreeUnpickler(StandInUnpickler):
             raise NeedsTorch(full)
         return super().find_class(module, name)
 
-    def storage(self, pid: Any) -> _Storage:
+    def storage(self, pid: Any) -> Storage:
         raise NotImplementedError
 
     def persistent_load(self, pid: Any) -> Any:
@@ -259,7 +160,7 @@ class _FreeUnpickler(StandInUnpickler):
         return self.storage(pid)
 
     def _rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> TensorRef:
-        check_tensor_record(storage, offset, size, stride, _Storage)
+        check_tensor_record(storage, offset, size, stride, Storage)
         return lazy_tensor(storage, offset, size, stride, self.big_endian)
 
     def load_reduce(self) -> None:
@@ -313,7 +214,7 @@ class _ZipUnpickler(_FreeUnpickler):
         super().__init__(data, allowed, big_endian)
         self.path, self.records = path, records
 
-    def storage(self, pid: Any) -> _Storage:
+    def storage(self, pid: Any) -> Storage:
         return _record_storage(self.path, self.records, pid)
 
 
@@ -329,11 +230,16 @@ class _LegacyUnpickler(_FreeUnpickler):
             raise NeedsTorch("a storage view (torch < 0.4)")
         return super().persistent_load(pid)
 
-    def storage(self, pid: Any) -> _Storage:
+    def storage(self, pid: Any) -> Storage:
         found = self.layout.storages.get(str(pid[2]))
         if found is None or found.dtype != pid[1]:
             raise pickle.UnpicklingError(f"malformed storage record {str(pid)[:80]}")
-        return _Storage(self.path, found.dtype, found.numel, found.offset)
+        return storage_record(self.path, found.dtype, found.numel, found.offset)
+
+
+_HEADER_PAGE = 4096
+# a zip local header's signature, file name length and extra field length
+_LOCAL_HEADER = struct.Struct("<4s22xHH").unpack_from
 
 
 def _zip_records(
@@ -346,15 +252,26 @@ def _zip_records(
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size if end is None else end
+        # local headers are read a page at a time: the records of a BN layer's five small
+        # tensors lie within one, and a header the page holds whole is the same 30 bytes
+        page_start, page = 0, b""
         for info in archive.infolist():
             if not info.filename.startswith(prefix):
                 continue
             start = None
             if info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1:
-                head = os.pread(fd, 30, base + info.header_offset)  # one call per record, no buffer refilled
-                if head[:4] == b"PK\x03\x04":
-                    names, extra = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30], "little")
-                    start = base + info.header_offset + 30 + names + extra
+                position = base + info.header_offset
+                at = position - page_start
+                if not (at >= 0 and at + 30 <= len(page)):
+                    page_start, page, at = position, os.pread(fd, _HEADER_PAGE, position), 0
+                if at + 30 <= len(page):
+                    signature, names, extra = _LOCAL_HEADER(page, at)
+                else:  # the file ends inside the header: what a short read of it gives
+                    head = page[at:]
+                    signature, names = head[:4], int.from_bytes(head[26:28], "little")
+                    extra = int.from_bytes(head[28:30], "little")
+                if signature == b"PK\x03\x04":
+                    start = position + 30 + names + extra
                     if start + info.file_size > size:
                         raise BnauditError(f"{path}: zip record '{info.filename}' runs past the end of the file")
             key = info.filename[len(prefix) :]
@@ -381,10 +298,12 @@ def _zip_records(
 # A run of the accepted opcodes whose arguments have a fixed length (GLOBAL's two lines
 # too), matched at C speed. LONG_BINPUT only below 2**18: the C unpickler grows its memo
 # array to twice the largest index a file names (2**32 - 1 would zero 64 GiB), so at most
-# 4 MiB here; a file with more memo entries is left to the restricted unpickler.
+# 4 MiB here; a file with more memo entries is left to the restricted unpickler. Each
+# opcode byte starts one alternative only, so the run is the same without backtracking
+# (`*+`: the engine keeps no backtracking state, a tenth faster); the most frequent first.
 _FIXED_RUN = re.compile(
-    rb"(?:[()}\]t\x85\x86\x87N\x88\x89RQsuaeb]|[Kqh].|M..|[Jj]....|r..[\x00-\x03]\x00|G.{8}"
-    rb"|c[^\n]*\n[^\n]*\n)*",
+    rb"(?:[Kqh].|r..[\x00-\x03]\x00|[()}\]t\x85\x86\x87N\x88\x89RQsuaeb]|M..|[Jj]....|G.{8}"
+    rb"|c[^\n]*\n[^\n]*\n)*+",
     re.DOTALL,
 )
 
@@ -396,6 +315,13 @@ def _plain_pickle(data: bytes) -> bool:
     """`data` is PROTO 2, then opcodes of `_FIXED_RUN` and BINUNICODE strings only, up to a
     STOP. Each opcode is read exactly as the unpickler reads it (its argument's length
     fixed by the opcode), so the C unpickler runs no other opcode and no larger memo."""
+    if type(data) is bytes and len(data) <= _REMEMBERED_BYTES:
+        return _remembered_scan(data)
+    return _scan(data)
+
+
+def _scan(data: bytes) -> bool:
+    """`_plain_pickle`'s scan."""
     if data[:2] != b"\x80\x02":
         return False
     pos, end = 2, len(data)
@@ -407,6 +333,13 @@ def _plain_pickle(data: bytes) -> bool:
         pos += 5 + _UINT4(data, pos + 1)[0]
         if pos > end:
             return False
+
+
+# The checkpoints of one model saved alike (a folder of epochs, of seeds) share one pickle,
+# byte for byte: the scan, a function of the bytes alone, is remembered for the last few
+# small ones (at most 16 x 256 KiB held), found again by hash and comparison at C speed.
+_REMEMBERED_BYTES = 1 << 18
+_remembered_scan = functools.lru_cache(maxsize=16)(_scan)
 
 
 class _Abandon(Exception):  # a signal: the restricted unpickler reads the file instead
@@ -432,7 +365,7 @@ class _FastRebuild(_FastFunction):
         self.big_endian = big_endian
 
     def __call__(self, storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> TensorRef:
-        check_tensor_record(storage, offset, size, stride, _Storage)
+        check_tensor_record(storage, offset, size, stride, Storage)
         return lazy_tensor(storage, offset, size, stride, self.big_endian)
 
 
@@ -450,7 +383,9 @@ class _FastCall(_FastFunction):
 
 class _FastZipUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, path: str, records: dict[str, _Record], calls: dict[str, Any]) -> None:
-        super().__init__(io.BytesIO(data))
+        # buffered: with `peek` the C unpickler takes the bytes in large chunks, not through a
+        # Python-level read() call per opcode (a third of the time of the whole load)
+        super().__init__(io.BufferedReader(io.BytesIO(data)))
         self.path, self.records, self.calls = path, records, calls
 
     def find_class(self, module: str, name: str) -> Any:
