@@ -253,6 +253,7 @@ def find_state_dicts(obj: Any, max_depth: int = 4) -> dict[str, Any]:
             walk(v, f"{path}/{k}" if path else k, depth + 1)
 
     walk(obj, "", 0)
+    del walk  # it refers to itself: a cycle that would keep `found`, the whole checkpoint, until a collection
     return found
 
 

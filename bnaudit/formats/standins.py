@@ -257,6 +257,7 @@ def stand_ins_in(obj: Any, max_depth: int = 8) -> list[tuple[str, str]]:
                 walk(item, f"{where}/{key}" if where else str(key), depth + 1)
 
     walk(obj, "", 0)
+    del walk  # it refers to itself: a cycle, left for a collection to free
     return found
 
 
