@@ -240,20 +240,22 @@ def find_state_dicts(obj: Any, max_depth: int = 4) -> dict[str, Any]:
     skipped; a state dict's own entries are not searched further.
     """
     found: dict[str, Any] = {}
-
-    def walk(value: Any, path: str, depth: int) -> None:
+    # depth first, in the container's order; a loop, not a nested recursive function, which
+    # would refer to itself: a cycle keeping `found`, the whole checkpoint, until a collection
+    stack: list[tuple[Any, str, int]] = [(obj, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
         if _is_module(value) or _is_tensor_mapping(value):
             found[path] = value
-            return
+            continue
         if depth >= max_depth or not isinstance(value, Mapping):
-            return
-        for k, v in value.items():
-            if not isinstance(k, str) or k.lower() in _SKIP_KEYS:
-                continue
-            walk(v, f"{path}/{k}" if path else k, depth + 1)
-
-    walk(obj, "", 0)
-    del walk  # it refers to itself: a cycle that would keep `found`, the whole checkpoint, until a collection
+            continue
+        children = [
+            (v, f"{path}/{k}" if path else k, depth + 1)
+            for k, v in value.items()
+            if isinstance(k, str) and k.lower() not in _SKIP_KEYS
+        ]
+        stack.extend(reversed(children))
     return found
 
 

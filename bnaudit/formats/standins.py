@@ -238,26 +238,30 @@ def stand_ins_in(obj: Any, max_depth: int = 8) -> list[tuple[str, str]]:
     further: what they hold was never loaded as anything but data."""
     found: list[tuple[str, str]] = []
     seen: set[int] = set()
-
-    def walk(value: Any, where: str, depth: int) -> None:
+    # depth first, in order; a loop, not a nested recursive function (it would refer to
+    # itself: a cycle left for the collector)
+    stack: list[tuple[Any, str, int]] = [(obj, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
         if isinstance(value, _STAND_IN_TYPES):
             found.append((where or "the file's root", value.name))
-            return
+            continue
         if depth >= max_depth or id(value) in seen or isinstance(value, (str, bytes, TensorRef)):
-            return
+            continue
         seen.add(id(value))
         if isinstance(value, Mapping):
             items: Any = value.items()
         elif isinstance(value, (list, tuple)):
             items = enumerate(value)
         else:
-            return
-        for key, item in items:
-            if not isinstance(item, _LEAVES):  # a state dict is mostly tensors: no path built for them
-                walk(item, f"{where}/{key}" if where else str(key), depth + 1)
-
-    walk(obj, "", 0)
-    del walk  # it refers to itself: a cycle, left for a collection to free
+            continue
+        # a state dict is mostly tensors: no path built for them
+        children = [
+            (item, f"{where}/{key}" if where else str(key), depth + 1)
+            for key, item in items
+            if not isinstance(item, _LEAVES)
+        ]
+        stack.extend(reversed(children))
     return found
 
 
