@@ -133,6 +133,16 @@ def python() -> str:
     return sys.executable
 
 
+def run_in_4_gib(code: str) -> subprocess.CompletedProcess[str]:
+    """`python -c code` with this checkout first on the path and its address space capped at
+    4 GiB (RLIMIT_AS): an allocation a forged file asks for fails instead of swapping."""
+    script = "import resource\nresource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n" + code
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, env=env, timeout=120
+    )
+
+
 def run_ranks(args: list[str], cwd, ranks: int = 2) -> subprocess.CompletedProcess[str]:
     """`python ARGS` in `cwd` under `torch.distributed.run --standalone --nproc-per-node
     ranks` (gloo on the CPU), or as one plain process with `ranks=1`: this checkout first

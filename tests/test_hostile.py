@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import run_in_4_gib
 from typer.testing import CliRunner
 
 from bnaudit.audit.audit import inspect
@@ -877,19 +878,8 @@ def test_torchscript_huge_memo_index_is_not_allocated(tmp_path):
         "/data.pkl",
         b"\x80\x02N" + b"r" + struct.pack("<I", 0xFFFFFFF0) + b".",
     )
-    script = (
-        "import resource, sys\n"
-        "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
-        "from bnaudit.formats.read import read_checkpoint\n"
-        f"print(len(read_checkpoint({str(path)!r}).tensors))\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=120,
+    proc = run_in_4_gib(
+        f"from bnaudit.formats.read import read_checkpoint\nprint(len(read_checkpoint({str(path)!r}).tensors))\n"
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "0"

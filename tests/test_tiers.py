@@ -26,7 +26,7 @@ def test_pytest_runs_the_fast_tier_and_ci_runs_both():
 
 def _starts_bnaudit(node: ast.AST) -> bool:
     """Whether `node`'s code starts bnaudit in a process: [..., "-m", "bnaudit", ...],
-    shutil.which("bnaudit") or a torchrun launch (run_ranks)."""
+    shutil.which("bnaudit"), a torchrun launch (run_ranks) or a capped child (run_in_4_gib)."""
     for sub in ast.walk(node):
         if isinstance(sub, ast.List):
             words = [e.value if isinstance(e, ast.Constant) else None for e in sub.elts]
@@ -34,7 +34,9 @@ def _starts_bnaudit(node: ast.AST) -> bool:
                 return True
         if isinstance(sub, ast.Call):
             name = ast.unparse(sub.func)
-            if name == "run_ranks" or (name == "shutil.which" and ast.unparse(sub.args[0]) == "'bnaudit'"):
+            if name in ("run_ranks", "run_in_4_gib") or (
+                name == "shutil.which" and ast.unparse(sub.args[0]) == "'bnaudit'"
+            ):
                 return True
     return False
 

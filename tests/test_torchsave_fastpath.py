@@ -18,8 +18,6 @@ import os
 import pickle
 import random
 import struct
-import subprocess
-import sys
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -31,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 import torch.jit._pickle
-from conftest import REPO
+from conftest import REPO, run_in_4_gib
 from test_torchfree import SAMPLES, mixed_state, to_big_endian
 
 from bnaudit.errors import BnauditError
@@ -382,19 +380,8 @@ def test_single_byte_changes_of_a_state_dicts_pickle_read_the_same(tmp_path):
 def test_a_torch_save_file_with_a_huge_memo_index_is_not_allocated(tmp_path):
     # LONG_BINPUT 0xFFFFFFF0: the C unpickler would grow its memo array to 64 GiB
     path = with_pickle(tmp_path, "memo", FORGED["huge_memo_index"])
-    script = (
-        "import resource\n"
-        "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
-        "from bnaudit.formats.allowlist import load_torch_object\n"
-        f"print(load_torch_object({path!r}, stand_ins=True))\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=120,
+    proc = run_in_4_gib(
+        f"from bnaudit.formats.allowlist import load_torch_object\nprint(load_torch_object({path!r}, stand_ins=True))\n"
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "{}"
