@@ -134,3 +134,26 @@ def test_unmoved_variance_without_a_counter_or_live_copy_is_a_warning(tmp_path):
     assert "50%" in f.message
     moved = torch.tensor([1.0, 0.2, 0.3, 0.4])
     assert inspect(save_torch(bn_entries("bn", 4, var=moved, counter=None), tmp_path / "m.pt")).files[0].findings == []
+
+
+def test_a_float_counter_is_a_counter_not_its_absence(tmp_path):
+    """The no-counter check of BN003 (running_var still 1 in half the channels while the
+    weights are trained) is for files without counters: a counter the file holds as a float
+    (a converted checkpoint) is not absent, and the check says "no counter" only when it is."""
+    from conftest import save_safetensors
+
+    from bnaudit.audit.audit import audit_file
+    from bnaudit.config import Config
+
+    state = {
+        "a.running_mean": torch.zeros(2),
+        "a.running_var": torch.tensor([0.5, 1.0]),  # half the channels still at the initial 1
+        "a.weight": torch.tensor([0.7, 1.3]),  # trained
+        "a.bias": torch.tensor([0.1, -0.2]),
+    }
+    without = audit_file(save_safetensors(state, tmp_path / "without.safetensors"), Config())
+    assert [(f.code, f.layer) for f in without.findings if f.code == "BN003"] == [("BN003", "a")]
+    assert "no counter" in next(f.message for f in without.findings if f.code == "BN003")
+    state["a.num_batches_tracked"] = torch.tensor(3.0)
+    with_float = audit_file(save_safetensors(state, tmp_path / "float.safetensors"), Config())
+    assert [f.code for f in with_float.findings if f.code == "BN003"] == []

@@ -71,6 +71,8 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
         t, m = layer.num_batches_tracked, layer.momentum
         if layer.name in ctx.recalibrated or has_identity_stats(layer):
             continue
+        if t is None and not ctx.is_ema and f"{layer.name}.num_batches_tracked" in ctx.tensors:
+            continue  # a counter the file holds but not as one integer (a float copy): not "without counters"
         if ctx.is_ema or t is None:
             finding = _immature_without_counter(ctx, layer)
             if finding is not None:
