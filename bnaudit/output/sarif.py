@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -180,23 +180,25 @@ def _log(
 def diff_to_sarif(report: DiffReport, base: str | None = None) -> dict[str, Any]:
     """The SARIF log of a diff report: as inspect's (the driver describes every rule of the
     registry), with side B, the checkpoint under review, as every result's artifact."""
-    base = os.path.abspath(base or os.getcwd())
-    codes = list(RULES)
-    location = _artifact_location(report.b.path, base)
-    results = [_result(finding, location, codes) for finding in report.findings]
-    properties = {"config": report.config.as_dict(), "compared": {"a": report.a.path, "b": report.b.path}}
-    return _log(base, codes, report.config, [], results, properties)
+    compared = {"compared": {"a": report.a.path, "b": report.b.path}}
+    return _one_file_log(report.b.path, report.findings, report.config, base, compared)
 
 
 def fold_to_sarif(report: FoldReport, base: str | None = None) -> dict[str, Any]:
     """The SARIF log of a fold report: as inspect's, with the checkpoint whose BN layers
     fold as every result's artifact."""
+    return _one_file_log(report.path, report.findings, report.config or Config(), base, {})
+
+
+def _one_file_log(
+    path: str, findings: Iterable[Finding], config: Config, base: str | None, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """A log whose every result is at `path` (diff, fold); `extra` joins the run's properties."""
     base = os.path.abspath(base or os.getcwd())
     codes = list(RULES)
-    config = report.config or Config()
-    location = _artifact_location(report.path, base)
-    results = [_result(finding, location, codes) for finding in report.findings]
-    return _log(base, codes, config, [], results, {"config": config.as_dict()})
+    location = _artifact_location(path, base)
+    results = [_result(finding, location, codes) for finding in findings]
+    return _log(base, codes, config, [], results, {"config": config.as_dict(), **extra})
 
 
 def to_sarif(report: Report) -> dict[str, Any]:
