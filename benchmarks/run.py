@@ -903,6 +903,7 @@ def target_11_torch_save_without_torch(tmp: str, repeats: int, copies: int = 50)
             "pt": bn + [built["one"]],
             "first": bn + [built["first"]],
             "folder": bn + [built["folder"]],
+            "folder_serial": bn + [built["folder"], "--jobs", "1"],
             "st_first": bn + [built["st_first"]],
             "st_folder": bn + [built["st_folder"]],
         },
@@ -923,6 +924,13 @@ def target_11_torch_save_without_torch(tmp: str, repeats: int, copies: int = 50)
         t["folder"] / t["first"],
         1.5,
         f"{fmt_s(t['folder'])} vs {fmt_s(t['first'])}",
+    )
+    line(
+        "11",
+        f"context: the same folder audited by one process (--jobs 1; {len(os.sched_getaffinity(0))} CPUs usable)",
+        None,
+        None,
+        f"{t['folder_serial'] / t['first']:.2f}x ({fmt_s(t['folder_serial'])} vs {fmt_s(t['first'])})",
     )
     line(
         "11",

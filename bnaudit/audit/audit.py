@@ -17,12 +17,13 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from bnaudit.audit.forked import forked_map, worker_count
 from bnaudit.audit.layers import BNLayer, ModuleFacts, discover_layers, facts_from_module_infos, not_from_file
 from bnaudit.audit.producers import LazyProducers, ProducerFilter
 from bnaudit.audit.provenance import recalibration_provenance
 from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
 from bnaudit.audit.rules import Finding, RuleContext, run_rules
-from bnaudit.audit.scan import targets, without_external_data, without_indexed_shards
+from bnaudit.audit.scan import Target, targets, without_external_data, without_indexed_shards
 from bnaudit.audit.settings import statement
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
@@ -190,16 +191,21 @@ def inspect(
     arch_kwargs: str | dict[str, Any] | None = None,
     debug: bool = False,
     all_revisions: bool = False,
+    jobs: int | None = None,
 ) -> InspectReport:
     """Audit checkpoints (files or directories) and return the report.
 
     `arch` (MODULE:CALLABLE, with `arch_kwargs` JSON) names the model: BN001 becomes
     exact and BN006 / BN007 / BN011 apply; its real eps and momentum replace the defaults.
     `all_revisions`: every snapshot of a Hugging Face cache repo, not only refs/main's.
+    `jobs`: at most this many processes audit the files (None: one per usable CPU; a few
+    files, or a process that already runs threads, are audited here alone: `forked`).
 
     >>> report = inspect("sample_models/")      # doctest: +SKIP
     >>> report.exit_code(), report.summary()    # doctest: +SKIP
     """
+    if jobs is not None and jobs < 1:
+        raise BnauditError(f"--jobs must be at least 1, got {jobs}")
     config = config or Config()
     model = None
     producers: dict[str, str] = {}
@@ -215,29 +221,37 @@ def inspect(
         paths = [paths]
     found = targets([os.fspath(p) for p in paths], all_revisions=all_revisions)
     kept = set(without_external_data(without_indexed_shards([t.path for t in found if t.error is None])))
-    files: list[FileReport] = []
+    plan: list[tuple[Target, FileReport | None]] = []  # None: to be audited
     for target in found:
         path, named = target.path, target.named
         if target.error is not None:
-            report = FileReport(path, error=target.error, named=named)
+            plan.append((target, FileReport(path, error=target.error, named=named)))
         elif named and (pattern := config.exclusion(path)) is not None:
             # named explicitly: say so instead of auditing nothing in silence
             where = f" in {config.source}" if config.source else ""
-            report = FileReport(path, excluded=f'excluded by the configuration (exclude "{pattern}"{where})')
+            excluded = f'excluded by the configuration (exclude "{pattern}"{where})'
+            plan.append((target, FileReport(path, excluded=excluded)))
         elif path in kept and not config.excludes(path):
-            with _collection_after():
-                report = audit_file(
-                    path,
-                    config,
-                    key=key,
-                    trust_pickle=trust_pickle,
-                    model=model,
-                    debug=debug,
-                    named=named,
-                    producers=producers,
-                )
-        else:
-            continue
+            plan.append((target, None))
+
+    def audit_target(target: Target) -> FileReport:
+        with _collection_after():
+            return audit_file(
+                target.path,
+                config,
+                key=key,
+                trust_pickle=trust_pickle,
+                model=model,
+                debug=debug,
+                named=target.named,
+                producers=producers,
+            )
+
+    to_audit = [target for target, report in plan if report is None]
+    audited = iter(forked_map(audit_target, to_audit, worker_count(len(to_audit), jobs)))
+    files: list[FileReport] = []
+    for target, ready in plan:
+        report = ready if ready is not None else next(audited)
         if target.hub is not None:
             _from_the_hub(report, target.hub)
         files.append(report)

@@ -82,6 +82,15 @@ def inspect(
             help="In a Hugging Face cache, audit every downloaded snapshot, not only the one refs/main names (each file read once).",
         ),
     ] = False,
+    jobs: Annotated[
+        Optional[int],
+        typer.Option(
+            "--jobs",
+            "-j",
+            metavar="N",
+            help="At most N processes audit the files of a scan (default: one per CPU, from 16 files up; 1: this process alone).",
+        ),
+    ] = None,
     debug: DebugOpt = False,
     arch: Annotated[
         Optional[str],
@@ -122,6 +131,7 @@ def inspect(
             arch_kwargs=arch_kwargs,
             debug=debug,
             all_revisions=all_revisions,
+            jobs=jobs,
         )
         # emitting stays inside the boundary: the values it prints come from the files
         output.emit(report, output_format.value, sys.stdout, quiet=quiet, all_layers=all_layers)
