@@ -85,6 +85,29 @@ def test_a_failing_child_costs_time_not_results(failure):
     assert seen["parent"] not in {pids[i] for i in range(1, 30, 3)}
 
 
+def test_a_caller_that_ignores_sigchld_still_gets_every_result():
+    """With SIGCHLD ignored (a supervisor's setting a process inherits), children are reaped
+    by the kernel and waitpid finds none: their bytes decide, and a killed one is recomputed."""
+    seen = _run(
+        """
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+        parent = os.getpid()
+
+        def work(x):
+            if x == 4 and os.getpid() != parent:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return (x, os.getpid())
+
+        out = forked_map(work, list(range(30)), 3)
+        print(json.dumps({"parent": parent, "out": out}))
+        """
+    )
+    assert [value for value, _ in seen["out"]] == list(range(30))
+    pids = [pid for _, pid in seen["out"]]
+    assert {pids[i] for i in range(1, 30, 3)} == {seen["parent"]}  # item 4 is worker 1's
+    assert seen["parent"] not in {pids[i] for i in range(2, 30, 3)}
+
+
 def test_a_process_running_another_thread_does_not_fork():
     seen = _run(
         """

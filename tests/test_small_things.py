@@ -35,7 +35,12 @@ def bnaudit(*args: str, columns: int = 100, **kwargs) -> subprocess.CompletedPro
         ),
         (["inspect", HEALTHY, "--eps", "abc"], "--eps: expected a number (see bnaudit inspect --help)"),
         (["gap", HEALTHY, "--batch-size", "1.5"], "--batch-size: expected a whole number (see bnaudit gap --help)"),
-        (["inspect", HEALTHY, "--bogus"], "No such option: --bogus (see bnaudit inspect --help)"),
+        (["inspect", HEALTHY, "--zzz"], "No such option: --zzz (see bnaudit inspect --help)"),
+        # click suggests a close option name (difflib); the line stays one line
+        (
+            ["inspect", HEALTHY, "--exitzero"],
+            "No such option: --exitzero (Possible options: --exit-zero) (see bnaudit inspect --help)",
+        ),
     ],
 )
 def test_usage_errors_are_one_line_in_our_words(args, line):

@@ -23,6 +23,7 @@ libraries are not fork-safe; Windows has no fork).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -112,7 +113,10 @@ def _collect(pid: int, read_end: int, count: int) -> list[R] | None:
     """The child's results, or None if it failed (its share is then computed by the caller)."""
     with os.fdopen(read_end, "rb") as pipe:
         data = pipe.read()
-    _, status = os.waitpid(pid, 0)
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:  # SIGCHLD ignored (inherited from the caller): reaped, status unknown
+        status = 0  # the bytes decide: a child cut short leaves a pickle that does not load
     if os.waitstatus_to_exitcode(status) != 0:
         return None
     try:
@@ -123,9 +127,8 @@ def _collect(pid: int, read_end: int, count: int) -> list[R] | None:
 
 
 def _stop(pid: int, read_end: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    os.waitpid(pid, 0)
+    with contextlib.suppress(ChildProcessError):  # SIGCHLD ignored: reaped already
+        os.waitpid(pid, 0)
     os.close(read_end)
