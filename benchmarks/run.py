@@ -829,6 +829,13 @@ def target_2_startup(
         "help": bn + ["--help"],
         "inspect_tiny": bn + ["inspect", tiny],
     }
+    # What a CLI pays that prints the same bytes through rich after reading the same header:
+    # the floor of this design (typer, rich's console, json), with none of bnaudit's own work.
+    shown = os.path.join(tmp, "one_layer_output.txt")
+    with open(shown, "w", encoding="utf-8") as fh:
+        done = subprocess.run(bn + ["inspect", tiny], capture_output=True, text=True, env=child_env(), cwd=REPO)
+        fh.write(done.stdout)
+    commands["same_bytes"] = [PY, "-c", _SAME_BYTES, tiny, shown]
     if st_resnet:
         commands["inspect_resnet"] = bn + ["inspect", st_resnet]
     has_rules = command_exists("rules")
@@ -851,6 +858,9 @@ def target_2_startup(
     line("2", "reference: python -c 'import typer, rich'", None, None, f"{fmt_s(base)} (min {fmt_s(base_min)})")
     floor = median_wall(runs["floor"])
     line("2", "floor of a CLI printing with rich: import typer, rich, rich.console", floor / base, None, fmt_s(floor))
+    same = median_wall(runs["same_bytes"])
+    what = "floor of inspect .safetensors: read its header, print the same bytes through rich"
+    line("2", what, same / base, None, fmt_s(same))
     words = {
         "help": "bnaudit --help",
         "rules": "bnaudit rules",
@@ -872,6 +882,18 @@ def target_2_startup(
     if pt_resnet:
         t = median_wall(runs["inspect_pt"])
         line("2", "bnaudit inspect torch.save zip (ResNet-50; see target 11)", t / base, None, fmt_s(t))
+
+
+# argv: a safetensors file and a text file: read the file's header as bnaudit does, then print
+# the text through a rich Console (what target 2's "same bytes" floor runs).
+_SAME_BYTES = (
+    "import json, sys, typer, rich\n"
+    "from rich.console import Console\nfrom rich.text import Text\n"
+    "with open(sys.argv[1], 'rb') as fh:\n"
+    "    header = json.loads(fh.read(int.from_bytes(fh.read(8), 'little')))\n"
+    "with open(sys.argv[2], encoding='utf-8') as fh:\n"
+    "    Console().print(Text(fh.read()), end='')"
+)
 
 
 # Runs the CLI as `python -m bnaudit ARGS`, then says whether torch was imported.
