@@ -339,7 +339,8 @@ def test_recalibrate_stopped_while_writing_leaves_no_partial_file(
 ) -> None:
     """Stopped after the whole file is written but before it gets its name. (In the
     fallback mode a SIGKILL cannot be cleaned up after: the hidden temporary file
-    stays; O_TMPFILE, the default on Linux, is what makes SIGKILL safe.)"""
+    stays until the next write of that output (test_save); O_TMPFILE, the default on Linux, is
+    what makes SIGKILL safe.)"""
     marker, target = tmp_path / "writing", tmp_path / "target"
     target.mkdir()
     out = target / "out.safetensors"

@@ -410,3 +410,49 @@ def test_killed_writer_leaves_no_file(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
     assert os.listdir(out.parent) == []
+
+
+def _dead_pid() -> int:
+    """The PID of a process that has exited (a PID is not handed out again this soon)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_what_a_killed_write_left_is_removed_by_the_next_write_of_that_output(tmp_path: Path) -> None:
+    """SIGKILL runs no cleanup: the hidden temporaries of a dead writer stay until the next
+    write of the same output removes them. Only those: not a live process's, not another
+    output's, not a `.old` folder (a previous output renamed aside), not a link's target."""
+    dead, live = _dead_pid(), os.getpid()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.bin").write_bytes(b"not ours")
+    folder = tmp_path / "target"
+    folder.mkdir()
+    stale_file = folder / f".out.safetensors.bnaudit-{dead}-1a2b3c4d.tmp"
+    stale_file.write_bytes(b"half a checkpoint")
+    stale_folder = folder / f".shards.bnaudit-{dead}-k2j4_x9q.tmp"
+    stale_folder.mkdir()
+    (stale_folder / "model-00001-of-00002.safetensors").write_bytes(b"half a shard")
+    stale_link = folder / f".shards.bnaudit-{dead}-linked00.tmp"
+    stale_link.symlink_to(outside)
+    kept = [
+        f".shards.bnaudit-{dead}-k2j4_x9q.old",  # the previous output, renamed aside
+        f".out.safetensors.bnaudit-{live}-5e6f7a8b.tmp",  # a writer still running
+        f".other.bnaudit-{dead}-1a2b3c4d.tmp",  # another output's
+        ".out.safetensors.bnaudit-x1-1a2b3c4d.tmp",  # not a PID
+        f"out.safetensors.bnaudit-{dead}-1a2b3c4d.tmp",  # not hidden: not a name bnaudit writes
+    ]
+    for name in kept:
+        (folder / name).write_bytes(b"keep")
+
+    atomic_write(str(folder / "out.safetensors"), lambda f: f.write(b"new"))
+    assert not stale_file.exists()
+    assert (folder / "out.safetensors").read_bytes() == b"new"
+    assert stale_folder.exists() and stale_link.is_symlink()  # the folder output's: not yet
+
+    atomic_mod.atomic_folder(str(folder / "shards"), lambda temp: Path(temp, "index.json").write_text("{}"))
+    assert not stale_folder.exists() and not stale_link.is_symlink()
+    assert (outside / "keep.bin").read_bytes() == b"not ours"  # the link went, not what it named
+    assert sorted(os.listdir(folder)) == sorted([*kept, "out.safetensors", "shards"])
+    assert atomic_mod.remove_stale_temporaries(str(folder), "out.safetensors") == []

@@ -6,7 +6,8 @@ file unnamed (O_TMPFILE, or a hidden temporary where that is missing) and names 
 when complete and fsynced, so a crash or kill never leaves half a checkpoint.
 `check_folder_output` and `atomic_folder` do the same for a checkpoint that is a folder
 (shards and their index, a distributed checkpoint): built in a hidden temporary folder beside the target, renamed
-into place when complete.
+into place when complete. What a killed write leaves (SIGKILL runs no cleanup) is removed
+by the next write of the same output (`remove_stale_temporaries`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def atomic_write(output: str, write: Callable[[Any], None], force: bool = False)
     check_output(output, force=force)
     directory = os.path.dirname(os.path.abspath(output))
     base = os.path.basename(output)
+    remove_stale_temporaries(directory, base)
     try:
         fd = _open_unnamed(directory)
         if fd is not None:
@@ -222,6 +224,49 @@ def check_folder_output(output: str, source_folder: str, marker: str, force: boo
         )
 
 
+def remove_stale_temporaries(directory: str, base: str) -> list[str]:
+    """Remove what a killed write of `base` left in `directory`: the hidden
+    `.BASE.bnaudit-PID-*.tmp` files and folders of a process that no longer runs (SIGKILL, the
+    out-of-memory killer, a power cut: nothing ran to remove them). Only `.tmp` entries, the
+    incomplete new output: a `.old` folder holds a previous output renamed aside and is the
+    user's data. A live PID (this one, or another user's) keeps its temporary. Returns the
+    names removed."""
+    import shutil
+
+    prefix = f".{base}.bnaudit-"
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(prefix) :].split("-", 1)[0]
+        if not (name.startswith(prefix) and name.endswith(".tmp") and pid.isdigit()) or _running(int(pid)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except OSError:
+            continue  # not ours to remove after all (permissions): leave it
+        removed.append(name)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: a process of another user has that PID
+        return True
+    return True
+
+
 def atomic_folder(output: str, fill: Callable[[str], None], force: bool = False) -> None:
     """Create the folder `output` from `fill(folder)` all at once, or not at all.
 
@@ -237,6 +282,7 @@ def atomic_folder(output: str, fill: Callable[[str], None], force: bool = False)
     output = os.fspath(output)
     directory = os.path.dirname(os.path.abspath(output))
     base = os.path.basename(os.path.normpath(output))
+    remove_stale_temporaries(directory, base)
     try:
         temp = tempfile.mkdtemp(dir=directory, prefix=f".{base}.bnaudit-{os.getpid()}-", suffix=".tmp")
     except OSError as exc:
