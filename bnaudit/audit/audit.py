@@ -198,8 +198,9 @@ def inspect(
     `arch` (MODULE:CALLABLE, with `arch_kwargs` JSON) names the model: BN001 becomes
     exact and BN006 / BN007 / BN011 apply; its real eps and momentum replace the defaults.
     `all_revisions`: every snapshot of a Hugging Face cache repo, not only refs/main's.
-    `jobs`: at most this many processes audit the files (None: one per usable CPU; a few
-    files, or a process that already runs threads, are audited here alone: `forked`).
+    `jobs`: at most this many processes audit the files (None: one per usable CPU). Fewer
+    than 16 files, or a process that already runs threads (torch imported), are audited in
+    this process alone (bnaudit.audit.forked says why).
 
     >>> report = inspect("sample_models/")      # doctest: +SKIP
     >>> report.exit_code(), report.summary()    # doctest: +SKIP
