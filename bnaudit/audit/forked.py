@@ -69,8 +69,6 @@ def forked_map(func: Callable[[T], R], items: Sequence[T], workers: int) -> list
     if workers <= 1 or len(items) < 2 or not single_threaded():
         return [func(x) for x in items]
     workers = min(workers, len(items))
-    sys.stdout.flush()  # a child leaves by os._exit, but buffered output is not duplicated anyway
-    sys.stderr.flush()
     children: list[tuple[int, int, range]] = []  # pid, read end of its pipe, its items
     try:
         for k in range(1, workers):
