@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from bnaudit.audit.formulas import (
     COARSE_LEVELS,
@@ -64,6 +63,7 @@ from bnaudit.audit.producers import producer_candidates
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_ITEMSIZE, TensorRef, decode_values
+from bnaudit.records import dataclass
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,8 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from bnaudit.records import dataclass
 
 TINY = sys.float_info.min
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
@@ -40,6 +39,7 @@ from bnaudit.cli.options import (
     WorkersOpt,
     data_options,
 )
+from bnaudit.records import dataclass
 
 if TYPE_CHECKING:
     from bnaudit.runtime.data import DataOptions

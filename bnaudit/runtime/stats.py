@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from bnaudit.audit.statistics import Drift
+from bnaudit.records import dataclass
 from bnaudit.runtime.distributed import collective_device, gather_objects
 
 
