@@ -30,8 +30,10 @@ if TYPE_CHECKING:
     from dataclasses import dataclass as dataclass
 else:
 
-    def dataclass(cls: type | None = None, /, *, frozen: bool = False) -> Any:
+    def dataclass(cls: type | None = None, /, *, frozen: bool = False, **options: Any) -> Any:
         def wrap(cls: type) -> type:
+            if options:  # order, slots, kw_only, ...: the standard library's own
+                return dataclasses.dataclass(cls, frozen=frozen, **options)
             return _record(cls, frozen)
 
         return wrap if cls is None else wrap(cls)

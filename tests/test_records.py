@@ -166,6 +166,11 @@ def test_what_records_does_not_cover_goes_to_the_standard_library():
         a: int
         b: list[int] = dataclasses.field(init=False, default_factory=list)
 
+    @dataclass(frozen=True, order=True)
+    class Ordered:  # an option besides frozen
+        a: int
+
+    assert Ordered(1) < Ordered(2) and getattr(Ordered.__eq__, "__module__", None) != "bnaudit.records"
     assert getattr(Derived.__eq__, "__module__", None) != "bnaudit.records"
     assert Derived(1) == Derived(1, 2) and hash(Derived(1)) == hash(Derived(1))
     assert Later(1).a == 2
