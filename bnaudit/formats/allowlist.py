@@ -19,6 +19,7 @@ import importlib
 import os
 import re
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from bnaudit.errors import BnauditError
@@ -116,6 +117,7 @@ def load_torch_object(
     stand_ins: bool = False,
     lazy: bool = False,
     opened: zipfile.ZipFile | None = None,
+    numpy_declined: list[str] | None = None,
 ) -> Any:
     """`torch.load` a torch.save file without running pickled code.
 
@@ -130,7 +132,10 @@ def load_torch_object(
     `PickledModule`s (formats/torchsave.py) instead of torch tensors and modules, so a file
     of tensors, plain containers and torch.nn modules is read without importing torch.
     `opened`: the zip archive of `path` that `sniff.sniff_opening` just parsed, for the
-    torch-free reader to take (the caller closes it).
+    torch-free reader to take (the caller closes it). `numpy_declined` (a list): the
+    torch-free reader does not import numpy for the allow-listed numpy globals but leaves
+    each a `standins.DeferredGlobal` (its calls recorded as data) and appends its name, for a
+    caller that may not need the values and reads again without the list if it does.
     """
     legacy = not mmap
     try:
@@ -139,8 +144,10 @@ def load_torch_object(
         # torch's C++ reader takes UTF-8 paths only; a file name that is not (bytes
         # kept by surrogateescape) is read through an open file object, without mmap.
         with open(path, "rb") as handle:
-            return _load_torch_object(path, handle, trust_pickle, False, legacy, hint, stand_ins, lazy, opened)
-    return _load_torch_object(path, path, trust_pickle, mmap, legacy, hint, stand_ins, lazy, opened)
+            return _load_torch_object(
+                path, handle, trust_pickle, False, legacy, hint, stand_ins, lazy, opened, numpy_declined
+            )
+    return _load_torch_object(path, path, trust_pickle, mmap, legacy, hint, stand_ins, lazy, opened, numpy_declined)
 
 
 def _load_torch_object(
@@ -153,6 +160,7 @@ def _load_torch_object(
     stand_ins: bool = False,
     lazy: bool = False,
     opened: zipfile.ZipFile | None = None,
+    numpy_declined: list[str] | None = None,
 ) -> Any:
     if trust_pickle:
         return _load_trusted(path, source)
@@ -161,10 +169,12 @@ def _load_torch_object(
     if stand_ins or lazy:
         from bnaudit.formats.torchsave import NeedsTorch, read_torch_free
 
+        given = _stand_in_allowed if numpy_declined is None else _deferring_numpy(numpy_declined)
         try:
-            return read_torch_free(path, legacy, _stand_in_allowed, stand_ins, opened)
-        except NeedsTorch:
-            pass  # a file only torch rebuilds (or refuses): its loader reads it, as always
+            return read_torch_free(path, legacy, given, stand_ins, opened)
+        except NeedsTorch:  # a file only torch rebuilds (or refuses): its loader reads it, as always
+            if numpy_declined is not None:
+                numpy_declined.clear()  # nothing deferred: torch's loader imports what it needs
     import torch
 
     allowed = _plain_allowlist(numpy_names=False)
@@ -282,6 +292,21 @@ def _stand_in_allowed(name: str) -> Any | None:
     """The plain-data globals the stand-in reader rebuilds for real. torch.nn classes
     are left as stand-ins there: a module holding lazy tensors could not give a state dict."""
     return None if name.startswith(_NN_MODULE_PREFIXES) else _allowed_global(name)
+
+
+def _deferring_numpy(declined: list[str]) -> Callable[[str], Any]:
+    """_stand_in_allowed, with numpy's allow-listed globals left unimported: a DeferredGlobal
+    each, its name noted in `declined`. numpy's other globals stay plain stand-ins, refused
+    when called, as always."""
+    from bnaudit.formats.standins import DeferredGlobal
+
+    def given(name: str) -> Any:
+        if name.startswith("numpy.") and (name in _PLAIN_GLOBALS or _NUMPY_DTYPE_RE.match(name)):
+            declined.append(name)
+            return DeferredGlobal(name)
+        return _stand_in_allowed(name)
+
+    return given
 
 
 def _torch_weights_only_globals() -> set[str]:

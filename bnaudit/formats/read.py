@@ -10,7 +10,8 @@ that reader does not rebuild), ONNX models with the `onnx` package (an optional 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.classify import NotModelWeights, kind_from_object, kind_from_refusal
@@ -80,13 +81,33 @@ def _read_torch_save(
     from bnaudit.formats.allowlist import load_torch_object
     from bnaudit.formats.standins import stand_ins_in, with_stand_ins_checked
 
+    def load(numpy_declined: list[str] | None) -> Any:
+        try:
+            return load_torch_object(
+                path,
+                trust_pickle=trust_pickle,
+                mmap=fmt == "torch-zip",
+                stand_ins=True,
+                opened=opened,
+                numpy_declined=numpy_declined,
+            )
+        except BnauditError:
+            what = None if trust_pickle else kind_from_refusal(path)
+            if what is None:
+                raise
+            raise NotModelWeights(path, what) from None
+
+    # numpy (~60 ms to import) only where its values are read. A file without a state dict
+    # is told apart by its keys and name alone, so its numpy objects (a Trainer's
+    # rng_state.pth holds numpy's RNG state) need not be rebuilt; anything else is read again
+    # with numpy, exactly as if it had been allowed from the start.
+    declined: list[str] | None = None if trust_pickle or "numpy" in sys.modules else []
     try:
-        obj = load_torch_object(path, trust_pickle=trust_pickle, mmap=fmt == "torch-zip", stand_ins=True, opened=opened)
-    except BnauditError:
-        what = None if trust_pickle else kind_from_refusal(path)
-        if what is None:
+        obj = load(declined)
+    except BnauditError:  # NotModelWeights included
+        if not declined:
             raise
-        raise NotModelWeights(path, what) from None
+        declined, obj = None, load(None)
 
     # Pickled training arguments are known by their name and the classes the pickle names
     # (left as stand-ins): asked only where the file is not plainly a model.
@@ -98,6 +119,9 @@ def _read_torch_save(
         what = by_name() or kind_from_object(path, obj)
         if what is not None:
             raise NotModelWeights(path, what)
+    if declined:
+        obj = load(None)
+        candidates = find_state_dicts(obj)
     try:
         ckpt = with_stand_ins_checked(path, obj, lambda: checkpoint_from_object(path, fmt, obj, key, candidates))
     except NotModelWeights:
