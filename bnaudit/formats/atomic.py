@@ -52,7 +52,7 @@ def atomic_write(output: str, write: Callable[[Any], None], force: bool = False)
     it exists: no race with another writer), or, with `force`, linked to a
     temporary name and renamed over `output`. A crash, Ctrl-C or kill at any point
     before leaves no file behind. Where O_TMPFILE is unavailable a hidden temporary
-    file `.NAME.bnaudit-PID.tmp` is used and removed on any error or Ctrl-C.
+    file `.NAME.bnaudit-PID-*.tmp` is used and removed on any error or Ctrl-C.
     """
     output = os.fspath(output)
     check_output(output, force=force)
@@ -129,7 +129,7 @@ def _link_fd(fd: int, target: str) -> bool:
 def _name_unnamed(fd: int, output: str, directory: str, base: str, force: bool) -> bool:
     if not force:
         return _link_fd(fd, output)
-    temp = os.path.join(directory, f".{base}.bnaudit-{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    temp = os.path.join(directory, f"{_temporary_prefix(base)}{os.getpid()}-{os.urandom(4).hex()}.tmp")
     if not _link_fd(fd, temp):
         return False
     try:
@@ -143,7 +143,7 @@ def _name_unnamed(fd: int, output: str, directory: str, base: str, force: bool) 
 def _write_named(output: str, directory: str, base: str, force: bool, write: Callable[[Any], None]) -> None:
     import tempfile
 
-    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{base}.bnaudit-{os.getpid()}-", suffix=".tmp")
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=f"{_temporary_prefix(base)}{os.getpid()}-", suffix=".tmp")
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -224,6 +224,12 @@ def check_folder_output(output: str, source_folder: str, marker: str, force: boo
         )
 
 
+def _temporary_prefix(base: str) -> str:
+    """`.BASE.bnaudit-`: every temporary of an output named BASE, then the writer's PID, a
+    random part and `.tmp` (what `remove_stale_temporaries` parses)."""
+    return f".{base}.bnaudit-"
+
+
 def remove_stale_temporaries(directory: str, base: str) -> list[str]:
     """Remove what a killed write of `base` left in `directory`: the hidden
     `.BASE.bnaudit-PID-*.tmp` files and folders of a process that no longer runs (SIGKILL, the
@@ -233,7 +239,7 @@ def remove_stale_temporaries(directory: str, base: str) -> list[str]:
     names removed."""
     import shutil
 
-    prefix = f".{base}.bnaudit-"
+    prefix = _temporary_prefix(base)
     removed: list[str] = []
     try:
         names = os.listdir(directory)
@@ -284,7 +290,7 @@ def atomic_folder(output: str, fill: Callable[[str], None], force: bool = False)
     base = os.path.basename(os.path.normpath(output))
     remove_stale_temporaries(directory, base)
     try:
-        temp = tempfile.mkdtemp(dir=directory, prefix=f".{base}.bnaudit-{os.getpid()}-", suffix=".tmp")
+        temp = tempfile.mkdtemp(dir=directory, prefix=f"{_temporary_prefix(base)}{os.getpid()}-", suffix=".tmp")
     except OSError as exc:
         raise BnauditError(f"cannot write {output}: {exc.strerror or exc}") from None
     try:
