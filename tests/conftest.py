@@ -141,14 +141,19 @@ def python() -> str:
     return sys.executable
 
 
-def run_in_4_gib(code: str) -> subprocess.CompletedProcess[str]:
-    """`python -c code` with this checkout first on the path and its address space capped at
-    4 GiB (RLIMIT_AS): an allocation a forged file asks for fails instead of swapping."""
-    script = "import resource\nresource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n" + code
+def run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python -c code ARGS` in a fresh interpreter (none of this process's imports: torch,
+    numpy, threads) with this checkout first on the path, run from the repository root."""
     env = {**os.environ, "PYTHONPATH": REPO}
     return subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, env=env, timeout=120
     )
+
+
+def run_in_4_gib(code: str) -> subprocess.CompletedProcess[str]:
+    """run_python with the address space capped at 4 GiB (RLIMIT_AS): an allocation a forged
+    file asks for fails instead of swapping."""
+    return run_python("import resource\nresource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n" + code)
 
 
 def run_ranks(args: list[str], cwd, ranks: int = 2) -> subprocess.CompletedProcess[str]:

@@ -14,11 +14,10 @@ from __future__ import annotations
 import ast
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
+from conftest import REPO, run_python
 
 PACKAGE = Path(REPO) / "bnaudit"
 
@@ -230,29 +229,14 @@ def test_the_torch_free_side_imports_neither_torch_nor_numpy():
         "for name in json.loads(sys.argv[1]): importlib.import_module(name)\n"
         "print(json.dumps({m: m in sys.modules for m in ('torch', 'numpy')}))\n"
     )
-    env = {**os.environ, "PYTHONPATH": REPO}
-    proc = subprocess.run(
-        [sys.executable, "-c", probe, json.dumps(TORCH_FREE)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=120,
-    )
+    proc = run_python(probe, json.dumps(TORCH_FREE))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"torch": False, "numpy": False}
 
 
 def test_the_probe_notices_a_module_that_imports_numpy():
     probe = "import importlib, sys\nimportlib.import_module('bnaudit.runtime.data')\nprint('numpy' in sys.modules)\n"
-    proc = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
-        timeout=120,
-    )
+    proc = run_python(probe)
     assert proc.stdout.strip() == "True", proc.stderr
 
 

@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
+from conftest import run_python
 from safetensors.torch import save_file
 from torch import nn
 
@@ -33,14 +31,7 @@ print(json.dumps({"report": json.loads(text.getvalue()), "numpy": "numpy" in sys
 
 
 def _report(folder, mode: str) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", _REPORT, str(folder), mode],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": REPO},
-        cwd=REPO,
-        timeout=120,
-    )
+    done = run_python(_REPORT, str(folder), mode)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
-from conftest import REPO, SAMPLES
+from conftest import SAMPLES, run_python
 
 from bnaudit.audit import forked
 from bnaudit.errors import BnauditError
@@ -25,15 +24,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="workers are for
 def _run(body: str) -> dict:
     """Run `body` with forked_map imported; it must print one JSON document."""
     script = "import json, os, signal, sys, threading, time\nfrom bnaudit.audit.forked import forked_map\n"
-    env = {**os.environ, "PYTHONPATH": REPO}
-    done = subprocess.run(
-        [sys.executable, "-c", script + textwrap.dedent(body)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=120,
-    )
+    done = run_python(script + textwrap.dedent(body))
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
