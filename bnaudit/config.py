@@ -23,14 +23,13 @@ import math
 import os
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import field
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from bnaudit.audit.settings import DEFAULT_EPS, DEFAULT_MOMENTUM, Settings, stated_settings
 from bnaudit.errors import BnauditError
-from bnaudit.records import dataclass
 from bnaudit.severity import Severity
 
 SEVERITIES: tuple[Severity, ...] = tuple(Severity)  # lowest first

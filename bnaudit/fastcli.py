@@ -35,14 +35,12 @@ import inspect
 import os
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from enum import Enum
 from typing import Any, Optional, get_args, get_origin
 
 import typer
 import typer.core
-
-from bnaudit.records import dataclass
 
 PLAIN_TYPER_ENV = "BNAUDIT_PLAIN_TYPER"
 # The typer (major, minor) whose internals this module was written against. A new minor

@@ -34,10 +34,9 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
-
-from bnaudit.records import dataclass
 
 
 class NormKind(enum.Enum):

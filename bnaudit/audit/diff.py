@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import field
+from dataclasses import dataclass, field
 
 from bnaudit.audit.exportdiff import (
     ExportCheck,
@@ -53,7 +53,6 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.containers import averaged_model_record
 from bnaudit.formats.ema import copy_words
 from bnaudit.formats.model import Averaging, Checkpoint
-from bnaudit.records import dataclass
 from bnaudit.severity import Severity
 from bnaudit.text import plural
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 from bnaudit.audit.fold import FoldCheck, float32, fold_layer
@@ -42,7 +42,6 @@ from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.settings import Setting, Settings
 from bnaudit.formats.model import Checkpoint, TensorRef
 from bnaudit.normkinds import NormKind, onnx_op_kind
-from bnaudit.records import dataclass
 from bnaudit.text import listing
 
 CONV_OPS = ("Conv", "Gemm", "MatMul")

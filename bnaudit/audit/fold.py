@@ -43,9 +43,9 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from bnaudit.audit.formulas import folded_conv, implied_eps
-from bnaudit.records import dataclass
 
 WEIGHT_RTOL = 1e-5
 FOLD_RTOL = 1e-5

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from bnaudit.audit.formulas import (
     COARSE_LEVELS,
@@ -63,7 +64,6 @@ from bnaudit.audit.producers import producer_candidates
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_ITEMSIZE, TensorRef, decode_values
-from bnaudit.records import dataclass
 
 
 @dataclass(frozen=True)

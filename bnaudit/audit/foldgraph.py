@@ -23,6 +23,7 @@ weight and no bias. ConvTranspose (weight (C_in, C_out / groups, ...)) is not pa
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from bnaudit.audit.foldcheck import PairPrediction, channel_maxima, predict_folded, predict_pair
@@ -32,7 +33,6 @@ from bnaudit.config import Config
 from bnaudit.formats.model import Checkpoint, TensorRef
 from bnaudit.formats.onnx import OnnxModel, batchnorm_layer_name, constant
 from bnaudit.normkinds import NormKind, onnx_op_kind
-from bnaudit.records import dataclass
 
 PRODUCER_OPS = ("Conv", "Gemm", "MatMul")
 

@@ -19,10 +19,10 @@ channels (a few odd channels, dead or constant, must not decide for the layer):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from bnaudit.audit.formulas import implied_data_value, mean_shift, variance_overstatement
-from bnaudit.records import dataclass
 from bnaudit.text import plural
 
 if TYPE_CHECKING:  # the rules import this module: `bnaudit rules` reads no layers

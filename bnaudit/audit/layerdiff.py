@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import field
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
@@ -38,7 +38,6 @@ from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.settings import Settings
 from bnaudit.audit.statistics import channel_log_var_ratio, channel_shift
 from bnaudit.config import Config
-from bnaudit.records import dataclass
 from bnaudit.text import plural
 
 if TYPE_CHECKING:  # the export check's modules are needed only when one side is an export

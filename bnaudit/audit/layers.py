@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import cached_property
 
 from bnaudit.audit.formulas import all_finite, eval_gains, near_eps_channels, valid_eval_gains
 from bnaudit.audit.settings import Setting, Settings, resolve, stated_settings
 from bnaudit.formats.model import Checkpoint, ModuleInfo, TensorRef
 from bnaudit.normkinds import GroupKind, NormKind, group_kind, looks_like_batchnorm_name, module_kind
-from bnaudit.records import dataclass
 
 _STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 

@@ -23,9 +23,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-from bnaudit.records import dataclass
 
 if TYPE_CHECKING:  # the rules import this module: `bnaudit rules` reads no tensors
     from bnaudit.formats.model import TensorRef

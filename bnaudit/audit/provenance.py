@@ -13,10 +13,10 @@ usual and the record changes nothing but the note.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from bnaudit.formats.model import Checkpoint, recalibration_record, statistics_digest
-from bnaudit.records import dataclass
 from bnaudit.text import plural
 
 

@@ -10,14 +10,13 @@ files skipped as not model weights never count.
 
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.rules import Finding
 from bnaudit.config import SEVERITIES, Config, exit_code_for, severity_rank
 from bnaudit.formats.hfcache import HubSource
 from bnaudit.formats.model import Averaging
-from bnaudit.records import dataclass
 from bnaudit.severity import Severity
 
 

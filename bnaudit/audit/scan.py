@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.classify import SCANNED_NAMES
 from bnaudit.formats.hfcache import HubSource, Snapshot, check_link, is_repo_folder, snapshot_of, snapshots
 from bnaudit.formats.shards import is_index, series_members
 from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES, is_dcp_folder
-from bnaudit.records import dataclass
 
 
 @dataclass(frozen=True)

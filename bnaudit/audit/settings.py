@@ -40,9 +40,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-from bnaudit.records import dataclass
 
 if TYPE_CHECKING:  # config.py imports this module for its defaults: keep it light
     from bnaudit.formats.model import ModuleInfo

@@ -55,8 +55,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
-
-from bnaudit.records import dataclass
+from dataclasses import dataclass
 
 TINY = sys.float_info.min
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
@@ -39,7 +40,6 @@ from bnaudit.cli.options import (
     WorkersOpt,
     data_options,
 )
-from bnaudit.records import dataclass
 
 if TYPE_CHECKING:
     from bnaudit.runtime.data import DataOptions

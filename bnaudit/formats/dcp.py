@@ -38,6 +38,7 @@ import pickle
 import posixpath
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from bnaudit.errors import BnauditError
@@ -46,7 +47,6 @@ from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, TensorRef
 from bnaudit.formats.sniff import DCP_METADATA
 from bnaudit.formats.standins import read_pickle_with_stand_ins, stand_ins_in
 from bnaudit.formats.torchsave import read_stored_tensor
-from bnaudit.records import dataclass
 
 # Real metadata files are kilobytes to tens of megabytes (a few records per tensor chunk).
 _MAX_METADATA_BYTES = 1 << 30

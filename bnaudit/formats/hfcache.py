@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 
 from bnaudit.errors import BnauditError
-from bnaudit.records import dataclass
 
 REPO_FOLDER = re.compile(r"^(?P<type>models|datasets|spaces)--(?P<id>.+)$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")

@@ -13,11 +13,11 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from dataclasses import dataclass
 from typing import Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_DTYPES, STORAGE_ITEMSIZE
-from bnaudit.records import dataclass
 from bnaudit.text import exception_line
 
 # torch.serialization.MAGIC_NUMBER: the first pickle of every legacy torch.save file.

@@ -24,11 +24,10 @@ import struct
 import sys
 from array import array
 from collections.abc import Callable, Mapping
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from bnaudit.errors import BnauditError
-from bnaudit.records import dataclass
 
 _T = TypeVar("_T")
 

@@ -33,7 +33,7 @@ import os
 import stat
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 from bnaudit.errors import BnauditError
@@ -41,7 +41,6 @@ from bnaudit.formats.hfcache import in_blobs
 from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, ModuleInfo, TensorRef, decode_values, read_into
 from bnaudit.formats.onnxgraph import all_graphs, call_sites, with_function_nodes
 from bnaudit.normkinds import NormKind, onnx_op, pytorch_momentum
-from bnaudit.records import dataclass
 from bnaudit.text import exception_line, listing, plural
 
 ONNX_EXTRA = 'pip install "bnaudit[onnx]"'

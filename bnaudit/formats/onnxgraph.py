@@ -10,9 +10,8 @@ local functions, without the `onnx` package (the protobuf messages are only read
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
-
-from bnaudit.records import dataclass
 
 _GRAPH, _GRAPHS = 5, 10  # AttributeProto.AttributeType
 

@@ -28,12 +28,12 @@ and `Checkpoint.decomposed` says what was seen. An eps the arithmetic does not s
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from bnaudit.formats.model import Checkpoint, ModuleInfo, TensorRef
 from bnaudit.formats.pt2archive import Payload, Pt2Archive, open_pt2
 from bnaudit.normkinds import NormKind, NormOp, Statistics, norm_op, pytorch_momentum
-from bnaudit.records import dataclass
 from bnaudit.text import listing, plural
 
 _LEAVES = ("weight", "bias", "running_mean", "running_var")

@@ -27,13 +27,12 @@ from __future__ import annotations
 import json
 import math
 import zipfile
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_ITEMSIZE, TensorRef, decode_values
 from bnaudit.formats.sniff import check_zip_sizes
-from bnaudit.records import dataclass
 from bnaudit.text import exception_line
 
 ARCHIVE_FORMAT = "archive_format"

@@ -29,11 +29,11 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import TensorRef, file_slice_ref
-from bnaudit.records import dataclass
 from bnaudit.text import exception_line
 
 # The reference's MAX_HEADER_SIZE (bytes, decimal): real headers are kilobytes to a few

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 from bnaudit.errors import BnauditError
@@ -29,7 +29,6 @@ from bnaudit.formats.hfcache import in_blobs
 from bnaudit.formats.model import Checkpoint, TensorRef
 from bnaudit.formats.safetensors import read_safetensors
 from bnaudit.formats.sniff import sniff_format
-from bnaudit.records import dataclass
 from bnaudit.text import exception_line
 
 INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")

@@ -17,6 +17,7 @@ import math
 import pickle
 import re
 import zipfile
+from dataclasses import dataclass
 from typing import Any
 
 from bnaudit.errors import BnauditError
@@ -32,7 +33,6 @@ from bnaudit.formats.model import (
 from bnaudit.formats.safetensors import is_count
 from bnaudit.formats.sniff import check_zip_sizes
 from bnaudit.normkinds import constant_training_calls, norm_calls
-from bnaudit.records import dataclass
 from bnaudit.text import exception_line
 
 

@@ -14,11 +14,11 @@ import operator
 import os
 import pickle
 import zipfile
+from dataclasses import dataclass
 from typing import Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_ITEMSIZE, TensorRef, claim_too_large, decode_values, lazy_ref
-from bnaudit.records import dataclass
 
 
 @dataclass(frozen=True)

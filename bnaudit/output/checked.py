@@ -17,12 +17,12 @@ import hashlib
 import os
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bnaudit.audit.report import InspectReport
 from bnaudit.audit.rules import Finding
-from bnaudit.records import dataclass
 from bnaudit.severity import Severity
 
 if TYPE_CHECKING:

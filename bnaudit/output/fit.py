@@ -9,11 +9,11 @@ inspect shares, as plain strings (no rich here).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from bnaudit.audit.rules import Finding
 from bnaudit.output.names import ELLIPSIS, shorten_names
-from bnaudit.records import dataclass
 from bnaudit.text import listing, plural
 
 if TYPE_CHECKING:  # `bnaudit rules` renders through this module and audits nothing

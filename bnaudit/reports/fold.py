@@ -18,12 +18,11 @@ divergence from `folded`).
 
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 
 from bnaudit.audit.foldcheck import PairPrediction
 from bnaudit.audit.rules import Finding
 from bnaudit.config import SEVERITIES, Config, exit_code_for
-from bnaudit.records import dataclass
 from bnaudit.severity import Severity
 from bnaudit.text import plural
 

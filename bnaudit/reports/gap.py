@@ -19,13 +19,12 @@ PEAK_LARGE; `bnaudit.runtime.attribution` decides origins from that.
 
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 
 from bnaudit.audit.report import FileReport
 from bnaudit.audit.rules import Finding
 from bnaudit.config import exit_code_for
 from bnaudit.errors import BnauditError
-from bnaudit.records import dataclass
 from bnaudit.text import layer_list, plural
 
 # A channel-mean shift or variance log-ratio at or above this: the layer's statistics do

@@ -8,13 +8,12 @@ float64 floor).
 
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 
 from bnaudit.audit.report import FileReport
 from bnaudit.audit.rules import Finding
 from bnaudit.audit.statistics import RELATIVE_DEVIATION
 from bnaudit.config import exit_code_for
-from bnaudit.records import dataclass
 from bnaudit.text import above_floor, listing, plural
 
 # KL(reference || arrangement) below this many nats prints as "<1e-06": telling two output

@@ -7,10 +7,10 @@ fills them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from bnaudit.audit.statistics import Drift
-from bnaudit.records import dataclass
 from bnaudit.reports.gap import GapReport
 
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from bnaudit.errors import BnauditError
-from bnaudit.records import dataclass
 from bnaudit.runtime.batching import BatchPlan, concat_batches, sample_order
 from bnaudit.runtime.deviation import relative_deviations
 from bnaudit.runtime.models import forward, output_tensor, to_device

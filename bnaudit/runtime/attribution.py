@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from bnaudit.records import dataclass
 from bnaudit.reports.gap import DRIFT_LARGE, ChannelDrift
 
 # A later large layer whose peak exceeds this multiple of every earlier peak is a new origin.

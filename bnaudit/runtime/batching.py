@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from bnaudit.records import dataclass
 
 
 def sample_order(n: int, shuffle: bool = True, seed: int = 0) -> list[int]:

@@ -15,7 +15,7 @@ message stays one line.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,6 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from bnaudit.errors import BnauditError
-from bnaudit.records import dataclass
 from bnaudit.runtime.batching import BatchPlan, concat_batches
 from bnaudit.runtime.sources import (
     IMAGE_SUFFIXES,

@@ -24,13 +24,13 @@ import atexit
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from bnaudit.errors import BnauditError
-from bnaudit.records import dataclass
 
 
 def distributed() -> tuple[int, int]:

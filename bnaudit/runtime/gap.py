@@ -59,7 +59,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -68,7 +68,6 @@ from bnaudit.audit.audit import audit_checkpoint
 from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.config import Config, measurement_fail_on
 from bnaudit.errors import BnauditError
-from bnaudit.records import dataclass
 from bnaudit.reports.gap import NEEDS_LABELS, GapReport, LayerDrift, check_max_gap, diagnose
 from bnaudit.runtime.attribution import (
     channel_scores,

@@ -71,7 +71,7 @@ import copy
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -81,7 +81,6 @@ from bnaudit.audit.report import FileReport
 from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.config import Config, measurement_fail_on
 from bnaudit.errors import BnauditError
-from bnaudit.records import dataclass
 from bnaudit.reports.invariance import ArrangementResult, CouplingSite, InvarianceReport, diagnose
 from bnaudit.runtime.arrangements import (
     Arrangement,

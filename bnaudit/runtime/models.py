@@ -33,6 +33,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +51,6 @@ from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.shards import is_index
 from bnaudit.formats.sniff import sniff_format
-from bnaudit.records import dataclass
 from bnaudit.runtime.norms import batchnorm_modules
 from bnaudit.runtime.safetensors_files import read_checkpoint_tensors
 from bnaudit.text import exception_line, plural

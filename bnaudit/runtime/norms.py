@@ -39,6 +39,7 @@ import contextlib
 import functools
 import types
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,7 +53,6 @@ from bnaudit.normkinds import (
     norm_calls,
     own_method_calls,
 )
-from bnaudit.records import dataclass
 from bnaudit.reports.recalibrate import SkippedLayer
 
 # torch's private base classes: the switching below relies on their forward (every

@@ -15,13 +15,13 @@ from __future__ import annotations
 import os
 import struct
 import zipfile
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from bnaudit.errors import BnauditError
-from bnaudit.records import dataclass
 
 # numpy dtype name -> torch dtype name for arrays read in place (little-endian, C order)
 _TORCH_NAMES = {

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +23,6 @@ from safetensors import SafetensorError, safe_open
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import TensorRef
 from bnaudit.formats.safetensors import TORCH_DTYPE_NAMES, read_safetensors_header
-from bnaudit.records import dataclass
 from bnaudit.text import exception_line
 
 

@@ -30,6 +30,7 @@ import bisect
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,6 @@ from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.model import read_into
 from bnaudit.formats.sniff import sniff_format
 from bnaudit.formats.torchscript import stored_tensors
-from bnaudit.records import dataclass
 from bnaudit.runtime.models import exit_message, import_callable
 from bnaudit.runtime.numpy_files import StoredRows, open_numpy
 from bnaudit.runtime.safetensors_files import SafetensorsRows, open_safetensors

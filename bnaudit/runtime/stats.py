@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from bnaudit.audit.statistics import Drift
-from bnaudit.records import dataclass
 from bnaudit.runtime.distributed import collective_device, gather_objects
 
 

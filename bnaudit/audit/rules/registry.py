@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import field, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from bnaudit.config import Config
-from bnaudit.records import dataclass
 from bnaudit.severity import Severity
 
 if TYPE_CHECKING:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from bnaudit.audit.rules import Finding
 from bnaudit.output.fit import FindingRow, collapse, shorten_middle
 from bnaudit.output.grid import SEVERITY_STYLE
 from bnaudit.output.names import shorten_names
-from bnaudit.records import dataclass
 from bnaudit.text import plural, printable
 
 if TYPE_CHECKING:

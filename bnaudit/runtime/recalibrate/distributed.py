@@ -15,13 +15,12 @@ groups, devices and failures are `bnaudit.runtime.distributed`'s, sharding
 
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from bnaudit.records import dataclass
 from bnaudit.runtime.distributed import collective_device, distributed
 from bnaudit.runtime.norms import num_features
 from bnaudit.runtime.stats import ChannelStats, all_gather_merge

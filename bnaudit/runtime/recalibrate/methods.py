@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sized
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bnaudit.audit.settings import DEFAULT_EPS
 from bnaudit.errors import BnauditError
 from bnaudit.normkinds import NormKind, op_kind
-from bnaudit.records import dataclass
 from bnaudit.reports.recalibrate import SkippedLayer
 from bnaudit.runtime.batching import batch_len, merge_trailing_singleton
 from bnaudit.runtime.distributed import distributed, together
