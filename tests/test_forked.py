@@ -157,6 +157,59 @@ def test_worker_count_by_hand(monkeypatch):
     assert forked.worker_count(100, 4) == 1
 
 
+def fake_cgroups(tmp_path, proc_line: str, files: dict[str, str]) -> tuple[str, str]:
+    """A cgroup mount under tmp_path holding `files` (path -> text), and a /proc/self/cgroup."""
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    root.mkdir(exist_ok=True)
+    proc = tmp_path / "proc_cgroup"
+    proc.write_text(proc_line)
+    return str(root), str(proc)
+
+
+@pytest.mark.parametrize(
+    ("proc_line", "files", "quota"),
+    [
+        # cgroup v2, a quota of 1.5 CPUs on the process's own group
+        ("0::/ci/job\n", {"ci/job/cpu.max": "150000 100000\n", "cpu.max": "max 100000\n"}, 1.5),
+        # v2, no quota anywhere
+        ("0::/ci/job\n", {"ci/job/cpu.max": "max 100000\n"}, None),
+        # v2, the parent's quota is the smaller one
+        ("0::/ci/job\n", {"ci/job/cpu.max": "400000 100000\n", "ci/cpu.max": "100000 100000\n"}, 1.0),
+        # v2 without a cgroup namespace: the named path is absent, the mount is the container's
+        ("0::/docker/abc\n", {"cpu.max": "200000 100000\n"}, 2.0),
+        # cgroup v1, the cpu controller mounted as cpu,cpuacct
+        (
+            "4:memory:/x\n3:cpu,cpuacct:/job\n",
+            {"cpu,cpuacct/job/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/job/cpu.cfs_period_us": "100000\n"},
+            0.5,
+        ),
+        # v1, no quota (-1)
+        ("3:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        # nothing readable
+        ("0::/\n", {}, None),
+    ],
+)
+def test_cgroup_cpu_quota_by_hand(tmp_path, proc_line, files, quota):
+    root, proc = fake_cgroups(tmp_path, proc_line, files)
+    assert forked.cgroup_cpu_quota(root, proc) == quota
+
+
+def test_a_quota_caps_the_usable_cpus_and_one_cpu_never_forks(tmp_path, monkeypatch):
+    monkeypatch.setattr(forked.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.delattr(forked.os, "process_cpu_count", raising=False)
+    root, proc = fake_cgroups(tmp_path, "0::/job\n", {"job/cpu.max": "150000 100000\n"})
+    assert forked.usable_cpus(root, proc) == 2  # 1.5 CPUs: two processes keep the quota busy
+    root, proc = fake_cgroups(tmp_path / "one", "0::/job\n", {"job/cpu.max": "100000 100000\n"})
+    assert forked.usable_cpus(root, proc) == 1
+    root, proc = fake_cgroups(tmp_path / "none", "0::/job\n", {"job/cpu.max": "max 100000\n"})
+    assert forked.usable_cpus(root, proc) == 64  # no quota: the affinity mask decides
+    monkeypatch.setattr(forked, "usable_cpus", lambda: 1)
+    assert forked.worker_count(1000, None) == 1
+
+
 def test_this_process_runs_threads_so_it_never_forks():
     import torch  # noqa: F401 - its import starts a thread
 

@@ -10,11 +10,9 @@ data sets (tensors `inputs` / `labels`: formats/classify.data_tensors).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from bnaudit.audit.forked import forked_map, worker_count
@@ -236,17 +234,16 @@ def inspect(
             plan.append((target, None))
 
     def audit_target(target: Target) -> FileReport:
-        with _collection_after():
-            return audit_file(
-                target.path,
-                config,
-                key=key,
-                trust_pickle=trust_pickle,
-                model=model,
-                debug=debug,
-                named=target.named,
-                producers=producers,
-            )
+        return audit_file(
+            target.path,
+            config,
+            key=key,
+            trust_pickle=trust_pickle,
+            model=model,
+            debug=debug,
+            named=target.named,
+            producers=producers,
+        )
 
     to_audit = [target for target, report in plan if report is None]
     audited = iter(forked_map(audit_target, to_audit, worker_count(len(to_audit), jobs)))
@@ -257,24 +254,6 @@ def inspect(
             _from_the_hub(report, target.hub)
         files.append(report)
     return InspectReport(files, config)
-
-
-@contextlib.contextmanager
-def _collection_after() -> Iterator[None]:
-    """No cyclic garbage collection while one file is audited; the collection its allocations
-    called for runs right after it. Collected mid-file, the young generation holds the file's
-    checkpoint, tensor records and per-channel lists, each traversed, then freed by reference
-    counting moments later (a torch.save file's records, which a closure cycle keeps alive
-    until collected, a hundred microseconds a file). After the file only its report is
-    still alive; the file's own cyclic garbage (a pickle may build cycles) goes in that
-    collection, before the next file is read."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _from_the_hub(report: FileReport, hub: HubSource) -> None:

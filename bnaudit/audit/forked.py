@@ -24,6 +24,7 @@ libraries are not fork-safe; Windows has no fork).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import signal
@@ -38,12 +39,82 @@ R = TypeVar("R")
 MIN_PER_WORKER = 8
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask, which a container or `taskset` narrows)."""
+def usable_cpus(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """The CPUs this process may really use: its affinity mask (which `taskset` and cpusets
+    narrow; `os.process_cpu_count` where Python has it), capped by the CPU quota of its
+    cgroups (a container limited to 1.5 CPUs on a 64-core host gets 2, not 64)."""
+    process_cpu_count = getattr(os, "process_cpu_count", None)  # Python 3.13+
+    if process_cpu_count is not None:
+        count = process_cpu_count() or 1
+    else:
+        try:
+            count = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # not Linux
+            count = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup_root, proc_cgroup)
+    return max(1, min(count, math.ceil(quota))) if quota is not None else count
+
+
+def cgroup_cpu_quota(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """The smallest CPU quota (quota / period, in CPUs) on the path from this process's cgroup
+    up to the root of its hierarchy, or None where none is set or none can be read.
+
+    cgroup v2: `cpu.max` holds "QUOTA PERIOD" or "max PERIOD"; v1: the `cpu` controller's
+    `cpu.cfs_quota_us` (-1: none) and `cpu.cfs_period_us`. Inside a container the path
+    /proc/self/cgroup names may not exist under the mount (no cgroup namespace): the walk
+    then starts at the mount itself."""
     try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+        with open(proc_cgroup, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    found: list[float] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if controllers == "":
+            found += _quotas(cgroup_root, path, _v2_quota)
+        elif "cpu" in controllers.split(","):
+            for mount in (f"{cgroup_root}/{controllers}", f"{cgroup_root}/cpu", f"{cgroup_root}/cpu,cpuacct"):
+                if os.path.isdir(mount):
+                    found += _quotas(mount, path, _v1_quota)
+                    break
+    return min(found) if found else None
+
+
+def _quotas(mount: str, path: str, read: Callable[[str], float | None]) -> list[float]:
+    """The quotas `read` finds in the cgroup folder of `path` and each parent up to `mount`."""
+    mount = os.path.normpath(mount)
+    folder = os.path.normpath(os.path.join(mount, path.lstrip("/")))
+    if not os.path.isdir(folder) or not folder.startswith(mount):
+        folder = mount
+    quotas = []
+    while True:
+        quota = read(folder)
+        if quota is not None:
+            quotas.append(quota)
+        if folder == mount:
+            return quotas
+        folder = os.path.dirname(folder)
+
+
+def _v2_quota(folder: str) -> float | None:
+    try:
+        with open(os.path.join(folder, "cpu.max"), encoding="utf-8") as fh:
+            quota, period = fh.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _v1_quota(folder: str) -> float | None:
+    try:
+        with open(os.path.join(folder, "cpu.cfs_quota_us"), encoding="utf-8") as fh:
+            quota = int(fh.read())
+        with open(os.path.join(folder, "cpu.cfs_period_us"), encoding="utf-8") as fh:
+            period = int(fh.read())
+        return None if quota < 0 else quota / period
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 def worker_count(items: int, jobs: int | None) -> int:
