@@ -37,13 +37,13 @@ __all__ = [
 
 # Lazy: `bnaudit --help` must not pay for numpy/torch imports it does not use.
 _LAZY = {
-    "inspect": ("bnaudit.audit.audit", "inspect"),
-    "diff": ("bnaudit.audit.diff", "diff"),
+    "inspect": ("bnaudit.api", "inspect"),
+    "diff": ("bnaudit.audit.diff.checkpoints", "diff"),
     "measure_gap": ("bnaudit.runtime.gap", "measure_gap"),
     "measure_invariance": ("bnaudit.runtime.invariance", "measure_invariance"),
     "recalibrate_checkpoint": ("bnaudit.runtime.recalibrate.command", "recalibrate_checkpoint"),
     "recalibrate_module": ("bnaudit.runtime.recalibrate.methods", "recalibrate_module"),
-    "predict_fold": ("bnaudit.audit.foldaudit", "predict_fold"),
+    "predict_fold": ("bnaudit.audit.fold.predict", "predict_fold"),
     "measure_fold": ("bnaudit.runtime.fold", "measure_fold"),
     "Config": ("bnaudit.config", "Config"),
     "DataOptions": ("bnaudit.runtime.sources", "DataOptions"),

@@ -28,8 +28,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from bnaudit.audit.settings import DEFAULT_EPS, DEFAULT_MOMENTUM, Settings, stated_settings
 from bnaudit.errors import BnauditError
+from bnaudit.normkinds import DEFAULT_EPS, DEFAULT_MOMENTUM
 from bnaudit.severity import Severity
 
 SEVERITIES: tuple[Severity, ...] = tuple(Severity)  # lowest first
@@ -55,7 +55,7 @@ class Config:
     max_implied_mean_shift  BN003 is an error when the stored running_mean sits this many of
                      the data's standard deviations from the mean it implies (median)
     eps, momentum    used where the file holds no modules (None: not stated, PyTorch's
-                     defaults assumed; see bnaudit.audit.settings and `stated_settings`)
+                     defaults assumed; see bnaudit.audit.settings.settings_stated_by)
     select, ignore   rule-code prefixes: run only the selected rules, minus the ignored
     per_layer_ignores  layer-name glob -> rule-code prefixes not reported for those layers
     severity         rule code -> the severity every finding of that rule is reported at
@@ -91,12 +91,6 @@ class Config:
     max_cancellation: float = 0.05
     source: str | None = field(default=None, compare=False)
     from_file: frozenset[str] = field(default=frozenset(), compare=False)
-
-    def stated_settings(self) -> Settings:
-        """eps and momentum as the user stated them (option or configuration file, with
-        their provenance), else PyTorch's defaults as assumed: what a layer uses when its
-        file holds no module (bnaudit.audit.settings.resolve)."""
-        return stated_settings(self.eps, self.momentum, self.from_file, self.source)
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -418,6 +418,12 @@ def looks_like_batchnorm_name(prefix: str) -> bool:
     return any(re.search(p, low) for p in _BN_LIKE_NAMES)
 
 
+# PyTorch's BatchNorm constructor defaults (torch.nn.BatchNorm2d(eps=1e-5, momentum=0.1)):
+# what a layer uses when nobody says otherwise (bnaudit.audit.settings: "assumed").
+DEFAULT_EPS = 1e-5
+DEFAULT_MOMENTUM = 0.1
+
+
 # The momentum conventions live here rather than in bnaudit.audit.formulas (which re-exports
 # them) because the readers in formats/ translate an exported node's momentum and formats/
 # must not import audit/; this module is the torch-free table both already import.

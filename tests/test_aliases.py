@@ -16,8 +16,8 @@ import pytest
 from conftest import REPO
 from onnx import helper
 
-from bnaudit.audit.audit import inspect
-from bnaudit.audit.diff import diff
+from bnaudit.api import inspect
+from bnaudit.audit.diff.checkpoints import diff
 from bnaudit.audit.rules import ALIASES, RULES, accepted_codes
 from bnaudit.config import Config, load_config
 from bnaudit.errors import BnauditError

@@ -13,7 +13,7 @@ import bnaudit
 
 
 def test_public_names_resolve():
-    from bnaudit.audit.audit import inspect
+    from bnaudit.api import inspect
     from bnaudit.runtime.gap import measure_gap
     from bnaudit.runtime.recalibrate.command import recalibrate_checkpoint
     from bnaudit.runtime.recalibrate.methods import recalibrate_module

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, get_swa_multi_avg_fn, update_bn
 
-from bnaudit.audit.audit import audit_checkpoint
-from bnaudit.audit.diff import diff
+from bnaudit.audit.checkpoint.inspect import audit_checkpoint
+from bnaudit.audit.diff.checkpoints import diff
 from bnaudit.config import Config
 from bnaudit.formats.read import read_checkpoint
 

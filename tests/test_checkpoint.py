@@ -180,7 +180,7 @@ def test_safetensors_reads_only_the_tensors_asked_for(tmp_path, monkeypatch):
     state = small_state()
     state["big.weight"] = torch.randn(256, 256)
     path = save_safetensors(state, tmp_path / "m.safetensors")
-    from bnaudit.audit import audit
+    from bnaudit.audit.checkpoint import inspect as audit
 
     reads: list[int] = []
     real_open = open
@@ -214,7 +214,7 @@ def test_safetensors_reads_only_the_tensors_asked_for(tmp_path, monkeypatch):
             CountingFile(real_open(p, mode, *a, **k)) if str(p) == path else real_open(p, mode, *a, **k)
         ),
     )
-    report = audit.inspect(path)
+    report = audit.inspect_paths(path)
     assert len(report.files[0].layers) == 1
     assert max(reads) < 256 * 256 * 4  # the big tensor was never read
     assert sum(reads) < 4096

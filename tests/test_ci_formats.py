@@ -27,9 +27,9 @@ import pytest
 import torch
 from conftest import bn_entries, save_safetensors, save_torch
 
-from bnaudit.audit.audit import inspect
-from bnaudit.audit.diff import diff
-from bnaudit.audit.report import FileReport, InspectReport
+from bnaudit.api import inspect
+from bnaudit.audit.checkpoint.report import FileReport, InspectReport
+from bnaudit.audit.diff.checkpoints import diff
 from bnaudit.audit.rules import Finding
 from bnaudit.config import Config
 from bnaudit.output.github import escape_data, escape_property, to_github
@@ -475,7 +475,7 @@ def test_a_run_that_stops_leaves_stdout_empty_in_the_ci_formats(tmp_path, monkey
 EMIT_PROBE = """
 import io, sys
 from bnaudit import output
-from bnaudit.audit.audit import inspect
+from bnaudit.api import inspect
 from bnaudit.config import Config
 
 report = inspect([sys.argv[1]], Config())

@@ -12,7 +12,7 @@ import torch
 from conftest import save_torch
 from torch import nn
 
-from bnaudit.audit.audit import inspect
+from bnaudit.api import inspect
 
 CHANNEL, BIAS = 2, 0.7
 

@@ -476,7 +476,7 @@ def test_inspecting_a_dcp_folder_imports_neither_torch_nor_numpy() -> None:
     import sys
 
     code = (
-        "import sys; from bnaudit.audit.audit import inspect; "
+        "import sys; from bnaudit.api import inspect; "
         f"report = inspect({DCP_SAMPLE!r}); assert report.files[0].layers, report.files[0].error; "
         "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
     )

@@ -22,7 +22,7 @@ _REPORT = """
 import io, json, sys
 if sys.argv[2] == "numpy first":
     import numpy
-from bnaudit.audit.audit import inspect
+from bnaudit.api import inspect
 from bnaudit.output import emit
 text = io.StringIO()
 emit(inspect(sys.argv[1], jobs=1), "json", text)

@@ -17,8 +17,8 @@ from conftest import REPO, SAMPLES, bn_entries, save_safetensors, save_torch, tr
 from safetensors.torch import load_file
 from torch import nn
 
-from bnaudit.audit.diff import diff
-from bnaudit.audit.layerdiff import bit_identical
+from bnaudit.audit.diff.checkpoints import diff
+from bnaudit.audit.diff.layers import bit_identical
 from bnaudit.config import Config
 from bnaudit.output.sarif import diff_to_sarif
 

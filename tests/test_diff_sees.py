@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import SAMPLES, save_safetensors
 
-from bnaudit.audit.diff import diff
+from bnaudit.audit.diff.checkpoints import diff
 
 sys.path.insert(0, SAMPLES)
 from digits_net import digits_net

@@ -16,7 +16,7 @@ from conftest import SAMPLES
 from safetensors.torch import load_file
 from timm_support import import_timm
 
-from bnaudit.audit.audit import inspect
+from bnaudit.api import inspect
 from bnaudit.config import Config
 
 pytestmark = pytest.mark.slow
@@ -182,7 +182,7 @@ def test_recalibrate_repairs_the_immature_copy_without_a_flag(trained, tmp_path)
 
 @pytest.mark.parametrize("kind", ["v3", "v2"])
 def test_diff_names_the_copy_its_counter_and_its_immature_statistics(trained, kind):
-    from bnaudit.audit.diff import diff
+    from bnaudit.audit.diff.checkpoints import diff
 
     path = trained[f"{kind}_path"]
     report = diff(path, path, Config(), key_a="state_dict", key_b="state_dict_ema")

@@ -22,8 +22,8 @@ from conftest import SAMPLES, save_safetensors, save_torch, train_classifier
 from onnx import numpy_helper
 from safetensors.torch import load_file
 
-from bnaudit.audit.audit import inspect
-from bnaudit.audit.diff import diff
+from bnaudit.api import inspect
+from bnaudit.audit.diff.checkpoints import diff
 from bnaudit.config import Config
 
 sys.path.insert(0, SAMPLES)

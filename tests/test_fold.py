@@ -1,4 +1,4 @@
-"""bnaudit.audit.fold against hand arithmetic: small folds whose scale, shift and eps are
+"""bnaudit.audit.export.folded against hand arithmetic: small folds whose scale, shift and eps are
 worked out in the comments, without torch or an exporter."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bnaudit.audit.fold import best_implied_eps, fold_layer, recover_scales
+from bnaudit.audit.export.folded import best_implied_eps, fold_layer, recover_scales
 from bnaudit.audit.formulas import folded_conv
 
 # One BN layer of 2 channels: gamma (2, 1), beta (0.5, -1), mean (1, 0), var (3, 0.01), eps 1e-5.

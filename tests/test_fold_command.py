@@ -12,11 +12,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import save_safetensors, save_torch
 
-from bnaudit.audit.foldaudit import predict_fold
-from bnaudit.audit.foldcheck import NO_PRODUCER_BY_NAME
+from bnaudit.audit.fold.check import NO_PRODUCER_BY_NAME
+from bnaudit.audit.fold.predict import predict_fold
+from bnaudit.audit.fold.report import FoldReport
 from bnaudit.audit.producers import producer_candidates
 from bnaudit.config import Config
-from bnaudit.reports.fold import FoldReport
 
 EPS = 1e-5
 INCEPTION_VAR = 1.86e-14  # torchvision's InceptionV3 (vision issue 648)
@@ -645,7 +645,7 @@ def test_a_weight_of_exactly_half_a_step_rounds_to_even_zero(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_weights_streamed_from_safetensors_give_the_channel_maxima(tmp_path, monkeypatch, dtype):
-    from bnaudit.audit import foldcheck
+    from bnaudit.audit.fold import check as foldcheck
     from bnaudit.formats.read import read_checkpoint
 
     w = (torch.randn(7, 5, 3, 3) * torch.logspace(-3, 3, 7).reshape(-1, 1, 1, 1)).to(dtype)

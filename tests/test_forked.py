@@ -1,4 +1,4 @@
-"""The files of a scan audited by forked workers (bnaudit.audit.forked): the result is the
+"""The files of a scan audited by forked workers (bnaudit.audit.checkpoint.forked): the result is the
 serial one whatever a child does.
 
 The test process has imported torch, which runs threads, so nothing forks here (that is
@@ -15,7 +15,7 @@ import textwrap
 import pytest
 from conftest import SAMPLES, run_python
 
-from bnaudit.audit import forked
+from bnaudit.audit.checkpoint import forked
 from bnaudit.errors import BnauditError
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="workers are for
 
 def _run(body: str) -> dict:
     """Run `body` with forked_map imported; it must print one JSON document."""
-    script = "import json, os, signal, sys, threading, time\nfrom bnaudit.audit.forked import forked_map\n"
+    script = "import json, os, signal, sys, threading, time\nfrom bnaudit.audit.checkpoint.forked import forked_map\n"
     done = run_python(script + textwrap.dedent(body))
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -227,7 +227,7 @@ def test_a_folder_audited_by_workers_reports_what_one_process_reports(tmp_path):
         os.symlink(os.path.join(SAMPLES, name), tmp_path / f"{i:02d}_{name}")
     seen = _run(
         f"""
-        from bnaudit.audit import audit, forked
+        from bnaudit.audit.checkpoint import forked, inspect as audit
         from bnaudit.output import emit
         import io
         forks = []
@@ -241,7 +241,7 @@ def test_a_folder_audited_by_workers_reports_what_one_process_reports(tmp_path):
         for jobs in (None, 1, 2):
             before = len(forks)
             text = io.StringIO()
-            emit(audit.inspect({str(tmp_path)!r}, jobs=jobs), "json", text)
+            emit(audit.inspect_paths({str(tmp_path)!r}, jobs=jobs), "json", text)
             documents.append((len(forks) - before, json.loads(text.getvalue())))
         print(json.dumps(documents))
         """
@@ -254,7 +254,7 @@ def test_a_folder_audited_by_workers_reports_what_one_process_reports(tmp_path):
 
 def test_jobs_below_one_is_a_usage_error(cli):
     with pytest.raises(BnauditError, match="--jobs must be at least 1, got 0"):
-        from bnaudit.audit.audit import inspect
+        from bnaudit.api import inspect
 
         inspect(SAMPLES, jobs=0)
     result = cli("inspect", SAMPLES, "--jobs", "0")

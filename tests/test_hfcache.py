@@ -24,7 +24,7 @@ import pytest
 import torch
 from conftest import bn_entries
 
-from bnaudit.audit.audit import inspect
+from bnaudit.api import inspect
 from bnaudit.config import Config
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".onnx", ".pt", ".pth")

@@ -26,7 +26,7 @@ import torch
 from conftest import run_in_4_gib
 from typer.testing import CliRunner
 
-from bnaudit.audit.audit import inspect
+from bnaudit.api import inspect
 from bnaudit.cli import app
 from bnaudit.errors import BnauditError
 from bnaudit.formats.read import read_checkpoint
@@ -404,7 +404,7 @@ def test_file_name_that_is_not_utf8_is_still_audited(tmp_path, legacy):
 
 
 def test_internal_error_on_one_file_spares_the_others_and_debug_shows_it(tmp_path, monkeypatch):
-    import bnaudit.audit.audit as audit_module
+    import bnaudit.audit.checkpoint.inspect as audit_module
 
     good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
     torch.save(bn_state(), good)

@@ -14,7 +14,7 @@ import torch
 from conftest import save_torch
 from torch import nn
 
-from bnaudit.audit.audit import inspect
+from bnaudit.api import inspect
 from bnaudit.config import Config
 
 STEPS, MOMENTUM, EPS = 20, 0.1, 1e-5  # 0.9^20 = 12.2% of initial values: a BN003 warning by the counter
@@ -142,7 +142,7 @@ def test_a_float_counter_is_a_counter_not_its_absence(tmp_path):
     (a converted checkpoint) is not absent, and the check says "no counter" only when it is."""
     from conftest import save_safetensors
 
-    from bnaudit.audit.audit import audit_file
+    from bnaudit.audit.checkpoint.inspect import audit_file
     from bnaudit.config import Config
 
     state = {

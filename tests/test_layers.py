@@ -155,8 +155,8 @@ def test_a_layers_figures_equal_the_formulas_whatever_is_asked_first():
     import math
     import random
 
+    from bnaudit.audit.checkpoint.report import LayerSummary
     from bnaudit.audit.formulas import all_finite, eval_gains, near_eps_channels
-    from bnaudit.audit.report import LayerSummary
 
     rng = random.Random(3)
     specials = [0.0, -0.0, 1e-7, 5e-5, 1e-3, -0.5, math.nan, math.inf, 2.0]

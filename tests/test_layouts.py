@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import REPO, save_safetensors, train_classifier
 
-from bnaudit.audit.audit import inspect
+from bnaudit.api import inspect
 from bnaudit.config import Config
 
 

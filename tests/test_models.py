@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 from torch import nn
 from typer.testing import CliRunner
 
-from bnaudit.audit.audit import audit_checkpoint, inspect
+from bnaudit.api import inspect
+from bnaudit.audit.checkpoint.inspect import audit_checkpoint
 from bnaudit.cli import app
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError

@@ -14,7 +14,7 @@ import torch.ao.nn.quantized as nnq
 from torch import nn
 from typer.testing import CliRunner
 
-from bnaudit.audit.audit import inspect
+from bnaudit.api import inspect
 from bnaudit.audit.layers import facts_from_module_infos
 from bnaudit.cli import app
 from bnaudit.formats.containers import module_infos

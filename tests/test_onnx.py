@@ -25,7 +25,7 @@ import torch
 from onnx import helper, numpy_helper
 from typer.testing import CliRunner
 
-from bnaudit.audit.audit import inspect
+from bnaudit.api import inspect
 from bnaudit.cli import app
 from bnaudit.formats.onnx import external_data_files, load_onnx, read_onnx
 from bnaudit.formats.read import read_checkpoint

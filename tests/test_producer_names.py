@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import save_torch
 
-from bnaudit.audit.audit import inspect
-from bnaudit.audit.foldaudit import predict_fold
+from bnaudit.api import inspect
+from bnaudit.audit.fold.predict import predict_fold
 from bnaudit.audit.producers import producer_candidates
 from bnaudit.config import Config
 

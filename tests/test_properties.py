@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from bnaudit.audit.audit import audit_file
+from bnaudit.audit.checkpoint.inspect import audit_file
 from bnaudit.config import Config
 
 torch.set_num_threads(1)

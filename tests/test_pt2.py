@@ -25,8 +25,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from bnaudit.audit.audit import inspect
-from bnaudit.audit.diff import diff
+from bnaudit.api import inspect
+from bnaudit.audit.diff.checkpoints import diff
 from bnaudit.cli import app
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
@@ -253,7 +253,7 @@ def test_reading_imports_neither_torch_nor_numpy(folder):
     probe = (
         "import json, sys\n"
         "from bnaudit.formats.read import read_checkpoint\n"
-        "from bnaudit.audit.audit import inspect\n"
+        "from bnaudit.api import inspect\n"
         "for p in sys.argv[1:]:\n"
         "    c = read_checkpoint(p)\n"
         "    [t.read() for t in c.tensors.values()]\n"

@@ -172,7 +172,7 @@ def test_most_files_tables_take_the_grid():
 
 
 def _file_report(rng: random.Random, k: int):
-    from bnaudit.audit.report import FileReport, LayerSummary
+    from bnaudit.audit.checkpoint.report import FileReport, LayerSummary
     from bnaudit.audit.rules.registry import Finding
 
     path = "/".join([*(rng.choice(SEGMENTS) for _ in range(rng.randint(0, 6))), f"{k}_{rng.choice(FILE_NAMES)}"])
@@ -199,7 +199,7 @@ def _file_report(rng: random.Random, k: int):
 def test_inspect_of_a_folder_prints_what_the_rich_files_table_printed(monkeypatch):
     # The whole inspect table of folder reports, with the files grid and with rich's table
     # (the grid refused: what `render_inspect` draws wherever the grid declines).
-    from bnaudit.audit.report import InspectReport
+    from bnaudit.audit.checkpoint.report import InspectReport
     from bnaudit.config import Config
     from bnaudit.output.table import inspect as table
 
@@ -234,7 +234,7 @@ def test_inspect_of_a_folder_prints_what_the_rich_files_table_printed(monkeypatc
 EMIT_PROBE = """
 import io, json, sys
 from bnaudit import output
-from bnaudit.audit.audit import inspect
+from bnaudit.api import inspect
 from bnaudit.config import Config
 
 report = inspect([sys.argv[1]], Config())
@@ -280,7 +280,7 @@ def test_emit_renders_an_inspect_report_in_each_format_without_the_runtime():
 
 def _gap_report(layers=()):
     """A gap report built by hand: the records are plain data in a torch-free module."""
-    from bnaudit.audit.report import FileReport
+    from bnaudit.audit.checkpoint.report import FileReport
     from bnaudit.reports.gap import GapReport
 
     return GapReport(
@@ -313,7 +313,7 @@ def _recalibration_report():
 
 
 def _inspect_report():
-    from bnaudit.audit.report import InspectReport
+    from bnaudit.audit.checkpoint.report import InspectReport
     from bnaudit.config import Config
 
     return InspectReport([], Config())
@@ -345,7 +345,7 @@ def test_emit_refuses_a_format_the_report_type_does_not_have(make, fmt, name):
 RECORDS_PROBE = """
 import io, json, sys
 from bnaudit import output
-from bnaudit.audit.report import FileReport
+from bnaudit.audit.checkpoint.report import FileReport
 from bnaudit.reports.gap import ChannelDrift, GapReport, LayerDrift
 
 layer = LayerDrift("features.1", 0, "BatchNorm2d", 2, 50, 0.75, 1.25, 0.5,

@@ -301,7 +301,7 @@ def test_bn007_translates_momentum_only_for_exported_nodes(tmp_path):
     convention: only an exported node (ModuleInfo.source) had its momentum translated."""
     from torch import nn
 
-    from bnaudit.audit.audit import inspect
+    from bnaudit.api import inspect
 
     class BatchNormalization(nn.BatchNorm2d):
         pass

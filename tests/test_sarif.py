@@ -19,7 +19,7 @@ import torch
 from conftest import bn_entries, save_safetensors, save_torch
 
 from bnaudit import __version__
-from bnaudit.audit.audit import inspect
+from bnaudit.api import inspect
 from bnaudit.audit.rules import RULES
 from bnaudit.config import Config
 from bnaudit.output.sarif import inspect_to_sarif
@@ -217,7 +217,7 @@ def test_severity_overrides_set_result_and_rule_levels(workspace):
 def test_fold_log_is_valid_and_puts_every_finding_at_the_checkpoint(tmp_path, monkeypatch, validator, cli):
     """`bnaudit fold --format sarif`: a schema-valid log whose results are the fold findings
     (BN201-BN207) at the checkpoint's file, the driver's levels at the configured severities."""
-    from bnaudit.audit.foldaudit import predict_fold
+    from bnaudit.audit.fold.predict import predict_fold
 
     monkeypatch.chdir(tmp_path)
     # one channel with var 1e-6 beside channels of var 1: its eval gain 1/sqrt(1e-6 + 1e-5)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from conftest import SAMPLES, bn_entries, save_safetensors
 
-from bnaudit.audit.audit import inspect
+from bnaudit.api import inspect
 from bnaudit.config import Config
 
 

@@ -20,10 +20,11 @@ import torch
 from conftest import bn_entries, save_torch
 from torch import nn
 
-from bnaudit.audit.diff import diff
-from bnaudit.audit.settings import DEFAULT_EPS, DEFAULT_MOMENTUM, Setting, Source, resolve, stated_settings
+from bnaudit.audit.diff.checkpoints import diff
+from bnaudit.audit.settings import Setting, Source, resolve, settings_stated_by, stated_settings
 from bnaudit.config import Config, load_config
 from bnaudit.formats.model import ModuleInfo
+from bnaudit.normkinds import DEFAULT_EPS, DEFAULT_MOMENTUM
 
 BLOCKS = 6
 
@@ -113,12 +114,12 @@ def test_the_file_wins_setting_by_setting_and_none_is_a_known_momentum():
 def test_options_and_the_configuration_file_are_given_not_assumed(tmp_path):
     (tmp_path / "bnaudit.toml").write_text("eps = 1e-3\nmomentum = 0.01\n")
     config = load_config({"--momentum": 0.02}, start=tmp_path, rule_codes=())
-    stated = config.stated_settings()
+    stated = settings_stated_by(config)
     assert stated.eps == Setting(1e-3, Source.CONFIG, str(tmp_path / "bnaudit.toml"))
     assert stated.momentum == Setting(0.02, Source.OPTION, "--momentum")
     assert stated.eps.given and stated.momentum.given and not (stated.eps.assumed or stated.momentum.assumed)
     # a Config built by a caller of the API states its values too
-    assert Config(eps=1e-3).stated_settings().eps == Setting(1e-3, Source.OPTION, "--eps")
+    assert settings_stated_by(Config(eps=1e-3)).eps == Setting(1e-3, Source.OPTION, "--eps")
 
 
 # ----------------------------------------------------------------------------- consequences

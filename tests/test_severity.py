@@ -13,7 +13,7 @@ import torch
 from conftest import SAMPLES, train_classifier
 from safetensors.torch import load_file, save_file
 
-from bnaudit.audit.audit import inspect
+from bnaudit.api import inspect
 from bnaudit.audit.rules import RULES
 from bnaudit.config import Config, load_config
 from bnaudit.errors import BnauditError

@@ -20,7 +20,7 @@ import torch
 from conftest import REPO, train_classifier
 from typer.testing import CliRunner
 
-from bnaudit.audit.audit import inspect
+from bnaudit.api import inspect
 from bnaudit.cli import app
 from bnaudit.errors import BnauditError
 from bnaudit.formats.read import read_checkpoint

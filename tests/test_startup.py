@@ -258,7 +258,7 @@ print("LOADED " + ",".join(m for m in wanted if m in sys.modules), file=sys.stde
 HEAVY = ("torch", "numpy", "pydantic", "safetensors", "onnx", "onnxruntime", "bnaudit.runtime", "importlib.metadata")
 # Not needed to list the commands: the audit, the renderers, configuration and JSON.
 NOT_FOR_HELP = (
-    "bnaudit.audit.audit",
+    "bnaudit.audit.checkpoint.inspect",
     "bnaudit.audit.rules",
     "bnaudit.formats",
     "bnaudit.output.table",
@@ -271,10 +271,10 @@ NOT_FOR_HELP = (
 # output, and the standard modules only some paths use (statistics brings decimal and
 # fractions).
 NOT_FOR_INSPECT = (
-    "bnaudit.audit.diff",
-    "bnaudit.audit.layerdiff",
+    "bnaudit.audit.diff.checkpoints",
+    "bnaudit.audit.diff.layers",
     "bnaudit.audit.statistics",
-    "bnaudit.audit.foldcheck",
+    "bnaudit.audit.fold.check",
     "bnaudit.cli.measure",
     "bnaudit.cli.recalibrate",
     "bnaudit.cli.diff",
@@ -292,10 +292,10 @@ NOT_FOR_INSPECT = (
 NOT_FOR_RULES = (
     "bnaudit.formats",
     "bnaudit.audit.layers",
-    "bnaudit.audit.report",
-    "bnaudit.audit.audit",
-    "bnaudit.audit.layerdiff",
-    "bnaudit.audit.foldcheck",
+    "bnaudit.audit.checkpoint.report",
+    "bnaudit.audit.checkpoint.inspect",
+    "bnaudit.audit.diff.layers",
+    "bnaudit.audit.fold.check",
     "bnaudit.cli.measure",
     "bnaudit.cli.recalibrate",
     "bnaudit.cli.diff",
@@ -321,8 +321,8 @@ def loaded_modules(modules: tuple[str, ...], *args: str, cwd: str = REPO) -> set
 @pytest.mark.slow
 def test_the_modules_probe_sees_what_a_command_loads(numpy_safetensors):
     # the probe must be able to fail: inspect does load the audit and the table renderer
-    assert loaded_modules(("bnaudit.audit.audit", "rich.console"), "inspect", numpy_safetensors) == {
-        "bnaudit.audit.audit",
+    assert loaded_modules(("bnaudit.audit.checkpoint.inspect", "rich.console"), "inspect", numpy_safetensors) == {
+        "bnaudit.audit.checkpoint.inspect",
         "rich.console",
     }
 

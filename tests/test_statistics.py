@@ -19,8 +19,8 @@ from conftest import save_safetensors
 from torch import nn
 
 from bnaudit.audit import statistics
-from bnaudit.audit.diff import diff
-from bnaudit.audit.report import FileReport
+from bnaudit.audit.checkpoint.report import FileReport
+from bnaudit.audit.diff.checkpoints import diff
 from bnaudit.output.json import diff_to_json, gap_to_json
 from bnaudit.reports.gap import GapReport, LayerDrift
 from bnaudit.runtime.stats import drift

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import SAMPLES
 from torch import nn
 
-from bnaudit.audit.audit import inspect
+from bnaudit.api import inspect
 
 
 def _constant_training_layers(path: str) -> set[str]:

@@ -50,7 +50,7 @@ __all__ = [
     "variance_overstatement",
 ]
 
-# What the number formats a folded layer is deployed in do to its values (bnaudit.audit.foldcheck
+# What the number formats a folded layer is deployed in do to its values (bnaudit.audit.fold.check
 # applies them; the fold rules' documentation quotes them).
 INT8_LEVELS = 127  # symmetric int8: the scale S maps the largest magnitude to 127 levels
 # A weight at or below this many scales rounds to 0 (round half to even sends 0.5 to 0).

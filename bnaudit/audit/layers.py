@@ -14,9 +14,10 @@ group is which, and which module is a BatchNorm, is `bnaudit.normkinds`'s answer
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
 from bnaudit.audit.formulas import all_finite, eval_gains, near_eps_channels, valid_eval_gains
 from bnaudit.audit.settings import Setting, Settings, resolve, stated_settings
@@ -136,6 +137,21 @@ class ModuleFacts:
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
+
+
+class ModelReference(Protocol):
+    """The model `--arch` names, as `inspect` compares each file with it (built on the torch
+    side: `bnaudit.runtime.models.arch_reference`).
+
+    producers  BN module name -> the module whose output it normalises, from the model's graph
+    match      the checkpoint renamed to the model's names, with the model's real module
+               settings, and the ModuleFacts of the comparison
+    """
+
+    @property
+    def producers(self) -> Mapping[str, str]: ...
+
+    def match(self, ckpt: Checkpoint) -> tuple[Checkpoint, ModuleFacts]: ...
 
 
 def facts_from_module_infos(modules: dict[str, ModuleInfo]) -> ModuleFacts:

@@ -9,7 +9,7 @@ conventions: BN004's constant-channel check and `bnaudit fold` both pair through
 
 Exported graphs (ONNX with BatchNormalization nodes kept, torch.export `.pt2`) name the
 producer in the graph: the node feeding the BN node, as `bnaudit fold` pairs them
-(bnaudit.audit.foldgraph.exported_producers gives a `ProducerFilter` per BN layer). An ONNX
+(bnaudit.audit.fold.graph.exported_producers gives a `ProducerFilter` per BN layer). An ONNX
 MatMul, or Gemm without transB, stores its weight (K, N), output channels last.
 
 `producer_weight` (BN004) accepts a candidate only when its weight has at least 2

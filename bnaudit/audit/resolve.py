@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from bnaudit.audit.audit import inspect
+from bnaudit.audit.checkpoint.inspect import inspect_paths
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import Checkpoint
@@ -36,7 +36,7 @@ def model_checkpoint(path: str | os.PathLike[str], trust_pickle: bool = False, c
     path = os.fspath(path)
     if not os.path.isdir(path):
         return path
-    report = inspect([path], config or Config(), trust_pickle=trust_pickle)
+    report = inspect_paths([path], config or Config(), trust_pickle=trust_pickle)
     models = [f.path for f in report.files if f.error is None and f.skipped is None and f.excluded is None]
     broken = [f for f in report.files if f.error is not None]
     if len(broken) == 1 and broken[0].path == path:  # the folder itself: nothing to scan

@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from bnaudit.audit.rules import ALIASES, RULES, Rule, rule_for
-from bnaudit.audit.settings import DEFAULT_EPS, DEFAULT_MOMENTUM
 from bnaudit.config import KEYS, Config
 from bnaudit.errors import BnauditError
+from bnaudit.normkinds import DEFAULT_EPS, DEFAULT_MOMENTUM
 
 _WIDTH = 88
 

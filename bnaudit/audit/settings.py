@@ -43,12 +43,12 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # config.py imports this module for its defaults: keep it light
+from bnaudit.normkinds import DEFAULT_EPS, DEFAULT_MOMENTUM
+
+if TYPE_CHECKING:
+    from bnaudit.config import Config
     from bnaudit.formats.model import ModuleInfo
 
-# PyTorch's BatchNorm defaults (torch.nn.BatchNorm2d(eps=1e-5, momentum=0.1)).
-DEFAULT_EPS = 1e-5
-DEFAULT_MOMENTUM = 0.1
 
 # The command-line options that state each setting, for hints ("set --eps").
 OPTIONS = {"eps": "--eps", "momentum": "--momentum"}
@@ -143,6 +143,12 @@ def stated_settings(
         return Setting(value, Source.OPTION, OPTIONS[name])
 
     return Settings(one("eps", eps, DEFAULT_EPS), one("momentum", momentum, DEFAULT_MOMENTUM))
+
+
+def settings_stated_by(config: Config) -> Settings:
+    """`stated_settings` of a configuration: its eps and momentum, each from an option (or
+    the API) or from its configuration file, else PyTorch's defaults as assumed."""
+    return stated_settings(config.eps, config.momentum, config.from_file, config.source)
 
 
 def resolve(module: ModuleInfo | None, stated: Settings) -> Settings:

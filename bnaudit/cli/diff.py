@@ -8,7 +8,6 @@ from typing import Annotated, Optional
 import typer
 
 from bnaudit import output
-from bnaudit.audit.settings import DEFAULT_EPS, DEFAULT_MOMENTUM
 from bnaudit.cli.boundary import user_errors
 from bnaudit.cli.options import (
     ArchKwargsOpt,
@@ -25,6 +24,7 @@ from bnaudit.cli.options import (
     data_options,
 )
 from bnaudit.errors import BnauditError
+from bnaudit.normkinds import DEFAULT_EPS, DEFAULT_MOMENTUM
 
 
 def diff_command(
@@ -119,7 +119,7 @@ def diff_command(
     """Compare the BatchNorm state of two checkpoints: frozen layers that kept updating,
     averaged weights with stale statistics, double-counted batches; or a checkpoint with its
     ONNX export (nodes, folding, and with --arch and --data the outputs)."""
-    from bnaudit.audit.diff import diff as run_diff
+    from bnaudit.audit.diff.checkpoints import diff as run_diff
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
 

@@ -8,7 +8,6 @@ from typing import Annotated, Optional
 import typer
 
 from bnaudit import output
-from bnaudit.audit.settings import DEFAULT_EPS
 from bnaudit.cli.boundary import frozen_imports, user_errors
 from bnaudit.cli.options import (
     ArchKwargsOpt,
@@ -38,6 +37,7 @@ from bnaudit.cli.options import (
     data_options,
 )
 from bnaudit.errors import BnauditError
+from bnaudit.normkinds import DEFAULT_EPS
 
 
 def fold_command(
@@ -93,7 +93,7 @@ def fold_command(
 ) -> None:
     """Predict what folding BN into its producer, then int8, fp16 and bf16, do to each channel;
     with --data (and --arch), measure it."""
-    from bnaudit.audit.foldaudit import predict_fold
+    from bnaudit.audit.fold.predict import predict_fold
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
 

@@ -9,9 +9,9 @@ from typing import Annotated, Optional
 import typer
 
 from bnaudit import output
-from bnaudit.audit.settings import DEFAULT_EPS, DEFAULT_MOMENTUM
 from bnaudit.cli.boundary import user_errors
 from bnaudit.cli.options import ConfigOpt, DebugOpt, FailOnOpt, InspectFormat, InspectFormatOpt, IsolatedOpt, code_list
+from bnaudit.normkinds import DEFAULT_EPS, DEFAULT_MOMENTUM
 
 
 def inspect(
@@ -109,7 +109,7 @@ def inspect(
     ] = None,
 ) -> None:
     """Audit every BatchNorm layer of checkpoints, without code or data."""
-    from bnaudit.audit.audit import inspect as run_inspect
+    from bnaudit.api import inspect as run_inspect
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
 

@@ -34,9 +34,9 @@ from bnaudit.errors import OutputClosed
 from bnaudit.text import printable
 
 if TYPE_CHECKING:
-    from bnaudit.audit.diff import DiffReport
-    from bnaudit.audit.report import InspectReport
-    from bnaudit.reports.fold import FoldReport
+    from bnaudit.audit.checkpoint.report import InspectReport
+    from bnaudit.audit.diff.checkpoints import DiffReport
+    from bnaudit.audit.fold.report import FoldReport
     from bnaudit.reports.gap import GapReport
     from bnaudit.reports.invariance import InvarianceReport
     from bnaudit.reports.recalibrate import RecalibrationReport
@@ -53,11 +53,11 @@ def formats_of(report: object) -> tuple[str, ...]:
     anything else none.
     Each record module is imported only when the types before it did not match (see
     `bnaudit.output.table.render`)."""
-    from bnaudit.audit.report import InspectReport
+    from bnaudit.audit.checkpoint.report import InspectReport
 
     if isinstance(report, InspectReport):
         return FINDINGS_FORMATS
-    from bnaudit.audit.diff import DiffReport
+    from bnaudit.audit.diff.checkpoints import DiffReport
 
     if isinstance(report, DiffReport):
         return FINDINGS_FORMATS
@@ -67,7 +67,7 @@ def formats_of(report: object) -> tuple[str, ...]:
 
     if isinstance(report, (GapReport, InvarianceReport, RecalibrationReport)):
         return ("table", "json")
-    from bnaudit.reports.fold import FoldReport
+    from bnaudit.audit.fold.report import FoldReport
 
     if isinstance(report, FoldReport):
         return FINDINGS_FORMATS
@@ -191,7 +191,7 @@ def emit_diagnostics(report: Report, stream: IO[str], fmt: str = "table") -> Non
     `unreadable`, and stderr is where a hook's log and a terminal show errors); with any
     other format, in the document only (JSON `files[].error`, a SARIF notification, an
     annotation, a Code Quality issue, a JUnit error, a line of the summary)."""
-    from bnaudit.audit.report import InspectReport
+    from bnaudit.audit.checkpoint.report import InspectReport
 
     if isinstance(report, InspectReport):
         if fmt == "table":

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bnaudit.audit.report import InspectReport
+from bnaudit.audit.checkpoint.report import InspectReport
 from bnaudit.audit.rules import Finding
 from bnaudit.severity import Severity
 
 if TYPE_CHECKING:
-    from bnaudit.audit.diff import DiffReport
+    from bnaudit.audit.diff.checkpoints import DiffReport
     from bnaudit.output import Report
 
 
@@ -88,11 +88,11 @@ def checked_files(report: Report, base: str | None = None) -> list[CheckedFile]:
                 layers = _layers((layer.name for layer in file.layers), file.findings)
                 files.append(CheckedFile(file.path, where, layers, tuple(file.findings)))
         return files
-    from bnaudit.audit.diff import DiffReport
+    from bnaudit.audit.diff.checkpoints import DiffReport
 
     if isinstance(report, DiffReport):
         return [_diff_file(report, base)]
-    from bnaudit.reports.fold import FoldReport
+    from bnaudit.audit.fold.report import FoldReport
 
     if isinstance(report, FoldReport):  # one file: the checkpoint whose BN layers fold
         names = [p.bn for p in report.pairs] + [name for name, _ in report.unpaired]
@@ -114,11 +114,11 @@ def _diff_file(report: DiffReport, base: str | None) -> CheckedFile:
 def fail_on(report: Report) -> Severity:
     """The severity from which a finding fails the run (the configuration's fail-on of an
     inspect or a diff report)."""
-    from bnaudit.audit.diff import DiffReport
+    from bnaudit.audit.diff.checkpoints import DiffReport
 
     if isinstance(report, (InspectReport, DiffReport)):
         return Severity.parse(report.config.fail_on)
-    from bnaudit.reports.fold import FoldReport
+    from bnaudit.audit.fold.report import FoldReport
 
     if isinstance(report, FoldReport):
         return report.fail_on
@@ -129,7 +129,7 @@ def title(report: Report) -> str:
     """The command that made the report, as the CI formats name it ("bnaudit inspect")."""
     if isinstance(report, InspectReport):
         return "bnaudit inspect"
-    from bnaudit.reports.fold import FoldReport
+    from bnaudit.audit.fold.report import FoldReport
 
     return "bnaudit fold" if isinstance(report, FoldReport) else "bnaudit diff"
 

@@ -17,7 +17,7 @@ from bnaudit.output.names import ELLIPSIS, shorten_names
 from bnaudit.text import listing, plural
 
 if TYPE_CHECKING:  # `bnaudit rules` renders through this module and audits nothing
-    from bnaudit.audit.report import InspectReport
+    from bnaudit.audit.checkpoint.report import InspectReport
 
 
 def shorten_middle(text: str, width: int) -> str:

@@ -10,17 +10,17 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from bnaudit import __version__
-from bnaudit.audit.report import InspectReport
+from bnaudit.audit.checkpoint.report import InspectReport
 from bnaudit.audit.rules import Finding
 from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO, MEAN_SHIFT, VAR_LOG_RATIO, Drift
 
 if TYPE_CHECKING:
-    from bnaudit.audit.diff import DiffReport, Side
-    from bnaudit.audit.exportdiff import ExportCheck, FoldedLayer, KeptNode
+    from bnaudit.audit.diff.checkpoints import DiffReport, Side
+    from bnaudit.audit.export.diff import ExportCheck, FoldedLayer, KeptNode
+    from bnaudit.audit.fold.report import FoldReport
     from bnaudit.formats.hfcache import HubSource
     from bnaudit.formats.model import Averaging
     from bnaudit.output import Report
-    from bnaudit.reports.fold import FoldReport
     from bnaudit.reports.gap import GapReport, LayerDrift
     from bnaudit.reports.invariance import InvarianceReport
     from bnaudit.reports.recalibrate import RecalibrationReport
@@ -31,7 +31,7 @@ def to_json(report: Report) -> dict[str, Any]:
     imported only as far as the check needs, as in `bnaudit.output.table.render`)."""
     if isinstance(report, InspectReport):
         return inspect_to_json(report)
-    from bnaudit.audit.diff import DiffReport
+    from bnaudit.audit.diff.checkpoints import DiffReport
 
     if isinstance(report, DiffReport):
         return diff_to_json(report)
@@ -47,7 +47,7 @@ def to_json(report: Report) -> dict[str, Any]:
 
     if isinstance(report, RecalibrationReport):
         return recalibrate_to_json(report)
-    from bnaudit.reports.fold import FoldReport
+    from bnaudit.audit.fold.report import FoldReport
 
     if isinstance(report, FoldReport):
         return fold_to_json(report)
@@ -367,7 +367,7 @@ def hub_to_json(hub: HubSource | None) -> dict[str, Any] | None:
 def diff_to_json(report: DiffReport) -> dict[str, Any]:
     """The `bnaudit diff --format json` document.
 
-    Per layer: the changes defined in bnaudit.audit.layerdiff (null where a side lacks the
+    Per layer: the changes defined in bnaudit.audit.diff.layers (null where a side lacks the
     values or a value is not finite), which tensors are bit-identical, the counters of both
     sides and the verdict.
     """
@@ -432,7 +432,7 @@ def diff_to_json(report: DiffReport) -> dict[str, Any]:
 
 
 def _export_to_json(check: ExportCheck | None) -> dict[str, Any] | None:
-    """A checkpoint against its export (bnaudit.audit.exportdiff, numbers: bnaudit.audit.fold)."""
+    """A checkpoint against its export (bnaudit.audit.export.diff, numbers: bnaudit.audit.export.folded)."""
     if check is None:
         return None
     p = check.parity
@@ -465,7 +465,7 @@ def _export_to_json(check: ExportCheck | None) -> dict[str, Any] | None:
 
 def fold_to_json(report: FoldReport) -> dict[str, Any]:
     """The `bnaudit fold --format json` document: channel lists as integer indices, null
-    where not measured (definitions in bnaudit.audit.foldcheck and bnaudit.reports.fold)."""
+    where not measured (definitions in bnaudit.audit.fold.check and bnaudit.audit.fold.report)."""
     measured = report.measured
     pairs = []
     for p in report.pairs:

@@ -28,16 +28,16 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from bnaudit import __version__
-from bnaudit.audit.report import InspectReport
+from bnaudit.audit.checkpoint.report import InspectReport
 from bnaudit.audit.ruledocs import explain_rule, worst_severity
 from bnaudit.audit.rules import RULES, Finding
 from bnaudit.config import Config
 from bnaudit.output.checked import location
 
 if TYPE_CHECKING:
-    from bnaudit.audit.diff import DiffReport
+    from bnaudit.audit.diff.checkpoints import DiffReport
+    from bnaudit.audit.fold.report import FoldReport
     from bnaudit.output import Report
-    from bnaudit.reports.fold import FoldReport
 
 SCHEMA_URI = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
 
@@ -206,11 +206,11 @@ def to_sarif(report: Report) -> dict[str, Any]:
     measurements have no findings at locations: no SARIF)."""
     if isinstance(report, InspectReport):
         return inspect_to_sarif(report)
-    from bnaudit.audit.diff import DiffReport
+    from bnaudit.audit.diff.checkpoints import DiffReport
 
     if isinstance(report, DiffReport):
         return diff_to_sarif(report)
-    from bnaudit.reports.fold import FoldReport
+    from bnaudit.audit.fold.report import FoldReport
 
     if isinstance(report, FoldReport):
         return fold_to_sarif(report)

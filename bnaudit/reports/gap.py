@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bnaudit.audit.report import FileReport
+from bnaudit.audit.checkpoint.report import FileReport
 from bnaudit.audit.rules import Finding
 from bnaudit.config import exit_code_for
 from bnaudit.errors import BnauditError

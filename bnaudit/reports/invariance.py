@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bnaudit.audit.report import FileReport
+from bnaudit.audit.checkpoint.report import FileReport
 from bnaudit.audit.rules import Finding
 from bnaudit.audit.statistics import RELATIVE_DEVIATION
 from bnaudit.config import exit_code_for

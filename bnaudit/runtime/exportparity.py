@@ -3,7 +3,7 @@
 The checkpoint runs in torch (eval mode, the model --arch builds), the export in
 onnxruntime (an optional extra) with only the CPU execution provider and no custom
 operator library, on the same batches (`bnaudit.runtime.data.make_loader`). Numbers
-(`bnaudit.audit.exportdiff.ParityResult`):
+(`bnaudit.audit.export.diff.ParityResult`):
 
   relative deviation of a sample  relative_deviation (`bnaudit.audit.statistics`) of
                                   y_onnx against y_torch
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from bnaudit.audit.diff import DiffReport, diff
-from bnaudit.audit.exportdiff import ParityResult
+from bnaudit.audit.diff.checkpoints import DiffReport, diff
+from bnaudit.audit.export.diff import ParityResult
 from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError

@@ -1,7 +1,7 @@
 """`bnaudit fold --arch --data`: measure what folding, int8 and half precision cost.
 
 One read of the data: every batch is run through each target in turn (definitions of the
-targets in `bnaudit.reports.fold`):
+targets in `bnaudit.audit.fold.report`):
 
   float32           the model as loaded, eval mode
   folded            `fold_model`: every pair's BN folded into its producer in float64
@@ -32,12 +32,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from bnaudit.audit.foldaudit import predict_checkpoint
-from bnaudit.audit.foldcheck import PairPrediction
+from bnaudit.audit.fold.check import PairPrediction
+from bnaudit.audit.fold.predict import predict_checkpoint
+from bnaudit.audit.fold.report import TARGETS, FoldMeasurement, FoldReport
 from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
-from bnaudit.reports.fold import TARGETS, FoldMeasurement, FoldReport
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.distributed import gather_objects, together, torchrun
 from bnaudit.runtime.models import forward, load_forward, load_runnable, output_tensor

@@ -76,8 +76,8 @@ from typing import Any
 
 import torch
 
-from bnaudit.audit.audit import audit_checkpoint
-from bnaudit.audit.report import FileReport
+from bnaudit.audit.checkpoint.inspect import audit_checkpoint
+from bnaudit.audit.checkpoint.report import FileReport
 from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.config import Config, measurement_fail_on
 from bnaudit.errors import BnauditError

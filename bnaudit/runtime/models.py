@@ -273,6 +273,25 @@ def match_checkpoint(ckpt: Checkpoint, model: Any) -> tuple[Checkpoint, ModuleFa
     return matched, facts
 
 
+@dataclass(frozen=True)
+class ArchReference:
+    """The model --arch builds, as `inspect` compares files with it (the torch side of
+    `bnaudit.audit.layers.ModelReference`)."""
+
+    model: Any
+    producers: Mapping[str, str]
+
+    def match(self, ckpt: Checkpoint) -> tuple[Checkpoint, ModuleFacts]:
+        return match_checkpoint(ckpt, self.model)
+
+
+def arch_reference(arch: str, arch_kwargs: str | Mapping[str, Any] | None = None) -> ArchReference:
+    """Build the --arch model on the meta device (names, shapes and settings: no weights
+    needed) and find its BN producers once, for every file it is compared with."""
+    model = build_arch(arch, arch_kwargs, meta=True)
+    return ArchReference(model, bn_producers(model))
+
+
 def check_fits(ckpt: Checkpoint, facts: ModuleFacts, arch: str) -> None:
     """Refuse a checkpoint the model cannot run with (nothing in common, or a shape clash)."""
     if facts.mismatched:

@@ -22,7 +22,7 @@ from bnaudit.text import listing, plural
 if TYPE_CHECKING:  # `bnaudit rules` imports this module and reads no checkpoint
     from bnaudit.audit.layers import BNLayer
 
-# The checks import the estimates they use (bnaudit.audit.immaturity, .producers) where they
+# The checks import the estimates they use (bnaudit.audit.checkpoint.immaturity, .producers) where they
 # run: `bnaudit rules` imports every rule module and needs none of their records.
 
 
@@ -114,7 +114,7 @@ def _check_missing_buffers(ctx: RuleContext) -> Iterator[Finding]:
     "`bnaudit recalibrate` on representative data.",
 )
 def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
-    from bnaudit.audit.immaturity import has_identity_stats, has_initial_affine
+    from bnaudit.audit.checkpoint.immaturity import has_identity_stats, has_initial_affine
 
     r = RULES["BN002"]
     layers = ctx.discovery.layers
@@ -389,7 +389,7 @@ def _check_low_precision(ctx: RuleContext) -> Iterator[Finding]:
     "Nothing to fix if the weights were converted; otherwise check how the statistics were produced.",
 )
 def _check_counter_zero(ctx: RuleContext) -> Iterator[Finding]:
-    from bnaudit.audit.immaturity import has_identity_stats
+    from bnaudit.audit.checkpoint.immaturity import has_identity_stats
 
     if ctx.is_ema:  # an EMA copy's counter counts nothing (timm's ModelEmaV2 leaves it 0)
         return

@@ -1,5 +1,5 @@
 """The rules of `bnaudit diff` between two checkpoints (BN101-BN107): they judge how each
-layer changed (layerdiff.LayerDiff; definitions of the numbers in bnaudit.audit.layerdiff).
+layer changed (layerdiff.LayerDiff; definitions of the numbers in bnaudit.audit.diff.layers).
 
 A message says what the layer's row of the table and its JSON record do not: the per-layer
 numbers (shift, log-ratio, weight change) are there already, so the same fact on many
@@ -17,9 +17,9 @@ from bnaudit.severity import Severity
 from bnaudit.text import listing, plural
 
 if TYPE_CHECKING:
-    from bnaudit.audit.layerdiff import DiffContext, LayerDiff
+    from bnaudit.audit.diff.layers import DiffContext, LayerDiff
 
-# The checks import bnaudit.audit.layerdiff where they run: importing the registry (every
+# The checks import bnaudit.audit.diff.layers where they run: importing the registry (every
 # `inspect`, `rules`) then never loads the diff's machinery.
 
 
@@ -45,7 +45,7 @@ def _counter_words(d: LayerDiff) -> str:
     command="diff",
 )
 def _check_frozen_updating(ctx: DiffContext) -> Iterator[Finding]:
-    from bnaudit.audit import layerdiff
+    from bnaudit.audit.diff import layers as layerdiff
 
     r = RULES["BN101"]
     for d in ctx.layers:
@@ -76,7 +76,7 @@ def _check_frozen_updating(ctx: DiffContext) -> Iterator[Finding]:
     command="diff",
 )
 def _check_stale(ctx: DiffContext) -> Iterator[Finding]:
-    from bnaudit.audit import layerdiff
+    from bnaudit.audit.diff import layers as layerdiff
 
     r = RULES["BN102"]
     limit = ctx.config.stale_max_change
@@ -109,7 +109,7 @@ def _check_stale(ctx: DiffContext) -> Iterator[Finding]:
     command="diff",
 )
 def _check_re_estimated(ctx: DiffContext) -> Iterator[Finding]:
-    from bnaudit.audit import layerdiff
+    from bnaudit.audit.diff import layers as layerdiff
 
     r = RULES["BN103"]
     for d in ctx.layers:
@@ -139,7 +139,7 @@ def _check_re_estimated(ctx: DiffContext) -> Iterator[Finding]:
     command="diff",
 )
 def _check_uneven_counting(ctx: DiffContext) -> Iterator[Finding]:
-    from bnaudit.audit import layerdiff
+    from bnaudit.audit.diff import layers as layerdiff
 
     groups: dict[int, list[str]] = {}
     for d in ctx.layers:
@@ -181,7 +181,7 @@ def _check_uneven_counting(ctx: DiffContext) -> Iterator[Finding]:
     command="diff",
 )
 def _check_expectations(ctx: DiffContext) -> Iterator[Finding]:
-    from bnaudit.audit import layerdiff
+    from bnaudit.audit.diff import layers as layerdiff
 
     r = RULES["BN105"]
     cfg = ctx.config
@@ -264,7 +264,7 @@ def _check_settings_changed(ctx: DiffContext) -> Iterator[Finding]:
     command="diff",
 )
 def _check_layers_changed(ctx: DiffContext) -> Iterator[Finding]:
-    from bnaudit.audit import layerdiff
+    from bnaudit.audit.diff import layers as layerdiff
 
     r = RULES["BN107"]
     why = None if ctx.export is not None else layerdiff.unrelated(len(ctx.layers), ctx.reshaped, ctx.only_a, ctx.only_b)

@@ -4,7 +4,7 @@ A training-mode node and statistics that are not constants are facts of the expo
 itself, reported under inspect's codes (BN012, BN013) by bnaudit.audit.rules.graph.
 
 The side that is not the export is the reference; definitions of the numbers in
-bnaudit.audit.exportdiff and bnaudit.audit.fold.
+bnaudit.audit.export.diff and bnaudit.audit.export.folded.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from bnaudit.severity import Severity
 from bnaudit.text import plural
 
 if TYPE_CHECKING:  # only the diff's checks take one: inspect never imports the diff
-    from bnaudit.audit.layerdiff import DiffContext
+    from bnaudit.audit.diff.layers import DiffContext
 
 
 @rule(
@@ -83,7 +83,7 @@ def _check_export_eps(ctx: DiffContext) -> Iterator[Finding]:
     if ctx.export is None:
         return
     r = RULES["BN109"]
-    from bnaudit.audit.fold import float32
+    from bnaudit.audit.export.folded import float32
 
     for node in ctx.export.nodes:
         if not node.eps_differs:

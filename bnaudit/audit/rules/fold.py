@@ -1,5 +1,5 @@
 """The rules of `bnaudit fold`: BN201-BN207, what folding BN into its producer and then
-int8 or half precision do to each channel (definitions in bnaudit.audit.foldcheck)."""
+int8 or half precision do to each channel (definitions in bnaudit.audit.fold.check)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from bnaudit.severity import Severity
 from bnaudit.text import listing, plural
 
 if TYPE_CHECKING:  # `bnaudit fold` builds them; registering the rules needs none of it
-    from bnaudit.audit.foldcheck import FoldContext, PairPrediction
+    from bnaudit.audit.fold.check import FoldContext, PairPrediction
 
 
 def _channels(channels: tuple[int, ...]) -> str:

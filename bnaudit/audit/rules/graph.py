@@ -15,7 +15,7 @@ from bnaudit.audit.rules.registry import RULES, Finding, RuleContext, also_in, r
 from bnaudit.severity import Severity
 
 if TYPE_CHECKING:  # only the diff's checks take one: inspect never imports the diff
-    from bnaudit.audit.layerdiff import DiffContext
+    from bnaudit.audit.diff.layers import DiffContext
 
 
 @rule(

@@ -1,6 +1,6 @@
 """BN003, immature statistics: judged by the counter where it counts updates, and by the
 statistics themselves where it does not (an EMA copy, a file without counters); the
-estimates are bnaudit.audit.immaturity's. Also spoken in `diff` of a live model against
+estimates are bnaudit.audit.checkpoint.immaturity's. Also spoken in `diff` of a live model against
 its EMA copy (one code per fact)."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from bnaudit.severity import Severity
 from bnaudit.text import plural
 
 if TYPE_CHECKING:  # `bnaudit rules` imports this module and reads no checkpoint; inspect never diffs
-    from bnaudit.audit.layerdiff import DiffContext
+    from bnaudit.audit.diff.layers import DiffContext
     from bnaudit.audit.layers import BNLayer
     from bnaudit.config import Config
 
-# The checks import the estimates (bnaudit.audit.immaturity) and the averaging words
+# The checks import the estimates (bnaudit.audit.checkpoint.immaturity) and the averaging words
 # (bnaudit.formats.ema) where they run: `bnaudit rules` imports every rule module and needs
 # none of their records.
 
@@ -63,7 +63,7 @@ IMMATURE_ERROR_WEIGHT = 0.5
     settings=("max-init-weight", "max-implied-var-ratio", "max-implied-mean-shift", "momentum"),
 )
 def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
-    from bnaudit.audit.immaturity import has_identity_stats, implied_damage
+    from bnaudit.audit.checkpoint.immaturity import has_identity_stats, implied_damage
 
     r = RULES["BN003"]
     cfg = ctx.config
@@ -109,7 +109,7 @@ def _against_live_finding(copy: BNLayer, live: BNLayer, what: str, cfg: Config) 
     (immaturity.against_live): reported when the initial values' estimated weight exceeds
     max-init-weight and the copy's statistics differ notably from the live ones; an error
     when that difference passes max-implied-var-ratio / max-implied-mean-shift, or w >= 50%."""
-    from bnaudit.audit.immaturity import against_live
+    from bnaudit.audit.checkpoint.immaturity import against_live
 
     compared = against_live(copy, live)
     if compared is None or compared.initial_weight is None or compared.initial_weight <= cfg.max_init_weight:
@@ -131,7 +131,7 @@ def _against_live_finding(copy: BNLayer, live: BNLayer, what: str, cfg: Config) 
 def _check_immature_copy_in_diff(ctx: DiffContext) -> Iterator[Finding]:
     """An averaged copy diffed against its live model: the copy's statistics far from the
     live ones because they still hold the initial values, not because the weights moved."""
-    from bnaudit.audit.immaturity import has_identity_stats
+    from bnaudit.audit.checkpoint.immaturity import has_identity_stats
 
     for copy, live in ctx.averaged_pairs:
         if has_identity_stats(copy):
@@ -148,7 +148,7 @@ UNMOVED_SHARE = 0.5
 def _immature_without_counter(ctx: RuleContext, layer: BNLayer) -> Finding | None:
     """BN003 for an averaged copy or a layer without a counter: against the live model's
     layer where the container holds it, else by the share of channels still at variance 1."""
-    from bnaudit.audit.immaturity import has_initial_affine, unmoved_fraction
+    from bnaudit.audit.checkpoint.immaturity import has_initial_affine, unmoved_fraction
     from bnaudit.formats.ema import copy_words
 
     r, cfg = RULES["BN003"], ctx.config

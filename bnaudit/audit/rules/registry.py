@@ -18,8 +18,8 @@ from bnaudit.config import Config
 from bnaudit.severity import Severity
 
 if TYPE_CHECKING:
-    from bnaudit.audit.foldcheck import FoldContext
-    from bnaudit.audit.layerdiff import DiffContext
+    from bnaudit.audit.diff.layers import DiffContext
+    from bnaudit.audit.fold.check import FoldContext
     from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
     from bnaudit.audit.producers import ProducerFilter
     from bnaudit.formats.model import Averaging, TensorRef
@@ -70,7 +70,7 @@ class RuleContext:
     # absent, BN004 falls back on naming conventions
     producers: Mapping[str, str] = field(default_factory=dict)
     # Exported graphs (ONNX with BN nodes kept, .pt2): BN layer -> the weight of the node
-    # feeding it, paired as `fold` pairs them (bnaudit.audit.foldgraph.exported_producers);
+    # feeding it, paired as `fold` pairs them (bnaudit.audit.fold.graph.exported_producers);
     # possibly lazy (bnaudit.audit.producers.LazyProducers)
     graph_producers: Mapping[str, ProducerFilter] = field(default_factory=dict)
 

@@ -19,14 +19,14 @@ if TYPE_CHECKING:
 def render(report: Report, console: Console, *, quiet: bool = False, all_layers: bool = False) -> None:
     """Draw `report` on `console`; `quiet` shortens every table, `all_layers` (inspect's
     --layers) gives every file of an inspect report its layer table."""
-    from bnaudit.audit.report import InspectReport
+    from bnaudit.audit.checkpoint.report import InspectReport
 
     if isinstance(report, InspectReport):
         from bnaudit.output.table.inspect import render_inspect
 
         render_inspect(report, console, quiet=quiet, all_layers=all_layers)
         return
-    from bnaudit.audit.diff import DiffReport
+    from bnaudit.audit.diff.checkpoints import DiffReport
 
     if isinstance(report, DiffReport):
         from bnaudit.output.table.diff import render_diff
@@ -54,7 +54,7 @@ def render(report: Report, console: Console, *, quiet: bool = False, all_layers:
 
         render_recalibrate(report, console, quiet=quiet)
         return
-    from bnaudit.reports.fold import FoldReport
+    from bnaudit.audit.fold.report import FoldReport
 
     if isinstance(report, FoldReport):
         from bnaudit.output.table.fold import render_fold

@@ -24,9 +24,9 @@ from bnaudit.text import above_floor, plural, printable
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from bnaudit.audit.diff import DiffReport
-    from bnaudit.audit.exportdiff import ExportCheck, ParityResult
-    from bnaudit.audit.layerdiff import LayerDiff
+    from bnaudit.audit.diff.checkpoints import DiffReport
+    from bnaudit.audit.diff.layers import LayerDiff
+    from bnaudit.audit.export.diff import ExportCheck, ParityResult
 
 
 def _delta(x: float | None, identical: bool) -> str:
@@ -116,7 +116,7 @@ def render_diff(report: DiffReport, console: Console, quiet: bool = False) -> No
     if changed:
         _layers_table(changed, console, every)
     if unchanged:
-        from bnaudit.audit.layerdiff import describe_group
+        from bnaudit.audit.diff.layers import describe_group
 
         console.print(
             cell(
@@ -172,7 +172,7 @@ _LAYER_COLUMNS = (
 
 
 def _layers_table(changed: list[LayerDiff], console: Console, every: list[str]) -> None:
-    """One row per layer that changed: the changes (`bnaudit.audit.layerdiff`) and the verdict."""
+    """One row per layer that changed: the changes (`bnaudit.audit.diff.layers`) and the verdict."""
     from rich.text import Text
 
     rows = [

@@ -12,8 +12,8 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-    from bnaudit.audit.foldcheck import PairPrediction
-    from bnaudit.reports.fold import FoldReport
+    from bnaudit.audit.fold.check import PairPrediction
+    from bnaudit.audit.fold.report import FoldReport
 
 
 def _count(channels: tuple[int, ...]) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
+from bnaudit.audit.checkpoint.report import FileReport, InspectReport, LayerSummary
 from bnaudit.output.fit import concise_lines, summary_line
 from bnaudit.output.grid import SEVERITY_STYLE, layout_grid
 from bnaudit.output.names import shorten_names

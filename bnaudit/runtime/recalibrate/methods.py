@@ -32,9 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bnaudit.audit.settings import DEFAULT_EPS
 from bnaudit.errors import BnauditError
-from bnaudit.normkinds import NormKind, op_kind
+from bnaudit.normkinds import DEFAULT_EPS, NormKind, op_kind
 from bnaudit.reports.recalibrate import SkippedLayer
 from bnaudit.runtime.batching import batch_len, merge_trailing_singleton
 from bnaudit.runtime.distributed import distributed, together

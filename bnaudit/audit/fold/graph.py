@@ -6,7 +6,7 @@ attribute). Two cases, per node:
   BN node kept      the BatchNormalization node's input X is the output of one Conv, Gemm or
                     MatMul node with a constant weight, and nothing else reads X: paired_by
                     "graph", predicted from the node's statistics and the conv's weight as
-                    for a checkpoint (`bnaudit.audit.foldcheck.predict_pair`). A BN node
+                    for a checkpoint (`bnaudit.audit.fold.check.predict_pair`). A BN node
                     fed by anything else (an Add, a Concat, a pooling, a graph input, a
                     conv output read twice) cannot be folded: listed as unpaired.
   conv folded       a Conv node with constant weight and bias whose BN the exporter folded
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bnaudit.audit.foldcheck import PairPrediction, channel_maxima, predict_folded, predict_pair
+from bnaudit.audit.fold.check import PairPrediction, channel_maxima, predict_folded, predict_pair
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.producers import ProducerFilter
 from bnaudit.config import Config

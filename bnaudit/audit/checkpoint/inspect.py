@@ -1,6 +1,6 @@
 """`inspect`: paths -> checkpoint -> layers -> rules -> InspectReport.
 
-Directories (and Hugging Face caches) expand as audit/scan.py says; a file named
+Directories (and Hugging Face caches) expand as audit/checkpoint/scan.py says; a file named
 explicitly is read whatever its name. One unreadable file becomes a FileReport with
 `error` set; the others are still audited. Optimizer, scheduler and RNG state and
 pickled training arguments become a FileReport with `skipped` set (formats/classify.py);
@@ -13,16 +13,22 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
-from bnaudit.audit.forked import forked_map, worker_count
-from bnaudit.audit.layers import BNLayer, ModuleFacts, discover_layers, facts_from_module_infos, not_from_file
+from bnaudit.audit.checkpoint.forked import forked_map, worker_count
+from bnaudit.audit.checkpoint.report import FileReport, InspectReport, LayerSummary
+from bnaudit.audit.checkpoint.scan import Target, targets, without_external_data, without_indexed_shards
+from bnaudit.audit.layers import (
+    BNLayer,
+    ModelReference,
+    ModuleFacts,
+    discover_layers,
+    facts_from_module_infos,
+    not_from_file,
+)
 from bnaudit.audit.producers import LazyProducers, ProducerFilter
 from bnaudit.audit.provenance import recalibration_provenance
-from bnaudit.audit.report import FileReport, InspectReport, LayerSummary
 from bnaudit.audit.rules import Finding, RuleContext, run_rules
-from bnaudit.audit.scan import Target, targets, without_external_data, without_indexed_shards
-from bnaudit.audit.settings import statement
+from bnaudit.audit.settings import settings_stated_by, statement
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.classify import NotModelWeights, data_tensors
@@ -41,11 +47,11 @@ def audit_checkpoint(
     enables the module-only rules; `producers` (BN layer -> the module feeding it, from the
     model's graph) tells BN004 which filters feed which channel. Raises BnauditError for
     unreadable tensors."""
-    discovery = discover_layers(ckpt, config.stated_settings())
+    discovery = discover_layers(ckpt, settings_stated_by(config))
     live_layers = None
     if ckpt.live_tensors is not None:
         live = Checkpoint(ckpt.path, ckpt.format, ckpt.live_tensors, modules=ckpt.modules)
-        live_layers = {layer.name: layer for layer in discover_layers(live, config.stated_settings()).layers}
+        live_layers = {layer.name: layer for layer in discover_layers(live, settings_stated_by(config)).layers}
     provenance = recalibration_provenance(ckpt)
     findings = run_rules(
         RuleContext(
@@ -100,12 +106,12 @@ def audit_checkpoint(
 
 
 def _graph_producers(ckpt: Checkpoint, layers: Sequence[BNLayer]) -> Mapping[str, ProducerFilter]:
-    """An exported graph's BN producers, paired only when BN004 asks (bnaudit.audit.foldgraph)."""
+    """An exported graph's BN producers, paired only when BN004 asks (bnaudit.audit.fold.graph)."""
     if ckpt.format not in ("onnx", "pt2"):
         return {}
 
     def pair() -> Mapping[str, ProducerFilter]:
-        from bnaudit.audit.foldgraph import exported_producers
+        from bnaudit.audit.fold.graph import exported_producers
 
         return exported_producers(ckpt, layers)
 
@@ -126,17 +132,15 @@ def audit_file(
     config: Config,
     key: str | None = None,
     trust_pickle: bool = False,
-    model: Any = None,
+    reference: ModelReference | None = None,
     debug: bool = False,
     named: bool = True,
-    producers: Mapping[str, str] | None = None,
 ) -> FileReport:
     """Audit one checkpoint; a user-caused problem becomes `FileReport.error`, a file that
     is not model weights `FileReport.skipped`. `named`: the user named it (not a scan).
 
-    `model` (an nn.Module built from --arch, possibly on the meta device) is compared
-    with the checkpoint key by key; a file that holds its own modules (TorchScript, a
-    pickled nn.Module) speaks for itself. An unexpected exception (a bug met on this
+    `reference` (the model --arch builds) is compared with the checkpoint key by key; a
+    file that holds its own modules (TorchScript, a pickled nn.Module) speaks for itself. An unexpected exception (a bug met on this
     file) is recorded the same way so the other files are still audited; `debug=True`
     lets it propagate instead.
     """
@@ -148,15 +152,13 @@ def audit_file(
         module = None
         # an exported graph (ONNX, .pt2) holds only its BN tensors (no conv weights to match
         # against --arch) and names its own nodes' settings: --arch would only add noise there
-        arch_used = model is not None and ckpt.format not in ("onnx", "pt2")
-        if arch_used:
-            from bnaudit.runtime.models import match_checkpoint
-
-            ckpt, module = match_checkpoint(ckpt, model)
+        arch_used = reference is not None and ckpt.format not in ("onnx", "pt2")
+        if reference is not None and arch_used:
+            ckpt, module = reference.match(ckpt)
         elif ckpt.holds_module and ckpt.modules:
             module = facts_from_module_infos(ckpt.modules)
-        report = audit_checkpoint(ckpt, config, module, producers if arch_used else None)
-        if model is not None and not arch_used:
+        report = audit_checkpoint(ckpt, config, module, reference.producers if reference and arch_used else None)
+        if reference is not None and not arch_used:
             report.notes.append("--arch not used for an exported graph: its nodes carry their own settings")
         if data is not None:
             report.notes.append(f"tensors {data}: data, not a model")
@@ -180,42 +182,22 @@ def audit_file(
     return report
 
 
-def inspect(
+def inspect_paths(
     paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     config: Config | None = None,
     key: str | None = None,
     trust_pickle: bool = False,
-    arch: str | None = None,
-    arch_kwargs: str | dict[str, Any] | None = None,
+    reference: ModelReference | None = None,
     debug: bool = False,
     all_revisions: bool = False,
     jobs: int | None = None,
 ) -> InspectReport:
-    """Audit checkpoints (files or directories) and return the report.
-
-    `arch` (MODULE:CALLABLE, with `arch_kwargs` JSON) names the model: BN001 becomes
-    exact and BN006 / BN007 / BN011 apply; its real eps and momentum replace the defaults.
-    `all_revisions`: every snapshot of a Hugging Face cache repo, not only refs/main's.
-    `jobs`: at most this many processes audit the files (None: one per usable CPU). Fewer
-    than 16 files, or a process that already runs threads (torch imported), are audited in
-    this process alone (bnaudit.audit.forked says why).
-
-    >>> report = inspect("sample_models/")      # doctest: +SKIP
-    >>> report.exit_code(), report.summary()    # doctest: +SKIP
-    """
+    """Audit checkpoints (files or directories) and return the report: `bnaudit.inspect`
+    (bnaudit.api) without building a model. `reference`, the model `--arch` names, makes
+    BN001 exact and BN006 / BN007 / BN011 apply; the other arguments are `bnaudit.inspect`'s."""
     if jobs is not None and jobs < 1:
         raise BnauditError(f"--jobs must be at least 1, got {jobs}")
     config = config or Config()
-    model = None
-    producers: dict[str, str] = {}
-    if arch is not None:
-        from bnaudit.runtime.models import bn_producers, build_arch
-
-        model = build_arch(arch, arch_kwargs, meta=True)  # names, shapes, settings: no weights needed
-
-        producers = bn_producers(model)  # once for every file: the graph is the model's
-    elif arch_kwargs is not None:
-        raise BnauditError("--arch-kwargs needs --arch")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     found = targets([os.fspath(p) for p in paths], all_revisions=all_revisions)
@@ -239,10 +221,9 @@ def inspect(
             config,
             key=key,
             trust_pickle=trust_pickle,
-            model=model,
+            reference=reference,
             debug=debug,
             named=target.named,
-            producers=producers,
         )
 
     to_audit = [target for target, report in plan if report is None]

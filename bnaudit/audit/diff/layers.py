@@ -41,7 +41,7 @@ from bnaudit.config import Config
 from bnaudit.text import plural
 
 if TYPE_CHECKING:  # the export check's modules are needed only when one side is an export
-    from bnaudit.audit.exportdiff import ExportCheck
+    from bnaudit.audit.export.diff import ExportCheck
 
 SCALE_FLOOR = 1e-3
 
@@ -51,7 +51,7 @@ STALE = "stale statistics"
 RE_ESTIMATED = "re-estimated"
 TRAINED = "trained"
 UNCHANGED = "unchanged"
-# A checkpoint against its export (bnaudit.audit.exportdiff): a kept BatchNormalization
+# A checkpoint against its export (bnaudit.audit.export.diff): a kept BatchNormalization
 # node whose tensors differ from the checkpoint's beyond float32 rounding (rule BN108).
 EXPORT_DIFFERS = "differs from checkpoint"
 VERDICTS = (FROZEN_BUT_UPDATING, STALE, RE_ESTIMATED, TRAINED, EXPORT_DIFFERS, UNCHANGED)

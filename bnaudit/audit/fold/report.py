@@ -1,5 +1,5 @@
 """The `fold` report: per BN/producer pair, what folding and then int8, fp16 and bf16 do
-(predicted from the statistics, `bnaudit.audit.foldcheck`), and, with --arch and --data,
+(predicted from the statistics, `bnaudit.audit.fold.check`), and, with --arch and --data,
 the accuracy measured for each target (`bnaudit.runtime.fold`).
 
 Torch-free: `bnaudit.output` renders these records. Targets, in the order of the table:
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bnaudit.audit.foldcheck import PairPrediction
+from bnaudit.audit.fold.check import PairPrediction
 from bnaudit.audit.rules import Finding
 from bnaudit.config import SEVERITIES, Config, exit_code_for
 from bnaudit.severity import Severity

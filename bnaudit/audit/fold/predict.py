@@ -2,22 +2,22 @@
 
 Reads the file (or a folder's model checkpoint) through `bnaudit.audit.resolve`, finds its BN layers
 (`bnaudit.audit.layers`, eps from `bnaudit.audit.settings`), pairs and predicts
-(`bnaudit.audit.foldcheck`) and runs the fold rules (BN201-BN207).
+(`bnaudit.audit.fold.check`) and runs the fold rules (BN201-BN207).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from bnaudit.audit.foldcheck import FoldContext, predict_pairs
+from bnaudit.audit.fold.check import FoldContext, predict_pairs
+from bnaudit.audit.fold.report import FoldReport
 from bnaudit.audit.layers import discover_layers, not_from_file
 from bnaudit.audit.resolve import read_model_checkpoint
 from bnaudit.audit.rules import run_fold_rules
-from bnaudit.audit.settings import statement
+from bnaudit.audit.settings import settings_stated_by, statement
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import Checkpoint
-from bnaudit.reports.fold import FoldReport
 
 
 def predict_fold(path: str, config: Config, key: str | None = None, trust_pickle: bool = False) -> FoldReport:
@@ -38,15 +38,15 @@ def predict_checkpoint(
     `traced` (BN -> producer module) and `unfoldable` (BN -> what feeds it instead) come from
     a traced forward of the model and replace the naming conventions (paired_by "graph")."""
     path = ckpt.path
-    discovery = discover_layers(ckpt, config.stated_settings())
+    discovery = discover_layers(ckpt, settings_stated_by(config))
     if ckpt.format == "onnx" and ckpt.graph is not None:
-        from bnaudit.audit.foldgraph import graph_pairs
+        from bnaudit.audit.fold.graph import graph_pairs
 
         pairs, unpaired = graph_pairs(ckpt.graph, discovery.layers, config)
     elif not discovery.layers:
         raise BnauditError(f"{path}: no BatchNorm layers with running statistics to fold")
     elif ckpt.format == "pt2":
-        from bnaudit.audit.foldgraph import program_pairs
+        from bnaudit.audit.fold.graph import program_pairs
 
         pairs, unpaired = program_pairs(path, discovery.layers, config)
     else:

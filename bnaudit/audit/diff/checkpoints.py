@@ -3,11 +3,11 @@
 Both sides are read exactly as `inspect` reads them (every format and container, wrapper
 prefixes stripped, only the BN tensors read), so the cost does not grow with the rest of
 the checkpoint. Layers are matched by name. The numbers and verdicts are defined in
-`bnaudit.audit.layerdiff`; the findings come from the diff rules (BN1xx) of the registry.
+`bnaudit.audit.diff.layers`; the findings come from the diff rules (BN1xx) of the registry.
 
 When exactly one side is an ONNX export, the other is its reference checkpoint:
 BatchNormalization nodes are matched by name, exporter scope, then order and channel
-count, and folded layers are verified (`bnaudit.audit.exportdiff`, `bnaudit.audit.fold`;
+count, and folded layers are verified (`bnaudit.audit.export.diff`, `bnaudit.audit.export.folded`;
 rules BN108-BN114). BN101-BN104 and BN106, which read training between two checkpoints,
 stay silent there.
 """
@@ -19,17 +19,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from bnaudit.audit.exportdiff import (
-    ExportCheck,
-    FoldedLayer,
-    ParityResult,
-    Unpaired,
-    fold_checks,
-    kept_node,
-    match_by_order,
-    match_layers,
-)
-from bnaudit.audit.layerdiff import (
+from bnaudit.audit.diff.layers import (
     EXPORT_DIFFERS,
     FROZEN_BUT_UPDATING,
     RE_ESTIMATED,
@@ -43,11 +33,21 @@ from bnaudit.audit.layerdiff import (
     describe_group,
     unrelated,
 )
+from bnaudit.audit.export.diff import (
+    ExportCheck,
+    FoldedLayer,
+    ParityResult,
+    Unpaired,
+    fold_checks,
+    kept_node,
+    match_by_order,
+    match_layers,
+)
 from bnaudit.audit.layers import BNLayer, discover_layers, not_from_file
 from bnaudit.audit.provenance import recalibration_provenance
 from bnaudit.audit.resolve import read_model_checkpoint
 from bnaudit.audit.rules import Finding, run_diff_rules
-from bnaudit.audit.settings import OPTIONS, statement
+from bnaudit.audit.settings import OPTIONS, settings_stated_by, statement
 from bnaudit.config import SEVERITIES, Config, exit_code_for
 from bnaudit.errors import BnauditError
 from bnaudit.formats.containers import averaged_model_record
@@ -84,7 +84,7 @@ class DiffReport:
     provenance: str = ""  # who re-estimated side B's verified layers (audit.provenance), in words
     # side B's record names layers whose statistics it does not match (audit.provenance)
     record_mismatch: str = ""
-    # set when one side is an ONNX export of the other (bnaudit.audit.exportdiff)
+    # set when one side is an ONNX export of the other (bnaudit.audit.export.diff)
     export: ExportCheck | None = None
 
     def layers_by_verdict(self) -> dict[str, list[str]]:
@@ -191,7 +191,7 @@ class DiffReport:
         return exit_code_for((f.severity for f in self.findings), fail_on or self.config.fail_on, exit_zero=exit_zero)
 
 
-# formats that are an exported graph (a checkpoint's export, compared with exportdiff)
+# formats that are an exported graph (a checkpoint's export, compared in audit/export/diff.py)
 EXPORT_FORMATS = ("onnx", "pt2")
 
 
@@ -220,15 +220,15 @@ def diff_checkpoints(
     producers: Mapping[str, str] | None = None,
     parity: ParityResult | None = None,
 ) -> DiffReport:
-    """Compare two opened checkpoints layer by layer (see bnaudit.audit.layerdiff).
+    """Compare two opened checkpoints layer by layer (see bnaudit.audit.diff.layers).
 
     When exactly one side is an export (ONNX model or .pt2 program), the other is its
-    reference checkpoint and the comparison is `bnaudit.audit.exportdiff`'s: `producers` (BN layer -> conv, from the
+    reference checkpoint and the comparison is `bnaudit.audit.export.diff`'s: `producers` (BN layer -> conv, from the
     model graph with --arch) pairs folded layers, `parity` is the outputs' comparison."""
     if (a.format in EXPORT_FORMATS) != (b.format in EXPORT_FORMATS):
         return _diff_export(a, b, config, producers, parity)
-    layers_a = discover_layers(a, config.stated_settings()).layers
-    layers_b = discover_layers(b, config.stated_settings()).layers
+    layers_a = discover_layers(a, settings_stated_by(config)).layers
+    layers_b = discover_layers(b, settings_stated_by(config)).layers
     by_name_b = {layer.name: layer for layer in layers_b}
     names_a = {layer.name for layer in layers_a}
     record = recalibration_provenance(b)  # verified against B's statistics, as inspect does
@@ -285,7 +285,7 @@ def _diff_export(
     compared, folded layers verified (ONNX), the rest listed as unpaired."""
     export_side = "a" if a.format in EXPORT_FORMATS else "b"
     ref, exp = (b, a) if export_side == "a" else (a, b)
-    layers_ref = discover_layers(ref, config.stated_settings()).layers
+    layers_ref = discover_layers(ref, settings_stated_by(config)).layers
     layers_exp = discover_layers(exp).layers  # every node carries its own attributes
     pairs, left_ref, left_exp = match_layers(layers_ref, layers_exp)
     if exp.format == "pt2":

@@ -16,7 +16,7 @@ Three things are checked (the rules BN108-BN114 of the registry judge the record
                  model graph with --arch, else the checkpoint's key order: the last weight
                  with C output channels before the layer), that conv's node in the export
                  (initializer name, exporter scope, else order among convs of that shape),
-                 and the folding itself (bnaudit.audit.fold).
+                 and the folding itself (bnaudit.audit.export.folded).
   unpaired       layers and export convs that could not be paired, and why.
 
 A torch.export program (.pt2) has no folded convs to verify: its BN is a node, or
@@ -36,7 +36,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bnaudit.audit.fold import FoldCheck, float32, fold_layer
+from bnaudit.audit.export.folded import FoldCheck, float32, fold_layer
 from bnaudit.audit.formulas import retained_fraction
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.settings import Setting, Settings
@@ -115,7 +115,7 @@ class KeptNode:
 
 @dataclass(frozen=True)
 class FoldedLayer:
-    """A checkpoint BN layer folded into an export conv (numbers: bnaudit.audit.fold)."""
+    """A checkpoint BN layer folded into an export conv (numbers: bnaudit.audit.export.folded)."""
 
     name: str
     conv: str  # the checkpoint conv (module name)
