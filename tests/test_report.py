@@ -390,3 +390,17 @@ def test_a_gap_report_built_by_hand_is_emitted_without_torch():
     row = next(line for line in printed["table"].splitlines() if line.startswith("features.1"))
     # drift 1.25 (mean shift + var log-ratio); worst channel 1 scores 2.5
     assert "1.250" in row and "1: 2.500" in row
+
+
+def test_every_emitter_of_the_table_exists_and_each_record_names_its_own_kind():
+    import importlib
+
+    from bnaudit import output
+
+    for kind, row in output.EMITTERS.items():
+        module, _, name = row["record"].partition(":")
+        record = getattr(importlib.import_module(module), name)
+        assert record.kind == kind
+        for fmt, target in row.items():
+            module, _, name = target.partition(":")
+            assert callable(getattr(importlib.import_module(module), name)), (kind, fmt)

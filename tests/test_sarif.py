@@ -243,6 +243,6 @@ def test_fold_log_is_valid_and_puts_every_finding_at_the_checkpoint(tmp_path, mo
 
 
 def to_sarif_of(report) -> dict:
-    from bnaudit.output.sarif import to_sarif
+    from bnaudit.output import emitter
 
-    return to_sarif(report)
+    return emitter(report, "sarif")(report)

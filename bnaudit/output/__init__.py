@@ -8,13 +8,15 @@
     render_rules(stream, code)         `bnaudit rules` and `bnaudit rules CODE`
     progress(description, stream)      a progress bar while gap or recalibrate runs
 
-The emitters are chosen by the report's type (`formats_of`, `table.render`,
-`json.to_json`, `sarif.to_sarif`, and one module per CI format: `github.to_github`,
-`gitlab.to_gitlab`, `junit.to_junit`, `markdown.to_markdown`, which read the files of a
-report through `checked.checked_files`). The records live in torch-free modules
-(`bnaudit.audit` for inspect and diff, `bnaudit.reports` for gap, invariance and
-recalibrate), so this package never imports the torch-heavy modules that measure:
-`--help`, `rules` and `inspect` of a safetensors file stay torch-free.
+The emitters are chosen in one table, `EMITTERS`: a report's `kind` (a class attribute of
+every report record) and a format name the function that renders it, imported only when
+used (a `bnaudit inspect` loads neither the measurements' records nor their renderers). The
+CI formats (`github.to_github`, `gitlab.to_gitlab`, `junit.to_junit`,
+`markdown.to_markdown`) serve every report of findings at locations, whose files they read
+through `checked.checked_files`. The records live in torch-free modules (`bnaudit.audit`
+for inspect, diff and fold, `bnaudit.reports` for gap, invariance and recalibrate), so this
+package never imports the torch-heavy modules that measure: `--help`, `rules` and `inspect`
+of a safetensors file stay torch-free.
 
 Strings from files and models (names, paths, messages, model descriptions) are untrusted:
 the table renderers pass each through `bnaudit.text.printable` where they draw it, and the
@@ -44,34 +46,82 @@ if TYPE_CHECKING:
     Report = InspectReport | DiffReport | GapReport | InvarianceReport | RecalibrationReport | FoldReport
 
 
-FINDINGS_FORMATS = ("table", "json", "sarif", "github", "gitlab", "junit", "markdown")
+# The formats every report of findings at locations has (inspect, diff, fold): its own table,
+# JSON and SARIF, and the CI formats, which read any such report alike.
+_CI_FORMATS = {
+    "github": "bnaudit.output.github:to_github",
+    "gitlab": "bnaudit.output.gitlab:to_gitlab",
+    "junit": "bnaudit.output.junit:to_junit",
+    "markdown": "bnaudit.output.markdown:to_markdown",
+}
+
+# report kind -> the record class of that kind, and format -> "module:function". A table
+# renderer draws on a rich console; the others return a JSON-able document ("json",
+# "sarif", "gitlab") or text. A report is dispatched by its record's `kind`, and only if it
+# is an instance of that very class (checked by name: nothing is imported to check it).
+EMITTERS: dict[str, dict[str, str]] = {
+    "inspect": {
+        "record": "bnaudit.audit.checkpoint.report:InspectReport",
+        "table": "bnaudit.output.table.inspect:render_inspect",
+        "json": "bnaudit.output.json:inspect_to_json",
+        "sarif": "bnaudit.output.sarif:inspect_to_sarif",
+        **_CI_FORMATS,
+    },
+    "diff": {
+        "record": "bnaudit.audit.diff.checkpoints:DiffReport",
+        "table": "bnaudit.output.table.diff:render_diff",
+        "json": "bnaudit.output.json:diff_to_json",
+        "sarif": "bnaudit.output.sarif:diff_to_sarif",
+        **_CI_FORMATS,
+    },
+    "fold": {
+        "record": "bnaudit.audit.fold.report:FoldReport",
+        "table": "bnaudit.output.table.fold:render_fold",
+        "json": "bnaudit.output.json:fold_to_json",
+        "sarif": "bnaudit.output.sarif:fold_to_sarif",
+        **_CI_FORMATS,
+    },
+    "gap": {
+        "record": "bnaudit.reports.gap:GapReport",
+        "table": "bnaudit.output.table.gap:render_gap",
+        "json": "bnaudit.output.json:gap_to_json",
+    },
+    "invariance": {
+        "record": "bnaudit.reports.invariance:InvarianceReport",
+        "table": "bnaudit.output.table.invariance:render_invariance",
+        "json": "bnaudit.output.json:invariance_to_json",
+    },
+    "recalibrate": {
+        "record": "bnaudit.reports.recalibrate:RecalibrationReport",
+        "table": "bnaudit.output.table.recalibrate:render_recalibrate",
+        "json": "bnaudit.output.json:recalibrate_to_json",
+    },
+}
+_DOCUMENTS = ("json", "sarif", "gitlab")  # written as JSON; the other non-table formats are text
+
+
+def _emitters(report: object) -> dict[str, str]:
+    """`report`'s row of EMITTERS; empty for anything that is not that row's record."""
+    row = EMITTERS.get(getattr(type(report), "kind", None) or "", {})
+    record = f"{type(report).__module__}:{type(report).__qualname__}"
+    return {fmt: target for fmt, target in row.items() if fmt != "record"} if row.get("record") == record else {}
 
 
 def formats_of(report: object) -> tuple[str, ...]:
-    """The formats `report`'s type has emitters for: inspect and diff reports table, JSON,
-    SARIF and the CI formats (findings at locations); the measurements table and JSON;
-    anything else none.
-    Each record module is imported only when the types before it did not match (see
-    `bnaudit.output.table.render`)."""
-    from bnaudit.audit.checkpoint.report import InspectReport
+    """The formats `report` has emitters for (none for an object that is no report)."""
+    return tuple(_emitters(report))
 
-    if isinstance(report, InspectReport):
-        return FINDINGS_FORMATS
-    from bnaudit.audit.diff.checkpoints import DiffReport
 
-    if isinstance(report, DiffReport):
-        return FINDINGS_FORMATS
-    from bnaudit.reports.gap import GapReport
-    from bnaudit.reports.invariance import InvarianceReport
-    from bnaudit.reports.recalibrate import RecalibrationReport
+def emitter(report: object, fmt: str) -> Callable[..., Any]:
+    """The function that renders `report` in `fmt` (EMITTERS), imported now."""
+    target = _emitters(report).get(fmt)
+    if target is None:
+        raise ValueError(f"no {fmt!r} emitter for a {type(report).__name__} report")  # a bug in the caller
+    import importlib
 
-    if isinstance(report, (GapReport, InvarianceReport, RecalibrationReport)):
-        return ("table", "json")
-    from bnaudit.audit.fold.report import FoldReport
-
-    if isinstance(report, FoldReport):
-        return FINDINGS_FORMATS
-    return ()
+    module, _, name = target.partition(":")
+    function: Callable[..., Any] = getattr(importlib.import_module(module), name)
+    return function
 
 
 def console(stream: IO[str], width: int | None = None) -> Any:
@@ -103,46 +153,17 @@ def emit(
 ) -> None:
     """Write `report` to `stream` in `fmt`; `quiet` and `width` apply to tables only, and
     `all_layers` (inspect's --layers: a layer table for every file) to inspect's table."""
-    if fmt not in formats_of(report):
-        raise ValueError(f"no {fmt!r} emitter for a {type(report).__name__} report")  # a bug in the caller
+    render = emitter(report, fmt)
     if fmt == "table":
-        from bnaudit.output.table import render
-
-        render(report, console(stream, width), quiet=quiet, all_layers=all_layers)
+        options = {"all_layers": True} if all_layers else {}  # inspect's --layers
+        render(report, console(stream, width), quiet=quiet, **options)
         return
-    if fmt in ("github", "junit", "markdown"):
-        _write(stream, _ci_text(report, fmt))
+    if fmt not in _DOCUMENTS:
+        _write(stream, render(report))
         return
-    document: object
-    if fmt == "sarif":
-        from bnaudit.output.sarif import to_sarif
-
-        document = to_sarif(report)
-    elif fmt == "gitlab":
-        from bnaudit.output.gitlab import to_gitlab
-
-        document = to_gitlab(report)
-    else:
-        from bnaudit.output.json import to_json
-
-        document = to_json(report)
     import json as jsonlib  # here: --help and tables do without it (not `json`: the submodule)
 
-    _write(stream, jsonlib.dumps(document, indent=2, allow_nan=False) + "\n")
-
-
-def _ci_text(report: Report, fmt: str) -> str:
-    if fmt == "github":
-        from bnaudit.output.github import to_github
-
-        return to_github(report)
-    if fmt == "junit":
-        from bnaudit.output.junit import to_junit
-
-        return to_junit(report)
-    from bnaudit.output.markdown import to_markdown
-
-    return to_markdown(report)
+    _write(stream, jsonlib.dumps(render(report), indent=2, allow_nan=False) + "\n")
 
 
 def _write(stream: IO[str], text: str) -> None:
@@ -191,17 +212,12 @@ def emit_diagnostics(report: Report, stream: IO[str], fmt: str = "table") -> Non
     `unreadable`, and stderr is where a hook's log and a terminal show errors); with any
     other format, in the document only (JSON `files[].error`, a SARIF notification, an
     annotation, a Code Quality issue, a JUnit error, a line of the summary)."""
-    from bnaudit.audit.checkpoint.report import InspectReport
-
-    if isinstance(report, InspectReport):
+    if report.kind == "inspect":
         if fmt == "table":
             for file in report.files:
                 if file.error:
                     emit_error(f"{file.shown}: {file.error}", stream)
-        return
-    from bnaudit.reports.recalibrate import RecalibrationReport
-
-    if isinstance(report, RecalibrationReport):
+    elif report.kind == "recalibrate":
         for message in report.warnings:
             emit_warning(message, stream)
 

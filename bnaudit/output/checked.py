@@ -1,4 +1,4 @@
-"""The checked files of an inspect or a diff report, in the one shape the CI formats
+"""The checked files of an inspect, a diff or a fold report, in the one shape the CI formats
 (github, gitlab, junit, markdown) render: each file with its location, its layers, its
 findings, or why it was not audited.
 
@@ -21,12 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bnaudit.audit.checkpoint.report import InspectReport
 from bnaudit.audit.rules import Finding
 from bnaudit.severity import Severity
 
 if TYPE_CHECKING:
-    from bnaudit.audit.diff.checkpoints import DiffReport
     from bnaudit.output import Report
 
 
@@ -72,8 +70,8 @@ def _layers(names: Iterable[str], findings: Iterable[Finding]) -> tuple[str, ...
 
 
 def checked_files(report: Report, base: str | None = None) -> list[CheckedFile]:
-    """The files of an inspect or a diff report (see the module docstring)."""
-    if isinstance(report, InspectReport):
+    """The files of an inspect, a diff or a fold report (see the module docstring)."""
+    if report.kind == "inspect":
         files = []
         for file in report.files:
             # a Hugging Face cache file by repo@revision/file: its snapshot path holds the
@@ -88,50 +86,32 @@ def checked_files(report: Report, base: str | None = None) -> list[CheckedFile]:
                 layers = _layers((layer.name for layer in file.layers), file.findings)
                 files.append(CheckedFile(file.path, where, layers, tuple(file.findings)))
         return files
-    from bnaudit.audit.diff.checkpoints import DiffReport
-
-    if isinstance(report, DiffReport):
-        return [_diff_file(report, base)]
-    from bnaudit.audit.fold.report import FoldReport
-
-    if isinstance(report, FoldReport):  # one file: the checkpoint whose BN layers fold
+    if report.kind == "diff":
+        names = [d.name for d in report.layers] + report.only_a + report.only_b + [n for n, _, _ in report.reshaped]
+        where = location(report.b.path, base)
+        return [
+            CheckedFile(
+                report.b.path, where, _layers(names, report.findings), tuple(report.findings), compared=report.a.path
+            )
+        ]
+    if report.kind == "fold":  # one file: the checkpoint whose BN layers fold
         names = [p.bn for p in report.pairs] + [name for name, _ in report.unpaired]
         return [CheckedFile(report.path, location(report.path, base), _layers(names, report.findings), report.findings)]
     raise ValueError(f"no findings at locations in a {type(report).__name__} report")
 
 
-def _diff_file(report: DiffReport, base: str | None) -> CheckedFile:
-    names = [d.name for d in report.layers] + report.only_a + report.only_b + [name for name, _, _ in report.reshaped]
-    return CheckedFile(
-        report.b.path,
-        location(report.b.path, base),
-        _layers(names, report.findings),
-        tuple(report.findings),
-        compared=report.a.path,
-    )
-
-
 def fail_on(report: Report) -> Severity:
-    """The severity from which a finding fails the run (the configuration's fail-on of an
-    inspect or a diff report)."""
-    from bnaudit.audit.diff.checkpoints import DiffReport
-
-    if isinstance(report, (InspectReport, DiffReport)):
+    """The severity from which a finding fails the run (the configuration's fail-on)."""
+    if report.kind in ("inspect", "diff"):
         return Severity.parse(report.config.fail_on)
-    from bnaudit.audit.fold.report import FoldReport
-
-    if isinstance(report, FoldReport):
+    if report.kind == "fold":
         return report.fail_on
     raise ValueError(f"no findings at locations in a {type(report).__name__} report")
 
 
 def title(report: Report) -> str:
     """The command that made the report, as the CI formats name it ("bnaudit inspect")."""
-    if isinstance(report, InspectReport):
-        return "bnaudit inspect"
-    from bnaudit.audit.fold.report import FoldReport
-
-    return "bnaudit fold" if isinstance(report, FoldReport) else "bnaudit diff"
+    return f"bnaudit {report.kind}"
 
 
 def counts(findings: Iterable[Finding]) -> dict[Severity, int]:

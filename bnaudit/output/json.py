@@ -20,38 +20,9 @@ if TYPE_CHECKING:
     from bnaudit.audit.fold.report import FoldReport
     from bnaudit.formats.hfcache import HubSource
     from bnaudit.formats.model import Averaging
-    from bnaudit.output import Report
     from bnaudit.reports.gap import GapReport, LayerDrift
     from bnaudit.reports.invariance import InvarianceReport
     from bnaudit.reports.recalibrate import RecalibrationReport
-
-
-def to_json(report: Report) -> dict[str, Any]:
-    """The `--format json` document of `report`, chosen by its type (the record modules
-    imported only as far as the check needs, as in `bnaudit.output.table.render`)."""
-    if isinstance(report, InspectReport):
-        return inspect_to_json(report)
-    from bnaudit.audit.diff.checkpoints import DiffReport
-
-    if isinstance(report, DiffReport):
-        return diff_to_json(report)
-    from bnaudit.reports.gap import GapReport
-
-    if isinstance(report, GapReport):
-        return gap_to_json(report)
-    from bnaudit.reports.invariance import InvarianceReport
-
-    if isinstance(report, InvarianceReport):
-        return invariance_to_json(report)
-    from bnaudit.reports.recalibrate import RecalibrationReport
-
-    if isinstance(report, RecalibrationReport):
-        return recalibrate_to_json(report)
-    from bnaudit.audit.fold.report import FoldReport
-
-    if isinstance(report, FoldReport):
-        return fold_to_json(report)
-    raise ValueError(f"no 'json' emitter for a {type(report).__name__} report")
 
 
 def json_number(x: Any) -> Any:

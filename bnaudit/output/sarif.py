@@ -37,7 +37,6 @@ from bnaudit.output.checked import location
 if TYPE_CHECKING:
     from bnaudit.audit.diff.checkpoints import DiffReport
     from bnaudit.audit.fold.report import FoldReport
-    from bnaudit.output import Report
 
 SCHEMA_URI = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
 
@@ -199,19 +198,3 @@ def _one_file_log(
     location = _artifact_location(path, base)
     results = [_result(finding, location, codes) for finding in findings]
     return _log(base, codes, config, [], results, {"config": config.as_dict(), **extra})
-
-
-def to_sarif(report: Report) -> dict[str, Any]:
-    """The SARIF log of an inspect, a diff or a fold report, chosen by its type (the
-    measurements have no findings at locations: no SARIF)."""
-    if isinstance(report, InspectReport):
-        return inspect_to_sarif(report)
-    from bnaudit.audit.diff.checkpoints import DiffReport
-
-    if isinstance(report, DiffReport):
-        return diff_to_sarif(report)
-    from bnaudit.audit.fold.report import FoldReport
-
-    if isinstance(report, FoldReport):
-        return fold_to_sarif(report)
-    raise ValueError(f"no 'sarif' emitter for a {type(report).__name__} report")

@@ -20,6 +20,7 @@ PEAK_LARGE; `bnaudit.runtime.attribution` decides origins from that.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 from bnaudit.audit.checkpoint.report import FileReport
 from bnaudit.audit.rules import Finding
@@ -106,6 +107,8 @@ class LayerDrift:
 class GapReport:
     """The result of `measure_gap`; `layers` ranked by drift, worst first. `max_gap`: the
     largest gap (a fraction of samples) that passes, None for no limit."""
+
+    kind: ClassVar[Literal["gap"]] = "gap"  # bnaudit.output.EMITTERS
 
     checkpoint: str
     model: str

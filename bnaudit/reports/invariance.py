@@ -9,6 +9,7 @@ float64 floor).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 from bnaudit.audit.checkpoint.report import FileReport
 from bnaudit.audit.rules import Finding
@@ -53,6 +54,8 @@ class CouplingSite:
 @dataclass
 class InvarianceReport:
     """The result of `measure_invariance` (module docstring for every statistic)."""
+
+    kind: ClassVar[Literal["invariance"]] = "invariance"  # bnaudit.output.EMITTERS
 
     checkpoint: str
     model: str

@@ -8,7 +8,7 @@ fills them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from bnaudit.audit.statistics import Drift
 from bnaudit.reports.gap import GapReport
@@ -40,6 +40,8 @@ class LayerChange:
 class RecalibrationReport:
     """The result of `recalibrate_checkpoint`; `eval_before` / `eval_after`: the gap
     reports of the input and of the written checkpoint on --eval-data (else None)."""
+
+    kind: ClassVar[Literal["recalibrate"]] = "recalibrate"  # bnaudit.output.EMITTERS
 
     input: str
     output: str

@@ -11,6 +11,7 @@ files skipped as not model weights never count.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.rules import Finding
@@ -129,6 +130,8 @@ class FileReport:
 @dataclass
 class InspectReport:
     """The result of `inspect`: one FileReport per file, and the configuration they were audited with."""
+
+    kind: ClassVar[Literal["inspect"]] = "inspect"  # bnaudit.output.EMITTERS
 
     files: list[FileReport]
     config: Config

@@ -18,6 +18,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 from bnaudit.audit.diff.layers import (
     EXPORT_DIFFERS,
@@ -72,6 +73,7 @@ class Side:
 
 @dataclass
 class DiffReport:
+    kind: ClassVar[Literal["diff"]] = "diff"  # bnaudit.output.EMITTERS
     a: Side
     b: Side
     config: Config

@@ -19,6 +19,7 @@ divergence from `folded`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 from bnaudit.audit.fold.check import PairPrediction
 from bnaudit.audit.rules import Finding
@@ -44,6 +45,7 @@ class FoldMeasurement:
 
 @dataclass(frozen=True)
 class FoldReport:
+    kind: ClassVar[Literal["fold"]] = "fold"  # bnaudit.output.EMITTERS
     path: str
     format: str
     pairs: tuple[PairPrediction, ...]
