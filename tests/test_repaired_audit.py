@@ -20,7 +20,7 @@ import torch
 from conftest import SAMPLES
 
 from bnaudit import inspect
-from bnaudit.formats.model import statistics_digest
+from bnaudit.formats.provenance import statistics_digest
 from bnaudit.formats.read import read_checkpoint
 
 ARCH = f"{SAMPLES}/digits_net.py:digits_net"

@@ -23,6 +23,7 @@ from torch import nn
 from bnaudit.errors import BnauditError
 from bnaudit.formats import atomic as atomic_mod
 from bnaudit.formats.atomic import atomic_write
+from bnaudit.formats.provenance import RecalibrationRecord
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.sniff import sniff_format
 from bnaudit.formats.write import save_like
@@ -65,6 +66,23 @@ NEW = {
 }
 
 
+# a record as recalibrate writes it (a non-ASCII data description included)
+RECORD = RecalibrationRecord(
+    method="exact",
+    samples=90,
+    batches=2,
+    batch_size=64,
+    seed=0,
+    shuffle=True,
+    data="calibration data é",
+    world_size=1,
+    recalibrated_layers=("bn", "bn2"),
+    digests={"bn": "0" * 64, "bn2": "1" * 64},
+    bnaudit_version="0.1.0",
+    date="2026-12-02",
+)
+
+
 # ----------------------------------------------------------------------------- safetensors
 
 
@@ -75,7 +93,7 @@ def test_safetensors_out_changes_only_the_updated_bytes_and_keeps_metadata(tmp_p
     digest = sha(src)
     ckpt = read_checkpoint(str(src))
     assert ckpt.prefix == "module."
-    save_like(ckpt, NEW, str(out), provenance={"method": "exact", "samples": 90})
+    save_like(ckpt, NEW, str(out), provenance=RECORD)
     assert sha(src) == digest  # the input is untouched
 
     # the data section is the input's, with exactly the updated slices replaced
@@ -105,7 +123,8 @@ def test_safetensors_out_changes_only_the_updated_bytes_and_keeps_metadata(tmp_p
     with safe_open(str(out), "pt") as f:
         metadata = f.metadata()
     assert metadata["format"] == "pt" and metadata["origin"] == "unit test"
-    assert json.loads(metadata["bnaudit"]) == {"method": "exact", "samples": 90}
+    assert json.loads(metadata["bnaudit"]) == RECORD.as_dict()
+    assert RecalibrationRecord.from_metadata(metadata) == RECORD  # written and read by the same record
 
 
 def _expected(sd: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
@@ -139,9 +158,8 @@ def test_safetensors_out_from_a_torch_file_is_what_the_package_writes(tmp_path: 
     sd = state_dict()
     sd["fc.tied"] = sd["fc.weight"]  # tied: one storage, two names (the package alone refuses these)
     torch.save(sd, src)
-    provenance = {"method": "exact", "samples": 90, "note": "é"}
-    save_like(read_checkpoint(str(src)), NEW, str(out), provenance=provenance)
-    record = json.dumps(provenance, sort_keys=True)
+    save_like(read_checkpoint(str(src)), NEW, str(out), provenance=RECORD)
+    record = json.dumps(RECORD.as_dict(), sort_keys=True)
     assert_same_safetensors(out.read_bytes(), save(_expected(sd), metadata={"format": "pt", "bnaudit": record}))
 
 
@@ -165,8 +183,8 @@ def test_safetensors_out_from_a_hand_made_safetensors_file_is_what_the_package_w
     header["__metadata__"] = {"origin": "by hand"}
     text = json.dumps(header).encode()
     src.write_bytes(len(text).to_bytes(8, "little") + text + data)
-    save_like(read_checkpoint(str(src)), NEW, str(out), provenance={"method": "exact"})
-    metadata = {"origin": "by hand", "bnaudit": json.dumps({"method": "exact"})}
+    save_like(read_checkpoint(str(src)), NEW, str(out), provenance=RECORD)
+    metadata = {"origin": "by hand", "bnaudit": json.dumps(RECORD.as_dict(), sort_keys=True)}
     assert_same_safetensors(out.read_bytes(), save(_expected(sd, "module."), metadata=metadata))
 
 
@@ -456,3 +474,20 @@ def test_what_a_killed_write_left_is_removed_by_the_next_write_of_that_output(tm
     assert (outside / "keep.bin").read_bytes() == b"not ours"  # the link went, not what it named
     assert sorted(os.listdir(folder)) == sorted([*kept, "out.safetensors", "shards"])
     assert atomic_mod.remove_stale_temporaries(str(folder), "out.safetensors") == []
+
+
+def test_a_record_read_back_is_typed_or_none():
+    good = RECORD.as_dict()
+    assert good["layers"] == 2  # written for readers, ignored when read back
+    assert RecalibrationRecord.from_metadata({"bnaudit": RECORD.to_json()}) == RECORD
+    for name, wrong in [("method", 3), ("samples", "90"), ("samples", True), ("shuffle", 1), ("date", None)]:
+        forged = json.dumps({**good, name: wrong})
+        assert RecalibrationRecord.from_metadata({"bnaudit": forged}) is None, name
+    for layers in ["bn", ["bn", 1], None]:
+        assert (
+            RecalibrationRecord.from_metadata({"bnaudit": json.dumps({**good, "recalibrated_layers": layers})}) is None
+        )
+    unbound = RecalibrationRecord.from_metadata({"bnaudit": json.dumps({**good, "digests": ["x"]})})
+    assert unbound is not None and unbound.digests == {}  # claims layers, binds none
+    for raw in ["", "[1]", "{", "x" * 10_000_001]:
+        assert RecalibrationRecord.from_metadata({"bnaudit": raw}) is None

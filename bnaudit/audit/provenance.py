@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from bnaudit.formats.model import Checkpoint, recalibration_record, statistics_digest
+from bnaudit.formats.model import Checkpoint
+from bnaudit.formats.provenance import RecalibrationRecord, statistics_digest
 from bnaudit.text import plural
 
 
@@ -40,21 +40,16 @@ def recalibration_provenance(ckpt: Checkpoint) -> Provenance:
 
     The one place a record is judged: every command (inspect, diff) asks it, so a record
     that inspect refuses cannot change another command's verdicts."""
-    record = recalibration_record(ckpt.metadata)
-    names = record.get("recalibrated_layers") if record else None
-    if record is None or not isinstance(names, list):
+    record = RecalibrationRecord.from_metadata(ckpt.metadata)
+    if record is None:
         return Provenance(frozenset(), "")
-    claimed = [n for n in names if isinstance(n, str)]
-    digests = record.get("digests")
-    verified = frozenset(n for n in claimed if _matches(ckpt, n, digests))
+    claimed = record.recalibrated_layers
+    verified = frozenset(n for n in claimed if _matches(ckpt, n, record.digests))
     if not claimed:
         return Provenance(frozenset(), "")
     note = source = ""
     if verified:
-        source = (
-            f"bnaudit recalibrate (method {record.get('method')}, {record.get('samples')} samples, "
-            f"{record.get('date')})"
-        )
+        source = f"bnaudit recalibrate (method {record.method}, {record.samples} samples, {record.date})"
         note = f"statistics of {plural(len(verified), 'layer')} re-estimated by {source}"
     stale = len(claimed) - len(verified)
     mismatch = ""
@@ -67,8 +62,8 @@ def recalibration_provenance(ckpt: Checkpoint) -> Provenance:
     return Provenance(verified, note, source, mismatch)
 
 
-def _matches(ckpt: Checkpoint, layer: str, digests: Any) -> bool:
-    if not isinstance(digests, Mapping) or not isinstance(digests.get(layer), str):
+def _matches(ckpt: Checkpoint, layer: str, digests: Mapping[str, str]) -> bool:
+    if layer not in digests:
         return False
     mean, var = ckpt.tensors.get(f"{layer}.running_mean"), ckpt.tensors.get(f"{layer}.running_var")
     if mean is None or var is None:

@@ -18,16 +18,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.model import (
-    MODULE_RECORD_ATTRIBUTE,
-    Averaging,
-    Checkpoint,
-    ModuleInfo,
-    TensorRef,
-    record_from_state_dict_metadata,
-    torch_ref,
-)
+from bnaudit.formats.model import Averaging, Checkpoint, ModuleInfo, TensorRef, torch_ref
 from bnaudit.formats.pickled import PickledModule
+from bnaudit.formats.provenance import MODULE_RECORD_ATTRIBUTE, RECORD_KEY, record_from_state_dict_metadata
 from bnaudit.normkinds import NormKind, classify
 from bnaudit.text import exception_line
 
@@ -71,7 +64,7 @@ def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str)
     metadata = record_from_state_dict_metadata(getattr(source, "_metadata", None))
     if _is_module(source):
         record = _attribute(source, MODULE_RECORD_ATTRIBUTE)
-        metadata = {"bnaudit": record} if isinstance(record, str) else {}
+        metadata = {RECORD_KEY: record} if isinstance(record, str) else {}
         try:
             modules = module_infos(source)
             source = source.state_dict()

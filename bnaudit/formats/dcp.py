@@ -44,6 +44,7 @@ from typing import Any, TypeGuard
 from bnaudit.errors import BnauditError
 from bnaudit.formats.containers import checkpoint_from_object
 from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, TensorRef
+from bnaudit.formats.provenance import RECORD_KEY
 from bnaudit.formats.sniff import DCP_METADATA
 from bnaudit.formats.standins import read_pickle_with_stand_ins, stand_ins_in
 from bnaudit.formats.torchsave import read_stored_tensor
@@ -457,7 +458,7 @@ def _record_beside(folder: str) -> dict[str, str]:
         if not os.path.isfile(path) or os.path.getsize(path) > _MAX_RECORD_BYTES:
             return {}
         with open(path, "rb") as f:
-            return {"bnaudit": f.read().decode("utf-8")}
+            return {RECORD_KEY: f.read().decode("utf-8")}
     except (OSError, UnicodeDecodeError):
         return {}
 

@@ -19,11 +19,10 @@ audit/ and runtime/ depend on these records, not on any file format.
 
 from __future__ import annotations
 
-import json
 import struct
 import sys
 from array import array
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -232,44 +231,6 @@ class Checkpoint:
     # The parsed graph of an ONNX model (formats.onnx.OnnxModel): diff pairs folded convs
     # from it without parsing the file again.
     graph: Any = field(default=None, repr=False, compare=False)
-
-
-def recalibration_record(metadata: Mapping[str, str]) -> dict[str, Any] | None:
-    """The `bnaudit` provenance entry `recalibrate` writes into safetensors metadata,
-    or None. Metadata is untrusted: anything but a JSON object is ignored."""
-    raw = metadata.get("bnaudit")
-    if not isinstance(raw, str) or len(raw) > 10_000_000:
-        return None
-    try:
-        record = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def statistics_digest(running_mean: list[float], running_var: list[float]) -> str:
-    """SHA-256 of a layer's statistics as stored, each value widened exactly to a
-    little-endian double (mean then var): what a recalibration record binds its layer to,
-    so that statistics changed after `recalibrate` (further training, a record copied
-    from another file) are audited as usual. Torch-free: computed from `TensorRef.read()`."""
-    import hashlib
-
-    values = [float(v) for v in running_mean] + [float(v) for v in running_var]
-    return hashlib.sha256(struct.pack(f"<{len(values)}d", *values)).hexdigest()
-
-
-# The attribute in which a pickled nn.Module carries `recalibrate`'s record (a string:
-# unpickled by torch.load(weights_only=True) like any attribute of an allowed module).
-MODULE_RECORD_ATTRIBUTE = "bnaudit_recalibration"
-
-
-def record_from_state_dict_metadata(metadata: Any) -> dict[str, str]:
-    """The recalibration record `recalibrate` keeps in a torch state dict's `_metadata`
-    (root entry "", key "bnaudit"; `load_state_dict` reads only "version" there), as
-    the `{"bnaudit": json}` metadata a safetensors file carries; {} if there is none."""
-    root = metadata.get("") if isinstance(metadata, Mapping) else None
-    raw = root.get("bnaudit") if isinstance(root, Mapping) else None
-    return {"bnaudit": raw} if isinstance(raw, str) else {}
 
 
 def torch_ref(name: str, tensor: Any) -> TensorRef:

@@ -27,6 +27,7 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.containers import find_state_dicts, strip_wrapper_prefix, wrap_candidate
 from bnaudit.formats.hfcache import in_blobs
 from bnaudit.formats.model import Checkpoint, TensorRef
+from bnaudit.formats.provenance import RECORD_KEY
 from bnaudit.formats.safetensors import read_safetensors
 from bnaudit.formats.sniff import sniff_format
 from bnaudit.text import exception_line
@@ -234,9 +235,9 @@ def read_sharded(path: str, trust_pickle: bool = False) -> Checkpoint:
             raise BnauditError(
                 f"{path}: the index puts tensor '{name}' in {os.path.basename(shard)}, which does not hold it"
             )
-    record = index.metadata.get("bnaudit")
+    record = index.metadata.get(RECORD_KEY)
     if isinstance(record, str):  # recalibrate's record: in the index too, for shards that carry no metadata
-        metadata.setdefault("bnaudit", record)
+        metadata.setdefault(RECORD_KEY, record)
     ckpt = Checkpoint(path, "+".join(sorted(set(formats))), tensors, metadata=metadata)
     ckpt.shards = len(index.shards)
     return strip_wrapper_prefix(ckpt)

@@ -30,6 +30,7 @@ from bnaudit.formats.model import (
     claim_too_large,
     decode_values,
 )
+from bnaudit.formats.provenance import RECORD_KEY
 from bnaudit.formats.safetensors import is_count
 from bnaudit.formats.sniff import check_zip_sizes
 from bnaudit.normkinds import constant_training_calls, norm_calls
@@ -250,7 +251,7 @@ def script_metadata(path: str) -> dict[str, str]:
             )
             if entry is None or archive.getinfo(entry).file_size > _MAX_RECORD_BYTES:
                 return {}
-            return {"bnaudit": archive.read(entry).decode("utf-8")}
+            return {RECORD_KEY: archive.read(entry).decode("utf-8")}
     except (OSError, ValueError, zipfile.BadZipFile):
         return {}
 

@@ -20,7 +20,8 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.atomic import atomic_folder, atomic_write, check_folder_output, check_output
 from bnaudit.formats.classify import SCANNED_NAMES
-from bnaudit.formats.model import MODULE_RECORD_ATTRIBUTE, Checkpoint, statistics_digest
+from bnaudit.formats.model import Checkpoint
+from bnaudit.formats.provenance import MODULE_RECORD_ATTRIBUTE, RECORD_KEY, RecalibrationRecord, statistics_digest
 from bnaudit.formats.safetensors import SAFETENSORS_DTYPE_CODES
 from bnaudit.formats.shards import ShardIndex, is_index, read_index
 from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES, sniff_format
@@ -36,7 +37,7 @@ def save_like(
     updates: Mapping[str, Any],
     output: str,
     force: bool = False,
-    provenance: Mapping[str, Any] | None = None,
+    provenance: RecalibrationRecord | None = None,
     trust_pickle: bool = False,
 ) -> None:
     """Write `ckpt`'s file again to `output`, with `updates` applied, in the format
@@ -83,17 +84,18 @@ def save_like(
     if ckpt.shards:
         check_destination(output, ckpt.path, force)
         check_writable(ckpt, output, trust_pickle)
-        _save_sharded_like(ckpt, _prepare_updates(ckpt, updates), output, force, provenance, trust_pickle)
+        record = provenance.to_json() if provenance is not None else None
+        _save_sharded_like(ckpt, _prepare_updates(ckpt, updates), output, force, record, trust_pickle)
         return
     check_output(output, ckpt.path, force)
     target = output_format(ckpt.format, output)
     check_writable(ckpt, output, trust_pickle)
     prepared = _prepare_updates(ckpt, updates)
-    record = json.dumps(dict(provenance), sort_keys=True) if provenance is not None else None
+    record = provenance.to_json() if provenance is not None else None
     if ckpt.format == "safetensors" and target == "safetensors":
 
         def write(f: Any) -> None:
-            _write_safetensors_like(ckpt, prepared, provenance, f)
+            _rewrite_safetensors(ckpt.path, {ckpt.prefix + n: v for n, v in prepared.items()}, record, f)
     elif ckpt.format == "safetensors":  # a torch zip of the same tensors
         obj = _safetensors_as_state_dict(ckpt)
         _apply_to_container(ckpt, obj, prepared)
@@ -111,7 +113,7 @@ def save_like(
             tensors = _state_dict_at(obj, ckpt.key)
 
             def write(f: Any) -> None:
-                write_safetensors(tensors, {"format": "pt", **({"bnaudit": record} if record else {})}, f)
+                write_safetensors(tensors, {"format": "pt", **({RECORD_KEY: record} if record else {})}, f)
         else:
             if record is not None:
                 obj = _attach_record(ckpt, obj, record)
@@ -129,7 +131,7 @@ def save_like(
             tensors = dict(module.state_dict())
 
             def write(f: Any) -> None:
-                write_safetensors(tensors, {"format": "pt", **({"bnaudit": record} if record else {})}, f)
+                write_safetensors(tensors, {"format": "pt", **({RECORD_KEY: record} if record else {})}, f)
         else:
             if record is not None:
                 extra[RECORD_EXTRA_FILE] = record.encode("utf-8")
@@ -372,7 +374,7 @@ def _attach_record(ckpt: Checkpoint, obj: Any, record: str) -> Any:
     if not isinstance(metadata, dict):
         metadata = OrderedDict()
     root = dict(metadata.get("", {})) if isinstance(metadata.get(""), dict) else {}
-    root["bnaudit"] = record
+    root[RECORD_KEY] = record
     metadata[""] = root
     target._metadata = metadata
     return obj
@@ -408,13 +410,6 @@ def _prepare_updates(ckpt: Checkpoint, updates: Mapping[str, Any]) -> dict[str, 
     return prepared
 
 
-def _write_safetensors_like(
-    ckpt: Checkpoint, prepared: dict[str, Any], provenance: Mapping[str, Any] | None, f: Any
-) -> None:
-    record = json.dumps(dict(provenance), sort_keys=True) if provenance is not None else None
-    _rewrite_safetensors(ckpt.path, {ckpt.prefix + n: v for n, v in prepared.items()}, record, f)
-
-
 def _rewrite_safetensors(source: str, updates: Mapping[str, Any], record: str | None, f: Any) -> None:
     """The safetensors file `source` again, written by the package: `updates` (stored name ->
     tensor of the stored dtype and shape) in place of their tensors and `record` as the
@@ -422,7 +417,7 @@ def _rewrite_safetensors(source: str, updates: Mapping[str, Any], record: str | 
     tensors, metadata = _read_all_safetensors(source)
     tensors.update(updates)
     if record is not None:
-        metadata["bnaudit"] = record
+        metadata[RECORD_KEY] = record
     write_safetensors(tensors, metadata, f)
 
 
@@ -431,7 +426,7 @@ def _save_sharded_like(
     prepared: Mapping[str, Any],
     output: str,
     force: bool,
-    provenance: Mapping[str, Any] | None,
+    record: str | None,
     trust_pickle: bool,
 ) -> None:
     """A sharded checkpoint written again as the folder `output`, laid out like the input's
@@ -455,7 +450,6 @@ def _save_sharded_like(
 
     index = read_index(ckpt.path)
     folder = os.path.dirname(ckpt.path) or "."
-    record = json.dumps(dict(provenance), sort_keys=True) if provenance is not None else None
     by_shard: dict[str, dict[str, Any]] = {}
     for name, value in prepared.items():
         stored = ckpt.prefix + name
@@ -469,7 +463,7 @@ def _save_sharded_like(
     document["metadata"] = {
         **(document.get("metadata") or {}),
         "total_size": sum(math.prod(r.shape) * sizes[r.dtype] for r in ckpt.tensors.values()),
-        **({"bnaudit": record} if record is not None else {}),
+        **({RECORD_KEY: record} if record is not None else {}),
     }
 
     def fill(temp: str) -> None:

@@ -304,7 +304,7 @@ def recalibrate_to_json(report: RecalibrationReport) -> dict[str, Any]:
         ],
         "skipped": [{"name": s.name, "reason": s.reason} for s in report.skipped],
         "warnings": list(report.warnings),
-        "provenance": dict(report.provenance),
+        "provenance": report.provenance.as_dict(),
         "eval": evaluation,
     }
 

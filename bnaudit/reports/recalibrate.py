@@ -8,9 +8,10 @@ fills them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from bnaudit.audit.statistics import Drift
+from bnaudit.formats.provenance import RecalibrationRecord
 from bnaudit.reports.gap import GapReport
 
 
@@ -60,7 +61,7 @@ class RecalibrationReport:
     layers: list[LayerChange]
     skipped: list[SkippedLayer]
     warnings: list[str]
-    provenance: dict[str, Any]
+    provenance: RecalibrationRecord
     eval_before: GapReport | None = None
     eval_after: GapReport | None = None
     prefix: str = ""  # the wrapper prefix stripped from the input's keys

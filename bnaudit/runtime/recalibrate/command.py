@@ -28,6 +28,7 @@ from bnaudit import __version__
 from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
+from bnaudit.formats.provenance import RecalibrationRecord
 from bnaudit.formats.write import check_destination, check_writable, save_like, statistics_digests
 from bnaudit.reports.gap import GapReport, is_large
 from bnaudit.reports.recalibrate import LayerChange, RecalibrationReport, SkippedLayer
@@ -314,28 +315,23 @@ def _skipped_layers(calibration: Calibration, absent: list[str], forward: str | 
 
 def _provenance(
     calibration: Calibration, options: Any, data: str, world: int, ckpt: Any, updates: dict[str, Any]
-) -> dict[str, Any]:
+) -> RecalibrationRecord:
     """The recalibration record written into the checkpoint's metadata."""
-    names = [layer.name for layer in calibration.layers]
-    return {
-        "method": calibration.method,
-        "samples": calibration.samples,
-        "batches": calibration.batches,
-        "batch_size": options.batch_size,
-        "seed": options.seed,
-        "shuffle": options.shuffle,
-        "data": data,
-        "world_size": world,
-        "layers": len(calibration.layers),
-        # inspect reads this back: these layers hold population statistics, not an
-        # EMA, so their num_batches_tracked (= batches) says nothing about maturity
-        "recalibrated_layers": names,
-        # binds the record to the statistics written: inspect ignores it for a layer
-        # whose statistics changed since (bnaudit.audit.provenance)
-        "digests": statistics_digests(ckpt, updates, names),
-        "bnaudit_version": __version__,
-        "date": _record_date(),
-    }
+    names = tuple(layer.name for layer in calibration.layers)
+    return RecalibrationRecord(
+        method=calibration.method,
+        samples=calibration.samples,
+        batches=calibration.batches,
+        batch_size=options.batch_size,
+        seed=options.seed,
+        shuffle=options.shuffle,
+        data=data,
+        world_size=world,
+        recalibrated_layers=names,
+        digests=statistics_digests(ckpt, updates, list(names)),
+        bnaudit_version=__version__,
+        date=_record_date(),
+    )
 
 
 def input_mismatch(runnable: Any, calibration: Calibration) -> str | None:
