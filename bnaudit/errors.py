@@ -7,12 +7,14 @@ Everything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+from bnaudit.text import single_line
+
 
 class BnauditError(Exception):
     """A user-facing error: `str(err)` is the whole message, one line."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(" ".join(message.split()))
+        super().__init__(single_line(message))
 
 
 class OutputClosed(Exception):

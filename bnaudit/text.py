@@ -33,6 +33,11 @@ def printable(text: str) -> str:
     )
 
 
+def single_line(text: str) -> str:
+    """`text` on one line: every run of whitespace (newlines too) one space, none at the ends."""
+    return " ".join(text.split())
+
+
 def exception_line(exc: BaseException, *, with_type: bool = True) -> str:
     """The one line of an exception worth showing a user.
 

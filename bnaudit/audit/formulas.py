@@ -42,7 +42,6 @@ __all__ = [
     "implied_data_value",
     "implied_eps",
     "initial_weight",
-    "mean_shift",
     "near_eps_channels",
     "pytorch_momentum",
     "retained_fraction",
@@ -174,12 +173,6 @@ def variance_overstatement(stored_var: float, data_var: float, eps: float) -> fl
     sqrt(1 / q) relative to normalising by the data's variance; q < 1: understated). A
     negative implied data variance (the stored value below w * 1) counts as 0."""
     return (stored_var + eps) / (max(data_var, 0.0) + eps)
-
-
-def mean_shift(stored_mean: float, data_mean: float, data_var: float, eps: float) -> float:
-    """|stored - data| / sqrt(max(data_var, 0) + eps): how far eval mode's running_mean sits
-    from the data's mean, in the data's standard deviations (dimensionless)."""
-    return abs(stored_mean - data_mean) / math.sqrt(max(data_var, 0.0) + eps)
 
 
 def all_finite(values: Sequence[float]) -> bool:

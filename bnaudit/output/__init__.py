@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
 from bnaudit.errors import OutputClosed
-from bnaudit.text import printable
+from bnaudit.text import printable, single_line
 
 if TYPE_CHECKING:
     from bnaudit.audit.checkpoint.report import InspectReport
@@ -181,7 +181,7 @@ def _line(stream: IO[str], text: str) -> None:
 
 def one_line(message: str) -> str:
     """`message` as one printable line: whitespace runs (newlines too) become one space."""
-    return printable(" ".join(message.split()))
+    return printable(single_line(message))
 
 
 def emit_error(message: str, stream: IO[str], *, json_stream: IO[str] | None = None) -> None:
@@ -191,7 +191,7 @@ def emit_error(message: str, stream: IO[str], *, json_stream: IO[str] | None = N
     if json_stream is not None:  # JSON escapes what it must itself: the names stay exact there
         import json as jsonlib  # here: see emit
 
-        _line(json_stream, jsonlib.dumps({"error": " ".join(message.split())}))
+        _line(json_stream, jsonlib.dumps({"error": single_line(message)}))
         return
     _line(stream, f"bnaudit: error: {one_line(message)}")
 

@@ -34,6 +34,7 @@ from bnaudit.runtime.sources import (
     open_source,
     parse_float_list,
 )
+from bnaudit.text import single_line
 
 # the data options and their parser are read where the batches are made
 __all__ = ["Batch", "BatchStream", "DataOptions", "make_loader", "parse_float_list"]
@@ -73,7 +74,7 @@ class _ItemDataset:
         except BnauditError as exc:
             return BadItem(str(exc), skippable=self.source.is_images)
         except Exception as exc:  # a decoder or user code failing on this item
-            reason = " ".join(str(exc).split()) or type(exc).__name__
+            reason = single_line(str(exc)) or type(exc).__name__
             what = "cannot read image" if self.source.is_images else "reading it failed"
             return BadItem(f"{origin}: {what} ({type(exc).__name__}: {reason})", skippable=self.source.is_images)
         return Item(value, label, origin)
@@ -127,7 +128,7 @@ class _Collate:
         try:
             inputs = default_collate([item.input for item in good])
         except Exception as exc:
-            return _BadBatch(f"cannot stack the samples into a batch ({' '.join(str(exc).split())})")
+            return _BadBatch(f"cannot stack the samples into a batch ({single_line(str(exc))})")
         labels = None
         if with_labels[0]:
             text = next((item.label for item in good if isinstance(item.label, (str, bytes, np.str_))), None)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from bnaudit.errors import BnauditError
+from bnaudit.text import single_line
 
 # numpy dtype name -> torch dtype name for arrays read in place (little-endian, C order)
 _TORCH_NAMES = {
@@ -60,7 +61,7 @@ def open_numpy(path: str) -> dict[str, Any]:
             return {"inputs": _npy(path, 0, os.path.getsize(path), compressed=None)}
         return _npz(path)
     except (OSError, ValueError, zipfile.BadZipFile, struct.error) as exc:
-        raise BnauditError(f"{path}: not a readable numpy file ({' '.join(str(exc).split())})") from None
+        raise BnauditError(f"{path}: not a readable numpy file ({single_line(str(exc))})") from None
 
 
 def _npz(path: str) -> dict[str, Any]:

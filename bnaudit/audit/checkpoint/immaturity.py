@@ -22,7 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from bnaudit.audit.formulas import implied_data_value, mean_shift, variance_overstatement
+from bnaudit.audit.formulas import implied_data_value, variance_overstatement
+from bnaudit.audit.statistics import channel_shift
 from bnaudit.text import plural
 
 if TYPE_CHECKING:  # the rules import this module: `bnaudit rules` reads no layers
@@ -74,7 +75,7 @@ def implied_damage(layer: BNLayer, weight: float) -> ImpliedDamage | None:
         data_var = implied_data_value(var, 1.0, weight)
         data_mean = implied_data_value(mean, 0.0, weight)
         ratios.append((variance_overstatement(var, data_var, layer.eps), c))
-        shifts.append(mean_shift(mean, data_mean, data_var, layer.eps))
+        shifts.append(channel_shift(mean, data_mean, max(data_var, 0.0), layer.eps))
     if not ratios:
         return None
     worst_ratio, worst_channel = max(ratios, key=lambda qc: max(qc[0], 1.0 / qc[0]))
@@ -134,7 +135,7 @@ def against_live(copy: BNLayer, live: BNLayer) -> LiveComparison | None:
         if not all(math.isfinite(x) for x in (m_copy, v_copy, m_live, v_live)) or min(v_copy, v_live) < 0:
             continue
         ratios.append(variance_overstatement(v_copy, v_live, eps))
-        shifts.append(mean_shift(m_copy, m_live, v_live, eps))
+        shifts.append(channel_shift(m_copy, m_live, max(v_live, 0.0), eps))
         if abs(1.0 - v_live) >= _SEPARATION:
             weights.append((v_copy - v_live) / (1.0 - v_live))
         if abs(m_live) >= _SEPARATION * math.sqrt(v_live + eps):
