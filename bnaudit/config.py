@@ -396,7 +396,7 @@ def _read_bytes(path: Path) -> bytes:
 
 
 def _read_toml(path: Path, raw: bytes | None = None) -> dict[str, Any]:
-    import tomllib  # here: its import costs 5 ms of every run, and most runs parse no TOML
+    import tomllib  # here: most runs parse no TOML (docs/performance.md)
 
     try:
         return tomllib.loads((_read_bytes(path) if raw is None else raw).decode("utf-8"))
@@ -426,7 +426,7 @@ def _read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _may_hold_tool_table(raw: bytes) -> bool:
     """False when the TOML text `raw` cannot define the table tool.bnaudit: a pyproject.toml
     naming bnaudit only elsewhere (a dependency, a console script) is then neither parsed nor
-    judged, and tomllib (3 ms of a start-up) not imported. True when the word bnaudit could
+    judged, and tomllib not imported. True when the word bnaudit could
     be a key of `tool`: in a dotted key or header after `tool.`, or as a key at the start of
     a line or of an inline table's entry while a `[tool]` header or `tool = {` exists. Keys
     spelled with escapes ("bn\\u0061udit") are not seen."""

@@ -59,7 +59,7 @@ class _Fallback(Exception):
 
 # How one plain value converts: a function that raises `_Fallback` to let typer decide,
 # and `problem(value)`, the words of the error when typer refuses the value too (None:
-# typer's). A pair, not a record class: a dataclass costs 0.3 ms of every start-up.
+# typer's).
 Leaf = tuple[Callable[[Any], Any], Optional[Callable[[Any], str]]]
 
 
@@ -167,8 +167,8 @@ _checked: dict[tuple[Any, ...], bool] = {}
 def fast_path_available() -> bool:
     """True when `FastCommand` converts plain values itself (see the module docstring).
 
-    Remembered for the typer objects it checked (each command built asks; the checks
-    cost a few hundred microseconds of every start-up), asked again when one changes.
+    Remembered for the typer objects it checked (each command built asks), asked again
+    when one changes.
     """
     core = typer.core
     key = (

@@ -24,7 +24,7 @@ def printable(text: str) -> str:
     Layer names, keys and messages come from the checkpoint: printed raw, an
     escape sequence in a name could recolour, retitle or rewrite the terminal.
     """
-    if text.isascii() and text.isprintable():  # nearly every name: no 1 ms regex compile per run
+    if text.isascii() and text.isprintable():  # nearly every name: the regex is never compiled
         return text
     return re.sub(
         _UNPRINTABLE,

@@ -159,7 +159,7 @@ def _dispatch() -> int:
 
 def _command() -> Any:
     # typer builds the options of every command before it runs one (gap and recalibrate
-    # have dozens: 6 ms of each pre-commit run of inspect). When the first argument names
+    # have dozens, built on each pre-commit run of inspect). When the first argument names
     # a command, the group is built with that command alone (and only its module
     # imported); anything else (--help, a typo that deserves "did you mean") gets the
     # whole group. The lean group is built from typer internals, so only on the typer

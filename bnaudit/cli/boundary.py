@@ -44,7 +44,7 @@ def frozen_imports() -> Iterator[None]:
 
     gap and recalibrate allocate many short-lived objects per batch, and every so often
     that triggers a full collection, which walks every tracked object: torch's, typer's
-    and bnaudit's modules, classes and functions (about 50 ms a walk, several per run),
+    and bnaudit's modules, classes and functions (several walks per run),
     none of which can become garbage before the command ends. `gc.freeze` moves them to
     a generation the collector does not walk; reference counting still frees them, and
     objects created in the block are collected as before. Unfrozen on exit (the CLI may

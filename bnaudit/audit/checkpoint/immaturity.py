@@ -65,7 +65,7 @@ def implied_damage(layer: BNLayer, weight: float) -> ImpliedDamage | None:
     """The data's statistics the stored ones imply, w = (1 - m)^t being the initial values'
     weight (formulas.implied_data_value), compared with the stored ones; None when no
     channel has finite statistics."""
-    import statistics  # here: it imports decimal, fractions and random, 3 ms of every inspect
+    import statistics  # here: it imports decimal, fractions and random, which most inspects never need
 
     ratios: list[tuple[float, int]] = []
     shifts: list[float] = []
