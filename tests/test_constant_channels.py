@@ -108,12 +108,13 @@ from torch import nn
 
 
 class Odd(nn.Module):
-    """Names no convention pairs: the producer is known from the graph only."""
+    """Names no convention pairs, the BN stored before its producer (so the key order pairs
+    nothing either): the producer is known from the graph only."""
 
     def __init__(self):
         super().__init__()
-        self.encoder = nn.Conv2d(3, 4, 3)
         self.normaliser = nn.BatchNorm2d(4)
+        self.encoder = nn.Conv2d(3, 4, 3)
 
     def forward(self, x):
         return self.normaliser(self.encoder(x))
@@ -136,7 +137,7 @@ def test_a_zero_filter_channel_is_not_live_by_the_model_graph_with_arch(tmp_path
     model = module.odd()
     _zero_filter_and_measure(model, "encoder", "normaliser")
     path = save_torch(model.state_dict(), tmp_path / "odd.pt")
-    # without the model, no convention names encoder as the producer: still called live
+    # without the model, neither a convention nor the key order names encoder: still called live
     (plain,) = [f for f in inspect(path).files[0].findings if f.code == "BN004"]
     assert plain.severity == "error"
     (f,) = [f for f in inspect(path, arch=f"{source}:odd").files[0].findings if f.code == "BN004"]

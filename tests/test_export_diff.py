@@ -154,7 +154,7 @@ def test_folded_layers_report_the_eps_the_export_implies(folder, trained):
         assert by[bn].conv == conv
         assert by[bn].check.implied_eps == pytest.approx(expected, rel=1e-3)
         assert by[bn].check.implied_eps == pytest.approx(1e-5, rel=0.05)
-    assert "checkpoint key order" in report.export.pairing
+    assert "names and key order" in report.export.pairing
 
 
 # ----------------------------------------------------------------------------- broken kept nodes

@@ -12,10 +12,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import save_safetensors, save_torch
 
-from bnaudit.audit.fold.check import NO_PRODUCER_BY_NAME
 from bnaudit.audit.fold.predict import predict_fold
 from bnaudit.audit.fold.report import FoldReport
-from bnaudit.audit.producers import producer_candidates
+from bnaudit.audit.producers import NO_PRODUCER_BY_NAME, producer_candidates
 from bnaudit.config import Config
 
 EPS = 1e-5
@@ -561,17 +560,15 @@ def test_pt2_program_pairs_through_the_graph(tmp_path, trained):
 
 
 def test_a_traced_forward_pairs_exactly(trained):
-    from bnaudit.runtime.fold import traced_producers
+    from bnaudit.runtime.models import graph_producers
 
-    traced = traced_producers(_model(trained))
-    assert traced is not None
-    producers, unfoldable = traced
-    assert producers == PAIRS
-    assert list(unfoldable) == ["after_add"] and "add" in unfoldable["after_add"]
+    producers = graph_producers(_model(trained))
+    assert producers.by == "graph" and producers.foldable == PAIRS
+    assert list(producers.unpaired) == ["after_add"] and "add" in producers.unpaired["after_add"]
 
 
-def test_an_untraceable_forward_gives_no_graph():
-    from bnaudit.runtime.fold import traced_producers
+def test_an_untraceable_forward_is_paired_by_its_names():
+    from bnaudit.runtime.models import graph_producers
 
     class Branchy(nn.Module):
         def __init__(self) -> None:
@@ -581,7 +578,8 @@ def test_an_untraceable_forward_gives_no_graph():
         def forward(self, x):
             return self.bn(self.conv(x)) if x.sum() > 0 else x  # data-dependent: fx cannot trace it
 
-    assert traced_producers(Branchy()) is None
+    producers = graph_producers(Branchy())
+    assert producers.by == "name" and producers.feeds == {"bn": "conv"}
 
 
 @pytest.mark.slow

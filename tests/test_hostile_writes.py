@@ -301,17 +301,17 @@ SLOW_WRITER = textwrap.dedent("""
     import bnaudit.formats.write as writer
 
     marker, mode = sys.argv[1], sys.argv[2]
-    write = writer._write_safetensors_like
+    write = writer._rewrite_safetensors
 
 
-    def write_then_block(ckpt, prepared, provenance, f):
-        write(ckpt, prepared, provenance, f)  # every byte of the new file, not yet named
+    def write_then_block(source, updates, record, f):
+        write(source, updates, record, f)  # every byte of the new file, not yet named
         f.flush()
         Path(marker).touch()
         time.sleep(120)
 
 
-    writer._write_safetensors_like = write_then_block
+    writer._rewrite_safetensors = write_then_block
     if mode == "named":  # the fallback where O_TMPFILE is missing: a hidden temporary file
         atomic._open_unnamed = lambda directory: None
     from bnaudit.cli import main
@@ -458,20 +458,20 @@ def test_no_space_while_writing(
     out = tmp_path / "out.safetensors"
     if existing:
         out.write_bytes(b"previous")
-    write = write_mod._write_safetensors_like
+    write = write_mod._rewrite_safetensors
 
-    def half_then_full(ckpt, prepared, provenance, f) -> None:
+    def half_then_full(source, updates, record, f) -> None:
         f.write(b"\0" * 300)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(write_mod, "_write_safetensors_like", half_then_full)
+    monkeypatch.setattr(write_mod, "_rewrite_safetensors", half_then_full)
     result = recalibrate_into(world, out, *(["--force"] if existing else []))
     assert one_line_error(result) == f"cannot write {out}: No space left on device"
     assert os.listdir(tmp_path) == (["out.safetensors"] if existing else [])
     if existing:
         assert out.read_bytes() == b"previous"
     # a full disk that shows only at fsync (delayed allocation)
-    monkeypatch.setattr(write_mod, "_write_safetensors_like", write)
+    monkeypatch.setattr(write_mod, "_rewrite_safetensors", write)
     real_fsync = os.fsync
 
     def fsync_full(fd: int) -> None:

@@ -1,21 +1,34 @@
-"""Which layer feeds a BN layer, from the model's graph or state-dict naming conventions,
-and which of its output channels are constant.
+"""Which layer feeds a BN layer: THE producer finder's policy, and which of a producer's
+output channels are constant.
 
 Torch-free. A BN layer's producer is the convolution or linear layer whose output it
-normalises: the model's graph names it where the model is known (`--arch`:
-runtime.models.bn_producers); otherwise a state dict's names are all there is, and
-`producer_candidates` lists the names the producer may go by (the one home of these
-conventions: BN004's constant-channel check and `bnaudit fold` both pair through it).
+normalises. Every command that needs one (BN004's constant channels, `bnaudit fold`'s pairs,
+`bnaudit diff`'s pairing of a checkpoint with its folded export) asks this module, and gets
+a `Producers`:
+
+  from a graph  where the model is known (`--arch`): the torch side traces its forward
+                (bnaudit.runtime.models.graph_producers) and hands each BN call over as a
+                `BNCall`; `producers_from_calls` applies the one policy. A BN fed by a
+                Conv/Linear module is *fed* by it; it cannot be folded into it when the
+                producer's output is read by other nodes too (folding would change what they
+                read), when the BN is called more than once (which call would the fold
+                serve?), or when something else feeds it (an add, a concat, a pooling: the
+                BN stays a standalone op, which some backends refuse).
+  from names    a state dict's names are all there is (`producers_from_names`): the first of
+                `producer_candidates` whose weight fits, else the module stored right before
+                the BN (modules register their parameters in definition order, a conv before
+                its BN) when its weight fits; never a module that is itself a BN. A weight
+                fits when it is floating, has two or more dimensions and one output channel
+                per BN channel (shape[0] == C).
 
 Exported graphs (ONNX with BatchNormalization nodes kept, torch.export `.pt2`) name the
-producer in the graph: the node feeding the BN node, as `bnaudit fold` pairs them
+producer in their own graph: the node feeding the BN node, as `bnaudit fold` pairs them
 (bnaudit.audit.fold.graph.exported_producers gives a `ProducerFilter` per BN layer). An ONNX
 MatMul, or Gemm without transB, stores its weight (K, N), output channels last.
 
-`producer_weight` (BN004) accepts a candidate only when its weight has at least 2
-dimensions and one output channel per BN channel (shape[0] == C). An output channel whose
-filter is all zero outputs its bias alone: a constant, so the BN channel's input always
-equals its running_mean, its running variance is 0, and eval mode multiplies a zero deviation by whatever gain it has.
+An output channel whose filter is all zero outputs its bias alone: a constant, so the BN
+channel's input always equals its running_mean, its running variance is 0, and eval mode
+multiplies a zero deviation by whatever gain it has (BN004 calls such a channel constant).
 """
 
 from __future__ import annotations
@@ -24,7 +37,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:  # the rules import this module: `bnaudit rules` reads no tensors
     from bnaudit.formats.model import TensorRef
@@ -68,18 +81,102 @@ def producer_candidates(bn: str) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def producer_weight(
-    bn_name: str, channels: int, tensors: Mapping[str, TensorRef], known: str | None = None
-) -> TensorRef | None:
-    """The weight of the layer that feeds `bn_name`: `known` (the producing module from the
-    model's graph) when given, else the first of `producer_candidates`; None when none fits
-    (a floating weight of 2 or more dimensions with shape[0] == `channels`)."""
-    names = [known] if known is not None else producer_candidates(bn_name)
-    for name in names:
-        ref = tensors.get(f"{name}.weight")
-        if ref is not None and len(ref.shape) >= 2 and ref.shape[0] == channels and ref.is_floating:
-            return ref
-    return None
+def weight_fits(ref: TensorRef | None, channels: int) -> bool:
+    """A producer's weight for a BN of `channels` channels: floating, two or more dimensions,
+    one output channel per BN channel (shape[0] == channels)."""
+    return ref is not None and ref.is_floating and len(ref.shape) >= 2 and ref.shape[0] == channels
+
+
+# Why a BN layer has no producer, where the names are all there is.
+NO_PRODUCER_BY_NAME = "no Conv or Linear producer found by name: not folded, not audited"
+
+
+@dataclass(frozen=True)
+class BNCall:
+    """One call of a BN module in a traced forward (the torch side builds these; the policy
+    that judges them is `producers_from_calls`).
+
+    bn       the BN module's name
+    source   the Conv/Linear module whose output is the BN's input, None when something
+             else is (see `follows`)
+    follows  what feeds the BN when `source` is None ("add", "cat", "an input"), in words
+    shared   the source's output is read by other nodes too
+    """
+
+    bn: str
+    source: str | None
+    follows: str = ""
+    shared: bool = False
+
+
+@dataclass(frozen=True)
+class Producers:
+    """Which layer feeds each BN layer (module docstring).
+
+    feeds     BN layer -> the module whose output it normalises
+    unpaired  BN layer -> why it has no producer to fold into (a BN in `feeds` may be here
+              too: a producer whose output other nodes read feeds it, but cannot take it)
+    by        "graph" (a traced forward) or "name" (a state dict's names)
+    """
+
+    feeds: Mapping[str, str]
+    unpaired: Mapping[str, str]
+    by: str
+
+    @property
+    def foldable(self) -> dict[str, str]:
+        """BN layer -> the producer it can be folded into."""
+        return {bn: producer for bn, producer in self.feeds.items() if bn not in self.unpaired}
+
+
+def producers_from_calls(calls: Iterable[BNCall]) -> Producers:
+    """The producers of a traced forward's BN calls, under the one policy (module docstring)."""
+    feeds: dict[str, str] = {}
+    unpaired: dict[str, str] = {}
+    seen: set[str] = set()
+    for call in calls:
+        if call.bn in seen:
+            feeds.pop(call.bn, None)
+            unpaired[call.bn] = "called more than once in the forward"
+            continue
+        seen.add(call.bn)
+        if call.source is None:
+            unpaired[call.bn] = f"follows {call.follows or 'an input'}: stays a standalone BatchNorm"
+            continue
+        feeds[call.bn] = call.source
+        if call.shared:
+            unpaired[call.bn] = f"its producer {call.source}'s output is read by other nodes too"
+    return Producers(feeds, unpaired, "graph")
+
+
+def producers_from_names(tensors: Mapping[str, TensorRef], channels: Mapping[str, int]) -> Producers:
+    """The producers a state dict's names give its BN layers (`channels`: BN layer -> its
+    channel count), as the module docstring says: the first of `producer_candidates` whose
+    weight fits, else the module stored right before the BN."""
+    order = _modules_in_order(tensors)
+    position = {name: i for i, name in enumerate(order)}
+    feeds: dict[str, str] = {}
+    unpaired: dict[str, str] = {}
+    for bn, count in channels.items():
+
+        def fits(name: str | None, count: int = count) -> bool:
+            return name is not None and name not in channels and weight_fits(tensors.get(f"{name}.weight"), count)
+
+        found = next((name for name in producer_candidates(bn) if fits(name)), None)
+        if found is None and bn in position:
+            before = [name for name in order[: position[bn]] if f"{name}.weight" in tensors]
+            found = before[-1] if before and fits(before[-1]) else None
+        if found is None:
+            unpaired[bn] = NO_PRODUCER_BY_NAME
+        else:
+            feeds[bn] = found
+    return Producers(feeds, unpaired, "name")
+
+
+def _modules_in_order(tensors: Mapping[str, TensorRef]) -> list[str]:
+    """The module names of a state dict's keys (`a.b.weight` -> `a.b`), each once, in the
+    order their first tensor is stored."""
+    return list(dict.fromkeys(key.rpartition(".")[0] for key in tensors))
 
 
 @dataclass(frozen=True)
@@ -93,20 +190,24 @@ class ProducerFilter:
     out_last: bool = False
 
 
-class LazyProducers(Mapping[str, ProducerFilter]):
-    """BN layer -> ProducerFilter, computed by `load` on first lookup: BN004 asks only when a
-    channel would otherwise be called live, so most files never pair their graph."""
+V = TypeVar("V")
 
-    def __init__(self, load: Callable[[], Mapping[str, ProducerFilter]]) -> None:
+
+class LazyProducers(Mapping[str, V]):
+    """BN layer -> its producer (a name, a ProducerFilter), computed by `load` on first
+    lookup: BN004 asks only when a channel would otherwise be called live, so most files
+    never pair their layers."""
+
+    def __init__(self, load: Callable[[], Mapping[str, V]]) -> None:
         self._load = load
-        self._found: Mapping[str, ProducerFilter] | None = None
+        self._found: Mapping[str, V] | None = None
 
-    def _mapping(self) -> Mapping[str, ProducerFilter]:
+    def _mapping(self) -> Mapping[str, V]:
         if self._found is None:
             self._found = self._load()
         return self._found
 
-    def __getitem__(self, key: str) -> ProducerFilter:
+    def __getitem__(self, key: str) -> V:
         return self._mapping()[key]
 
     def __iter__(self) -> Iterator[str]:

@@ -21,7 +21,7 @@ as "<1e-05" (`bnaudit.text.above_floor`; JSON keeps the exact number).
 An export with a fixed batch dimension gets batches of exactly that size: a short batch is
 filled with copies of its last sample, whose outputs are dropped (said in the report).
 
-Also used here, from runtime.models: `bn_producers`, the conv that feeds each BN module
+Also used here, from runtime.models: `graph_producers`, the conv that feeds each BN module
 in the model graph (torch.fx), used to pair folded layers with --arch.
 """
 
@@ -42,7 +42,7 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.onnx import load_onnx
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.deviation import relative_deviations
-from bnaudit.runtime.models import bn_producers, load_runnable, output_tensor
+from bnaudit.runtime.models import graph_producers, load_runnable, output_tensor
 from bnaudit.runtime.sources import DataOptions
 
 FLOOR_FACTOR = 10.0
@@ -173,7 +173,7 @@ def diff_export(
     checkpoint = model_checkpoint(checkpoint, trust_pickle=trust_pickle, config=config)
     export = model_checkpoint(export, trust_pickle=trust_pickle, config=config)
     runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
-    producers = bn_producers(runnable.module)
+    producers = graph_producers(runnable.module).feeds
     parity = None
     if data is not None:
         parity = measure_parity(open_session(export), runnable.module, data)

@@ -40,11 +40,9 @@ from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.distributed import gather_objects, together, torchrun
-from bnaudit.runtime.models import forward, load_forward, load_runnable, output_tensor
-from bnaudit.runtime.norms import has_stock_forward, is_batchnorm
+from bnaudit.runtime.models import PRODUCER_TYPES, forward, graph_producers, load_forward, load_runnable, output_tensor
+from bnaudit.runtime.norms import has_stock_forward
 from bnaudit.runtime.sources import DataOptions
-
-PRODUCER_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
 
 def _module(model: nn.Module, name: str) -> Any:
@@ -55,43 +53,6 @@ def _module(model: nn.Module, name: str) -> Any:
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
-
-def traced_producers(model: nn.Module) -> tuple[dict[str, str], dict[str, str]] | None:
-    """From a torch.fx trace of the model's forward: BN module -> the Conv/Linear module whose
-    output is its input and that nothing else reads; and BN module -> what feeds it instead
-    (an add, a concat, a pooling, a producer read twice). None where the forward cannot be
-    traced symbolically (data-dependent control flow): the names decide then."""
-    import torch.fx
-
-    try:
-        graph = torch.fx.symbolic_trace(model).graph
-    except Exception:  # any failure of tracing user code means: no graph
-        return None
-    modules = dict(model.named_modules())
-    producers: dict[str, str] = {}
-    unfoldable: dict[str, str] = {}
-    for node in graph.nodes:
-        if node.op != "call_module" or not is_batchnorm(modules.get(str(node.target))):
-            continue
-        bn = str(node.target)
-        source = node.args[0] if node.args else None
-        producer = modules.get(str(source.target)) if isinstance(source, torch.fx.Node) else None
-        if bn in producers or bn in unfoldable:
-            unfoldable[bn] = "called more than once in the forward"
-            producers.pop(bn, None)
-        elif (
-            not isinstance(source, torch.fx.Node)
-            or source.op != "call_module"
-            or not isinstance(producer, PRODUCER_TYPES)
-        ):
-            what = getattr(source, "target", "an input")
-            unfoldable[bn] = f"follows {getattr(what, '__name__', what)}: stays a standalone BatchNorm"
-        elif len(source.users) != 1:
-            unfoldable[bn] = f"its producer {source.target}'s output is read by other nodes too"
-        else:
-            producers[bn] = str(source.target)
-    return producers, unfoldable
 
 
 def foldable(model: nn.Module, pairs: Iterable[PairPrediction]) -> list[PairPrediction]:
@@ -259,9 +220,9 @@ def measure_fold(
     runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
     if runnable.scripted:
         raise BnauditError(f"{checkpoint}: a TorchScript module cannot be folded here: pass the state dict with --arch")
-    traced = traced_producers(runnable.module)
-    report = predict_checkpoint(runnable.checkpoint, config, *(traced or (None, None)))
-    if traced is None:
+    producers = graph_producers(runnable.module)
+    report = predict_checkpoint(runnable.checkpoint, config, producers)
+    if producers.by != "graph":
         report = dataclasses.replace(report, notes=(*report.notes, "the forward cannot be traced: paired by name"))
     model = runnable.module.eval()
     pairs = foldable(model, report.pairs)

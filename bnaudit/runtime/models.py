@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from bnaudit.audit.layers import ModuleFacts, facts_from_module_infos
+from bnaudit.audit.producers import BNCall, Producers, producers_from_calls, producers_from_names
 from bnaudit.errors import BnauditError
 from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.containers import (
@@ -47,11 +48,11 @@ from bnaudit.formats.containers import (
     module_infos,
     wrap_candidate,
 )
-from bnaudit.formats.model import Checkpoint
+from bnaudit.formats.model import Checkpoint, torch_ref
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.shards import is_index
 from bnaudit.formats.sniff import sniff_format
-from bnaudit.runtime.norms import batchnorm_modules
+from bnaudit.runtime.norms import batchnorm_modules, is_batchnorm
 from bnaudit.runtime.safetensors_files import read_checkpoint_tensors
 from bnaudit.text import exception_line, plural
 
@@ -289,7 +290,7 @@ def arch_reference(arch: str, arch_kwargs: str | Mapping[str, Any] | None = None
     """Build the --arch model on the meta device (names, shapes and settings: no weights
     needed) and find its BN producers once, for every file it is compared with."""
     model = build_arch(arch, arch_kwargs, meta=True)
-    return ArchReference(model, bn_producers(model))
+    return ArchReference(model, graph_producers(model).feeds)
 
 
 def check_fits(ckpt: Checkpoint, facts: ModuleFacts, arch: str) -> None:
@@ -499,35 +500,43 @@ def output_tensor(output: Any) -> Any:
     )
 
 
-# The layers whose output a BN module normalises (bn_producers)
-_CONV_TYPES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)
+# The layers a BN module can be folded into (bnaudit.audit.producers: the policy)
+PRODUCER_TYPES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)
 
 
-def bn_producers(model: Any) -> dict[str, str]:
-    """BN module name -> the Conv/Linear module whose output it normalises, from the model
-    graph (torch.fx symbolic trace); where tracing fails, module order: the last Conv/Linear
-    with as many output channels registered before the BN."""
+def graph_producers(model: Any) -> Producers:
+    """Which module feeds each BN module, from a torch.fx trace of the model's forward,
+    judged by the one policy (`bnaudit.audit.producers.producers_from_calls`). BN modules are
+    leaves of the trace whatever library defines them (timm's BatchNormAct2d subclasses
+    BatchNorm2d outside torch.nn and would otherwise be traced into). Where the forward
+    cannot be traced symbolically (data-dependent control flow), the model's state dict's
+    names decide (`producers_from_names`)."""
+    import torch.fx
+
     norms = batchnorm_modules(model)
     modules = dict(model.named_modules())
-    try:
-        import torch.fx
 
-        graph = torch.fx.symbolic_trace(model).graph
-        found: dict[str, str] = {}
-        for node in graph.nodes:
-            if node.op == "call_module" and node.target in norms and node.args:
-                source = node.args[0]
-                if getattr(source, "op", None) == "call_module" and isinstance(modules.get(source.target), _CONV_TYPES):
-                    found[str(node.target)] = str(source.target)
-        return found
-    except Exception:  # user code that fx cannot trace: fall back to definition order
-        pass
-    found = {}
-    last: dict[int, str] = {}
-    for name, module in modules.items():
-        if isinstance(module, _CONV_TYPES):
-            channels = module.out_features if isinstance(module, torch.nn.Linear) else module.out_channels
-            last[channels] = name
-        elif name in norms and getattr(norms[name], "num_features", None) in last:
-            found[name] = last[norms[name].num_features]
-    return found
+    class _Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+            return is_batchnorm(m) or super().is_leaf_module(m, module_qualified_name)
+
+    try:
+        graph = _Tracer().trace(model)
+    except Exception:  # any failure of tracing user code means: no graph
+        channels = {
+            name: m.num_features for name, m in norms.items() if isinstance(getattr(m, "num_features", None), int)
+        }
+        tensors = {name: torch_ref(name, t) for name, t in model.state_dict(keep_vars=True).items()}
+        return producers_from_names(tensors, channels)
+    calls = []
+    for node in graph.nodes:
+        if node.op != "call_module" or str(node.target) not in norms:
+            continue
+        source = node.args[0] if node.args else None
+        producer = modules.get(str(source.target)) if isinstance(source, torch.fx.Node) else None
+        if isinstance(source, torch.fx.Node) and source.op == "call_module" and isinstance(producer, PRODUCER_TYPES):
+            calls.append(BNCall(str(node.target), str(source.target), shared=len(source.users) != 1))
+        else:
+            what = getattr(source, "target", "an input")
+            calls.append(BNCall(str(node.target), None, follows=str(getattr(what, "__name__", what))))
+    return producers_from_calls(calls)

@@ -25,7 +25,7 @@ from bnaudit.audit.layers import (
     facts_from_module_infos,
     not_from_file,
 )
-from bnaudit.audit.producers import LazyProducers, ProducerFilter
+from bnaudit.audit.producers import LazyProducers, ProducerFilter, producers_from_names
 from bnaudit.audit.provenance import recalibration_provenance
 from bnaudit.audit.rules import Finding, RuleContext, run_rules
 from bnaudit.audit.settings import settings_stated_by, statement
@@ -68,7 +68,7 @@ def audit_checkpoint(
             averaging=ckpt.averaging,
             live_layers=live_layers,
             tensors=ckpt.tensors,
-            producers=producers or {},
+            producers=producers if producers is not None else _named_producers(ckpt, discovery.layers),
             graph_producers=_graph_producers(ckpt, discovery.layers),
         )
     )
@@ -103,6 +103,13 @@ def audit_checkpoint(
     missing_from = "not shown by the program" if ckpt.format == "pt2" else "not in a state dict"
     report.settings = statement(not_from_file(discovery.layers), missing_from)
     return report
+
+
+def _named_producers(ckpt: Checkpoint, layers: Sequence[BNLayer]) -> Mapping[str, str]:
+    """A state dict's producers by name, found only when BN004 asks (bnaudit.audit.producers)."""
+    return LazyProducers(
+        lambda: producers_from_names(ckpt.tensors, {layer.name: layer.num_features for layer in layers}).feeds
+    )
 
 
 def _graph_producers(ckpt: Checkpoint, layers: Sequence[BNLayer]) -> Mapping[str, ProducerFilter]:

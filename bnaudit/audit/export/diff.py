@@ -39,6 +39,7 @@ from typing import Any
 from bnaudit.audit.export.folded import FoldCheck, float32, fold_layer
 from bnaudit.audit.formulas import retained_fraction
 from bnaudit.audit.layers import BNLayer
+from bnaudit.audit.producers import producers_from_names
 from bnaudit.audit.settings import Setting, Settings
 from bnaudit.formats.model import Checkpoint, TensorRef
 from bnaudit.normkinds import NormKind, onnx_op_kind
@@ -445,25 +446,6 @@ def conv_nodes(model: Any) -> list[ConvNode]:
     return found
 
 
-def checkpoint_producers(ckpt: Checkpoint, layers: list[BNLayer]) -> dict[str, str]:
-    """BN layer -> the conv feeding it, from the checkpoint's key order: the last weight of
-    two or more dimensions with C output channels before the layer's first tensor (modules
-    register their parameters in definition order, conv before its BN)."""
-    keys = list(ckpt.tensors)
-    position = {k: i for i, k in enumerate(keys)}
-    out: dict[str, str] = {}
-    for layer in layers:
-        first = min((position[k] for k in keys if k.startswith(layer.name + ".")), default=None)
-        if first is None:
-            continue
-        for key in reversed(keys[:first]):
-            ref = ckpt.tensors[key]
-            if key.endswith(".weight") and len(ref.shape) >= 2 and ref.shape[0] == layer.num_features:
-                out[layer.name] = key.removesuffix(".weight")
-                break
-    return out
-
-
 def _pair_nodes(
     convs: list[str], ckpt: Checkpoint, nodes: list[ConvNode]
 ) -> tuple[dict[str, tuple[ConvNode, str]], dict[str, str]]:
@@ -518,8 +500,12 @@ def fold_checks(
     in the export (a renamed node, left for matching by order), and how pairing was done.
     `every_layer`: all the checkpoint's BN layers (default `layers`), whose convs are the
     only ones a BN can have been folded into."""
-    how_conv = "the model graph (--arch)" if producers is not None else "checkpoint key order and channel counts"
-    feeding = dict(producers) if producers is not None else checkpoint_producers(ckpt, layers)
+    how_conv = "the model graph (--arch)" if producers is not None else "the checkpoint's names and key order"
+    feeding = (
+        dict(producers)
+        if producers is not None
+        else producers_from_names(ckpt.tensors, {layer.name: layer.num_features for layer in layers}).feeds
+    )
     nodes = conv_nodes(model)
     convs = [feeding[layer.name] for layer in layers if layer.name in feeding]
     convs = [c for c in dict.fromkeys(convs) if c + ".weight" in ckpt.tensors]
@@ -549,7 +535,11 @@ def fold_checks(
         folded.append(_fold(ckpt, layer, conv, node, f"conv by {how_conv}, its node by {how_node}"))
     used = {paired[c][0].name for c in paired}
     every = every_layer if every_layer is not None else layers
-    all_feeding = dict(producers) if producers is not None else checkpoint_producers(ckpt, every)
+    all_feeding = (
+        dict(producers)
+        if producers is not None
+        else producers_from_names(ckpt.tensors, {layer.name: layer.num_features for layer in every}).feeds
+    )
     folds_into = {conv + ".weight" for conv in all_feeding.values()}
     left = [n for n in nodes if n.name not in used and not n.feeds_batchnorm]
     unpaired.extend(_unexplained_nodes(ckpt, left, folds_into))

@@ -34,12 +34,13 @@ cancellation      a half-precision BN forward (or the folded bias b' = beta - mu
                   deviations  e_c = |mu_c| u / sqrt(var_c + eps), u the unit roundoff
                   (fp16 2^-11, bf16 2^-8). Flagged where e_c > max-cancellation (0.05).
 
-Pairing (from the names of a state dict, `pair_by_name`): the producer of BN P is the
-first of `bnaudit.audit.producers.producer_candidates(P)` (the naming conventions, with the
-libraries they come from) that holds a weight of two or more dimensions whose first
-dimension (the output channels) equals the BN's channel count and is not itself a BN. A BN without such a producer is
-listed as unpaired: folding needs the layer before it, and a BN after an Add, a concat or
-a pooling stays a standalone op (which some backends refuse). Names cannot tell a
+Pairing (`paired_producers`): the producer finder (bnaudit.audit.producers) names each BN's
+producer, from a traced forward with --arch, else from the state dict's names (the naming
+conventions, then the module stored right before the BN): a weight of two or more
+dimensions whose first dimension (the output channels) equals the BN's channel count, not
+itself a BN. A BN without one is listed as unpaired with the reason: folding needs the layer
+before it, and a BN after an Add, a concat or a pooling stays a standalone op (which some
+backends refuse). Names cannot tell a
 ConvTranspose (weight (C_in, C_out / groups, ...)) whose C_in equals the BN's channels from
 a Conv: such a pair is read as a Conv; a graph (ONNX, .pt2, --arch) does not pair it.
 """
@@ -60,7 +61,7 @@ from bnaudit.audit.formulas import (
     folded_conv,
 )
 from bnaudit.audit.layers import BNLayer
-from bnaudit.audit.producers import producer_candidates
+from bnaudit.audit.producers import Producers, producers_from_names
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_ITEMSIZE, TensorRef, decode_values
@@ -137,25 +138,25 @@ def _producer(tensors: Mapping[str, TensorRef], name: str, layer: BNLayer, bn_na
     return Producer(name, weight, bias if ok_bias else None)
 
 
-def pair_by_name(
-    tensors: Mapping[str, TensorRef], layers: Sequence[BNLayer], traced: Mapping[str, str] | None = None
-) -> tuple[list[tuple[BNLayer, Producer]], list[str]]:
-    """(BN layer, producer) for every BN whose producer the naming conventions find (or, with
-    `traced`, the module a traced forward feeds it from: BN name -> producer name), and the
-    names of the BN layers without one (see the module docstring)."""
+def paired_producers(
+    tensors: Mapping[str, TensorRef], layers: Sequence[BNLayer], producers: Producers
+) -> tuple[list[tuple[BNLayer, Producer]], list[tuple[str, str]]]:
+    """(BN layer, producer) for every BN the producer finder can fold (its `foldable`), and
+    (BN name, why) for the others: the finder's reason, or, for a BN a traced forward never
+    called, that it was not reached."""
     bn_names = {layer.name for layer in layers}
+    foldable = producers.foldable
     pairs: list[tuple[BNLayer, Producer]] = []
-    unpaired: list[str] = []
+    unpaired: list[tuple[str, str]] = []
     for layer in layers:
-        candidates = producer_candidates(layer.name) if traced is None else [traced.get(layer.name, "")]
-        producer = next(
-            (p for p in (_producer(tensors, name, layer, bn_names) for name in candidates if name) if p is not None),
-            None,
-        )
-        if producer is None:
-            unpaired.append(layer.name)
-        else:
+        name = foldable.get(layer.name)
+        producer = _producer(tensors, name, layer, bn_names) if name is not None else None
+        if producer is not None:
             pairs.append((layer, producer))
+        elif name is not None:
+            unpaired.append((layer.name, f"its producer {name} has no weight of {layer.num_features} outputs"))
+        else:
+            unpaired.append((layer.name, producers.unpaired.get(layer.name, "not reached by the traced forward")))
     return pairs, unpaired
 
 
@@ -301,29 +302,26 @@ def predict_folded(
     )
 
 
-NO_PRODUCER_BY_NAME = "no Conv or Linear producer found by name: not folded, not audited"
-
-
 def predict_pairs(
     tensors: Mapping[str, TensorRef],
     layers: Sequence[BNLayer],
     config: Config,
-    traced: Mapping[str, str] | None = None,
-    unfoldable: Mapping[str, str] | None = None,
+    producers: Producers | None = None,
     stream_from: str | None = None,
 ) -> tuple[list[PairPrediction], list[tuple[str, str]]]:
-    """Pair every BN layer by name (or by `traced`, paired_by "graph": see `pair_by_name`)
-    and predict each pair; (BN name, why) of the unpaired, `unfoldable` saying why where it
-    knows (what a traced forward feeds the BN from). `stream_from`: the single safetensors
-    file the tensors' locations refer to (`channel_maxima` streams the weights from it)."""
-    pairs, unpaired = pair_by_name(tensors, layers, traced)
+    """Pair every BN layer with its producer (`producers`, from a traced forward; by default
+    the names: bnaudit.audit.producers) and predict each pair; (BN name, why) of the
+    unpaired. `stream_from`: the single safetensors file the tensors' locations refer to
+    (`channel_maxima` streams the weights from it)."""
+    producers = (
+        producers
+        if producers is not None
+        else producers_from_names(tensors, {layer.name: layer.num_features for layer in layers})
+    )
+    pairs, unpaired = paired_producers(tensors, layers, producers)
     predictions = []
     for layer, producer in pairs:
         maxima = channel_maxima(producer.weight, stream_from)
         conv_bias = producer.bias.read() if producer.bias is not None else None
-        paired_by = "name" if traced is None else "graph"
-        predictions.append(predict_pair(layer, producer.name, maxima, conv_bias, config, paired_by))
-    if traced is None:
-        return predictions, [(name, NO_PRODUCER_BY_NAME) for name in unpaired]
-    why = unfoldable or {}
-    return predictions, [(name, why.get(name, "not reached by the traced forward")) for name in unpaired]
+        predictions.append(predict_pair(layer, producer.name, maxima, conv_bias, config, producers.by))
+    return predictions, unpaired

@@ -7,11 +7,10 @@ Reads the file (or a folder's model checkpoint) through `bnaudit.audit.resolve`,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from bnaudit.audit.fold.check import FoldContext, predict_pairs
 from bnaudit.audit.fold.report import FoldReport
 from bnaudit.audit.layers import discover_layers, not_from_file
+from bnaudit.audit.producers import Producers
 from bnaudit.audit.resolve import read_model_checkpoint
 from bnaudit.audit.rules import run_fold_rules
 from bnaudit.audit.settings import settings_stated_by, statement
@@ -31,12 +30,10 @@ def predict_fold(path: str, config: Config, key: str | None = None, trust_pickle
 def predict_checkpoint(
     ckpt: Checkpoint,
     config: Config,
-    traced: Mapping[str, str] | None = None,
-    unfoldable: Mapping[str, str] | None = None,
+    producers: Producers | None = None,
 ) -> FoldReport:
     """`predict_fold` of an opened checkpoint (a model's, with its real eps, under --arch);
-    `traced` (BN -> producer module) and `unfoldable` (BN -> what feeds it instead) come from
-    a traced forward of the model and replace the naming conventions (paired_by "graph")."""
+    `producers` (from a traced forward of the model: paired_by "graph") replace the names."""
     path = ckpt.path
     discovery = discover_layers(ckpt, settings_stated_by(config))
     if ckpt.format == "onnx" and ckpt.graph is not None:
@@ -53,7 +50,7 @@ def predict_checkpoint(
         # a single safetensors file: the locations of its tensors are offsets in it
         single = ckpt.format == "safetensors" and not ckpt.shards
         stream_from = ckpt.path if single else None
-        pairs, unpaired = predict_pairs(ckpt.tensors, discovery.layers, config, traced, unfoldable, stream_from)
+        pairs, unpaired = predict_pairs(ckpt.tensors, discovery.layers, config, producers, stream_from)
     if not pairs and not unpaired:
         raise BnauditError(f"{path}: no BatchNorm layer and no folded convolution to audit")
     findings = run_fold_rules(FoldContext(tuple(pairs), tuple(unpaired), config))

@@ -30,17 +30,20 @@ def _constant_channels(ctx: RuleContext, layer: BNLayer, channels: list[int]) ->
     """The channels among `channels` whose producing layer (an exported graph's node, the
     model graph's module, else by naming convention: bnaudit.audit.producers) has an
     all-zero filter: a constant input, not a live one."""
-    from bnaudit.audit.producers import producer_weight, zero_filter_channels
+    from bnaudit.audit.producers import weight_fits, zero_filter_channels
 
     if not channels:
         return set()
     exported = ctx.graph_producers.get(layer.name)
     if exported is not None:
         return zero_filter_channels(exported.weight, channels, exported.out_last)
-    if not ctx.tensors:
-        return set()
-    weight = producer_weight(layer.name, layer.num_features, ctx.tensors, ctx.producers.get(layer.name))
-    return zero_filter_channels(weight, channels) if weight is not None else set()
+    producer = ctx.producers.get(layer.name) if ctx.tensors else None
+    weight = ctx.tensors.get(f"{producer}.weight") if producer is not None else None
+    return (
+        zero_filter_channels(weight, channels)
+        if weight is not None and weight_fits(weight, layer.num_features)
+        else set()
+    )
 
 
 def _is_live(layer: BNLayer, channel: int) -> bool:

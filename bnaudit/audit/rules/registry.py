@@ -66,8 +66,8 @@ class RuleContext:
     # Every tensor of the checkpoint by name: the layers that feed the BN layers (BN004
     # consults their filters, bnaudit.audit.producers).
     tensors: Mapping[str, TensorRef] = field(default_factory=dict)
-    # BN layer -> the Conv/Linear module feeding it, from the model's graph (--arch); where
-    # absent, BN004 falls back on naming conventions
+    # BN layer -> the Conv/Linear module feeding it (bnaudit.audit.producers: from the model's
+    # graph with --arch, else from the names; possibly lazy)
     producers: Mapping[str, str] = field(default_factory=dict)
     # Exported graphs (ONNX with BN nodes kept, .pt2): BN layer -> the weight of the node
     # feeding it, paired as `fold` pairs them (bnaudit.audit.fold.graph.exported_producers);
