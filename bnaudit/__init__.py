@@ -4,14 +4,18 @@ Public API (the CLI is a thin layer over it):
 
     bnaudit.inspect(paths, config=None, key=None, trust_pickle=False) -> InspectReport
     bnaudit.diff(path_a, path_b, config=None, key_a=None, key_b=None, trust_pickle=False) -> DiffReport
-    bnaudit.measure_gap(checkpoint, DataOptions(path=...), arch=..., config=..., max_gap=...) -> GapReport
-    bnaudit.measure_invariance(checkpoint, DataOptions(path=...), arch=..., batch_sizes=[1, 8, 64])
+    bnaudit.measure_gap(ModelSpec(checkpoint, arch=...), DataOptions(path=...), config=..., max_gap=...)
+        -> GapReport
+    bnaudit.measure_invariance(ModelSpec(checkpoint, arch=...), DataOptions(path=...), batch_sizes=[1, 8, 64])
         -> InvarianceReport
-    bnaudit.recalibrate_checkpoint(checkpoint, output, DataOptions(path=...), arch=..., config=...)
+    bnaudit.recalibrate_checkpoint(ModelSpec(checkpoint, arch=...), output, DataOptions(path=...), config=...)
         -> RecalibrationReport
     bnaudit.recalibrate_module(model, batches, method="exact") -> Calibration   (an nn.Module in place)
     bnaudit.predict_fold(path, config) -> FoldReport        (folding, int8, fp16, bf16: predicted)
-    bnaudit.measure_fold(checkpoint, DataOptions(path=...), config, arch=...) -> FoldReport  (and measured)
+    bnaudit.measure_fold(ModelSpec(checkpoint, arch=...), DataOptions(path=...), config) -> FoldReport  (and measured)
+
+A `ModelSpec` names the model a measuring command runs (checkpoint, arch, arch_kwargs, key,
+trust_pickle, forward, device); a checkpoint path alone stands for `ModelSpec(path)`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ __all__ = [
     "BnauditError",
     "Config",
     "DataOptions",
+    "ModelSpec",
     "__version__",
     "diff",
     "inspect",
@@ -47,6 +52,7 @@ _LAZY = {
     "measure_fold": ("bnaudit.runtime.fold", "measure_fold"),
     "Config": ("bnaudit.config", "Config"),
     "DataOptions": ("bnaudit.runtime.sources", "DataOptions"),
+    "ModelSpec": ("bnaudit.runtime.models", "ModelSpec"),
     "BnauditError": ("bnaudit.errors", "BnauditError"),
 }
 

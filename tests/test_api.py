@@ -10,6 +10,7 @@ import torch
 from conftest import REPO, SAMPLES
 
 import bnaudit
+from bnaudit.runtime.models import ModelSpec
 
 
 def test_public_names_resolve():
@@ -39,9 +40,8 @@ def test_recalibrate_module_on_the_seed_values():
 
 def test_measure_gap_from_python(tmp_path):
     report = bnaudit.measure_gap(
-        f"{SAMPLES}/reset_stats.pt",
+        ModelSpec(f"{SAMPLES}/reset_stats.pt", arch=f"{SAMPLES}/digits_net.py:digits_net"),
         bnaudit.DataOptions(path=f"{SAMPLES}/data/digits_val.safetensors"),
-        arch=f"{SAMPLES}/digits_net.py:digits_net",
     )
     assert report.samples == 400 and report.gap == pytest.approx(report.train_accuracy - report.eval_accuracy)
     assert report.gap > 0.3  # reset statistics cost a large part of the accuracy

@@ -21,6 +21,7 @@ from bnaudit.audit.checkpoint.inspect import audit_checkpoint
 from bnaudit.audit.diff.checkpoints import diff
 from bnaudit.config import Config
 from bnaudit.formats.read import read_checkpoint
+from bnaudit.runtime.models import ModelSpec
 
 sys.path.insert(0, SAMPLES)
 from digits_net import digits_net
@@ -180,7 +181,7 @@ def test_recalibrate_writes_the_layout_back_and_equals_update_bn(files, digits, 
     paths, states = files
     out = str(tmp_path / output)
     options = DataOptions(path=CALIB, batch_size=50, shuffle=False)
-    recalibrate_checkpoint(paths[source], out, options, method="cumulative", arch=ARCH)
+    recalibrate_checkpoint(ModelSpec(paths[source], arch=ARCH), out, options, method="cumulative")
     written = load_file(out) if out.endswith(".safetensors") else torch.load(out, weights_only=True)
     loaded = AveragedModel(digits_net())
     loaded.load_state_dict(written, strict=True)
@@ -209,7 +210,7 @@ def test_arch_lines_the_layout_up_with_the_model(files):
     from bnaudit.runtime.models import load_runnable
 
     paths, _ = files
-    runnable = load_runnable(paths["swa"], arch=ARCH)
+    runnable = load_runnable(ModelSpec(paths["swa"], arch=ARCH))
     assert runnable.facts.missing == () and runnable.facts.unexpected == ()
     assert runnable.checkpoint.averaging is not None
 

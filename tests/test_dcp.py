@@ -22,6 +22,7 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.dcp import read_dcp_layout
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.sniff import sniff_format
+from bnaudit.runtime.models import ModelSpec
 
 ARCH = f"{SAMPLES}/digits_net.py:digits_net"
 VAL = f"{SAMPLES}/data/digits_val.safetensors"
@@ -257,8 +258,8 @@ def test_gap_with_arch_reads_the_folder_as_the_torch_file(tmp_path: Path) -> Non
     state = torch.load(f"{SAMPLES}/healthy.pt", weights_only=True)
     folder = save_dcp({"model": state, "step": 3}, tmp_path / "healthy")
     options = bnaudit.DataOptions(path=VAL, num_samples=64, batch_size=32)
-    from_folder = bnaudit.measure_gap(str(folder), options, arch=ARCH)
-    from_file = bnaudit.measure_gap(f"{SAMPLES}/healthy.pt", options, arch=ARCH)
+    from_folder = bnaudit.measure_gap(ModelSpec(str(folder), arch=ARCH), options)
+    from_file = bnaudit.measure_gap(ModelSpec(f"{SAMPLES}/healthy.pt", arch=ARCH), options)
     assert from_folder.layers and from_folder.layers == from_file.layers
     with pytest.raises(BnauditError, match="torch.distributed.checkpoint folder holds tensors, not a model"):
         bnaudit.measure_gap(str(folder), options)
@@ -344,13 +345,13 @@ def test_recalibrate_writes_a_dcp_folder_that_dcp_load_takes(tmp_path: Path) -> 
     before = {p.name: p.read_bytes() for p in source.iterdir()}
     options = bnaudit.DataOptions(path=CALIB, num_samples=128, batch_size=32)
     out = tmp_path / "out"
-    report = bnaudit.recalibrate_checkpoint(str(source), str(out), options, arch=ARCH)
+    report = bnaudit.recalibrate_checkpoint(ModelSpec(str(source), arch=ARCH), str(out), options)
     assert report is not None and (out / ".metadata").is_file()
     assert {p.name: p.read_bytes() for p in source.iterdir()} == before  # the input is never changed
     # the same calibration of the torch file the folder holds: the independent reference
     plain = tmp_path / "plain.pt"
     torch.save(model.state_dict(), plain)
-    bnaudit.recalibrate_checkpoint(str(plain), str(tmp_path / "plain-out.pt"), options, arch=ARCH)
+    bnaudit.recalibrate_checkpoint(ModelSpec(str(plain), arch=ARCH), str(tmp_path / "plain-out.pt"), options)
     expected = torch.load(tmp_path / "plain-out.pt", weights_only=True)
     # dcp.load into the model, as a training job resuming would
     fresh, _ = digits_with_optimizer()
@@ -376,11 +377,11 @@ def test_recalibrate_refuses_a_file_name_for_a_dcp_folder_and_keeps_an_existing_
     source = save_dcp({"model": model.state_dict()}, tmp_path / "in")
     options = bnaudit.DataOptions(path=CALIB, num_samples=64, batch_size=32)
     with pytest.raises(BnauditError, match="written back as a folder"):
-        bnaudit.recalibrate_checkpoint(str(source), str(tmp_path / "out.pt"), options, arch=ARCH)
+        bnaudit.recalibrate_checkpoint(ModelSpec(str(source), arch=ARCH), str(tmp_path / "out.pt"), options)
     existing = save_dcp({"model": model.state_dict()}, tmp_path / "existing")
     with pytest.raises(BnauditError, match="already exists"):
-        bnaudit.recalibrate_checkpoint(str(source), str(existing), options, arch=ARCH)
-    bnaudit.recalibrate_checkpoint(str(source), str(existing), options, arch=ARCH, force=True)
+        bnaudit.recalibrate_checkpoint(ModelSpec(str(source), arch=ARCH), str(existing), options)
+    bnaudit.recalibrate_checkpoint(ModelSpec(str(source), arch=ARCH), str(existing), options, force=True)
     assert (existing / "bnaudit.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
 
@@ -436,8 +437,8 @@ def test_invariance_with_arch_reads_the_folder(tmp_path: Path) -> None:
     state = torch.load(f"{SAMPLES}/healthy.pt", weights_only=True)
     folder = save_dcp({"model": state}, tmp_path / "healthy")
     options = bnaudit.DataOptions(path=VAL, num_samples=32, batch_size=16)
-    from_folder = bnaudit.measure_invariance(str(folder), options, arch=ARCH, batch_sizes=[1, 16])
-    from_file = bnaudit.measure_invariance(f"{SAMPLES}/healthy.pt", options, arch=ARCH, batch_sizes=[1, 16])
+    from_folder = bnaudit.measure_invariance(ModelSpec(str(folder), arch=ARCH), options, batch_sizes=[1, 16])
+    from_file = bnaudit.measure_invariance(ModelSpec(f"{SAMPLES}/healthy.pt", arch=ARCH), options, batch_sizes=[1, 16])
     assert from_folder.arrangements and from_folder.arrangements == from_file.arrangements
     assert (from_folder.max_deviation, from_folder.flagged) == (from_file.max_deviation, from_file.flagged)
 

@@ -22,6 +22,7 @@ from bnaudit.runtime.attribution import ORIGIN_JUMP, find_origins
 from bnaudit.runtime.confidence import difference_interval, wilson
 from bnaudit.runtime.data import DataOptions, make_loader
 from bnaudit.runtime.gap import measure_gap
+from bnaudit.runtime.models import ModelSpec
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ def _val_arrays():
 
 
 def _gap(checkpoint, **data):
-    return measure_gap(checkpoint, DataOptions(batch_size=64, **data), arch=ARCH)
+    return measure_gap(ModelSpec(checkpoint, arch=ARCH), DataOptions(batch_size=64, **data))
 
 
 # ------------------------------------------------------------------ attribution

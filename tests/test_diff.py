@@ -21,6 +21,7 @@ from bnaudit.audit.diff.checkpoints import diff
 from bnaudit.audit.diff.layers import bit_identical
 from bnaudit.config import Config
 from bnaudit.output.sarif import diff_to_sarif
+from bnaudit.runtime.models import ModelSpec
 
 sys.path.insert(0, SAMPLES)
 from digits_net import digits_net
@@ -251,7 +252,7 @@ def test_recalibrate_output_against_its_input_is_re_estimated_with_provenance(tm
     source = os.path.join(SAMPLES, "healthy.safetensors")
     out = str(tmp_path / "recal.safetensors")
     options = DataOptions(path=os.path.join(SAMPLES, "data", "digits_calib.safetensors"), batch_size=50)
-    recalibrate_checkpoint(source, out, options, arch=os.path.join(SAMPLES, "digits_net.py") + ":digits_net")
+    recalibrate_checkpoint(ModelSpec(source, arch=os.path.join(SAMPLES, "digits_net.py") + ":digits_net"), out, options)
     report = diff(source, out)
     sa, sb = load_file(source), load_file(out)
     assert report.provenance.startswith("bnaudit recalibrate (method exact, 300 samples")

@@ -12,6 +12,7 @@ import torch
 from conftest import SAMPLES, save_safetensors
 
 from bnaudit.audit.diff.checkpoints import diff
+from bnaudit.runtime.models import ModelSpec
 
 sys.path.insert(0, SAMPLES)
 from digits_net import digits_net
@@ -28,7 +29,7 @@ def test_forged_recalibration_record_does_not_silence_bn101(tmp_path):
 
     pretrained = os.path.join(SAMPLES, "pretrained.safetensors")
     recal = str(tmp_path / "recal.safetensors")
-    recalibrate_checkpoint(pretrained, recal, DataOptions(path=CALIB, batch_size=50), arch=ARCH)
+    recalibrate_checkpoint(ModelSpec(pretrained, arch=ARCH), recal, DataOptions(path=CALIB, batch_size=50))
     from safetensors import safe_open
 
     with safe_open(recal, "pt") as f:

@@ -19,6 +19,7 @@ from bnaudit.output.json import gap_to_json
 from bnaudit.runtime.batching import BatchPlan
 from bnaudit.runtime.data import DataOptions
 from bnaudit.runtime.gap import measure_gap
+from bnaudit.runtime.models import ModelSpec
 
 pytestmark = pytest.mark.slow  # torchrun: processes per rank
 
@@ -48,12 +49,14 @@ WORKER = textwrap.dedent("""
     from bnaudit.output.json import gap_to_json
     from bnaudit.runtime.data import DataOptions
     from bnaudit.runtime.gap import measure_gap
+    from bnaudit.runtime.models import ModelSpec
 
     torch.set_num_threads(1)
     out = {}
     for name, size, count, fwd, limit in CONFIGS:
         options = DataOptions(path="val.safetensors", batch_size=size, num_samples=count)
-        report = measure_gap("model.safetensors", options, arch="arch.py:build", forward=fwd, max_gap=limit, strict=True)
+        spec = ModelSpec("model.safetensors", arch="arch.py:build", forward=fwd)
+        report = measure_gap(spec, options, max_gap=limit, strict=True)
         out[name] = {"json": gap_to_json(report), "exit": report.exit_code()}
     with open(f"rank{os.environ['RANK']}.json", "w") as f:
         json.dump(out, f)
@@ -119,7 +122,7 @@ def _single(folder: Path, size: int, count: int | None, forward: str | None = No
     try:
         options = DataOptions(path="val.safetensors", batch_size=size, num_samples=count)
         return measure_gap(
-            "model.safetensors", options, arch="arch.py:build", forward=forward, max_gap=limit, strict=True
+            ModelSpec("model.safetensors", arch="arch.py:build", forward=forward), options, max_gap=limit, strict=True
         )
     finally:
         os.chdir(cwd)

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from bnaudit.output.json import invariance_to_json
 from bnaudit.runtime.data import DataOptions
 from bnaudit.runtime.invariance import measure_invariance, plan_arrangements
+from bnaudit.runtime.models import ModelSpec
 
 pytestmark = pytest.mark.slow  # torchrun: processes per rank
 
@@ -68,12 +69,13 @@ WORKER = textwrap.dedent("""
     from bnaudit.output.json import invariance_to_json
     from bnaudit.runtime.data import DataOptions
     from bnaudit.runtime.invariance import measure_invariance
+    from bnaudit.runtime.models import ModelSpec
 
     torch.set_num_threads(1)
     out = {}
     for name, arch, count, sizes in CASES:
         options = DataOptions(path="val.safetensors", batch_size=4, num_samples=count)
-        report = measure_invariance("model.safetensors", options, arch=arch, batch_sizes=sizes)
+        report = measure_invariance(ModelSpec("model.safetensors", arch=arch), options, batch_sizes=sizes)
         out[name] = {"json": invariance_to_json(report), "exit": report.exit_code()}
     with open(f"rank{os.environ['RANK']}.json", "w") as f:
         json.dump(out, f)
@@ -121,7 +123,7 @@ def _single(folder: Path, arch: str, count: int, sizes: list[int]) -> Any:
     os.chdir(folder)  # --arch arch.py:... and the data paths are relative, as in the ranks
     try:
         options = DataOptions(path="val.safetensors", batch_size=4, num_samples=count)
-        return measure_invariance("model.safetensors", options, arch=arch, batch_sizes=sizes)
+        return measure_invariance(ModelSpec("model.safetensors", arch=arch), options, batch_sizes=sizes)
     finally:
         os.chdir(cwd)
 

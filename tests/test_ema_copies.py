@@ -18,6 +18,7 @@ from timm_support import import_timm
 
 from bnaudit.api import inspect
 from bnaudit.config import Config
+from bnaudit.runtime.models import ModelSpec
 
 pytestmark = pytest.mark.slow
 
@@ -144,7 +145,7 @@ def test_gap_diagnoses_the_immature_copy_instead_of_the_preprocessing(trained):
     from bnaudit.runtime.data import DataOptions
     from bnaudit.runtime.gap import measure_gap
 
-    report = measure_gap(trained["v3_path"], DataOptions(path=VAL), arch=ARCH, key="state_dict_ema")
+    report = measure_gap(ModelSpec(trained["v3_path"], arch=ARCH, key="state_dict_ema"), DataOptions(path=VAL))
     assert report.eval_accuracy == pytest.approx(_accuracy(trained["v3"]), abs=1e-6)
     assert report.train_accuracy > report.eval_accuracy + 0.2  # batch statistics keep much of it
     assert not report.preprocessing_mismatch
@@ -158,7 +159,7 @@ def test_recalibrate_repairs_the_immature_copy_without_a_flag(trained, tmp_path)
     from bnaudit.runtime.recalibrate.command import recalibrate_checkpoint
 
     out = str(tmp_path / "ema.recal.pt")
-    recalibrate_checkpoint(trained["v3_path"], out, DataOptions(path=CALIB), arch=ARCH, key="state_dict_ema")
+    recalibrate_checkpoint(ModelSpec(trained["v3_path"], arch=ARCH, key="state_dict_ema"), out, DataOptions(path=CALIB))
     # the test's own repair: the copy's statistics recomputed as population statistics of the
     # calibration data (cumulative average over one pass in training mode), then evaluated
     own = copy.deepcopy(trained["v3"])

@@ -16,6 +16,7 @@ from bnaudit.audit.fold.predict import predict_fold
 from bnaudit.audit.fold.report import FoldReport
 from bnaudit.audit.producers import NO_PRODUCER_BY_NAME, producer_candidates
 from bnaudit.config import Config
+from bnaudit.runtime.models import ModelSpec
 
 EPS = 1e-5
 INCEPTION_VAR = 1.86e-14  # torchvision's InceptionV3 (vision issue 648)
@@ -489,7 +490,7 @@ def test_measured_targets_equal_the_tests_own_folded_and_quantized_models(measur
     from bnaudit.runtime.sources import DataOptions
 
     model, ckpt, data, arch, x, y = measured_setup
-    report = measure_fold(ckpt, DataOptions(path=data, batch_size=64), Config(), arch=arch)
+    report = measure_fold(ModelSpec(ckpt, arch=arch), DataOptions(path=data, batch_size=64), Config())
     m = report.measured
     assert m is not None and m.labelled and m.samples == 256
     assert {p.bn: (p.producer, p.paired_by) for p in report.pairs} == {b: (c, "graph") for b, c in SEQ_PAIRS.items()}

@@ -30,6 +30,7 @@ from test_layouts import write_shards
 from bnaudit import DataOptions, diff, measure_gap, measure_invariance, recalibrate_checkpoint
 from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.errors import BnauditError
+from bnaudit.runtime.models import ModelSpec
 
 ARCH = os.path.join(SAMPLES, "digits_net.py") + ":digits_net"
 VAL = os.path.join(SAMPLES, "data", "digits_val.safetensors")
@@ -153,8 +154,8 @@ def test_a_folder_resolves_to_the_model_checkpoint_inspect_audits_in_it(layouts,
 def test_gap_of_a_folder_is_gap_of_the_model_file_in_it(layouts, layout):
     folder, model = layouts[layout]
     options = DataOptions(path=VAL, batch_size=64, num_samples=128)
-    of_folder = measure_gap(folder, options, arch=ARCH)
-    of_file = measure_gap(model, options, arch=ARCH)
+    of_folder = measure_gap(ModelSpec(folder, arch=ARCH), options)
+    of_file = measure_gap(ModelSpec(model, arch=ARCH), options)
     assert of_folder.checkpoint == of_file.checkpoint == model
     assert of_folder.gap is not None and of_folder.gap == of_file.gap
     assert [dataclasses.astuple(x) for x in of_folder.layers] == [dataclasses.astuple(x) for x in of_file.layers]
@@ -164,8 +165,8 @@ def test_gap_of_a_folder_is_gap_of_the_model_file_in_it(layouts, layout):
 def test_invariance_of_a_folder_is_invariance_of_the_model_file_in_it(layouts, layout):
     folder, model = layouts[layout]
     options = DataOptions(path=VAL, batch_size=16, num_samples=32)
-    of_folder = measure_invariance(folder, options, arch=ARCH, batch_sizes=[1, 16])
-    of_file = measure_invariance(model, options, arch=ARCH, batch_sizes=[1, 16])
+    of_folder = measure_invariance(ModelSpec(folder, arch=ARCH), options, batch_sizes=[1, 16])
+    of_file = measure_invariance(ModelSpec(model, arch=ARCH), options, batch_sizes=[1, 16])
     assert of_folder.checkpoint == of_file.checkpoint == model
     assert of_folder.max_deviation == of_file.max_deviation
     assert [dataclasses.astuple(r) for r in of_folder.arrangements] == [
@@ -203,8 +204,8 @@ def test_measured_fold_of_a_folder_is_that_of_the_model_file_in_it(layouts):
 
     folder, model = layouts["save_pretrained_sharded"]
     options = DataOptions(path=VAL, batch_size=32, num_samples=64)
-    of_folder = measure_fold(folder, options, Config(), arch=ARCH)
-    of_file = measure_fold(model, options, Config(), arch=ARCH)
+    of_folder = measure_fold(ModelSpec(folder, arch=ARCH), options, Config())
+    of_file = measure_fold(ModelSpec(model, arch=ARCH), options, Config())
     assert of_folder.path == of_file.path == model
     assert of_folder.measured is not None and of_folder.measured == of_file.measured
 
@@ -219,12 +220,12 @@ def test_recalibrate_of_a_folder_writes_what_recalibrate_of_its_model_file_write
         refusals = []
         for source, output in ((folder, from_folder), (model, from_file)):
             with pytest.raises(BnauditError) as err:
-                recalibrate_checkpoint(source, output, options, arch=ARCH)
+                recalibrate_checkpoint(ModelSpec(source, arch=ARCH), output, options)
             refusals.append(str(err.value))
         assert refusals[0] == refusals[1] and refusals[0].startswith(f"{model}: cannot be written back")
         return
-    report = recalibrate_checkpoint(folder, from_folder, options, arch=ARCH)
-    recalibrate_checkpoint(model, from_file, options, arch=ARCH)
+    report = recalibrate_checkpoint(ModelSpec(folder, arch=ARCH), from_folder, options)
+    recalibrate_checkpoint(ModelSpec(model, arch=ARCH), from_file, options)
     assert report is not None and report.layers
     if suffix == ".safetensors":
         a, b = load_file(from_folder), load_file(from_file)
@@ -247,7 +248,7 @@ def test_a_folder_with_several_models_is_refused_naming_them(tmp_path):
     assert "holds 2 model checkpoints (model.safetensors, pytorch_model.bin)" in message
     assert "pass the one to use" in message and "optimizer.pt" not in message
     with pytest.raises(BnauditError, match="holds 2 model checkpoints"):
-        measure_gap(str(tmp_path), DataOptions(path=VAL, num_samples=8), arch=ARCH)
+        measure_gap(ModelSpec(str(tmp_path), arch=ARCH), DataOptions(path=VAL, num_samples=8))
 
 
 def test_the_configuration_exclude_decides_which_model_a_folder_names(tmp_path):
@@ -264,7 +265,9 @@ def test_the_configuration_exclude_decides_which_model_a_folder_names(tmp_path):
         model_checkpoint(str(tmp_path))  # the defaults exclude nothing
     report = diff(str(tmp_path), str(tmp_path / "pytorch_model.bin"), config)
     assert report.a.path == str(tmp_path / "model.safetensors") and report.a.format == "safetensors"
-    gap = measure_gap(str(tmp_path), DataOptions(path=VAL, num_samples=8, batch_size=4), arch=ARCH, config=config)
+    gap = measure_gap(
+        ModelSpec(str(tmp_path), arch=ARCH), DataOptions(path=VAL, num_samples=8, batch_size=4), config=config
+    )
     assert gap.checkpoint == str(tmp_path / "model.safetensors")
 
 
@@ -339,9 +342,9 @@ def test_recalibrating_a_sharded_folder_writes_a_sharded_folder_equal_to_a_singl
     before = _folder_digests(folder)
     options = DataOptions(path=CALIB, batch_size=64)
     single = tmp_path / "single.safetensors"
-    recalibrate_checkpoint(os.path.join(SAMPLES, "healthy.safetensors"), str(single), options, arch=ARCH)
+    recalibrate_checkpoint(ModelSpec(os.path.join(SAMPLES, "healthy.safetensors"), arch=ARCH), str(single), options)
     out = tmp_path / "recalibrated"
-    report = recalibrate_checkpoint(folder, str(out), options, arch=ARCH)
+    report = recalibrate_checkpoint(ModelSpec(folder, arch=ARCH), str(out), options)
     assert report is not None and report.output == str(out)
     assert _folder_digests(folder) == before  # the input is never modified
     assert sorted(os.listdir(out)) == sorted(os.listdir(folder))  # same files: shards, index, config.json
@@ -391,7 +394,7 @@ def test_inspect_of_a_recalibrated_sharded_folder_trusts_its_record(layouts, tmp
     folder, _ = layouts["pytorch_model_bin_sharded"]
     out = tmp_path / "recalibrated"
     recal = recalibrate_checkpoint(
-        folder, str(out), DataOptions(path=CALIB, batch_size=64), arch=ARCH, eval_data=DataOptions(path=VAL)
+        ModelSpec(folder, arch=ARCH), str(out), DataOptions(path=CALIB, batch_size=64), eval_data=DataOptions(path=VAL)
     )
     # --eval-data measures the folder written, read back through its index
     assert recal is not None and recal.eval_after is not None
@@ -408,21 +411,21 @@ def test_recalibrating_a_sharded_folder_refuses_an_existing_output_without_force
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(BnauditError, match="already exists"):
-        recalibrate_checkpoint(folder, str(out), options, arch=ARCH)
+        recalibrate_checkpoint(ModelSpec(folder, arch=ARCH), str(out), options)
     # --force replaces a folder only when it holds a checkpoint of this layout
     with pytest.raises(BnauditError, match="not a sharded checkpoint folder"):
-        recalibrate_checkpoint(folder, str(out), options, arch=ARCH, force=True)
+        recalibrate_checkpoint(ModelSpec(folder, arch=ARCH), str(out), options, force=True)
     assert (out / "keep.txt").read_text() == "mine"
     done = tmp_path / "done"
-    recalibrate_checkpoint(folder, str(done), options, arch=ARCH)
+    recalibrate_checkpoint(ModelSpec(folder, arch=ARCH), str(done), options)
     first = _folder_digests(done)
     (done / "model-00002-of-00003.safetensors").write_bytes(b"stale")
-    recalibrate_checkpoint(folder, str(done), options, arch=ARCH, force=True)
+    recalibrate_checkpoint(ModelSpec(folder, arch=ARCH), str(done), options, force=True)
     assert _folder_digests(done) == first
     with pytest.raises(BnauditError, match="inside the input folder"):
-        recalibrate_checkpoint(folder, os.path.join(folder, "out"), options, arch=ARCH)
+        recalibrate_checkpoint(ModelSpec(folder, arch=ARCH), os.path.join(folder, "out"), options)
     with pytest.raises(BnauditError, match="a sharded checkpoint is written as a folder"):
-        recalibrate_checkpoint(folder, str(tmp_path / "one.safetensors"), options, arch=ARCH)
+        recalibrate_checkpoint(ModelSpec(folder, arch=ARCH), str(tmp_path / "one.safetensors"), options)
 
 
 # --- a real transformers save_pretrained folder, loaded back with from_pretrained ---------------
@@ -476,15 +479,18 @@ def test_transformers_save_pretrained_folders_through_gap_and_recalibrate_and_ba
     )
     spec = f"{arch}:resnet"
     options = DataOptions(path=VAL, batch_size=32, num_samples=96)
-    of_sharded, of_whole = measure_gap(str(sharded), options, arch=spec), measure_gap(str(whole), options, arch=spec)
+    of_sharded, of_whole = (
+        measure_gap(ModelSpec(str(sharded), arch=spec), options),
+        measure_gap(ModelSpec(str(whole), arch=spec), options),
+    )
     assert of_sharded.checkpoint == str(sharded / "model.safetensors.index.json")
     assert of_whole.checkpoint == str(whole / "model.safetensors")
     assert of_sharded.gap == of_whole.gap and len(of_sharded.layers) == len(of_whole.layers) > 0
 
     calib = DataOptions(path=CALIB, batch_size=64)
     out, single = tmp_path / "recalibrated", tmp_path / "single.safetensors"
-    recalibrate_checkpoint(str(sharded), str(out), calib, arch=spec)
-    recalibrate_checkpoint(str(whole), str(single), calib, arch=spec)
+    recalibrate_checkpoint(ModelSpec(str(sharded), arch=spec), str(out), calib)
+    recalibrate_checkpoint(ModelSpec(str(whole), arch=spec), str(single), calib)
     assert sorted(os.listdir(out)) == sorted(os.listdir(sharded))
     with open(sharded / "model.safetensors.index.json") as f:
         theirs = json.load(f)
@@ -535,7 +541,7 @@ def test_a_sharded_write_that_fails_midway_leaves_no_folder_and_keeps_the_old_ou
     folder, _ = layouts["save_pretrained_sharded"]
     options = DataOptions(path=CALIB, batch_size=64)
     kept = tmp_path / "kept"
-    recalibrate_checkpoint(folder, str(kept), options, arch=ARCH)
+    recalibrate_checkpoint(ModelSpec(folder, arch=ARCH), str(kept), options)
     before = _folder_digests(kept)
     rewrite, calls = write._rewrite_safetensors, []
 
@@ -549,9 +555,9 @@ def test_a_sharded_write_that_fails_midway_leaves_no_folder_and_keeps_the_old_ou
     monkeypatch.setattr(write, "_rewrite_safetensors", full_disk)
     fresh = tmp_path / "fresh"
     with pytest.raises(BnauditError, match="cannot write .*fresh: No space left on device"):
-        recalibrate_checkpoint(folder, str(fresh), options, arch=ARCH)
+        recalibrate_checkpoint(ModelSpec(folder, arch=ARCH), str(fresh), options)
     calls.clear()
     with pytest.raises(BnauditError, match="No space left on device"):
-        recalibrate_checkpoint(folder, str(kept), options, arch=ARCH, force=True)
+        recalibrate_checkpoint(ModelSpec(folder, arch=ARCH), str(kept), options, force=True)
     assert not fresh.exists() and _folder_digests(kept) == before
     assert sorted(os.listdir(tmp_path)) == ["kept"]  # no temporary folder left beside them

@@ -22,7 +22,7 @@ from bnaudit.cli import app
 from bnaudit.errors import BnauditError
 from bnaudit.runtime.data import DataOptions, make_loader
 from bnaudit.runtime.gap import measure_gap, measure_model_gap
-from bnaudit.runtime.models import load_runnable
+from bnaudit.runtime.models import ModelSpec, load_runnable
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -171,7 +171,7 @@ def _reference(ns: dict, state: dict, x: torch.Tensor, y: torch.Tensor, batches:
 def _gap(world, ckpt: str = "healthy.safetensors", **options):
     options.setdefault("path", str(world["root"] / "val.safetensors"))
     options.setdefault("batch_size", 16)
-    return measure_gap(str(world["root"] / ckpt), DataOptions(**options), arch=world["arch"])
+    return measure_gap(ModelSpec(str(world["root"] / ckpt), arch=world["arch"]), DataOptions(**options))
 
 
 # ----------------------------------------------------------------------------- the measurement
@@ -192,7 +192,7 @@ def test_accuracy_in_each_mode_matches_an_independent_computation(world):
 
 @pytest.mark.parametrize("train_first", [True, False])
 def test_buffers_unchanged_whichever_pass_runs_first(world, train_first):
-    runnable = load_runnable(str(world["root"] / "healthy.safetensors"), arch=world["arch"])
+    runnable = load_runnable(ModelSpec(str(world["root"] / "healthy.safetensors"), arch=world["arch"]))
     stream = make_loader(DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=16))
     report = measure_model_gap(runnable, stream, train_first=train_first)
     after = runnable.module.state_dict()
@@ -260,8 +260,10 @@ def test_shuffling_matters_on_a_class_sorted_set(tmp_path):
     save_file({"inputs": x, "labels": y}, tmp_path / "sorted.safetensors")
     arch = f"{tmp_path / 'sign.py'}:sign_net"
     common = dict(path=str(tmp_path / "sorted.safetensors"), batch_size=16)
-    shuffled = measure_gap(str(tmp_path / "sign.safetensors"), DataOptions(**common), arch=arch)
-    in_order = measure_gap(str(tmp_path / "sign.safetensors"), DataOptions(**common, shuffle=False), arch=arch)
+    shuffled = measure_gap(ModelSpec(str(tmp_path / "sign.safetensors"), arch=arch), DataOptions(**common))
+    in_order = measure_gap(
+        ModelSpec(str(tmp_path / "sign.safetensors"), arch=arch), DataOptions(**common, shuffle=False)
+    )
     # running stats 0/1 fit the mixture: eval mode is perfect either way
     assert shuffled.eval_accuracy == 1.0 and in_order.eval_accuracy == 1.0
     # one-class batches normalise the class signal away; mixed batches keep it
@@ -269,7 +271,7 @@ def test_shuffling_matters_on_a_class_sorted_set(tmp_path):
     assert in_order.train_accuracy < 0.7
     assert any("--no-shuffle" in line for line in in_order.diagnosis)
     # a different seed gives different batches, the same seed the same
-    again = measure_gap(str(tmp_path / "sign.safetensors"), DataOptions(**common), arch=arch)
+    again = measure_gap(ModelSpec(str(tmp_path / "sign.safetensors"), arch=arch), DataOptions(**common))
     assert again.train_accuracy == shuffled.train_accuracy and again.divergence == shuffled.divergence
 
 
@@ -285,9 +287,8 @@ def test_non_classifier_output_uses_relative_l2(tmp_path):
     x = torch.randn(40, 3, generator=torch.Generator().manual_seed(4))
     save_file({"inputs": x}, tmp_path / "x.safetensors")
     report = measure_gap(
-        str(tmp_path / "reg.safetensors"),
+        ModelSpec(str(tmp_path / "reg.safetensors"), arch=f"{tmp_path / 'reg.py'}:Regressor"),
         DataOptions(path=str(tmp_path / "x.safetensors"), batch_size=10),
-        arch=f"{tmp_path / 'reg.py'}:Regressor",
     )
     model.eval()
     with torch.no_grad():
@@ -362,7 +363,7 @@ def test_dead_channel_where_drift_starts_is_blamed(world, tmp_path):
 
     path = _variant(world, tmp_path, "dead.safetensors", kill_channel)
     report = measure_gap(
-        path, DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32), arch=world["arch"]
+        ModelSpec(path, arch=world["arch"]), DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32)
     )
     assert [f.layer for f in report.findings if f.code == "BN004"] == ["features.4"]
     assert any(line.startswith("Drift starts at features.4, where BN004") for line in report.diagnosis)
@@ -377,7 +378,7 @@ def test_drift_from_the_first_layer_on_suspects_the_input_first(world, tmp_path)
 
     path = _variant(world, tmp_path, "stale.safetensors", scale_first)
     report = measure_gap(
-        path, DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32), arch=world["arch"]
+        ModelSpec(path, arch=world["arch"]), DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32)
     )
     assert "BN003" not in {f.code for f in report.findings}
     first = next(d for d in report.layers if d.name == "features.1")
@@ -556,7 +557,7 @@ def test_cli_exit_zero_passes_a_gap_above_max_gap_but_not_a_usage_error(world):
 def test_exit_code_of_a_report_whose_max_gap_cannot_be_checked_is_2_not_an_exception(world):
     # measure_gap refuses --max-gap on unlabelled data; a report built without it (the
     # model-level API) and given a limit afterwards still answers with an exit code
-    runnable = load_runnable(str(world["root"] / "healthy.safetensors"), arch=world["arch"])
+    runnable = load_runnable(ModelSpec(str(world["root"] / "healthy.safetensors"), arch=world["arch"]))
     stream = make_loader(DataOptions(path=str(world["root"] / "unlabelled.safetensors"), batch_size=16))
     report = measure_model_gap(runnable, stream)
     assert report.gap is None
@@ -706,10 +707,8 @@ def test_cuda_device_is_refused_cleanly_without_a_gpu(world):
 def test_auto_device_runs_on_what_is_there(world):
     report = _gap(world, batch_size=32)
     auto = measure_gap(
-        str(world["root"] / "healthy.safetensors"),
+        ModelSpec(str(world["root"] / "healthy.safetensors"), arch=world["arch"], device="auto"),
         DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=32),
-        arch=world["arch"],
-        device="auto",
     )
     assert auto.device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert auto.eval_accuracy == report.eval_accuracy
@@ -745,7 +744,7 @@ def test_python_m_bnaudit_gap_end_to_end(world):
 
 
 def test_measure_gap_refuses_batches_of_one(world):
-    runnable = load_runnable(str(world["root"] / "healthy.safetensors"), arch=world["arch"])
+    runnable = load_runnable(ModelSpec(str(world["root"] / "healthy.safetensors"), arch=world["arch"]))
     stream = make_loader(DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=1))
     with pytest.raises(BnauditError, match="at least 2"):
         measure_model_gap(runnable, stream)
@@ -807,7 +806,9 @@ def test_a_tracked_instance_norm_is_compared_with_the_mean_of_per_instance_varia
     pooled_var = inputs.transpose(0, 1).reshape(3, -1).var(dim=1)
     assert float((pooled_var / per_instance_var).log().mean()) > 0.8  # the pooled statistic is far off
 
-    runnable = load_runnable(str(tmp_path / "inet.safetensors"), arch=str(tmp_path / "inet.py") + ":instance_net")
+    runnable = load_runnable(
+        ModelSpec(str(tmp_path / "inet.safetensors"), arch=str(tmp_path / "inet.py") + ":instance_net")
+    )
     stream = make_loader(DataOptions(path=str(tmp_path / "val.safetensors"), batch_size=32))
     report = measure_model_gap(runnable, stream)
     layer = next(d for d in report.layers if d.name == "1")

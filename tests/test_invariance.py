@@ -25,7 +25,7 @@ from bnaudit.runtime.invariance import (
     measure_model_invariance,
     plan_arrangements,
 )
-from bnaudit.runtime.models import load_runnable
+from bnaudit.runtime.models import ModelSpec, load_runnable
 
 torch.set_num_threads(1)
 
@@ -206,7 +206,7 @@ def _measure(world, name: str, ckpt: str | None = None, sizes=SIZES, data="val.s
     ckpt_path = world["root"] / (ckpt or f"{name}.safetensors")
     arch = None if ckpt and ckpt.endswith(".pt") else _arch(world, name)
     options = DataOptions(path=str(world["root"] / data), batch_size=64, num_samples=N, **kw)
-    return measure_invariance(str(ckpt_path), options, arch=arch, batch_sizes=sizes)
+    return measure_invariance(ModelSpec(str(ckpt_path), arch=arch), options, batch_sizes=sizes)
 
 
 def _independent(model, x: torch.Tensor, sizes: list[int], seed: int = 0) -> dict:
@@ -257,7 +257,9 @@ def test_shares_of_whole_batches_sum_to_the_single_run(world, monkeypatch):
     # runtime.batching.BatchPlan.shard deals them) fills its rows, zeros elsewhere, and the
     # shares add up to one run's outputs exactly; the combining across ranks is left out
     # (one process: combine_rows passes a rank's rows through)
-    runnable = load_runnable(str(world["root"] / "untracked_net.safetensors"), arch=_arch(world, "untracked_net"))
+    runnable = load_runnable(
+        ModelSpec(str(world["root"] / "untracked_net.safetensors"), arch=_arch(world, "untracked_net"))
+    )
     stream = make_loader(DataOptions(path=str(world["root"] / "val.safetensors"), num_samples=40))
     samples = invariance.read_samples(stream)
     plan = plan_arrangements(len(samples), [1, 8], seed=0)
@@ -373,7 +375,9 @@ def test_model_that_cannot_score_one_sample_alone_is_coupled(world, tmp_path):
     save_file(model.state_dict(), tmp_path / "flat.safetensors")
     save_file({"inputs": torch.randn(20, 4)}, tmp_path / "flat_data.safetensors")
     options = DataOptions(path=str(tmp_path / "flat_data.safetensors"), batch_size=8)
-    report = measure_invariance(str(tmp_path / "flat.safetensors"), options, arch=_arch(world, "flat_untracked_net"))
+    report = measure_invariance(
+        ModelSpec(str(tmp_path / "flat.safetensors"), arch=_arch(world, "flat_untracked_net")), options
+    )
     assert report.verdict == "coupled" and list(report.failures) == ["alone"]
     assert report.reference == "in batch (8)"
     assert any("cannot score one sample alone" in line for line in report.diagnosis)
@@ -384,7 +388,9 @@ def test_mixing_in_the_models_own_forward_names_the_model(world, tmp_path):
     model = world["ns"]["root_mixer_net"]()
     save_file(model.state_dict(), tmp_path / "root.safetensors")
     options = DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=8, num_samples=32)
-    report = measure_invariance(str(tmp_path / "root.safetensors"), options, arch=_arch(world, "root_mixer_net"))
+    report = measure_invariance(
+        ModelSpec(str(tmp_path / "root.safetensors"), arch=_arch(world, "root_mixer_net")), options
+    )
     assert report.verdict == "coupled"
     assert [(s.module, s.kind, s.cause) for s in report.sites] == [("(model)", "RootMixer", "model_code")]
     assert any(line.startswith("RootMixer.forward: ") for line in report.diagnosis)
@@ -396,7 +402,9 @@ def test_dict_batches_are_re_batched_sample_by_sample(world, monkeypatch):
     state = world["models"]["untracked_net"].state_dict()
     save_file(state, world["root"] / "keyword.safetensors")
     options = DataOptions(dataset="invnet:dict_items", batch_size=8)
-    report = measure_invariance(str(world["root"] / "keyword.safetensors"), options, arch=_arch(world, "keyword_net"))
+    report = measure_invariance(
+        ModelSpec(str(world["root"] / "keyword.safetensors"), arch=_arch(world, "keyword_net")), options
+    )
     # the same model as untracked_net, fed by keyword: the same deviations as a direct run
     ref = _independent(world["models"]["untracked_net"], world["x"][:40], [1, 8])
     assert report.max_deviation == pytest.approx(float(ref["dev"].max()), rel=1e-5)
@@ -421,10 +429,12 @@ def test_without_batch_size_1_the_first_batching_is_the_reference(world):
 def test_without_a_float64_run_the_screen_decides_and_says_so(world):
     options = DataOptions(path=str(world["root"] / "val.safetensors"), batch_size=8, num_samples=32)
     report = measure_invariance(
-        str(world["root"] / "untracked_net.safetensors"),
+        ModelSpec(
+            str(world["root"] / "untracked_net.safetensors"),
+            arch=_arch(world, "untracked_net"),
+            forward=f"{world['root'] / 'invnet.py'}:as_float32",
+        ),
         options,
-        arch=_arch(world, "untracked_net"),
-        forward=f"{world['root'] / 'invnet.py'}:as_float32",
     )
     assert not report.float64 and report.float64_note and "float64" in report.float64_note
     assert report.verdict == "coupled" and report.coupled == report.flagged > 0
@@ -438,7 +448,7 @@ def test_without_a_float64_run_the_screen_decides_and_says_so(world):
 def test_checkpoint_and_model_state_are_bit_identical_afterwards(world):
     path = world["root"] / "untracked_net.safetensors"
     before = _sha(path)
-    runnable = load_runnable(str(path), arch=_arch(world, "untracked_net"))
+    runnable = load_runnable(ModelSpec(str(path), arch=_arch(world, "untracked_net")))
     state = {k: v.clone() for k, v in runnable.module.state_dict().items()}
     stream = make_loader(DataOptions(path=str(world["root"] / "val.safetensors"), num_samples=N))
     measure_model_invariance(runnable, stream, batch_sizes=SIZES)
@@ -559,9 +569,8 @@ def test_library_refuses_a_single_sample(world, tmp_path):
     save_file({"inputs": world["x"][:1]}, tmp_path / "one.safetensors")
     with pytest.raises(BnauditError, match="at least 2 samples"):
         measure_invariance(
-            str(world["root"] / "net.safetensors"),
+            ModelSpec(str(world["root"] / "net.safetensors"), arch=_arch(world, "net")),
             DataOptions(path=str(tmp_path / "one.safetensors")),
-            arch=_arch(world, "net"),
         )
 
 

@@ -18,7 +18,7 @@ from bnaudit.audit.checkpoint.inspect import audit_checkpoint
 from bnaudit.cli import app
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
-from bnaudit.runtime.models import forward, load_runnable, output_tensor, resolve_device
+from bnaudit.runtime.models import ModelSpec, forward, load_runnable, output_tensor, resolve_device
 from bnaudit.runtime.norms import batch_statistics
 
 torch.set_num_threads(1)
@@ -123,7 +123,7 @@ def test_arch_module_callable_loads_the_state_dict(pkg, tmp_path):
     ref = _module(pkg).net()
     state = _trained_state(ref)
     save_file(state, tmp_path / "m.safetensors")
-    runnable = load_runnable(str(tmp_path / "m.safetensors"), arch=f"{pkg}.models:net")
+    runnable = load_runnable(ModelSpec(str(tmp_path / "m.safetensors"), arch=f"{pkg}.models:net"))
     assert runnable.source == "arch"
     for k, v in state.items():
         assert torch.equal(runnable.module.state_dict()[k], v), k
@@ -146,7 +146,7 @@ def test_arch_file_path_with_kwargs_and_a_ddp_container(pkg, tmp_path):
         tmp_path / "ddp.pt",
     )
     runnable = load_runnable(
-        str(tmp_path / "ddp.pt"), arch=f"{pkg}/models.py:net", arch_kwargs='{"classes": 5, "width": 2}'
+        ModelSpec(str(tmp_path / "ddp.pt"), arch=f"{pkg}/models.py:net", arch_kwargs='{"classes": 5, "width": 2}')
     )
     assert runnable.checkpoint.key == "state_dict" and runnable.checkpoint.prefix == "module."
     x = torch.randn(3, 1, 4, 4)
@@ -159,7 +159,7 @@ def test_model_whose_own_keys_start_with_model_gets_its_prefix_back(pkg, tmp_pat
     ref = _module(pkg).Wrapper()
     state = _trained_state(ref)
     save_file({outer + k: v for k, v in state.items()}, tmp_path / "w.safetensors")
-    runnable = load_runnable(str(tmp_path / "w.safetensors"), arch=f"{pkg}.models:Wrapper")
+    runnable = load_runnable(ModelSpec(str(tmp_path / "w.safetensors"), arch=f"{pkg}.models:Wrapper"))
     assert runnable.facts.missing == () and runnable.facts.unexpected == ()
     assert runnable.checkpoint.prefix == outer
     assert torch.equal(runnable.module.state_dict()["model.gate.running_var"], state["model.gate.running_var"])
@@ -191,7 +191,7 @@ def test_arch_reads_a_safetensors_checkpoint_through_the_package(pkg, tmp_path, 
             return self.file.get_tensor(name)
 
     monkeypatch.setattr(module, "safe_open", Handle)
-    runnable = load_runnable(str(tmp_path / "w.safetensors"), arch=f"{pkg}.models:Wrapper")
+    runnable = load_runnable(ModelSpec(str(tmp_path / "w.safetensors"), arch=f"{pkg}.models:Wrapper"))
     assert sorted(read) == sorted(outer + k for k in state)  # each by its stored name, once
     for k, v in state.items():
         assert torch.equal(runnable.module.state_dict()[k], v), k
@@ -232,7 +232,7 @@ def test_pickled_custom_module_is_refused_naming_the_class_unless_trusted(pkg, t
     message = str(err.value)
     assert f"{pkg}.models.Net" in message
     assert "runs code" in message and "--trust-pickle" in message and "--arch" in message
-    runnable = load_runnable(str(tmp_path / "custom.pt"), trust_pickle=True)
+    runnable = load_runnable(ModelSpec(str(tmp_path / "custom.pt"), trust_pickle=True))
     assert type(runnable.module).__name__ == "Net"
 
 
@@ -273,7 +273,7 @@ def test_bn011_reports_missing_unexpected_and_counter_keys(pkg, tmp_path):
     del state["gate.num_batches_tracked"]
     state["extra.weight"] = torch.ones(2)
     save_file(state, tmp_path / "odd.safetensors")
-    runnable = load_runnable(str(tmp_path / "odd.safetensors"), arch=f"{pkg}.models:net")
+    runnable = load_runnable(ModelSpec(str(tmp_path / "odd.safetensors"), arch=f"{pkg}.models:net"))
     assert set(runnable.facts.missing) == {"fc.bias", "gate.num_batches_tracked"}
     assert runnable.facts.unexpected == ("extra.weight",)
     findings = audit_checkpoint(runnable.checkpoint, Config(), runnable.facts).findings
@@ -287,7 +287,7 @@ def test_bn011_reports_missing_unexpected_and_counter_keys(pkg, tmp_path):
 def test_shape_mismatch_refuses_to_run_but_inspect_reports_it(pkg, tmp_path):
     save_file(_trained_state(_module(pkg).net(classes=3)), tmp_path / "c3.safetensors")
     with pytest.raises(BnauditError, match=r"'fc.weight' has shape \[3, 64\] in the checkpoint but \[7, 64\]"):
-        load_runnable(str(tmp_path / "c3.safetensors"), arch=f"{pkg}.models:net", arch_kwargs={"classes": 7})
+        load_runnable(ModelSpec(str(tmp_path / "c3.safetensors"), arch=f"{pkg}.models:net", arch_kwargs={"classes": 7}))
     report = inspect(str(tmp_path / "c3.safetensors"), arch=f"{pkg}.models:net", arch_kwargs='{"classes": 7}')
     errors = [f for f in report.findings if f.code == "BN011" and f.severity == "error"]
     assert {f.layer for f in errors} == {"fc"}
@@ -296,7 +296,7 @@ def test_shape_mismatch_refuses_to_run_but_inspect_reports_it(pkg, tmp_path):
 def test_checkpoint_with_nothing_in_common_is_an_error(pkg, tmp_path):
     save_file({"encoder.w": torch.ones(3)}, tmp_path / "other.safetensors")
     with pytest.raises(BnauditError, match="none of its 1 keys"):
-        load_runnable(str(tmp_path / "other.safetensors"), arch=f"{pkg}.models:net")
+        load_runnable(ModelSpec(str(tmp_path / "other.safetensors"), arch=f"{pkg}.models:net"))
 
 
 # ----------------------------------------------------------------------------- module-only rules

@@ -142,15 +142,28 @@ def diff_command(
             from bnaudit.audit.resolve import model_checkpoint
             from bnaudit.formats.sniff import sniff_format
             from bnaudit.runtime.exportparity import diff_export
+            from bnaudit.runtime.models import ModelSpec
 
             if sniff_format(model_checkpoint(path_b, trust_pickle=trust_pickle, config=config)) != "onnx":
                 raise BnauditError(f"--arch applies to a checkpoint against its ONNX export: {path_b} is not ONNX")
             options = None
-            if data is not None:
-                options = data_options(data, None, batch_size, num_samples, 0, True, 0, None, False, None, None, False)
-            report = diff_export(
-                path_a, path_b, config, arch, arch_kwargs, options, key=key_a, trust_pickle=trust_pickle
-            )
+            if data is not None:  # the samples in file order, read in the main process
+                options = data_options(
+                    data=data,
+                    dataset=None,
+                    batch_size=batch_size,
+                    num_samples=num_samples,
+                    seed=0,
+                    no_shuffle=True,
+                    workers=0,
+                    image_size=None,
+                    grayscale=False,
+                    mean=None,
+                    std=None,
+                    skip_bad=False,
+                )
+            spec = ModelSpec(path_a, arch=arch, arch_kwargs=arch_kwargs, key=key_a, trust_pickle=trust_pickle)
+            report = diff_export(spec, path_b, config, options)
         else:
             report = run_diff(path_a, path_b, config, key_a=key_a, key_b=key_b, trust_pickle=trust_pickle)
         output.emit(report, output_format.value, sys.stdout, quiet=quiet)

@@ -122,17 +122,28 @@ def fold_command(
 
             from bnaudit.runtime.distributed import torchrun
             from bnaudit.runtime.fold import measure_fold
+            from bnaudit.runtime.models import ModelSpec
 
             options = data_options(
-                data, dataset, batch_size, num_samples, seed, no_shuffle, workers, image_size, grayscale, mean, std,
-                skip_bad,
-            )  # fmt: skip
+                data=data,
+                dataset=dataset,
+                batch_size=batch_size,
+                num_samples=num_samples,
+                seed=seed,
+                no_shuffle=no_shuffle,
+                workers=workers,
+                image_size=image_size,
+                grayscale=grayscale,
+                mean=mean,
+                std=std,
+                skip_bad=skip_bad,
+            )
+            spec = ModelSpec(
+                path, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle, forward=forward
+            )
             # printed inside the runner's wait: torchrun stops every rank as soon as one exits
             with frozen_imports(), torchrun(torch.device("cpu"), wait=True):
-                report = measure_fold(
-                    path, options, config, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle,
-                    forward_spec=forward,
-                )  # fmt: skip
+                report = measure_fold(spec, options, config)
                 if printing:
                     output.emit(report, output_format.value, sys.stdout, quiet=quiet)
     raise typer.Exit(report.exit_code(exit_zero=exit_zero))

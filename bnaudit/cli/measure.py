@@ -98,16 +98,20 @@ def gap(
 
     def measure(options: DataOptions, config: Any, progress: Any) -> Any:
         from bnaudit.runtime.gap import measure_gap
+        from bnaudit.runtime.models import ModelSpec
 
-        return measure_gap(
+        spec = ModelSpec(
             checkpoint,
-            options,
             arch=arch,
             arch_kwargs=arch_kwargs,
             key=key,
             trust_pickle=trust_pickle,
             forward=forward,
             device=device,
+        )
+        return measure_gap(
+            spec,
+            options,
             config=config,
             progress=progress,
             max_gap=max_gap,
@@ -115,19 +119,19 @@ def gap(
             fail_on=fail_on.value if fail_on else None,
         )
 
-    data_args = (
-        data,
-        dataset,
-        batch_size,
-        num_samples,
-        seed,
-        no_shuffle,
-        workers,
-        image_size,
-        grayscale,
-        mean,
-        std,
-        skip_bad,
+    data_args = dict(
+        data=data,
+        dataset=dataset,
+        batch_size=batch_size,
+        num_samples=num_samples,
+        seed=seed,
+        no_shuffle=no_shuffle,
+        workers=workers,
+        image_size=image_size,
+        grayscale=grayscale,
+        mean=mean,
+        std=std,
+        skip_bad=skip_bad,
     )
     settings = ConfigSettings(config_file, isolated, exit_zero)
     raise typer.Exit(_measure_and_emit("gap", measure, data_args, settings, device, output_format, quiet, debug))
@@ -145,7 +149,7 @@ class ConfigSettings:
 def _measure_and_emit(
     what: str,
     measure: Callable[[DataOptions, Any, Any], Any],
-    data_args: tuple[Any, ...],
+    data_args: dict[str, Any],
     settings: ConfigSettings,
     device: str,
     output_format: Format,
@@ -171,7 +175,7 @@ def _measure_and_emit(
     json_output = output_format is Format.json
     printing = prints()
     with user_errors(debug, json_output and printing):
-        options = data_options(*data_args)
+        options = data_options(**data_args)  # the data options, built once
         config = load_config(config_file=settings.config_file, isolated=settings.isolated, rule_codes=accepted_codes())
         quiet_bar = quiet or json_output or not printing
         with (
@@ -239,35 +243,39 @@ def invariance(
 
     def measure(options: DataOptions, config: Any, progress: Any) -> Any:
         from bnaudit.runtime.invariance import measure_invariance, parse_batch_sizes
+        from bnaudit.runtime.models import ModelSpec
 
-        return measure_invariance(
+        spec = ModelSpec(
             checkpoint,
-            options,
             arch=arch,
             arch_kwargs=arch_kwargs,
             key=key,
             trust_pickle=trust_pickle,
             forward=forward,
             device=device,
+        )
+        return measure_invariance(
+            spec,
+            options,
             config=config,
             progress=progress,
             batch_sizes=parse_batch_sizes(batch_sizes, batch_size),
             fail_on=fail_on.value if fail_on else None,
         )
 
-    data_args = (
-        data,
-        dataset,
-        batch_size,
-        num_samples,
-        seed,
-        no_shuffle,
-        workers,
-        image_size,
-        grayscale,
-        mean,
-        std,
-        skip_bad,
+    data_args = dict(
+        data=data,
+        dataset=dataset,
+        batch_size=batch_size,
+        num_samples=num_samples,
+        seed=seed,
+        no_shuffle=no_shuffle,
+        workers=workers,
+        image_size=image_size,
+        grayscale=grayscale,
+        mean=mean,
+        std=std,
+        skip_bad=skip_bad,
     )
     settings = ConfigSettings(config_file, isolated, exit_zero)
     raise typer.Exit(_measure_and_emit("invariance", measure, data_args, settings, device, output_format, quiet, debug))

@@ -192,6 +192,7 @@ SkipBadOpt = Annotated[
 
 
 def data_options(
+    *,
     data: str | None,
     dataset: str | None,
     batch_size: int,

@@ -127,6 +127,7 @@ def recalibrate(
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
     from bnaudit.runtime.distributed import prints
+    from bnaudit.runtime.models import ModelSpec
     from bnaudit.runtime.recalibrate.command import recalibrate_checkpoint
 
     json_output = output_format is Format.json
@@ -138,18 +139,18 @@ def recalibrate(
 
     with user_errors(debug, json_output and printing):
         options = data_options(
-            data,
-            dataset,
-            batch_size,
-            num_samples,
-            seed,
-            no_shuffle,
-            workers,
-            image_size,
-            grayscale,
-            mean,
-            std,
-            skip_bad,
+            data=data,
+            dataset=dataset,
+            batch_size=batch_size,
+            num_samples=num_samples,
+            seed=seed,
+            no_shuffle=no_shuffle,
+            workers=workers,
+            image_size=image_size,
+            grayscale=grayscale,
+            mean=mean,
+            std=std,
+            skip_bad=skip_bad,
         )
         held_out = None if eval_data is None else dataclasses.replace(options, path=eval_data, dataset=None)
         # The inspect findings of the --eval-data gap reports follow the project's configuration.
@@ -157,16 +158,18 @@ def recalibrate(
         quiet_bar = quiet or json_output or not printing
         with frozen_imports(), output.progress(f"recalibrate ({method.value})", sys.stderr, quiet=quiet_bar) as update:
             report = recalibrate_checkpoint(
-                checkpoint,
+                ModelSpec(
+                    checkpoint,
+                    arch=arch,
+                    arch_kwargs=arch_kwargs,
+                    key=key,
+                    trust_pickle=trust_pickle,
+                    forward=forward,
+                    device=device,
+                ),
                 output_path,
                 options,
                 method=method.value,
-                arch=arch,
-                arch_kwargs=arch_kwargs,
-                key=key,
-                trust_pickle=trust_pickle,
-                forward=forward,
-                device=device,
                 amp=amp,
                 include=layers or (),
                 exclude=exclude or (),

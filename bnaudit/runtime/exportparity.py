@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -42,7 +41,7 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.onnx import load_onnx
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.deviation import relative_deviations
-from bnaudit.runtime.models import graph_producers, load_runnable, output_tensor
+from bnaudit.runtime.models import ModelSpec, graph_producers, load_runnable, output_tensor, resolve_model
 from bnaudit.runtime.sources import DataOptions
 
 FLOOR_FACTOR = 10.0
@@ -156,25 +155,16 @@ def measure_parity(session: Any, model: Any, options: DataOptions) -> ParityResu
     )
 
 
-def diff_export(
-    checkpoint: str,
-    export: str,
-    config: Config,
-    arch: str,
-    arch_kwargs: str | Mapping[str, Any] | None = None,
-    data: DataOptions | None = None,
-    key: str | None = None,
-    trust_pickle: bool = False,
-) -> DiffReport:
+def diff_export(spec: ModelSpec, export: str, config: Config, data: DataOptions | None = None) -> DiffReport:
     """`diff checkpoint export --arch ...`: folded layers paired through the model graph,
     the checkpoint's real eps/momentum from the model's modules, and with `data` the
     outputs of both compared."""
     # a folder: the checkpoint (the export) inspect finds in it
-    checkpoint = model_checkpoint(checkpoint, trust_pickle=trust_pickle, config=config)
-    export = model_checkpoint(export, trust_pickle=trust_pickle, config=config)
-    runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
+    spec = resolve_model(spec, config)
+    export = model_checkpoint(export, trust_pickle=spec.trust_pickle, config=config)
+    runnable = load_runnable(spec)
     producers = graph_producers(runnable.module).feeds
     parity = None
     if data is not None:
         parity = measure_parity(open_session(export), runnable.module, data)
-    return diff(checkpoint, export, config, producers=producers, parity=parity, checkpoint_a=runnable.checkpoint)
+    return diff(spec.checkpoint, export, config, producers=producers, parity=parity, checkpoint_a=runnable.checkpoint)

@@ -35,12 +35,21 @@ from torch import nn
 from bnaudit.audit.fold.check import PairPrediction
 from bnaudit.audit.fold.predict import predict_checkpoint
 from bnaudit.audit.fold.report import TARGETS, FoldMeasurement, FoldReport
-from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.distributed import gather_objects, together, torchrun
-from bnaudit.runtime.models import PRODUCER_TYPES, forward, graph_producers, load_forward, load_runnable, output_tensor
+from bnaudit.runtime.models import (
+    PRODUCER_TYPES,
+    ModelSpec,
+    as_model_spec,
+    forward,
+    graph_producers,
+    load_forward,
+    load_runnable,
+    output_tensor,
+    resolve_model,
+)
 from bnaudit.runtime.norms import has_stock_forward
 from bnaudit.runtime.sources import DataOptions
 
@@ -199,27 +208,18 @@ def _gathered(
     return combined, count, missing, words
 
 
-def measure_fold(
-    checkpoint: str,
-    options: DataOptions,
-    config: Config,
-    *,
-    arch: str | None = None,
-    arch_kwargs: Any = None,
-    key: str | None = None,
-    trust_pickle: bool = False,
-    forward_spec: str | None = None,
-) -> FoldReport:
+def measure_fold(spec: ModelSpec | str, options: DataOptions, config: Config) -> FoldReport:
     """The prediction for the model's checkpoint (with the model's own eps) and the
     measurement on the data `options` describe (module docstring)."""
     options.validate()
-    forward_fn = load_forward(forward_spec)
-    checkpoint = model_checkpoint(
-        checkpoint, trust_pickle=trust_pickle, config=config
-    )  # a folder: the model inspect finds
-    runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
+    spec = as_model_spec(spec)
+    forward_fn = load_forward(spec.forward)
+    spec = resolve_model(spec, config)
+    runnable = load_runnable(spec)
     if runnable.scripted:
-        raise BnauditError(f"{checkpoint}: a TorchScript module cannot be folded here: pass the state dict with --arch")
+        raise BnauditError(
+            f"{spec.checkpoint}: a TorchScript module cannot be folded here: pass the state dict with --arch"
+        )
     producers = graph_producers(runnable.module)
     report = predict_checkpoint(runnable.checkpoint, config, producers)
     if producers.by != "graph":

@@ -65,7 +65,6 @@ from typing import Any
 import torch
 
 from bnaudit.audit.checkpoint.inspect import audit_checkpoint
-from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.config import Config, measurement_fail_on
 from bnaudit.errors import BnauditError
 from bnaudit.reports.gap import NEEDS_LABELS, GapReport, LayerDrift, check_max_gap, diagnose
@@ -81,11 +80,14 @@ from bnaudit.runtime.deviation import relative_l2s
 from bnaudit.runtime.distributed import distributed, gather_objects, together, torchrun
 from bnaudit.runtime.inputs import input_problem, locate_failure
 from bnaudit.runtime.models import (
+    ModelSpec,
+    as_model_spec,
     forward,
     load_forward,
     load_runnable,
     output_tensor,
     resolve_device,
+    resolve_model,
     to_device,
 )
 from bnaudit.runtime.norms import batch_statistics, is_batchnorm, norm_modules
@@ -548,22 +550,17 @@ def rank_layers(layers: list[LayerDrift]) -> list[LayerDrift]:
 
 
 def measure_gap(
-    checkpoint: str,
+    spec: ModelSpec | str,
     options: Any,
     *,
-    arch: str | None = None,
-    arch_kwargs: Any = None,
-    key: str | None = None,
-    trust_pickle: bool = False,
-    forward: str | None = None,
-    device: str = "cpu",
     config: Config | None = None,
     progress: Callable[[int, int], None] | None = None,
     max_gap: float | None = None,
     strict: bool = False,
     fail_on: str | None = None,
 ) -> GapReport:
-    """Load the model and the data (`options`: a `bnaudit.DataOptions`) and measure the gap
+    """Load the model (`spec`: a `bnaudit.ModelSpec`, or a checkpoint path that needs no
+    other option) and the data (`options`: a `bnaudit.DataOptions`) and measure the gap
     (see the module docstring). `config` (None: the defaults) decides which inspect findings
     the report carries; `max_gap`, `strict` (a gap that is not significant fails too) and
     `fail_on` (the inspect findings at or above it fail the run; None: the configuration
@@ -575,20 +572,18 @@ def measure_gap(
     batches and every rank returns the same report of all the samples (module docstring).
 
     >>> import bnaudit                                                      # doctest: +SKIP
-    >>> bnaudit.measure_gap("model.pt", bnaudit.DataOptions(path="val.safetensors"),
-    ...                     arch="mypkg.models:net").gap                    # doctest: +SKIP
+    >>> bnaudit.measure_gap(bnaudit.ModelSpec("model.pt", arch="mypkg.models:net"),
+    ...                     bnaudit.DataOptions(path="val.safetensors")).gap  # doctest: +SKIP
     """
     check_max_gap(max_gap)
     threshold = measurement_fail_on(config, fail_on)
-    target = resolve_device(device)
+    spec = as_model_spec(spec)
+    target = resolve_device(spec.device)
     options.validate()
     if options.batch_size < 2:  # before the model loads: the cheapest refusal first
         raise BnauditError("--batch-size must be at least 2: train-mode BatchNorm normalises by batch statistics")
-    forward_fn = load_forward(forward)
-    checkpoint = model_checkpoint(
-        checkpoint, trust_pickle=trust_pickle, config=config
-    )  # a folder: the model inspect finds
-    runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
+    forward_fn = load_forward(spec.forward)
+    runnable = load_runnable(resolve_model(spec, config))
     stream = make_loader(replace(options, pin_memory=target.type == "cuda"))
     if max_gap is not None and stream.has_labels is False:
         raise BnauditError(NEEDS_LABELS)

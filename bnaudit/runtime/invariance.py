@@ -78,7 +78,6 @@ import torch
 
 from bnaudit.audit.checkpoint.inspect import audit_checkpoint
 from bnaudit.audit.checkpoint.report import FileReport
-from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.config import Config, measurement_fail_on
 from bnaudit.errors import BnauditError
 from bnaudit.reports.invariance import ArrangementResult, CouplingSite, InvarianceReport, diagnose
@@ -98,7 +97,7 @@ from bnaudit.runtime.coupling import locate_coupling
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.distributed import combine_rows, distributed, failure_message, together, torchrun
 from bnaudit.runtime.inputs import input_problem
-from bnaudit.runtime.models import load_forward, load_runnable, resolve_device
+from bnaudit.runtime.models import ModelSpec, as_model_spec, load_forward, load_runnable, resolve_device, resolve_model
 from bnaudit.runtime.norms import batch_statistics
 from bnaudit.text import exception_line, plural
 
@@ -571,23 +570,17 @@ def _accuracy(out: Any, labels: Any, classifier: bool | None) -> float | None:
 
 
 def measure_invariance(
-    checkpoint: str,
+    spec: ModelSpec | str,
     options: Any,
     *,
-    arch: str | None = None,
-    arch_kwargs: Any = None,
-    key: str | None = None,
-    trust_pickle: bool = False,
-    forward: str | None = None,
-    device: str = "cpu",
     config: Config | None = None,
     progress: Callable[[int, int], None] | None = None,
     batch_sizes: list[int] | None = None,
     fail_on: str | None = None,
     exit_zero: bool = False,
 ) -> InvarianceReport:
-    """Load the model and the data (`options`: a `bnaudit.DataOptions`; `num_samples`
-    None reads 256) and measure whether outputs depend on their batch companions (module
+    """Load the model (`spec`: a `bnaudit.ModelSpec`, or a checkpoint path) and the data
+    (`options`: a `bnaudit.DataOptions`; `num_samples` None reads 256) and measure whether outputs depend on their batch companions (module
     docstring). `batch_sizes` default to [1, options.batch_size]; `fail_on` (None: the
     configuration file's fail-on, if it states one; `bnaudit.config.measurement_fail_on`)
     and `exit_zero` are stored for `InvarianceReport.exit_code`. Under torchrun (WORLD_SIZE >
@@ -595,20 +588,18 @@ def measure_invariance(
     docstring).
 
     >>> import bnaudit                                                      # doctest: +SKIP
-    >>> bnaudit.measure_invariance("model.pt", bnaudit.DataOptions(path="val.safetensors"),
-    ...                            arch="mypkg.models:net").verdict         # doctest: +SKIP
+    >>> bnaudit.measure_invariance(bnaudit.ModelSpec("model.pt", arch="mypkg.models:net"),
+    ...                            bnaudit.DataOptions(path="val.safetensors")).verdict  # doctest: +SKIP
     """
     threshold = measurement_fail_on(config, fail_on)
-    target = resolve_device(device)
+    spec = as_model_spec(spec)
+    target = resolve_device(spec.device)
     if options.num_samples is None:
         options = replace(options, num_samples=DEFAULT_NUM_SAMPLES)
     options.validate()
     sizes = check_batch_sizes(batch_sizes or [1, options.batch_size])
-    forward_fn = load_forward(forward)
-    checkpoint = model_checkpoint(
-        checkpoint, trust_pickle=trust_pickle, config=config
-    )  # a folder: the model inspect finds
-    runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
+    forward_fn = load_forward(spec.forward)
+    runnable = load_runnable(resolve_model(spec, config))
     stream = make_loader(replace(options, pin_memory=target.type == "cuda"))
     with torchrun(target) as ranks:
         report = measure_model_invariance(runnable, stream, ranks.device, forward_fn, config, progress, sizes)

@@ -40,6 +40,7 @@ import torch
 
 from bnaudit.audit.layers import ModuleFacts, facts_from_module_infos
 from bnaudit.audit.producers import BNCall, Producers, producers_from_calls, producers_from_names
+from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.errors import BnauditError
 from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.containers import (
@@ -337,16 +338,49 @@ _PT2_NOT_RUNNABLE = (
 )
 
 
-def load_runnable(
-    checkpoint_path: str,
-    arch: str | None = None,
-    arch_kwargs: str | Mapping[str, Any] | None = None,
-    key: str | None = None,
-    trust_pickle: bool = False,
-) -> RunnableModel:
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model a measuring command runs, and how it is built and called: what gap,
+    invariance, recalibrate, fold --data and diff --arch share (the CLI builds one; the
+    Python API takes one, or a path).
+
+    checkpoint    a state dict (with `arch`), a TorchScript archive or a pickled nn.Module;
+                  or a folder holding one, as inspect finds it (`resolve_model`)
+    arch          MODULE:CALLABLE (or FILE.py:CALLABLE) that builds the model
+    arch_kwargs   its keyword arguments: a JSON object or a mapping
+    key           the state dict inside a container (`--key`)
+    trust_pickle  let a whole-model pickle run its own code (`--trust-pickle`)
+    forward       MODULE:CALLABLE that calls the model on a batch (`--forward`)
+    device        where the model runs: "cpu", "cuda", "cuda:1"
+    """
+
+    checkpoint: str
+    arch: str | None = None
+    arch_kwargs: str | Mapping[str, Any] | None = None
+    key: str | None = None
+    trust_pickle: bool = False
+    forward: str | None = None
+    device: str = "cpu"
+
+
+def as_model_spec(model: ModelSpec | str | os.PathLike[str]) -> ModelSpec:
+    """`model` itself, or the spec of a checkpoint path that needs no other option."""
+    return model if isinstance(model, ModelSpec) else ModelSpec(os.fspath(model))
+
+
+def resolve_model(model: ModelSpec, config: Any = None) -> ModelSpec:
+    """`model` with a folder replaced by the model checkpoint inspect finds in it (under
+    `config`'s excludes: `bnaudit.audit.resolve.model_checkpoint`)."""
+    checkpoint = model_checkpoint(model.checkpoint, trust_pickle=model.trust_pickle, config=config)
+    return dataclasses.replace(model, checkpoint=checkpoint)
+
+
+def load_runnable(spec: ModelSpec | str) -> RunnableModel:
     """A runnable model (in eval mode, on the CPU) from a checkpoint file and optional --arch.
-    The commands turn a folder into the checkpoint file it holds first, as inspect decides
-    (`bnaudit.audit.resolve.model_checkpoint`)."""
+    The commands turn a folder into the checkpoint file it holds first (`resolve_model`)."""
+    spec = as_model_spec(spec)
+    checkpoint_path, arch, arch_kwargs, key = spec.checkpoint, spec.arch, spec.arch_kwargs, spec.key
+    trust_pickle = spec.trust_pickle
     if arch is None and arch_kwargs is not None:
         raise BnauditError("--arch-kwargs needs --arch")
     # from the bytes, before any reader: refused with or without --arch and without the onnx extra

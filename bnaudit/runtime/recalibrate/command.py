@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from bnaudit import __version__
-from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.provenance import RecalibrationRecord
@@ -38,14 +37,15 @@ from bnaudit.runtime.distributed import torchrun
 from bnaudit.runtime.gap import measure_model_gap, statistics_mature
 from bnaudit.runtime.inputs import input_problem
 from bnaudit.runtime.models import (
-    forward as run_forward,
-)
-from bnaudit.runtime.models import (
+    ModelSpec,
+    as_model_spec,
     load_forward,
     load_runnable,
     resolve_device,
+    resolve_model,
     to_device,
 )
+from bnaudit.runtime.models import forward as run_forward
 from bnaudit.runtime.norms import classify_layers, norm_modules
 from bnaudit.runtime.recalibrate.methods import (
     METHODS,
@@ -109,17 +109,11 @@ def sigterm_unwinds() -> Iterator[None]:
 
 
 def recalibrate_checkpoint(
-    checkpoint: str,
+    spec: ModelSpec | str,
     output: str,
     options: Any,
     *,
     method: str = "exact",
-    arch: str | None = None,
-    arch_kwargs: Any = None,
-    key: str | None = None,
-    trust_pickle: bool = False,
-    forward: str | None = None,
-    device: str = "cpu",
     amp: bool = False,
     include: Iterable[str] = (),
     exclude: Iterable[str] = (),
@@ -130,7 +124,8 @@ def recalibrate_checkpoint(
     warn: Callable[[str], None] | None = None,
     allow_input_mismatch: bool = False,
 ) -> RecalibrationReport | None:
-    """Load the model, re-estimate its BN statistics on `options` (a `bnaudit.DataOptions`),
+    """Load the model (`spec`: a `bnaudit.ModelSpec`, or a checkpoint path), re-estimate its
+    BN statistics on `options` (a `bnaudit.DataOptions`),
     write `output` (in the input's format unless its name says another: see
     `formats.write.output_format`), and report. `config` (None: the defaults) decides
     which inspect findings the --eval-data gap reports carry. Returns None on
@@ -142,16 +137,16 @@ def recalibrate_checkpoint(
     `allow_input_mismatch`.
 
     >>> import bnaudit                                                        # doctest: +SKIP
-    >>> bnaudit.recalibrate_checkpoint("model.pt", "model.recal.pt", bnaudit.DataOptions(path="calib/"),
-    ...                                arch="mypkg.models:net").layers[0].after   # doctest: +SKIP
+    >>> bnaudit.recalibrate_checkpoint(bnaudit.ModelSpec("model.pt", arch="mypkg.models:net"),
+    ...                                "model.recal.pt", bnaudit.DataOptions(path="calib/")).layers[0].after  # doctest: +SKIP
     """
     warn = warn or (lambda _message: None)
     config = config or Config()
     with sigterm_unwinds():
-        # a folder: the model inspect finds in it
-        checkpoint = model_checkpoint(checkpoint, trust_pickle=trust_pickle, config=config)
-        _check_request(checkpoint, output, options, method, eval_data, force, (arch, forward))
-        target = resolve_device(device)
+        spec = resolve_model(as_model_spec(spec), config)  # a folder: the model inspect finds in it
+        checkpoint, trust_pickle, forward = spec.checkpoint, spec.trust_pickle, spec.forward
+        _check_request(checkpoint, output, options, method, eval_data, force, (spec.arch, forward))
+        target = resolve_device(spec.device)
         forward_fn = load_forward(forward)
         with torchrun(target) as ranks:
             world, target = ranks.world, ranks.device
@@ -161,7 +156,7 @@ def recalibrate_checkpoint(
                     autocast = torch.autocast("cuda", dtype=torch.float16)
                 elif ranks.reports:
                     warn("--amp applies on CUDA only: ignored on the CPU")
-            runnable = load_runnable(checkpoint, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle)
+            runnable = load_runnable(spec)
             ckpt = runnable.checkpoint
             check_writable(ckpt, output, trust_pickle)  # before the calibration, not after it
             absent = _absent_buffers(runnable)
@@ -198,9 +193,7 @@ def recalibrate_checkpoint(
             save_like(ckpt, updates, output, force=force, provenance=provenance, trust_pickle=trust_pickle)
             eval_after = None
             if eval_data is not None:
-                written = load_runnable(
-                    model_checkpoint(output), arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle
-                )
+                written = load_runnable(resolve_model(dataclasses.replace(spec, checkpoint=output)))
                 eval_after = _measure(written, eval_data, target, forward_fn, config)
             return RecalibrationReport(
                 input=checkpoint,
