@@ -809,14 +809,16 @@ def target_10_onnx_external_data(tmp: str, extra_bytes: int, repeats: int) -> No
         shutil.rmtree(os.path.dirname(path))
 
 
-# The brief's start-up budget, as multiples of `python -c 'import typer, rich'`
-STARTUP_LIMITS = {"help": 1.3, "inspect_tiny": 1.6, "rules": 2.0, "inspect_resnet": 2.0}
+# The start-up budget (issue #33), as multiples of `python -c 'import typer, rich'`: what a
+# person or a pre-commit hook feels. rules and a ResNet-50 safetensors file are shown beside
+# them (no budget of their own; the ResNet-50 torch.save zip has one, target 11).
+STARTUP_LIMITS = {"help": 1.3, "inspect_tiny": 2.2, "rules": None, "inspect_resnet": None}
 
 
 def target_2_startup(
     tmp: str, st_resnet: str | None, pt_resnet: str | None, repeats: int, against: str | None = None
 ) -> None:
-    """`--help` at most 1.3x and `inspect` of a one-layer safetensors file at most 1.6x
+    """`--help` at most 1.3x and `inspect` of a one-layer safetensors file at most 2.2x
     `import typer, rich` (the ratio of the medians judges; the ratio of the minima, less
     swayed by other load on the machine, is shown beside it). `against`: another checkout
     (e.g. main before a change) run interleaved with this one, its ratios as INFO lines."""
@@ -907,7 +909,7 @@ _TORCH_PROBE = (
 def target_11_torch_save_without_torch(tmp: str, repeats: int, copies: int = 50) -> None:
     """torch.save files are read by bnaudit's own unpickler: inspect of a ResNet-50 torch.save
     zip costs at most 2.5x `import typer, rich` with torch never imported, and a folder of
-    `copies` checkpoints at most 1.5x one of them (start-up dominates; no per-file torch)."""
+    `copies` checkpoints at most 1.8x one of them (start-up dominates; no per-file torch)."""
     built = build("build_torch_save_files", tmp, copies)
     bn = [PY, "-m", "bnaudit", "inspect"]
     probe = subprocess.run(
@@ -944,7 +946,7 @@ def target_11_torch_save_without_torch(tmp: str, repeats: int, copies: int = 50)
         "11",
         f"inspect a folder of {copies} torch.save files vs one of them",
         t["folder"] / t["first"],
-        1.5,
+        1.8,
         f"{fmt_s(t['folder'])} vs {fmt_s(t['first'])}",
     )
     line(

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from bnaudit.audit.formulas import implied_data_value, variance_overstatement
-from bnaudit.audit.statistics import channel_shift
 from bnaudit.text import plural
 
 if TYPE_CHECKING:  # the rules import this module: `bnaudit rules` reads no layers
@@ -66,6 +65,8 @@ def implied_damage(layer: BNLayer, weight: float) -> ImpliedDamage | None:
     weight (formulas.implied_data_value), compared with the stored ones; None when no
     channel has finite statistics."""
     import statistics  # here: it imports decimal, fractions and random, which most inspects never need
+
+    from bnaudit.audit.statistics import channel_shift  # here: an inspect that finds nothing young never needs it
 
     ratios: list[tuple[float, int]] = []
     shifts: list[float] = []
@@ -124,6 +125,8 @@ def against_live(copy: BNLayer, live: BNLayer) -> LiveComparison | None:
     if copy.num_features != live.num_features:
         return None
     import statistics  # here: see implied_damage
+
+    from bnaudit.audit.statistics import channel_shift
 
     eps = copy.eps
     weights: list[float] = []
