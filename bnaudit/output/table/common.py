@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from bnaudit.audit.rules import Finding
 from bnaudit.output.fit import FindingRow, collapse, shorten_middle
-from bnaudit.output.grid import SEVERITY_STYLE
 from bnaudit.output.names import shorten_names
 from bnaudit.text import plural, printable
+
+# The style of a status or severity word in every table.
+SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan", "ok": "green"}
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -48,8 +50,8 @@ def fit_width(table: Any, width: int) -> Any:
     ones give way first; `no_wrap` columns keep their width. Where even that does not fit,
     rich's own narrowing is left to do what it can. Grids and tables that fit are untouched.
     """
-    if getattr(table, "box", None) is None:  # a fast grid (grid.py, a Text) or a bullet grid
-        return table  # before importing rich.table: the layer grid of inspect must not pay for it
+    if getattr(table, "box", None) is None:  # a bullet grid or plain text: nothing to fit
+        return table
     from rich.cells import cell_len
     from rich.table import Table
     from rich.text import Text

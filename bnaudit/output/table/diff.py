@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO
-from bnaudit.output.grid import SEVERITY_STYLE
 from bnaudit.output.table.common import (
+    SEVERITY_STYLE,
     Column,
     Row,
     cell,

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from bnaudit.audit.checkpoint.report import FileReport, InspectReport, LayerSummary
 from bnaudit.output.fit import concise_lines, summary_line
-from bnaudit.output.grid import SEVERITY_STYLE, layout_grid
 from bnaudit.output.names import shorten_names
 from bnaudit.output.table.common import (
     NAME_MIN,
+    SEVERITY_STYLE,
     bordered,
     cell,
     fit_width,
@@ -84,10 +84,7 @@ def _layer_table(file: FileReport, console: Console, columns: tuple[_Column, ...
     shown = shorten_names([row[0] for row in rows], room)
     for row in rows:
         row[0] = shown[row[0]]
-    longest = max(len(row[0]) for row in rows)
-    grid = layout_grid(headers, rows, console, longest)  # names whole: never folded
-    if grid is not None:
-        return grid
+    longest = max(len(row[0]) for row in rows)  # names whole: never folded
     from rich.text import Text
 
     table = bordered()
@@ -123,7 +120,6 @@ _FILE_STYLE = {**SEVERITY_STYLE, "unreadable": "bold red", "excluded": "dim", "s
 
 def _files_table(files: list[FileReport], console: Console) -> Any:
     """One line per file: path, format, BN layers, worst eval gain, status."""
-    from rich.cells import cell_len
     from rich.text import Text
 
     rows = [
@@ -142,11 +138,6 @@ def _files_table(files: list[FileReport], console: Console) -> Any:
     shown = shorten_names([row[0] for row in rows], room, separators="/")
     for row in rows:
         row[0] = shown[row[0]]
-    longest = max(cell_len(row[0]) for row in rows)
-    # the grid where the table fits as it is; rich shrinks every column where it does not
-    grid = layout_grid(headers, rows, console, longest, right=(2, 3), styles=_FILE_STYLE)
-    if grid is not None:
-        return grid
     table = bordered()
     for i, header in enumerate(headers):
         table.add_column(header, justify="right" if i in (2, 3) else "left", no_wrap=True)
