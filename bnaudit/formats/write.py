@@ -18,7 +18,7 @@ from typing import Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.allowlist import load_torch_object
-from bnaudit.formats.atomic import atomic_folder, atomic_write, check_folder_output, check_output
+from bnaudit.formats.atomic import atomic_folder, atomic_write, check_folder_output, check_output, write_file
 from bnaudit.formats.classify import SCANNED_NAMES
 from bnaudit.formats.model import MODULE_RECORD_ATTRIBUTE, Checkpoint, statistics_digest
 from bnaudit.formats.safetensors import SAFETENSORS_DTYPE_CODES
@@ -500,7 +500,8 @@ def _rewrite_torch_shard(shard: str, updates: Mapping[str, Any], target: str, tr
     state = load_torch_object(shard, trust_pickle=trust_pickle, mmap=fmt == "torch-zip")
     for name, value in updates.items():
         state[name] = value.to(state[name].device)  # a new tensor: the loaded one maps the input
-    torch.save(state, target, _use_new_zipfile_serialization=fmt == "torch-zip")
+    # through a Python file: an OS error (no space, quota) is then named, not torch's own
+    write_file(target, lambda f: torch.save(state, f, _use_new_zipfile_serialization=fmt == "torch-zip"))
 
 
 def _companions(folder: str, index: ShardIndex) -> list[str]:
