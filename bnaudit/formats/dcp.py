@@ -21,7 +21,8 @@ is validated before it is trusted: chunk files stay inside the folder (no absolu
 no `..`, no symlink out), each chunk's byte range fits its file, and a tensor's chunks lie
 inside it with volumes adding up to its size; when a tensor is read, its chunks must
 cover every element exactly once (FSDP2 shards parameters along dim 0 across ranks, so a
-BN weight is assembled from one chunk per rank; replicated buffers are saved once).
+BN weight is assembled from one chunk per rank; replicated buffers are saved once), and
+every chunk is read (its storage bounding its size) before the tensor is allocated.
 
 Only the tensors an audit reads are read, each chunk through the torch-free torch.save
 reader (formats/torchsave.py), which reads only the bytes of the elements asked for. The nested state dict (`model.`, `optim.`,
@@ -31,6 +32,7 @@ model part and skips optimizer state; `--key` names another part.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -46,6 +48,7 @@ from bnaudit.formats.sniff import DCP_METADATA
 from bnaudit.formats.standins import stand_ins_in
 from bnaudit.formats.torchsave import read_stored, read_stored_tensor
 from bnaudit.formats.unpickle import unpickle
+from bnaudit.formats.views import ITEMSIZE
 
 # Real metadata files are kilobytes to tens of megabytes (a few records per tensor chunk).
 _MAX_METADATA_BYTES = 1 << 30
@@ -204,6 +207,10 @@ def _tensors(
                 f"{folder}: the chunks of '{fqn}' hold {volume} elements, its shape {list(shape)} "
                 f"{math.prod(shape)}: they do not tile it"
             )
+        ranges = sorted((c.file, c.start, c.start + c.length) for c in placed)
+        if any(a[0] == b[0] and b[1] < a[2] for a, b in itertools.pairwise(ranges)):
+            # each chunk's bytes bound its elements: shared bytes would let a few bytes claim any size
+            raise BnauditError(f"{folder}: two chunks of '{fqn}' share bytes of one file: they do not tile it")
         tensors[fqn] = DcpTensor(fqn, dtype, shape, tuple(placed))
     return tensors, objects
 
@@ -284,18 +291,26 @@ def _read_chunk(folder: str, tensor: DcpTensor, chunk: DcpChunk) -> TensorRef:
         raise BnauditError(f"{what}: {str(exc).removeprefix(f'{path}: ')}") from None
     if ref.shape != chunk.sizes or ref.dtype != tensor.dtype:
         raise BnauditError(f"{what}: does not hold a {tensor.dtype} tensor of shape {list(chunk.sizes)}")
+    if math.prod(ref.shape) * ITEMSIZE.get(ref.dtype, 1) > chunk.length:
+        raise BnauditError(f"{what}: claims more elements than its {chunk.length} bytes hold")
     return ref
 
 
 def assemble(folder: str, tensor: DcpTensor) -> list[float]:
     """The whole tensor, flat row-major, from its chunks placed by offsets and sizes;
-    refused unless they cover every element exactly once."""
+    refused unless they cover every element exactly once. Every chunk is read first (each
+    bounded by the bytes its file holds), so the tensor is allocated only at a size its
+    chunks' contents give, never at the size `.metadata` alone claims."""
+    pieces = [(chunk, _read_chunk(folder, tensor, chunk).read()) for chunk in tensor.chunks]
     numel = math.prod(tensor.shape)
+    if sum(len(values) for _, values in pieces) != numel:
+        raise BnauditError(
+            f"{folder}: the chunks of '{tensor.fqn}' hold fewer elements than its shape: they do not tile it"
+        )
     strides = [math.prod(tensor.shape[d + 1 :]) for d in range(len(tensor.shape))]
     values: list[float] = [0.0] * numel
     covered = bytearray(numel)
-    for chunk in tensor.chunks:
-        chunk_values = _read_chunk(folder, tensor, chunk).read()
+    for chunk, chunk_values in pieces:
         index = [sum(o * s for o, s in zip(chunk.offsets, strides))]
         for extent, step in zip(chunk.sizes, strides):  # row-major: the last dimension varies fastest
             index = [base + i * step for base in index for i in range(extent)]
@@ -311,14 +326,19 @@ def assemble(folder: str, tensor: DcpTensor) -> list[float]:
 
 def assemble_torch(folder: str, tensor: DcpTensor) -> Any:
     """`assemble` as a torch tensor, each chunk copied into its region by torch (whole
-    weights for --arch and for writing back: no Python loop per element)."""
+    weights for --arch and for writing back: no Python loop per element); chunks read
+    and checked before the tensor is allocated, as there."""
     import torch
 
+    pieces = [(chunk, _read_chunk(folder, tensor, chunk).to_torch()) for chunk in tensor.chunks]
+    if sum(int(piece.numel()) for _, piece in pieces) != math.prod(tensor.shape):
+        raise BnauditError(
+            f"{folder}: the chunks of '{tensor.fqn}' hold fewer elements than its shape: they do not tile it"
+        )
     dtype = getattr(torch, tensor.dtype)
     out = torch.empty(tensor.shape, dtype=dtype)
     covered = torch.zeros(tensor.shape, dtype=torch.bool)
-    for chunk in tensor.chunks:
-        piece = _read_chunk(folder, tensor, chunk).to_torch()
+    for chunk, piece in pieces:
         region = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
         if bool(covered[region].any()):
             raise BnauditError(f"{folder}: chunks of '{tensor.fqn}' overlap: they do not tile it")
