@@ -547,11 +547,13 @@ class Policy:
         if not isinstance(kind, _StorageClass) or not isinstance(key, str) or not _count(numel):
             raise Refused(f"malformed storage record {shown_value(pid)}")
         view = pid[5] if len(pid) > 5 else None
-        cached = self.storage_cache.get((key, view if isinstance(view, tuple) else None))
+        # cached by the view's key (a string), never by the tuple a file built: it is not hashed
+        view_key = view[0] if type(view) is tuple and view and type(view[0]) is str else None
+        cached = self.storage_cache.get((key, view_key)) if view is None or view_key is not None else None
         if cached is None:
             self.spend(8)
             cached = self.storages.storage(kind.dtype, key, numel, view)
-            self.storage_cache[(key, view if isinstance(view, tuple) else None)] = cached
+            self.storage_cache[(key, view_key)] = cached
         if cached.dtype != kind.dtype:
             raise Refused(f"storage {shown_value(key, 40)} named with two element types")
         return cached
