@@ -174,7 +174,7 @@ _UNREAD_TENSORS = {
         "_rebuild_device_tensor_from_cpu_tensor",
     )
 }
-_QSCHEMES = {"per_tensor_affine", "per_tensor_symmetric", "per_channel_affine", "per_channel_symmetric"}
+_QSCHEMES = {f"per_{kind}" for kind in ("tensor_affine", "tensor_symmetric", "channel_affine", "channel_symmetric")}
 _QSCHEMES.add("per_channel_affine_float_qparams")
 _MEMORY_FORMATS = {"contiguous_format", "channels_last", "channels_last_3d", "preserve_format"}
 _DTYPES = {*ITEMSIZE, "complex32", "cfloat", "cdouble", "half", "float", "double", "long", "int", "short", "uint1"}
