@@ -95,18 +95,26 @@ def exception_line(exc: BaseException, *, with_type: bool = True) -> str:
     first and the message last: the last line there), without colour codes, prefixed by
     the exception's class name when `with_type` (a library's own error, where the class
     says what went wrong) and standing alone otherwise (a reader's parse error). An
-    exception that carries values other than text and numbers (a KeyError of a key read
-    from a file) shows them through `shown_value`: their own str() can be exponential.
+    exception that carries a container or a huge number (a KeyError of a key read from a
+    file) shows its values through `shown_value`: their own str() can be exponential.
     """
-    if all(isinstance(arg, (str, int, float)) for arg in exc.args) or not exc.args:
-        message = str(exc)
-    else:
+    if any(_unbounded(arg) for arg in exc.args):
         message = ", ".join(shown_value(arg) for arg in exc.args)
+    else:
+        message = str(exc)
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     if not lines:
         return type(exc).__name__
     text = _ANSI_COLOUR.sub("", lines[-1] if "Traceback of TorchScript" in message else lines[0])
     return f"{type(exc).__name__}: {text}" if with_type else text
+
+
+def _unbounded(value: object) -> bool:
+    """Whether str() of `value` may cost more than its size: a container (it may hold itself
+    many times) or an int past what int -> str converts."""
+    return isinstance(value, (tuple, list, set, frozenset, dict)) or (
+        isinstance(value, int) and value.bit_length() > 4096
+    )
 
 
 def listing(items: Iterable[object], limit: int = 3) -> str:
