@@ -38,20 +38,88 @@ def single_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def shown_value(value: object, limit: int = 80, depth: int = 3) -> str:
+    """A short repr of a value read from a file, for a message: at most `limit` characters,
+    containers nested deeper than `depth` shown as `...`.
+
+    Built piece by piece and stopped at the limit, never by cutting a whole `str()`: a pickle
+    can hold a tuple that contains itself twice, level by level, whose full text doubles per
+    level (160 bytes of pickle, 2^40 characters); nothing here costs more than `limit`.
+    """
+    pieces: list[str] = []
+    budget = [limit + 1]
+    _render(value, depth, pieces, budget)
+    text = "".join(pieces)
+    return text if len(text) <= limit else text[: max(limit - 3, 0)] + "..."
+
+
+def _render(value: object, depth: int, out: list[str], budget: list[int]) -> None:
+    if budget[0] <= 0:
+        return
+    if isinstance(value, (str, bytes, bytearray)):
+        piece = repr(value[: budget[0]])  # a slice: the repr of at most what still fits
+    elif isinstance(value, bool) or value is None or isinstance(value, float):
+        piece = repr(value)
+    elif isinstance(value, int):
+        # int -> str is quadratic (and refused past 4300 digits): a size, not the digits
+        piece = repr(value) if value.bit_length() <= 128 else f"<int of {value.bit_length()} bits>"
+    elif isinstance(value, (tuple, list, set, frozenset, dict)):
+        opening, closing = {tuple: ("(", ")"), list: ("[", "]")}.get(type(value), ("{", "}"))
+        if depth <= 0:
+            piece = f"{opening}...{closing}"
+        else:
+            out.append(opening)
+            budget[0] -= 1
+            items = dict.items(value) if isinstance(value, dict) else value
+            for i, item in enumerate(items):
+                if budget[0] <= 0:
+                    return
+                if i:
+                    out.append(", ")
+                    budget[0] -= 2
+                if isinstance(value, dict):
+                    _render(item[0], depth - 1, out, budget)
+                    out.append(": ")
+                    budget[0] -= 2
+                    _render(item[1], depth - 1, out, budget)
+                else:
+                    _render(item, depth - 1, out, budget)
+            piece = closing
+    else:  # records of bnaudit's readers, anything else: its type, never its own repr
+        name = getattr(value, "name", None)
+        kind = type(value).__name__
+        piece = f"<{kind} {name[:60]}>" if isinstance(name, str) else f"<{kind}>"
+    out.append(piece)
+    budget[0] -= len(piece)
+
+
 def exception_line(exc: BaseException, *, with_type: bool = True) -> str:
     """The one line of an exception worth showing a user.
 
     The first non-blank line of its message (TorchScript errors carry the scripted code
     first and the message last: the last line there), without colour codes, prefixed by
     the exception's class name when `with_type` (a library's own error, where the class
-    says what went wrong) and standing alone otherwise (a reader's parse error).
+    says what went wrong) and standing alone otherwise (a reader's parse error). An
+    exception that carries a container or a huge number (a KeyError of a key read from a
+    file) shows its values through `shown_value`: their own str() can be exponential.
     """
-    message = str(exc)
+    if any(_unbounded(arg) for arg in exc.args):
+        message = ", ".join(shown_value(arg) for arg in exc.args)
+    else:
+        message = str(exc)
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     if not lines:
         return type(exc).__name__
     text = _ANSI_COLOUR.sub("", lines[-1] if "Traceback of TorchScript" in message else lines[0])
     return f"{type(exc).__name__}: {text}" if with_type else text
+
+
+def _unbounded(value: object) -> bool:
+    """Whether str() of `value` may cost more than its size: a container (it may hold itself
+    many times) or an int past what int -> str converts."""
+    return isinstance(value, (tuple, list, set, frozenset, dict)) or (
+        isinstance(value, int) and value.bit_length() > 4096
+    )
 
 
 def listing(items: Iterable[object], limit: int = 3) -> str:

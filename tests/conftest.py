@@ -167,3 +167,37 @@ def run_ranks(args: list[str], cwd, ranks: int = 2) -> subprocess.CompletedProce
     return subprocess.run(
         [sys.executable, *launch, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
+
+
+BOUNDED = """
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))
+resource.setrlimit(resource.RLIMIT_CPU, ({cpu}, {cpu} + 1))
+sys.argv[1:] = {argv!r}
+import bnaudit.api  # start-up is not the file's cost
+import bnaudit.formats.read, bnaudit.formats.torchsave, bnaudit.formats.dcp, bnaudit.formats.pt2
+
+
+def peak_kib():  # this process's own high-water mark (ru_maxrss keeps the forking parent's)
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith("VmHWM:")).split()[1])
+
+
+before = peak_kib()
+started = time.process_time()
+{code}
+print("BOUNDED", peak_kib() - before, time.process_time() - started)
+"""
+
+
+def run_bounded(code: str, *argv: str, memory: int = 1 << 30, cpu: int = 10) -> tuple[str, float, float]:
+    """Run `code` in a fresh interpreter under an address-space cap (`memory` bytes) and a CPU
+    time cap (`cpu` seconds: SIGXCPU past it); returns (its output, the peak memory it added
+    in MiB, its CPU seconds). A file that asks for more than the caps fails the test, however
+    it fails: the process is killed, or a MemoryError escapes."""
+    proc = run_python(BOUNDED.format(memory=memory, cpu=cpu, argv=list(argv), code=code))
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    *out, last = proc.stdout.strip().splitlines()
+    tag, kib, seconds = last.split()
+    assert tag == "BOUNDED", proc.stdout
+    return "\n".join(out), int(kib) / 1024, float(seconds)

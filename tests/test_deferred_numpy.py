@@ -1,7 +1,9 @@
-"""numpy is imported only where its values are read (formats/read.py): a file without a state
-dict (a Trainer's rng_state.pth holds numpy's RNG state) is told apart by its keys and name
-with numpy's objects left as inert records; anything else is read again with numpy. The
-report must be the one a process that had numpy already imported gives.
+"""numpy is never imported to audit: the restricted unpickler records numpy's plain-data
+globals as calls (formats/pickled.NumpyCall) and decodes a numpy scalar's number from its
+bytes where a value is read (a module's eps); only a writer rebuilds them with numpy. A
+file without a state dict (a Trainer's rng_state.pth holds numpy's RNG state) is told apart
+by its keys and name. The report must be the one a process that had numpy already
+imported gives.
 
 The test process has imported numpy, so each side runs in a fresh interpreter."""
 
@@ -72,8 +74,9 @@ def test_a_trainer_folder_is_audited_without_numpy_and_reports_the_same(tmp_path
     assert skipped["optimizer.pt"] == "optimizer state (state, param_groups)"
 
 
-def test_a_model_holding_numpy_values_is_read_with_numpy_as_before(tmp_path):
-    """A timm-style checkpoint: a state dict beside numpy scalars and an array in its metadata."""
+def test_a_model_holding_numpy_values_is_audited_without_numpy_and_reports_the_same(tmp_path):
+    """A timm-style checkpoint: a state dict beside numpy scalars and an array in its metadata
+    (read once: numpy's values are recorded, never rebuilt, for an audit)."""
     folder = tmp_path / "run"
     folder.mkdir()
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
@@ -87,7 +90,7 @@ def test_a_model_holding_numpy_values_is_read_with_numpy_as_before(tmp_path):
     torch.save(checkpoint, folder / "model_best.pth.tar")
     deferred, first = _report(folder, "as needed"), _report(folder, "numpy first")
     assert deferred["report"] == first["report"]
-    assert deferred["numpy"] is True  # read again with numpy: its values belong to the model's file
+    assert deferred["numpy"] is False
     assert [f["format"] for f in deferred["report"]["files"]] == ["torch-zip"]
 
 

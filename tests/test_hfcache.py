@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -262,3 +263,30 @@ def test_ci_formats_name_a_cached_file_by_repo_and_revision(cache):
     assert old in {issue["location"]["path"] for issue in gitlab}
     for text in (github, junit, markdown, json.dumps(gitlab)):
         assert "snapshots" not in text and str(cache) not in text
+
+
+@pytest.mark.parametrize("linked", ["snapshot", "snapshots"])
+def test_a_snapshot_folder_that_is_a_symlink_out_of_the_cache_is_refused(cache, tmp_path, linked):
+    # links are followed into blobs/ only: a snapshots/<commit> (or snapshots/) that is itself
+    # a link to any folder made its files pass for the hub's (was: audited as acme/tiny@...)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / DOCS).mkdir(parents=True)
+    (elsewhere / DOCS / "model.safetensors").write_bytes(BROKEN)
+    repo = cache / "models--acme--tiny"
+    if linked == "snapshot":
+        shutil.rmtree(repo / "snapshots" / DOCS)
+        os.symlink(elsewhere / DOCS, repo / "snapshots" / DOCS)
+    else:
+        shutil.rmtree(repo / "snapshots")
+        os.symlink(elsewhere, repo / "snapshots")
+    for where in (cache, repo, repo / "snapshots" / DOCS):
+        report = inspect(str(where), Config())
+        tiny = [f for f in report.files if "tiny" in f.path]
+        assert len(tiny) == 1, [f.path for f in report.files]
+        (file,) = tiny
+        assert file.error is not None and "is a symlink to" in file.error and "refused" in file.error, file.error
+        assert file.layers == [] and file.findings == []
+        assert report.exit_code(exit_zero=False) == 2
+    # a file named inside it is refused too
+    (file,) = inspect(str(repo / "snapshots" / DOCS / "model.safetensors"), Config()).files
+    assert file.error is not None and "symlink" in file.error

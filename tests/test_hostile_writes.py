@@ -528,3 +528,63 @@ def test_read_only_folder_refusing_the_write_is_one_line(
     result = recalibrate_into(world, out)
     assert one_line_error(result) == f"cannot write {out}: Read-only file system"
     assert refused and os.listdir(folder) == []
+
+
+FILLED_DISK = textwrap.dedent("""
+    import resource, signal, sys
+    from typer.testing import CliRunner
+    from bnaudit.cli import app
+
+    # past 32 KiB the kernel refuses this process's writes (EFBIG, SIGXFSZ ignored): the
+    # output's first records fit, its tensors do not, so the failure comes from inside
+    # torch's zip writer, as a disk filling up mid-file does
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (32768, 32768))
+    result = CliRunner().invoke(app, sys.argv[1:])
+    print(result.exit_code)
+    print(result.stderr, end="")
+""")
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_a_disk_filling_up_inside_torchs_writer_is_one_line_naming_the_cause(tmp_path: Path, legacy: bool) -> None:
+    # was: "internal error: RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos"
+    torch.manual_seed(0)
+    source = (
+        "import torch\ndef net():\n    return torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4))\n"
+    )
+    (tmp_path / "disk_net.py").write_text(source)
+    ns: dict = {}
+    exec(source, ns)
+    state = {"state_dict": ns["net"]().state_dict(), "epoch": 3, "extra": torch.randn(64, 1024)}  # 256 KiB more
+    torch.save(state, tmp_path / "model.pt", _use_new_zipfile_serialization=not legacy)
+    g = torch.Generator().manual_seed(1)
+    save_file({"inputs": torch.randn(16, 1, 5, 5, generator=g)}, str(tmp_path / "data.safetensors"))
+    out = tmp_path / "out.pt"
+    out.write_bytes(b"previous")
+    args = [
+        "recalibrate",
+        "model.pt",
+        "--arch",
+        "disk_net:net",
+        "--data",
+        "data.safetensors",
+        "-o",
+        "out.pt",
+        "--force",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", FILLED_DISK, *args],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    code, *stderr = proc.stdout.splitlines()
+    assert code == "2", proc.stdout + proc.stderr
+    errors = [line for line in stderr if line.startswith("bnaudit: error:")]
+    assert errors == ["bnaudit: error: cannot write out.pt: File too large"], stderr
+    assert out.read_bytes() == b"previous"  # the previous output intact
+    left = sorted(set(os.listdir(tmp_path)) - {"__pycache__"})
+    assert left == ["data.safetensors", "disk_net.py", "model.pt", "out.pt"]  # no partial file

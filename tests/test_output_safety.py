@@ -121,3 +121,64 @@ def test_an_error_that_quotes_the_name_is_one_inert_line(tmp_path, fmt):
         return
     (line,) = result.stderr.splitlines()
     assert line.startswith("bnaudit: error: ") and SHOWN in line
+
+
+# ----------------------------------------------------------------------------- undecodable names
+
+
+def _bn_entries(prefix: str, var: float) -> dict:
+    return {
+        f"{prefix}.weight": torch.ones(3),
+        f"{prefix}.bias": torch.zeros(3),
+        f"{prefix}.running_mean": torch.zeros(3),
+        f"{prefix}.running_var": torch.full((3,), var),
+        f"{prefix}.num_batches_tracked": torch.tensor(5000),
+    }
+
+
+@pytest.fixture(scope="module")
+def oddly_named(tmp_path_factory):
+    """A folder of three checkpoints, each with a BN005 finding (NaN running_var): one whose
+    layer name holds a lone surrogate (a pickle allows one), one whose file name is not UTF-8,
+    one plain."""
+    import os
+
+    folder = tmp_path_factory.mktemp("names")
+    torch.save(_bn_entries("bn\udc80x", float("nan")), folder / "surrogate.pt")
+    torch.save(_bn_entries("bn", float("nan")), os.fsdecode(bytes(folder) + b"/caf\xe9.pt"))
+    torch.save(_bn_entries("plain", float("nan")), folder / "plain.pt")
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["table", "json", "sarif", "github", "gitlab", "junit", "markdown"])
+def test_every_format_survives_a_lone_surrogate_and_an_undecodable_file_name(oddly_named, fmt):
+    # a real process writing to a real pipe (UTF-8, strict): was, for sarif, "internal error:
+    # UnicodeEncodeError" and exit 2 with no document at all
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "bnaudit", "inspect", str(oddly_named), "--format", fmt],
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": REPO, "COLUMNS": "200", "NO_COLOR": "1"},
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr.decode("utf-8", "replace")  # findings, no error
+    out = proc.stdout.decode("utf-8")  # valid UTF-8, whatever the names
+    assert "internal error" not in proc.stderr.decode("utf-8")
+    for name in ("plain.pt", "surrogate.pt"):
+        assert name in out, (name, out[:500])
+    assert "caf" in out  # the undecodable file's results are there too
+    if fmt in ("json", "sarif", "gitlab"):
+        document = json.loads(out)
+        assert json.dumps(document).count("BN005") >= 3
+    if fmt == "sarif":
+        uris = {
+            r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]
+            for r in json.loads(out)["runs"][0]["results"]
+        }
+        assert any(u.endswith("caf%E9.pt") for u in uris), uris  # the file's own bytes, percent-encoded

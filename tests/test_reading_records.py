@@ -1,7 +1,7 @@
 """The records a folder scan builds by the thousand, built the cheap way, equal the plain way.
 
 `model.lazy_ref` and `views.storage_record` set a frozen dataclass's fields without its
-`__init__`; `torchscript._all_counts` checks a tensor record's sizes and strides by type and
+`__init__`; `views._all_counts` checks a tensor record's sizes and strides by type and
 minimum. Each is compared here with what it stands for: the dataclass's own constructor, and
 `is_count` of every value, over generated values (bools, negatives, int subclasses, floats,
 huge ints, empty tuples).
@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats import torchsave, torchscript, views
+from bnaudit.formats import torchsave, views
 from bnaudit.formats.model import TensorRef, lazy_ref
 from bnaudit.formats.safetensors import is_count
-from bnaudit.formats.torchscript import check_tensor_record
+from bnaudit.formats.views import check_tensor_record
 
 
 def reader() -> list[float]:
@@ -81,7 +81,7 @@ def test_all_counts_is_is_count_of_each() -> None:
     for _ in range(20000):
         checked = values(rng)
         expected = all(is_count(x) for x in checked)
-        assert torchscript._all_counts(checked) is expected, checked
+        assert views._all_counts(checked) is expected, checked
         seen[expected] += 1
     assert min(seen.values()) > 1000  # both outcomes well exercised
 
@@ -101,7 +101,7 @@ def test_malformed_records_refused(size: object, stride: object) -> None:
 
 
 def reference_records(path: str, archive: zipfile.ZipFile, root: str, base: int = 0, end: int | None = None) -> Any:
-    """`torchsave._zip_records` as it was before its local headers were read a page at a
+    """`torchsave.zip_records` as it was before its local headers were read a page at a
     time: one 30-byte read per record."""
     records = {}
     prefix = f"{root}/data/"
@@ -159,7 +159,7 @@ def test_zip_records_read_by_pages_equal_one_read_each(tmp_path: Path) -> None:
 
     def compare(path: Path, base: int = 0, end: int | None = None) -> None:
         def ours(*args: Any) -> Any:
-            return torchsave._zip_records(*args)[0]
+            return torchsave.zip_records(*args)[0]
 
         got = records_outcome(ours, str(path), base, end)
         assert got == records_outcome(reference_records, str(path), base, end)
@@ -202,38 +202,3 @@ def test_read_errors_name_the_tensor() -> None:
             make("bn.running_var", (2,), "float32", refused).read()
         with pytest.raises(BnauditError, match=r"^cannot read tensor 'w': short read$"):
             make("w", (2,), "float32", reader, torn).to_torch()
-
-
-# ----------------------------------------------------------------------------- the pickle's scan
-
-
-def test_remembered_scan_is_the_scan(tmp_path: Path) -> None:
-    """The fast path's opcode scan, remembered for recent pickles, answers as the scan itself
-    for pickles seen before, changed in one byte, cut short, as bytearray and past the size
-    remembered."""
-    import torch
-
-    torch.save(
-        {f"bn{i}.{leaf}": torch.ones(3) for i in range(4) for leaf in ("running_var", "weight")}, tmp_path / "a.pt"
-    )
-    with zipfile.ZipFile(tmp_path / "a.pt") as archive:
-        real = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
-    rng = random.Random(7)
-    variants = [real, real[:-1], real + b"x", b"\x80\x03" + real[2:]]
-    for _ in range(300):
-        changed = bytearray(real)
-        changed[rng.randrange(len(real))] = rng.randrange(256)
-        variants.append(bytes(changed))
-    variants += [real[: rng.randrange(len(real))] for _ in range(50)]
-    asked = variants + [rng.choice(variants) for _ in range(2000)]  # most asked again, hits and misses
-    answers = set()
-    for data in asked:
-        assert torchsave._plain_pickle(data) is torchsave._scan(data), data
-        assert torchsave._plain_pickle(bytearray(data)) is torchsave._scan(data)
-        answers.add(torchsave._scan(data))
-    assert answers == {True, False}
-    assert torchsave._remembered_scan.cache_info().currsize <= 16
-    large = real[:-1] + b"X" + (300_000).to_bytes(4, "little") + b"a" * 300_000 + b"."
-    before = torchsave._remembered_scan.cache_info()
-    assert torchsave._plain_pickle(large) is torchsave._scan(large) is True
-    assert torchsave._remembered_scan.cache_info() == before  # too large to be kept

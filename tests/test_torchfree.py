@@ -10,6 +10,7 @@ bytes of the tensor `to_torch()` builds.
 
 from __future__ import annotations
 
+import collections
 import glob
 import io
 import math
@@ -29,12 +30,13 @@ from test_startup import run_probe
 
 from bnaudit import inspect
 from bnaudit.errors import BnauditError
-from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.containers import module_infos
 from bnaudit.formats.model import TensorRef
 from bnaudit.formats.pickled import PickledModule
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.sniff import sniff_format
+from bnaudit.formats.torchobjects import load_torch_save
+from bnaudit.formats.torchsave import read_torch_save
 
 ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8, torch.int64: 8, torch.int32: 4}
 
@@ -46,7 +48,7 @@ def free_object(path: str):
     real_load = torch.load
     try:
         torch.load = lambda *a, **k: pytest.fail(f"torch.load reached for {path}")
-        return load_torch_object(path, mmap=fmt == "torch-zip", stand_ins=True)
+        return read_torch_save(path, fmt == "torch-legacy").value
     finally:
         torch.load = real_load
 
@@ -291,38 +293,67 @@ def test_bytes_pickled_by_protocol_2_are_rebuilt(tmp_path):
     assert free_object(path)["blob"] == b"\x00\xffabc"
 
 
-def test_file_naming_only_torch_globals_beyond_the_reader_goes_to_torch_load(tmp_path):
-    # torch.Size and dtype objects: torch's loader rebuilds them, as it did before
+def test_torch_constants_are_records_and_rebuild_to_what_torch_load_gives(tmp_path):
+    # torch.Size, dtypes, devices: read as records without torch.load (once handed to it),
+    # rebuilt to torch's own objects for a writer
     path = str(tmp_path / "sized.pt")
-    torch.save({"state_dict": {"bn.running_var": torch.ones(2)}, "shape": torch.Size([2]), "dt": torch.float16}, path)
-    obj = load_torch_object(path, stand_ins=True)
-    assert obj["shape"] == torch.Size([2]) and obj["dt"] is torch.float16
-    assert isinstance(obj["state_dict"]["bn.running_var"], torch.Tensor)
+    saved = {
+        "state_dict": {"bn.running_var": torch.ones(2)},
+        "shape": torch.Size([2]),
+        "dt": torch.float16,
+        "device": torch.device("cuda", 1),
+        "counts": collections.Counter(a=2),
+        "blob": bytearray(b"\x00\x01"),
+        "z": complex(1.5, -2.0),
+    }
+    torch.save(saved, path)
+    records = free_object(path)
+    assert records["shape"] == (2,) and records["dt"].name == "float16" and records["device"].index == 1
+    expected = torch.load(path, weights_only=True)
+    rebuilt = load_torch_save(path, "torch-zip")
+    assert rebuilt["shape"] == expected["shape"] and type(rebuilt["shape"]) is torch.Size
+    assert rebuilt["dt"] is torch.float16 and rebuilt["device"] == expected["device"]
+    assert rebuilt["counts"] == expected["counts"] and type(rebuilt["counts"]) is collections.Counter
+    assert rebuilt["blob"] == expected["blob"] and rebuilt["z"] == expected["z"]
+    assert torch.equal(rebuilt["state_dict"]["bn.running_var"], expected["state_dict"]["bn.running_var"])
+
+
+def legacy_parts(path: str) -> tuple[bytes, list, int]:
+    """(the main pickle's bytes, the storage keys, the offset of the first storage's count)
+    of a legacy torch.save file of our own making (read with pickle: the test's file)."""
+    import pickletools
+
+    with open(path, "rb") as f:
+        for _ in range(3):  # magic, protocol version, sys info
+            pickle.load(f)
+        start = f.tell()
+        for _ in pickletools.genops(f):  # to the main pickle's STOP, nothing built
+            pass
+        end = f.tell()
+        keys = pickle.load(f)
+        data = f.tell()
+        f.seek(start)
+        return f.read(end - start), keys, data
 
 
 def test_legacy_big_endian_counts_are_read_in_the_files_byte_order(tmp_path):
     # torch reads legacy files in the machine's byte order, so it cannot be the reference
     # here: the file is built by hand from a little-endian one, values swapped by struct.
-    import pickle
-
-    from bnaudit.formats.legacy import legacy_layout
-
     src = str(tmp_path / "little.pt")
     values = [0.5, -2.25, 3.0e-3]
     torch.save({"bn.running_var": torch.tensor(values)}, src, _use_new_zipfile_serialization=False)
-    layout = legacy_layout(src)
-    (storage,) = layout.storages.values()
+    main, keys, data = legacy_parts(src)
     raw = Path(src).read_bytes()
     out = io.BytesIO()
     for header in (0x1950A86A20F9469CFC6C, 1001):
         pickle.dump(header, out, protocol=2)
     pickle.dump({"protocol_version": 1001, "little_endian": False, "type_sizes": {}}, out, protocol=2)
-    out.write(layout.pickle)
-    pickle.dump(list(layout.storages), out, protocol=2)
-    out.write(struct.pack(">q", storage.numel) + struct.pack(f">{storage.numel}f", *values))
+    out.write(main)
+    pickle.dump(keys, out, protocol=2)
+    out.write(struct.pack(">q", len(values)) + struct.pack(f">{len(values)}f", *values))
     big = tmp_path / "big.pt"
     big.write_bytes(out.getvalue())
-    assert raw[storage.offset : storage.offset + 12] == struct.pack("<3f", *values)
+    assert raw[data + 8 : data + 20] == struct.pack("<3f", *values)
     ckpt = read_checkpoint(str(big))
     assert ckpt.tensors["bn.running_var"].read() == [struct.unpack("<f", struct.pack("<f", v))[0] for v in values]
 
@@ -408,7 +439,7 @@ def test_forged_state_on_a_tensor_record_is_refused(tmp_path):
 
     path = str(tmp_path / "forged.pt")
     torch.save({"bn.running_var": Forged(), "bn.running_mean": torch.zeros(2)}, path)
-    with pytest.raises(BnauditError, match="refused to unpickle: it calls a global that could run code"):
+    with pytest.raises(BnauditError, match="sets state on a tensor record"):
         free_object(path)  # torch.load never reached
 
 

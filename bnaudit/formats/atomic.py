@@ -12,6 +12,7 @@ by the next write of the same output (`remove_stale_temporaries`).
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,74 @@ def check_output(output: str, source: str | None = None, force: bool = False) ->
         raise BnauditError(f"{output}: already exists (pass --force to overwrite)")
 
 
+class RecordingFile:
+    """A file whose OS errors are remembered: a writer that catches one and raises its own
+    (torch's zip writer: "unexpected pos") still has its cause told (`raise_cause`)."""
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> Any:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.file.flush()
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def fileno(self) -> int:
+        # no descriptor: a writer that would write to it itself (torch's legacy format does)
+        # writes through `write` instead, where an OS error is seen
+        raise io.UnsupportedOperation("fileno")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.file, name)
+
+    def raise_cause(self, exc: BaseException) -> None:
+        """Raise the OS error behind `exc` (a writer's failure), if one was seen."""
+        cause = self.error or _os_error_in(exc)
+        if cause is not None and cause is not exc:
+            raise cause from None
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The first OSError among `exc`'s causes and contexts."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def write_file(path: str, write: Callable[[Any], None]) -> None:
+    """Create `path` (inside a temporary folder `atomic_folder` fills) from `write(fileobj)`,
+    an OS error behind a writer's own failure raised as that OS error."""
+    with open(path, "wb") as f:
+        recorder = RecordingFile(f)
+        try:
+            write(recorder)
+        except OSError:
+            raise
+        except Exception as exc:
+            recorder.raise_cause(exc)
+            raise
+
+
+def _cannot_write(output: str, exc: OSError) -> BnauditError:
+    """One line naming the output and the cause: no space, read-only, quota, too large."""
+    return BnauditError(f"cannot write {output}: {exc.strerror or exc}")
+
+
 def atomic_write(output: str, write: Callable[[Any], None], force: bool = False) -> None:
     """Create `output` from `write(fileobj)` all at once, or not at all.
 
@@ -63,7 +132,7 @@ def atomic_write(output: str, write: Callable[[Any], None], force: bool = False)
         fd = _open_unnamed(directory)
         if fd is not None:
             with os.fdopen(fd, "w+b") as f:
-                write(f)
+                _write_recorded(f, write)
                 f.flush()
                 os.fsync(f.fileno())
                 if not _name_unnamed(f.fileno(), output, directory, base, force):
@@ -76,7 +145,18 @@ def atomic_write(output: str, write: Callable[[Any], None], force: bool = False)
     except FileExistsError:
         raise BnauditError(f"{output}: already exists (pass --force to overwrite)") from None
     except OSError as exc:
-        raise BnauditError(f"cannot write {output}: {exc.strerror or exc}") from None
+        raise _cannot_write(output, exc) from None
+
+
+def _write_recorded(f: Any, write: Callable[[Any], None]) -> None:
+    recorder = RecordingFile(f)
+    try:
+        write(recorder)
+    except OSError:
+        raise
+    except Exception as exc:
+        recorder.raise_cause(exc)
+        raise
 
 
 def _copy_file(src: Any, dst: Any) -> None:
@@ -149,7 +229,7 @@ def _write_named(output: str, directory: str, base: str, force: bool, write: Cal
         os.umask(umask)
         os.chmod(temp, 0o666 & ~umask)
         with os.fdopen(fd, "w+b") as f:
-            write(f)
+            _write_recorded(f, write)
             f.flush()
             os.fsync(f.fileno())
         if force:
@@ -292,12 +372,20 @@ def atomic_folder(output: str, fill: Callable[[str], None], force: bool = False)
     try:
         temp = tempfile.mkdtemp(dir=directory, prefix=f"{_temporary_prefix(base)}{os.getpid()}-", suffix=".tmp")
     except OSError as exc:
-        raise BnauditError(f"cannot write {output}: {exc.strerror or exc}") from None
+        raise _cannot_write(output, exc) from None
     try:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(temp, 0o777 & ~umask)  # mkdtemp's 0700 is for the temporary name only
-        fill(temp)
+        try:
+            fill(temp)
+        except OSError:
+            raise
+        except Exception as exc:  # a writer's own error over an OS one (torch's, DCP's)
+            cause = _os_error_in(exc)
+            if cause is None:
+                raise
+            raise cause from None
         for name in os.listdir(temp):
             fd = os.open(os.path.join(temp, name), os.O_RDONLY)
             try:
@@ -324,7 +412,7 @@ def atomic_folder(output: str, fill: Callable[[str], None], force: bool = False)
         raise BnauditError(f"{output}: already exists (pass --force to overwrite)") from None
     except OSError as exc:
         shutil.rmtree(temp, ignore_errors=True)
-        raise BnauditError(f"cannot write {output}: {exc.strerror or exc}") from None
+        raise _cannot_write(output, exc) from None
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise

@@ -4,7 +4,7 @@ A Hugging Face Trainer `checkpoint-500/`, an accelerate or DeepSpeed folder, sit
 model next to optimizer and scheduler state, RNG state and pickled training arguments.
 Those are recognised, never audited and never an error:
 
-  by content   the object the restricted reader (formats/allowlist.py) rebuilt holds no
+  by content   the object the restricted reader (formats/unpickle.py) rebuilt holds no
                state dict and looks like `optimizer.state_dict()` (`state` +
                `param_groups`), an LR scheduler's (`last_epoch` + `base_lrs`), a GradScaler's,
                a DeepSpeed ZeRO partition (`optimizer_state_dict`), or RNG state (only
@@ -14,7 +14,8 @@ Those are recognised, never audited and never an error:
                project, e.g. a pickled `TrainingArguments`), the file name says what it is
                (`training_args.bin`, `rng_state_3.pth`, `zero_pp_rank_0_mp_rank_00_optim_states.pt`,
                ...) and the globals it would need are listed without running anything
-               (the opcodes of the zip's data.pkl or of a plain pickle, by pickletools).
+               (the restricted unpickler's inert scan of the zip's data.pkl or of the
+               file's pickles, `Mode.SCAN`).
 
 A file that is neither stays an error: nothing here ever unpickles beyond the
 restricted reader.
@@ -22,7 +23,6 @@ restricted reader.
 
 from __future__ import annotations
 
-import io
 import os
 import re
 from collections.abc import Mapping
@@ -257,38 +257,21 @@ def _needed_globals(path: str) -> list[str]:
 
 
 def _pickle_globals(data: bytes) -> list[str]:
-    """`module.name` of every GLOBAL / STACK_GLOBAL of the pickles at the start of `data`
-    (a legacy torch.save file is several pickles in a row, then raw storage bytes), by
-    reading opcodes only: pickletools never builds an object."""
+    """`module.name` of every global the pickles at the start of `data` name (a legacy
+    torch.save file is several pickles in a row, then raw storage bytes), read by the
+    restricted unpickler's inert scan: nothing named is imported or called."""
+    from bnaudit.formats.allowed import Mode, Refused
+    from bnaudit.formats.unpickle import unpickle
+
     found: list[str] = []
-    stream = io.BytesIO(data)
+    start = 0
     for i in range(5):
         try:
-            _scan_pickle(stream, found)
-        except Exception:
+            scanned = unpickle(data, Mode.SCAN, start=start)
+        except Refused:
             if i == 0:
                 raise
             break  # the raw storage bytes after a legacy file's pickles
+        found += scanned.stand_ins
+        start = scanned.end
     return list(dict.fromkeys(found))
-
-
-def _scan_pickle(stream: io.BytesIO, found: list[str]) -> None:
-    import pickletools  # here: only files that may be training-run pickles are scanned
-
-    strings: list[Any] = []
-    memo: dict[Any, Any] = {}
-    for op, arg, _ in pickletools.genops(stream):
-        if op.name == "GLOBAL":
-            found.append(str(arg).replace(" ", "."))
-        elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
-            found.append(f"{strings[-2]}.{strings[-1]}")
-        elif isinstance(arg, str) and "UNICODE" in op.name:
-            strings.append(arg)
-        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
-            memo[arg] = strings[-1] if strings else None
-        elif op.name == "MEMOIZE":
-            memo[len(memo)] = strings[-1] if strings else None
-        elif op.name in ("GET", "BINGET", "LONG_BINGET") and isinstance(memo.get(arg), str):
-            strings.append(memo[arg])
-        if op.name == "STOP":
-            return

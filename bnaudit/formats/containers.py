@@ -19,7 +19,7 @@ from typing import Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import Averaging, Checkpoint, ModuleInfo, TensorRef, torch_ref
-from bnaudit.formats.pickled import PickledModule
+from bnaudit.formats.pickled import PickledModule, mapping_items, numpy_number
 from bnaudit.formats.provenance import MODULE_RECORD_ATTRIBUTE, RECORD_KEY, record_from_state_dict_metadata
 from bnaudit.normkinds import NormKind, classify
 from bnaudit.text import exception_line
@@ -71,7 +71,7 @@ def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str)
         except Exception as exc:  # attributes come from the file: a forged module breaks here
             raise BnauditError(f"{path}: malformed pickled module ({exception_line(exc, with_type=False)})") from None
     tensors: dict[str, TensorRef] = {}
-    for name, t in source.items():
+    for name, t in mapping_items(source):
         if isinstance(name, str):
             if isinstance(t, TensorRef):  # most of them: no further call to tell it
                 tensors[name] = t.renamed(name)
@@ -222,7 +222,7 @@ def _is_tensor_mapping(value: Any) -> bool:
         return False
     if not all(isinstance(k, str) for k in value):
         return False
-    n_tensors = sum(1 for v in value.values() if isinstance(v, TensorRef) or _is_tensor(v))
+    n_tensors = sum(1 for _, v in mapping_items(value) if isinstance(v, TensorRef) or _is_tensor(v))
     return n_tensors > 0 and n_tensors * 2 >= len(value)
 
 
@@ -245,7 +245,7 @@ def find_state_dicts(obj: Any, max_depth: int = 4) -> dict[str, Any]:
             continue
         children = [
             (v, f"{path}/{k}" if path else k, depth + 1)
-            for k, v in value.items()
+            for k, v in mapping_items(value)
             if isinstance(k, str) and k.lower() not in _SKIP_KEYS
         ]
         stack.extend(reversed(children))
@@ -329,7 +329,11 @@ def real_or_none(value: Any) -> float | None:
     The attributes of an unpickled or scripted module come from the file, so a
     string, a tensor or a numpy scalar can stand where a float belongs.
     """
-    # numbers.Real: numpy registers its scalar types there, so they pass without importing numpy
+    # numbers.Real: numpy registers its scalar types there, so they pass without importing numpy;
+    # a numpy scalar the restricted reader recorded is decoded from its bytes
+    recorded = numpy_number(value)
+    if recorded is not None:
+        value = recorded
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     try:

@@ -13,15 +13,16 @@
   __<rank>_<n>.distcp     the chunks: each a whole torch.save zip of that chunk's tensor
                           at bytes [offset, offset + length)
 
-`.metadata` goes through the stand-in unpickler (formats/standins.py) with `_allowed`
-giving bnaudit's own inert records for DCP's dataclasses, torch.Size, dtypes, layouts,
-memory-format codes and pathlib paths and nothing else: no class named in the file is
-imported, and a pickle that calls anything outside that list is refused. Every record
+`.metadata` goes through the restricted unpickler (formats/unpickle.py) in
+`Mode.DCP_METADATA`: bnaudit's own inert records for DCP's dataclasses, torch.Size, dtypes,
+layouts, memory-format codes and pathlib paths and nothing else; no class named in the
+file is imported, and a pickle that calls anything outside that list is refused. Every record
 is validated before it is trusted: chunk files stay inside the folder (no absolute path,
 no `..`, no symlink out), each chunk's byte range fits its file, and a tensor's chunks lie
 inside it with volumes adding up to its size; when a tensor is read, its chunks must
 cover every element exactly once (FSDP2 shards parameters along dim 0 across ranks, so a
-BN weight is assembled from one chunk per rank; replicated buffers are saved once).
+BN weight is assembled from one chunk per rank; replicated buffers are saved once), and
+every chunk is read (its storage bounding its size) before the tensor is allocated.
 
 Only the tensors an audit reads are read, each chunk through the torch-free torch.save
 reader (formats/torchsave.py), which reads only the bytes of the elements asked for. The nested state dict (`model.`, `optim.`,
@@ -31,135 +32,27 @@ model part and skips optimizer state; `--key` names another part.
 
 from __future__ import annotations
 
+import itertools
 import math
-import ntpath
 import os
-import pickle
-import posixpath
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from bnaudit.errors import BnauditError
+from bnaudit.formats.allowed import CalledStandIn, Mode, Refused
 from bnaudit.formats.containers import checkpoint_from_object
-from bnaudit.formats.model import STORAGE_ITEMSIZE, Checkpoint, TensorRef
+from bnaudit.formats.model import Checkpoint, TensorRef
+from bnaudit.formats.pickled import Record, TorchValue, mapping_items
 from bnaudit.formats.provenance import RECORD_KEY
 from bnaudit.formats.sniff import DCP_METADATA
-from bnaudit.formats.standins import read_pickle_with_stand_ins, stand_ins_in
-from bnaudit.formats.torchsave import read_stored_tensor
+from bnaudit.formats.standins import stand_ins_in
+from bnaudit.formats.torchsave import read_stored, read_stored_tensor
+from bnaudit.formats.unpickle import unpickle
+from bnaudit.formats.views import ITEMSIZE
 
 # Real metadata files are kilobytes to tens of megabytes (a few records per tensor chunk).
 _MAX_METADATA_BYTES = 1 << 30
-
-
-class _Record:
-    """An instance of one of DCP's dataclasses as pickled data: BUILD's state kept as is
-    (a dict of fields; TensorProperties pickles a tuple), nothing of torch's class runs."""
-
-    kind = "?"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.state: Any = None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-
-_DCP = "torch.distributed.checkpoint."
-_RECORD_NAMES = {
-    **{
-        f"{_DCP}metadata.{name}": name
-        for name in (
-            "Metadata",
-            "TensorStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "BytesStorageMetadata",
-            "MetadataIndex",
-            "StorageMeta",
-        )
-    },
-    f"{_DCP}filesystem._StorageInfo": "_StorageInfo",
-}
-_RECORDS: dict[str, type[_Record]] = {
-    full: type(name, (_Record,), {"kind": name}) for full, name in _RECORD_NAMES.items()
-}
-
-
-@dataclass(frozen=True)
-class _DType:
-    name: str
-
-
-# torch's dtypes as `torch.<name>` globals (torch.dtype pickles by name).
-_DTYPE_NAMES = {
-    *STORAGE_ITEMSIZE,
-    "uint16",
-    "uint32",
-    "uint64",
-    "complex32",
-    "complex64",
-    "complex128",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-}
-
-
-def _size(dims: Any = ()) -> tuple[int, ...]:
-    """torch.Size's reduce: (torch.Size, (tuple(self),))."""
-    if not isinstance(dims, (tuple, list)) or not all(_is_count(d) for d in dims):
-        raise pickle.UnpicklingError(f"malformed torch.Size {str(dims)[:80]}")
-    return tuple(dims)
-
-
-def _path(*parts: Any) -> str:
-    """pathlib's reduce: (cls, parts); StorageMeta's checkpoint_id, kept as text only."""
-    if not all(isinstance(p, str) for p in parts):
-        raise pickle.UnpicklingError("malformed path")
-    return posixpath.join(*parts) if parts else ""
-
-
-def _windows_path(*parts: Any) -> str:
-    if not all(isinstance(p, str) for p in parts):
-        raise pickle.UnpicklingError("malformed path")
-    return ntpath.join(*parts) if parts else ""
-
-
-def _text(value: Any) -> str:
-    if not isinstance(value, str):
-        raise pickle.UnpicklingError("malformed layout")
-    return value
-
-
-def _code(value: Any) -> int:
-    if not _is_count(value):
-        raise pickle.UnpicklingError("malformed memory format")
-    return int(value)
-
-
-_FUNCTIONS: dict[str, Callable[..., Any]] = {
-    "torch.Size": _size,
-    "torch.serialization._get_layout": _text,  # layouts pickle as _get_layout("torch.strided")
-    f"{_DCP}metadata._MEM_FORMAT_ENCODING": _code,  # an Enum: (cls, (value,))
-    **{f"pathlib.{c}": _path for c in ("PosixPath", "PurePosixPath", "Path")},
-    **{f"pathlib.{c}": _windows_path for c in ("WindowsPath", "PureWindowsPath")},
-}
-
-
-def _allowed(name: str) -> Any | None:
-    """What the `.metadata` unpickler gets for a global: bnaudit's own stand-in for each
-    DCP record and torch value the format uses; None (a `StandIn`) for anything else."""
-    if name in _RECORDS:
-        return _RECORDS[name]
-    if name in _FUNCTIONS:
-        return _FUNCTIONS[name]
-    module, _, attr = name.rpartition(".")
-    if module == "torch" and attr in _DTYPE_NAMES:
-        return _DType(attr)
-    return None
 
 
 def _is_count(value: Any) -> TypeGuard[int]:
@@ -205,7 +98,7 @@ def _malformed(folder: str, what: str) -> BnauditError:
 
 
 def _fields(folder: str, record: Any, kind: str) -> dict[str, Any]:
-    if not isinstance(record, _Record) or record.kind != kind or not isinstance(record.state, dict):
+    if not isinstance(record, Record) or record.kind != kind or type(record.state) is not dict:
         raise _malformed(folder, f"expected {kind}, found {type(record).__name__}")
     return record.state
 
@@ -222,25 +115,28 @@ def read_dcp_layout(folder: str) -> DcpLayout:
     except OSError as exc:
         raise BnauditError(f"{path}: cannot open ({exc.strerror or exc})") from None
     try:
-        meta = read_pickle_with_stand_ins(path, data, _allowed)
-    except BnauditError as exc:  # --trust-pickle does not apply: nothing but these records is ever needed
-        reason = str(exc).split("; if you trust this file", 1)[0]
+        read = unpickle(data, Mode.DCP_METADATA)
+    except CalledStandIn as exc:  # --trust-pickle does not apply: nothing but these records is ever needed
         raise BnauditError(
-            f"{reason}; DCP's metadata holds only its own dataclasses, tensor sizes and dtypes"
+            f"{path}: refused to unpickle: it calls a global that could run code ({exc.name}); "
+            "DCP's metadata holds only its own dataclasses, tensor sizes and dtypes"
         ) from None
+    except Refused as exc:
+        raise BnauditError(f"{path}: cannot unpickle safely ({exc})") from None
+    meta = read.value
     found = stand_ins_in(getattr(meta, "state", None))
     if found:  # data only, but not the data DCP writes
         place, named = found[0]
         raise BnauditError(f"{path}: refused: {place} holds {named}, which DCP's metadata never holds")
     fields = _fields(folder, meta, "Metadata")
     storage = fields.get("storage_data")
-    if not isinstance(storage, dict):
+    if type(storage) is not dict:
         raise BnauditError(
             f"{folder}: {DCP_METADATA} has no file storage records (not written by torch's FileSystemWriter)"
         )
     where: dict[tuple[str, tuple[int, ...]], DcpChunk] = {}
     files: dict[str, int] = {}
-    for index, info in storage.items():
+    for index, info in dict.items(storage):
         key = _fields(folder, index, "MetadataIndex")
         stored = _fields(folder, info, "_StorageInfo")
         fqn, offsets = key.get("fqn"), key.get("offset")
@@ -270,14 +166,14 @@ def read_dcp_layout(folder: str) -> DcpLayout:
 def _tensors(
     folder: str, entries: Any, where: dict[tuple[str, tuple[int, ...]], DcpChunk]
 ) -> tuple[dict[str, DcpTensor], dict[str, DcpChunk]]:
-    if not isinstance(entries, dict):
+    if type(entries) is not dict:
         raise _malformed(folder, "no state_dict_metadata")
     tensors: dict[str, DcpTensor] = {}
     objects: dict[str, DcpChunk] = {}
-    for fqn, entry in entries.items():
+    for fqn, entry in dict.items(entries):
         if not isinstance(fqn, str):
             raise _malformed(folder, "a key that is not a name")
-        if isinstance(entry, _Record) and entry.kind == "BytesStorageMetadata":
+        if isinstance(entry, Record) and entry.kind == "BytesStorageMetadata":
             stored = where.get((fqn, ()))
             if stored is None:
                 raise BnauditError(f"{folder}: the object '{fqn}' has no storage record")
@@ -286,7 +182,7 @@ def _tensors(
         fields = _fields(folder, entry, "TensorStorageMetadata")
         shape, chunks = fields.get("size"), fields.get("chunks")
         dtype = _dtype_of(folder, fqn, fields.get("properties"))
-        if not isinstance(shape, tuple) or not isinstance(chunks, list):
+        if not (isinstance(shape, tuple) and all(_is_count(n) for n in shape)) or type(chunks) is not list:
             raise _malformed(folder, f"tensor record of '{fqn}'")
         placed = []
         volume = 0
@@ -294,7 +190,10 @@ def _tensors(
             c = _fields(folder, chunk, "ChunkStorageMetadata")
             offsets, sizes = c.get("offsets"), c.get("sizes")
             if not (
-                isinstance(offsets, tuple) and isinstance(sizes, tuple) and len(offsets) == len(sizes) == len(shape)
+                isinstance(offsets, tuple)
+                and isinstance(sizes, tuple)
+                and len(offsets) == len(sizes) == len(shape)
+                and all(_is_count(n) for n in offsets + sizes)
             ):
                 raise _malformed(folder, f"a chunk of '{fqn}'")
             if any(o + s > n for o, s, n in zip(offsets, sizes, shape)):
@@ -309,6 +208,10 @@ def _tensors(
                 f"{folder}: the chunks of '{fqn}' hold {volume} elements, its shape {list(shape)} "
                 f"{math.prod(shape)}: they do not tile it"
             )
+        ranges = sorted((c.file, c.start, c.start + c.length) for c in placed)
+        if any(a[0] == b[0] and b[1] < a[2] for a, b in itertools.pairwise(ranges)):
+            # each chunk's bytes bound its elements: shared bytes would let a few bytes claim any size
+            raise BnauditError(f"{folder}: two chunks of '{fqn}' share bytes of one file: they do not tile it")
         tensors[fqn] = DcpTensor(fqn, dtype, shape, tuple(placed))
     return tensors, objects
 
@@ -316,11 +219,11 @@ def _tensors(
 def _dtype_of(folder: str, fqn: str, properties: Any) -> str:
     """TensorProperties pickles (dtype, layout, requires_grad, memory format, pin_memory)
     through its __getstate__; older writers a dict of fields."""
-    if not isinstance(properties, _Record) or properties.kind != "TensorProperties":
+    if not isinstance(properties, Record) or properties.kind != "TensorProperties":
         raise _malformed(folder, f"properties of '{fqn}'")
     state = properties.state
-    dtype = state[0] if isinstance(state, tuple) and state else state.get("dtype") if isinstance(state, dict) else None
-    if not isinstance(dtype, _DType):
+    dtype = state[0] if isinstance(state, tuple) and state else state.get("dtype") if type(state) is dict else None
+    if not (isinstance(dtype, TorchValue) and dtype.kind == "dtype"):
         raise _malformed(folder, f"dtype of '{fqn}'")
     return dtype.name
 
@@ -328,10 +231,10 @@ def _dtype_of(folder: str, fqn: str, properties: Any) -> str:
 def _key_paths(folder: str, planner_data: Any) -> dict[str, tuple[str | int, ...]]:
     """fqn -> key path from the default planner's data; {} from another planner (the fqns
     are then the keys of one flat state dict)."""
-    if not isinstance(planner_data, dict):
+    if type(planner_data) is not dict:
         return {}
     paths: dict[str, tuple[str | int, ...]] = {}
-    for fqn, path in planner_data.items():
+    for fqn, path in dict.items(planner_data):
         if not (
             isinstance(fqn, str)
             and isinstance(path, tuple)
@@ -358,16 +261,17 @@ def _inside(folder: str, name: str) -> str:
     return joined
 
 
-def stored_bytes(folder: str, chunk: DcpChunk, what: str) -> bytes:
-    """The bytes a storage record points at (a torch.save blob), as written."""
+def stored_object(folder: str, chunk: DcpChunk, fqn: str) -> Any:
+    """The object a storage record points at (a pickled object: optimizer settings), read
+    by the restricted unpickler: tensors and plain data only."""
+    what = f"{folder}: object '{fqn}' in {chunk.file}"
     if chunk.transformed:
         raise BnauditError(f"{what}: written through a stream transform (compressed?): not supported")
-    with open(_inside(folder, chunk.file), "rb") as f:
-        f.seek(chunk.start)
-        blob = f.read(chunk.length)
-    if len(blob) != chunk.length:
-        raise BnauditError(f"{what}: truncated")
-    return blob
+    path = _inside(folder, chunk.file)
+    try:
+        return read_stored(path, chunk.start, chunk.length)
+    except BnauditError as exc:
+        raise BnauditError(f"{what}: {str(exc).removeprefix(f'{path}: ')}") from None
 
 
 def _read_chunk(folder: str, tensor: DcpTensor, chunk: DcpChunk) -> TensorRef:
@@ -388,18 +292,26 @@ def _read_chunk(folder: str, tensor: DcpTensor, chunk: DcpChunk) -> TensorRef:
         raise BnauditError(f"{what}: {str(exc).removeprefix(f'{path}: ')}") from None
     if ref.shape != chunk.sizes or ref.dtype != tensor.dtype:
         raise BnauditError(f"{what}: does not hold a {tensor.dtype} tensor of shape {list(chunk.sizes)}")
+    if math.prod(ref.shape) * ITEMSIZE.get(ref.dtype, 1) > chunk.length:
+        raise BnauditError(f"{what}: claims more elements than its {chunk.length} bytes hold")
     return ref
 
 
 def assemble(folder: str, tensor: DcpTensor) -> list[float]:
     """The whole tensor, flat row-major, from its chunks placed by offsets and sizes;
-    refused unless they cover every element exactly once."""
+    refused unless they cover every element exactly once. Every chunk is read first (each
+    bounded by the bytes its file holds), so the tensor is allocated only at a size its
+    chunks' contents give, never at the size `.metadata` alone claims."""
+    pieces = [(chunk, _read_chunk(folder, tensor, chunk).read()) for chunk in tensor.chunks]
     numel = math.prod(tensor.shape)
+    if sum(len(values) for _, values in pieces) != numel:
+        raise BnauditError(
+            f"{folder}: the chunks of '{tensor.fqn}' hold fewer elements than its shape: they do not tile it"
+        )
     strides = [math.prod(tensor.shape[d + 1 :]) for d in range(len(tensor.shape))]
     values: list[float] = [0.0] * numel
     covered = bytearray(numel)
-    for chunk in tensor.chunks:
-        chunk_values = _read_chunk(folder, tensor, chunk).read()
+    for chunk, chunk_values in pieces:
         index = [sum(o * s for o, s in zip(chunk.offsets, strides))]
         for extent, step in zip(chunk.sizes, strides):  # row-major: the last dimension varies fastest
             index = [base + i * step for base in index for i in range(extent)]
@@ -415,14 +327,19 @@ def assemble(folder: str, tensor: DcpTensor) -> list[float]:
 
 def assemble_torch(folder: str, tensor: DcpTensor) -> Any:
     """`assemble` as a torch tensor, each chunk copied into its region by torch (whole
-    weights for --arch and for writing back: no Python loop per element)."""
+    weights for --arch and for writing back: no Python loop per element); chunks read
+    and checked before the tensor is allocated, as there."""
     import torch
 
+    pieces = [(chunk, _read_chunk(folder, tensor, chunk).to_torch()) for chunk in tensor.chunks]
+    if sum(int(piece.numel()) for _, piece in pieces) != math.prod(tensor.shape):
+        raise BnauditError(
+            f"{folder}: the chunks of '{tensor.fqn}' hold fewer elements than its shape: they do not tile it"
+        )
     dtype = getattr(torch, tensor.dtype)
     out = torch.empty(tensor.shape, dtype=dtype)
     covered = torch.zeros(tensor.shape, dtype=torch.bool)
-    for chunk in tensor.chunks:
-        piece = _read_chunk(folder, tensor, chunk).to_torch()
+    for chunk, piece in pieces:
         region = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
         if bool(covered[region].any()):
             raise BnauditError(f"{folder}: chunks of '{tensor.fqn}' overlap: they do not tile it")
@@ -491,7 +408,7 @@ def _lists(node: Any) -> Any:
     by integers becomes the list DCP flattened, gaps None (as torch's unflatten does)."""
     if not isinstance(node, dict):
         return node
-    items = {k: _lists(v) for k, v in node.items()}
+    items = {k: _lists(v) for k, v in mapping_items(node)}
     if items and all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < 1_000_000 for k in items):
         return [items.get(i) for i in range(max(items) + 1)]
     return items

@@ -14,7 +14,8 @@ What `hf_hub_download` writes (huggingface_hub/file_download.py), under
 A repo is audited at the commit `refs/main` names (every snapshot with `--all-revisions`).
 A snapshot's symlinks are followed into the same repo's `blobs/` and no further: a link
 that resolves anywhere else is refused, as shard indexes and ONNX external data refuse
-links that leave their folder. `blobs/` itself must be a real folder of the repo.
+links that leave their folder. `blobs/`, `snapshots/` and each `snapshots/<commit>` must be
+real folders of the repo: a snapshot that is itself a link (to any folder) is refused.
 """
 
 from __future__ import annotations
@@ -102,9 +103,11 @@ def refs_of(repo_folder: str) -> dict[str, tuple[str, ...]]:
 def snapshots(repo_folder: str, all_revisions: bool = False) -> list[Snapshot]:
     """The snapshot `refs/main` names (every snapshot, main's first, with `all_revisions`).
     Without refs/main, a repo holding one snapshot is read at that one; several are an error
-    saying what to do."""
+    saying what to do. A `snapshots/` or chosen `snapshots/<commit>` that is a symlink is
+    refused (`check_snapshot`)."""
     repo_type, repo_id = _repo(repo_folder)
     refs = refs_of(repo_folder)
+    _check_real_folder(repo_folder, os.path.join(repo_folder, "snapshots"))
     try:
         present = sorted(d for d in os.listdir(os.path.join(repo_folder, "snapshots")) if not d.startswith("."))
     except OSError as exc:
@@ -123,7 +126,26 @@ def snapshots(repo_folder: str, all_revisions: bool = False) -> list[Snapshot]:
             f"{repo_folder}: no refs/main and {len(present)} snapshots: name one (snapshots/<commit>) "
             "or pass --all-revisions"
         )
-    return [Snapshot(repo_folder, repo_type, repo_id, c, refs.get(c, ())) for c in chosen]
+    found = [Snapshot(repo_folder, repo_type, repo_id, c, refs.get(c, ())) for c in chosen]
+    for snapshot in found:
+        check_snapshot(snapshot)
+    return found
+
+
+def _check_real_folder(repo_folder: str, folder: str) -> None:
+    if os.path.islink(folder):
+        relative = os.path.relpath(folder, repo_folder)
+        raise BnauditError(
+            f"{repo_folder}: {relative} is a symlink to {os.path.realpath(folder)}: refused "
+            "(a cache's links lead into its blobs/ only)"
+        )
+
+
+def check_snapshot(snapshot: Snapshot) -> None:
+    """Refuse a snapshot whose folder, or the repo's `snapshots/`, is a symlink: its files
+    would be reported as the hub's while they lie anywhere."""
+    _check_real_folder(snapshot.repo_folder, os.path.join(snapshot.repo_folder, "snapshots"))
+    _check_real_folder(snapshot.repo_folder, snapshot.folder)
 
 
 def snapshot_of(path: str) -> Snapshot | None:
@@ -158,7 +180,12 @@ def in_blobs(folder: str, real_target: str) -> bool:
 
 
 def check_link(path: str, snapshot: Snapshot) -> None:
-    """Refuse a file of a snapshot that resolves outside its snapshot and its repo's blobs/."""
+    """Refuse a file of a snapshot that resolves outside its snapshot and its repo's blobs/,
+    or that lies in a snapshot that is a symlink itself."""
+    try:
+        check_snapshot(snapshot)
+    except BnauditError as exc:
+        raise BnauditError(f"{path}: {str(exc).removeprefix(f'{snapshot.repo_folder}: ')}") from None
     real = os.path.realpath(path)
     folder = os.path.realpath(snapshot.folder)
     if os.path.commonpath([folder, real]) == folder or in_blobs(snapshot.folder, real):

@@ -1,230 +1,144 @@
-"""Legacy (pre-1.6) torch.save files, checked before torch reads them.
+"""Legacy (pre-1.6) torch.save files, read without torch in one pass over their pickles.
 
-torch's legacy loader allocates every storage at the size its pickle claims before it
-reads the bytes, so a tiny forged file can ask for terabytes. `check_legacy_claims`
-walks the file's pickles with inert classes (nothing named in the file is imported or
-called) and refuses it when the storages claim more bytes than follow the header. A
-plain pickle is reported as `NotTorchSave` with the globals it names; which of those
-would run code is decided by the allow-list (allowlist.py), not here.
+A legacy file is five pickles in a row, then the storages' bytes:
+
+  magic number, protocol version, sys info  plain data (`Mode.PLAIN`: no global at all);
+                                 sys info's `little_endian` gives the byte order
+  the object                     read in the caller's mode; each persistent id
+                                 ('storage', type, key, location, numel, view) makes a
+                                 storage of `numel` claimed elements, its place unknown yet
+                                 (a view, torch < 0.4: elements [offset, offset + size) of
+                                 its root storage)
+  the storage keys               plain data: the order in which the storages follow
+
+then, per key, an 8-byte element count in the file's byte order and the elements. torch's
+legacy loader allocates each storage at the size the pickle claims before it reads it: here
+the claims are checked against the bytes that follow first (their sum, then each count equal
+to its claim, as torch's loader checks, and inside the file), and only then are the storages
+placed; nothing is read until an audit asks for a tensor. A first pickle that is not the
+magic number is no torch.save file: `NotTorchSave` names the globals it would need (read by
+the same unpickler in `Mode.SCAN`, nothing run).
 """
 
 from __future__ import annotations
 
-import io
+import mmap
 import os
-import pickle
-from dataclasses import dataclass
-from typing import Any
+import tarfile
+from typing import Any, Literal
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.model import STORAGE_DTYPES, STORAGE_ITEMSIZE
-from bnaudit.text import exception_line
+from bnaudit.formats.allowed import Mode, Refused, Storages, torch_save_allows
+from bnaudit.formats.standins import unsafe_globals_error
+from bnaudit.formats.unpickle import Unpickled, unpickle
+from bnaudit.formats.views import ITEMSIZE, Storage, place_storage, storage_record
+from bnaudit.text import shown_value
 
 # torch.serialization.MAGIC_NUMBER: the first pickle of every legacy torch.save file.
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-
-
-class _Inert:
-    """Stands for every class a scanned pickle names: takes anything, does nothing."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> _Inert:
-        return object.__new__(cls)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-    def append(self, item: Any) -> None:
-        pass
-
-    def extend(self, items: Any) -> None:
-        pass
-
-
-@dataclass(frozen=True)
-class _StorageType:
-    dtype: str
-
-
-class _StrictReader:
-    """A file as a pickle reads it; asking for bytes past the end is a forged length.
-
-    pickle trusts the lengths in its opcodes and asks for that many bytes at once,
-    so a 2^32-byte string claimed by a tiny file would be allocated before the
-    short read is noticed.
-    """
-
-    def __init__(self, file: io.BufferedReader, size: int) -> None:
-        self.file, self.size = file, size
-
-    def read(self, n: int | None = -1) -> bytes:
-        remaining = self.size - self.file.tell()
-        if n is None or n < 0:
-            n = remaining
-        if n > remaining:
-            raise pickle.UnpicklingError(f"a record claims {n} bytes, only {remaining} remain")
-        return self.file.read(n)
-
-    def readinto(self, buffer: Any) -> int:
-        if len(buffer) > self.size - self.file.tell():
-            raise pickle.UnpicklingError("a record runs past the end of the file")
-        return self.file.readinto(buffer)
-
-    def readline(self) -> bytes:
-        return self.file.readline()
-
-
-class _LegacyScanner(pickle._Unpickler):  # the pure-Python unpickler: its memo is a dict
-    """Walks a legacy torch.save pickle with inert classes to collect its storage claims.
-
-    Nothing named in the file is imported or called: every global becomes `_Inert`
-    and every storage becomes a record of (key, bytes claimed).
-    """
-
-    def __init__(self, file: Any) -> None:
-        super().__init__(file)
-        self.claims: dict[str, int] = {}
-        self.dtypes: dict[str, str] = {}
-        self.globals: list[str] = []  # every global named, in order: a refusal names them
-
-    def find_class(self, module: str, name: str) -> Any:
-        self.globals.append(f"{module}.{name}")
-        if module == "torch" and name in STORAGE_DTYPES:
-            return _StorageType(STORAGE_DTYPES[name])
-        return _Inert
-
-    def persistent_load(self, pid: Any) -> Any:
-        if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
-            storage_type, key, numel = pid[1], pid[2], pid[4]
-            itemsize = STORAGE_ITEMSIZE.get(getattr(storage_type, "dtype", ""), 1)
-            if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
-                raise pickle.UnpicklingError(f"storage {key!r} has an invalid size {numel!r}")
-            self.claims[str(key)] = max(self.claims.get(str(key), 0), numel * itemsize)
-            self.dtypes[str(key)] = getattr(storage_type, "dtype", "")
-        return _Inert  # also stands for a class a ('module', ...) id names
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
 
 class NotTorchSave(BnauditError):
-    """A plain pickle where a legacy torch.save file was expected.
-
-    `globals` lists every global the pickle names, in order: the caller, which owns the
-    allow-list, says which of them would run code.
-    """
+    """A plain pickle where a legacy torch.save file was expected; `globals` lists every
+    global the pickle names, in order."""
 
     def __init__(self, path: str, globals_named: list[str]) -> None:
-        super().__init__(f"{path}: a pickle, but not one written by torch.save")
+        unsafe = [name for name in globals_named if not torch_save_allows(name)]
+        # say what it would have run, and what to do instead
+        refusal = str(unsafe_globals_error(path, unsafe)).removeprefix(f"{path}: ") if unsafe else ""
+        super().__init__(f"{path}: a pickle, but not one written by torch.save" + (f"; {refusal}" if refusal else ""))
         self.globals = globals_named
 
 
-def check_legacy_claims(path: str) -> None:
-    """Refuse a legacy torch.save file whose storages claim more bytes than it holds.
+class _LegacyStorages(Storages):
+    """Storages of a legacy file: made at their claimed size while the object is read,
+    placed once the storage keys say in which order they follow (`place`)."""
 
-    torch's legacy loader allocates each storage at the size the pickle claims
-    before it reads the data, so the claims are checked against the file first:
-    the storages' bytes (plus an 8-byte length each) must fit after the pickles.
-    """
-    import tarfile
+    def __init__(self, path: str, big_endian: bool) -> None:
+        self.path, self.big_endian = path, big_endian
+        self.roots: dict[str, Storage] = {}
+        self.views: list[tuple[Storage, Storage, int]] = []
 
+    def module(self, pid: tuple[Any, ...]) -> Any:
+        raise whole_model_refusal(self.path)
+
+    def storage(self, dtype: str, key: str, numel: int, view: Any) -> Storage:
+        root = self.roots.get(key)
+        if root is None:
+            root = self.roots[key] = storage_record(self.path, dtype, numel, -1)
+        elif root.dtype != dtype or root.numel != numel:
+            raise Refused(f"storage {shown_value(key, 40)} claimed twice, differently")
+        if view is None:
+            return root
+        if not (isinstance(view, tuple) and len(view) == 3 and isinstance(view[0], str)):
+            raise Refused(f"malformed storage view {shown_value(view)}")
+        _, offset, size = view
+        if not (type(offset) is int and type(size) is int and offset >= 0 and size >= 0 and offset + size <= numel):
+            raise Refused(f"storage view {shown_value(view)} runs past its storage")
+        part = storage_record(self.path, dtype, size, -1)
+        self.views.append((part, root, offset))
+        return part
+
+    def place(self, data: Any, keys: Any, position: int, size: int) -> None:
+        """Place every storage after the pickles, in the order of `keys`."""
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise BnauditError(f"{self.path}: damaged torch.save file (no storage list)")
+        claimed = sum(s.numel * ITEMSIZE[s.dtype] + 8 for s in self.roots.values())
+        if claimed > size - position:
+            raise BnauditError(
+                f"{self.path}: storages claim {claimed} bytes but only {size - position} follow the header: "
+                "truncated or forged file"
+            )
+        order: Literal["big", "little"] = "big" if self.big_endian else "little"
+        for key in keys:
+            root = self.roots.get(key)
+            if root is None or root.start != -1:
+                raise BnauditError(
+                    f"{self.path}: damaged torch.save file (storage {shown_value(key, 40)} listed but not used, or twice)"
+                )
+            count = int.from_bytes(bytes(data[position : position + 8]), order, signed=True)
+            if count != root.numel or position + 8 + count * ITEMSIZE[root.dtype] > size:
+                raise BnauditError(
+                    f"{self.path}: damaged torch.save file (storage {shown_value(key, 40)} holds {count} elements, "
+                    f"its pickle claims {root.numel})"
+                )
+            place_storage(root, position + 8)
+            position += 8 + count * ITEMSIZE[root.dtype]
+        unplaced = [k for k, s in self.roots.items() if s.start == -1]
+        if unplaced:
+            raise BnauditError(
+                f"{self.path}: damaged torch.save file (storage {shown_value(unplaced[0], 40)} has no data)"
+            )
+        for part, root, offset in self.views:
+            place_storage(part, root.start + offset * ITEMSIZE[root.dtype])  # type: ignore[operator]
+
+
+def read_legacy(path: str, mode: Mode) -> Unpickled:
+    """The object of a legacy torch.save file, read in `mode` (module docstring); `Refused`
+    for a pickle its mode refuses, `BnauditError` for a damaged or forged layout."""
     if tarfile.is_tarfile(path):  # torch < 0.4 tar format: read by a loader that trusts its sizes
         raise BnauditError(f"{path}: tar-format torch.save file (PyTorch < 0.4) is not supported")
     size = os.path.getsize(path)
-    try:
-        with open(path, "rb") as f:
-            reader = _StrictReader(f, size)
-            # Every pickle of the file goes through the scanner, the first one too:
-            # a plain pickle (not torch.save) puts its payload right there.
-            first = _LegacyScanner(reader)
-            if first.load() != _LEGACY_MAGIC:
-                raise NotTorchSave(path, first.globals)
-            for _ in range(2):  # protocol version, sys info
-                _LegacyScanner(reader).load()
-            scanner = _LegacyScanner(reader)
-            scanner.load()
-            keys = _LegacyScanner(reader).load()
-            data_size = size - f.tell()
-    except BnauditError:
-        raise
-    except Exception as exc:  # any parse failure of forged bytes
-        raise BnauditError(f"{path}: damaged torch.save file ({exception_line(exc, with_type=False)})") from None
-    if not isinstance(keys, list):
-        raise BnauditError(f"{path}: damaged torch.save file (no storage list)")
-    claimed = sum(scanner.claims.values()) + 8 * len(scanner.claims)
-    if claimed > data_size:
-        raise BnauditError(
-            f"{path}: storages claim {claimed} bytes but only {data_size} follow the header: truncated or forged file"
-        )
-
-
-@dataclass(frozen=True)
-class LegacyStorage:
-    """Where a storage of a legacy torch.save file lies: its elements start at byte
-    `offset` (after the 8-byte count), `numel` of them, of `dtype`."""
-
-    offset: int
-    dtype: str
-    numel: int
-
-    def __setstate__(self, state: Any) -> None:
-        # a pickle's BUILD would move the range read (frozen is no guard against it)
-        raise TypeError("a storage record takes no pickled state")
-
-
-@dataclass(frozen=True)
-class LegacyLayout:
-    """A legacy torch.save file taken apart without running it: the bytes of its main
-    pickle, its storages by key, and every global the main pickle names."""
-
-    pickle: bytes
-    storages: dict[str, LegacyStorage]
-    globals: list[str]
-    byteorder: str = "little"
-
-
-def legacy_layout(path: str) -> LegacyLayout:
-    """The layout of a legacy torch.save file whose claims `check_legacy_claims` accepts.
-
-    After the pickles come the storages in the order of the key list, each as an 8-byte
-    element count and that many elements, both in the byte order of the machine that
-    saved it (the sys info's `little_endian`); each count is checked against the claim
-    and the file's end.
-    """
-    check_legacy_claims(path)
-    size = os.path.getsize(path)
-    try:
-        with open(path, "rb") as f:
-            reader = _StrictReader(f, size)
-            for _ in range(2):  # magic, protocol version
-                _LegacyScanner(reader).load()
-            info = _LegacyScanner(reader).load()
-            big = isinstance(info, dict) and info.get("little_endian") is False
-            start = f.tell()
-            scanner = _LegacyScanner(reader)
-            scanner.load()
-            end = f.tell()
-            keys = _LegacyScanner(reader).load()
-            position = f.tell()
-            f.seek(start)
-            main = f.read(end - start)
-            storages: dict[str, LegacyStorage] = {}
-            for key in keys if isinstance(keys, list) else []:
-                f.seek(position)
-                count = int.from_bytes(f.read(8), "big" if big else "little", signed=True)
-                dtype = scanner.dtypes.get(str(key), "")
-                itemsize = STORAGE_ITEMSIZE.get(dtype, 0)
-                if count < 0 or itemsize == 0 or position + 8 + count * itemsize > size:
-                    raise BnauditError(f"{path}: damaged torch.save file (storage {str(key)[:40]!r} runs past the end)")
-                storages[str(key)] = LegacyStorage(position + 8, dtype, count)
-                position += 8 + count * itemsize
-    except BnauditError:
-        raise
-    except Exception as exc:  # any parse failure of forged bytes
-        raise BnauditError(f"{path}: damaged torch.save file ({exception_line(exc, with_type=False)})") from None
-    return LegacyLayout(main, storages, scanner.globals, "big" if big else "little")
+    if size == 0:
+        raise BnauditError(f"{path}: empty file")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        first = unpickle(data, Mode.SCAN)
+        if type(first.value) is not int or first.value != LEGACY_MAGIC:
+            raise NotTorchSave(path, list(first.stand_ins))
+        try:
+            version = unpickle(data, Mode.PLAIN, start=first.end)
+            info = unpickle(data, Mode.PLAIN, start=version.end)
+        except Refused as exc:
+            raise BnauditError(f"{path}: damaged torch.save file ({exc})") from None
+        big = isinstance(info.value, dict) and info.value.get("little_endian") is False
+        storages = _LegacyStorages(path, big)
+        main = unpickle(data, mode, storages, start=info.end)
+        try:
+            keys = unpickle(data, Mode.PLAIN, start=main.end)
+        except Refused as exc:
+            raise BnauditError(f"{path}: damaged torch.save file ({exc})") from None
+        storages.place(data, keys.value, keys.end, size)
+    return main
 
 
 def whole_model_refusal(path: str) -> BnauditError:

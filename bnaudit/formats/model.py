@@ -50,6 +50,9 @@ class TensorRef:
     # (offset, nbytes) of the raw little-endian, row-major bytes in the file the tensor was
     # read from, for readers that stream it in slices; None where they lie otherwise.
     location: tuple[int, int] | None = field(default=None, compare=False)
+    # The storage view a pickle rebuilt it from (formats/views.StorageView): a writer rebuilds
+    # the file's tensors over shared storages from it, as torch.load does; None elsewhere.
+    view: Any = field(default=None, repr=False, compare=False)
 
     def __setstate__(self, state: Any) -> None:
         # a pickle's BUILD would replace what reading returns (frozen is no guard against it)
@@ -108,14 +111,15 @@ def lazy_ref(
     reader: Callable[[], list[float]],
     to_torch: Callable[[], Any] | None = None,
     location: tuple[int, int] | None = None,
+    view: Any = None,
 ) -> TensorRef:
-    """`TensorRef(name, shape, dtype, reader, to_torch, location)`, its fields set without the
-    frozen __init__ (a third of the cost): a folder scan builds one for every tensor of every
-    file."""
+    """`TensorRef(name, shape, dtype, reader, to_torch, location, view)`, its fields set without
+    the frozen __init__ (a third of the cost): a folder scan builds one for every tensor of
+    every file."""
     new = _new(TensorRef)
     fields = new.__dict__
     fields["name"], fields["shape"], fields["dtype"] = name, shape, dtype
-    fields["_reader"], fields["_torch"], fields["location"] = reader, to_torch, location
+    fields["_reader"], fields["_torch"], fields["location"], fields["view"] = reader, to_torch, location, view
     return new
 
 
@@ -335,6 +339,27 @@ STORAGE_ITEMSIZE = {
     "bool": 1,
 }
 
+# Element types a torch.save file can also hold (complex, unsigned, float8, quantized): their
+# sizes bound a view like any other's; only torch decodes their values (`to_torch`).
+OTHER_ITEMSIZE = {
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "complex32": 4,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "qint8": 1,
+    "quint8": 1,
+    "qint32": 4,
+    "quint4x2": 1,
+    "quint2x4": 1,
+}
+
 
 STORAGE_DTYPES = {
     "FloatStorage": "float32",
@@ -347,4 +372,15 @@ STORAGE_DTYPES = {
     "CharStorage": "int8",
     "ByteStorage": "uint8",
     "BoolStorage": "bool",
+}
+
+# Storage classes of the element types in OTHER_ITEMSIZE (torch.save names them so).
+OTHER_STORAGE_DTYPES = {
+    "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+    "QInt8Storage": "qint8",
+    "QUInt8Storage": "quint8",
+    "QInt32Storage": "qint32",
+    "QUInt4x2Storage": "quint4x2",
+    "QUInt2x4Storage": "quint2x4",
 }

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.model import STORAGE_ITEMSIZE, TensorRef, decode_values
+from bnaudit.formats.model import EXPANDED_LIMIT, STORAGE_ITEMSIZE, TensorRef, claim_too_large, decode_values
 from bnaudit.formats.sniff import check_zip_sizes
-from bnaudit.text import exception_line
+from bnaudit.text import exception_line, shown_value
 
 ARCHIVE_FORMAT = "archive_format"
 MODELS_DIR = "models/"
@@ -232,12 +232,23 @@ def _strided_ref(
     offset_list = _ints([meta.get("storage_offset", {"as_int": 0})], "storage_offset", path, where)
     offset = offset_list[0]
     if len(sizes) != len(strides) or any(s < 0 for s in sizes) or any(t < 0 for t in strides) or offset < 0:
-        raise _fail(path, f"{where}: sizes {sizes}, strides {strides}, offset {offset} do not describe a tensor")
+        raise _fail(
+            path,
+            f"{where}: sizes {shown_value(sizes)}, strides {shown_value(strides)}, offset {offset} "
+            "do not describe a tensor",
+        )
     itemsize = STORAGE_ITEMSIZE[dtype]
     count = math.prod(sizes)
     if nbytes % itemsize:
         raise _fail(path, f"{where}: storage of {nbytes} bytes is not a whole number of {dtype} items")
     items = nbytes // itemsize
+    if claim_too_large(count, items):
+        # zero strides or an empty storage: decoding allocates the claim, bounded as torch.save's
+        raise _fail(
+            path,
+            f"{where}: sizes {shown_value(sizes)} claim {count} elements, but "
+            f"{member.split('/', 1)[-1]} holds {items} {dtype} items (at most {EXPANDED_LIMIT} may be expanded)",
+        )
     last = offset + sum((s - 1) * t for s, t in zip(sizes, strides)) if count else -1
     if nbytes == 0 and count:
         # torch.export.load makes zeros of an empty record (a fake tensor saved without data)
@@ -245,7 +256,7 @@ def _strided_ref(
     if last >= items:
         raise _fail(
             path,
-            f"{where}: sizes {sizes} x strides {strides} from offset {offset} reach item {last}, "
+            f"{where}: sizes {shown_value(sizes)} x strides {shown_value(strides)} from offset {offset} reach item {last}, "
             f"but {member.split('/', 1)[-1]} holds {items} {dtype} items",
         )
     shape = tuple(sizes)

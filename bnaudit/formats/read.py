@@ -3,15 +3,14 @@
 The one entry point for readers: sniff, dispatch to the format's reader, pick the
 state dict inside a container and strip wrapper prefixes. safetensors, TorchScript, torch.save
 files, torch.export (.pt2) archives and torch.distributed.checkpoint folders (formats/dcp.py)
-are read without torch (torch.save through
-formats/torchsave.py; torch.load only with --trust-pickle or for a file naming torch globals
-that reader does not rebuild), ONNX models with the `onnx` package (an optional extra).
+are read without torch (every pickle through the one restricted unpickler,
+formats/unpickle.py; torch.load only with --trust-pickle), ONNX models with the `onnx`
+package (an optional extra).
 """
 
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.classify import NotModelWeights, kind_from_object, kind_from_refusal
@@ -75,39 +74,26 @@ def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = Fals
 def _read_torch_save(
     path: str, fmt: str, key: str | None, trust_pickle: bool, opened: zipfile.ZipFile | None = None
 ) -> Checkpoint:
-    """A torch.save file (zip or legacy) through the allow-listed or stand-in unpickler."""
-    # here: the unpicklers (and pickletools, zipfile's machinery) cost about 8 ms of start-up
-    # that inspect of a safetensors file never needs
-    from bnaudit.formats.allowlist import load_torch_object
+    """A torch.save file (zip or legacy), read once by the restricted unpickler (torch.load
+    with --trust-pickle only)."""
+    # here: the unpickler (and zipfile's machinery) cost start-up that inspect of a
+    # safetensors file never needs
     from bnaudit.formats.standins import stand_ins_in, with_stand_ins_checked
 
-    def load(numpy_declined: list[str] | None) -> Any:
+    if trust_pickle:
+        from bnaudit.formats.torchobjects import load_torch_save
+
+        obj = load_torch_save(path, fmt, trust_pickle=True)
+    else:
+        from bnaudit.formats.torchsave import read_torch_save
+
         try:
-            return load_torch_object(
-                path,
-                trust_pickle=trust_pickle,
-                mmap=fmt == "torch-zip",
-                stand_ins=True,
-                opened=opened,
-                numpy_declined=numpy_declined,
-            )
+            obj = read_torch_save(path, fmt == "torch-legacy", opened=opened).value
         except BnauditError:
-            what = None if trust_pickle else kind_from_refusal(path)
+            what = kind_from_refusal(path)
             if what is None:
                 raise
             raise NotModelWeights(path, what) from None
-
-    # numpy (~60 ms to import) only where its values are read. A file without a state dict
-    # is told apart by its keys and name alone, so its numpy objects (a Trainer's
-    # rng_state.pth holds numpy's RNG state) need not be rebuilt; anything else is read again
-    # with numpy, exactly as if it had been allowed from the start.
-    declined: list[str] | None = None if trust_pickle or "numpy" in sys.modules else []
-    try:
-        obj = load(declined)
-    except BnauditError:  # NotModelWeights included
-        if not declined:
-            raise
-        declined, obj = None, load(None)
 
     # Pickled training arguments are known by their name and the classes the pickle names
     # (left as stand-ins): asked only where the file is not plainly a model.
@@ -119,9 +105,6 @@ def _read_torch_save(
         what = by_name() or kind_from_object(path, obj)
         if what is not None:
             raise NotModelWeights(path, what)
-    if declined:
-        obj = load(None)
-        candidates = find_state_dicts(obj)
     try:
         ckpt = with_stand_ins_checked(path, obj, lambda: checkpoint_from_object(path, fmt, obj, key, candidates))
     except NotModelWeights:

@@ -179,10 +179,19 @@ def _shard_tensors(shard: str, trust_pickle: bool) -> tuple[str, dict[str, Tenso
         return (fmt, *read_safetensors(shard))
     if fmt not in ("torch-zip", "torch-legacy"):
         raise BnauditError(f"{shard}: a {fmt} file cannot be a shard")
-    # here: the unpicklers cost start-up that safetensors shards never need
-    from bnaudit.formats.allowlist import load_torch_object
+    # here: the unpickler costs start-up that safetensors shards never need
+    if trust_pickle:
+        from bnaudit.formats.torchobjects import load_torch_save
 
-    obj = load_torch_object(shard, trust_pickle=trust_pickle, mmap=fmt == "torch-zip", lazy=True)
+        obj = load_torch_save(shard, fmt, trust_pickle=True)
+    else:
+        from bnaudit.formats.standins import unsafe_globals_error
+        from bnaudit.formats.torchsave import read_torch_save
+
+        read = read_torch_save(shard, fmt == "torch-legacy")
+        if read.stand_ins:  # a shard is a plain state dict: nothing else to skip
+            raise unsafe_globals_error(shard, list(read.stand_ins))
+        obj = read.value
     candidates = find_state_dicts(obj)
     if "" not in candidates:
         raise BnauditError(f"{shard}: a shard must be a plain state dict (name -> tensor)")

@@ -2,8 +2,9 @@
 
 A `Storage` is where a storage's elements lie (a byte range of the file, or a compressed zip
 record); `lazy_tensor` is a view (offset, size, stride) of one as a `TensorRef`, checked
-against the storage when built and read only when asked (formats/torchsave.py builds one for
-every tensor of a file, and an audit reads only its BN buffers).
+against the storage when built and read only when asked (formats/unpickle.py builds one for
+every tensor of a file, and an audit reads only its BN buffers). Each keeps its
+`StorageView`, from which a writer rebuilds torch tensors over shared storages.
 """
 
 from __future__ import annotations
@@ -15,10 +16,20 @@ import os
 import pickle
 import zipfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.model import STORAGE_ITEMSIZE, TensorRef, claim_too_large, decode_values, lazy_ref
+from bnaudit.formats.model import (
+    OTHER_ITEMSIZE,
+    STORAGE_ITEMSIZE,
+    TensorRef,
+    claim_too_large,
+    decode_values,
+    lazy_ref,
+)
+from bnaudit.formats.safetensors import is_count
+
+ITEMSIZE = {**STORAGE_ITEMSIZE, **OTHER_ITEMSIZE}
 
 
 @dataclass(frozen=True)
@@ -32,13 +43,9 @@ class Storage:
     start: int | None
     entry: str | None = None
 
-    def __setstate__(self, state: Any) -> None:
-        # C pickle's BUILD would rewrite path and extent (frozen is no guard against it)
-        raise TypeError("a storage record takes no pickled state")
-
     def read(self, first: int, count: int) -> bytearray:
         """The raw bytes of elements [first, first + count)."""
-        size = STORAGE_ITEMSIZE[self.dtype]
+        size = ITEMSIZE[self.dtype]
         length = count * size
         if not length:
             return bytearray()
@@ -84,8 +91,60 @@ def _swapped(raw: bytearray, itemsize: int) -> bytearray:
     return out
 
 
+def place_storage(storage: Storage, start: int) -> None:
+    """Set where a legacy file's storage lies, known only once every pickle of the file is
+    read (its storages follow them in the order of the last one): the one field a `Storage`
+    gets after it is built, before any tensor over it is read."""
+    storage.__dict__["start"] = start
+
+
+class StorageView(NamedTuple):
+    """How a pickle rebuilt a tensor: the view (offset, size, stride) of `storage`, its
+    elements big-endian or not, `requires_grad`, and whether it was an `nn.Parameter`."""
+
+    storage: Storage
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    big_endian: bool
+    requires_grad: bool = False
+    parameter: bool = False
+
+
+def check_tensor_record(storage: Any, offset: Any, size: Any, stride: Any, storage_type: type = object) -> None:
+    """A pickled tensor record (storage, offset, size, stride) of well-formed types:
+    checked before anything is read, since a negative or mismatched stride would read
+    outside the storage."""
+    if not (
+        isinstance(storage, storage_type)
+        and is_count(offset)
+        and isinstance(size, tuple)
+        and isinstance(stride, tuple)
+        and len(size) == len(stride)
+        and _all_counts(size + stride)
+    ):
+        raise pickle.UnpicklingError("malformed tensor record")
+
+
+_INT = {int}
+
+
+def _all_counts(values: tuple[Any, ...]) -> bool:
+    """`is_count` of every value: a folder scan checks thousands of sizes and strides, so
+    plain ints (all a pickle gives) are checked by type and minimum at C speed; anything
+    else, one by one."""
+    if set(map(type, values)) <= _INT:
+        return not values or min(values) >= 0
+    return all(is_count(x) for x in values)
+
+
 def lazy_tensor(
-    storage: Storage, offset: int, size: tuple[int, ...], stride: tuple[int, ...], big_endian: bool
+    storage: Storage,
+    offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    big_endian: bool,
+    requires_grad: bool = False,
 ) -> TensorRef:
     """The view (offset, size, stride) of `storage`, read lazily.
 
@@ -95,6 +154,7 @@ def lazy_tensor(
     (`x.expand(n)`), up to `model.EXPANDED_LIMIT` (decoding allocates the claim). Values
     come out row-major.
     """
+    check_tensor_record(storage, offset, size, stride, Storage)
     # at C speed where it can be (a folder scan builds thousands of these):
     # span = 1 + sum((size_k - 1) * stride_k)
     numel = math.prod(size)
@@ -104,16 +164,52 @@ def lazy_tensor(
     if offset + span > storage.numel:
         raise pickle.UnpicklingError("tensor view runs past its storage")
     view = (storage, offset, span, size, stride, big_endian)
+    record = StorageView(storage, offset, size, stride, big_endian, requires_grad is True)
     # no `location`: data files are streamed through their own reader (runtime/data.py)
     return lazy_ref(
-        "", tuple(size), storage.dtype, functools.partial(_view_values, *view), functools.partial(_view_tensor, *view)
+        "",
+        size,
+        storage.dtype,
+        functools.partial(_view_values, *view),
+        functools.partial(_view_tensor, *view),
+        None,
+        record,
     )
+
+
+def as_parameter(ref: TensorRef, requires_grad: Any) -> TensorRef:
+    """`ref` as an `nn.Parameter` was pickled (`_rebuild_parameter`): the same tensor to an
+    audit, a Parameter to a writer."""
+    if not isinstance(ref, TensorRef) or ref.view is None:
+        raise pickle.UnpicklingError("a parameter of something that is not a tensor")
+    new = ref.renamed(ref.name)
+    new.__dict__["view"] = ref.view._replace(parameter=True, requires_grad=requires_grad is True)
+    return new
+
+
+def contiguous_start(ref: TensorRef) -> int | None:
+    """The file offset of `ref`'s first element when its storage lies uncompressed in the
+    file and the view is laid out in C order (row i is then a plain byte range); else None."""
+    view = ref.view
+    if not isinstance(view, StorageView) or view.storage.start is None or view.big_endian:
+        return None
+    step = 1
+    for extent, st in zip(reversed(view.size), reversed(view.stride)):
+        if extent > 1 and st != step:
+            return None
+        step *= extent
+    return view.storage.start + view.offset * ITEMSIZE[view.storage.dtype]
+
+
+def storage_bytes(storage: Storage, big_endian: bool) -> bytearray:
+    """Every element of `storage` as little-endian bytes (a writer's whole storage)."""
+    return _view_bytes(storage, 0, storage.numel, big_endian)
 
 
 def _view_bytes(storage: Storage, offset: int, span: int, big_endian: bool) -> bytearray:
     """The little-endian bytes of the `span` storage elements a view spans from `offset`."""
     data = storage.read(offset, span)
-    itemsize = STORAGE_ITEMSIZE[storage.dtype]
+    itemsize = ITEMSIZE[storage.dtype]
     return _swapped(data, itemsize) if big_endian and itemsize > 1 else data
 
 

@@ -17,14 +17,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.allowlist import load_torch_object
-from bnaudit.formats.atomic import atomic_folder, atomic_write, check_folder_output, check_output
+from bnaudit.formats.atomic import atomic_folder, atomic_write, check_folder_output, check_output, write_file
 from bnaudit.formats.classify import SCANNED_NAMES
 from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.provenance import MODULE_RECORD_ATTRIBUTE, RECORD_KEY, RecalibrationRecord, statistics_digest
 from bnaudit.formats.safetensors import SAFETENSORS_DTYPE_CODES
 from bnaudit.formats.shards import ShardIndex, is_index, read_index
 from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES, sniff_format
+from bnaudit.formats.torchobjects import load_torch_save, torch_objects
 from bnaudit.formats.torchscript import RECORD_EXTRA_FILE
 from bnaudit.text import exception_line, plural
 
@@ -107,7 +107,7 @@ def save_like(
 
             torch.save(obj, f)
     elif ckpt.format in ("torch-zip", "torch-legacy"):
-        obj = load_torch_object(ckpt.path, trust_pickle=trust_pickle, mmap=ckpt.format == "torch-zip")
+        obj = load_torch_save(ckpt.path, ckpt.format, trust_pickle=trust_pickle)
         _apply_to_container(ckpt, obj, prepared)
         if target == "safetensors":
             tensors = _state_dict_at(obj, ckpt.key)
@@ -153,27 +153,24 @@ def _write_dcp_like(ckpt: Checkpoint, prepared: dict[str, Any], record: str | No
     (no process group: `no_dist`), every tensor and object of the input (optimizer state
     included) under its own key path, the updated buffers replaced; DCP reshards it on
     load, so FSDP or DDP models of any world size `dcp.load` it. Pickled objects are read
-    back with `torch.load(weights_only=True)` (plain data) or the write is refused. The
+    back by the restricted unpickler (tensors and plain data) or the write is refused. The
     provenance goes into `bnaudit.json` beside DCP's files (DCP reads only what its
     metadata names). Built in a temporary folder and renamed (`atomic_folder`)."""
-    import io
     import warnings
 
-    import torch
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    from bnaudit.formats.dcp import RECORD_FILE, nested_state_dict, read_dcp_layout, stored_bytes, tensor_ref
+    from bnaudit.formats.dcp import RECORD_FILE, nested_state_dict, read_dcp_layout, stored_object, tensor_ref
 
     layout = read_dcp_layout(ckpt.path)
     values: dict[str, Any] = {fqn: tensor_ref(layout.folder, t).to_torch() for fqn, t in layout.tensors.items()}
     for fqn, chunk in layout.objects.items():
-        blob = stored_bytes(layout.folder, chunk, f"{ckpt.path}: object '{fqn}'")
         try:
-            values[fqn] = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        except Exception as exc:
+            values[fqn] = torch_objects(stored_object(layout.folder, chunk, fqn), ckpt.path)
+        except BnauditError as exc:
             raise BnauditError(
                 f"{ckpt.path}: cannot be written back: the object '{fqn}' is not plain data "
-                f"({exception_line(exc, with_type=False)})"
+                f"({str(exc).split(': ', 1)[-1]})"
             ) from None
     state = nested_state_dict(layout, values)
     target = state
@@ -246,7 +243,7 @@ def check_writable(ckpt: Checkpoint, output: str, trust_pickle: bool = False) ->
             f"{output}: a safetensors file cannot hold the pickled nn.Module of {ckpt.path} (only its "
             "tensors); write a torch file (.pt), or save model.state_dict() first"
         )
-    obj = load_torch_object(ckpt.path, trust_pickle=trust_pickle, mmap=ckpt.format == "torch-zip")
+    obj = load_torch_save(ckpt.path, ckpt.format, trust_pickle=trust_pickle)
     misfits = []
     parts = ckpt.key.split("/") if ckpt.key else []
     node = obj
@@ -491,10 +488,11 @@ def _rewrite_torch_shard(shard: str, updates: Mapping[str, Any], target: str, tr
     import torch
 
     fmt = sniff_format(shard)
-    state = load_torch_object(shard, trust_pickle=trust_pickle, mmap=fmt == "torch-zip")
+    state = load_torch_save(shard, fmt, trust_pickle=trust_pickle)
     for name, value in updates.items():
         state[name] = value.to(state[name].device)  # a new tensor: the loaded one maps the input
-    torch.save(state, target, _use_new_zipfile_serialization=fmt == "torch-zip")
+    # through a Python file: an OS error (no space, quota) is then named, not torch's own
+    write_file(target, lambda f: torch.save(state, f, _use_new_zipfile_serialization=fmt == "torch-zip"))
 
 
 def _companions(folder: str, index: ShardIndex) -> list[str]:

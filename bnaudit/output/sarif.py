@@ -53,12 +53,15 @@ def _artifact_location(path: str, base: str) -> dict[str, str]:
     where = location(path, base)  # the CI formats' path, as a URI
     if os.path.isabs(where):
         return {"uri": Path(where).as_uri()}
-    return {"uri": quote(where, safe="/"), "uriBaseId": "%SRCROOT%"}
+    # the path's own bytes, percent-encoded: a file name that is not UTF-8 (kept by
+    # surrogateescape) is a valid URI of exactly that file
+    return {"uri": quote(os.fsencode(where), safe="/"), "uriBaseId": "%SRCROOT%"}
 
 
 def _fingerprint(finding: Finding, uri: str) -> str:
     key = "\0".join((finding.code, uri, finding.layer or ""))
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
+    # a layer name may hold a lone surrogate (a pickle allows one): hashed as it is, not refused
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def rule_descriptor(code: str, overrides: Mapping[str, str] | None = None) -> dict[str, Any]:

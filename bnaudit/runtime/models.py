@@ -42,7 +42,6 @@ from bnaudit.audit.layers import ModuleFacts, facts_from_module_infos
 from bnaudit.audit.producers import BNCall, Producers, producers_from_calls, producers_from_names
 from bnaudit.audit.resolve import model_checkpoint
 from bnaudit.errors import BnauditError
-from bnaudit.formats.allowlist import load_torch_object
 from bnaudit.formats.containers import (
     choose_state_dict,
     find_state_dicts,
@@ -53,6 +52,7 @@ from bnaudit.formats.model import Checkpoint, torch_ref
 from bnaudit.formats.read import read_checkpoint
 from bnaudit.formats.shards import is_index
 from bnaudit.formats.sniff import sniff_format
+from bnaudit.formats.torchobjects import load_torch_save
 from bnaudit.runtime.norms import batchnorm_modules, is_batchnorm
 from bnaudit.runtime.safetensors_files import read_checkpoint_tensors
 from bnaudit.text import exception_line, plural
@@ -428,10 +428,10 @@ def _load_pickled_module(path: str, fmt: str, key: str | None, trust_pickle: boo
         cwd = os.getcwd()
         if cwd not in sys.path and "" not in sys.path:
             sys.path.insert(0, cwd)  # the pickled classes are imported by module name
-    obj = load_torch_object(
+    obj = load_torch_save(
         path,
+        fmt,
         trust_pickle=trust_pickle,
-        mmap=fmt == "torch-zip",
         hint=(
             "unpickling a class runs code from the file: save model.state_dict() (as .safetensors, the format "
             "that holds no code) and pass --arch MODULE:CALLABLE to build the model"

@@ -6,7 +6,7 @@ sample by sample (or a batch at a time from tensor files). Batching is `bnaudit.
                      BMP or WebP read with Pillow, values scaled to [0, 1]; `--image-size N`
                      resizes the shorter side to N and center-crops N x N, `--grayscale` gives
                      one channel (default RGB), `--mean`/`--std` normalise (x - mean) / std
-  a tensor file      `.safetensors`, or `.pt` loaded with weights_only, holding `inputs`
+  a tensor file      `.safetensors`, or `.pt` (tensors and plain containers only), holding `inputs`
                      (N, ...) and optionally `labels` (N,) integer class indices
   a numpy file      `.npy` (inputs only, no labels), or `.npz` holding `inputs`/`labels`,
                      `x`/`y`, or a single array (inputs, no labels); never unpickled
@@ -37,10 +37,13 @@ import numpy as np
 import torch
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.allowlist import load_torch_object
-from bnaudit.formats.model import read_into
+from bnaudit.formats.allowed import Mode
+from bnaudit.formats.model import TensorRef, read_into
+from bnaudit.formats.pickled import mapping_items
 from bnaudit.formats.sniff import sniff_format
-from bnaudit.formats.torchscript import stored_tensors
+from bnaudit.formats.torchobjects import torch_objects
+from bnaudit.formats.torchsave import read_torch_save
+from bnaudit.formats.views import contiguous_start
 from bnaudit.runtime.models import exit_message, import_callable
 from bnaudit.runtime.numpy_files import StoredRows, open_numpy
 from bnaudit.runtime.safetensors_files import SafetensorsRows, open_safetensors
@@ -423,7 +426,7 @@ def _integer_dtype(dtype: Any) -> bool:
 
 def _open_torch_tensors(path: str, fmt: str) -> dict[str, Any]:
     try:
-        obj = load_torch_object(path, trust_pickle=False, mmap=fmt == "torch-zip")
+        obj = read_torch_save(path, fmt == "torch-legacy", Mode.TENSORS).value
     except BnauditError as exc:
         text = str(exc)
         if "refused to unpickle" not in text:
@@ -437,19 +440,17 @@ def _open_torch_tensors(path: str, fmt: str) -> dict[str, Any]:
         ) from None
     if not isinstance(obj, Mapping):
         raise BnauditError(f"{path}: holds a {type(obj).__name__}, not a dict with 'inputs' (and 'labels')")
-    tensors: dict[str, torch.Tensor | FileRows] = {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
-    inputs = tensors.get("inputs")
-    if fmt == "torch-zip" and inputs is not None:
-        # torch.load(mmap=True) maps the file, and every page of it that a batch touches
-        # stays resident: read the inputs batch by batch instead, where they lie as plain rows
-        where = stored_tensors(path).get("inputs")
-        if (
-            where is not None
-            and where.start is not None
-            and where.shape == tuple(inputs.shape)
-            and where.dtype == str(inputs.dtype).removeprefix("torch.")
-        ):
-            tensors["inputs"] = FileRows(path, where.start, where.dtype, where.shape)
+    tensors: dict[str, torch.Tensor | FileRows] = {}
+    for key, value in mapping_items(obj):
+        if not isinstance(value, TensorRef):
+            continue
+        start = contiguous_start(value) if key == "inputs" else None
+        if start is not None:
+            # the inputs are read batch by batch where they lie as plain rows: a batch costs
+            # its own bytes, whatever the file's size
+            tensors["inputs"] = FileRows(path, start, value.dtype, value.shape)
+        else:
+            tensors[str(key)] = torch_objects(value, path)
     return tensors
 
 

@@ -19,7 +19,15 @@ from dataclasses import dataclass
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.classify import SCANNED_NAMES
-from bnaudit.formats.hfcache import HubSource, Snapshot, check_link, is_repo_folder, snapshot_of, snapshots
+from bnaudit.formats.hfcache import (
+    HubSource,
+    Snapshot,
+    check_link,
+    check_snapshot,
+    is_repo_folder,
+    snapshot_of,
+    snapshots,
+)
 from bnaudit.formats.shards import is_index, series_members
 from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES, is_dcp_folder
 
@@ -118,6 +126,11 @@ def _snapshot_files(chosen: list[Snapshot], named: bool) -> list[Target]:
     found: list[Target] = []
     seen: dict[frozenset[str], int] = {}
     for snapshot in chosen:
+        try:
+            check_snapshot(snapshot)  # a snapshot folder that is a link: one line, none of its files
+        except BnauditError as exc:
+            found.append(Target(snapshot.folder, named, str(exc).removeprefix(f"{snapshot.repo_folder}: ")))
+            continue
         paths: list[str] = []
         for root, dirs, files in os.walk(snapshot.folder):
             dirs.sort()
