@@ -283,9 +283,7 @@ NOT_FOR_INSPECT = (
     "bnaudit.formats.torchscript",
     "bnaudit.formats.onnx",
     "bnaudit.output.json",
-    "statistics",
-    "decimal",
-    "fractions",
+    "statistics",  # (decimal, fractions and random come with rich.table, which inspect draws with)
     "zipfile",
 )
 # Not needed to list the rules: no checkpoint is read, nothing audited.
