@@ -148,20 +148,7 @@ def diff_command(
                 raise BnauditError(f"--arch applies to a checkpoint against its ONNX export: {path_b} is not ONNX")
             options = None
             if data is not None:  # the samples in file order, read in the main process
-                options = data_options(
-                    data=data,
-                    dataset=None,
-                    batch_size=batch_size,
-                    num_samples=num_samples,
-                    seed=0,
-                    no_shuffle=True,
-                    workers=0,
-                    image_size=None,
-                    grayscale=False,
-                    mean=None,
-                    std=None,
-                    skip_bad=False,
-                )
+                options = data_options(data=data, batch_size=batch_size, num_samples=num_samples, no_shuffle=True)
             spec = ModelSpec(path_a, arch=arch, arch_kwargs=arch_kwargs, key=key_a, trust_pickle=trust_pickle)
             report = diff_export(spec, path_b, config, options)
         else:

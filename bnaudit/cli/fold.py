@@ -35,6 +35,7 @@ from bnaudit.cli.options import (
     WorkersOpt,
     code_list,
     data_options,
+    data_parameters,
 )
 from bnaudit.errors import BnauditError
 from bnaudit.normkinds import DEFAULT_EPS
@@ -93,6 +94,7 @@ def fold_command(
 ) -> None:
     """Predict what folding BN into its producer, then int8, fp16 and bf16, do to each channel;
     with --data (and --arch), measure it."""
+    data_args = data_parameters(locals())  # before any other local: the command's own arguments
     from bnaudit.audit.fold.predict import predict_fold
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
@@ -124,20 +126,7 @@ def fold_command(
             from bnaudit.runtime.fold import measure_fold
             from bnaudit.runtime.models import ModelSpec
 
-            options = data_options(
-                data=data,
-                dataset=dataset,
-                batch_size=batch_size,
-                num_samples=num_samples,
-                seed=seed,
-                no_shuffle=no_shuffle,
-                workers=workers,
-                image_size=image_size,
-                grayscale=grayscale,
-                mean=mean,
-                std=std,
-                skip_bad=skip_bad,
-            )
+            options = data_options(**data_args)
             spec = ModelSpec(
                 path, arch=arch, arch_kwargs=arch_kwargs, key=key, trust_pickle=trust_pickle, forward=forward
             )

@@ -39,6 +39,7 @@ from bnaudit.cli.options import (
     TrustPickleOpt,
     WorkersOpt,
     data_options,
+    data_parameters,
 )
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ def gap(
     debug: DebugOpt = False,
 ) -> None:
     """Measure the train-mode vs eval-mode gap on data and find the BN layer responsible."""
+    data_args = data_parameters(locals())  # before any other local: the command's own arguments
 
     def measure(options: DataOptions, config: Any, progress: Any) -> Any:
         from bnaudit.runtime.gap import measure_gap
@@ -119,20 +121,6 @@ def gap(
             fail_on=fail_on.value if fail_on else None,
         )
 
-    data_args = dict(
-        data=data,
-        dataset=dataset,
-        batch_size=batch_size,
-        num_samples=num_samples,
-        seed=seed,
-        no_shuffle=no_shuffle,
-        workers=workers,
-        image_size=image_size,
-        grayscale=grayscale,
-        mean=mean,
-        std=std,
-        skip_bad=skip_bad,
-    )
     settings = ConfigSettings(config_file, isolated, exit_zero)
     raise typer.Exit(_measure_and_emit("gap", measure, data_args, settings, device, output_format, quiet, debug))
 
@@ -240,6 +228,7 @@ def invariance(
     debug: DebugOpt = False,
 ) -> None:
     """Test whether a prediction depends on the other samples in its batch, and find where."""
+    data_args = data_parameters(locals())  # before any other local: the command's own arguments
 
     def measure(options: DataOptions, config: Any, progress: Any) -> Any:
         from bnaudit.runtime.invariance import measure_invariance, parse_batch_sizes
@@ -263,19 +252,5 @@ def invariance(
             fail_on=fail_on.value if fail_on else None,
         )
 
-    data_args = dict(
-        data=data,
-        dataset=dataset,
-        batch_size=batch_size,
-        num_samples=num_samples,
-        seed=seed,
-        no_shuffle=no_shuffle,
-        workers=workers,
-        image_size=image_size,
-        grayscale=grayscale,
-        mean=mean,
-        std=std,
-        skip_bad=skip_bad,
-    )
     settings = ConfigSettings(config_file, isolated, exit_zero)
     raise typer.Exit(_measure_and_emit("invariance", measure, data_args, settings, device, output_format, quiet, debug))

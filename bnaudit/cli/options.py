@@ -3,8 +3,9 @@ the data options into the `DataOptions` the core functions take."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -191,20 +192,43 @@ SkipBadOpt = Annotated[
 ]
 
 
+# The parameters of the data options, named as every command that reads data names them.
+DATA_PARAMETERS = (
+    "data",
+    "dataset",
+    "batch_size",
+    "num_samples",
+    "seed",
+    "no_shuffle",
+    "workers",
+    "image_size",
+    "grayscale",
+    "mean",
+    "std",
+    "skip_bad",
+)
+
+
+def data_parameters(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A command's data parameters, picked from its arguments (`locals()` at its start): the
+    commands share these options, and build their `DataOptions` from them once."""
+    return {name: values[name] for name in DATA_PARAMETERS if name in values}
+
+
 def data_options(
     *,
     data: str | None,
-    dataset: str | None,
-    batch_size: int,
-    num_samples: int | None,
-    seed: int,
-    no_shuffle: bool,
-    workers: int,
-    image_size: int | None,
-    grayscale: bool,
-    mean: str | None,
-    std: str | None,
-    skip_bad: bool,
+    dataset: str | None = None,
+    batch_size: int = 64,
+    num_samples: int | None = None,
+    seed: int = 0,
+    no_shuffle: bool = False,
+    workers: int = 0,
+    image_size: int | None = None,
+    grayscale: bool = False,
+    mean: str | None = None,
+    std: str | None = None,
+    skip_bad: bool = False,
 ) -> DataOptions:
     """The CLI's data options as a `bnaudit.runtime.data.DataOptions` (the core function
     that reads the data validates them)."""

@@ -36,6 +36,7 @@ from bnaudit.cli.options import (
     TrustPickleOpt,
     WorkersOpt,
     data_options,
+    data_parameters,
 )
 
 
@@ -122,6 +123,7 @@ def recalibrate(
     debug: DebugOpt = False,
 ) -> None:
     """Re-estimate BatchNorm running statistics on data and write a new checkpoint safely."""
+    data_args = data_parameters(locals())  # before any other local: the command's own arguments
     import dataclasses
 
     from bnaudit.audit.rules import accepted_codes
@@ -138,20 +140,7 @@ def recalibrate(
         output.emit_warning(message, sys.stderr)
 
     with user_errors(debug, json_output and printing):
-        options = data_options(
-            data=data,
-            dataset=dataset,
-            batch_size=batch_size,
-            num_samples=num_samples,
-            seed=seed,
-            no_shuffle=no_shuffle,
-            workers=workers,
-            image_size=image_size,
-            grayscale=grayscale,
-            mean=mean,
-            std=std,
-            skip_bad=skip_bad,
-        )
+        options = data_options(**data_args)
         held_out = None if eval_data is None else dataclasses.replace(options, path=eval_data, dataset=None)
         # The inspect findings of the --eval-data gap reports follow the project's configuration.
         config = load_config(config_file=config_file, isolated=isolated, rule_codes=accepted_codes())
