@@ -98,14 +98,7 @@ def write_file(path: str, write: Callable[[Any], None]) -> None:
     """Create `path` (inside a temporary folder `atomic_folder` fills) from `write(fileobj)`,
     an OS error behind a writer's own failure raised as that OS error."""
     with open(path, "wb") as f:
-        recorder = RecordingFile(f)
-        try:
-            write(recorder)
-        except OSError:
-            raise
-        except Exception as exc:
-            recorder.raise_cause(exc)
-            raise
+        _write_recorded(f, write)
 
 
 def _cannot_write(output: str, exc: OSError) -> BnauditError:
@@ -149,6 +142,8 @@ def atomic_write(output: str, write: Callable[[Any], None], force: bool = False)
 
 
 def _write_recorded(f: Any, write: Callable[[Any], None]) -> None:
+    """`write(f)` through a RecordingFile: a writer's own failure whose cause was an OS error
+    (a library that wraps it, torch's "unexpected pos") is raised as that OS error."""
     recorder = RecordingFile(f)
     try:
         write(recorder)
