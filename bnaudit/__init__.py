@@ -12,6 +12,8 @@ Public API (the CLI is a thin layer over it):
     bnaudit.recalibrate_module(model, batches, method="exact") -> Calibration   (an nn.Module in place)
     bnaudit.predict_fold(path, config) -> FoldReport        (folding, int8, fp16, bf16: predicted)
     bnaudit.measure_fold(checkpoint, DataOptions(path=...), config, arch=...) -> FoldReport  (and measured)
+
+inspect, diff, predict_fold and Config need no torch; the others need the `torch` extra.
 """
 
 from __future__ import annotations
@@ -55,6 +57,15 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
+        from bnaudit.errors import missing_dependency
+
         module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as exc:
+            # the names that run a model need the torch extra: say so, as the CLI does
+            message = missing_dependency(exc)
+            if message is None:
+                raise
+            raise ModuleNotFoundError(f"bnaudit.{name}: {message}", name=exc.name) from exc
     raise AttributeError(f"module 'bnaudit' has no attribute {name!r}")

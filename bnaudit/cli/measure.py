@@ -165,10 +165,11 @@ def _measure_and_emit(
     """
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
-    from bnaudit.runtime.distributed import prints, torchrun
-    from bnaudit.runtime.models import resolve_device
 
     json_output = output_format is Format.json
+    with user_errors(debug, json_output):  # torch absent: its one line (and no torchrun ranks)
+        from bnaudit.runtime.distributed import prints, torchrun
+        from bnaudit.runtime.models import resolve_device
     printing = prints()
     with user_errors(debug, json_output and printing):
         options = data_options(*data_args)

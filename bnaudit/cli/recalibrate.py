@@ -126,10 +126,11 @@ def recalibrate(
 
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
-    from bnaudit.runtime.distributed import prints
-    from bnaudit.runtime.recalibrate.command import recalibrate_checkpoint
 
     json_output = output_format is Format.json
+    with user_errors(debug, json_output):  # torch absent: its one line (and no torchrun ranks)
+        from bnaudit.runtime.distributed import prints
+        from bnaudit.runtime.recalibrate.command import recalibrate_checkpoint
     # under torchrun every rank runs this; rank 0 alone reports, errors included in JSON
     printing = prints()
 
