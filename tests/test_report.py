@@ -21,6 +21,8 @@ from rich.text import Text
 
 from bnaudit.output import grid as report
 
+pytestmark = pytest.mark.torchfree  # runs without torch (conftest.py)
+
 NAMES = [
     "bn",
     "layer1.0.bn1",
