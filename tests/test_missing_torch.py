@@ -35,9 +35,16 @@ JSON_FORMAT = {"gap", "invariance", "recalibrate", "fold-data", "inspect-arch", 
 
 
 def hide(monkeypatch, *packages: str) -> None:
-    """`import PACKAGE` raises ModuleNotFoundError(name=PACKAGE) until the test ends."""
-    for name in list(sys.modules):
-        if name.startswith("bnaudit.runtime") or name.split(".")[0] in packages:
+    """`import PACKAGE` (and of its modules) raises ModuleNotFoundError(name=PACKAGE) until
+    the test ends. Its modules stay where they are in sys.modules: their order decides the
+    order of the interpreter's clean-up at exit."""
+    loaded = dict(sys.modules)
+    for name in loaded:
+        if name.startswith("bnaudit.runtime"):
+            parent, _, child = name.rpartition(".")
+            if hasattr(loaded[parent], child):
+                # an import while hidden binds a new module to its parent: the old one comes back
+                monkeypatch.setattr(loaded[parent], child, getattr(loaded[parent], child))
             monkeypatch.delitem(sys.modules, name)
     for package in packages:
         monkeypatch.setitem(sys.modules, package, None)
