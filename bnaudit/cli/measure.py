@@ -167,7 +167,8 @@ def _measure_and_emit(
     from bnaudit.config import load_config
 
     json_output = output_format is Format.json
-    with user_errors(debug, json_output):  # torch absent: its one line (and no torchrun ranks)
+    # runtime/ needs torch: its absence is said here, by any process (no torchrun without torch)
+    with user_errors(debug, json_output):
         from bnaudit.runtime.distributed import prints, torchrun
         from bnaudit.runtime.models import resolve_device
     printing = prints()

@@ -128,7 +128,8 @@ def recalibrate(
     from bnaudit.config import load_config
 
     json_output = output_format is Format.json
-    with user_errors(debug, json_output):  # torch absent: its one line (and no torchrun ranks)
+    # runtime/ needs torch: its absence is said here, by any process (no torchrun without torch)
+    with user_errors(debug, json_output):
         from bnaudit.runtime.distributed import prints
         from bnaudit.runtime.recalibrate.command import recalibrate_checkpoint
     # under torchrun every rank runs this; rank 0 alone reports, errors included in JSON
