@@ -16,6 +16,8 @@ Public API (the CLI is a thin layer over it):
 
 A `ModelSpec` names the model a measuring command runs (checkpoint, arch, arch_kwargs, key,
 trust_pickle, forward, device); a checkpoint path alone stands for `ModelSpec(path)`.
+
+inspect, diff, predict_fold and Config need no torch; the others need the `torch` extra.
 """
 
 from __future__ import annotations
@@ -61,6 +63,15 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
+        from bnaudit.errors import missing_dependency
+
         module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as exc:
+            # the names that run a model need the torch extra: say so, as the CLI does
+            message = missing_dependency(exc)
+            if message is None:
+                raise
+            raise ModuleNotFoundError(f"bnaudit.{name}: {message}", name=exc.name) from exc
     raise AttributeError(f"module 'bnaudit' has no attribute {name!r}")

@@ -6,9 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 from bnaudit.audit.rules import ALIASES, RULES
+
+pytestmark = pytest.mark.torchfree  # runs without torch (conftest.py)
 
 MODULES = ("checkpoint", "graph", "diff", "export")
 

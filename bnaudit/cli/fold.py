@@ -103,8 +103,9 @@ def fold_command(
     measuring = data is not None or dataset is not None
     printing = True
     if measuring:  # under torchrun rank 0 alone prints (errors too): the runner says which
-        from bnaudit.runtime.distributed import prints
-
+        # runtime/ needs torch: its absence is said here, by any process (no torchrun without torch)
+        with user_errors(debug, json_output):
+            from bnaudit.runtime.distributed import prints
         printing = prints()
     with user_errors(debug, json_output and printing):
         overrides = {

@@ -157,10 +157,12 @@ def _measure_and_emit(
     """
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
-    from bnaudit.runtime.distributed import prints, torchrun
-    from bnaudit.runtime.models import resolve_device
 
     json_output = output_format is Format.json
+    # runtime/ needs torch: its absence is said here, by any process (no torchrun without torch)
+    with user_errors(debug, json_output):
+        from bnaudit.runtime.distributed import prints, torchrun
+        from bnaudit.runtime.models import resolve_device
     printing = prints()
     with user_errors(debug, json_output and printing):
         options = data_options(**data_args)  # the data options, built once

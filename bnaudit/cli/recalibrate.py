@@ -128,11 +128,13 @@ def recalibrate(
 
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
-    from bnaudit.runtime.distributed import prints
-    from bnaudit.runtime.models import ModelSpec
-    from bnaudit.runtime.recalibrate.command import recalibrate_checkpoint
 
     json_output = output_format is Format.json
+    # runtime/ needs torch: its absence is said here, by any process (no torchrun without torch)
+    with user_errors(debug, json_output):
+        from bnaudit.runtime.distributed import prints
+        from bnaudit.runtime.models import ModelSpec
+        from bnaudit.runtime.recalibrate.command import recalibrate_checkpoint
     # under torchrun every rank runs this; rank 0 alone reports, errors included in JSON
     printing = prints()
 
