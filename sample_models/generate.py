@@ -38,8 +38,10 @@ A federated round (issue #36): `federated/` holds two clients (client1.safetenso
 the digits 0-4 of the calibration split, client2.safetensors on 5-9, a few Adam steps each from
 the healthy weights; their data as client1_data.safetensors and client2_data.safetensors) and
 the server's global.safetensors, every state-dict entry averaged as floats (averaged BN
-statistics, float num_batches_tracked). `--fed-only` rewrites just these from
-healthy.safetensors and the calibration data.
+statistics, float num_batches_tracked), and the clients' statistics files of the global
+weights on their data (client1.bnstats, client2.bnstats: `bnaudit recalibrate --stats-out`, so
+bnaudit must be importable). `--fed-only` rewrites just these from healthy.safetensors and the
+calibration data.
 
 torch.export archives (issue #23): `pt2/eval.pt2` (the healthy model exported with
 torch.export.export from model.eval() and saved with torch.export.save: aten.batch_norm nodes
@@ -622,6 +624,27 @@ def write_federated_samples(healthy: dict[str, torch.Tensor], x, y, folder: str)
         {name: value.float().contiguous() for name, value in averaged.items()},
         os.path.join(folder, "global.safetensors"),
     )
+    write_client_statistics(folder)
+
+
+def write_client_statistics(folder: str) -> None:
+    """The exact fix's first half, as each client runs it: `bnaudit recalibrate --stats-out` of
+    the global weights on the client's own data (client1.bnstats, client2.bnstats)."""
+    import subprocess
+
+    repo = os.path.dirname(HERE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
+    here = os.path.relpath(folder, repo)  # the files record the data's path: the same on every machine
+    for k in (1, 2):
+        subprocess.run(
+            [
+                sys.executable, "-m", "bnaudit", "recalibrate", os.path.join(here, "global.safetensors"),
+                "--arch", os.path.join(os.path.relpath(HERE, repo), "digits_net.py") + ":digits_net",
+                "--data", os.path.join(here, f"client{k}_data.safetensors"),
+                "--stats-out", os.path.join(here, f"client{k}.bnstats"), "--force", "-q",
+            ],
+            check=True, env=env, cwd=repo, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
 
 
 def write_image_folder(x, y, root: str, per_class: int) -> None:

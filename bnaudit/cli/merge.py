@@ -9,7 +9,7 @@ import typer
 
 from bnaudit import output
 from bnaudit.cli.boundary import frozen_imports, user_errors
-from bnaudit.cli.options import ConfigOpt, DebugOpt, Format, FormatOpt, IsolatedOpt, KeyOpt, QuietOpt, TrustPickleOpt
+from bnaudit.cli.options import ConfigOpt, DebugOpt, Format, FormatOpt, IsolatedOpt, KeyOpt, TrustPickleOpt
 
 
 def merge_command(
@@ -44,7 +44,7 @@ def merge_command(
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
     output_format: FormatOpt = Format.table,
-    quiet: QuietOpt = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No table of the files and none of the layers.")] = False,
     debug: DebugOpt = False,
 ) -> None:
     """Merge statistics files exactly (Chan's formulas) and write the checkpoint with the merged statistics."""

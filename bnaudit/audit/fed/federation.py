@@ -93,7 +93,7 @@ def fix_commands(global_path: str) -> tuple[str, ...]:
     """The exact fix: every client's statistics under the global weights, merged."""
     stem, suffix = os.path.splitext(os.path.basename(global_path))
     return (
-        f"at client k: bnaudit recalibrate {global_path} --arch MODULE:CALLABLE --data LOCAL_DATA "
+        f"each client k: bnaudit recalibrate {global_path} --arch MODULE:CALLABLE --data LOCAL_DATA "
         "--stats-out client-k.bnstats",
-        f"then: bnaudit merge client-*.bnstats --checkpoint {global_path} -o {stem}.merged{suffix or '.pt'}",
+        f"the server: bnaudit merge client-*.bnstats --checkpoint {global_path} -o {stem}.merged{suffix or '.pt'}",
     )

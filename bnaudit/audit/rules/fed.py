@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from bnaudit.audit.rules.registry import RULES, Finding, rule, three_digits
+from bnaudit.audit.rules.registry import RULES, Finding, rule
 from bnaudit.severity import Severity
 
 if TYPE_CHECKING:  # `bnaudit fed` builds them; registering the rules needs none of it
@@ -78,13 +78,12 @@ def _check_averaged(ctx: FedContext) -> Iterator[Finding]:
     r = RULES["BN302"]
     for layer in ctx.layers:
         if layer.kind == "averaged":
-            fraction = layer.understated_fraction or 0.0
+            fraction = (layer.understated_fraction or 0.0) * 100
             yield r.finding(
                 Severity.WARNING,
                 layer.name,
-                f"running_var is {_weights(layer.weighting)} of the clients' variances: it understates the pooled "
-                f"variance by the between-client term, up to {fraction:.1%} of it (mean "
-                f"{three_digits(layer.understated_mean or 0.0)})",
+                f"running_var is {_weights(layer.weighting)} of the clients' variances: it lacks the "
+                f"between-client term, up to {fraction:.2g}% of the pooled variance",
             )
 
 

@@ -1,12 +1,21 @@
-"""The fed table: the global checkpoint and its clients, one row per BN layer with its class
-and what it means, the findings, and the commands of the exact fix."""
+"""The fed table: the global checkpoint and its clients, one row per BN layer with its class,
+the codes of its findings and what they mean (the layer table is the findings' table; -q
+prints the findings table instead), then the commands of the exact fix."""
 
 from __future__ import annotations
 
 import os
 from typing import TYPE_CHECKING
 
-from bnaudit.output.table.common import SEVERITY_STYLE, Column, Row, cell, g3, print_findings, print_fitted
+from bnaudit.output.table.common import (
+    SEVERITY_STYLE,
+    Column,
+    Row,
+    cell,
+    indented,
+    print_findings,
+    print_fitted,
+)
 from bnaudit.text import plural
 
 if TYPE_CHECKING:
@@ -29,8 +38,14 @@ _COLUMNS = (
     Column("layer", name=True),
     Column("C", "right", drop=1),
     Column("statistics", "left"),
+    Column("finding", "left"),
     Column("how", "left", wrap=True),
 )
+
+
+def percent_of(fraction: float | None) -> str:
+    """A share in percent with two significant digits (0.012%, 9.6%)."""
+    return f"{(fraction or 0.0) * 100:.2g}%"
 
 
 def _weights(layer: FedLayer) -> str:
@@ -44,55 +59,67 @@ def _weights(layer: FedLayer) -> str:
 
 def _how(layer: FedLayer, clients: tuple[str, ...]) -> str:
     if layer.kind == "copied" and layer.client is not None:
-        return f"client {layer.client + 1}'s, bit for bit ({os.path.basename(clients[layer.client])})"
-    if layer.kind == "averaged":
-        return (
-            f"{_weights(layer)} of mean and var: var understated by up to {(layer.understated_fraction or 0):.1%} "
-            f"(between-client term, mean {g3(layer.understated_mean)})"
+        how = f"client {layer.client + 1}'s, bit for bit ({os.path.basename(clients[layer.client])})"
+    elif layer.kind == "averaged":
+        how = (
+            f"{_weights(layer)}: var lacks the between-client term, up to {percent_of(layer.understated_fraction)} "
+            "of the pooled variance"
         )
-    if layer.kind == "pooled":
-        return f"{_weights(layer)}, between-client term included"
-    if layer.kind == "initial":
-        return "0 and 1: never aggregated"
-    if layer.kind == "recalibrated":
-        return "bnaudit recalibrate/merge record matches"
-    return layer.reason
+    elif layer.kind == "pooled":
+        how = f"{_weights(layer)}, between-client term included"
+    elif layer.kind == "initial":
+        how = "0 and 1: never aggregated"
+    elif layer.kind == "recalibrated":
+        how = "its bnaudit recalibrate/merge record matches"
+    else:
+        how = layer.reason
+    counter = layer.counter
+    if counter is not None:
+        how += f"; counter {counter.dtype} {counter.value:g}"
+    return how
 
 
 def render_fed(report: FedReport, console: Console, quiet: bool = False) -> None:
-    """The report: the files, the layer table (unless quiet), the findings, the fix."""
+    """The report: the files, the layer table (quiet: the findings table), the fix."""
     from rich.text import Text
 
     title = cell(report.path, style="bold")
-    title.append(f"  ({report.format}), {plural(len(report.clients), 'client')}", style="dim")
+    title.append(f"  ({report.format}) against {plural(len(report.clients), 'client')}", style="dim")
     console.print(title)
     for i, client in enumerate(report.clients):
         counts = f"  (counts: {report.statistics[i]})" if report.statistics else ""
         console.print(cell(f"client {i + 1}: {client}{counts}", style="dim"))
     console.print()
-    if not quiet:
+    if quiet:
+        if report.findings:
+            print_findings(console, list(report.findings), context=[layer.name for layer in report.layers])
+            console.print()
+    else:
+        codes: dict[str, list[str]] = {}
+        for finding in report.findings:
+            if finding.layer is not None:
+                codes.setdefault(finding.layer, []).append(finding.code)
         rows = [
             Row(
                 (
                     layer.name,
                     str(layer.channels),
                     cell(layer.kind, style=_STYLE[layer.kind]),
+                    cell(", ".join(codes.get(layer.name, [])) or "-"),
                     cell(_how(layer, report.clients)),
                 )
             )
             for layer in report.layers
         ]
-        print_fitted(console, _COLUMNS, rows, "BN statistics of the global model")
-        console.print()
-    if report.findings:
-        print_findings(console, list(report.findings), context=[layer.name for layer in report.layers])
+        print_fitted(console, _COLUMNS, rows, None)
         console.print()
     summary = report.summary()
     kinds = ", ".join(
         f"{summary[k]} {k}" for k in ("pooled", "recalibrated", "averaged", "copied", "initial", "other") if summary[k]
     )
-    console.print(Text(f"{plural(len(report.layers), 'layer')}: {kinds}", style="bold"))
+    findings = f"{summary['errors']} errors, {summary['warnings']} warnings, {summary['infos']} infos"
+    console.print(Text(f"{plural(len(report.layers), 'BN layer')}: {kinds}; {findings}", style="bold"))
     if report.fix:
-        console.print(Text("fix (exact statistics of the union, no data moved):", style="bold"))
+        console.print(Text("fix: the exact statistics of the clients' union, no data moved", style="bold"))
         for line in report.fix:
-            console.print(cell(f"  {line}"))
+            console.print(indented(line, style=""))

@@ -186,14 +186,13 @@ _FILE_COLUMNS = (
 
 
 def render_merge(report: MergeReport, console: Console, quiet: bool = False) -> None:
-    """Rich rendering of `bnaudit merge`: the files merged, the per-layer drift of the old and
-    the new statistics against the merged ones, what was written."""
-    title = cell(f"{plural(len(report.files), 'statistics file')}", style="bold")
+    """Rich rendering of `bnaudit merge`: the files merged and the per-layer drift of the old
+    and the new statistics against the merged ones (not with `quiet`), what was written."""
+    title = cell(f"{report.checkpoint} + {plural(len(report.files), 'statistics file')}", style="bold")
     title.append(" -> ", style="dim")
     title.append(printable(report.output), style="bold green")
     title.append(printable(f"  ({source_words(report.format, report.key, report.prefix)})"), style="dim")
     console.print(title)
-    console.print(cell(f"checkpoint: {report.checkpoint}", style="dim"))
     for data in dict.fromkeys(f.data for f in report.files):
         console.print(cell(f"data: {data}", style="dim"))
     console.print(
@@ -203,10 +202,12 @@ def render_merge(report: MergeReport, console: Console, quiet: bool = False) -> 
         )
     )
     console.print()
-    rows = [Row((f.path, f.shard or "all", str(f.samples), str(f.batches), str(f.world_size))) for f in report.files]
-    print_fitted(console, _FILE_COLUMNS, rows, None)
-    console.print()
     if not quiet:
+        rows = [
+            Row((f.path, f.shard or "all", str(f.samples), str(f.batches), str(f.world_size))) for f in report.files
+        ]
+        print_fitted(console, _FILE_COLUMNS, rows, None)
+        console.print()
         _layers_table(report, console, "per-layer drift against the merged statistics: old -> new statistics")
         console.print()
     files = plural(len(report.files), "statistics file")

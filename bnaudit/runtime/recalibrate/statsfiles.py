@@ -196,8 +196,8 @@ def _check_shards(files: Sequence[StatisticsFile]) -> list[str]:
             if b_range[0] < a_range[1]:
                 what = "the same shard twice" if a_range == b_range else "overlapping shards"
                 raise BnauditError(
-                    f"{b_path} (shard {b_shard or 'all'}) and {a_path} (shard {a_shard or 'all'}): {what} of "
-                    f"{data}: batches {b_range[0]}..{min(a_range[1], b_range[1]) - 1} counted twice"
+                    f"{b_path} ({_covers(b_shard)}) and {a_path} ({_covers(a_shard)}): {what} of {data}: batches "
+                    f"{b_range[0]}..{min(a_range[1], b_range[1]) - 1} counted twice"
                 )
         covered = sum(end - start for (start, end), _, _ in spans)
         total = group[0].plan_batches
@@ -207,6 +207,10 @@ def _check_shards(files: Sequence[StatisticsFile]) -> list[str]:
                 "others out"
             )
     return warnings
+
+
+def _covers(shard: Shard | None) -> str:
+    return "the whole data" if shard is None else f"shard {shard}"
 
 
 def _plan_words(stats: StatisticsFile) -> str:
