@@ -127,3 +127,14 @@ def test_shard_numbers_are_torchrun_ranks() -> None:
     for text in ("1/1", "-1/2", "1/0", "1", "a/b", "1/2/3", "٣/4"):
         with pytest.raises(BnauditError, match="--shard"):
             parse_shard(text)
+
+
+def test_inspect_and_merge_name_a_statistics_file_given_as_a_checkpoint(tmp_path: Path) -> None:
+    from bnaudit.api import inspect
+    from bnaudit.formats.classify import NotModelWeights
+    from bnaudit.formats.read import read_checkpoint
+
+    path = write(tmp_path / "x.bnstats", values(np.arange(24.0).reshape(8, 3)), metadata())
+    assert "a bnaudit statistics file" in inspect([path]).files[0].skipped
+    with pytest.raises(NotModelWeights, match="a bnaudit statistics file"):
+        read_checkpoint(path)
