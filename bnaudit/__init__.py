@@ -11,6 +11,9 @@ Public API (the CLI is a thin layer over it):
     bnaudit.recalibrate_checkpoint(ModelSpec(checkpoint, arch=...), output, DataOptions(path=...), config=...)
         -> RecalibrationReport
     bnaudit.recalibrate_module(model, batches, method="exact") -> Calibration   (an nn.Module in place)
+    bnaudit.merge_statistics(["s0.bnstats", "s1.bnstats"], checkpoint, output) -> MergeReport
+        (statistics files of `recalibrate_checkpoint(..., stats_out=...)`, merged exactly)
+    bnaudit.audit_federation(global_path, client_paths, config) -> FedReport   (torch-free)
     bnaudit.predict_fold(path, config) -> FoldReport        (folding, int8, fp16, bf16: predicted)
     bnaudit.measure_fold(ModelSpec(checkpoint, arch=...), DataOptions(path=...), config) -> FoldReport  (and measured)
 
@@ -32,11 +35,13 @@ __all__ = [
     "DataOptions",
     "ModelSpec",
     "__version__",
+    "audit_federation",
     "diff",
     "inspect",
     "measure_fold",
     "measure_gap",
     "measure_invariance",
+    "merge_statistics",
     "predict_fold",
     "recalibrate_checkpoint",
     "recalibrate_module",
@@ -52,6 +57,8 @@ _LAZY = {
     "recalibrate_module": ("bnaudit.runtime.recalibrate.methods", "recalibrate_module"),
     "predict_fold": ("bnaudit.audit.fold.predict", "predict_fold"),
     "measure_fold": ("bnaudit.runtime.fold", "measure_fold"),
+    "merge_statistics": ("bnaudit.runtime.recalibrate.merge", "merge_statistics"),
+    "audit_federation": ("bnaudit.audit.fed.federation", "audit_federation"),
     "Config": ("bnaudit.config", "Config"),
     "DataOptions": ("bnaudit.runtime.sources", "DataOptions"),
     "ModelSpec": ("bnaudit.runtime.models", "ModelSpec"),

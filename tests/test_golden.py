@@ -76,6 +76,27 @@ CASES: dict[str, tuple[list[str], int]] = {
         ],
         0,
     ),
+    "merge": (
+        [
+            "merge",
+            "sample_models/federated/client1.bnstats",
+            "sample_models/federated/client2.bnstats",
+            "--checkpoint",
+            "sample_models/federated/global.safetensors",
+            "-o",
+            "merged.safetensors",
+        ],
+        0,
+    ),
+    "fed": (
+        [
+            "fed",
+            "sample_models/federated/global.safetensors",
+            "sample_models/federated/client1.safetensors",
+            "sample_models/federated/client2.safetensors",
+        ],
+        1,
+    ),
 }
 # The cases that run a model (torch, on one thread); the others are of the torch-free tier.
 MEASURED = ("gap", "invariance", "recalibrate")

@@ -50,6 +50,10 @@ EXPECTED = {
     "swa/live.pt": set(),
     "swa/swa.pt": set(),
     "swa/swa_bn.pt": set(),
+    # federated learning: two clients and a global that averaged them (`fed` finds how)
+    "federated/client1.safetensors": set(),
+    "federated/client2.safetensors": set(),
+    "federated/global.safetensors": set(),
 }
 SKIPPED = {
     "checkpoint-3/optimizer.pt",
@@ -58,6 +62,8 @@ SKIPPED = {
     "checkpoint-3/training_args.bin",
     "data/digits_calib.safetensors",
     "data/digits_val.safetensors",
+    "federated/client1_data.safetensors",
+    "federated/client2_data.safetensors",
 }
 SEVERITY = {
     ("reset_stats.pt", "BN002"): "error",

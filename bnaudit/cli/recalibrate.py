@@ -55,14 +55,30 @@ def recalibrate(
         ),
     ],
     output_path: Annotated[
-        str,
+        Optional[str],
         typer.Option(
             "--output",
             "-o",
             metavar="PATH",
             help="Where to write the recalibrated checkpoint: .safetensors writes safetensors, .pt/.pth/.ckpt/.bin a torch file, any other name the input's format; a sharded checkpoint is written as a folder of shards.",
         ),
-    ],
+    ] = None,
+    stats_out: Annotated[
+        Optional[str],
+        typer.Option(
+            "--stats-out",
+            metavar="PATH",
+            help="Also (or, without --output, instead) write the per-layer count, mean and sum of squared deviations (float64) as a statistics file for `bnaudit merge`.",
+        ),
+    ] = None,
+    shard: Annotated[
+        Optional[str],
+        typer.Option(
+            "--shard",
+            metavar="I/N",
+            help="Run only the whole batches rank I of N would run under torchrun (I from 0); with --stats-out: N such runs merge into the one-process result.",
+        ),
+    ] = None,
     data: DataOpt = None,
     dataset: DatasetOpt = None,
     arch: ArchOpt = None,
@@ -122,7 +138,7 @@ def recalibrate(
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Re-estimate BatchNorm running statistics on data and write a new checkpoint safely."""
+    """Re-estimate BatchNorm running statistics on data and write a new checkpoint (or statistics to merge) safely."""
     data_args = data_parameters(locals())  # before any other local: the command's own arguments
     import dataclasses
 
@@ -142,6 +158,9 @@ def recalibrate(
         output.emit_warning(message, sys.stderr)
 
     with user_errors(debug, json_output and printing):
+        from bnaudit.formats.bnstats import parse_shard
+
+        share = None if shard is None else parse_shard(shard)
         options = data_options(**data_args)
         held_out = None if eval_data is None else dataclasses.replace(options, path=eval_data, dataset=None)
         # The inspect findings of the --eval-data gap reports follow the project's configuration.
@@ -160,6 +179,8 @@ def recalibrate(
                 ),
                 output_path,
                 options,
+                stats_out=stats_out,
+                shard=share,
                 method=method.value,
                 amp=amp,
                 include=layers or (),
