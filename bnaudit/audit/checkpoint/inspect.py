@@ -41,12 +41,16 @@ from bnaudit.severity import Severity
 
 
 def audit_checkpoint(
-    ckpt: Checkpoint, config: Config, module: ModuleFacts | None = None, producers: Mapping[str, str] | None = None
+    ckpt: Checkpoint,
+    config: Config,
+    module: ModuleFacts | None = None,
+    producers: Mapping[str, str] | None = None,
+    transposed: frozenset[str] = frozenset(),
 ) -> FileReport:
     """Audit an opened checkpoint; `module` (when the model is known) makes BN001 exact and
     enables the module-only rules; `producers` (BN layer -> the module feeding it, from the
-    model's graph) tells BN004 which filters feed which channel. Raises BnauditError for
-    unreadable tensors."""
+    model's graph; `transposed` those that are ConvTranspose) tells BN004 which filters feed
+    which channel. Raises BnauditError for unreadable tensors."""
     discovery = discover_layers(ckpt, settings_stated_by(config))
     live_layers = None
     if ckpt.live_tensors is not None:
@@ -69,6 +73,7 @@ def audit_checkpoint(
             live_layers=live_layers,
             tensors=ckpt.tensors,
             producers=producers if producers is not None else _named_producers(ckpt, discovery.layers),
+            transposed=transposed,
             graph_producers=_graph_producers(ckpt, discovery.layers),
         )
     )
@@ -164,7 +169,14 @@ def audit_file(
             ckpt, module = reference.match(ckpt)
         elif ckpt.holds_module and ckpt.modules:
             module = facts_from_module_infos(ckpt.modules)
-        report = audit_checkpoint(ckpt, config, module, reference.producers if reference and arch_used else None)
+        graph = reference if reference is not None and arch_used else None
+        report = audit_checkpoint(
+            ckpt,
+            config,
+            module,
+            graph.producers if graph is not None else None,
+            graph.transposed if graph is not None else frozenset(),
+        )
         if reference is not None and not arch_used:
             report.notes.append("--arch not used for an exported graph: its nodes carry their own settings")
         if data is not None:

@@ -36,10 +36,18 @@ def predict_checkpoint(
     `producers` (from a traced forward of the model: paired_by "graph") replace the names."""
     path = ckpt.path
     discovery = discover_layers(ckpt, settings_stated_by(config))
+    notes: tuple[str, ...] = ()
+    if ckpt.folded is not None and not discovery.layers:
+        # nothing left to fold: the folded weights themselves are what int8 and fp16 meet
+        notes = (f"already folded ({ckpt.folded}): the folded weights are audited as they are",)
     if ckpt.format == "onnx" and ckpt.graph is not None:
         from bnaudit.audit.fold.graph import graph_pairs
 
         pairs, unpaired = graph_pairs(ckpt.graph, discovery.layers, config)
+    elif ckpt.format == "pt2" and ckpt.folded is not None and not discovery.layers:
+        from bnaudit.audit.fold.graph import program_folded_pairs
+
+        pairs, unpaired = program_folded_pairs(path, config), []
     elif not discovery.layers:
         raise BnauditError(f"{path}: no BatchNorm layers with running statistics to fold")
     elif ckpt.format == "pt2":
@@ -64,4 +72,5 @@ def predict_checkpoint(
         config=config,
         # momentum plays no part in folding: only eps is said
         settings=statement([(n, s) for n, s in not_from_file(discovery.layers) if n == "eps"], "not in a state dict"),
+        notes=notes,
     )

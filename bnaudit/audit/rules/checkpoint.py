@@ -36,12 +36,13 @@ def _constant_channels(ctx: RuleContext, layer: BNLayer, channels: list[int]) ->
         return set()
     exported = ctx.graph_producers.get(layer.name)
     if exported is not None:
-        return zero_filter_channels(exported.weight, channels, exported.out_last)
+        return zero_filter_channels(exported.weight, channels, exported.out_axis)
     producer = ctx.producers.get(layer.name) if ctx.tensors else None
     weight = ctx.tensors.get(f"{producer}.weight") if producer is not None else None
+    axis = 1 if producer in ctx.transposed else 0
     return (
-        zero_filter_channels(weight, channels)
-        if weight is not None and weight_fits(weight, layer.num_features)
+        zero_filter_channels(weight, channels, axis)
+        if weight is not None and weight_fits(weight, layer.num_features, axis)
         else set()
     )
 

@@ -118,7 +118,7 @@ def _check_not_constant_in_diff(ctx: DiffContext) -> Iterator[Finding]:
     "BN014",
     "folded-export",
     Severity.INFO,
-    "No BatchNorm node left in an exported graph: BN folded into Conv weights (ONNX), or decomposed into arithmetic (.pt2).",
+    "No BatchNorm node left in an exported graph: BN folded into Conv weights (ONNX, .pt2), or decomposed into arithmetic (.pt2).",
     "Both torch exporters fold BatchNorm into the preceding convolution by default (the legacy "
     "exporter with constant folding, the dynamo exporter with its optimiser): the Conv's weights "
     "become W*gamma/sqrt(var+eps) per output channel and its bias beta + (b - mean)*gamma/sqrt(var+eps). "
@@ -130,7 +130,10 @@ def _check_not_constant_in_diff(ctx: DiffContext) -> Iterator[Finding]:
     "had BatchNorm and convolutions with their own bias (facenet's PNet) matches the first test as "
     "well: without weights the exporter computed, the line says that folding and the absence of "
     "BN cannot be told apart from the export alone, and that `bnaudit diff` with the checkpoint "
-    "tells them apart; a graph without BatchNormalization and without such a Conv gets no finding. A torch.export program (.pt2) decomposed with a batch-norm table "
+    "tells them apart; a graph without BatchNormalization and without such a Conv gets no finding. A torch.export "
+    "program (.pt2) folded before export (`torch.fx.experimental.optimization.fuse`) is read alike: no batch-norm "
+    "node and no BN buffers, convolutions with a stored weight and bias; `bnaudit diff model.pt model.pt2` "
+    "verifies the fold and `bnaudit fold model.pt2` audits the folded weights. A torch.export program (.pt2) decomposed with a batch-norm table "
     "(`run_decompositions`) has no batch-norm node either: BN became sub/mul/rsqrt/add on the "
     "module's buffers. The statistics are still stored as those buffers, so they are audited "
     "under the module's names; eps is read from the arithmetic (`add(running_var, eps)` in eval "
@@ -152,12 +155,13 @@ def _check_folded_export(ctx: RuleContext) -> Iterator[Finding]:
     if ctx.folded is None:
         return
     if ctx.folded_ambiguous:
+        export = "model.pt2" if ctx.folded.startswith("no batch-norm node") else "model.onnx"
         yield RULES["BN014"].finding(
             Severity.INFO,
             None,
             f"{ctx.folded}: BatchNorm folded into these convolutions and a network that never had BatchNorm "
             "cannot be told apart from the export alone; if it had BatchNorm, audit the checkpoint and check "
-            "the folding with `bnaudit diff model.pt model.onnx`",
+            f"the folding with `bnaudit diff model.pt {export}`",
         )
         return
     yield RULES["BN014"].finding(

@@ -69,6 +69,8 @@ class RuleContext:
     # BN layer -> the Conv/Linear module feeding it (bnaudit.audit.producers: from the model's
     # graph with --arch, else from the names; possibly lazy)
     producers: Mapping[str, str] = field(default_factory=dict)
+    # the producers among them that are ConvTranspose (output channels on the weight's axis 1)
+    transposed: frozenset[str] = frozenset()
     # Exported graphs (ONNX with BN nodes kept, .pt2): BN layer -> the weight of the node
     # feeding it, paired as `fold` pairs them (bnaudit.audit.fold.graph.exported_producers);
     # possibly lazy (bnaudit.audit.producers.LazyProducers)
