@@ -20,7 +20,7 @@ of gamma per unit of x, weights (initial weight) dimensionless.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 # Defined in bnaudit.normkinds (formats/ needs them and must not import audit/); re-exported
 # so every BN formula can be found here.
@@ -34,6 +34,8 @@ __all__ = [
     "INT8_LEVELS",
     "UNIT_ROUNDOFF",
     "all_finite",
+    "ema_decays",
+    "ema_initial_weight",
     "eval_gain",
     "eval_gains",
     "folded_bias",
@@ -153,6 +155,45 @@ def initial_weight(momentum: float | None, updates: int) -> float:
     if momentum is None:
         return 1.0 if updates <= 0 else 0.0
     return float((1.0 - momentum) ** updates)
+
+
+def ema_decays(
+    updates: int, decay: float, warmup: bool, zero_first: bool, gamma: float = 1.0, power: float = 2 / 3
+) -> Iterator[float]:
+    """d_1 .. d_T, the decay of each of an EMA's `updates` updates, in order (dimensionless):
+
+    timm ModelEmaV3, update(model, step=k) (`zero_first`)
+                d_k = 0 for k = 1 (the copy takes the live values), else `decay`, or with
+                `warmup` min(decay, 1 - (1 + (k - 1) / gamma)^-power) (clamped at 0)
+    a constant EMA (timm ModelEma/ModelEmaV2, update(model))
+                d_k = `decay` for every k"""
+    for k in range(1, updates + 1):
+        if zero_first and k == 1:
+            yield 0.0
+        elif warmup and zero_first:
+            yield max(min(decay, 1.0 - (1.0 + (k - 1) / gamma) ** -power), 0.0)
+        else:
+            yield decay
+
+
+def ema_initial_weight(decays: Iterable[float], momentum: float | None, per_update: int = 1) -> float:
+    """W: the share the initial values (running_mean 0, running_var 1) hold in an EMA copy's
+    running buffers after its updates (dimensionless, 0 to 1). The copy starts as the
+    untrained model (W_0 = 1); update k lerps it toward the live model's buffers, whose
+    initial values then weigh w_k = initial_weight(m, k * per_update) (`per_update` BN
+    forwards per EMA update):
+
+      W_k = d_k W_{k-1} + (1 - d_k) w_k,   W = W_T
+
+    (the EMA is affine in both buffers, and the live buffers are w_k * initial + (1 - w_k) *
+    data). ModelEmaV3 (decay 0 at update 1, then 0.998), momentum 0.1, 288 updates: 0.516."""
+    weight = 1.0
+    for k, d in enumerate(decays, start=1):
+        live = initial_weight(momentum, k * per_update)
+        weight = d * weight + (1.0 - d) * live
+        if weight < 1e-15 and live < 1e-15:
+            break  # both only shrink from here (d_k <= 1, w_k decreasing): W is below 1e-15
+    return weight
 
 
 def implied_data_value(stored: float, initial: float, weight: float) -> float:

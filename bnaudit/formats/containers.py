@@ -40,10 +40,11 @@ def checkpoint_from_object(
         live = live_counterpart(candidates, chosen)
         if live is not None:
             ckpt.live_tensors = strip_wrapper_prefix(wrap_candidate(path, fmt, candidates, live)).tensors
-        if ckpt.averaging is None:
-            from bnaudit.formats.ema import ema_averaging
+        from bnaudit.formats.ema import ema_averaging, ema_schedule
 
+        if ckpt.averaging is None:
             ckpt.averaging = ema_averaging(ckpt.tensors, ckpt.live_tensors)
+        ckpt.ema_schedule = ema_schedule(obj)
     return ckpt
 
 

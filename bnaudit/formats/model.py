@@ -161,18 +161,19 @@ class Averaging:
     """What a file says about an averaged copy of a model (SWA or EMA weights).
 
     `kind`: "AveragedModel" (torch.optim.swa_utils), "timm ModelEmaV2", "timm ModelEmaV3",
-    "EMA (unknown kind)". `n_averaged`: how many models were averaged into the copy
-    (AveragedModel's `n_averaged` buffer), None where the file does not say.
-    `buffers`: what the copy's BN buffers are: "copied" (the live model's, as of the last
-    update: AveragedModel(use_buffers=False)), "averaged" (averaged like the weights:
-    use_buffers=True, timm EMA), or "unknown" (the file cannot tell). `counter_meaning`:
+    "EMA (unknown kind)", "EMA copy recalibrated by bnaudit". `n_averaged`: how many models
+    were averaged into the copy (AveragedModel's `n_averaged` buffer), None where the file
+    does not say. `buffers`: what the copy's BN buffers are: "copied" (the live model's, as
+    of the last update: AveragedModel(use_buffers=False)), "averaged" (averaged like the
+    weights: use_buffers=True, timm EMA), "recalibrated" (population statistics `bnaudit
+    recalibrate` wrote), or "unknown" (the file cannot tell). `counter_meaning`:
     one line saying what the copy's `num_batches_tracked` counts (an averaged counter
     counts no batches; a copied one is the live model's training counter).
     """
 
     kind: str
     n_averaged: int | None
-    buffers: str  # "copied", "averaged", "unknown"
+    buffers: str  # "copied", "averaged", "recalibrated", "unknown"
     counter_meaning: str
 
     def describe(self) -> str:
@@ -181,6 +182,7 @@ class Averaging:
         buffers = {
             "copied": "buffers copied from the live model",
             "averaged": "buffers averaged",
+            "recalibrated": "statistics re-estimated by bnaudit recalibrate",
         }.get(
             self.buffers,
             "buffers copied or averaged: unknown (use_buffers is not saved; diff against the live model "
@@ -207,6 +209,9 @@ class Checkpoint:
     # (timm's {"state_dict", "state_dict_ema"}): its tensors, names stripped alike; the
     # copy's statistics are judged against its (bnaudit.audit.rules.checkpoint BN003).
     live_tensors: dict[str, TensorRef] | None = field(default=None, repr=False, compare=False)
+    # An averaged copy's EMA schedule as the container's training arguments record it
+    # (formats.ema.EmaSchedule), None where they record none.
+    ema_schedule: Any = None
     modules: dict[str, ModuleInfo] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     holds_module: bool = False

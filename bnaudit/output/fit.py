@@ -106,10 +106,14 @@ def concise_lines(report: InspectReport) -> list[str]:
 
 
 def summary_line(report: InspectReport) -> str:
-    """ "2 files, 6 BN layers: 1 error, 3 warnings, 0 infos" (and the unreadable files)."""
+    """ "2 files, 6 BN layers: 1 error, 3 warnings, 0 infos" (and the unreadable files);
+    "1 file (2 state dicts), ..." where a container's state dicts were each audited."""
     s = report.summary()
+    files = plural(s["files"], "file")
+    if any(f.entry for f in report.files):  # a container's state dicts, each audited
+        files += f" ({plural(s['state_dicts'], 'state dict')})"
     line = (
-        f"{plural(s['files'], 'file')}, {plural(s['layers'], 'BN layer')}: {plural(s['errors'], 'error')}, "
+        f"{files}, {plural(s['layers'], 'BN layer')}: {plural(s['errors'], 'error')}, "
         f"{plural(s['warnings'], 'warning')}, {plural(s['infos'], 'info')}"
     )
     if s["unreadable"]:

@@ -46,7 +46,7 @@ from bnaudit.audit.export.diff import (
     program_conv_nodes,
 )
 from bnaudit.audit.layers import BNLayer, discover_layers, not_from_file
-from bnaudit.audit.provenance import recalibration_provenance
+from bnaudit.audit.provenance import believed_averaging, recalibration_provenance
 from bnaudit.audit.resolve import read_model_checkpoint
 from bnaudit.audit.rules import Finding, run_diff_rules
 from bnaudit.audit.settings import OPTIONS, Setting, Source, settings_stated_by, statement
@@ -199,7 +199,8 @@ EXPORT_FORMATS = ("onnx", "pt2")
 
 
 def _side(ckpt: Checkpoint, layers: list[BNLayer]) -> Side:
-    return Side(ckpt.path, ckpt.format, ckpt.key, ckpt.prefix, ckpt.is_ema, len(layers), ckpt.averaging)
+    averaging = believed_averaging(ckpt, recalibration_provenance(ckpt))  # a recalibration record over the counters
+    return Side(ckpt.path, ckpt.format, ckpt.key, ckpt.prefix, ckpt.is_ema, len(layers), averaging)
 
 
 def _buffers_decided(report: DiffReport) -> DiffReport:

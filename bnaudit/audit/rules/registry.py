@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from bnaudit.audit.fold.check import FoldContext
     from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
     from bnaudit.audit.producers import ProducerFilter
+    from bnaudit.formats.ema import EmaSchedule
     from bnaudit.formats.model import Averaging, TensorRef
 
 
@@ -63,6 +64,8 @@ class RuleContext:
     # layers of its live model by name when the same container holds it.
     averaging: Averaging | None = None
     live_layers: Mapping[str, BNLayer] | None = None
+    # the EMA schedule the container's training arguments record (formats.ema.EmaSchedule)
+    ema_schedule: EmaSchedule | None = None
     # Every tensor of the checkpoint by name: the layers that feed the BN layers (BN004
     # consults their filters, bnaudit.audit.producers).
     tensors: Mapping[str, TensorRef] = field(default_factory=dict)
