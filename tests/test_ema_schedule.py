@@ -66,14 +66,12 @@ def _train(shift: float = 0.0) -> tuple[torch.nn.Module, torch.nn.Module, argpar
     data = load_file(CALIB)
     g = torch.Generator().manual_seed(1)
     model.train()
-    num_updates = 0
-    for _ in range(STEPS):
+    for num_updates in range(1, STEPS + 1):  # train.py counts optimizer updates from 1
         idx = torch.randint(0, len(data["inputs"]), (32,), generator=g)
         loss = torch.nn.functional.cross_entropy(model(data["inputs"][idx]), data["labels"][idx])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        num_updates += 1
         ema.update(model, step=num_updates)
     return model.eval(), ema, args, optimizer
 

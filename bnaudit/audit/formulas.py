@@ -32,8 +32,10 @@ __all__ = [
     "FP16_FLUSH",
     "FP16_OVERFLOW",
     "INT8_LEVELS",
+    "SILENT_FLOOR",
     "UNIT_ROUNDOFF",
     "all_finite",
+    "channel_signal",
     "ema_decays",
     "ema_initial_weight",
     "eval_gain",
@@ -58,6 +60,11 @@ INT8_LEVELS = 127  # symmetric int8: the scale S maps the largest magnitude to 1
 COLLAPSE_LEVELS = 0.5
 # Below this many levels for its largest weight a channel keeps fewer than 4 bits.
 COARSE_LEVELS = 8.0
+# A channel whose float output varies by at most this fraction of the layer's loudest
+# channel's (`channel_signal`), or whose folded weights are at most this fraction of the
+# layer's largest, carries nothing in float already: int8 cannot take from it what it does not
+# carry (a slimmed network's gamma ~1e-9, a channel whose input never varies).
+SILENT_FLOOR = 1e-6
 # The smallest magnitude float16 rounds to inf (65504 + half its last step of 32).
 FP16_OVERFLOW = 65520.0
 # The largest magnitude float16 rounds to 0 (half its smallest subnormal 2^-24).
@@ -155,6 +162,18 @@ def initial_weight(momentum: float | None, updates: int) -> float:
     if momentum is None:
         return 1.0 if updates <= 0 else 0.0
     return float((1.0 - momentum) ** updates)
+
+
+def channel_signal(gamma: float, var: float, eps: float) -> float:
+    """sigma_c = |gamma_c| sqrt(var_c / (var_c + eps)): how much channel c's eval output varies
+    in float, in the units of the BN's output (the standard deviation of gamma (x - mean) /
+    sqrt(var + eps) for x of variance var_c); 0 for a channel whose input never varies (var 0)
+    or whose gamma is 0. NaN for invalid statistics."""
+    v = max(var, 0.0) if var == var else var
+    denominator = v + eps
+    if not denominator > 0:
+        return 0.0 if v == 0 else math.nan
+    return abs(gamma) * math.sqrt(v / denominator)
 
 
 def ema_decays(

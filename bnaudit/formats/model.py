@@ -232,6 +232,9 @@ class Checkpoint:
     # True when `folded` rests on convolutions with constant weights and bias alone, which a
     # network that never had BN shows as well (no weight the exporter computed)
     folded_ambiguous: bool = False
+    # An ONNX graph's quantized convolutions (ConvInteger, QLinearConv, ...), in words: their
+    # integer weights are not examined (None where the graph has none).
+    quantized: str | None = None
     # torch.export programs (formats/pt2.py): what says BN was decomposed into elementwise
     # arithmetic (no batch-norm node left), else None; and notes on the program's nodes
     # (a cuDNN node: exported on a GPU), printed with the report.

@@ -69,6 +69,7 @@ def audit_checkpoint(
             unauditable_layers=dict(ckpt.unauditable_layers),
             folded=ckpt.folded,
             folded_ambiguous=ckpt.folded_ambiguous,
+            quantized=ckpt.quantized,
             decomposed=ckpt.decomposed,
             averaging=averaging,
             live_layers=live_layers,

@@ -22,6 +22,12 @@ int8, per tensor  symmetric, scale S = max_c M'_c / 127, q = round_half_even(W'/
                   The channel c* with M'_c* = 127 S *sets the scale*; its BN channel's
                   var, gamma and gain |s_c*| say why.
                   range ratio  r_c = M'_c / max_c M'_c; collapse is r_c <= 1/254.
+                  A collapsed channel is *live* unless it carried nothing in float
+                  already (*silent*): its output's variation sigma_c = |gamma_c|
+                  sqrt(var_c / (var_c + eps)) (formulas.channel_signal) is at most
+                  SILENT_FLOOR (1e-6) of the layer's largest, or its folded weights
+                  M'_c are at most SILENT_FLOOR of the largest M' (a pruned gamma ~1e-9, a
+                  channel whose input never varies); those are counted apart.
 int8, per channel one scale per channel, S_c = M'_c / 127: only a channel whose W'_c is
                   all zero already (gamma 0, or zero weights) rounds to nothing.
 fp16              largest finite value 65504; round-to-nearest sends |x| >= 65520 to inf.
@@ -57,7 +63,9 @@ from bnaudit.audit.formulas import (
     FP16_FLUSH,
     FP16_OVERFLOW,
     INT8_LEVELS,
+    SILENT_FLOOR,
     UNIT_ROUNDOFF,
+    channel_signal,
     folded_conv,
 )
 from bnaudit.audit.layers import BNLayer
@@ -101,7 +109,8 @@ class PairPrediction:
     eps: float | None  # None for a conv already folded
     int8_scale: float | None  # S; None when a folded weight is not finite (BN005's case) or all are 0
     collapsed: tuple[int, ...]
-    live_collapsed: tuple[int, ...]  # collapsed channels whose W'_c is not all zero
+    live_collapsed: tuple[int, ...]  # collapsed channels that carried a signal in float (not silent)
+    silent_collapsed: tuple[int, ...]  # collapsed channels with non-zero W'_c that carried nothing in float
     coarse: tuple[int, ...]
     scale_set_by: ScaleSetter | None
     worst_range_ratio: float | None  # min_c r_c
@@ -287,6 +296,8 @@ def predict_folded(
             for fmt, u in UNIT_ROUNDOFF.items()
         }
     limit = config.max_cancellation
+    silent = _silent_channels(folded_max, stats)
+    nonzero = [c for c in collapsed if folded_max[c] > 0]
     return PairPrediction(
         bn=bn,
         producer=producer,
@@ -295,7 +306,8 @@ def predict_folded(
         eps=None if stats is None else stats.eps,
         int8_scale=int8_scale,
         collapsed=tuple(collapsed),
-        live_collapsed=tuple(c for c in collapsed if folded_max[c] > 0),
+        live_collapsed=tuple(c for c in nonzero if c not in silent),
+        silent_collapsed=tuple(c for c in nonzero if c in silent),
         coarse=tuple(coarse),
         scale_set_by=setter,
         worst_range_ratio=ratio,
@@ -307,6 +319,19 @@ def predict_folded(
         bf16_cancellation=tuple(c for c, e in enumerate(bounds["bf16"]) if e > limit),
         worst_cancellation=max(((e, c) for c, e in enumerate(bounds["bf16"]) if not math.isnan(e)), default=None),
     )
+
+
+def _silent_channels(folded_max: Sequence[float], stats: BNNumbers | None) -> set[int]:
+    """The channels that carry nothing in float (module docstring: SILENT_FLOOR of the
+    layer's largest folded weight, or of its largest output variation where the BN's numbers
+    are known)."""
+    top = max((m for m in folded_max if math.isfinite(m)), default=0.0)
+    silent = {c for c, m in enumerate(folded_max) if math.isfinite(m) and m <= SILENT_FLOOR * top}
+    if stats is not None:
+        signal = [channel_signal(g, v, stats.eps) for g, v in zip(stats.gamma, stats.running_var)]
+        loudest = max((x for x in signal if math.isfinite(x)), default=0.0)
+        silent |= {c for c, x in enumerate(signal) if math.isfinite(x) and x <= SILENT_FLOOR * loudest}
+    return silent
 
 
 def predict_pairs(

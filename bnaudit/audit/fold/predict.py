@@ -60,7 +60,10 @@ def predict_checkpoint(
         stream_from = ckpt.path if single else None
         pairs, unpaired = predict_pairs(ckpt.tensors, discovery.layers, config, producers, stream_from)
     if not pairs and not unpaired:
-        raise BnauditError(f"{path}: no BatchNorm layer and no folded convolution to audit")
+        quantized = (
+            f" ({ckpt.quantized}: a quantized graph, its convolutions are not examined)" if ckpt.quantized else ""
+        )
+        raise BnauditError(f"{path}: no BatchNorm layer and no folded convolution to audit{quantized}")
     findings = run_fold_rules(FoldContext(tuple(pairs), tuple(unpaired), config))
     return FoldReport(
         path=path,

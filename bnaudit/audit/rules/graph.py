@@ -131,6 +131,8 @@ def _check_not_constant_in_diff(ctx: DiffContext) -> Iterator[Finding]:
     "well: without weights the exporter computed, the line says that folding and the absence of "
     "BN cannot be told apart from the export alone, and that `bnaudit diff` with the checkpoint "
     "tells them apart; a graph without BatchNormalization and without such a Conv gets no finding. A torch.export "
+    "A quantized ONNX graph (ConvInteger or MatMulInteger after DynamicQuantizeLinear, QLinearConv) gets a "
+    "line saying its integer convolutions were not examined. A torch.export "
     "program (.pt2) folded before export (`torch.fx.experimental.optimization.fuse`) is read alike: no batch-norm "
     "node and no BN buffers, convolutions with a stored weight and bias; `bnaudit diff model.pt model.pt2` "
     "verifies the fold and `bnaudit fold model.pt2` audits the folded weights. A torch.export program (.pt2) decomposed with a batch-norm table "
@@ -145,6 +147,13 @@ def _check_not_constant_in_diff(ctx: DiffContext) -> Iterator[Finding]:
     "(`do_constant_folding=False`, or `optimize=False` with dynamo=True) to audit the export itself.",
 )
 def _check_folded_export(ctx: RuleContext) -> Iterator[Finding]:
+    if ctx.quantized is not None:
+        yield RULES["BN014"].finding(
+            Severity.INFO,
+            None,
+            f"{ctx.quantized}: a quantized graph; its convolutions were not examined (a BatchNorm folded into "
+            "them is in their integer weights and scales): audit the float checkpoint or its float export",
+        )
     if ctx.decomposed is not None:
         yield RULES["BN014"].finding(
             Severity.INFO,

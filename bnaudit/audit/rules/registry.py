@@ -59,6 +59,7 @@ class RuleContext:
     unauditable_layers: Mapping[str, str] = field(default_factory=dict)  # note -> its layer, where known
     folded: str | None = None
     folded_ambiguous: bool = False  # Checkpoint.folded_ambiguous: a net without BN looks the same
+    quantized: str | None = None  # Checkpoint.quantized: integer convolutions not examined
     decomposed: str | None = None
     # An averaged copy (is_ema): what averaged it (formats.model.Averaging), and the BN
     # layers of its live model by name when the same container holds it.

@@ -168,6 +168,8 @@ def _file_detail(file: FileReport, console: Console, columns: tuple[_Column, ...
         console.print(indented(f"{note}", style="dim"))
     if file.layers:
         console.print(fit_width(_layer_table(file, console, columns), console.width))
+    elif any(f.code == "BN014" and "a quantized graph" in f.message for f in file.findings):
+        console.print(Text("  no BatchNorm layers found: a quantized graph (BN014)", style="dim"))
     elif any(f.code == "BN014" for f in file.findings):
         console.print(Text("  no BatchNorm layers found: folded into convolutions (BN014)", style="dim"))
     else:
