@@ -41,6 +41,7 @@ V3 = "timm ModelEmaV3"
 UNKNOWN = "EMA (unknown kind)"
 COPIED = "copied buffers"
 RECALIBRATED = "EMA copy recalibrated by bnaudit"
+EMA_PYTORCH = "ema-pytorch EMA"
 
 COUNTER_MEANINGS = {
     V2: "num_batches_tracked averaged like the weights and truncated to an integer on every update "
@@ -93,6 +94,22 @@ def ema_averaging(ema: Mapping[str, TensorRef], live: Mapping[str, TensorRef] | 
     elif mine and all(v == 0 for v in mine.values()):
         return Averaging(V2, None, "averaged", COUNTER_MEANINGS[V2])
     return Averaging(UNKNOWN, None, "unknown", COUNTER_MEANINGS[UNKNOWN])
+
+
+def ema_pytorch_averaging(step: int | None) -> Averaging:
+    """The `Averaging` of an ema-pytorch `ema_model`: floating buffers (running_mean,
+    running_var) are averaged like the weights; integer ones are never touched, so its
+    num_batches_tracked is the online model's at the EMA's creation (usually 0). `step`
+    counts the EMA's `update()` calls; its decay (beta, warm-up, update_after_step,
+    update_every) is not saved."""
+    steps = f"; its step buffer counts {step} update() calls" if step is not None else ""
+    return Averaging(
+        EMA_PYTORCH,
+        None,
+        "averaged",
+        "num_batches_tracked is left as it was when the EMA was created (ema-pytorch averages floating buffers "
+        f"only): it counts no batches{steps}",
+    )
 
 
 def recalibrated_averaging(before: Averaging | None, source: str) -> Averaging:

@@ -202,6 +202,10 @@ class Checkpoint:
     key: str | None = None
     other_keys: list[str] = field(default_factory=list)
     prefix: str = ""
+    # Where the tensors are stored in the container when that is not `key` (`stored_key`):
+    # ema-pytorch's `ema_model` and `online_model` are two models of one stored state dict,
+    # their names carried in `prefix` ("ema_model.").
+    stored_at: str | None = None
     is_ema: bool = False
     # An averaged copy (SWA / EMA weights): how it was averaged, None for a live model.
     averaging: Averaging | None = None
@@ -215,6 +219,8 @@ class Checkpoint:
     modules: dict[str, ModuleInfo] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     holds_module: bool = False
+    # A PEFT adapter folder composed with its base (formats.peft.AdapterInfo), else None.
+    adapter: Any = None
     # Objects outside the state dict left unloaded by the stand-in reader, one note each
     # ("hyper_parameters holds omegaconf.DictConfig: not loaded").
     not_loaded: list[str] = field(default_factory=list)
@@ -243,6 +249,12 @@ class Checkpoint:
     # The parsed graph of an ONNX model (formats.onnx.OnnxModel): diff pairs folded convs
     # from it without parsing the file again.
     graph: Any = field(default=None, repr=False, compare=False)
+
+
+def stored_key(ckpt: Checkpoint) -> str | None:
+    """The key path of the mapping that stores `ckpt`'s tensors in its container (writers
+    replace entries there, under `ckpt.prefix` + name): `ckpt.stored_at`, else `ckpt.key`."""
+    return ckpt.stored_at if ckpt.stored_at is not None else ckpt.key
 
 
 def torch_ref(name: str, tensor: Any) -> TensorRef:

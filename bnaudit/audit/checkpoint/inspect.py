@@ -34,10 +34,12 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.classify import NotModelWeights, data_tensors
 from bnaudit.formats.hfcache import HubSource
 from bnaudit.formats.model import Checkpoint
+from bnaudit.formats.peft import adapter_base, is_adapter_folder, read_adapter
 from bnaudit.formats.read import read_checkpoint, read_checkpoints
 from bnaudit.formats.shards import index_beside
 from bnaudit.formats.sniff import NotACheckpoint
 from bnaudit.severity import Severity
+from bnaudit.text import plural
 
 
 def audit_checkpoint(
@@ -70,6 +72,7 @@ def audit_checkpoint(
             folded=ckpt.folded,
             folded_ambiguous=ckpt.folded_ambiguous,
             quantized=ckpt.quantized,
+            adapter=ckpt.adapter,
             decomposed=ckpt.decomposed,
             averaging=averaging,
             live_layers=live_layers,
@@ -92,6 +95,13 @@ def audit_checkpoint(
             f"torch.export archive from {producer}, program(s) {programs}: eps and momentum from its nodes"
         )
     report.notes.extend(ckpt.notes)
+    if ckpt.adapter is not None:
+        outside = [layer.name for layer in discovery.layers if not ckpt.adapter.to_save(layer.name)]
+        if outside and ckpt.adapter.base:
+            report.notes.append(
+                f"{plural(len(outside), 'BN layer')} outside the adapter's modules_to_save: statistics that training "
+                "under the adapter updated are not saved in it (peft#1732); audited as the base holds them"
+            )
     if ckpt.shards:
         report.notes.append(f"{ckpt.shards} shards read as one checkpoint through the index")
     if ckpt.shard_of is not None:
@@ -171,16 +181,22 @@ def audit_entries(
     debug: bool = False,
     named: bool = True,
     every: bool = True,
+    base: str | None = None,
 ) -> list[FileReport]:
     """`audit_file` of every model state dict the file holds (`every`, without `key`): a
     container of several (timm's CheckpointSaver writes `state_dict` and `state_dict_ema`)
-    gives one FileReport each, shown as `path:key`; any other file gives one."""
+    gives one FileReport each, shown as `path:key`; any other file gives one. A PEFT adapter
+    folder is audited composed with its base (`base`, else the one its config names:
+    bnaudit.formats.peft)."""
     try:
-        ckpts = (
-            read_checkpoints(path, trust_pickle=trust_pickle)
-            if every and key is None
-            else [read_checkpoint(path, key=key, trust_pickle=trust_pickle)]
-        )
+        if is_adapter_folder(path):
+            if key is not None:
+                raise BnauditError(f"{path}: --key does not apply to a PEFT adapter folder")
+            ckpts = [read_adapter(path, adapter_base(path, base), trust_pickle=trust_pickle)]
+        elif every and key is None:
+            ckpts = read_checkpoints(path, trust_pickle=trust_pickle)
+        else:
+            ckpts = [read_checkpoint(path, key=key, trust_pickle=trust_pickle)]
     except NotModelWeights as exc:
         return [FileReport(path, skipped=exc.what, named=named)]
     except NotACheckpoint as exc:
@@ -258,6 +274,7 @@ def inspect_paths(
     debug: bool = False,
     all_revisions: bool = False,
     jobs: int | None = None,
+    base: str | None = None,
 ) -> InspectReport:
     """Audit checkpoints (files or directories) and return the report: `bnaudit.inspect`
     (bnaudit.api) without building a model. `reference`, the model `--arch` names, makes
@@ -291,6 +308,7 @@ def inspect_paths(
             reference=reference,
             debug=debug,
             named=target.named,
+            base=base,
         )
 
     to_audit = [target for target, report in plan if report is None]

@@ -47,6 +47,26 @@ def _constant_channels(ctx: RuleContext, layer: BNLayer, channels: list[int]) ->
     )
 
 
+def _adapter_missing_statistics(ctx: RuleContext) -> Iterator[Finding]:
+    """BN001 for a PEFT adapter: a BN layer in its modules_to_save whose running statistics it
+    does not hold (bnaudit.formats.peft)."""
+    adapter = ctx.adapter
+    if adapter is None:
+        return
+    for layer in ctx.discovery.layers:
+        if not adapter.to_save(layer.name):
+            continue
+        lacking = [leaf for leaf in ("running_mean", "running_var") if f"{layer.name}.{leaf}" not in adapter.saved]
+        if lacking:
+            yield RULES["BN001"].finding(
+                Severity.ERROR,
+                layer.name,
+                f"in the adapter's modules_to_save, but the adapter holds no {' / '.join(lacking)} for it (converted "
+                "by convert_to_lora or save_as_lora?): PEFT cannot load it, or the reloaded model keeps the base's "
+                "statistics instead of the trained ones",
+            )
+
+
 def is_untouched(layer: BNLayer) -> bool:
     """Identity statistics (running_mean 0, running_var 1) and beta exactly 0 in every
     channel: a module no training and no fold has touched (a fold writes beta - mean * gamma /
@@ -75,12 +95,16 @@ def _is_live(layer: BNLayer, channel: int) -> bool:
     "(bn, batchnorm, downsample.1, ...) and no running statistics at all; LayerNorm or GroupNorm "
     "layers named that way are the innocent explanation. When the model is known (--arch, "
     "TorchScript, a pickled module) the check is exact: every BN module of the model whose "
-    "running_mean or running_var is absent from the checkpoint is an error, whatever its name.",
+    "running_mean or running_var is absent from the checkpoint is an error, whatever its name. A PEFT "
+    "adapter folder is audited composed with its base: a BN layer in the adapter's `modules_to_save` whose "
+    "running statistics the adapter does not hold is an error (`convert_to_lora` / `save_as_lora` drop them, "
+    "peft PR 3481: the adapter then fails to load, or the reloaded model keeps the base's statistics).",
     "Save `model.state_dict()` (it includes buffers), not `named_parameters()`; load with "
     "strict=True; or re-estimate the statistics with `bnaudit recalibrate`.",
 )
 def _check_missing_buffers(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN001"]
+    yield from _adapter_missing_statistics(ctx)
     if ctx.module is not None:
         # Exact: the model names its BN modules, so no name heuristics are needed.
         missing = set(ctx.module.missing)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from bnaudit.audit.producers import ProducerFilter
     from bnaudit.formats.ema import EmaSchedule
     from bnaudit.formats.model import Averaging, TensorRef
+    from bnaudit.formats.peft import AdapterInfo
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class RuleContext:
     folded: str | None = None
     folded_ambiguous: bool = False  # Checkpoint.folded_ambiguous: a net without BN looks the same
     quantized: str | None = None  # Checkpoint.quantized: integer convolutions not examined
+    # a PEFT adapter composed with its base (formats.peft.AdapterInfo): BN001 checks its modules_to_save
+    adapter: AdapterInfo | None = None
     decomposed: str | None = None
     # An averaged copy (is_ema): what averaged it (formats.model.Averaging), and the BN
     # layers of its live model by name when the same container holds it.
