@@ -55,7 +55,7 @@ def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN012"]
     for name, info in ctx.module.norms.items():
         if info.training_mode:
-            yield r.finding(Severity.ERROR, name, _training_mode_words(info.training_reason, info.source))
+            yield r.finding(Severity.ERROR, name, _training_mode_words(info.training_reason))
         elif info.saved_training and info.calls:  # a normalisation module, flag computed at run time
             yield r.finding(
                 Severity.WARNING,
@@ -73,14 +73,15 @@ def _check_training_mode_export_in_diff(ctx: DiffContext) -> Iterator[Finding]:
     r = RULES["BN012"]
     for node in ctx.export.nodes:
         if node.training_mode:
-            yield r.finding(Severity.ERROR, node.name, _training_mode_words(node.training_reason, node.source))
+            yield r.finding(Severity.ERROR, node.name, _training_mode_words(node.training_reason))
 
 
-def _training_mode_words(reason: str | None, source: str | None) -> str:
-    where = f" ({source})" if source else ""
+def _training_mode_words(reason: str | None) -> str:
+    """One message for every node of an export in training mode (the layer names the node):
+    many layers with one finding are one row of the table, as for TorchScript."""
     return (
         f"{reason or 'training mode'}: normalises with each batch's statistics, so predictions depend on their "
-        f"batch companions{where}"
+        "batch companions"
     )
 
 
