@@ -63,6 +63,8 @@ class FindingRow:
 def collapse(findings: list[Finding]) -> list[FindingRow]:
     """Findings with the same code, severity and message on several layers, as one row
     (at the place of the first); file-level findings and unique ones stay rows of their own.
+    A finding's `group_as` stands for its message here (the words its layers share, where the
+    message also names something of the layer alone, an exported node).
 
     Channel lists are not compared: a message names the channels it is about, so two
     findings with the same message concern the same channels.
@@ -73,10 +75,10 @@ def collapse(findings: list[Finding]) -> list[FindingRow]:
         if f.layer is None:
             rows.append(FindingRow(f.code, f.name, f.severity, (), f.message))
             continue
-        key = (f.code, f.severity, f.message)
+        key = (f.code, f.severity, f.group_as or f.message)
         if key in index:
             row = rows[index[key]]
-            rows[index[key]] = FindingRow(row.code, row.name, row.severity, (*row.layers, f.layer), row.message)
+            rows[index[key]] = FindingRow(row.code, row.name, row.severity, (*row.layers, f.layer), key[2])
         else:
             index[key] = len(rows)
             rows.append(FindingRow(f.code, f.name, f.severity, (f.layer,), f.message))

@@ -55,7 +55,8 @@ def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN012"]
     for name, info in ctx.module.norms.items():
         if info.training_mode:
-            yield r.finding(Severity.ERROR, name, _training_mode_words(info.training_reason))
+            words = _training_mode_words(info.training_reason)
+            yield r.finding(Severity.ERROR, name, _with_source(words, info.source), group_as=words)
         elif info.saved_training and info.calls:  # a normalisation module, flag computed at run time
             yield r.finding(
                 Severity.WARNING,
@@ -73,16 +74,21 @@ def _check_training_mode_export_in_diff(ctx: DiffContext) -> Iterator[Finding]:
     r = RULES["BN012"]
     for node in ctx.export.nodes:
         if node.training_mode:
-            yield r.finding(Severity.ERROR, node.name, _training_mode_words(node.training_reason))
+            words = _training_mode_words(node.training_reason)
+            yield r.finding(Severity.ERROR, node.name, _with_source(words, node.source), group_as=words)
 
 
 def _training_mode_words(reason: str | None) -> str:
-    """One message for every node of an export in training mode (the layer names the node):
-    many layers with one finding are one row of the table, as for TorchScript."""
+    """What every node of an export in training mode shares: the table groups its layers into
+    one row with these words (as TorchScript's), each finding adds its node (`_with_source`)."""
     return (
         f"{reason or 'training mode'}: normalises with each batch's statistics, so predictions depend on their "
         "batch companions"
     )
+
+
+def _with_source(words: str, source: str | None) -> str:
+    return f"{words} ({source})" if source else words
 
 
 @rule(

@@ -29,7 +29,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Finding:
-    """One fact a rule reports: at a layer (or the file, `layer` None), and on which channels."""
+    """One fact a rule reports: at a layer (or the file, `layer` None), and on which channels.
+
+    `group_as`: the message a table shows for one row grouping the layers with this fact,
+    where `message` names something of this layer alone (an exported node's name); "" when
+    `message` itself is the same for every layer with the fact."""
 
     code: str
     name: str
@@ -37,6 +41,7 @@ class Finding:
     layer: str | None  # None for file-level findings
     message: str
     channels: tuple[int, ...] = ()
+    group_as: str = ""
 
 
 @dataclass(frozen=True)
@@ -141,8 +146,10 @@ class Rule:
         configured = next((overrides[c] for c in (self.code, *self.aliases) if c in overrides), None)
         return None if configured is None else Severity.parse(configured)
 
-    def finding(self, severity: Severity, layer: str | None, message: str, channels: Iterable[int] = ()) -> Finding:
-        return Finding(self.code, self.name, severity, layer, message, tuple(int(c) for c in channels))
+    def finding(
+        self, severity: Severity, layer: str | None, message: str, channels: Iterable[int] = (), group_as: str = ""
+    ) -> Finding:
+        return Finding(self.code, self.name, severity, layer, message, tuple(int(c) for c in channels), group_as)
 
 
 RULES: dict[str, Rule] = {}

@@ -38,13 +38,13 @@ _GAIN: _Column = ("max gain", lambda s: g3(s.max_eval_gain))
 # Widest first; each next one leaves out the least telling of what is left: the mean
 # range, then the counter and the median / max of the variance (near-eps and the gain
 # already say what a small variance does).
-# A layout that drops a column the findings cite (`_CITED`) is passed over: the counter
-# BN003 speaks of stays beside it, near-eps and the gain beside BN004's channels.
+# A layout that drops a column the findings cite (`_CITED`) comes after those that keep it:
+# the counter BN003 speaks of stays beside it, near-eps beside BN004's channels.
 _LAYOUTS: tuple[tuple[tuple[_Column, ...], tuple[str, ...]], ...] = (
     ((_C, _BATCHES, _MEAN, _VAR, _NEAR, _GAIN), ()),
     ((_C, _BATCHES, _VAR, _NEAR, _GAIN), ("mean range",)),
     ((_C, _BATCHES, _VAR_MIN, _NEAR, _GAIN), ("mean range", "var median / max")),
-    ((_C, _VAR_MIN, _NEAR, _GAIN), ("mean range", "batches", "var median / max")),
+    ((_C, _VAR_MIN, _NEAR, _GAIN), ("mean range", "batches", "var median / max")),  # the narrowest
     ((_C, _BATCHES, _VAR_MIN, _GAIN), ("mean range", "var median / max", "near-eps")),
 )
 # The columns whose numbers a finding of each code cites.
@@ -62,13 +62,13 @@ def _cited(files: list[FileReport]) -> set[str]:
 
 
 def _layer_layout(files: list[FileReport], width: int) -> tuple[tuple[_Column, ...], tuple[str, ...]]:
-    """The widest layout whose layer table fits `width` for every file of the run (one
-    choice for all, so the tables of a run line up and drop the same columns), and the
-    columns it leaves out; never one that drops a column the findings cite (the narrowest
-    of those that keep them, where none fits: names are then shortened further)."""
+    """The layout whose layer table fits `width` for every file of the run (one choice for
+    all, so the tables of a run line up and drop the same columns), and the columns it
+    leaves out: of those that fit, the one dropping fewest of the columns the findings cite,
+    then the widest; where none fits, the narrowest (names are then shortened further)."""
     cited = _cited(files)
-    layouts = [(columns, dropped) for columns, dropped in _LAYOUTS if not cited & set(dropped)]
-    for columns, dropped in layouts:
+    ranked = sorted(_LAYOUTS, key=lambda layout: len(cited & set(layout[1])))  # stable: widest first
+    for columns, dropped in ranked:
         needed = 0
         for file in files:
             statuses = [file.layer_status(s.name) for s in file.layers]
@@ -83,7 +83,7 @@ def _layer_layout(files: list[FileReport], width: int) -> tuple[tuple[_Column, .
             needed = max(needed, rest + name)
         if needed <= width:
             return columns, dropped
-    return layouts[-1] if layouts else _LAYOUTS[-1]
+    return _LAYOUTS[3]
 
 
 def _name_width(names: list[str], room: int) -> int:
