@@ -97,3 +97,13 @@ def test_the_files_table_keeps_file_names_at_80_columns(cli):
     for row in rows:
         leaf = row.rsplit("/", 1)[-1].lstrip("…")
         assert re.search(r"\.(pt|pth|ckpt|safetensors|onnx|pt2|bin|json)(:\w+)?$|^dcp$", leaf), row
+
+
+def test_gap_quiet_prints_its_findings_one_per_line(cli):
+    net = os.path.join(SAMPLES, "digits_net.py") + ":digits_net"
+    data = os.path.join(SAMPLES, "data", "digits_val.safetensors")
+    args = ("gap", os.path.join(SAMPLES, "dead_channel.safetensors"), "--arch", net, "--data", data)
+    quiet = cli(*args, "-q", width=80)
+    assert "features.4: BN004 near-eps-variance: " in quiet.output, quiet.output
+    assert not _headers(quiet.output, "code"), quiet.output  # no findings table
+    assert _headers(cli(*args, width=80).output, "code")[0][1] == "severity"

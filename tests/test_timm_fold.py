@@ -182,6 +182,18 @@ def test_with_the_model_every_bn_is_paired_by_graph_and_batchnormact_folds_exact
     assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
 
 
+def test_with_the_model_the_collapse_is_the_one_the_test_computes(timm_model, collapsing):
+    """--arch pairs through the traced forward: the same collapse as from the names."""
+    from bnaudit.runtime.models import graph_producers
+
+    producers = graph_producers(timm_model["model"])
+    report = predict_checkpoint(read_checkpoint(collapsing["path"]), Config(), producers)
+    assert len(report.pairs) == len(timm_model["truth"]) and report.unpaired == ()
+    (pair,) = [p for p in report.pairs if p.bn == COLLAPSING]
+    assert pair.paired_by == "graph" and list(pair.live_collapsed) == collapsing["collapsed"]
+    assert dict(report.verdicts())["int8 per-tensor"] == "fails: 1 pair with collapsed live channels"
+
+
 class _Deconv(nn.Module):
     def __init__(self) -> None:
         super().__init__()

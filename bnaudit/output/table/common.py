@@ -394,11 +394,17 @@ def measurement_header(
 
 
 def findings_and_diagnosis(
-    console: Console, findings: list[Finding], lines: list[str], context: Sequence[str] = ()
+    console: Console, findings: list[Finding], lines: list[str], context: Sequence[str] = (), quiet: bool = False
 ) -> None:
     """The end of a measurement's report (gap, invariance): the checkpoint's inspect
-    findings, then the diagnosis."""
-    if findings:
+    findings, then the diagnosis; `quiet`: one line per finding (`layer: CODE name:
+    message`), as every command's -q."""
+    if findings and quiet:
+        for f in findings:
+            where = f"{f.layer}: " if f.layer is not None else ""
+            console.print(cell(f"{where}{f.code} {f.name}: {f.message}"), soft_wrap=True)
+        console.print()
+    elif findings:
         print_findings(console, findings, "inspect findings for this checkpoint", context)
         console.print()
     diagnosis_bullets(console, lines)
