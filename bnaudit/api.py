@@ -28,6 +28,7 @@ def inspect(
     debug: bool = False,
     all_revisions: bool = False,
     jobs: int | None = None,
+    base: str | None = None,
 ) -> InspectReport:
     """Audit checkpoints (files or directories) and return the report.
 
@@ -36,7 +37,9 @@ def inspect(
     `all_revisions`: every snapshot of a Hugging Face cache repo, not only refs/main's.
     `jobs`: at most this many processes audit the files (None: one per usable CPU). Fewer
     than 16 files, or a process that already runs threads (torch imported), are audited in
-    this process alone (bnaudit.audit.checkpoint.forked says why).
+    this process alone (bnaudit.audit.checkpoint.forked says why). `base`: the base
+    checkpoint a PEFT adapter folder is composed with (default: its config's
+    base_model_name_or_path, locally or in the Hugging Face cache).
 
     >>> report = inspect("sample_models/")      # doctest: +SKIP
     >>> report.exit_code(), report.summary()    # doctest: +SKIP
@@ -57,4 +60,5 @@ def inspect(
         debug=debug,
         all_revisions=all_revisions,
         jobs=jobs,
+        base=base,
     )

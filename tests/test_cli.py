@@ -52,6 +52,7 @@ def test_json_document_has_the_documented_shape(cli, hand_made):
     assert doc["version"] == __version__
     assert doc["summary"] == {
         "files": 1,
+        "state_dicts": 1,
         "layers": 1,
         "errors": 0,
         "warnings": 2,

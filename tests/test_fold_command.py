@@ -298,7 +298,7 @@ def test_cli_exit_codes_and_json_shape(tmp_path, trained, cli):
     result = cli("fold", bad, "--format", "json", "--isolated")
     assert result.exit_code == 1, result.output
     doc = json.loads(result.stdout)
-    assert set(doc) == {"pairs", "unpaired", "measured", "findings", "summary"}
+    assert set(doc) == {"pairs", "unpaired", "measured", "findings", "notes", "not_audited", "summary"}
     assert doc["measured"] is None and doc["unpaired"] == ["after_add"]
     pair = next(p for p in doc["pairs"] if p["bn"] == "block.bn2")
     assert set(pair) == {

@@ -120,7 +120,8 @@ def segments_pattern(shown: str) -> re.Pattern[str]:
     """A shortened name as a pattern: each "…" one or more whole segments (with the
     separators around them), the rest as written."""
     parts = shown.split("…")
-    regex = re.escape(parts[0])
+    # a name written from its root ("/resnet/...", an exporter's scope) starts with a separator
+    regex = "[./]?" if not parts[0] else re.escape(parts[0])
     for before, part in itertools.pairwise(parts):
         regex += ("[./]" if before else "") + r"[^./]+(?:[./][^./]+)*" + ("[./]" if part else "") + re.escape(part)
     return re.compile(regex)

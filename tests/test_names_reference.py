@@ -1,6 +1,7 @@
 """`bnaudit.output.names.shorten_names` chooses what it chose before it was made faster.
 
 The reference below is the shortening as it was (every other name compared word for word,
+and, since issue 34, a path's shortenings only those that keep its file name;
 every kept shortening's pattern compiled and searched, every candidate scored per name),
 kept verbatim; the module now skips patterns whose literal runs appear nowhere, splits the
 names into classes of equal differences and ranks the candidates once per shape of name.
@@ -122,6 +123,8 @@ def shorten(name, width, own, others, masks, separators="./"):
         scored.append((length, -(length - 3 * gaps - 4 * bare), runs[-1][1] < n, runs))
     fitting = sorted((s for s in scored if s[0] <= width), key=lambda s: (s[1], s[2]))
     for *_, runs in [*fitting, *sorted(scored, key=lambda s: (s[0], s[1], s[2]))]:
+        if separators == "/" and runs[-1][1] != n:  # since issue 34: a path keeps its file name
+            continue
         kept = sum(((1 << end) - (1 << start)) for start, end in runs)
         if all(kept & mask for mask in masks) and not regex(own, runs).search(others):
             return render(name, spans, runs)

@@ -160,7 +160,8 @@ def test_tables_fit_80_columns_without_breaking_a_word(cli, deep, tmp_path):
     assert all(len(line) <= 80 for line in lines[:-1]), [line for line in lines if len(line) > 80]
     headers = [line for line in lines if line.startswith("layer ")]
     assert len(headers) == 2 and headers[0].split() == headers[1].split()  # the same columns in every file
-    assert "dropped to fit 80 columns: mean range, batches, var median / max" in result.stdout
+    # immature.pt's BN003 cites its counter: batches stays (issue 34)
+    assert "dropped to fit 80 columns: mean range, var median / max" in result.stdout
     # every word printed is whole: a layer name is either complete or shortened in the middle
     full = [
         n.replace("backbone_encoder_stages", "model.backbone_encoder_stages_of_a_very_deep_network") for n in bn_names()

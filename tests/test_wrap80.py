@@ -35,7 +35,7 @@ def _shortened(token: str, whole: set[str]) -> bool:
     return any(pattern.fullmatch(w) for w in whole)
 
 
-def _check(cli, *args: str) -> None:
+def check_wraps_at_spaces(cli, *args: str) -> None:
     narrow = cli(*args, width=80)
     wide = cli(*args, width=1000)
     assert narrow.exit_code == wide.exit_code, narrow.output
@@ -47,7 +47,7 @@ def _check(cli, *args: str) -> None:
 
 
 def test_rules_wrap_at_spaces(cli):
-    _check(cli, "rules")
+    check_wraps_at_spaces(cli, "rules")
 
 
 SAMPLE_FILES = sorted(p for p in glob.glob(os.path.join(SAMPLES, "*")) if p.endswith((".pt", ".pth", ".safetensors")))
@@ -55,15 +55,17 @@ SAMPLE_FILES = sorted(p for p in glob.glob(os.path.join(SAMPLES, "*")) if p.ends
 
 @pytest.mark.parametrize("path", SAMPLE_FILES, ids=os.path.basename)
 def test_inspect_wraps_at_spaces(cli, path):
-    _check(cli, "inspect", path)
+    check_wraps_at_spaces(cli, "inspect", path)
 
 
 def test_inspect_several_wraps_at_spaces(cli):
-    _check(cli, "inspect", *SAMPLE_FILES)
+    check_wraps_at_spaces(cli, "inspect", *SAMPLE_FILES)
 
 
 def test_diff_wraps_at_spaces(cli):
-    _check(cli, "diff", os.path.join(SAMPLES, "pretrained.safetensors"), os.path.join(SAMPLES, "finetuned.pt"))
+    check_wraps_at_spaces(
+        cli, "diff", os.path.join(SAMPLES, "pretrained.safetensors"), os.path.join(SAMPLES, "finetuned.pt")
+    )
 
 
 def _note_lines(output: str, first_note: str) -> list[str]:
@@ -98,4 +100,4 @@ def test_diff_notes_keep_their_indent_when_wrapped(cli):
 def test_gap_wraps_at_spaces(cli):
     net = os.path.join(SAMPLES, "digits_net.py") + ":digits_net"
     data = os.path.join(SAMPLES, "data", "digits_val.safetensors")
-    _check(cli, "gap", os.path.join(SAMPLES, "dead_channel.safetensors"), "--arch", net, "--data", data)
+    check_wraps_at_spaces(cli, "gap", os.path.join(SAMPLES, "dead_channel.safetensors"), "--arch", net, "--data", data)

@@ -49,3 +49,23 @@ def import_lightning() -> Any:
     import lightning
 
     return lightning
+
+
+def import_peft() -> Any:
+    """The peft package (skips the test where it, or accelerate, which it imports, is not
+    installed). peft imports transformers, which imports torchvision: the same schemas first."""
+    if importlib.util.find_spec("peft") is None or importlib.util.find_spec("accelerate") is None:
+        pytest.skip("peft is not installed")
+    _declare_torchvision_ops()
+    import peft
+
+    return peft
+
+
+def import_ema_pytorch() -> Any:
+    """The ema_pytorch package (skips the test where it is not installed)."""
+    if importlib.util.find_spec("ema_pytorch") is None:
+        pytest.skip("ema-pytorch is not installed")
+    import ema_pytorch
+
+    return ema_pytorch

@@ -20,7 +20,7 @@ of gamma per unit of x, weights (initial weight) dimensionless.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 # Defined in bnaudit.normkinds (formats/ needs them and must not import audit/); re-exported
 # so every BN formula can be found here.
@@ -32,8 +32,12 @@ __all__ = [
     "FP16_FLUSH",
     "FP16_OVERFLOW",
     "INT8_LEVELS",
+    "SILENT_FLOOR",
     "UNIT_ROUNDOFF",
     "all_finite",
+    "channel_signal",
+    "ema_decays",
+    "ema_initial_weight",
     "eval_gain",
     "eval_gains",
     "folded_bias",
@@ -56,6 +60,11 @@ INT8_LEVELS = 127  # symmetric int8: the scale S maps the largest magnitude to 1
 COLLAPSE_LEVELS = 0.5
 # Below this many levels for its largest weight a channel keeps fewer than 4 bits.
 COARSE_LEVELS = 8.0
+# A channel whose float output varies by at most this fraction of the layer's loudest
+# channel's (`channel_signal`), or whose folded weights are at most this fraction of the
+# layer's largest, carries nothing in float already: int8 cannot take from it what it does not
+# carry (a slimmed network's gamma ~1e-9, a channel whose input never varies).
+SILENT_FLOOR = 1e-6
 # The smallest magnitude float16 rounds to inf (65504 + half its last step of 32).
 FP16_OVERFLOW = 65520.0
 # The largest magnitude float16 rounds to 0 (half its smallest subnormal 2^-24).
@@ -153,6 +162,57 @@ def initial_weight(momentum: float | None, updates: int) -> float:
     if momentum is None:
         return 1.0 if updates <= 0 else 0.0
     return float((1.0 - momentum) ** updates)
+
+
+def channel_signal(gamma: float, var: float, eps: float) -> float:
+    """sigma_c = |gamma_c| sqrt(var_c / (var_c + eps)): how much channel c's eval output varies
+    in float, in the units of the BN's output (the standard deviation of gamma (x - mean) /
+    sqrt(var + eps) for x of variance var_c); 0 for a channel whose input never varies (var 0)
+    or whose gamma is 0. NaN for invalid statistics."""
+    v = max(var, 0.0) if var == var else var
+    denominator = v + eps
+    if not denominator > 0:
+        return 0.0 if v == 0 else math.nan
+    return abs(gamma) * math.sqrt(v / denominator)
+
+
+def ema_decays(
+    updates: int, decay: float, warmup: bool, zero_first: bool, gamma: float = 1.0, power: float = 2 / 3
+) -> Iterator[float]:
+    """d_1 .. d_T, the decay of each of an EMA's `updates` updates, in order (dimensionless):
+
+    timm ModelEmaV3, update(model, step=k) (`zero_first`)
+                d_k = 0 for k = 1 (the copy takes the live values), else `decay`, or with
+                `warmup` min(decay, 1 - (1 + (k - 1) / gamma)^-power) (clamped at 0)
+    a constant EMA (timm ModelEma/ModelEmaV2, update(model))
+                d_k = `decay` for every k"""
+    for k in range(1, updates + 1):
+        if zero_first and k == 1:
+            yield 0.0
+        elif warmup and zero_first:
+            yield max(min(decay, 1.0 - (1.0 + (k - 1) / gamma) ** -power), 0.0)
+        else:
+            yield decay
+
+
+def ema_initial_weight(decays: Iterable[float], momentum: float | None, per_update: int = 1) -> float:
+    """W: the share the initial values (running_mean 0, running_var 1) hold in an EMA copy's
+    running buffers after its updates (dimensionless, 0 to 1). The copy starts as the
+    untrained model (W_0 = 1); update k lerps it toward the live model's buffers, whose
+    initial values then weigh w_k = initial_weight(m, k * per_update) (`per_update` BN
+    forwards per EMA update):
+
+      W_k = d_k W_{k-1} + (1 - d_k) w_k,   W = W_T
+
+    (the EMA is affine in both buffers, and the live buffers are w_k * initial + (1 - w_k) *
+    data). ModelEmaV3 (decay 0 at update 1, then 0.998), momentum 0.1, 288 updates: 0.516."""
+    weight = 1.0
+    for k, d in enumerate(decays, start=1):
+        live = initial_weight(momentum, k * per_update)
+        weight = d * weight + (1.0 - d) * live
+        if weight < 1e-15 and live < 1e-15:
+            break  # both only shrink from here (d_k <= 1, w_k decreasing): W is below 1e-15
+    return weight
 
 
 def implied_data_value(stored: float, initial: float, weight: float) -> float:

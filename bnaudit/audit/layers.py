@@ -143,13 +143,17 @@ class ModelReference(Protocol):
     """The model `--arch` names, as `inspect` compares each file with it (built on the torch
     side: `bnaudit.runtime.models.arch_reference`).
 
-    producers  BN module name -> the module whose output it normalises, from the model's graph
-    match      the checkpoint renamed to the model's names, with the model's real module
-               settings, and the ModuleFacts of the comparison
+    producers   BN module name -> the module whose output it normalises, from the model's graph
+    transposed  the producers that are ConvTranspose (output channels on the weight's axis 1)
+    match       the checkpoint renamed to the model's names, with the model's real module
+                settings, and the ModuleFacts of the comparison
     """
 
     @property
     def producers(self) -> Mapping[str, str]: ...
+
+    @property
+    def transposed(self) -> frozenset[str]: ...
 
     def match(self, ckpt: Checkpoint) -> tuple[Checkpoint, ModuleFacts]: ...
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bnaudit.formats.model import Checkpoint
+from bnaudit.formats.ema import RECALIBRATED, recalibrated_averaging
+from bnaudit.formats.model import Averaging, Checkpoint
 from bnaudit.formats.provenance import RecalibrationRecord, statistics_digest
 from bnaudit.text import plural
 
@@ -69,3 +70,15 @@ def _matches(ckpt: Checkpoint, layer: str, digests: Mapping[str, str]) -> bool:
     if mean is None or var is None:
         return False
     return bool(digests[layer] == statistics_digest(mean.read(), var.read()))
+
+
+def believed_averaging(ckpt: Checkpoint, provenance: Provenance) -> Averaging | None:
+    """An averaged copy's `Averaging`, the recalibration record believed over the counters:
+    a copy `bnaudit recalibrate` re-estimated holds population statistics and counters of
+    calibration batches, which the counter heuristics (formats/ema.py) would take for a
+    ModelEmaV2's truncated average. A record whose digests match none of the layers
+    changes nothing."""
+    averaging = ckpt.averaging
+    if not ckpt.is_ema or not provenance.layers or (averaging is not None and averaging.kind == RECALIBRATED):
+        return averaging
+    return recalibrated_averaging(averaging, provenance.source)

@@ -37,7 +37,10 @@ def model_checkpoint(path: str | os.PathLike[str], trust_pickle: bool = False, c
     if not os.path.isdir(path):
         return path
     report = inspect_paths([path], config or Config(), trust_pickle=trust_pickle)
-    models = [f.path for f in report.files if f.error is None and f.skipped is None and f.excluded is None]
+    # one path per file: a container's state dicts are entries of the same file
+    models = list(
+        dict.fromkeys(f.path for f in report.files if f.error is None and f.skipped is None and f.excluded is None)
+    )
     broken = [f for f in report.files if f.error is not None]
     if len(broken) == 1 and broken[0].path == path:  # the folder itself: nothing to scan
         raise BnauditError(f"{path}: {broken[0].error}")

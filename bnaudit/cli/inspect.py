@@ -107,6 +107,14 @@ def inspect(
             help="JSON object of keyword arguments for --arch, e.g. '{\"num_classes\": 10}'.",
         ),
     ] = None,
+    base: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="PATH",
+            help="The base checkpoint (file or save_pretrained folder) a PEFT adapter folder is composed with "
+            "(default: its base_model_name_or_path, found locally or in the Hugging Face cache).",
+        ),
+    ] = None,
 ) -> None:
     """Audit every BatchNorm layer of checkpoints, without code or data."""
     from bnaudit.api import inspect as run_inspect
@@ -132,6 +140,7 @@ def inspect(
             debug=debug,
             all_revisions=all_revisions,
             jobs=jobs,
+            base=base,
         )
         # emitting stays inside the boundary: the values it prints come from the files
         output.emit(report, output_format.value, sys.stdout, quiet=quiet, all_layers=all_layers)

@@ -6,6 +6,11 @@ Training frameworks wrap the state dict (`{"state_dict": ...}`, `{"model": ...,
 which mapping is the model (known keys first, optimizer subtrees skipped, an EMA copy
 only when it is the only one or `--key` names it) and strips the prefixes. It works on
 objects already loaded: it opens no file.
+
+ema-pytorch's `EMA` module saves one state dict holding two models: `ema_model.*` (the
+average) and `online_model.*` (the trained model, unless `include_online_model=False`)
+beside its `initted` and `step` buffers. It is read as two state dicts, `ema_model` (an
+averaged copy) and `online_model` (its live model), never as one mixed set of layers.
 """
 
 from __future__ import annotations
@@ -36,21 +41,34 @@ def checkpoint_from_object(
         raise BnauditError(f"{path}: holds no state dict (no mapping of names to tensors)")
     chosen = choose_state_dict(path, candidates, key)
     ckpt = strip_wrapper_prefix(wrap_candidate(path, fmt, candidates, chosen))
+    source = candidates[chosen]
+    if isinstance(source, EmaPytorchPart):  # stored as one state dict, its names under the part's prefix
+        ckpt.stored_at, ckpt.prefix = source.stored_at, source.prefix + ckpt.prefix
+        if source.is_ema:
+            from bnaudit.formats.ema import ema_pytorch_averaging
+
+            ckpt.averaging = ema_pytorch_averaging(source.step)
     if ckpt.is_ema:
         live = live_counterpart(candidates, chosen)
         if live is not None:
             ckpt.live_tensors = strip_wrapper_prefix(wrap_candidate(path, fmt, candidates, live)).tensors
-        if ckpt.averaging is None:
-            from bnaudit.formats.ema import ema_averaging
+        from bnaudit.formats.ema import ema_averaging, ema_schedule
 
+        if ckpt.averaging is None:
             ckpt.averaging = ema_averaging(ckpt.tensors, ckpt.live_tensors)
+        ckpt.ema_schedule = ema_schedule(obj)
     return ckpt
 
 
 def live_counterpart(candidates: dict[str, Any], chosen: str) -> str | None:
     """The live model beside an averaged copy `chosen` in the same container: the state dict
-    `choose_state_dict` would pick among the candidates that are not EMA copies, or None."""
-    others = {k: v for k, v in candidates.items() if k != chosen and not _is_ema_key(k)}
+    `choose_state_dict` would pick among the candidates that are not EMA copies, or None
+    (ema-pytorch's `ema_model` has its own `online_model`)."""
+    part = candidates[chosen]
+    if isinstance(part, EmaPytorchPart):
+        online = part.sibling
+        return online if online in candidates else None
+    others = {k: v for k, v in candidates.items() if k != chosen and not _is_ema_candidate(k, v)}
     if not others:
         return None
     return choose_state_dict("", others, None)
@@ -84,7 +102,7 @@ def wrap_candidate(path: str, fmt: str, candidates: dict[str, Any], chosen: str)
         metadata=metadata,
         key=None if chosen == "" else chosen,
         other_keys=[k for k in candidates if k != chosen],
-        is_ema=_is_ema_key(chosen),
+        is_ema=_is_ema_candidate(chosen, candidates[chosen]),
         averaging=_pickled_averaged_model(candidates[chosen]),
         modules=modules,
         holds_module=bool(modules) or _is_module(candidates[chosen]),
@@ -185,6 +203,68 @@ def _is_ema_key(key: str) -> bool:
     return bool(key) and bool(_EMA_RE.search(key))
 
 
+def _is_ema_candidate(key: str, value: Any) -> bool:
+    """An averaged copy: an ema-pytorch `ema_model` part, else by its key's name (an
+    ema-pytorch `online_model` is live whatever its container is called)."""
+    if isinstance(value, EmaPytorchPart):
+        return value.is_ema
+    return _is_ema_key(key)
+
+
+class EmaPytorchPart(dict[str, Any]):
+    """One of the two models of an ema-pytorch `EMA` state dict, its names without the
+    `ema_model.` / `online_model.` prefix: `is_ema` for the average, `step` the EMA's update
+    counter (`step` buffer, None where unreadable), `sibling` the other part's key,
+    `stored_at` and `prefix` where its tensors are stored (the EMA state dict's key path and
+    "ema_model." / "online_model."). The average keeps the stored dict's `_metadata` (where
+    `bnaudit recalibrate` records what it re-estimated: the average is what it repairs)."""
+
+    def __init__(
+        self, items: dict[str, Any], is_ema: bool, step: int | None, sibling: str, stored_at: str, prefix: str
+    ) -> None:
+        super().__init__(items)
+        self.is_ema, self.step, self.sibling = is_ema, step, sibling
+        self.stored_at, self.prefix = stored_at, prefix
+        self._metadata: Any = None
+
+
+_EMA_PYTORCH_PARTS = ("ema_model.", "online_model.")
+
+
+def split_ema_pytorch(key: str, value: Any) -> dict[str, Any] | None:
+    """The two state dicts of an ema-pytorch `EMA` state dict (module docstring) under
+    `key/ema_model` and `key/online_model`, or None when `value` is not one: `initted` and
+    `step` beside keys that all start with `ema_model.` or `online_model.`, some `ema_model.`."""
+    if not isinstance(value, Mapping):
+        return None
+    items = [(k, v) for k, v in mapping_items(value) if isinstance(k, str)]
+    names = {k for k, _ in items}
+    if not {"initted", "step"} <= names or not any(k.startswith("ema_model.") for k in names):
+        return None
+    if not all(k in ("initted", "step") or k.startswith(_EMA_PYTORCH_PARTS) for k in names):
+        return None
+    step_ref = dict(items)["step"]
+    step: int | None = None
+    try:
+        if isinstance(step_ref, TensorRef) and step_ref.is_integer and math.prod(step_ref.shape) == 1:
+            step = int(step_ref.read()[0])
+        elif _is_tensor(step_ref) and step_ref.numel() == 1:
+            step = int(step_ref.item())
+    except (BnauditError, ValueError, TypeError):
+        step = None
+    base = f"{key}/" if key else ""
+    parts: dict[str, Any] = {}
+    for prefix, is_ema in (("online_model.", False), ("ema_model.", True)):  # the live model first
+        own = {k[len(prefix) :]: v for k, v in items if k.startswith(prefix)}
+        if own:
+            other = "online_model" if is_ema else "ema_model"
+            part = EmaPytorchPart(own, is_ema, step, base + other, key, prefix)
+            if is_ema:
+                part._metadata = getattr(value, "_metadata", None)
+            parts[base + prefix[:-1]] = part
+    return parts
+
+
 def _is_tensor(value: Any) -> bool:
     if isinstance(value, TensorRef):  # read lazily by the stand-in reader (formats/standins.py)
         return True
@@ -239,7 +319,8 @@ def find_state_dicts(obj: Any, max_depth: int = 4) -> dict[str, Any]:
     while stack:
         value, path, depth = stack.pop()
         if _is_module(value) or _is_tensor_mapping(value):
-            found[path] = value
+            parts = split_ema_pytorch(path, value) if not _is_module(value) else None
+            found.update(parts if parts is not None else {path: value})
             continue
         if depth >= max_depth or not isinstance(value, Mapping):
             continue
@@ -260,7 +341,7 @@ def choose_state_dict(path: str, candidates: dict[str, Any], key: str | None) ->
         raise BnauditError(f"{path}: no state dict under key '{key}' (found: {listed})")
     if "" in candidates:
         return ""
-    non_ema = [k for k in candidates if not _is_ema_key(k)] or list(candidates)
+    non_ema = [k for k, v in candidates.items() if not _is_ema_candidate(k, v)] or list(candidates)
 
     def rank(k: str) -> tuple[int, int, int]:
         parts = k.split("/")

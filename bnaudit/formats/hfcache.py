@@ -68,6 +68,15 @@ class Snapshot:
         return HubSource(self.repo_type, self.repo_id, self.revision, file, self.refs)
 
 
+def cache_root() -> str:
+    """The hub cache folder huggingface_hub uses: `HF_HUB_CACHE`, else `HF_HOME`/hub, else
+    ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
+
+
 def is_repo_folder(path: str) -> bool:
     """`models--ORG--NAME` (or datasets--, spaces--) holding a `snapshots/` folder."""
     return REPO_FOLDER.match(os.path.basename(os.path.normpath(path))) is not None and os.path.isdir(

@@ -161,18 +161,19 @@ class Averaging:
     """What a file says about an averaged copy of a model (SWA or EMA weights).
 
     `kind`: "AveragedModel" (torch.optim.swa_utils), "timm ModelEmaV2", "timm ModelEmaV3",
-    "EMA (unknown kind)". `n_averaged`: how many models were averaged into the copy
-    (AveragedModel's `n_averaged` buffer), None where the file does not say.
-    `buffers`: what the copy's BN buffers are: "copied" (the live model's, as of the last
-    update: AveragedModel(use_buffers=False)), "averaged" (averaged like the weights:
-    use_buffers=True, timm EMA), or "unknown" (the file cannot tell). `counter_meaning`:
+    "EMA (unknown kind)", "EMA copy recalibrated by bnaudit". `n_averaged`: how many models
+    were averaged into the copy (AveragedModel's `n_averaged` buffer), None where the file
+    does not say. `buffers`: what the copy's BN buffers are: "copied" (the live model's, as
+    of the last update: AveragedModel(use_buffers=False)), "averaged" (averaged like the
+    weights: use_buffers=True, timm EMA), "recalibrated" (population statistics `bnaudit
+    recalibrate` wrote), or "unknown" (the file cannot tell). `counter_meaning`:
     one line saying what the copy's `num_batches_tracked` counts (an averaged counter
     counts no batches; a copied one is the live model's training counter).
     """
 
     kind: str
     n_averaged: int | None
-    buffers: str  # "copied", "averaged", "unknown"
+    buffers: str  # "copied", "averaged", "recalibrated", "unknown"
     counter_meaning: str
 
     def describe(self) -> str:
@@ -181,6 +182,7 @@ class Averaging:
         buffers = {
             "copied": "buffers copied from the live model",
             "averaged": "buffers averaged",
+            "recalibrated": "statistics re-estimated by bnaudit recalibrate",
         }.get(
             self.buffers,
             "buffers copied or averaged: unknown (use_buffers is not saved; diff against the live model "
@@ -200,6 +202,10 @@ class Checkpoint:
     key: str | None = None
     other_keys: list[str] = field(default_factory=list)
     prefix: str = ""
+    # Where the tensors are stored in the container when that is not `key` (`stored_key`):
+    # ema-pytorch's `ema_model` and `online_model` are two models of one stored state dict,
+    # their names carried in `prefix` ("ema_model.").
+    stored_at: str | None = None
     is_ema: bool = False
     # An averaged copy (SWA / EMA weights): how it was averaged, None for a live model.
     averaging: Averaging | None = None
@@ -207,9 +213,14 @@ class Checkpoint:
     # (timm's {"state_dict", "state_dict_ema"}): its tensors, names stripped alike; the
     # copy's statistics are judged against its (bnaudit.audit.rules.checkpoint BN003).
     live_tensors: dict[str, TensorRef] | None = field(default=None, repr=False, compare=False)
+    # An averaged copy's EMA schedule as the container's training arguments record it
+    # (formats.ema.EmaSchedule), None where they record none.
+    ema_schedule: Any = None
     modules: dict[str, ModuleInfo] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     holds_module: bool = False
+    # A PEFT adapter folder composed with its base (formats.peft.AdapterInfo), else None.
+    adapter: Any = None
     # Objects outside the state dict left unloaded by the stand-in reader, one note each
     # ("hyper_parameters holds omegaconf.DictConfig: not loaded").
     not_loaded: list[str] = field(default_factory=list)
@@ -227,6 +238,9 @@ class Checkpoint:
     # True when `folded` rests on convolutions with constant weights and bias alone, which a
     # network that never had BN shows as well (no weight the exporter computed)
     folded_ambiguous: bool = False
+    # An ONNX graph's quantized convolutions (ConvInteger, QLinearConv, ...), in words: their
+    # integer weights are not examined (None where the graph has none).
+    quantized: str | None = None
     # torch.export programs (formats/pt2.py): what says BN was decomposed into elementwise
     # arithmetic (no batch-norm node left), else None; and notes on the program's nodes
     # (a cuDNN node: exported on a GPU), printed with the report.
@@ -235,6 +249,12 @@ class Checkpoint:
     # The parsed graph of an ONNX model (formats.onnx.OnnxModel): diff pairs folded convs
     # from it without parsing the file again.
     graph: Any = field(default=None, repr=False, compare=False)
+
+
+def stored_key(ckpt: Checkpoint) -> str | None:
+    """The key path of the mapping that stores `ckpt`'s tensors in its container (writers
+    replace entries there, under `ckpt.prefix` + name): `ckpt.stored_at`, else `ckpt.key`."""
+    return ckpt.stored_at if ckpt.stored_at is not None else ckpt.key
 
 
 def torch_ref(name: str, tensor: Any) -> TensorRef:

@@ -485,7 +485,11 @@ def read_onnx(path: str) -> Checkpoint:
     bn_nodes = 0
     convs: list[str] = []  # Conv nodes whose weight and bias are constants
     computed: list[str] = []  # ... whose weight the exporter computed by constant folding
+    quantized: list[str] = []  # integer convolutions and matmuls (a quantized graph)
     for index, (where, node) in enumerate(call_sites(model.proto)):
+        if node.op_type in QUANTIZED_OPS and node.domain in ("", "ai.onnx", "com.microsoft"):
+            quantized.append(node.name or f"{node.op_type}_{index}")
+            continue
         if node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type == "Conv":
@@ -566,6 +570,11 @@ def read_onnx(path: str) -> Checkpoint:
         unauditable_layers=unauditable_layers,
         graph=model,
     )
+    if quantized:
+        ckpt.quantized = (
+            f"{plural(len(quantized), 'quantized convolution or matmul node')} ({listing(quantized)}) with integer "
+            "weights"
+        )
     if computed:
         ckpt.folded = f"{_conv_list(computed)} with weights computed by the exporter's constant folding (onnx::Conv_*)"
         if bn_nodes == 0:
@@ -574,6 +583,12 @@ def read_onnx(path: str) -> Checkpoint:
         ckpt.folded = f"no BatchNormalization node; {_conv_list(convs)} with constant weights and bias"
         ckpt.folded_ambiguous = True
     return ckpt
+
+
+# Integer convolutions and matmuls of a quantized graph (onnxruntime's quantize_dynamic writes
+# ConvInteger / MatMulInteger after DynamicQuantizeLinear; static quantization QLinearConv):
+# a BN folded into them is in their integer weights and scales, which bnaudit does not read.
+QUANTIZED_OPS = ("ConvInteger", "MatMulInteger", "QLinearConv", "QLinearMatMul")
 
 
 def _conv_list(names: list[str]) -> str:

@@ -15,6 +15,11 @@ its module's own name (`1`), and its tensors come from the archive's raw payload
   training   the operator's statistics (`normkinds.Statistics`): batch, running, or its
              `training` argument (index `training_arg`)
 
+A program without any batch-norm node and without BN buffers whose convolutions take a stored
+weight and bias (`torch.fx.experimental.optimization.fuse` before `torch.export`, or any other
+fold) is folded: `Checkpoint.folded` names the convolutions (`stored_convolutions`), and, as
+for ONNX, a network that never had BatchNorm looks the same (`folded_ambiguous`).
+
 A program without any batch-norm node whose signature still feeds `P.running_mean` and
 `P.running_var` buffers was decomposed (`run_decompositions` with a batch-norm table): BN
 became sub/mul/rsqrt. Those layers are read from their buffers all the same; eps comes
@@ -176,9 +181,11 @@ def read_pt2(path: str) -> Checkpoint:
     archive = open_pt2(path)
     found = _Found({}, {}, [], [])
     producers = []
+    convs: list[StoredConv] = []
     for model, program in archive.programs.items():
         prefix = f"{model}:" if len(archive.programs) > 1 else ""
         _read_program(archive, model, program, prefix, found)
+        convs += _stored_convolutions(archive, model, program, prefix)
         version = program.get("torch_version")
         if isinstance(version, str):
             producers.append(f"torch {version}")
@@ -202,9 +209,72 @@ def read_pt2(path: str) -> Checkpoint:
             f"no batch-norm node: {plural(len(decomposed), 'layer')} ({listing(decomposed)}) "
             "computed as elementwise arithmetic on their buffers (run_decompositions)"
         )
+    with_bias = [c.node for c in convs if c.bias is not None]
+    if found.bn_nodes == 0 and not found.tensors and with_bias:
+        ckpt.folded = (
+            f"no batch-norm node; {plural(len(with_bias), 'convolution node')} ({listing(with_bias)}) with stored "
+            "weights and bias"
+        )
+        ckpt.folded_ambiguous = True
     if not archive.programs:
         ckpt.unauditable.append("an AOTInductor package without an exported program: no graph to audit")
     return ckpt
+
+
+@dataclass(frozen=True)
+class StoredConv:
+    """A convolution or linear node of a program whose weight (and bias, where it has one)
+    the archive stores: `weight_name` its state-dict name (`layer1.0.conv1.weight`), `feeds_batchnorm`
+    whether a batch-norm node reads its output."""
+
+    node: str
+    weight_name: str
+    weight: TensorRef
+    bias: TensorRef | None
+    feeds_batchnorm: bool
+
+
+def stored_convolutions(path: str) -> list[StoredConv]:
+    """The convolution and linear nodes (transposed ones left out) of every program of the
+    archive with a stored weight, in graph order."""
+    archive = open_pt2(path)
+    found: list[StoredConv] = []
+    for model, program in archive.programs.items():
+        found += _stored_convolutions(archive, model, program, f"{model}:" if len(archive.programs) > 1 else "")
+    return found
+
+
+def _stored_convolutions(archive: Pt2Archive, model: str, program: dict[str, Any], prefix: str) -> list[StoredConv]:
+    gm = program["graph_module"]
+    signature = gm.get("signature") if isinstance(gm.get("signature"), dict) else {}
+    inputs = _signature_inputs(signature)
+    payloads = archive.payloads.get(model, {})
+    nodes = _nodes(program)
+    readers: dict[str, list[str]] = {}
+    for node in nodes:
+        for arg in _args(node)[1]:
+            value = _tensor_name(arg)
+            if value is not None:
+                readers.setdefault(value, []).append(str(node.get("target")))
+    found: list[StoredConv] = []
+    for index, node in enumerate(nodes):
+        target = str(node.get("target"))
+        if not any(p in target for p in _PRODUCER_OPS):
+            continue
+        named, ordered = _args(node)
+        flag = named.get("transposed")
+        if isinstance(flag, dict) and flag.get("as_bool"):
+            continue
+        fqn, weight = _stored(named.get("weight", ordered[1] if len(ordered) > 1 else None), inputs, payloads)
+        if weight is None or fqn is None:
+            continue
+        bias = _stored(named.get("bias", ordered[2] if len(ordered) > 2 else None), inputs, payloads)[1]
+        outputs = [_tensor_name(item) for item in node.get("outputs") or []]
+        read_by = [t for out in outputs if out is not None for t in readers.get(out, [])]
+        feeds_bn = any((op := norm_op(t)) is not None and op.kind is NormKind.BATCH_NORM for t in read_by)
+        label = node.get("name") if isinstance(node.get("name"), str) else f"node_{index}"
+        found.append(StoredConv(prefix + str(label), prefix + fqn, weight, bias, feeds_bn))
+    return found
 
 
 DECOMPOSED = "BatchNorm (decomposed)"
@@ -428,18 +498,21 @@ def _read_decomposed(
 # The operators a BatchNorm folds into: their output channels are the first dimension of
 # their weight (aten.convolution with transposed=True is not one: its weight is (C_in, C_out/g, ...)).
 _PRODUCER_OPS = ("aten.conv1d.", "aten.conv2d.", "aten.conv3d.", "aten.linear.", "aten.convolution.")
+_TRANSPOSED_OPS = ("aten.conv_transpose1d.", "aten.conv_transpose2d.", "aten.conv_transpose3d.")
 
 
 @dataclass(frozen=True)
 class GraphProducer:
     """What feeds a BN node of a program: the Conv/Linear node it folds into (`name` its
-    module's name from its weight's state-dict name, `weight`, `bias`), or, where it cannot
+    module's name from its weight's state-dict name, `weight`, `bias`, `out_axis` the
+    weight's axis of output channels: 1 for a transposed convolution), or, where it cannot
     be folded, `why_not` (what feeds it instead)."""
 
     name: str
     weight: TensorRef | None
     bias: TensorRef | None
     why_not: str = ""
+    out_axis: int = 0
 
 
 def _stored(arg: Any, inputs: dict[str, _Input], payloads: dict[str, Payload]) -> tuple[str | None, TensorRef | None]:
@@ -486,14 +559,18 @@ def batchnorm_producers(path: str) -> dict[str, GraphProducer]:
             x = _tensor_name(named.get("input", ordered[0] if ordered else None))
             source_node = producers.get(x or "")
             source_target = str(source_node.get("target")) if source_node is not None else ""
-            if source_node is None or not any(p in source_target for p in _PRODUCER_OPS):
+            if source_node is None or not any(p in source_target for p in (*_PRODUCER_OPS, *_TRANSPOSED_OPS)):
                 what = "a graph input" if source_node is None else f"{source_target}"
                 found[name] = GraphProducer("", None, None, f"follows {what}: stays a standalone batch norm")
                 continue
             p_named, p_ordered = _args(source_node)
-            transposed = p_named.get("transposed")
-            if isinstance(transposed, dict) and transposed.get("as_bool"):
-                found[name] = GraphProducer("", None, None, "follows a transposed convolution: not paired")
+            flag = p_named.get("transposed")
+            transposed = any(p in source_target for p in _TRANSPOSED_OPS) or (
+                isinstance(flag, dict) and bool(flag.get("as_bool"))
+            )
+            groups = _number(p_named.get("groups"))
+            if transposed and groups not in (None, 1.0):
+                found[name] = GraphProducer("", None, None, "follows a grouped transposed convolution: not audited")
                 continue
             if readers.get(x or "", 0) != 1:
                 found[name] = GraphProducer("", None, None, "its producer's output is read by other nodes too")
@@ -504,5 +581,5 @@ def batchnorm_producers(path: str) -> dict[str, GraphProducer]:
                 found[name] = GraphProducer("", None, None, "its producer's weight is not stored in the archive")
                 continue
             module = fqn.removesuffix(".weight") if fqn else str(source_node.get("name") or "producer")
-            found[name] = GraphProducer(prefix + module, weight, bias)
+            found[name] = GraphProducer(prefix + module, weight, bias, out_axis=1 if transposed else 0)
     return found

@@ -25,6 +25,15 @@ if TYPE_CHECKING:
     import zipfile
 
 
+def read_checkpoints(path: str, trust_pickle: bool = False) -> list[Checkpoint]:
+    """Every model state dict of the file at `path`, each as the `Checkpoint` `--key` would
+    give: the one `read_checkpoint` picks first, then the other state dicts of its container
+    (an EMA copy beside the live model: timm's `state_dict` and `state_dict_ema`) in the
+    container's order. The file is read once. Files of one state dict (every format but a
+    torch.save container) give one."""
+    return _read(path, None, trust_pickle, every=True)
+
+
 def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = False) -> Checkpoint:
     """Open `path` read-only and return its (chosen) state dict as lazy tensors.
 
@@ -32,14 +41,30 @@ def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = Fals
     checkpoint its shards make; a file that is recognisably not model weights (optimizer,
     scheduler, RNG state, training arguments) raises `NotModelWeights`.
     """
+    return _read(path, key, trust_pickle, every=False)[0]
+
+
+def _read(path: str, key: str | None, trust_pickle: bool, every: bool) -> list[Checkpoint]:
+    """`read_checkpoint` (`every` False: the one state dict), or `read_checkpoints`."""
     if is_index(path):
         if key is not None:
             raise BnauditError(f"{path}: --key does not apply to sharded checkpoints")
-        return read_sharded(path, trust_pickle=trust_pickle)
+        return [read_sharded(path, trust_pickle=trust_pickle)]
     fmt, archive = sniff_opening(path)
     if archive is not None:  # a torch.save zip archive, its directory parsed once
         with archive:
-            return _read_torch_save(path, fmt, key, trust_pickle, archive)
+            return _read_torch_save_all(path, fmt, trust_pickle, archive, key, every)
+    if fmt in _SINGLE_FORMATS:
+        return [_read_single(path, fmt, key)]
+    return _read_torch_save_all(path, fmt, trust_pickle, None, key, every)
+
+
+# formats that hold one state dict (a torch.save file is a container of any number)
+_SINGLE_FORMATS = ("safetensors", "onnx", "pt2", "dcp", "torchscript")
+
+
+def _read_single(path: str, fmt: str, key: str | None) -> Checkpoint:
+    """A file of one state dict: safetensors, ONNX, .pt2, DCP, TorchScript."""
     if fmt == "safetensors":
         tensors, metadata = read_safetensors(path)
         if metadata.get("format") == STATISTICS_FORMAT:  # recalibrate --stats-out's: statistics, no weights
@@ -64,21 +89,26 @@ def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = Fals
         from bnaudit.formats.dcp import read_dcp
 
         return read_dcp(path, key)
-    if fmt == "torchscript":
-        from bnaudit.formats.torchscript import read_torchscript, script_metadata
+    from bnaudit.formats.torchscript import read_torchscript, script_metadata
 
-        tensors, modules = read_torchscript(path)
-        if key is not None:
-            raise BnauditError(f"{path}: --key does not apply to TorchScript archives")
-        return Checkpoint(path, fmt, tensors, modules=modules, holds_module=True, metadata=script_metadata(path))
-    return _read_torch_save(path, fmt, key, trust_pickle)
+    tensors, modules = read_torchscript(path)
+    if key is not None:
+        raise BnauditError(f"{path}: --key does not apply to TorchScript archives")
+    return Checkpoint(path, fmt, tensors, modules=modules, holds_module=True, metadata=script_metadata(path))
 
 
-def _read_torch_save(
-    path: str, fmt: str, key: str | None, trust_pickle: bool, opened: zipfile.ZipFile | None = None
-) -> Checkpoint:
+def _read_torch_save_all(
+    path: str,
+    fmt: str,
+    trust_pickle: bool,
+    opened: zipfile.ZipFile | None = None,
+    key: str | None = None,
+    every: bool = True,
+) -> list[Checkpoint]:
     """A torch.save file (zip or legacy), read once by the restricted unpickler (torch.load
-    with --trust-pickle only)."""
+    with --trust-pickle only): the checkpoint `key` chooses (the one `choose_state_dict`
+    picks without it), and with `every` the container's other state dicts after it, each
+    under its own key."""
     # here: the unpickler (and zipfile's machinery) cost start-up that inspect of a
     # safetensors file never needs
     from bnaudit.formats.standins import stand_ins_in, with_stand_ins_checked
@@ -118,4 +148,14 @@ def _read_torch_save(
             raise
         raise NotModelWeights(path, what) from None
     ckpt.shard_of = shard_position(path)
-    return ckpt
+    found = [ckpt]
+    if every and len(candidates) > 1:
+        for other in [k for k in candidates if k != (ckpt.key or "")]:
+
+            def build(chosen: str = other) -> Checkpoint:
+                return checkpoint_from_object(path, fmt, obj, chosen, candidates)
+
+            entry = with_stand_ins_checked(path, obj, build)
+            entry.shard_of = ckpt.shard_of
+            found.append(entry)
+    return found

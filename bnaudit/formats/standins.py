@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.model import Checkpoint, TensorRef
+from bnaudit.formats.model import Checkpoint, TensorRef, stored_key
 from bnaudit.formats.pickled import StandIn, StandInObject, mapping_items
 
 _STAND_IN_TYPES = (StandIn, StandInObject)
@@ -87,7 +87,8 @@ def check_stand_ins(path: str, obj: Any, ckpt: Checkpoint) -> list[str]:
     """Refuse the file when a stand-in sits inside the state dict `ckpt` audits (its
     `_metadata` included); otherwise one note per stand-in skipped elsewhere."""
     target = obj
-    for part in ckpt.key.split("/") if ckpt.key else []:
+    key = stored_key(ckpt)
+    for part in key.split("/") if key else []:
         target = dict.__getitem__(target, part) if isinstance(target, dict) else target[part]
     in_target = stand_ins_in(target)
     inside = list(in_target)
@@ -96,7 +97,7 @@ def check_stand_ins(path: str, obj: Any, ckpt: Checkpoint) -> list[str]:
         inside += stand_ins_in(metadata)
     if inside:
         where, name = inside[0]
-        at = f"'{ckpt.key}/{where}'" if ckpt.key else f"'{where}'"
+        at = f"'{key}/{where}'" if key else f"'{where}'"
         raise BnauditError(
             f"{path}: refused to unpickle: the state dict holds {name} at {at}, a class that could run "
             "code; if you trust this file, pass --trust-pickle; safer still, save a state dict or a .safetensors file"

@@ -19,7 +19,7 @@ from typing import Any
 from bnaudit.errors import BnauditError
 from bnaudit.formats.atomic import atomic_folder, atomic_write, check_folder_output, check_output, write_file
 from bnaudit.formats.classify import SCANNED_NAMES
-from bnaudit.formats.model import Checkpoint
+from bnaudit.formats.model import Checkpoint, stored_key
 from bnaudit.formats.provenance import MODULE_RECORD_ATTRIBUTE, RECORD_KEY, RecalibrationRecord, statistics_digest
 from bnaudit.formats.safetensors import SAFETENSORS_DTYPE_CODES
 from bnaudit.formats.shards import ShardIndex, is_index, read_index
@@ -110,7 +110,7 @@ def save_like(
         obj = load_torch_save(ckpt.path, ckpt.format, trust_pickle=trust_pickle)
         _apply_to_container(ckpt, obj, prepared)
         if target == "safetensors":
-            tensors = _state_dict_at(obj, ckpt.key)
+            tensors = _state_dict_at(obj, stored_key(ckpt))
 
             def write(f: Any) -> None:
                 write_safetensors(tensors, {"format": "pt", **({RECORD_KEY: record} if record else {})}, f)
@@ -174,7 +174,7 @@ def _write_dcp_like(ckpt: Checkpoint, prepared: dict[str, Any], record: str | No
             ) from None
     state = nested_state_dict(layout, values)
     target = state
-    for part in ckpt.key.split("/") if ckpt.key else []:
+    for part in _key_parts(ckpt):
         target = target[part]
     for name, value in prepared.items():
         target[ckpt.prefix + name] = value
@@ -245,7 +245,7 @@ def check_writable(ckpt: Checkpoint, output: str, trust_pickle: bool = False) ->
         )
     obj = load_torch_save(ckpt.path, ckpt.format, trust_pickle=trust_pickle)
     misfits = []
-    parts = ckpt.key.split("/") if ckpt.key else []
+    parts = _key_parts(ckpt)
     node = obj
     for depth, part in enumerate(parts):  # the container's entries beside the path to the state dict
         if isinstance(node, Mapping):
@@ -267,6 +267,12 @@ def _is_torch_tensor(value: Any) -> bool:
     import torch
 
     return isinstance(value, torch.Tensor)
+
+
+def _key_parts(ckpt: Checkpoint) -> list[str]:
+    """The key path of the mapping storing `ckpt`'s tensors (formats.model.stored_key)."""
+    key = stored_key(ckpt)
+    return key.split("/") if key else []
 
 
 def _state_dict_at(obj: Any, key: str | None) -> dict[str, Any]:
@@ -352,7 +358,7 @@ def _attach_record(ckpt: Checkpoint, obj: Any, record: str) -> Any:
 
     import torch
 
-    parts = ckpt.key.split("/") if ckpt.key else []
+    parts = _key_parts(ckpt)
     parent, target = None, obj
     for part in parts:
         parent, target = target, target[part]
@@ -514,7 +520,7 @@ def _apply_to_container(ckpt: Checkpoint, obj: Any, prepared: dict[str, Any]) ->
     import torch
 
     target = obj
-    for part in ckpt.key.split("/") if ckpt.key else []:
+    for part in _key_parts(ckpt):
         target = target[part]
     if isinstance(target, torch.nn.Module):
         with torch.no_grad():

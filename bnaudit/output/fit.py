@@ -63,6 +63,8 @@ class FindingRow:
 def collapse(findings: list[Finding]) -> list[FindingRow]:
     """Findings with the same code, severity and message on several layers, as one row
     (at the place of the first); file-level findings and unique ones stay rows of their own.
+    A finding's `group_as` stands for its message here (the words its layers share, where the
+    message also names something of the layer alone, an exported node).
 
     Channel lists are not compared: a message names the channels it is about, so two
     findings with the same message concern the same channels.
@@ -73,10 +75,10 @@ def collapse(findings: list[Finding]) -> list[FindingRow]:
         if f.layer is None:
             rows.append(FindingRow(f.code, f.name, f.severity, (), f.message))
             continue
-        key = (f.code, f.severity, f.message)
+        key = (f.code, f.severity, f.group_as or f.message)
         if key in index:
             row = rows[index[key]]
-            rows[index[key]] = FindingRow(row.code, row.name, row.severity, (*row.layers, f.layer), row.message)
+            rows[index[key]] = FindingRow(row.code, row.name, row.severity, (*row.layers, f.layer), key[2])
         else:
             index[key] = len(rows)
             rows.append(FindingRow(f.code, f.name, f.severity, (f.layer,), f.message))
@@ -106,10 +108,14 @@ def concise_lines(report: InspectReport) -> list[str]:
 
 
 def summary_line(report: InspectReport) -> str:
-    """ "2 files, 6 BN layers: 1 error, 3 warnings, 0 infos" (and the unreadable files)."""
+    """ "2 files, 6 BN layers: 1 error, 3 warnings, 0 infos" (and the unreadable files);
+    "1 file (2 state dicts), ..." where a container's state dicts were each audited."""
     s = report.summary()
+    files = plural(s["files"], "file")
+    if any(f.entry for f in report.files):  # a container's state dicts, each audited
+        files += f" ({plural(s['state_dicts'], 'state dict')})"
     line = (
-        f"{plural(s['files'], 'file')}, {plural(s['layers'], 'BN layer')}: {plural(s['errors'], 'error')}, "
+        f"{files}, {plural(s['layers'], 'BN layer')}: {plural(s['errors'], 'error')}, "
         f"{plural(s['warnings'], 'warning')}, {plural(s['infos'], 'info')}"
     )
     if s["unreadable"]:

@@ -557,6 +557,9 @@ def fold_to_json(report: FoldReport) -> dict[str, Any]:
         "unpaired": [name for name, _ in report.unpaired],
         "measured": None if measured is None else {k: json_number(v) for k, v in measured.results.items()},
         "findings": [finding_to_json(f) for f in report.findings],
+        "notes": [*report.notes, *(measured.notes if measured is not None else ())],
+        # BN layers left out of the prediction, how many and why ("" when every layer was audited)
+        "not_audited": report.not_audited() or None,
         "summary": report.summary(),
     }
 
@@ -612,6 +615,7 @@ def _folded_to_json(f: FoldedLayer) -> dict[str, Any]:
         "shift_error": json_number(f.check.shift_error),
         "implied_eps": json_number(f.check.implied_eps),
         "implied_eps_note": f.check.eps_note,
+        "zero_gamma": f.check.zero_gamma,
         "matches": f.check.matches,
         "cause": f.check.cause or None,
     }

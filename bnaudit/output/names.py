@@ -18,7 +18,9 @@ after a "…" four more, one that is only indices eight more; at equal score the
 keeping the leaf).
 Where none fits, the shortest unique one is used and is wider than asked: the table then
 drops columns (`bnaudit.output.table.common.fitted_table`), it never folds a name. Only a
-name of one segment wider than the column is cut inside, in its middle.
+name of one segment wider than the column is cut inside, in its middle. A path (separators
+"/") always keeps its file name: `sample_models/lightning/last.ckpt` may become
+`…lightning/last.ckpt` or `…last.ckpt`, never `sample_models/lightning…`.
 """
 
 from __future__ import annotations
@@ -211,7 +213,10 @@ def _shorten(name: str, width: int, own: tuple[str, ...], others: str, masks: se
     ends = (*(e for _, e in spans[:-1]), len(name))
     # a name of many segments has thousands of candidates: ranked afresh, not kept
     rank = _ranked if len(spans) <= _RANKED_KEPT else _ranked.__wrapped__
+    leaf = separators == "/"  # a path keeps its file name
     for runs, kept in rank(starts, ends, tuple(w.isdigit() for w in own), width):
+        if leaf and runs[-1][1] != len(spans):
+            continue
         if all(kept & mask for mask in masks) and not _stands_for_another(own, runs, others):
             return _render(name, spans, runs)
     return name

@@ -6,7 +6,13 @@ targets in `bnaudit.audit.fold.report`):
   float32           the model as loaded, eval mode
   folded            `fold_model`: every pair's BN folded into its producer in float64
                     (W' = W s, b' = beta + (b - mean) s, s = gamma / sqrt(var + eps), the
-                    module's own eps), stored as float32, the BN replaced by Identity
+                    module's own eps; a ConvTranspose's output channels are its weight's
+                    axis 1), stored as float32, the BN replaced by Identity. A BN subclass
+                    with a forward of its own (timm's BatchNormAct2d: BN, then dropout and
+                    an activation) keeps its module, made the identity normalisation
+                    (weight 1, bias 0, mean 0, var 1, eps 0), so what it applies after the
+                    BN stays: folded only where a probe shows its forward is that
+                    (`applies_after_batchnorm`)
   int8_per_tensor   folded, each folded producer's weight through
                     torch.fake_quantize_per_tensor_affine(W', max|W'| / 127, 0, -127, 127)
                     (activations float32, biases float32)
@@ -40,7 +46,6 @@ from bnaudit.errors import BnauditError
 from bnaudit.runtime.data import make_loader
 from bnaudit.runtime.distributed import gather_objects, together, torchrun
 from bnaudit.runtime.models import (
-    PRODUCER_TYPES,
     ModelSpec,
     as_model_spec,
     forward,
@@ -48,9 +53,10 @@ from bnaudit.runtime.models import (
     load_forward,
     load_runnable,
     output_tensor,
+    producer_out_axis,
     resolve_model,
 )
-from bnaudit.runtime.norms import has_stock_forward
+from bnaudit.runtime.norms import has_stock_forward, plain_batchnorm_forward
 from bnaudit.runtime.sources import DataOptions
 
 
@@ -64,18 +70,66 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
+# The probe input's trailing sizes by BatchNorm class: (N, C) or (N, C, L); (N, C, H, W); (N, C, D, H, W).
+_PROBE_SHAPES = ((nn.BatchNorm3d, (2, 2, 2)), (nn.BatchNorm2d, (3, 3)), (nn.BatchNorm1d, (3,)))
+
+
+@torch.no_grad()
+def _neutralise(bn: Any) -> None:
+    """Make a BatchNorm's eval normalisation the identity: (x - 0) / sqrt(1 + 0) * 1 + 0 = x."""
+    if bn.weight is not None:
+        bn.weight.fill_(1.0)
+    if bn.bias is not None:
+        bn.bias.fill_(0.0)
+    bn.running_mean.zero_()
+    bn.running_var.fill_(1.0)
+    bn.eps = 0.0
+
+
+@torch.no_grad()
+def applies_after_batchnorm(bn: Any) -> bool:
+    """A BatchNorm subclass whose eval forward is PyTorch's BatchNorm followed by something
+    that does not read the BN's parameters or buffers (timm's BatchNormAct2d: dropout, then
+    an activation): on a probe input, forward(x) equals the neutralised module applied to
+    BatchNorm(x). Only then may the statistics move into the producer and the module stay."""
+    trailing = next((shape for cls, shape in _PROBE_SHAPES if isinstance(bn, cls)), None)
+    if trailing is None or bn.running_var is None:
+        return False
+    probe = copy.deepcopy(bn).eval()
+    generator = torch.Generator().manual_seed(0)
+    weight = probe.running_var if probe.weight is None else probe.weight
+    x = torch.randn(2, probe.num_features, *trailing, generator=generator).to(weight.dtype) * 3 + 1
+    try:
+        expected = probe(x)
+        normalised = plain_batchnorm_forward(probe, x)
+        _neutralise(probe)
+        return bool(torch.allclose(probe(normalised), expected, rtol=1e-5, atol=1e-6))
+    except Exception:  # a forward of its own that cannot take the probe: not folded
+        return False
+
+
 def foldable(model: nn.Module, pairs: Iterable[PairPrediction]) -> list[PairPrediction]:
-    """The pairs whose modules are a Conv/Linear and a tracked BatchNorm with PyTorch's forward."""
+    """The pairs whose modules are a Conv/Linear/ConvTranspose and a tracked BatchNorm with
+    PyTorch's forward, or one that applies something after it (`applies_after_batchnorm`)."""
     found = []
     for p in pairs:
         try:
             producer, bn = _module(model, p.producer), _module(model, p.bn)
         except AttributeError:
             continue
+        if producer_out_axis(producer) is None or getattr(bn, "running_var", None) is None:
+            continue
         # folding reproduces PyTorch's own eval forward: a BN with a forward of its own is left
-        if isinstance(producer, PRODUCER_TYPES) and has_stock_forward(model, bn) and bn.running_var is not None:
+        if has_stock_forward(model, bn) or applies_after_batchnorm(bn):
             found.append(p)
     return found
+
+
+def _along(values: torch.Tensor, axis: int, dims: int) -> torch.Tensor:
+    """A per-output-channel vector shaped to broadcast along `axis` of a `dims`-D weight."""
+    shape = [1] * dims
+    shape[axis] = -1
+    return values.reshape(shape)
 
 
 @torch.no_grad()
@@ -84,41 +138,46 @@ def fold_model(model: nn.Module, pairs: Iterable[PairPrediction]) -> nn.Module:
     folded = copy.deepcopy(model).eval()
     for p in foldable(folded, pairs):
         producer, bn = _module(folded, p.producer), _module(folded, p.bn)
+        axis = producer_out_axis(producer) or 0
         w = producer.weight.detach().double()
-        n = w.shape[0]
+        n = w.shape[axis]
         gamma = bn.weight.detach().double() if bn.weight is not None else torch.ones(n, dtype=torch.float64)
         beta = bn.bias.detach().double() if bn.bias is not None else torch.zeros(n, dtype=torch.float64)
         b = producer.bias.detach().double() if producer.bias is not None else torch.zeros(n, dtype=torch.float64)
         s = gamma / torch.sqrt(bn.running_var.double() + bn.eps)
-        producer.weight = nn.Parameter((w * s.reshape(-1, *([1] * (w.dim() - 1)))).to(producer.weight.dtype))
+        producer.weight = nn.Parameter((w * _along(s, axis, w.dim())).to(producer.weight.dtype))
         producer.bias = nn.Parameter((beta + (b - bn.running_mean.double()) * s).to(producer.weight.dtype))
-        _set_submodule(folded, p.bn, nn.Identity())
+        if has_stock_forward(folded, bn):
+            _set_submodule(folded, p.bn, nn.Identity())
+        else:
+            _neutralise(bn)
     return folded
 
 
-def quantize_per_tensor(w: torch.Tensor) -> torch.Tensor:
+def quantize_per_tensor(w: torch.Tensor, axis: int = 0) -> torch.Tensor:
     """Symmetric int8 fake-quantization with one scale max|W| / 127 (zero point 0, [-127, 127])."""
     peak = float(w.abs().max())
     return w if peak == 0 else torch.fake_quantize_per_tensor_affine(w, peak / 127, 0, -127, 127)
 
 
-def quantize_per_channel(w: torch.Tensor) -> torch.Tensor:
-    """Symmetric int8 fake-quantization with one scale max|W_c| / 127 per output channel."""
-    peaks = w.abs().flatten(1).amax(1).float()
+def quantize_per_channel(w: torch.Tensor, axis: int = 0) -> torch.Tensor:
+    """Symmetric int8 fake-quantization with one scale max|W_c| / 127 per output channel
+    (the weight's `axis`: 1 for a ConvTranspose)."""
+    peaks = w.abs().transpose(0, axis).flatten(1).amax(1).float()
     scales = torch.where(peaks > 0, peaks / 127, torch.ones_like(peaks))
-    zeros = torch.zeros(w.shape[0], dtype=torch.int32)
-    return torch.fake_quantize_per_channel_affine(w, scales, zeros, 0, -127, 127)
+    zeros = torch.zeros(w.shape[axis], dtype=torch.int32)
+    return torch.fake_quantize_per_channel_affine(w, scales, zeros, axis, -127, 127)
 
 
 @torch.no_grad()
 def quantized(
-    folded: nn.Module, pairs: Iterable[PairPrediction], how: Callable[[torch.Tensor], torch.Tensor]
+    folded: nn.Module, pairs: Iterable[PairPrediction], how: Callable[[torch.Tensor, int], torch.Tensor]
 ) -> nn.Module:
     """A copy of the folded model with each pair's producer weight quantized by `how`."""
     model = copy.deepcopy(folded)
     for p in pairs:
         producer = _module(model, p.producer)
-        producer.weight.copy_(how(producer.weight))
+        producer.weight.copy_(how(producer.weight, producer_out_axis(producer) or 0))
     return model
 
 

@@ -282,6 +282,7 @@ class ArchReference:
 
     model: Any
     producers: Mapping[str, str]
+    transposed: frozenset[str] = frozenset()
 
     def match(self, ckpt: Checkpoint) -> tuple[Checkpoint, ModuleFacts]:
         return match_checkpoint(ckpt, self.model)
@@ -291,7 +292,8 @@ def arch_reference(arch: str, arch_kwargs: str | Mapping[str, Any] | None = None
     """Build the --arch model on the meta device (names, shapes and settings: no weights
     needed) and find its BN producers once, for every file it is compared with."""
     model = build_arch(arch, arch_kwargs, meta=True)
-    return ArchReference(model, graph_producers(model).feeds)
+    producers = graph_producers(model)
+    return ArchReference(model, producers.feeds, producers.transposed)
 
 
 def check_fits(ckpt: Checkpoint, facts: ModuleFacts, arch: str) -> None:
@@ -534,8 +536,19 @@ def output_tensor(output: Any) -> Any:
     )
 
 
-# The layers a BN module can be folded into (bnaudit.audit.producers: the policy)
-PRODUCER_TYPES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)
+# The layers a BN module can be folded into (bnaudit.audit.producers: the policy); a
+# ConvTranspose holds its output channels on its weight's axis 1 (groups 1 only).
+TRANSPOSED_TYPES = (torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)
+PRODUCER_TYPES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear, *TRANSPOSED_TYPES)
+
+
+def producer_out_axis(module: Any) -> int | None:
+    """The axis of a producer module's weight that holds its output channels: 0 for a Conv
+    or Linear, 1 for a ConvTranspose of one group; None for a grouped ConvTranspose (its
+    axis 1 holds C_out / groups) or a module that is no producer."""
+    if isinstance(module, TRANSPOSED_TYPES):
+        return 1 if module.groups == 1 else None
+    return 0 if isinstance(module, PRODUCER_TYPES) else None
 
 
 def graph_producers(model: Any) -> Producers:
@@ -568,8 +581,12 @@ def graph_producers(model: Any) -> Producers:
             continue
         source = node.args[0] if node.args else None
         producer = modules.get(str(source.target)) if isinstance(source, torch.fx.Node) else None
-        if isinstance(source, torch.fx.Node) and source.op == "call_module" and isinstance(producer, PRODUCER_TYPES):
-            calls.append(BNCall(str(node.target), str(source.target), shared=len(source.users) != 1))
+        axis = producer_out_axis(producer)
+        if isinstance(source, torch.fx.Node) and source.op == "call_module" and axis is not None:
+            shared = len(source.users) != 1
+            calls.append(BNCall(str(node.target), str(source.target), shared=shared, transposed=axis == 1))
+        elif isinstance(producer, TRANSPOSED_TYPES):
+            calls.append(BNCall(str(node.target), None, follows="a grouped ConvTranspose"))
         else:
             what = getattr(source, "target", "an input")
             calls.append(BNCall(str(node.target), None, follows=str(getattr(what, "__name__", what))))

@@ -26,7 +26,7 @@ from bnaudit.audit.layers import (
     not_from_file,
 )
 from bnaudit.audit.producers import LazyProducers, ProducerFilter, producers_from_names
-from bnaudit.audit.provenance import recalibration_provenance
+from bnaudit.audit.provenance import believed_averaging, recalibration_provenance
 from bnaudit.audit.rules import Finding, RuleContext, run_rules
 from bnaudit.audit.settings import settings_stated_by, statement
 from bnaudit.config import Config
@@ -34,25 +34,32 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.classify import NotModelWeights, data_tensors
 from bnaudit.formats.hfcache import HubSource
 from bnaudit.formats.model import Checkpoint
-from bnaudit.formats.read import read_checkpoint
+from bnaudit.formats.peft import adapter_base, is_adapter_folder, read_adapter
+from bnaudit.formats.read import read_checkpoint, read_checkpoints
 from bnaudit.formats.shards import index_beside
 from bnaudit.formats.sniff import NotACheckpoint
 from bnaudit.severity import Severity
+from bnaudit.text import plural
 
 
 def audit_checkpoint(
-    ckpt: Checkpoint, config: Config, module: ModuleFacts | None = None, producers: Mapping[str, str] | None = None
+    ckpt: Checkpoint,
+    config: Config,
+    module: ModuleFacts | None = None,
+    producers: Mapping[str, str] | None = None,
+    transposed: frozenset[str] = frozenset(),
 ) -> FileReport:
     """Audit an opened checkpoint; `module` (when the model is known) makes BN001 exact and
     enables the module-only rules; `producers` (BN layer -> the module feeding it, from the
-    model's graph) tells BN004 which filters feed which channel. Raises BnauditError for
-    unreadable tensors."""
+    model's graph; `transposed` those that are ConvTranspose) tells BN004 which filters feed
+    which channel. Raises BnauditError for unreadable tensors."""
     discovery = discover_layers(ckpt, settings_stated_by(config))
     live_layers = None
     if ckpt.live_tensors is not None:
         live = Checkpoint(ckpt.path, ckpt.format, ckpt.live_tensors, modules=ckpt.modules)
         live_layers = {layer.name: layer for layer in discover_layers(live, settings_stated_by(config)).layers}
     provenance = recalibration_provenance(ckpt)
+    averaging = believed_averaging(ckpt, provenance)
     findings = run_rules(
         RuleContext(
             discovery,
@@ -64,11 +71,15 @@ def audit_checkpoint(
             unauditable_layers=dict(ckpt.unauditable_layers),
             folded=ckpt.folded,
             folded_ambiguous=ckpt.folded_ambiguous,
+            quantized=ckpt.quantized,
+            adapter=ckpt.adapter,
             decomposed=ckpt.decomposed,
-            averaging=ckpt.averaging,
+            averaging=averaging,
             live_layers=live_layers,
+            ema_schedule=ckpt.ema_schedule,
             tensors=ckpt.tensors,
             producers=producers if producers is not None else _named_producers(ckpt, discovery.layers),
+            transposed=transposed,
             graph_producers=_graph_producers(ckpt, discovery.layers),
         )
     )
@@ -84,6 +95,13 @@ def audit_checkpoint(
             f"torch.export archive from {producer}, program(s) {programs}: eps and momentum from its nodes"
         )
     report.notes.extend(ckpt.notes)
+    if ckpt.adapter is not None:
+        outside = [layer.name for layer in discovery.layers if not ckpt.adapter.to_save(layer.name)]
+        if outside and ckpt.adapter.base:
+            report.notes.append(
+                f"{plural(len(outside), 'BN layer')} outside the adapter's modules_to_save: statistics that training "
+                "under the adapter updated are not saved in it (peft#1732); audited as the base holds them"
+            )
     if ckpt.shards:
         report.notes.append(f"{ckpt.shards} shards read as one checkpoint through the index")
     if ckpt.shard_of is not None:
@@ -96,7 +114,7 @@ def audit_checkpoint(
         findings = [_possibly_split(f, k, n) if f.code == "BN001" else f for f in findings]
     report.provenance = provenance.note
     report.format, report.key, report.other_keys = ckpt.format, ckpt.key, ckpt.other_keys
-    report.prefix, report.is_ema, report.averaging = ckpt.prefix, ckpt.is_ema, ckpt.averaging
+    report.prefix, report.is_ema, report.averaging = ckpt.prefix, ckpt.is_ema, averaging
     report.not_loaded = list(ckpt.not_loaded)
     report.layers = [LayerSummary.of(layer, config.near_eps_factor) for layer in discovery.layers]
     report.findings = findings
@@ -151,40 +169,98 @@ def audit_file(
     file) is recorded the same way so the other files are still audited; `debug=True`
     lets it propagate instead.
     """
+    return audit_entries(path, config, key, trust_pickle, reference, debug, named, every=False)[0]
+
+
+def audit_entries(
+    path: str,
+    config: Config,
+    key: str | None = None,
+    trust_pickle: bool = False,
+    reference: ModelReference | None = None,
+    debug: bool = False,
+    named: bool = True,
+    every: bool = True,
+    base: str | None = None,
+) -> list[FileReport]:
+    """`audit_file` of every model state dict the file holds (`every`, without `key`): a
+    container of several (timm's CheckpointSaver writes `state_dict` and `state_dict_ema`)
+    gives one FileReport each, shown as `path:key`; any other file gives one. A PEFT adapter
+    folder is audited composed with its base (`base`, else the one its config names:
+    bnaudit.formats.peft)."""
     try:
-        ckpt = read_checkpoint(path, key=key, trust_pickle=trust_pickle)
-        data = data_tensors({name: ref.shape for name, ref in ckpt.tensors.items()})
-        if data is not None and not named:
-            return FileReport(path, skipped=f"tensors {data}", skip_reason="data, not a model", named=named)
-        module = None
-        # an exported graph (ONNX, .pt2) holds only its BN tensors (no conv weights to match
-        # against --arch) and names its own nodes' settings: --arch would only add noise there
-        arch_used = reference is not None and ckpt.format not in ("onnx", "pt2")
-        if reference is not None and arch_used:
-            ckpt, module = reference.match(ckpt)
-        elif ckpt.holds_module and ckpt.modules:
-            module = facts_from_module_infos(ckpt.modules)
-        report = audit_checkpoint(ckpt, config, module, reference.producers if reference and arch_used else None)
-        if reference is not None and not arch_used:
-            report.notes.append("--arch not used for an exported graph: its nodes carry their own settings")
-        if data is not None:
-            report.notes.append(f"tensors {data}: data, not a model")
+        if is_adapter_folder(path):
+            if key is not None:
+                raise BnauditError(f"{path}: --key does not apply to a PEFT adapter folder")
+            ckpts = [read_adapter(path, adapter_base(path, base), trust_pickle=trust_pickle)]
+        elif every and key is None:
+            ckpts = read_checkpoints(path, trust_pickle=trust_pickle)
+        else:
+            ckpts = [read_checkpoint(path, key=key, trust_pickle=trust_pickle)]
     except NotModelWeights as exc:
-        return FileReport(path, skipped=exc.what, named=named)
+        return [FileReport(path, skipped=exc.what, named=named)]
     except NotACheckpoint as exc:
         if named or exc.path != path:  # named, or a shard of this index: the file is broken
-            return FileReport(path, error=str(exc).removeprefix(f"{path}: "), named=named)
-        return FileReport(path, skipped=exc.what, skip_reason="not a checkpoint", named=named)
+            return [FileReport(path, error=str(exc).removeprefix(f"{path}: "), named=named)]
+        return [FileReport(path, skipped=exc.what, skip_reason="not a checkpoint", named=named)]
     except BnauditError as exc:
-        return FileReport(path, error=str(exc).removeprefix(f"{path}: "), named=named)
+        return [FileReport(path, error=str(exc).removeprefix(f"{path}: "), named=named)]
     except Exception as exc:
         if debug:
             raise
-        return FileReport(
-            path,
-            error=f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
-            named=named,
-        )
+        return [_internal_error(path, exc, named)]
+    several = len(ckpts) > 1
+    reports = []
+    for ckpt in ckpts:
+        try:
+            report = _audit_read(ckpt, config, reference, named)
+        except BnauditError as exc:
+            report = FileReport(path, error=str(exc).removeprefix(f"{path}: "), named=named, key=ckpt.key)
+        except Exception as exc:
+            if debug:
+                raise
+            report = _internal_error(path, exc, named)
+            report.key = ckpt.key
+        if several:
+            report.entry, report.other_keys = True, []
+        reports.append(report)
+    return reports
+
+
+def _internal_error(path: str, exc: Exception, named: bool) -> FileReport:
+    return FileReport(
+        path,
+        error=f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
+        named=named,
+    )
+
+
+def _audit_read(ckpt: Checkpoint, config: Config, reference: ModelReference | None, named: bool) -> FileReport:
+    """The audit of one state dict as read (module docstring of `audit_file`)."""
+    path = ckpt.path
+    data = data_tensors({name: ref.shape for name, ref in ckpt.tensors.items()})
+    if data is not None and not named:
+        return FileReport(path, skipped=f"tensors {data}", skip_reason="data, not a model", named=named)
+    module = None
+    # an exported graph (ONNX, .pt2) holds only its BN tensors (no conv weights to match
+    # against --arch) and names its own nodes' settings: --arch would only add noise there
+    arch_used = reference is not None and ckpt.format not in ("onnx", "pt2")
+    if reference is not None and arch_used:
+        ckpt, module = reference.match(ckpt)
+    elif ckpt.holds_module and ckpt.modules:
+        module = facts_from_module_infos(ckpt.modules)
+    graph = reference if reference is not None and arch_used else None
+    report = audit_checkpoint(
+        ckpt,
+        config,
+        module,
+        graph.producers if graph is not None else None,
+        graph.transposed if graph is not None else frozenset(),
+    )
+    if reference is not None and not arch_used:
+        report.notes.append("--arch not used for an exported graph: its nodes carry their own settings")
+    if data is not None:
+        report.notes.append(f"tensors {data}: data, not a model")
     report.named = named
     return report
 
@@ -198,6 +274,7 @@ def inspect_paths(
     debug: bool = False,
     all_revisions: bool = False,
     jobs: int | None = None,
+    base: str | None = None,
 ) -> InspectReport:
     """Audit checkpoints (files or directories) and return the report: `bnaudit.inspect`
     (bnaudit.api) without building a model. `reference`, the model `--arch` names, makes
@@ -222,8 +299,8 @@ def inspect_paths(
         elif path in kept and not config.excludes(path):
             plan.append((target, None))
 
-    def audit_target(target: Target) -> FileReport:
-        return audit_file(
+    def audit_target(target: Target) -> list[FileReport]:
+        return audit_entries(
             target.path,
             config,
             key=key,
@@ -231,16 +308,17 @@ def inspect_paths(
             reference=reference,
             debug=debug,
             named=target.named,
+            base=base,
         )
 
     to_audit = [target for target, report in plan if report is None]
     audited = iter(forked_map(audit_target, to_audit, worker_count(len(to_audit), jobs)))
     files: list[FileReport] = []
     for target, ready in plan:
-        report = ready if ready is not None else next(audited)
-        if target.hub is not None:
-            _from_the_hub(report, target.hub)
-        files.append(report)
+        for report in [ready] if ready is not None else next(audited):
+            if target.hub is not None:
+                _from_the_hub(report, target.hub)
+            files.append(report)
     return InspectReport(files, config)
 
 

@@ -112,11 +112,16 @@ class FileReport:
     notes: list[str] = field(default_factory=list)
     # A file of a Hugging Face cache: its repo, revision and path in the snapshot.
     hub: HubSource | None = None
+    # One of several state dicts of the same file, each audited (a live model and its EMA
+    # copy in one container): shown as `path:key`.
+    entry: bool = False
 
     @property
     def shown(self) -> str:
-        """The name printed for the file: its path, or `repo@revision/file` from the hub cache."""
-        return self.hub.shown() if self.hub is not None else self.path
+        """The name printed for the file: its path, or `repo@revision/file` from the hub
+        cache; `path:key` for one of several state dicts of the file."""
+        where = self.hub.shown() if self.hub is not None else self.path
+        return f"{where}:{self.key}" if self.entry and self.key is not None else where
 
     def skipped_line(self) -> str:
         """ "path: skipped: optimizer state (state, param_groups): not model weights"."""
@@ -142,10 +147,14 @@ class InspectReport:
 
     def summary(self) -> dict[str, int]:
         """Counts; `files` are the files audited or unreadable, `excluded` those named on
-        the command line that the configuration's `exclude` left out."""
+        the command line that the configuration's `exclude` left out, `state_dicts` the
+        model state dicts audited (more than the files where a container holds several: a
+        live model and its EMA copy)."""
         counts = {s: sum(1 for f in self.findings if f.severity == s) for s in SEVERITIES}
+        entries = [f for f in self.files if f.entry]
         return {
-            "files": sum(1 for f in self.files if f.excluded is None),
+            "files": sum(1 for f in self.files if f.excluded is None and not f.entry) + len({f.path for f in entries}),
+            "state_dicts": sum(1 for f in self.files if not (f.excluded or f.skipped or f.error)),
             "excluded": sum(1 for f in self.files if f.excluded is not None),
             "layers": sum(len(f.layers) for f in self.files),
             "errors": counts[Severity.ERROR],

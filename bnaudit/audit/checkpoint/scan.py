@@ -4,7 +4,9 @@ A folder expands to every file under it whose name ends in a checkpoint suffix (
 included, without the external-data files its models refer to), plus shard indexes (a
 sharded checkpoint is audited once, through its index, also when its shards are named next
 to it), accelerate's `random_states_N.pkl` and torch.distributed.checkpoint folders (one
-holding `.metadata` is one checkpoint; its files are not listed). A Hugging Face cache (the hub folder, one
+holding `.metadata` is one checkpoint; its files are not listed), and PEFT adapter folders
+(`adapter_config.json` beside `adapter_model.*`: one checkpoint, composed with its base;
+formats/peft.py). A Hugging Face cache (the hub folder, one
 `models--ORG--NAME` folder, or a `snapshots/<commit>` folder; formats/hfcache.py) expands
 to the files of each repo's current snapshot (every snapshot with `all_revisions` or when
 the `snapshots/` folder itself is named, each set of blobs once), each tagged with its repo
@@ -28,6 +30,7 @@ from bnaudit.formats.hfcache import (
     snapshot_of,
     snapshots,
 )
+from bnaudit.formats.peft import ADAPTER_WEIGHTS, is_adapter_folder
 from bnaudit.formats.shards import is_index, series_members
 from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES, is_dcp_folder
 
@@ -50,7 +53,7 @@ def targets(paths: list[str], all_revisions: bool = False) -> list[Target]:
         if not os.path.isdir(path):
             found.append(_named_file(path))
             continue
-        if is_dcp_folder(path):  # a folder that is one checkpoint
+        if is_dcp_folder(path) or is_adapter_folder(path):  # a folder that is one checkpoint
             found.append(Target(path, True))
             continue
         try:
@@ -108,6 +111,9 @@ def _walk(path: str, all_revisions: bool) -> list[Target]:
             found.append(Target(root, False))
             dirs.clear()
             continue
+        adapter = is_adapter_folder(root)
+        if adapter:  # audited as one, composed with its base; its subfolders still scanned
+            found.append(Target(root, False))
         for name in [d for d in dirs if is_repo_folder(os.path.join(root, d))]:
             dirs.remove(name)
             repo = os.path.join(root, name)
@@ -115,7 +121,11 @@ def _walk(path: str, all_revisions: bool) -> list[Target]:
                 found += _snapshot_files(snapshots(repo, all_revisions), named=False)
             except BnauditError as exc:
                 found.append(Target(repo, False, str(exc).removeprefix(f"{repo}: ")))
-        found += [Target(os.path.join(root, f), False) for f in sorted(files) if _wanted(f)]
+        found += [
+            Target(os.path.join(root, f), False)
+            for f in sorted(files)
+            if _wanted(f) and not (adapter and f in ADAPTER_WEIGHTS)
+        ]
     return found
 
 

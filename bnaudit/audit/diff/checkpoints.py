@@ -43,12 +43,13 @@ from bnaudit.audit.export.diff import (
     kept_node,
     match_by_order,
     match_layers,
+    program_conv_nodes,
 )
 from bnaudit.audit.layers import BNLayer, discover_layers, not_from_file
-from bnaudit.audit.provenance import recalibration_provenance
+from bnaudit.audit.provenance import believed_averaging, recalibration_provenance
 from bnaudit.audit.resolve import read_model_checkpoint
 from bnaudit.audit.rules import Finding, run_diff_rules
-from bnaudit.audit.settings import OPTIONS, settings_stated_by, statement
+from bnaudit.audit.settings import OPTIONS, Setting, Source, settings_stated_by, statement
 from bnaudit.config import SEVERITIES, Config, exit_code_for
 from bnaudit.errors import BnauditError
 from bnaudit.formats.containers import averaged_model_record
@@ -198,7 +199,8 @@ EXPORT_FORMATS = ("onnx", "pt2")
 
 
 def _side(ckpt: Checkpoint, layers: list[BNLayer]) -> Side:
-    return Side(ckpt.path, ckpt.format, ckpt.key, ckpt.prefix, ckpt.is_ema, len(layers), ckpt.averaging)
+    averaging = believed_averaging(ckpt, recalibration_provenance(ckpt))  # a recalibration record over the counters
+    return Side(ckpt.path, ckpt.format, ckpt.key, ckpt.prefix, ckpt.is_ema, len(layers), averaging)
 
 
 def _buffers_decided(report: DiffReport) -> DiffReport:
@@ -291,13 +293,19 @@ def _diff_export(
     layers_exp = discover_layers(exp).layers  # every node carries its own attributes
     pairs, left_ref, left_exp = match_layers(layers_ref, layers_exp)
     if exp.format == "pt2":
-        # a program keeps BN as a node or as arithmetic on the module's own buffers: no conv to unfold
+        # a program keeps BN as a node or as arithmetic on the module's own buffers; one folded
+        # before export holds convs with the folded weights under the modules' names
         folded: list[FoldedLayer] = []
         kept_elsewhere: list[BNLayer] = []
         how = ""
         unpaired = [
             Unpaired(layer.name, "no batch-norm node or buffers of that name in the program") for layer in left_ref
         ]
+        if exp.folded is not None and left_ref:
+            nodes = program_conv_nodes(exp.path)
+            folded, unpaired, kept_elsewhere, how = fold_checks(ref, left_ref, None, producers, layers_ref, nodes)
+        layers_ref = _with_program_eps(layers_ref, pairs)
+        pairs = [(next(r for r in layers_ref if r.name == ref_layer.name), e, m) for ref_layer, e, m in pairs]
     else:
         from bnaudit.formats.onnx import load_onnx
 
@@ -348,8 +356,29 @@ def _diff_export(
     report.only_a, report.only_b = (only_exp, []) if export_side == "a" else ([], only_exp)
     context = DiffContext(report.layers, config, report.only_a, report.only_b, [], export=check)
     report.findings = run_diff_rules(context)
-    report.settings = statement(not_from_file(layers_ref), "the checkpoint holds no modules", also="--arch")
+    unread = not_from_file(layers_ref)
+    if exp.format == "pt2" or not check.nodes:
+        # momentum is compared with ONNX nodes only (a program's is PyTorch's own; a fold holds none)
+        unread = [(name, setting) for name, setting in unread if name == "eps"]
+    report.settings = statement(unread, "the checkpoint holds no modules", also="--arch")
     return report
+
+
+def _with_program_eps(layers: list[BNLayer], pairs: list[tuple[BNLayer, BNLayer, str]]) -> list[BNLayer]:
+    """The checkpoint's layers, each whose eps is only assumed taking the eps its
+    matched batch-norm node of a .pt2 program shows: torch.export traces the model's own
+    modules, so the node's eps is the module's (a setting known from the program)."""
+    shown = {r.name: e.settings.eps for r, e, _ in pairs if e.settings.eps.known}
+    out = []
+    for layer in layers:
+        eps = shown.get(layer.name)
+        if eps is None or not layer.settings.eps.assumed:
+            out.append(layer)  # a given eps is the user's claim: the node's is compared with it
+            continue
+        where = f"the program's {eps.where or 'node'}"
+        settings = dataclasses.replace(layer.settings, eps=Setting(eps.value, Source.NODE, where))
+        out.append(dataclasses.replace(layer, settings=settings))
+    return out
 
 
 def _int(text: str | None) -> int | None:
@@ -375,6 +404,13 @@ def _export_diagnosis(check: ExportCheck, findings: list[Finding]) -> list[str]:
             low, high = f"{min(eps, default=0):.2g}", f"{max(eps, default=0):.2g}"
             implied = "" if not eps else f" (implied eps {low})" if low == high else f" (implied eps {low} to {high})"
             parts.append(f"{plural(len(good_folds), 'layer')} folded exactly as the checkpoint's BN{implied}")
+            zero = [f for f in good_folds if f.check.zero_gamma]
+            if zero:
+                parts.append(
+                    f"{plural(len(zero), 'of them', 'of them')} with gamma 0 in every channel (a zero-initialised "
+                    "last BN of a residual block, timm's zero_init_last): folded to zero weights, carrying no "
+                    "statistics"
+                )
         at_own_eps = [f for f in check.folded if f.fits_eps is not None]
         if at_own_eps:
             parts.append(
@@ -395,7 +431,9 @@ def _export_diagnosis(check: ExportCheck, findings: list[Finding]) -> list[str]:
             f"(pass {'/'.join(OPTIONS[n] for n in unsure)}, or --arch)."
         )
     if not matches and (check.parity is None or not check.parity.deviates):
-        causes = check.causes() or ["see the findings above (momentum convention, layers not paired)"]
+        named = {"BN110": "the momentum convention", "BN113": "layers that could not be checked"}
+        seen = [words for code, words in named.items() if code in bad]
+        causes = check.causes() or [f"see the findings above ({', '.join(seen) or 'the export findings'})"]
         lines.append("The export differs from the checkpoint: " + "; ".join(causes) + ".")
     if check.parity is not None and check.parity.deviates:
         lines.append(f"The outputs deviate beyond float32 rounding; {check.explanation()}.")

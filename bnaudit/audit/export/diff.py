@@ -19,9 +19,11 @@ Three things are checked (the rules BN108-BN114 of the registry judge the record
                  and the folding itself (bnaudit.audit.export.folded).
   unpaired       layers and export convs that could not be paired, and why.
 
-A torch.export program (.pt2) has no folded convs to verify: its BN is a node, or
-arithmetic on buffers that keep the module's names (formats/pt2.py), so every layer is a
-kept node matched by name; a checkpoint layer without one is unpaired. Its momentum is
+A torch.export program (.pt2) keeps BN as a node, or as arithmetic on buffers that keep the
+module's names (formats/pt2.py), so such a layer is a kept node matched by name; a program
+folded before export (`torch.fx.experimental.optimization.fuse`) has convs whose stored
+weights are named after the checkpoint's (`program_conv_nodes`), verified as an ONNX
+export's folded convs. Its momentum is
 PyTorch's own (no ONNX convention to check), and an eps the program does not show (arithmetic
 of a shape formats/pt2.py does not recognise) is not compared.
 
@@ -42,6 +44,7 @@ from bnaudit.audit.layers import BNLayer
 from bnaudit.audit.producers import producers_from_names
 from bnaudit.audit.settings import Setting, Settings
 from bnaudit.formats.model import Checkpoint, TensorRef
+from bnaudit.formats.onnx import constant
 from bnaudit.normkinds import NormKind, onnx_op_kind
 from bnaudit.text import listing
 
@@ -284,6 +287,19 @@ def _scope_parts(name: str) -> list[str]:
     return [p for p in name.split("/") if p]
 
 
+def scope_module(name: str) -> str:
+    """The module name an exporter scope path stands for: each part is named relative to the
+    module the part before it is in, unless it extends that part (Sequential children repeat
+    their parent's name): `/layer1/layer1.0/conv1/Conv` -> `layer1.0.conv1`,
+    `/features/features.1/conv/conv.0/conv.0.0/Conv` -> `features.1.conv.0.0`."""
+    full, base, last = "", "", ""
+    for part in _scope_parts(name)[:-1]:
+        if not (last and part.startswith(last + ".")):
+            base = f"{full}." if full else ""
+        full, last = base + part, part
+    return full
+
+
 def _scope_name(name: str, candidates: set[str]) -> str | None:
     """The module name the exporter's scope path (legacy exporter node names such as
     `/features/features.1/BatchNormalization`) names among `candidates`, if any."""
@@ -408,7 +424,9 @@ def conv_nodes(model: Any) -> list[ConvNode]:
     for where, node in nodes:
         if node.op_type not in CONV_OPS or len(node.input) < 2:
             continue
-        weight = model.initializer(node.input[1])
+        # through Identity nodes: the legacy exporter shares equal folded weights (the zeros of
+        # every BN with gamma 0) as one initializer read through an Identity node per conv
+        weight = constant(model, node.input[1])
         if weight is None or len(weight.shape) < 2:
             continue
         if node.op_type == "MatMul" and len(weight.shape) != 2:
@@ -426,7 +444,7 @@ def conv_nodes(model: Any) -> list[ConvNode]:
                         outputs = list(c.output)
                         after = [x for o in outputs for x in consumers.get(o, [])]
                     break
-        bias = model.initializer(bias_name) if bias_name else None
+        bias = constant(model, bias_name) if bias_name else None
         name = node.name or f"{node.op_type} node writing {outputs[0] if outputs else '?'}"
         if where != "main":
             name = f"{name} ({where})"
@@ -446,6 +464,18 @@ def conv_nodes(model: Any) -> list[ConvNode]:
     return found
 
 
+def program_conv_nodes(path: str) -> list[ConvNode]:
+    """The convolution and linear nodes of a torch.export archive with stored weights, as
+    the folded convs of an export (bnaudit.formats.pt2.stored_convolutions): a weight named
+    after the module it belongs to (`layer1.0.conv1.weight`), output channels first."""
+    from bnaudit.formats.pt2 import stored_convolutions
+
+    return [
+        ConvNode(c.node, c.weight_name, c.weight, False, c.bias, 1.0, 1.0, c.feeds_batchnorm)
+        for c in stored_convolutions(path)
+    ]
+
+
 def _pair_nodes(
     convs: list[str], ckpt: Checkpoint, nodes: list[ConvNode]
 ) -> tuple[dict[str, tuple[ConvNode, str]], dict[str, str]]:
@@ -462,7 +492,7 @@ def _pair_nodes(
         if conv in paired:
             continue
         for i, n in enumerate(nodes):
-            if i not in taken and conv in _scope_parts(n.name):
+            if i not in taken and (conv in _scope_parts(n.name) or conv == scope_module(n.name)):
                 paired[conv] = (n, "exporter scope")
                 taken.add(i)
                 break
@@ -491,8 +521,10 @@ def fold_checks(
     model: Any,
     producers: Mapping[str, str] | None = None,
     every_layer: list[BNLayer] | None = None,
+    nodes: list[ConvNode] | None = None,
 ) -> tuple[list[FoldedLayer], list[Unpaired], list[BNLayer], str]:
-    """Verify the folding of checkpoint BN `layers` that have no node in the export.
+    """Verify the folding of checkpoint BN `layers` that have no node in the export (`model`,
+    an ONNX graph, or its convs as `nodes`: a .pt2 program's, `program_conv_nodes`).
 
     `producers` (BN layer -> conv module name, from the model graph with --arch) replaces
     the key-order guess. Returns the folded layers, the layers and export convs that could
@@ -506,7 +538,7 @@ def fold_checks(
         if producers is not None
         else producers_from_names(ckpt.tensors, {layer.name: layer.num_features for layer in layers}).feeds
     )
-    nodes = conv_nodes(model)
+    nodes = conv_nodes(model) if nodes is None else nodes
     convs = [feeding[layer.name] for layer in layers if layer.name in feeding]
     convs = [c for c in dict.fromkeys(convs) if c + ".weight" in ckpt.tensors]
     paired, why = _pair_nodes(convs, ckpt, nodes)

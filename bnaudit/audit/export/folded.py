@@ -33,6 +33,11 @@ Definitions of what `fold_layer` reports:
                    channel whose variance dwarfs eps cannot tell eps apart from 0. The eps
                    is "not determinable" when no channel pins it within a factor 2.
 
+A layer whose gamma is 0 in every channel (timm's `zero_init_last` starts the last BN of each
+residual block so) folds to zero weights, W' = 0, and b' = beta: its fold carries no
+statistics (`zero_gamma`; nothing implies an eps), and it matches when the export's weights
+are zero and its bias is beta.
+
 A folded layer matches when the residual, the scale error and the shift error are all at
 most FOLD_RTOL (1e-5, about 80 float32 ulps: float32 folding stays below 1e-6, while
 another eps (1e-3 against 1e-5) moves the scale of a channel of variance 1 by 5e-4).
@@ -76,6 +81,7 @@ class FoldCheck:
     matches: bool
     cause: str  # "" when it matches: what the numbers point to otherwise
     worst_channel: int | None = None
+    zero_gamma: bool = False  # gamma 0 in every channel: the fold holds zeros, no statistics
 
 
 def recover_scales(
@@ -175,12 +181,25 @@ def fold_layer(
             worst, worst_channel = max(s_err, t_err), c
     scale_error = max(scale_errors) if scale_errors else None
     eps_hat, how, consistent = best_implied_eps(scales, gamma, var, eps)
+    zero_gamma = n > 0 and gamma is not None and all(x == 0 for x in g)
+    if zero_gamma:
+        how = "gamma is 0 in every channel: the fold is zero weights and beta, it carries no statistics"
     matches = (scale_error is None or scale_error <= FOLD_RTOL) and shift_error <= FOLD_RTOL
     cause = ""
     if not matches:
         cause = _cause(scales, shifts, g, bt, b, mean, var, eps, eps_hat, consistent, scale_error)
     return FoldCheck(
-        n, True, residual, scale_error, shift_error, eps_hat, how, matches, cause, None if matches else worst_channel
+        n,
+        True,
+        residual,
+        scale_error,
+        shift_error,
+        eps_hat,
+        how,
+        matches,
+        cause,
+        None if matches else worst_channel,
+        zero_gamma,
     )
 
 

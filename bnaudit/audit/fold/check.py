@@ -22,6 +22,12 @@ int8, per tensor  symmetric, scale S = max_c M'_c / 127, q = round_half_even(W'/
                   The channel c* with M'_c* = 127 S *sets the scale*; its BN channel's
                   var, gamma and gain |s_c*| say why.
                   range ratio  r_c = M'_c / max_c M'_c; collapse is r_c <= 1/254.
+                  A collapsed channel is *live* unless it carried nothing in float
+                  already (*silent*): its output's variation sigma_c = |gamma_c|
+                  sqrt(var_c / (var_c + eps)) (formulas.channel_signal) is at most
+                  SILENT_FLOOR (1e-6) of the layer's largest, or its folded weights
+                  M'_c are at most SILENT_FLOOR of the largest M' (a pruned gamma ~1e-9, a
+                  channel whose input never varies); those are counted apart.
 int8, per channel one scale per channel, S_c = M'_c / 127: only a channel whose W'_c is
                   all zero already (gamma 0, or zero weights) rounds to nothing.
 fp16              largest finite value 65504; round-to-nearest sends |x| >= 65520 to inf.
@@ -37,12 +43,12 @@ cancellation      a half-precision BN forward (or the folded bias b' = beta - mu
 Pairing (`paired_producers`): the producer finder (bnaudit.audit.producers) names each BN's
 producer, from a traced forward with --arch, else from the state dict's names (the naming
 conventions, then the module stored right before the BN): a weight of two or more
-dimensions whose first dimension (the output channels) equals the BN's channel count, not
-itself a BN. A BN without one is listed as unpaired with the reason: folding needs the layer
-before it, and a BN after an Add, a concat or a pooling stays a standalone op (which some
-backends refuse). Names cannot tell a
-ConvTranspose (weight (C_in, C_out / groups, ...)) whose C_in equals the BN's channels from
-a Conv: such a pair is read as a Conv; a graph (ONNX, .pt2, --arch) does not pair it.
+dimensions whose output-channel dimension equals the BN's channel count, not itself a BN.
+A BN without one is listed as unpaired with the reason: folding needs the layer before it,
+and a BN after an Add, a concat or a pooling stays a standalone op (which some backends
+refuse). A ConvTranspose (weight (C_in, C_out, k...), groups 1) holds its output channels on
+axis 1: W'_c scales weight[:, c] and M'_c is its maximum (a graph tells the type: --arch,
+ONNX, .pt2; names cannot, see bnaudit.audit.producers).
 """
 
 from __future__ import annotations
@@ -57,11 +63,13 @@ from bnaudit.audit.formulas import (
     FP16_FLUSH,
     FP16_OVERFLOW,
     INT8_LEVELS,
+    SILENT_FLOOR,
     UNIT_ROUNDOFF,
+    channel_signal,
     folded_conv,
 )
 from bnaudit.audit.layers import BNLayer
-from bnaudit.audit.producers import Producers, producers_from_names
+from bnaudit.audit.producers import Producers, producers_from_names, weight_fits
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import STORAGE_ITEMSIZE, TensorRef, decode_values
@@ -69,11 +77,13 @@ from bnaudit.formats.model import STORAGE_ITEMSIZE, TensorRef, decode_values
 
 @dataclass(frozen=True)
 class Producer:
-    """The layer a BN folds into, as a state dict names it."""
+    """The layer a BN folds into, as a state dict names it (`out_axis`: the weight's axis of
+    output channels, 1 for a ConvTranspose)."""
 
     name: str
     weight: TensorRef
     bias: TensorRef | None
+    out_axis: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,8 @@ class PairPrediction:
     eps: float | None  # None for a conv already folded
     int8_scale: float | None  # S; None when a folded weight is not finite (BN005's case) or all are 0
     collapsed: tuple[int, ...]
-    live_collapsed: tuple[int, ...]  # collapsed channels whose W'_c is not all zero
+    live_collapsed: tuple[int, ...]  # collapsed channels that carried a signal in float (not silent)
+    silent_collapsed: tuple[int, ...]  # collapsed channels with non-zero W'_c that carried nothing in float
     coarse: tuple[int, ...]
     scale_set_by: ScaleSetter | None
     worst_range_ratio: float | None  # min_c r_c
@@ -121,21 +132,17 @@ class FoldContext:
     config: Config
 
 
-def _producer(tensors: Mapping[str, TensorRef], name: str, layer: BNLayer, bn_names: set[str]) -> Producer | None:
+def _producer(
+    tensors: Mapping[str, TensorRef], name: str, layer: BNLayer, bn_names: set[str], out_axis: int = 0
+) -> Producer | None:
     """`name`'s weight and bias when it can be `layer`'s producer: a floating weight of two or
-    more dimensions with the BN's channel count first, and not itself a BN."""
+    more dimensions with the BN's channel count on its output axis, and not itself a BN."""
     weight = tensors.get(f"{name}.weight")
-    if (
-        name in bn_names
-        or weight is None
-        or not weight.is_floating
-        or len(weight.shape) < 2
-        or weight.shape[0] != layer.num_features
-    ):
+    if name in bn_names or not weight_fits(weight, layer.num_features, out_axis) or weight is None:
         return None
     bias = tensors.get(f"{name}.bias")
     ok_bias = bias is not None and bias.is_floating and bias.shape == (layer.num_features,)
-    return Producer(name, weight, bias if ok_bias else None)
+    return Producer(name, weight, bias if ok_bias else None, out_axis)
 
 
 def paired_producers(
@@ -150,7 +157,7 @@ def paired_producers(
     unpaired: list[tuple[str, str]] = []
     for layer in layers:
         name = foldable.get(layer.name)
-        producer = _producer(tensors, name, layer, bn_names) if name is not None else None
+        producer = _producer(tensors, name, layer, bn_names, producers.out_axis(name)) if name is not None else None
         if producer is not None:
             pairs.append((layer, producer))
         elif name is not None:
@@ -164,12 +171,21 @@ def paired_producers(
 STREAM_VALUES = 1 << 20
 
 
-def channel_maxima(weight: TensorRef, path: str | None = None) -> list[float]:
-    """max_k |W_c,k| for every output channel c (first dimension) of a stored weight.
+def channel_maxima(weight: TensorRef, path: str | None = None, out_axis: int = 0) -> list[float]:
+    """max_k |W_c,k| for every output channel c of a stored weight: its first dimension, or
+    with `out_axis` 1 its second (a ConvTranspose's (C_in, C_out, k...), read at once).
 
     With `path`, the file the weight's `location` refers to (a single safetensors file),
     whole channels are decoded STREAM_VALUES at a time, so the memory stays bounded whatever
     the layer's size; otherwise the values are read at once (about 32 bytes a weight)."""
+    if out_axis == 1:
+        k, n = weight.shape[0], weight.shape[1]
+        taps = math.prod(weight.shape[2:])
+        values = weight.read()
+        return [
+            max((abs(v) for i in range(k) for v in values[(i * n + c) * taps : (i * n + c + 1) * taps]), default=0.0)
+            for c in range(n)
+        ]
     n = weight.shape[0] if weight.shape else 0
     per = math.prod(weight.shape[1:]) if n else 0
     size = STORAGE_ITEMSIZE.get(weight.dtype, 0)
@@ -280,6 +296,8 @@ def predict_folded(
             for fmt, u in UNIT_ROUNDOFF.items()
         }
     limit = config.max_cancellation
+    silent = _silent_channels(folded_max, stats)
+    nonzero = [c for c in collapsed if folded_max[c] > 0]
     return PairPrediction(
         bn=bn,
         producer=producer,
@@ -288,7 +306,8 @@ def predict_folded(
         eps=None if stats is None else stats.eps,
         int8_scale=int8_scale,
         collapsed=tuple(collapsed),
-        live_collapsed=tuple(c for c in collapsed if folded_max[c] > 0),
+        live_collapsed=tuple(c for c in nonzero if c not in silent),
+        silent_collapsed=tuple(c for c in nonzero if c in silent),
         coarse=tuple(coarse),
         scale_set_by=setter,
         worst_range_ratio=ratio,
@@ -300,6 +319,19 @@ def predict_folded(
         bf16_cancellation=tuple(c for c, e in enumerate(bounds["bf16"]) if e > limit),
         worst_cancellation=max(((e, c) for c, e in enumerate(bounds["bf16"]) if not math.isnan(e)), default=None),
     )
+
+
+def _silent_channels(folded_max: Sequence[float], stats: BNNumbers | None) -> set[int]:
+    """The channels that carry nothing in float (module docstring: SILENT_FLOOR of the
+    layer's largest folded weight, or of its largest output variation where the BN's numbers
+    are known)."""
+    top = max((m for m in folded_max if math.isfinite(m)), default=0.0)
+    silent = {c for c, m in enumerate(folded_max) if math.isfinite(m) and m <= SILENT_FLOOR * top}
+    if stats is not None:
+        signal = [channel_signal(g, v, stats.eps) for g, v in zip(stats.gamma, stats.running_var)]
+        loudest = max((x for x in signal if math.isfinite(x)), default=0.0)
+        silent |= {c for c, x in enumerate(signal) if math.isfinite(x) and x <= SILENT_FLOOR * loudest}
+    return silent
 
 
 def predict_pairs(
@@ -321,7 +353,7 @@ def predict_pairs(
     pairs, unpaired = paired_producers(tensors, layers, producers)
     predictions = []
     for layer, producer in pairs:
-        maxima = channel_maxima(producer.weight, stream_from)
+        maxima = channel_maxima(producer.weight, stream_from, producer.out_axis)
         conv_bias = producer.bias.read() if producer.bias is not None else None
         predictions.append(predict_pair(layer, producer.name, maxima, conv_bias, config, producers.by))
     return predictions, unpaired

@@ -17,7 +17,8 @@ attribute). Two cases, per node:
 
 A Gemm's weight is (N, K) with transB=1 (torch's Linear) and (K, N) otherwise; its alpha and
 beta scale weight and bias. A MatMul (torch's Linear without bias, exported) has a (K, N)
-weight and no bias. ConvTranspose (weight (C_in, C_out / groups, ...)) is not paired.
+weight and no bias. A ConvTranspose's weight is (C_in, C_out / group, k...): with group 1 its
+output channels are axis 1; a grouped one is not paired.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from bnaudit.formats.model import Checkpoint, TensorRef
 from bnaudit.formats.onnx import OnnxModel, batchnorm_layer_name, constant
 from bnaudit.normkinds import NormKind, onnx_op_kind
 
-PRODUCER_OPS = ("Conv", "Gemm", "MatMul")
+PRODUCER_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
 
 def _attribute(node: Any, name: str, default: float) -> float:
@@ -44,47 +45,48 @@ def _attribute(node: Any, name: str, default: float) -> float:
     return default
 
 
-def _out_last(node: Any) -> bool:
-    """The weight is laid out (K, N), output channels last: MatMul, and Gemm without transB."""
-    return node.op_type == "MatMul" or (node.op_type == "Gemm" and _attribute(node, "transB", 0) != 1)
+def _out_axis(node: Any) -> int:
+    """The weight's axis of output channels: 1 for a (K, N) weight (MatMul, Gemm without
+    transB) and a ConvTranspose's (C_in, C_out, k...), else 0."""
+    if node.op_type in ("MatMul", "ConvTranspose"):
+        return 1
+    return 1 if node.op_type == "Gemm" and _attribute(node, "transB", 0) != 1 else 0
 
 
-def _weight_maxima(node: Any, weight: TensorRef, out_last: bool) -> list[float]:
+def _weight_maxima(node: Any, weight: TensorRef, out_axis: int) -> list[float]:
     """max_k |W_c,k| per output channel, with the weight's layout and Gemm's alpha."""
-    if node.op_type == "Conv":
-        return channel_maxima(weight)
     alpha = abs(_attribute(node, "alpha", 1.0)) if node.op_type == "Gemm" else 1.0
-    if not out_last:
-        return [alpha * m for m in channel_maxima(weight)]
-    k, n = weight.shape
-    values = weight.read()
-    return [alpha * max((abs(values[i * n + c]) for i in range(k)), default=0.0) for c in range(n)]
+    return [alpha * m for m in channel_maxima(weight, None, out_axis)]
 
 
-def _out_channels(weight: TensorRef, out_last: bool) -> int | None:
+def _out_channels(node: Any, weight: TensorRef, out_axis: int) -> int | None:
+    """The number of output channels of the producer's weight; None for a layout not paired
+    (a grouped ConvTranspose, a MatMul weight of other than two dimensions)."""
     if len(weight.shape) < 2:
         return None
-    if out_last:
-        return weight.shape[-1] if len(weight.shape) == 2 else None
-    return weight.shape[0]
+    if node.op_type == "ConvTranspose" and _attribute(node, "group", 1) != 1:
+        return None
+    if node.op_type in ("MatMul", "Gemm") and out_axis == 1 and len(weight.shape) != 2:
+        return None
+    return weight.shape[out_axis]
 
 
-def _weight(model: OnnxModel, node: Any, producer_of: dict[str, Any]) -> tuple[TensorRef | None, bool]:
-    """(the producer's constant weight, whether its output channels are last). A MatMul's
+def _weight(model: OnnxModel, node: Any, producer_of: dict[str, Any]) -> tuple[TensorRef | None, int]:
+    """(the producer's constant weight, its axis of output channels). A MatMul's
     weight may come through a Transpose of a constant (torch's Linear without bias,
     exported without constant folding): the constant is then (N, K), outputs first."""
     name = node.input[1] if len(node.input) > 1 else ""
     weight = constant(model, name) if name else None
     if weight is not None or node.op_type != "MatMul":
-        return weight, _out_last(node)
+        return weight, _out_axis(node)
     transpose = producer_of.get(name)
     if transpose is None or transpose.op_type != "Transpose" or not transpose.input:
-        return None, True
+        return None, 1
     perm = [a for a in transpose.attribute if a.name == "perm"]
     source = constant(model, transpose.input[0])
     if source is None or len(source.shape) != 2 or (perm and list(perm[0].ints) != [1, 0]):
-        return None, True
-    return source, False
+        return None, 1
+    return source, 0
 
 
 def _bias(model: OnnxModel, node: Any, channels: int) -> list[float] | None:
@@ -100,13 +102,13 @@ def _bias(model: OnnxModel, node: Any, channels: int) -> list[float] | None:
 @dataclass(frozen=True)
 class _GraphPair:
     """A BN node's producer: its node, the tensor it writes (the BN's X), constant weight and
-    the weight's layout."""
+    the weight's axis of output channels."""
 
     layer: BNLayer
     node: Any
     x: str
     weight: TensorRef
-    out_last: bool
+    out_axis: int
 
 
 def _graph_producers(
@@ -147,11 +149,14 @@ def _graph_producers(
         if readers.get(x, 0) != 1:
             unpaired.append((name, f"its {source.op_type} node's output is read by other nodes too"))
             continue
-        weight, out_last = _weight(model, source, producer_of)
-        if weight is None or _out_channels(weight, out_last) != layer.num_features:
+        weight, out_axis = _weight(model, source, producer_of)
+        if source.op_type == "ConvTranspose" and _attribute(source, "group", 1) != 1:
+            unpaired.append((name, "follows a grouped ConvTranspose node: not audited"))
+            continue
+        if weight is None or _out_channels(source, weight, out_axis) != layer.num_features:
             unpaired.append((name, f"its {source.op_type} node has no constant weight of {layer.num_features} outputs"))
             continue
-        pairs.append(_GraphPair(layer, source, x, weight, out_last))
+        pairs.append(_GraphPair(layer, source, x, weight, out_axis))
     return pairs, unpaired, bn_inputs
 
 
@@ -168,7 +173,7 @@ def graph_pairs(
     pairs, unpaired, bn_inputs = _graph_producers(model, layers)
     predictions: list[PairPrediction] = []
     for pair in pairs:
-        maxima = _weight_maxima(pair.node, pair.weight, pair.out_last)
+        maxima = _weight_maxima(pair.node, pair.weight, pair.out_axis)
         bias = _bias(model, pair.node, pair.layer.num_features)
         predictions.append(predict_pair(pair.layer, _producer_name(pair), maxima, bias, config, "graph"))
     any_bn = bool(bn_inputs) or bool(layers)
@@ -178,7 +183,7 @@ def graph_pairs(
         if any(out in bn_inputs for out in node.output):
             continue
         weight = constant(model, node.input[1])
-        channels = _out_channels(weight, False) if weight is not None else None
+        channels = _out_channels(node, weight, 0) if weight is not None else None
         computed = node.input[1].startswith("onnx::")
         if weight is None or channels is None or (any_bn and not computed):
             continue
@@ -186,31 +191,27 @@ def graph_pairs(
         if bias is None:
             continue
         conv = node.name or f"Conv_{index}"
-        predictions.append(
-            predict_folded(conv, conv, "folded", _weight_maxima(node, weight, False), bias, None, config)
-        )
+        predictions.append(predict_folded(conv, conv, "folded", _weight_maxima(node, weight, 0), bias, None, config))
     return predictions, unpaired
 
 
-def _program_producers(
-    path: str, layers: Sequence[BNLayer]
-) -> tuple[list[tuple[BNLayer, str, TensorRef, TensorRef | None]], list[tuple[str, str]]]:
-    """(BN layer, its producer's name, weight and bias) for the BN layers of a torch.export archive (`.pt2`) paired
-    through its program (`bnaudit.formats.pt2.batchnorm_producers`), (BN layer, why) for the
-    others."""
+def _program_producers(path: str, layers: Sequence[BNLayer]) -> tuple[list[tuple[BNLayer, Any]], list[tuple[str, str]]]:
+    """(BN layer, its producer: bnaudit.formats.pt2.GraphProducer) for the BN layers of a
+    torch.export archive (`.pt2`) paired through its program (`batchnorm_producers`), (BN
+    layer, why) for the others."""
     from bnaudit.formats.pt2 import batchnorm_producers
 
     producers = batchnorm_producers(path)
-    pairs: list[tuple[BNLayer, str, TensorRef, TensorRef | None]] = []
+    pairs: list[tuple[BNLayer, Any]] = []
     unpaired: list[tuple[str, str]] = []
     for layer in layers:
         found = producers.get(layer.name)
         if found is None or found.weight is None:
             unpaired.append((layer.name, found.why_not if found is not None else "no batch-norm node found for it"))
-        elif len(found.weight.shape) < 2 or found.weight.shape[0] != layer.num_features:
+        elif len(found.weight.shape) < 2 or found.weight.shape[found.out_axis] != layer.num_features:
             unpaired.append((layer.name, f"its producer {found.name} has no weight of {layer.num_features} outputs"))
         else:
-            pairs.append((layer, found.name, found.weight, found.bias))
+            pairs.append((layer, found))
     return pairs, unpaired
 
 
@@ -221,11 +222,30 @@ def program_pairs(
     program: the node feeding each batch-norm node (`bnaudit.formats.pt2.batchnorm_producers`)."""
     pairs, unpaired = _program_producers(path, layers)
     predictions: list[PairPrediction] = []
-    for layer, name, weight, stored_bias in pairs:
+    for layer, found in pairs:
+        stored_bias = found.bias
         ok = stored_bias is not None and stored_bias.shape == (layer.num_features,)
         bias = stored_bias.read() if stored_bias is not None and ok else None
-        predictions.append(predict_pair(layer, name, channel_maxima(weight), bias, config, "graph"))
+        maxima = channel_maxima(found.weight, None, found.out_axis)
+        predictions.append(predict_pair(layer, found.name, maxima, bias, config, "graph"))
     return predictions, unpaired
+
+
+def program_folded_pairs(path: str, config: Config) -> list[PairPrediction]:
+    """Predictions for the convolutions of a folded torch.export program (no batch-norm node,
+    `Checkpoint.folded`): every conv with a stored weight and bias, audited as it is (paired_by
+    "folded", as an ONNX export's folded convs)."""
+    from bnaudit.formats.pt2 import stored_convolutions
+
+    predictions = []
+    for conv in stored_convolutions(path):
+        channels = conv.weight.shape[0]
+        if conv.bias is None or conv.feeds_batchnorm or conv.bias.shape != (channels,):
+            continue
+        name = conv.weight_name.removesuffix(".weight")
+        maxima = channel_maxima(conv.weight)
+        predictions.append(predict_folded(name, name, "folded", maxima, conv.bias.read(), None, config))
+    return predictions
 
 
 def exported_producers(ckpt: Checkpoint, layers: Sequence[BNLayer]) -> dict[str, ProducerFilter]:
@@ -234,8 +254,8 @@ def exported_producers(ckpt: Checkpoint, layers: Sequence[BNLayer]) -> dict[str,
     any other format (a state dict's producers are found by name: bnaudit.audit.producers)."""
     if ckpt.format == "onnx" and ckpt.graph is not None:
         pairs, _, _ = _graph_producers(ckpt.graph, layers)
-        return {p.layer.name: ProducerFilter(_producer_name(p), p.weight, p.out_last) for p in pairs}
+        return {p.layer.name: ProducerFilter(_producer_name(p), p.weight, p.out_axis) for p in pairs}
     if ckpt.format == "pt2":
         found, _ = _program_producers(ckpt.path, layers)
-        return {layer.name: ProducerFilter(name, weight) for layer, name, weight, _ in found}
+        return {layer.name: ProducerFilter(g.name, g.weight, g.out_axis) for layer, g in found}
     return {}

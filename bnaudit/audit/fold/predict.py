@@ -36,10 +36,18 @@ def predict_checkpoint(
     `producers` (from a traced forward of the model: paired_by "graph") replace the names."""
     path = ckpt.path
     discovery = discover_layers(ckpt, settings_stated_by(config))
+    notes: tuple[str, ...] = ()
+    if ckpt.folded is not None and not discovery.layers:
+        # nothing left to fold: the folded weights themselves are what int8 and fp16 meet
+        notes = (f"already folded ({ckpt.folded}): the folded weights are audited as they are",)
     if ckpt.format == "onnx" and ckpt.graph is not None:
         from bnaudit.audit.fold.graph import graph_pairs
 
         pairs, unpaired = graph_pairs(ckpt.graph, discovery.layers, config)
+    elif ckpt.format == "pt2" and ckpt.folded is not None and not discovery.layers:
+        from bnaudit.audit.fold.graph import program_folded_pairs
+
+        pairs, unpaired = program_folded_pairs(path, config), []
     elif not discovery.layers:
         raise BnauditError(f"{path}: no BatchNorm layers with running statistics to fold")
     elif ckpt.format == "pt2":
@@ -52,7 +60,10 @@ def predict_checkpoint(
         stream_from = ckpt.path if single else None
         pairs, unpaired = predict_pairs(ckpt.tensors, discovery.layers, config, producers, stream_from)
     if not pairs and not unpaired:
-        raise BnauditError(f"{path}: no BatchNorm layer and no folded convolution to audit")
+        quantized = (
+            f" ({ckpt.quantized}: a quantized graph, its convolutions are not examined)" if ckpt.quantized else ""
+        )
+        raise BnauditError(f"{path}: no BatchNorm layer and no folded convolution to audit{quantized}")
     findings = run_fold_rules(FoldContext(tuple(pairs), tuple(unpaired), config))
     return FoldReport(
         path=path,
@@ -64,4 +75,5 @@ def predict_checkpoint(
         config=config,
         # momentum plays no part in folding: only eps is said
         settings=statement([(n, s) for n, s in not_from_file(discovery.layers) if n == "eps"], "not in a state dict"),
+        notes=notes,
     )

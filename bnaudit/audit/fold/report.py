@@ -58,11 +58,33 @@ class FoldReport:
     # the configuration the findings were judged with (SARIF describes the rules at its severities)
     config: Config | None = None
 
+    @property
+    def bn_layers(self) -> int:
+        """The BN layers of the file: those paired with a producer and those not (a conv an
+        exporter already folded is no BN layer)."""
+        return sum(1 for p in self.pairs if p.paired_by != "folded") + len(self.unpaired)
+
+    def not_audited(self) -> str:
+        """Empty when every BN layer was paired and predicted; else how many were not, of how
+        many, and why, the commonest reason first: "47 of 49 BN layers not audited (47: no
+        Conv or Linear producer found by name)"."""
+        if not self.unpaired:
+            return ""
+        reasons: dict[str, int] = {}
+        for _, why in self.unpaired:
+            short = why.split(":")[0]
+            reasons[short] = reasons.get(short, 0) + 1
+        ordered = sorted(reasons.items(), key=lambda kv: -kv[1])
+        shown = "; ".join(f"{n}: {why}" for why, n in ordered[:3])
+        more = f"; {len(ordered) - 3} other reasons" if len(ordered) > 3 else ""
+        return f"{len(self.unpaired)} of {self.bn_layers} BN layers not audited ({shown}{more})"
+
     def summary(self) -> dict[str, int]:
         counts = {s: sum(1 for f in self.findings if f.severity == s) for s in SEVERITIES}
         return {
             "pairs": len(self.pairs),
             "unpaired": len(self.unpaired),
+            "bn_layers": self.bn_layers,
             "errors": counts[Severity.ERROR],
             "warnings": counts[Severity.WARNING],
             "infos": counts[Severity.INFO],
@@ -73,9 +95,22 @@ class FoldReport:
         return exit_code_for((f.severity for f in self.findings), self.fail_on, exit_zero=exit_zero)
 
     def verdicts(self) -> list[tuple[str, str]]:
-        """One line per target: what the prediction (and the measurement) says."""
+        """One line per target: what the prediction (and the measurement) says; "ok" only
+        where every BN layer was audited, else "ok for the N audited of M BN layers" and a
+        line saying how many were not and why."""
         if not self.pairs:
-            return [(t, "not audited: no BN paired with a producer") for t in ("int8", "fp16", "bf16")]
+            reason = self.not_audited() or "no BN paired with a producer"
+            return [(t, f"not audited: {reason}") for t in ("int8", "fp16", "bf16")]
+        lines = self._target_verdicts()
+        missing = self.not_audited()
+        if not missing:
+            return lines
+        audited = self.bn_layers - len(self.unpaired)
+        partial = f"ok for the {audited} audited of {self.bn_layers} BN layers"
+        shown = [(t, partial + words[2:] if words == "ok" or words.startswith("ok (") else words) for t, words in lines]
+        return shown + [("not audited", missing)]
+
+    def _target_verdicts(self) -> list[tuple[str, str]]:
         live = [p for p in self.pairs if p.live_collapsed]
         coarse = [p for p in self.pairs if p.coarse]
         overflow = [p for p in self.pairs if p.fp16_overflow]

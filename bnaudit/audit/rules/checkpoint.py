@@ -36,14 +36,44 @@ def _constant_channels(ctx: RuleContext, layer: BNLayer, channels: list[int]) ->
         return set()
     exported = ctx.graph_producers.get(layer.name)
     if exported is not None:
-        return zero_filter_channels(exported.weight, channels, exported.out_last)
+        return zero_filter_channels(exported.weight, channels, exported.out_axis)
     producer = ctx.producers.get(layer.name) if ctx.tensors else None
     weight = ctx.tensors.get(f"{producer}.weight") if producer is not None else None
+    axis = 1 if producer in ctx.transposed else 0
     return (
-        zero_filter_channels(weight, channels)
-        if weight is not None and weight_fits(weight, layer.num_features)
+        zero_filter_channels(weight, channels, axis)
+        if weight is not None and weight_fits(weight, layer.num_features, axis)
         else set()
     )
+
+
+def _adapter_missing_statistics(ctx: RuleContext) -> Iterator[Finding]:
+    """BN001 for a PEFT adapter: a BN layer in its modules_to_save whose running statistics it
+    does not hold (bnaudit.formats.peft)."""
+    adapter = ctx.adapter
+    if adapter is None:
+        return
+    for layer in ctx.discovery.layers:
+        if not adapter.to_save(layer.name):
+            continue
+        lacking = [leaf for leaf in ("running_mean", "running_var") if f"{layer.name}.{leaf}" not in adapter.saved]
+        if lacking:
+            yield RULES["BN001"].finding(
+                Severity.ERROR,
+                layer.name,
+                f"in the adapter's modules_to_save, but the adapter holds no {' / '.join(lacking)} for it (converted "
+                "by convert_to_lora or save_as_lora?): PEFT cannot load it, or the reloaded model keeps the base's "
+                "statistics instead of the trained ones",
+            )
+
+
+def is_untouched(layer: BNLayer) -> bool:
+    """Identity statistics (running_mean 0, running_var 1) and beta exactly 0 in every
+    channel: a module no training and no fold has touched (a fold writes beta - mean * gamma /
+    sqrt(var + eps) into the bias; training moves the statistics)."""
+    from bnaudit.audit.checkpoint.immaturity import has_identity_stats
+
+    return has_identity_stats(layer) and layer.bias is not None and layer.bias.count(0.0) == len(layer.bias)
 
 
 def _is_live(layer: BNLayer, channel: int) -> bool:
@@ -65,12 +95,16 @@ def _is_live(layer: BNLayer, channel: int) -> bool:
     "(bn, batchnorm, downsample.1, ...) and no running statistics at all; LayerNorm or GroupNorm "
     "layers named that way are the innocent explanation. When the model is known (--arch, "
     "TorchScript, a pickled module) the check is exact: every BN module of the model whose "
-    "running_mean or running_var is absent from the checkpoint is an error, whatever its name.",
+    "running_mean or running_var is absent from the checkpoint is an error, whatever its name. A PEFT "
+    "adapter folder is audited composed with its base: a BN layer in the adapter's `modules_to_save` whose "
+    "running statistics the adapter does not hold is an error (`convert_to_lora` / `save_as_lora` drop them, "
+    "peft PR 3481: the adapter then fails to load, or the reloaded model keeps the base's statistics).",
     "Save `model.state_dict()` (it includes buffers), not `named_parameters()`; load with "
     "strict=True; or re-estimate the statistics with `bnaudit recalibrate`.",
 )
 def _check_missing_buffers(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN001"]
+    yield from _adapter_missing_statistics(ctx)
     if ctx.module is not None:
         # Exact: the model names its BN modules, so no name heuristics are needed.
         missing = set(ctx.module.missing)
@@ -112,7 +146,11 @@ def _check_missing_buffers(ctx: RuleContext) -> Iterator[Finding]:
     "normalises with mean 0 and variance 1, whatever the data's real statistics. If weight and bias "
     "are also at their initial 1 and 0 the whole layer is untrained. Exception: when no layer has a "
     "counter and every layer has identity statistics with trained weights, the statistics were folded "
-    "into weight and bias (Caffe2/detectron2 FrozenBatchNorm): reported as info.",
+    "into weight and bias (Caffe2/detectron2 FrozenBatchNorm): reported as info. A fold leaves "
+    "beta - mean * gamma / sqrt(var + eps) as the bias, so when beta is also exactly 0 in every channel "
+    "of every such layer the module was never trained (PyTorch before 0.4 initialised the weight "
+    "uniformly at random and the bias to 0: onnx's bundled PyTorch 0.3 test exports): reported as info, "
+    "an untrained module, not a fold.",
     "Reload the statistics from the original training checkpoint, or re-estimate them with "
     "`bnaudit recalibrate` on representative data.",
 )
@@ -129,6 +167,14 @@ def _check_initial_values(ctx: RuleContext) -> Iterator[Finding]:
         and all(layer.num_batches_tracked is None for layer in layers)
         and all(not has_initial_affine(layer) for layer in layers)
     )
+    if folded and all(is_untouched(layer) for layer in layers):
+        yield r.finding(
+            Severity.INFO,
+            None,
+            f"all {len(layers)} layers have identity statistics and beta exactly 0 in every channel, no counter: "
+            "an untrained module (its weight as a framework initialised it), nothing folded",
+        )
+        return
     if folded:
         yield r.finding(
             Severity.INFO,
@@ -316,7 +362,10 @@ _RETAINED_FRACTION_MOMENTUM = 0.5
     "replaces 99.7% of the statistics, which then describe the last batch only: a warning. Needs the "
     "module; eps and momentum are never saved in a state dict. An ONNX BatchNormalization node's "
     "momentum m (retained fraction) is translated to PyTorch's 1 - m first, and the message says so: "
-    "ONNX 0.1 (PyTorch's 0.1 written unconverted) is PyTorch 0.9.",
+    "ONNX 0.1 (PyTorch's 0.1 written unconverted) is PyTorch 0.9. An exported node of an untrained "
+    "module (identity statistics, beta exactly 0) never applied its momentum and its statistics cannot "
+    "tell a correct export from an unconverted one: said as info (onnx's bundled `momentum=0.8` test "
+    "export is correct).",
     "Set the intended momentum on the module (PyTorch's 0.1 = 1 - Keras's 0.9; ONNX's 0.9), or "
     "recalibrate with `bnaudit recalibrate`, which does not depend on momentum.",
 )
@@ -324,10 +373,23 @@ def _check_update_config(ctx: RuleContext) -> Iterator[Finding]:
     if ctx.module is None:
         return
     r = RULES["BN007"]
+    layers = {layer.name: layer for layer in ctx.discovery.layers}
     for name, info in ctx.module.norms.items():
         if info.track_running_stats is False or not info.momentum_known:
             continue
         m = info.momentum
+        layer = layers.get(name)
+        exported = info.source is not None  # an exported node (ModuleInfo.source): its momentum was translated
+        if exported and m is not None and m > _RETAINED_FRACTION_MOMENTUM and layer is not None and is_untouched(layer):
+            # nothing tells a correct export of momentum=0.8 from PyTorch's 0.2 written unconverted
+            yield r.finding(
+                Severity.INFO,
+                name,
+                f"ONNX momentum {retained_fraction(m):.3g} = PyTorch {m:g} on an untrained module (identity "
+                f"statistics, beta 0): never applied; in training each batch would replace {m * 100:.1f}% of the "
+                "statistics",
+            )
+            continue
         if m is None:
             yield r.finding(
                 Severity.INFO,

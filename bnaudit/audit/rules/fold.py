@@ -42,7 +42,11 @@ def _setter(p: PairPrediction) -> str:
     "S = max|W'| / 127, round half to even) spends its range on that one channel: a channel c with "
     "max|W'_c| <= S/2 rounds to all zeros and outputs its bias alone. An error when such a channel's "
     "folded weights were not zero (it carried signal); info when they were zero already. The finding "
-    "names the channels and the channel that sets the scale, with its running_var, gamma and gain.",
+    "names the channels and the channel that sets the scale, with its running_var, gamma and gain. "
+    "A channel that carried nothing in float already is not counted as live: its output varies by "
+    "|gamma_c| sqrt(var_c / (var_c + eps)) <= 1e-6 of the layer's loudest channel's, or its folded weights "
+    "are <= 1e-6 of the largest (a slimmed network's gamma ~1e-9, a channel whose input never varies); the "
+    "finding says how many such near-silent channels it left out.",
     "Quantize per channel (one scale per output channel), or repair the statistic behind the scale: "
     "re-estimate it (`bnaudit recalibrate`) or clamp the running_var of dead channels before export.",
     command="fold",
@@ -52,14 +56,21 @@ def _check_collapse(ctx: FoldContext) -> Iterator[Finding]:
     for p in ctx.pairs:
         if not p.collapsed:
             continue
-        live = p.live_collapsed
+        live, silent = p.live_collapsed, p.silent_collapsed
         severity = Severity.ERROR if live else Severity.INFO
-        what = (
-            f"{plural(len(live), 'live channel')} of {p.channels} ({_channels(live)}) round to all zeros in int8 per-tensor"
-            if live
-            else f"{_channels(p.collapsed)} of {p.channels} hold zero folded weights already"
+        if live:
+            what = f"{plural(len(live), 'live channel')} of {p.channels} ({_channels(live)}) round to all zeros in int8 per-tensor"
+        elif silent:
+            what = f"{_channels(p.collapsed)} of {p.channels} round to all zeros in int8 per-tensor"
+        else:
+            what = f"{_channels(p.collapsed)} of {p.channels} hold zero folded weights already"
+        left_out = (
+            f"; {plural(len(silent), 'near-silent channel')} left out ({_channels(silent)}: output variation or "
+            "folded weights <= 1e-6 of the layer's largest, nothing to lose in float already)"
+            if silent
+            else ""
         )
-        yield r.finding(severity, p.bn, f"{what} after folding into {p.producer}: {_setter(p)}", p.collapsed)
+        yield r.finding(severity, p.bn, f"{what} after folding into {p.producer}: {_setter(p)}{left_out}", p.collapsed)
 
 
 @rule(

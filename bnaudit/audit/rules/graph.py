@@ -55,7 +55,8 @@ def _check_training_mode_export(ctx: RuleContext) -> Iterator[Finding]:
     r = RULES["BN012"]
     for name, info in ctx.module.norms.items():
         if info.training_mode:
-            yield r.finding(Severity.ERROR, name, _training_mode_words(info.training_reason, info.source))
+            words = _training_mode_words(info.training_reason)
+            yield r.finding(Severity.ERROR, name, _with_source(words, info.source), group_as=words)
         elif info.saved_training and info.calls:  # a normalisation module, flag computed at run time
             yield r.finding(
                 Severity.WARNING,
@@ -73,15 +74,21 @@ def _check_training_mode_export_in_diff(ctx: DiffContext) -> Iterator[Finding]:
     r = RULES["BN012"]
     for node in ctx.export.nodes:
         if node.training_mode:
-            yield r.finding(Severity.ERROR, node.name, _training_mode_words(node.training_reason, node.source))
+            words = _training_mode_words(node.training_reason)
+            yield r.finding(Severity.ERROR, node.name, _with_source(words, node.source), group_as=words)
 
 
-def _training_mode_words(reason: str | None, source: str | None) -> str:
-    where = f" ({source})" if source else ""
+def _training_mode_words(reason: str | None) -> str:
+    """What every node of an export in training mode shares: the table groups its layers into
+    one row with these words (as TorchScript's), each finding adds its node (`_with_source`)."""
     return (
         f"{reason or 'training mode'}: normalises with each batch's statistics, so predictions depend on their "
-        f"batch companions{where}"
+        "batch companions"
     )
+
+
+def _with_source(words: str, source: str | None) -> str:
+    return f"{words} ({source})" if source else words
 
 
 @rule(
@@ -118,7 +125,7 @@ def _check_not_constant_in_diff(ctx: DiffContext) -> Iterator[Finding]:
     "BN014",
     "folded-export",
     Severity.INFO,
-    "No BatchNorm node left in an exported graph: BN folded into Conv weights (ONNX), or decomposed into arithmetic (.pt2).",
+    "No BatchNorm node left in an exported graph: BN folded into Conv weights (ONNX, .pt2), or decomposed into arithmetic (.pt2).",
     "Both torch exporters fold BatchNorm into the preceding convolution by default (the legacy "
     "exporter with constant folding, the dynamo exporter with its optimiser): the Conv's weights "
     "become W*gamma/sqrt(var+eps) per output channel and its bias beta + (b - mean)*gamma/sqrt(var+eps). "
@@ -130,7 +137,12 @@ def _check_not_constant_in_diff(ctx: DiffContext) -> Iterator[Finding]:
     "had BatchNorm and convolutions with their own bias (facenet's PNet) matches the first test as "
     "well: without weights the exporter computed, the line says that folding and the absence of "
     "BN cannot be told apart from the export alone, and that `bnaudit diff` with the checkpoint "
-    "tells them apart; a graph without BatchNormalization and without such a Conv gets no finding. A torch.export program (.pt2) decomposed with a batch-norm table "
+    "tells them apart; a graph without BatchNormalization and without such a Conv gets no finding. A torch.export "
+    "A quantized ONNX graph (ConvInteger or MatMulInteger after DynamicQuantizeLinear, QLinearConv) gets a "
+    "line saying its integer convolutions were not examined. A torch.export "
+    "program (.pt2) folded before export (`torch.fx.experimental.optimization.fuse`) is read alike: no batch-norm "
+    "node and no BN buffers, convolutions with a stored weight and bias; `bnaudit diff model.pt model.pt2` "
+    "verifies the fold and `bnaudit fold model.pt2` audits the folded weights. A torch.export program (.pt2) decomposed with a batch-norm table "
     "(`run_decompositions`) has no batch-norm node either: BN became sub/mul/rsqrt/add on the "
     "module's buffers. The statistics are still stored as those buffers, so they are audited "
     "under the module's names; eps is read from the arithmetic (`add(running_var, eps)` in eval "
@@ -142,6 +154,13 @@ def _check_not_constant_in_diff(ctx: DiffContext) -> Iterator[Finding]:
     "(`do_constant_folding=False`, or `optimize=False` with dynamo=True) to audit the export itself.",
 )
 def _check_folded_export(ctx: RuleContext) -> Iterator[Finding]:
+    if ctx.quantized is not None:
+        yield RULES["BN014"].finding(
+            Severity.INFO,
+            None,
+            f"{ctx.quantized}: a quantized graph; its convolutions were not examined (a BatchNorm folded into "
+            "them is in their integer weights and scales): audit the float checkpoint or its float export",
+        )
     if ctx.decomposed is not None:
         yield RULES["BN014"].finding(
             Severity.INFO,
@@ -152,12 +171,13 @@ def _check_folded_export(ctx: RuleContext) -> Iterator[Finding]:
     if ctx.folded is None:
         return
     if ctx.folded_ambiguous:
+        export = "model.pt2" if ctx.folded.startswith("no batch-norm node") else "model.onnx"
         yield RULES["BN014"].finding(
             Severity.INFO,
             None,
             f"{ctx.folded}: BatchNorm folded into these convolutions and a network that never had BatchNorm "
             "cannot be told apart from the export alone; if it had BatchNorm, audit the checkpoint and check "
-            "the folding with `bnaudit diff model.pt model.onnx`",
+            f"the folding with `bnaudit diff model.pt {export}`",
         )
         return
     yield RULES["BN014"].finding(

@@ -29,7 +29,7 @@ IMMATURE_ERROR_WEIGHT = 0.5
 @rule(
     "BN003",
     "immature-stats",
-    (Severity.ERROR, Severity.WARNING),
+    (Severity.ERROR, Severity.WARNING, Severity.INFO),
     "After t = num_batches_tracked updates the initial values still weigh (1-momentum)^t above the threshold.",
     "The running buffers start at mean 0 and variance 1 and move by new = (1-m)*old + m*batch. After t "
     "updates the initial values keep the weight w = (1-m)^t: 0.9^3 = 72.9% after 3 updates at momentum "
@@ -54,8 +54,22 @@ IMMATURE_ERROR_WEIGHT = 0.5
     "and the copy's variance differs from the live one by a factor 1.5 or its mean by half a live "
     "standard deviation (closer, it is a lagging average, or one begun from a trained model); an "
     "error when the difference passes `max-implied-var-ratio` or `max-implied-mean-shift`, or the "
-    "weight is 50% or more. `diff` "
-    "of a live model against its EMA copy reports the same. Without the live copy, and in a file without counters, a layer with trained weights "
+    "weight is 50% or more. Where the container also records the EMA's schedule (timm's train.py "
+    "saves its arguments as `args`: `model_ema_decay`, `model_ema_warmup`, `grad_accum_steps`, "
+    "`bn_momentum`) and the copy's kind is known, the weight is computed instead of estimated: the copy "
+    "starts as the untrained model and update k lerps it toward the live buffers, whose initial values "
+    "weigh (1-m)^(k*a), W_k = d_k W_(k-1) + (1 - d_k)(1-m)^(k*a), with ModelEmaV3's decay d_1 = 0 "
+    "then `model_ema_decay` (or its warm-up 1 - (1 + (k-1))^(-2/3), clamped), a constant decay for "
+    "ModelEmaV2; the number of updates T is num_batches_tracked / a (ModelEmaV3 copies the live "
+    "counter; ModelEmaV2's averaged one is replaced by the live model's), assuming a = "
+    "grad_accum_steps BN forwards per EMA update. ModelEmaV3(decay=0.998), BN momentum 0.1, 288 "
+    "updates: exactly 51.6% in every layer. A run started from `pretrained` or `initial_checkpoint` "
+    "weights is estimated as before. `diff` "
+    "of a live model against its EMA copy reports the same. A counter the statistics contradict is no "
+    "count of updates: after t updates at momentum m running_var >= (1-m)^t (the data's variance is "
+    "never negative), so when the implied variance of the data is negative in most channels "
+    "(TF-converted weights whose converter writes num_batches_tracked = 1) the finding is info and "
+    "says the counter or the momentum is not real, like converted weights. Without the live copy, and in a file without counters, a layer with trained weights "
     "whose running_var is still 1 within float32 rounding in half its channels or more is a "
     "warning. Layers that the file's recalibration record says `bnaudit recalibrate` wrote are not "
     "checked (population statistics: their counter is the number of calibration batches).",
@@ -84,6 +98,17 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
         if weight <= cfg.max_init_weight:
             continue
         assumed = " (assumed)" if layer.settings.momentum.assumed else ""
+        impossible = _impossible_channels(layer, weight)
+        if impossible * 2 > layer.num_features:
+            yield r.finding(
+                Severity.INFO,
+                layer.name,
+                f"{plural(t, 'update')} at momentum {m:g}{assumed} would leave running_var >= {weight:.3g}, yet "
+                f"{impossible} of {layer.num_features} channels are below it (a negative variance of the data): "
+                "the counter or the momentum is not real (converted weights write a placeholder counter); "
+                "not judged by it",
+            )
+            continue
         message = (
             f"initial values still weigh {weight * 100:.1f}% after {plural(t, 'update')} at momentum {m:g}{assumed}"
         )
@@ -96,6 +121,14 @@ def _check_immature(ctx: RuleContext) -> Iterator[Finding]:
             message += f": {damage.describe()}"
         severity = Severity.ERROR if harmful or weight >= IMMATURE_ERROR_WEIGHT else Severity.WARNING
         yield r.finding(severity, layer.name, message)
+
+
+def _impossible_channels(layer: BNLayer, weight: float) -> int:
+    """The channels whose running_var is below `weight`, the least t updates at momentum m
+    leave (w = (1-m)^t of the initial 1, plus a non-negative share of the data's variance):
+    the implied data variance (var - w) / (1 - w) is negative beyond float32 rounding."""
+    floor = weight * (1.0 - 1e-6)
+    return sum(1 for v in layer.running_var if v < floor)  # NaN compares False
 
 
 # Below these an averaged copy's statistics are close enough to the live ones to say nothing
@@ -154,6 +187,10 @@ def _immature_without_counter(ctx: RuleContext, layer: BNLayer) -> Finding | Non
     r, cfg = RULES["BN003"], ctx.config
     what = copy_words(ctx.averaging)
     live = ctx.live_layers.get(layer.name) if ctx.is_ema and ctx.live_layers is not None else None
+    if ctx.is_ema:
+        applies, scheduled = _scheduled_finding(ctx, layer, live, what)
+        if applies:
+            return scheduled
     if live is not None:
         return _against_live_finding(layer, live, what, cfg)
     share = unmoved_fraction(layer)
@@ -166,3 +203,61 @@ def _immature_without_counter(ctx: RuleContext, layer: BNLayer) -> Finding | Non
         f"{subject}: running_var is still the initial 1 (within float32 rounding) in {share * 100:.0f}% of "
         "the channels while the weights are trained: statistics that never moved from their start",
     )
+
+
+def _scheduled_finding(
+    ctx: RuleContext, layer: BNLayer, live: BNLayer | None, what: str
+) -> tuple[bool, Finding | None]:
+    """(whether the schedule applies, BN003 for the layer) for an EMA copy whose schedule the
+    container records (formulas.ema_initial_weight). It does not apply without args, from
+    another start, for an unknown kind or without a count of updates; where it applies the
+    finding is None when the initial values weigh no more than max-init-weight."""
+    from bnaudit.audit.formulas import ema_decays, ema_initial_weight
+    from bnaudit.formats.ema import V2, V3
+
+    schedule, averaging, cfg = ctx.ema_schedule, ctx.averaging, ctx.config
+    if schedule is None or not schedule.fresh_start or averaging is None or averaging.kind not in (V2, V3):
+        return False, None
+    # ModelEmaV3 copies the live counter; ModelEmaV2 averages it, so the live model's counts
+    counter = layer.num_batches_tracked if averaging.kind == V3 else (live.num_batches_tracked if live else None)
+    if not counter or counter < schedule.accumulation:
+        return False, None
+    updates = counter // schedule.accumulation
+    m: float | None
+    if schedule.bn_momentum is not None:
+        m, said = schedule.bn_momentum, f"BN momentum {schedule.bn_momentum:g} (args.bn_momentum)"
+    else:
+        m = layer.momentum
+        origin = "assumed" if layer.settings.momentum.assumed else f"from {layer.settings.momentum.origin()}"
+        said = f"BN momentum {layer.settings.momentum.text()} {origin}"
+    if m is not None and not 0.0 < m <= 1.0:
+        return False, None
+    v3 = averaging.kind == V3
+    decays = ema_decays(
+        updates, schedule.decay, schedule.warmup and v3, v3, schedule.warmup_gamma, schedule.warmup_power
+    )
+    weight = ema_initial_weight(decays, m, schedule.accumulation)
+    if weight <= cfg.max_init_weight:
+        return True, None
+    if v3:
+        how = f"decay 0 at update 1, then {'warmed up to ' if schedule.warmup else ''}{schedule.decay:g}"
+    else:
+        how = f"decay {schedule.decay:g} at every update"
+    per = "one BN update" if schedule.accumulation == 1 else f"{schedule.accumulation} BN updates"
+    message = (
+        f"{what}: the initial values weigh {weight * 100:.1f}% of its statistics, computed from the EMA schedule "
+        f"its args record ({schedule.recorded}: {how}; {plural(updates, 'update')}, counted by "
+        f"num_batches_tracked at {per} per EMA update; {said})"
+    )
+    harmful = False
+    if live is not None:
+        from bnaudit.audit.checkpoint.immaturity import against_live
+
+        compared = against_live(layer, live)
+        if compared is not None:
+            factor = max(compared.var_ratio, 1.0 / compared.var_ratio)
+            harmful = factor >= cfg.max_implied_var_ratio or compared.mean_shift >= cfg.max_implied_mean_shift
+            if factor >= NOTABLE_VAR_FACTOR or compared.mean_shift >= NOTABLE_MEAN_SHIFT:
+                message += f": {compared.describe()}"
+    severity = Severity.ERROR if harmful or weight >= IMMATURE_ERROR_WEIGHT else Severity.WARNING
+    return True, RULES["BN003"].finding(severity, layer.name, f"{message}; recalibrate it, or use the live statistics")

@@ -23,12 +23,18 @@ if TYPE_CHECKING:
     from bnaudit.audit.fold.check import FoldContext
     from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
     from bnaudit.audit.producers import ProducerFilter
+    from bnaudit.formats.ema import EmaSchedule
     from bnaudit.formats.model import Averaging, TensorRef
+    from bnaudit.formats.peft import AdapterInfo
 
 
 @dataclass(frozen=True)
 class Finding:
-    """One fact a rule reports: at a layer (or the file, `layer` None), and on which channels."""
+    """One fact a rule reports: at a layer (or the file, `layer` None), and on which channels.
+
+    `group_as`: the message a table shows for one row grouping the layers with this fact,
+    where `message` names something of this layer alone (an exported node's name); "" when
+    `message` itself is the same for every layer with the fact."""
 
     code: str
     name: str
@@ -36,6 +42,7 @@ class Finding:
     layer: str | None  # None for file-level findings
     message: str
     channels: tuple[int, ...] = ()
+    group_as: str = ""
 
 
 @dataclass(frozen=True)
@@ -59,17 +66,24 @@ class RuleContext:
     unauditable_layers: Mapping[str, str] = field(default_factory=dict)  # note -> its layer, where known
     folded: str | None = None
     folded_ambiguous: bool = False  # Checkpoint.folded_ambiguous: a net without BN looks the same
+    quantized: str | None = None  # Checkpoint.quantized: integer convolutions not examined
+    # a PEFT adapter composed with its base (formats.peft.AdapterInfo): BN001 checks its modules_to_save
+    adapter: AdapterInfo | None = None
     decomposed: str | None = None
     # An averaged copy (is_ema): what averaged it (formats.model.Averaging), and the BN
     # layers of its live model by name when the same container holds it.
     averaging: Averaging | None = None
     live_layers: Mapping[str, BNLayer] | None = None
+    # the EMA schedule the container's training arguments record (formats.ema.EmaSchedule)
+    ema_schedule: EmaSchedule | None = None
     # Every tensor of the checkpoint by name: the layers that feed the BN layers (BN004
     # consults their filters, bnaudit.audit.producers).
     tensors: Mapping[str, TensorRef] = field(default_factory=dict)
     # BN layer -> the Conv/Linear module feeding it (bnaudit.audit.producers: from the model's
     # graph with --arch, else from the names; possibly lazy)
     producers: Mapping[str, str] = field(default_factory=dict)
+    # the producers among them that are ConvTranspose (output channels on the weight's axis 1)
+    transposed: frozenset[str] = frozenset()
     # Exported graphs (ONNX with BN nodes kept, .pt2): BN layer -> the weight of the node
     # feeding it, paired as `fold` pairs them (bnaudit.audit.fold.graph.exported_producers);
     # possibly lazy (bnaudit.audit.producers.LazyProducers)
@@ -135,8 +149,10 @@ class Rule:
         configured = next((overrides[c] for c in (self.code, *self.aliases) if c in overrides), None)
         return None if configured is None else Severity.parse(configured)
 
-    def finding(self, severity: Severity, layer: str | None, message: str, channels: Iterable[int] = ()) -> Finding:
-        return Finding(self.code, self.name, severity, layer, message, tuple(int(c) for c in channels))
+    def finding(
+        self, severity: Severity, layer: str | None, message: str, channels: Iterable[int] = (), group_as: str = ""
+    ) -> Finding:
+        return Finding(self.code, self.name, severity, layer, message, tuple(int(c) for c in channels), group_as)
 
 
 RULES: dict[str, Rule] = {}

@@ -267,10 +267,12 @@ def span(pair: tuple[float, float] | None, signed: bool = False) -> str:
 
 _FINDING_COLUMNS = (
     Column("code", wrap=True),  # "BN109 eps-mismatch" may wrap at its space
-    Column("severity", drop=1),  # the code's colour says it too
+    Column("severity"),  # never dropped: it decides the exit code (the rule's name goes first)
     Column("layer", wrap=True, max_width=NAME_MIN + 4),  # names shortened before (a row may list several)
     Column("message", wrap=True),
 )
+# Said under a findings table whose rule names were left out to keep the severity.
+RULE_NAMES = "rule names (bnaudit rules CODE)"
 
 
 def batches_text(samples: int, batches: int, size: int, skipped: int | None) -> str:
@@ -294,27 +296,36 @@ def findings_table(
     """Findings, identical ones on several layers as one row (`fit.collapse`): words are
     wrapped whole, codes and severities never; layer names shortened at segment
     boundaries, all the table's names together so that different layers stay different
-    (`bnaudit.output.names`), as far as the other columns leave room. The table and the
-    columns dropped to fit `width`; `context` as for `fitted_table`."""
+    (`bnaudit.output.names`), as far as the other columns leave room. The severity column
+    always stays (it decides the exit code): where code, severity, a layer name and a
+    message of MESSAGE_MIN cannot share `width`, the rule names are left out first (the
+    code names the rule). The table and the columns dropped to fit `width`; `context` as
+    for `fitted_table`."""
     rows = collapse(findings)
     every = [printable(n) for row in rows for n in row.layers]
     code = max((len(w) for row in rows for w in f"{row.code} {row.name}".split()), default=0)
     message = max((len(w) for row in rows for w in printable(row.message).split()), default=0)
-    room = max(width - code - min(message, MESSAGE_MIN) - 3 * 2, NAME_FLOOR)  # severity dropped first
+    severity = max([len("severity"), *(len(r.severity) for r in rows)])
+    layer_least = min(max((len(w) for n in every for w in n.split()), default=1), NAME_FLOOR)
+    named = code + severity + layer_least + min(message, MESSAGE_MIN) + 3 * 3 <= width
+    if not named:
+        code = max((len(r.code) for r in rows), default=0)
+    room = max(width - code - severity - min(message, MESSAGE_MIN) - 3 * 3, NAME_FLOOR)
     shown = shorten_names(every, min(room, NAME_MIN), context=[printable(n) for n in context]) if every else {}
     wheres = [
         FindingRow(r.code, r.name, r.severity, tuple(shown[printable(n)] for n in r.layers), r.message).where()
         for r in rows
     ]
     layer = max((len(w) for where in wheres for w in where.split()), default=0)
-    code = max((len(f"{r.code} {r.name}") for r in rows), default=0)  # drawn whole: narrower than the message
+    # drawn whole: narrower than the message
+    code = max((len(f"{r.code} {r.name}" if named else r.code) for r in rows), default=0)
     # a name quoted in a message (an ONNX node's path) longer than the message column can
     # be: shortened there at segment boundaries like any name; JSON and -q keep it whole
-    words = max(width - code - layer - 3 * 2, MESSAGE_MIN)
+    words = max(width - code - severity - layer - 3 * 3, MESSAGE_MIN)
     table_rows = [
         Row(
             (
-                cell(f"{r.code} {r.name}"),
+                cell(f"{r.code} {r.name}" if named else r.code),
                 cell(r.severity, style=SEVERITY_STYLE[r.severity]),
                 cell(where),
                 cell(_fit_words(printable(r.message), words)),
@@ -322,7 +333,8 @@ def findings_table(
         )
         for r, where in zip(rows, wheres)
     ]
-    return fitted_table(_FINDING_COLUMNS, table_rows, width, title)
+    table, dropped = fitted_table(_FINDING_COLUMNS, table_rows, width, title)
+    return table, dropped if named else [RULE_NAMES, *dropped]
 
 
 def _fit_words(text: str, width: int) -> str:
@@ -382,11 +394,17 @@ def measurement_header(
 
 
 def findings_and_diagnosis(
-    console: Console, findings: list[Finding], lines: list[str], context: Sequence[str] = ()
+    console: Console, findings: list[Finding], lines: list[str], context: Sequence[str] = (), quiet: bool = False
 ) -> None:
     """The end of a measurement's report (gap, invariance): the checkpoint's inspect
-    findings, then the diagnosis."""
-    if findings:
+    findings, then the diagnosis; `quiet`: one line per finding (`layer: CODE name:
+    message`), as every command's -q."""
+    if findings and quiet:
+        for f in findings:
+            where = f"{f.layer}: " if f.layer is not None else ""
+            console.print(cell(f"{where}{f.code} {f.name}: {f.message}"), soft_wrap=True)
+        console.print()
+    elif findings:
         print_findings(console, findings, "inspect findings for this checkpoint", context)
         console.print()
     diagnosis_bullets(console, lines)

@@ -255,7 +255,7 @@ def _export_body(check: ExportCheck, console: Console) -> None:
         for f in check.folded:
             c = f.check
             status = (
-                Text("matches", style="green")
+                Text("matches, gamma 0" if c.zero_gamma else "matches", style="green")
                 if c.matches
                 else Text(f"matches at eps {f.fits_eps:.2g}", style="yellow")
                 if f.fits_eps is not None

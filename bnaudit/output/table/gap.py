@@ -74,7 +74,7 @@ def render_gap(report: GapReport, console: Console, quiet: bool = False) -> None
         _drift_table(report.layers, console)
         console.print()
 
-    findings_and_diagnosis(console, report.findings, report.diagnosis, [d.name for d in report.layers])
+    findings_and_diagnosis(console, report.findings, report.diagnosis, [d.name for d in report.layers], quiet)
 
 
 def _scripted_line(layers: int) -> str:

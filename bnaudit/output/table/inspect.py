@@ -38,18 +38,37 @@ _GAIN: _Column = ("max gain", lambda s: g3(s.max_eval_gain))
 # Widest first; each next one leaves out the least telling of what is left: the mean
 # range, then the counter and the median / max of the variance (near-eps and the gain
 # already say what a small variance does).
+# A layout that drops a column the findings cite (`_CITED`) comes after those that keep it:
+# the counter BN003 speaks of stays beside it, near-eps beside BN004's channels.
 _LAYOUTS: tuple[tuple[tuple[_Column, ...], tuple[str, ...]], ...] = (
     ((_C, _BATCHES, _MEAN, _VAR, _NEAR, _GAIN), ()),
     ((_C, _BATCHES, _VAR, _NEAR, _GAIN), ("mean range",)),
-    ((_C, _VAR_MIN, _NEAR, _GAIN), ("mean range", "batches", "var median / max")),
+    ((_C, _BATCHES, _VAR_MIN, _NEAR, _GAIN), ("mean range", "var median / max")),
+    ((_C, _VAR_MIN, _NEAR, _GAIN), ("mean range", "batches", "var median / max")),  # the narrowest
+    ((_C, _BATCHES, _VAR_MIN, _GAIN), ("mean range", "var median / max", "near-eps")),
 )
+# The columns whose numbers a finding of each code cites.
+_CITED = {
+    "BN003": "batches",
+    "BN009": "batches",
+    "BN010": "batches",
+    "BN004": "near-eps",
+}
+
+
+def _cited(files: list[FileReport]) -> set[str]:
+    """The columns the findings of `files` cite (`_CITED`)."""
+    return {_CITED[f.code] for file in files for f in file.findings if f.code in _CITED}
 
 
 def _layer_layout(files: list[FileReport], width: int) -> tuple[tuple[_Column, ...], tuple[str, ...]]:
-    """The widest layout whose layer table fits `width` for every file of the run (one
-    choice for all, so the tables of a run line up and drop the same columns), and the
-    columns it leaves out."""
-    for columns, dropped in _LAYOUTS:
+    """The layout whose layer table fits `width` for every file of the run (one choice for
+    all, so the tables of a run line up and drop the same columns), and the columns it
+    leaves out: of those that fit, the one dropping fewest of the columns the findings cite,
+    then the widest; where none fits, the narrowest (names are then shortened further)."""
+    cited = _cited(files)
+    ranked = sorted(_LAYOUTS, key=lambda layout: len(cited & set(layout[1])))  # stable: widest first
+    for columns, dropped in ranked:
         needed = 0
         for file in files:
             statuses = [file.layer_status(s.name) for s in file.layers]
@@ -64,7 +83,7 @@ def _layer_layout(files: list[FileReport], width: int) -> tuple[tuple[_Column, .
             needed = max(needed, rest + name)
         if needed <= width:
             return columns, dropped
-    return _LAYOUTS[-1]
+    return _LAYOUTS[3]
 
 
 def _name_width(names: list[str], room: int) -> int:
@@ -168,6 +187,10 @@ def _file_detail(file: FileReport, console: Console, columns: tuple[_Column, ...
         console.print(indented(f"{note}", style="dim"))
     if file.layers:
         console.print(fit_width(_layer_table(file, console, columns), console.width))
+    elif any(f.code == "BN014" and "a quantized graph" in f.message for f in file.findings):
+        console.print(Text("  no BatchNorm layers found: a quantized graph (BN014)", style="dim"))
+    elif any(f.code == "BN014" for f in file.findings):
+        console.print(Text("  no BatchNorm layers found: folded into convolutions (BN014)", style="dim"))
     else:
         console.print(Text("  no BatchNorm layers found", style="dim"))
     if file.findings:

@@ -49,7 +49,7 @@ def render_invariance(report: InvarianceReport, console: Console, quiet: bool = 
     if report.sites:
         console.print(fit_width(_sites_table(report.sites), console.width))
         console.print()
-    findings_and_diagnosis(console, report.findings, report.diagnosis)
+    findings_and_diagnosis(console, report.findings, report.diagnosis, quiet=quiet)
 
 
 def _verdict(report: InvarianceReport) -> Text:
