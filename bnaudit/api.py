@@ -28,6 +28,7 @@ def inspect(
     debug: bool = False,
     all_revisions: bool = False,
     jobs: int | None = None,
+    channels: bool = False,
 ) -> InspectReport:
     """Audit checkpoints (files or directories) and return the report.
 
@@ -36,7 +37,9 @@ def inspect(
     `all_revisions`: every snapshot of a Hugging Face cache repo, not only refs/main's.
     `jobs`: at most this many processes audit the files (None: one per usable CPU). Fewer
     than 16 files, or a process that already runs threads (torch imported), are audited in
-    this process alone (bnaudit.audit.checkpoint.forked says why).
+    this process alone (bnaudit.audit.checkpoint.forked says why). `channels`: each layer
+    summary keeps every channel's running_var, eval gain and near-eps indices
+    (`LayerSummary.channels`, which `--format html` draws); off, only the summaries are kept.
 
     >>> report = inspect("sample_models/")      # doctest: +SKIP
     >>> report.exit_code(), report.summary()    # doctest: +SKIP
@@ -57,4 +60,5 @@ def inspect(
         debug=debug,
         all_revisions=all_revisions,
         jobs=jobs,
+        channels=channels,
     )

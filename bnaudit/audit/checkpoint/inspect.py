@@ -41,11 +41,16 @@ from bnaudit.severity import Severity
 
 
 def audit_checkpoint(
-    ckpt: Checkpoint, config: Config, module: ModuleFacts | None = None, producers: Mapping[str, str] | None = None
+    ckpt: Checkpoint,
+    config: Config,
+    module: ModuleFacts | None = None,
+    producers: Mapping[str, str] | None = None,
+    channels: bool = False,
 ) -> FileReport:
     """Audit an opened checkpoint; `module` (when the model is known) makes BN001 exact and
     enables the module-only rules; `producers` (BN layer -> the module feeding it, from the
-    model's graph) tells BN004 which filters feed which channel. Raises BnauditError for
+    model's graph) tells BN004 which filters feed which channel; `channels`: the layer
+    summaries keep every channel's values (LayerSummary.channels). Raises BnauditError for
     unreadable tensors."""
     discovery = discover_layers(ckpt, settings_stated_by(config))
     live_layers = None
@@ -98,7 +103,7 @@ def audit_checkpoint(
     report.format, report.key, report.other_keys = ckpt.format, ckpt.key, ckpt.other_keys
     report.prefix, report.is_ema, report.averaging = ckpt.prefix, ckpt.is_ema, ckpt.averaging
     report.not_loaded = list(ckpt.not_loaded)
-    report.layers = [LayerSummary.of(layer, config.near_eps_factor) for layer in discovery.layers]
+    report.layers = [LayerSummary.of(layer, config.near_eps_factor, channels) for layer in discovery.layers]
     report.findings = findings
     missing_from = "not shown by the program" if ckpt.format == "pt2" else "not in a state dict"
     report.settings = statement(not_from_file(discovery.layers), missing_from)
@@ -142,9 +147,11 @@ def audit_file(
     reference: ModelReference | None = None,
     debug: bool = False,
     named: bool = True,
+    channels: bool = False,
 ) -> FileReport:
     """Audit one checkpoint; a user-caused problem becomes `FileReport.error`, a file that
-    is not model weights `FileReport.skipped`. `named`: the user named it (not a scan).
+    is not model weights `FileReport.skipped`. `named`: the user named it (not a scan);
+    `channels`: keep every channel's values (audit_checkpoint).
 
     `reference` (the model --arch builds) is compared with the checkpoint key by key; a
     file that holds its own modules (TorchScript, a pickled nn.Module) speaks for itself. An unexpected exception (a bug met on this
@@ -164,7 +171,8 @@ def audit_file(
             ckpt, module = reference.match(ckpt)
         elif ckpt.holds_module and ckpt.modules:
             module = facts_from_module_infos(ckpt.modules)
-        report = audit_checkpoint(ckpt, config, module, reference.producers if reference and arch_used else None)
+        producers = reference.producers if reference and arch_used else None
+        report = audit_checkpoint(ckpt, config, module, producers, channels)
         if reference is not None and not arch_used:
             report.notes.append("--arch not used for an exported graph: its nodes carry their own settings")
         if data is not None:
@@ -198,6 +206,7 @@ def inspect_paths(
     debug: bool = False,
     all_revisions: bool = False,
     jobs: int | None = None,
+    channels: bool = False,
 ) -> InspectReport:
     """Audit checkpoints (files or directories) and return the report: `bnaudit.inspect`
     (bnaudit.api) without building a model. `reference`, the model `--arch` names, makes
@@ -231,6 +240,7 @@ def inspect_paths(
             reference=reference,
             debug=debug,
             named=target.named,
+            channels=channels,
         )
 
     to_audit = [target for target, report in plan if report is None]
