@@ -65,6 +65,7 @@ EMITTERS: dict[str, dict[str, str]] = {
         "table": "bnaudit.output.table.inspect:render_inspect",
         "json": "bnaudit.output.json:inspect_to_json",
         "sarif": "bnaudit.output.sarif:inspect_to_sarif",
+        "html": "bnaudit.output.html.inspect:inspect_to_html",
         **_CI_FORMATS,
     },
     "diff": {
@@ -72,6 +73,7 @@ EMITTERS: dict[str, dict[str, str]] = {
         "table": "bnaudit.output.table.diff:render_diff",
         "json": "bnaudit.output.json:diff_to_json",
         "sarif": "bnaudit.output.sarif:diff_to_sarif",
+        "html": "bnaudit.output.html.diff:diff_to_html",
         **_CI_FORMATS,
     },
     "fold": {
@@ -79,22 +81,26 @@ EMITTERS: dict[str, dict[str, str]] = {
         "table": "bnaudit.output.table.fold:render_fold",
         "json": "bnaudit.output.json:fold_to_json",
         "sarif": "bnaudit.output.sarif:fold_to_sarif",
+        "html": "bnaudit.output.html.fold:fold_to_html",
         **_CI_FORMATS,
     },
     "gap": {
         "record": "bnaudit.reports.gap:GapReport",
         "table": "bnaudit.output.table.gap:render_gap",
         "json": "bnaudit.output.json:gap_to_json",
+        "html": "bnaudit.output.html.measure:gap_to_html",
     },
     "invariance": {
         "record": "bnaudit.reports.invariance:InvarianceReport",
         "table": "bnaudit.output.table.invariance:render_invariance",
         "json": "bnaudit.output.json:invariance_to_json",
+        "html": "bnaudit.output.html.measure:invariance_to_html",
     },
     "recalibrate": {
         "record": "bnaudit.reports.recalibrate:RecalibrationReport",
         "table": "bnaudit.output.table.recalibrate:render_recalibrate",
         "json": "bnaudit.output.json:recalibrate_to_json",
+        "html": "bnaudit.output.html.measure:recalibrate_to_html",
     },
 }
 _DOCUMENTS = ("json", "sarif", "gitlab")  # written as JSON; the other non-table formats are text
