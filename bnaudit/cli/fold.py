@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated, Optional
 
 import typer
@@ -37,6 +36,7 @@ from bnaudit.cli.options import (
     data_options,
     data_parameters,
 )
+from bnaudit.cli.report import Destination, ReportForceOpt, ReportOutputOpt
 from bnaudit.errors import BnauditError
 from bnaudit.normkinds import DEFAULT_EPS
 
@@ -57,6 +57,8 @@ def fold_command(
             help="Report format. sarif: SARIF 2.1.0 for code scanning; github: workflow-command annotations; gitlab: Code Quality JSON; junit: JUnit XML; markdown: a job summary.",
         ),
     ] = FoldFormat.table,
+    output_path: ReportOutputOpt = None,
+    force: ReportForceOpt = False,
     fail_on: FailOnOpt = None,
     exit_zero: ExitZeroOpt = False,
     select: Annotated[
@@ -114,11 +116,13 @@ def fold_command(
             "--ignore": code_list(ignore),
         }
         config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=accepted_codes())
+        destination = Destination(output_format.value, output_path, force, [path, *([data] if data else [])])
         if not measuring:
             if arch is not None or arch_kwargs is not None or forward is not None:
                 raise BnauditError("--arch, --arch-kwargs and --forward measure: give --data or --dataset too")
             report = predict_fold(path, config, key=key, trust_pickle=trust_pickle)
-            output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+            output.emit(report, output_format.value, destination.stream, quiet=quiet)
+            destination.finish()
         else:
             import torch
 
@@ -134,5 +138,6 @@ def fold_command(
             with frozen_imports(), torchrun(torch.device("cpu"), wait=True):
                 report = measure_fold(spec, options, config)
                 if printing:
-                    output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+                    output.emit(report, output_format.value, destination.stream, quiet=quiet)
+                    destination.finish()
     raise typer.Exit(report.exit_code(exit_zero=exit_zero))

@@ -41,6 +41,7 @@ from bnaudit.cli.options import (
     data_options,
     data_parameters,
 )
+from bnaudit.cli.report import Destination, ReportForceOpt, ReportOutputOpt
 
 if TYPE_CHECKING:
     from bnaudit.runtime.data import DataOptions
@@ -92,6 +93,8 @@ def gap(
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
     output_format: FormatOpt = Format.table,
+    output_path: ReportOutputOpt = None,
+    force: ReportForceOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -121,17 +124,20 @@ def gap(
             fail_on=fail_on.value if fail_on else None,
         )
 
-    settings = ConfigSettings(config_file, isolated, exit_zero)
+    settings = ConfigSettings(config_file, isolated, exit_zero, output_path, force, checkpoint)
     raise typer.Exit(_measure_and_emit("gap", measure, data_args, settings, device, output_format, quiet, debug))
 
 
 @dataclass(frozen=True)
 class ConfigSettings:
-    """The configuration and exit-code options gap and invariance share."""
+    """The configuration, exit-code and report-file options gap and invariance share."""
 
     config_file: str | None
     isolated: bool
     exit_zero: bool
+    output_path: str | None = None  # --output: the report's file (None: stdout)
+    force: bool = False
+    checkpoint: str | None = None  # the input the report file must not replace
 
 
 def _measure_and_emit(
@@ -163,6 +169,8 @@ def _measure_and_emit(
     json_output = output_format is Format.json
     printing = prints()
     with user_errors(debug, json_output and printing):
+        inputs = [p for p in (settings.checkpoint, data_args.get("data")) if p]
+        destination = Destination(output_format.value, settings.output_path, settings.force, inputs)
         options = data_options(**data_args)  # the data options, built once
         config = load_config(config_file=settings.config_file, isolated=settings.isolated, rule_codes=accepted_codes())
         quiet_bar = quiet or json_output or not printing
@@ -175,7 +183,8 @@ def _measure_and_emit(
                 report = measure(options, config, update)
             code: int = report.exit_code(exit_zero=settings.exit_zero)
             if printing:
-                output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+                output.emit(report, output_format.value, destination.stream, quiet=quiet)
+                destination.finish()
     return code
 
 
@@ -224,6 +233,8 @@ def invariance(
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
     output_format: FormatOpt = Format.table,
+    output_path: ReportOutputOpt = None,
+    force: ReportForceOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no arrangement table.")] = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -252,5 +263,5 @@ def invariance(
             fail_on=fail_on.value if fail_on else None,
         )
 
-    settings = ConfigSettings(config_file, isolated, exit_zero)
+    settings = ConfigSettings(config_file, isolated, exit_zero, output_path, force, checkpoint)
     raise typer.Exit(_measure_and_emit("invariance", measure, data_args, settings, device, output_format, quiet, debug))

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 class Format(str, Enum):
     table = "table"
     json = "json"
+    html = "html"
 
 
 class InspectFormat(str, Enum):
@@ -32,6 +33,7 @@ class InspectFormat(str, Enum):
     gitlab = "gitlab"
     junit = "junit"
     markdown = "markdown"
+    html = "html"
 
 
 class FoldFormat(str, Enum):
@@ -45,16 +47,20 @@ class FoldFormat(str, Enum):
     gitlab = "gitlab"
     junit = "junit"
     markdown = "markdown"
+    html = "html"
 
 
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")]
-FormatOpt = Annotated[Format, typer.Option("--format", "-f", help="Report format.")]
+FormatOpt = Annotated[
+    Format,
+    typer.Option("--format", "-f", help="Report format. html: one self-contained page with charts (the html extra)."),
+]
 InspectFormatOpt = Annotated[
     InspectFormat,
     typer.Option(
         "--format",
         "-f",
-        help="Report format. sarif: SARIF 2.1.0 for code scanning; github: workflow-command annotations; gitlab: Code Quality JSON; junit: JUnit XML; markdown: a job summary ($GITHUB_STEP_SUMMARY).",
+        help="Report format. sarif: SARIF 2.1.0 for code scanning; github: workflow-command annotations; gitlab: Code Quality JSON; junit: JUnit XML; markdown: a job summary ($GITHUB_STEP_SUMMARY); html: one self-contained page with charts (the html extra).",
     ),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no per-layer table.")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from enum import Enum
 from typing import Annotated, Optional
@@ -38,6 +39,8 @@ from bnaudit.cli.options import (
     data_options,
     data_parameters,
 )
+from bnaudit.cli.report import Destination
+from bnaudit.errors import BnauditError
 
 
 class Method(str, Enum):
@@ -93,7 +96,7 @@ def recalibrate(
             help="Held-out data (same kinds as --data): the gap report of the old and the new checkpoint side by side.",
         ),
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite --output if it exists.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --output (and --report) if it exists.")] = False,
     allow_input_mismatch: Annotated[
         bool,
         typer.Option(
@@ -119,6 +122,14 @@ def recalibrate(
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
     output_format: FormatOpt = Format.table,
+    report_path: Annotated[
+        Optional[str],
+        typer.Option(
+            "--report",
+            metavar="FILE",
+            help="Write the report to FILE (all at once) instead of stdout, e.g. report.html with --format html.",
+        ),
+    ] = None,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -140,6 +151,12 @@ def recalibrate(
         output.emit_warning(message, sys.stderr)
 
     with user_errors(debug, json_output and printing):
+        if report_path is not None and os.path.abspath(report_path) == os.path.abspath(output_path):
+            raise BnauditError(
+                f"{report_path}: --report names the checkpoint --output; write the report to another file"
+            )
+        inputs = [p for p in (checkpoint, data, eval_data) if p]
+        destination = Destination(output_format.value, report_path, force, inputs)
         options = data_options(**data_args)
         held_out = None if eval_data is None else dataclasses.replace(options, path=eval_data, dataset=None)
         # The inspect findings of the --eval-data gap reports follow the project's configuration.
@@ -172,5 +189,6 @@ def recalibrate(
         if report is None:  # another rank than 0 under torchrun: rank 0 reports
             raise typer.Exit(0)
         output.emit_diagnostics(report, sys.stderr)
-        output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+        output.emit(report, output_format.value, destination.stream, quiet=quiet)
+        destination.finish()
     raise typer.Exit(0)
