@@ -80,7 +80,7 @@ _NO_METADATA = {"Date": None, "Creator": None, "Format": None, "Type": None}
 # Per-channel series longer than this are drawn as the envelope (min and max) of this many
 # buckets: a chart's size stays bounded whatever the channel count, and the extremes (a
 # near-eps channel is a minimum) stay visible.
-MAX_POINTS = 512
+MAX_POINTS = 256
 
 # The colours of a chart; severities are markup's (the table badges use the same).
 COLOURS = {
@@ -133,6 +133,16 @@ _URL_REF = re.compile(r"url\(#([^)]+)\)")
 _FONT_FAMILY = re.compile(r"font-family:[^;\"]*;?\s*")
 
 
+_COORDINATE = re.compile(r"(-?\d+\.\d)\d+")
+
+
+def _rounded(path: str) -> str:
+    """A path's coordinates to a tenth of a point (matplotlib writes six decimals): a tenth
+    of a point is below a screen pixel at any zoom a page is read at, and it halves the
+    bytes of a chart of many points. Truncated, not rounded: the error stays under 0.1."""
+    return _COORDINATE.sub(r"\1", path)
+
+
 def inline_svg(document: str, alt: str, prefix: str) -> Html:
     """matplotlib's SVG document as an element of a page (see the module docstring)."""
     ET.register_namespace("", _SVG)
@@ -157,6 +167,13 @@ def inline_svg(document: str, alt: str, prefix: str) -> Html:
                 attrib[key] = _URL_REF.sub(lambda m: f"url(#{prefix}-{m.group(1)})", value)
             elif key in (href, "href") and value.startswith("#"):
                 attrib[key] = f"#{prefix}-{value[1:]}"
+        for key in ("d", "x", "y"):
+            if key in attrib:
+                attrib[key] = _rounded(attrib[key])
+        if element.tag != f"{{{_SVG}}}text" and element.text is not None and not element.text.strip():
+            element.text = None  # matplotlib's indentation: a tenth of the bytes
+        if element.tail is not None and not element.tail.strip():
+            element.tail = None
         style = attrib.get("style")
         if style and "font-family" in style:
             attrib["style"] = _FONT_FAMILY.sub("", style).strip().rstrip(";")
@@ -180,6 +197,35 @@ def inline_svg(document: str, alt: str, prefix: str) -> Html:
 def label(name: str) -> str:
     """An untrusted name as a chart may show it: printable, one line."""
     return printable(name)
+
+
+def segments(
+    ax: Axes, xs: Sequence[float], lows: Sequence[float], highs: Sequence[float], colours: Sequence[str], width: float
+) -> None:
+    """A vertical segment from low to high at each x, in its colour: one path per colour
+    (segments joined with gaps), where a LineCollection would write one element per segment."""
+    by_colour: dict[str, tuple[list[float], list[float]]] = {}
+    for x, low, high, colour in zip(xs, lows, highs, colours):
+        if low != low or high != high:  # NaN: nothing to draw
+            continue
+        px, py = by_colour.setdefault(colour, ([], []))
+        px += [x, x, math.nan]
+        py += [low, high, math.nan]
+    for colour, (px, py) in by_colour.items():
+        ax.plot(px, py, color=colour, linewidth=width, solid_capstyle="butt")
+
+
+def ticks(ax: Axes, xs: Sequence[float], ys: Sequence[float], colours: Sequence[str], half: float = 0.32) -> None:
+    """A short horizontal mark at each (x, y) (a median on its min-max segment), one path per colour."""
+    by_colour: dict[str, tuple[list[float], list[float]]] = {}
+    for x, y, colour in zip(xs, ys, colours):
+        if y != y:
+            continue
+        px, py = by_colour.setdefault(colour, ([], []))
+        px += [x - half, x + half, math.nan]
+        py += [y, y, math.nan]
+    for colour, (px, py) in by_colour.items():
+        ax.plot(px, py, color=colour, linewidth=1.6, solid_capstyle="butt")
 
 
 def finite(values: Sequence[float]) -> list[tuple[int, float]]:
@@ -254,13 +300,18 @@ def legend(ax: Axes) -> None:
 def log_axis(ax: Axes, which: str = "y") -> None:
     """A log scale whose labels are plain numbers ("1e-05", "0.01", "100"): matplotlib's
     default log labels are TeX, which `text.parse_math: False` (set for the names a chart
-    shows) would print as TeX source."""
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    shows) would print as TeX source. Call it once the data is drawn: an axis spanning less
+    than two decades gets ticks at 1, 2 and 5 of each, a wider one a tick per decade and no
+    minor ticks (each is two artists to lay out and draw, the bulk of a chart's time)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
     axis = ax.yaxis if which == "y" else ax.xaxis
     (ax.set_yscale if which == "y" else ax.set_xscale)("log")
+    low, high = ax.get_ylim() if which == "y" else ax.get_xlim()
+    narrow = low > 0 and high / low < 100
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if narrow else (1.0,), numticks=8))
+    axis.set_minor_locator(NullLocator())
     axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
-    axis.set_minor_formatter(NullFormatter())
 
 
 def level(ax: Axes, values: Sequence[float], text: str, colour: str, style: Any) -> None:

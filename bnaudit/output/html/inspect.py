@@ -197,8 +197,9 @@ def _paint_strip(fig: Figure, file: FileReport, config: Config) -> None:
     lows = [max(s.var_min, floor) if s.var_min is not None else math.nan for s in layers]
     highs = [max(s.var_max, floor) if s.var_max is not None else math.nan for s in layers]
     medians = [max(s.var_median, floor) if s.var_median is not None else math.nan for s in layers]
-    var_ax.vlines(xs, lows, highs, colors=colours, linewidth=2.2 if len(layers) <= 80 else 1.0)
-    var_ax.scatter(xs, medians, s=9 if len(layers) <= 80 else 3, c=colours, zorder=3, linewidths=0)
+    thick = 2.4 if len(layers) <= 80 else 1.0
+    charts.segments(var_ax, xs, lows, highs, colours, thick)
+    charts.ticks(var_ax, xs, medians, ["#222"] * len(xs), 0.42 if len(layers) <= 80 else 0.5)
     eps = [s.eps for s in layers]
     charts.level(var_ax, eps, "eps", COLOURS["eps"], "--")
     charts.level(var_ax, [config.near_eps_factor * e for e in eps], "near-eps limit", COLOURS["threshold"], ":")
@@ -207,9 +208,9 @@ def _paint_strip(fig: Figure, file: FileReport, config: Config) -> None:
     charts.legend(var_ax)
     gains = [s.max_eval_gain if s.max_eval_gain is not None else math.nan for s in layers]
     # lollipops from gain 1 (eval mode passes the deviation on unscaled): up amplifies, down damps
-    gain_ax.vlines(xs, 1.0, gains, colors=colours, linewidth=1.4 if len(layers) <= 80 else 0.8)
+    charts.segments(gain_ax, xs, [1.0] * len(xs), gains, colours, thick)
+    charts.ticks(gain_ax, xs, gains, colours, 0.42 if len(layers) <= 80 else 0.5)
     gain_ax.axhline(1.0, color=COLOURS["muted"], linewidth=0.8)
-    gain_ax.scatter(xs, gains, s=9 if len(layers) <= 80 else 3, c=colours, zorder=3, linewidths=0)
     charts.threshold(gain_ax, config.max_gain, f"max-gain {config.max_gain:g}")
     charts.log_axis(gain_ax)
     gain_ax.set_ylabel("max eval gain")

@@ -149,7 +149,11 @@ def table(
     )
     body = join(*rows)
     built = tag(
-        "table", tag("caption", caption) if caption else None, tag("thead", head), tag("tbody", body), class_=class_
+        "table",
+        tag("caption", caption) if caption else None,
+        tag("thead", head),
+        tag("tbody", body),
+        class_=class_ or None,
     )
     return tag("div", built, class_="table scroll" if scroll else "table")
 

@@ -285,7 +285,9 @@ def _drift_table(ordered: list[LayerDrift]) -> Html:
         ("worst ch", "the channel with the largest drift"),
         "",
     ]
-    return table(headers, rows, caption=f"{plural(len(ordered), 'BN layer')}, forward order", scroll=True)
+    return table(
+        headers, rows, caption=f"{plural(len(ordered), 'BN layer')}, forward order", scroll=True, class_="layers"
+    )
 
 
 # --- recalibrate ----------------------------------------------------------------------------
@@ -395,7 +397,7 @@ def _recalibrated_table(report: RecalibrationReport) -> Html:
         "var log-ratio old",
         "var log-ratio new",
     ]
-    return table(headers, rows, caption=plural(len(report.layers), "recalibrated layer"), scroll=True)
+    return table(headers, rows, caption=plural(len(report.layers), "recalibrated layer"), scroll=True, class_="layers")
 
 
 def _held_out(before: GapReport, after: GapReport, drawing: Charts) -> Html:
@@ -470,6 +472,7 @@ def invariance_to_html(report: InvarianceReport) -> str:
         ["arrangement", "batch size", "order", "batches", "max deviation", "coupled", "changed", "accuracy"],
         rows,
         caption=f"against the reference ({report.reference}); noise screen {report.screen:.2g}",
+        class_="arrangements",
     )
     if arrangements:
         numbers_chart = drawing.draw(
