@@ -14,6 +14,7 @@ import math
 import os
 import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -427,10 +428,11 @@ def test_output_writes_the_page_atomically_and_never_over_an_input_or_without_fo
     run("inspect", INSPECTED[1], "-f", "html", "-o", str(page), "--force", code=1)
     assert "reset_stats.pt" in page.read_text()
     copy = tmp_path / "model.safetensors"
-    copy.write_bytes(open(INSPECTED[0], "rb").read())
+    original = Path(INSPECTED[0]).read_bytes()
+    copy.write_bytes(original)
     refused = run("inspect", str(copy), "-f", "html", "-o", str(copy), "--force", code=2)
     assert "is the input checkpoint" in refused.output
-    assert copy.read_bytes() == open(INSPECTED[0], "rb").read()
+    assert copy.read_bytes() == original
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "report.html"]  # no temporary left
 
 

@@ -194,6 +194,16 @@ def inline_svg(document: str, alt: str, prefix: str) -> Html:
 # --- drawing helpers ------------------------------------------------------------------------
 
 
+# Chart widths in inches: a chart beside its table, and a chart of one column per layer (the
+# full width of the page from a dozen layers on; a few layers keep readable columns narrower).
+BESIDE = 6.6
+WIDE = 8.2
+
+
+def strip_width(columns: int) -> float:
+    return BESIDE if columns <= 12 else WIDE
+
+
 def label(name: str) -> str:
     """An untrusted name as a chart may show it: printable, one line."""
     return printable(name)
@@ -215,17 +225,32 @@ def segments(
         ax.plot(px, py, color=colour, linewidth=width, solid_capstyle="butt")
 
 
-def ticks(ax: Axes, xs: Sequence[float], ys: Sequence[float], colours: Sequence[str], half: float = 0.32) -> None:
-    """A short horizontal mark at each (x, y) (a median on its min-max segment), one path per colour."""
+def marks(ax: Axes, xs: Sequence[float], ys: Sequence[float], colours: Sequence[str], marker: str = "o") -> None:
+    """A mark at each (x, y) (a median on its min-max segment, the tip of a lollipop), one
+    artist per colour: a marker of a fixed size where the layers are few, and, where they
+    are many, a horizontal stroke one layer wide drawn as one path (a marker is one SVG
+    element per point)."""
+    many = len(xs) > 80
     by_colour: dict[str, tuple[list[float], list[float]]] = {}
     for x, y, colour in zip(xs, ys, colours):
         if y != y:
             continue
         px, py = by_colour.setdefault(colour, ([], []))
-        px += [x - half, x + half, math.nan]
-        py += [y, y, math.nan]
+        px += [x - 0.5, x + 0.5, math.nan] if many else [x]
+        py += [y, y, math.nan] if many else [y]
     for colour, (px, py) in by_colour.items():
-        ax.plot(px, py, color=colour, linewidth=1.6, solid_capstyle="butt")
+        if many:
+            ax.plot(px, py, color=colour, linewidth=1.2, solid_capstyle="butt")
+        else:
+            ax.plot(
+                px,
+                py,
+                color=colour,
+                linestyle="none",
+                marker=marker,
+                markersize=5 if marker == "o" else 11,
+                markeredgewidth=1.8,
+            )
 
 
 def finite(values: Sequence[float]) -> list[tuple[int, float]]:
@@ -301,13 +326,18 @@ def log_axis(ax: Axes, which: str = "y") -> None:
     """A log scale whose labels are plain numbers ("1e-05", "0.01", "100"): matplotlib's
     default log labels are TeX, which `text.parse_math: False` (set for the names a chart
     shows) would print as TeX source. Call it once the data is drawn: an axis spanning less
-    than two decades gets ticks at 1, 2 and 5 of each, a wider one a tick per decade and no
-    minor ticks (each is two artists to lay out and draw, the bulk of a chart's time)."""
+    than a decade stays linear, one of less than two gets ticks at 1, 2 and 5 of each, a
+    wider one a tick per decade and no minor ticks (each is two artists to lay out and draw,
+    the bulk of a chart's time)."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
     axis = ax.yaxis if which == "y" else ax.xaxis
     (ax.set_yscale if which == "y" else ax.set_xscale)("log")
+    ax.autoscale_view()  # the limits of the log scale, not those autoscaled for a linear one
     low, high = ax.get_ylim() if which == "y" else ax.get_xlim()
+    if low > 0 and high / low < 10:  # within a decade a log axis has no tick to label: linear reads the same
+        (ax.set_yscale if which == "y" else ax.set_xscale)("linear")
+        return
     narrow = low > 0 and high / low < 100
     axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if narrow else (1.0,), numticks=8))
     axis.set_minor_locator(NullLocator())

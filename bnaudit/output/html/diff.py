@@ -82,7 +82,7 @@ def diff_to_html(report: DiffReport) -> str:
             section(
                 "Layers",
                 figure_with_table(
-                    drawing.draw(_alt(report), 8.2, 4.6, _paint, report.layers),
+                    drawing.draw(_alt(report), charts.strip_width(len(report.layers)), 4.2, _paint, report.layers),
                     "Per matched layer, in A's file order: the largest mean shift of B's running_mean against A's "
                     "(in A's running standard deviations) and the largest variance ratio between the sides, either "
                     f"way (e^max var log-ratio), on log axes; a statistic that did not move is drawn hollow at "
@@ -142,15 +142,8 @@ def _paint(fig: Figure, layers: list[LayerDiff]) -> None:
     for ax, values, base in ((shift_ax, shifts, FLOOR), (ratio_ax, ratios, 1.0 + FLOOR)):
         drawn = [max(v, base) if v is not None and math.isfinite(v) else math.nan for v in values]
         moved = [v is not None and math.isfinite(v) and v > base for v in values]
-        ax.vlines(xs, base, drawn, colors=colours, linewidth=1.4 if len(xs) <= 80 else 0.8)
-        ax.scatter(
-            [x for x, m in zip(xs, moved) if m],
-            [y for y, m in zip(drawn, moved) if m],
-            c=[c for c, m in zip(colours, moved) if m],
-            s=22 if len(xs) <= 80 else 6,
-            zorder=3,
-            linewidths=0,
-        )
+        charts.segments(ax, xs, [base] * len(xs), drawn, colours, 1.4 if len(xs) <= 80 else 0.8)
+        charts.marks(ax, xs, [y if m else math.nan for y, m in zip(drawn, moved)], colours)
         still = [x for x, m in zip(xs, moved) if not m]
         ax.scatter(
             still,

@@ -80,7 +80,7 @@ def fold_to_html(report: FoldReport) -> str:
             section(
                 "Pairs",
                 figure_with_table(
-                    drawing.draw(_alt(pairs), 8.2, 4.8, _paint_summary, pairs),
+                    drawing.draw(_alt(pairs), charts.strip_width(len(pairs)), 4.6, _paint_summary, pairs),
                     "Per BN/producer pair, in file order. Top: the share of output channels that collapse to zero "
                     "under int8 with one scale per tensor, that keep fewer than 8 levels (coarse), and the rest. "
                     "Bottom: how many channels each fp16/bf16 hazard hits.",
@@ -227,7 +227,7 @@ def _expanded(report: FoldReport, drawing: Charts) -> Html:
     for position, p in sorted(shown, key=lambda t: t[0]):
         chart = drawing.draw(
             f"Channels of {p.bn} (folded into {p.producer}) hit by each int8 and half-precision hazard",
-            8.2,
+            charts.BESIDE,
             2.6,
             _paint_pair,
             p,

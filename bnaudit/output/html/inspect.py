@@ -126,7 +126,7 @@ def _file_section(file: FileReport, index: int, config: Config, drawing: Charts)
     statuses = [file.layer_status(s.name) for s in file.layers]
     parts.append(
         figure_with_table(
-            drawing.draw(_strip_alt(file), 8.2, _strip_height(file), _paint_strip, file, config),
+            drawing.draw(_strip_alt(file), *_strip_size(file), _paint_strip, file, config),
             _strip_caption(file, config),
             _layer_table(file, statuses, index),
             stacked=True,
@@ -154,8 +154,9 @@ def _young(file: FileReport) -> bool:
     return any(w is not None and w >= YOUNG for w in _weights(file))
 
 
-def _strip_height(file: FileReport) -> float:
-    return 6.4 if _young(file) else 4.6
+def _strip_size(file: FileReport) -> tuple[float, float]:
+    """Inches: narrower for a few layers (each column keeps a readable width either way)."""
+    return charts.strip_width(len(file.layers)), (5.6 if _young(file) else 4.2)
 
 
 def _strip_alt(file: FileReport) -> str:
@@ -169,7 +170,7 @@ def _strip_alt(file: FileReport) -> str:
 
 def _strip_caption(file: FileReport, config: Config) -> str:
     text = (
-        "Per layer, in file order: running_var from its smallest to its largest channel (dot: median) against "
+        "Per layer, in file order: running_var from its smallest to its largest channel (dash: median) against "
         f"eps and the near-eps limit ({config.near_eps_factor:g} x eps); the largest eval gain |gamma| / sqrt(var + "
         f"eps) against max-gain {config.max_gain:g}. Colour: the layer's worst finding."
     )
@@ -199,7 +200,7 @@ def _paint_strip(fig: Figure, file: FileReport, config: Config) -> None:
     medians = [max(s.var_median, floor) if s.var_median is not None else math.nan for s in layers]
     thick = 2.4 if len(layers) <= 80 else 1.0
     charts.segments(var_ax, xs, lows, highs, colours, thick)
-    charts.ticks(var_ax, xs, medians, ["#222"] * len(xs), 0.42 if len(layers) <= 80 else 0.5)
+    charts.marks(var_ax, xs, medians, ["#222"] * len(xs), "_")
     eps = [s.eps for s in layers]
     charts.level(var_ax, eps, "eps", COLOURS["eps"], "--")
     charts.level(var_ax, [config.near_eps_factor * e for e in eps], "near-eps limit", COLOURS["threshold"], ":")
@@ -209,7 +210,7 @@ def _paint_strip(fig: Figure, file: FileReport, config: Config) -> None:
     gains = [s.max_eval_gain if s.max_eval_gain is not None else math.nan for s in layers]
     # lollipops from gain 1 (eval mode passes the deviation on unscaled): up amplifies, down damps
     charts.segments(gain_ax, xs, [1.0] * len(xs), gains, colours, thick)
-    charts.ticks(gain_ax, xs, gains, colours, 0.42 if len(layers) <= 80 else 0.5)
+    charts.marks(gain_ax, xs, gains, colours)
     gain_ax.axhline(1.0, color=COLOURS["muted"], linewidth=0.8)
     charts.threshold(gain_ax, config.max_gain, f"max-gain {config.max_gain:g}")
     charts.log_axis(gain_ax)
@@ -242,6 +243,7 @@ def _layer_table(file: FileReport, statuses: list[str], file_index: int) -> Html
             row(
                 num(position),
                 name_cell,
+                tag("td", severity_badge(status)),
                 tag("td", s.kind),
                 num(s.num_features),
                 num(s.num_batches_tracked),
@@ -255,7 +257,6 @@ def _layer_table(file: FileReport, statuses: list[str], file_index: int) -> Html
                 num(s.near_eps_channels),
                 num(s.max_eval_gain),
                 num(w, "-" if w is None else f"{w * 100:.3g}%"),
-                tag("td", severity_badge(status)),
                 data_layer=s.name,
                 class_=f"layer flagged sev-{status}" if status != "ok" else "layer",
             )
@@ -263,6 +264,7 @@ def _layer_table(file: FileReport, statuses: list[str], file_index: int) -> Html
     headers: list[Header] = [
         "#",
         "layer",
+        "status",
         "kind",
         "C",
         ("batches", "num_batches_tracked"),
@@ -276,7 +278,6 @@ def _layer_table(file: FileReport, statuses: list[str], file_index: int) -> Html
         ("near-eps", "channels with running_var < near-eps-factor x eps"),
         ("max gain", "largest eval gain |gamma| / sqrt(var + eps)"),
         ("init. weight", "(1 - momentum)^num_batches_tracked: the initial values' share"),
-        "status",
     ]
     return table(headers, rows, caption=f"{plural(len(file.layers), 'BN layer')}", scroll=True, class_="layers")
 
@@ -327,7 +328,7 @@ def _expanded(file: FileReport, statuses: list[str], file_index: int, config: Co
                 figure_with_table(
                     drawing.draw(
                         f"running_var and eval gain of each of the {s.num_features} channels of {s.name}",
-                        8.2,
+                        charts.BESIDE,
                         3.6,
                         _paint_channels,
                         s,

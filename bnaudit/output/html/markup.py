@@ -248,7 +248,7 @@ html{-webkit-text-size-adjust:100%}
 body{margin:0;color:var(--fg);background:var(--bg);
 font:15px/1.5 system-ui,-apple-system,"Segoe UI",Roboto,"Noto Sans","DejaVu Sans",sans-serif}
 main{max-width:1280px;margin:0 auto;padding:1.25rem 1.5rem 3rem}
-header.top{border-bottom:1px solid var(--line);margin-bottom:1rem;padding-bottom:.75rem}
+header.top{margin-bottom:.5rem}
 h1{font-size:1.45rem;margin:.2rem 0 .3rem;overflow-wrap:anywhere}
 h2{font-size:1.2rem;margin:2rem 0 .6rem;padding-top:.4rem;border-top:1px solid var(--line);overflow-wrap:anywhere}
 h3{font-size:1.02rem;margin:1.4rem 0 .5rem;overflow-wrap:anywhere}
@@ -265,7 +265,7 @@ dl.facts dt{color:var(--muted)}dl.facts dd{margin:0;overflow-wrap:anywhere}
 .pair figure{flex:1 1 560px;min-width:0;margin:0}
 .pair .numbers{flex:1 1 400px;min-width:0}
 .pair.stacked figure{flex-basis:100%;max-width:60rem}.pair.stacked .numbers{flex-basis:100%}
-figure svg{display:block;width:100%;height:auto}
+figure svg{display:block;width:100%;height:auto;max-width:calc(var(--natural) * 1.25)}
 figcaption{color:var(--muted);font-size:.86rem;margin-top:.3rem}
 .table{overflow-x:auto;max-width:100%}
 .table.scroll{max-height:30rem;overflow-y:auto;border:1px solid var(--line);border-radius:4px}

@@ -89,7 +89,7 @@ def gap_to_html(report: GapReport) -> str:
             section(
                 "Per-layer drift",
                 figure_with_table(
-                    drawing.draw(_drift_alt(ordered), 8.2, 3.8, _paint_drift, ordered),
+                    drawing.draw(_drift_alt(ordered), charts.strip_width(len(ordered)), 3.6, _paint_drift, ordered),
                     f"Per BN layer in forward order: the channel-mean shift |mu_data - mu_running| / sqrt(var_running "
                     f"+ eps) and the mean variance log-ratio, stacked into the layer's drift; diamond: its worst "
                     f"channel's drift. A layer whose shift or log-ratio reaches {DRIFT_LARGE:g}, or whose worst "
@@ -150,7 +150,7 @@ def _modes(report: GapReport, drawing: Charts) -> Html:
         gap_words += f" (95% CI {report.gap_interval[0] * 100:+.1f} to {report.gap_interval[1] * 100:+.1f})."
     chart = drawing.draw(
         f"Accuracy in train mode {percent(report.train_accuracy)} and eval mode {percent(report.eval_accuracy)}.{gap_words}",
-        6.4,
+        charts.BESIDE,
         1.9,
         _paint_accuracies,
         modes,
@@ -325,7 +325,7 @@ def recalibrate_to_html(report: RecalibrationReport) -> str:
                     drawing.draw(
                         f"Drift of the old and the new statistics of {plural(len(layers), 'recalibrated layer')} "
                         "against the calibration data.",
-                        8.2,
+                        charts.strip_width(2 * len(layers)),
                         3.6,
                         _paint_recalibrated,
                         layers,
@@ -422,7 +422,7 @@ def _held_out(before: GapReport, after: GapReport, drawing: Charts) -> Html:
     chart = drawing.draw(
         f"Eval-mode accuracy on the held-out data: old {percent(before.eval_accuracy)}, new "
         f"{percent(after.eval_accuracy)} (train mode {percent(after.train_accuracy)}).",
-        6.4,
+        charts.BESIDE,
         2.2,
         _paint_accuracies,
         modes,
@@ -478,7 +478,7 @@ def invariance_to_html(report: InvarianceReport) -> str:
         numbers_chart = drawing.draw(
             f"Largest output deviation of {plural(len(arrangements), 'arrangement')} against the reference, "
             f"with the float32 noise screen {report.screen:.2g}.",
-            6.4,
+            charts.BESIDE,
             2.6,
             _paint_arrangements,
             report,
