@@ -181,7 +181,8 @@ def _paint_accuracies(fig: Figure, modes: Sequence[tuple[str, float | None, tupl
                 capsize=4,
                 linewidth=1.2,
             )
-        ax.annotate(percent(v), (100, y), xytext=(4, 0), textcoords="offset points", va="center", fontsize=8.5)
+        end = max(v or 0.0, interval[1] if interval is not None else 0.0) * 100
+        ax.annotate(percent(v), (end, y), xytext=(6, 0), textcoords="offset points", va="center", fontsize=8.5)
     ax.set_yticks(ys, [m for m, _, _ in modes])
     ax.set_xlim(0, 100)
     ax.set_xlabel("accuracy (%)")
