@@ -120,7 +120,7 @@ def test_anchors_are_githubs():
 
 def test_readme_is_a_front_page():
     text = read("README.md")
-    assert len(text.splitlines()) <= 400
+    assert len(text.splitlines()) < 600  # a front page: the rest lives in docs/
     # the Quickstart's install advice: torch for the machine first, PyPI's Linux wheel is CUDA
     quickstart = text[text.index("## Quickstart") : text.index("## The commands")]
     assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in quickstart

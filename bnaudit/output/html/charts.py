@@ -248,7 +248,7 @@ def marks(ax: Axes, xs: Sequence[float], ys: Sequence[float], colours: Sequence[
                 color=colour,
                 linestyle="none",
                 marker=marker,
-                markersize=5 if marker == "o" else 11,
+                markersize=5 if marker == "o" else 8,
                 markeredgewidth=1.8,
             )
 
