@@ -122,7 +122,7 @@ def test_inspect_shows_every_finding_with_its_rule_page_and_expands_every_flagge
         flagged = {printable(layer["name"]) for layer in file["layers"] if layer["status"] != "ok"}
         flagged |= {printable(layer["name"]) for layer in file["layers"] if layer["near_eps_channels"]}
         expanded = section.find_all("div", cls="expanded")
-        assert {div.find("h3").text().split(" ", 1)[1].rsplit(" ", 1)[0] for div in expanded} == flagged
+        assert {div.find("h4").text().split(" ", 1)[1].rsplit(" ", 1)[0] for div in expanded} == flagged
         for div in expanded:  # each drawn channel by channel, with its table of channels
             assert len(div.find_all("svg")) == 1 and div.find("table", cls="channels")
 
@@ -250,7 +250,7 @@ def check_fold(root: Node, document: dict) -> int:
         or p["bf16"]["cancellation_channels"]
     ]
     expanded = root.find_all("div", cls="expanded")
-    assert [d.find("h3").text().split(" ")[1] for d in expanded] == [p["bn"] for p in hazardous]
+    assert [d.find("h4").text().split(" ")[1] for d in expanded] == [p["bn"] for p in hazardous]
     assert len(root.find_all("svg")) == 1 + len(hazardous)
     for div, p in zip(expanded, hazardous):
         lists = {tr.find_all("td")[0].text(): tr.find_all("td")[2].text() for tr in div.find_all("tr")[1:]}
@@ -433,7 +433,7 @@ def test_hostile_names_are_escaped_exactly_once_and_stay_inert(hostile_page):
     labels = {t.text() for svg in root.find_all("svg") for t in svg.find_all("text")}
     assert any(t.startswith("<script>al") for t in labels) and not any("&lt;" in t for t in labels)
     assert any("$\\mathdefault{x}$" in t for t in labels)
-    headings = [div.find("h3").text() for div in root.find_all("div", cls="expanded")]
+    headings = [div.find("h4").text() for div in root.find_all("div", cls="expanded")]
     for name in HOSTILE[1::2]:  # the layers given a dead channel: flagged, expanded under their name
         assert sum(printable(name) in h for h in headings) == 1, name
 

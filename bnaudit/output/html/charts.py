@@ -253,11 +253,6 @@ def marks(ax: Axes, xs: Sequence[float], ys: Sequence[float], colours: Sequence[
             )
 
 
-def finite(values: Sequence[float]) -> list[tuple[int, float]]:
-    """(index, value) of the finite values."""
-    return [(i, v) for i, v in enumerate(values) if math.isfinite(v)]
-
-
 def buckets(count: int, limit: int = MAX_POINTS) -> int:
     """How many consecutive channels one drawn point stands for (1 up to `limit` channels)."""
     return max(1, math.ceil(count / limit))

@@ -20,6 +20,7 @@ from bnaudit.output.html.markup import (
     Header,
     Html,
     bullets,
+    cell,
     counts_line,
     document,
     facts,
@@ -171,8 +172,8 @@ def _layers_table(layers: list[LayerDiff]) -> Html:
         rows.append(
             row(
                 num(position),
-                tag("td", d.name, class_="name"),
-                tag("td", d.verdict, class_="verdict", style=f"color:{VERDICT_COLOURS[d.verdict]}"),
+                cell(d.name, class_="name"),
+                cell(d.verdict, class_="verdict", style=f"color:{VERDICT_COLOURS[d.verdict]}"),
                 num(d.num_features),
                 num(d.weight_change, "=" if d.weight_identical else None),
                 num(d.bias_change, "=" if d.bias_identical else None),
@@ -227,8 +228,8 @@ def _export_section(check: ExportCheck) -> Html:
     if check.folded:
         rows = [
             row(
-                tag("td", f.name, class_="name"),
-                tag("td", f.node, class_="name"),
+                cell(f.name, class_="name"),
+                cell(f.node, class_="name"),
                 num(f.check.channels),
                 num(f.check.scale_error),
                 num(f.check.shift_error),

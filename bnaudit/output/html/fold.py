@@ -21,6 +21,7 @@ from bnaudit.output.html.charts import COLOURS, Charts
 from bnaudit.output.html.markup import (
     Header,
     Html,
+    cell,
     counts_line,
     document,
     facts,
@@ -28,12 +29,12 @@ from bnaudit.output.html.markup import (
     findings_table,
     join,
     num,
-    percent,
     row,
     section,
     table,
     tag,
 )
+from bnaudit.output.table.common import percent
 from bnaudit.text import listing, plural
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ def fold_to_html(report: FoldReport) -> str:
         tag("p", f"{report.path} ({report.format}; {plural(s['pairs'], 'pair')}, paired by {how})", class_="quiet"),
     )
     body: list[Any] = [facts([("settings", report.settings), ("notes", "; ".join(report.notes))])]
-    verdicts = [row(tag("td", target, class_="name"), words) for target, words in report.verdicts()]
+    verdicts = [row(cell(target, class_="name"), words) for target, words in report.verdicts()]
     body.append(section("Verdict", table(["target", "verdict"], verdicts)))
     if report.pairs:
         pairs = list(report.pairs)
@@ -91,13 +92,11 @@ def fold_to_html(report: FoldReport) -> str:
         )
     if report.measured is not None:
         m = report.measured
-        rows = [
-            row(tag("td", k, class_="name"), num(v, percent(v) if m.labelled else None)) for k, v in m.results.items()
-        ]
+        rows = [row(cell(k, class_="name"), num(v, percent(v) if m.labelled else None)) for k, v in m.results.items()]
         what = "accuracy" if m.labelled else "mean relative divergence from float32"
         body.append(section("Measured", table(["target", what], rows, caption=f"{m.samples} samples")))
     if report.unpaired:
-        rows = [row(tag("td", name, class_="name"), why) for name, why in report.unpaired]
+        rows = [row(cell(name, class_="name"), why) for name, why in report.unpaired]
         body.append(section("Not folded", table(["BN layer", "why"], rows)))
     body.append(section("Findings", findings_table(list(report.findings), caption="")))
     body.append(_expanded(report, drawing))
@@ -152,8 +151,8 @@ def _pairs_table(report: FoldReport) -> Html:
         rows.append(
             row(
                 num(position),
-                tag("td", p.bn, class_="name"),
-                tag("td", p.producer, class_="name"),
+                cell(p.bn, class_="name"),
+                cell(p.producer, class_="name"),
                 p.paired_by,
                 num(p.channels),
                 num(p.int8_scale),
@@ -239,7 +238,7 @@ def _expanded(report: FoldReport, drawing: Charts) -> Html:
         parts.append(
             tag(
                 "div",
-                tag("h3", join(f"#{position} ", p.bn, tag("span", f" into {p.producer}", class_="quiet"))),
+                tag("h4", join(f"#{position} ", p.bn, tag("span", f" into {p.producer}", class_="quiet"))),
                 figure_with_table(chart, caption, _pair_table(p)),
                 class_="expanded",
                 id=f"pair-{position}",
@@ -285,14 +284,14 @@ def _paint_pair(fig: Figure, p: PairPrediction) -> None:
 
 def _pair_table(p: PairPrediction) -> Html:
     rows = [
-        row(name, num(len(channels)), tag("td", listing(channels, LISTED) if channels else "-", class_="name"))
+        row(name, num(len(channels)), cell(listing(channels, LISTED) if channels else "-", class_="name"))
         for name, _, channels in _hazards(p)
     ]
     rows.append(
         row(
             "int8 per-channel collapsed",
             num(len(p.per_channel_collapsed)),
-            tag("td", listing(p.per_channel_collapsed, LISTED) or "-", class_="name"),
+            cell(listing(p.per_channel_collapsed, LISTED) or "-", class_="name"),
         )
     )
     setter = p.scale_set_by

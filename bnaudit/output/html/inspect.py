@@ -34,6 +34,7 @@ from bnaudit.output.html.markup import (
     Header,
     Html,
     anchor_for,
+    cell,
     counts_line,
     document,
     facts,
@@ -91,11 +92,11 @@ def _files_table(files: list[FileReport]) -> Html:
         status = file_status(f)
         rows.append(
             row(
-                tag("td", tag("a", f.shown, href=f"#{anchor_for('file', index)}"), class_="name"),
+                cell(tag("a", f.shown, href=f"#{anchor_for('file', index)}"), class_="name"),
                 f.format or "-",
                 num(len(f.layers) if audited else None),
                 num(max(gains) if audited and gains else None),
-                tag("td", severity_badge(status) if status in ("error", "warning", "info", "ok") else status),
+                cell(severity_badge(status) if status in ("error", "warning", "info", "ok") else status),
                 data_file=f.shown,
             )
         )
@@ -236,15 +237,15 @@ def _layer_table(file: FileReport, statuses: list[str], file_index: int) -> Html
     for position, (s, status, w) in enumerate(zip(file.layers, statuses, weights), 1):
         name = s.name
         if name in expanded:
-            name_cell = tag("td", tag("a", name, href=f"#{_layer_anchor(file_index, position)}"), class_="name")
+            name_cell = cell(tag("a", name, href=f"#{_layer_anchor(file_index, position)}"), class_="name")
         else:
-            name_cell = tag("td", name, class_="name")
+            name_cell = cell(name, class_="name")
         rows.append(
             row(
                 num(position),
                 name_cell,
-                tag("td", severity_badge(status)),
-                tag("td", s.kind),
+                cell(severity_badge(status)),
+                cell(s.kind),
                 num(s.num_features),
                 num(s.num_batches_tracked),
                 num(s.eps),
@@ -318,7 +319,7 @@ def _expanded(file: FileReport, statuses: list[str], file_index: int, config: Co
     for position, s in sorted(shown):
         status = file.layer_status(s.name)
         heading = join(tag("span", f"#{position} "), s.name, " ", severity_badge(status))
-        body: list[Any] = [tag("h3", heading)]
+        body: list[Any] = [tag("h4", heading)]
         findings = [f for f in file.findings if f.layer == s.name]
         if s.channels is None:  # a report built without its channels (bnaudit.inspect(channels=False))
             body.append(tag("p", "Per-channel values not kept in this report.", class_="quiet"))

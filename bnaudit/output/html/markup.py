@@ -16,11 +16,11 @@ number, and a reader can copy the full value.
 from __future__ import annotations
 
 import html
-import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from bnaudit import __version__
+from bnaudit.output.table.common import g3
 from bnaudit.text import printable
 
 if TYPE_CHECKING:
@@ -40,6 +40,12 @@ Header = str | tuple[str, str]  # a column header, or (header, tooltip)
 
 class Html(str):
     """Markup: already escaped, inserted as it is."""
+
+    __slots__ = ()
+
+
+class Cell(Html):
+    """A whole table cell (<td>): a row takes it as it is."""
 
     __slots__ = ()
 
@@ -88,14 +94,12 @@ def tag(name: str, /, *children: object, **attrs: str | int | float | bool | Non
     return Html(f"{opening}{join(*children)}</{name}>")
 
 
-# --- numbers ------------------------------------------------------------------------------
+# --- cells --------------------------------------------------------------------------------
 
 
-def g3(x: float | None) -> str:
-    """Three significant digits, as the tables print them; "-" for no value."""
-    if x is None:
-        return "-"
-    return f"{x:.3g}" if math.isfinite(x) else str(x)
+def cell(*children: object, **attrs: str | int | float | bool | None) -> Cell:
+    """<td> with these children (str escaped, Html kept)."""
+    return Cell(tag("td", *children, **attrs))
 
 
 def exact(x: float | int | None) -> str | None:
@@ -103,15 +107,12 @@ def exact(x: float | int | None) -> str | None:
     return None if x is None else repr(x)
 
 
-def num(x: float | int | None, shown: str | None = None, **attrs: str | None) -> Html:
-    """A right-aligned cell showing `shown` (default g3 / the integer) and keeping `x` exactly."""
+def num(x: float | int | None, shown: str | None = None, **attrs: str | None) -> Cell:
+    """A right-aligned cell showing `shown` (default: the integer, or three significant digits
+    as the terminal's tables print them) and keeping `x` exactly."""
     if shown is None:
         shown = "-" if x is None else (str(x) if isinstance(x, int) else g3(x))
-    return tag("td", shown, class_="num", data_value=exact(x), **attrs)
-
-
-def percent(x: float | None) -> str:
-    return "-" if x is None else f"{x * 100:.1f}%"
+    return cell(shown, class_="num", data_value=exact(x), **attrs)
 
 
 # --- building blocks ----------------------------------------------------------------------
@@ -159,8 +160,8 @@ def table(
 
 
 def row(*cells: object, **attrs: str | None) -> Html:
-    """A table row; str cells become <td> (escaped), Html cells (num(), tag('td')) stay."""
-    return tag("tr", *(c if isinstance(c, Html) and c.startswith("<t") else tag("td", c) for c in cells), **attrs)
+    """A table row; a Cell (num(), cell()) stays as it is, anything else becomes one cell."""
+    return tag("tr", *(c if isinstance(c, Cell) else cell(c) for c in cells), **attrs)
 
 
 def findings_table(findings: Sequence[Finding], caption: str = "findings") -> Html:
@@ -169,10 +170,10 @@ def findings_table(findings: Sequence[Finding], caption: str = "findings") -> Ht
         return tag("p", "No findings.", class_="quiet")
     rows = [
         row(
-            tag("td", rule_link(f.code, f.name)),
-            tag("td", severity_badge(f.severity)),
-            tag("td", f.layer or "(file)", class_="name"),
-            tag("td", f.message, class_="message"),
+            cell(rule_link(f.code, f.name)),
+            cell(severity_badge(f.severity)),
+            cell(f.layer or "(file)", class_="name"),
+            cell(f.message, class_="message"),
             data_layer=f.layer or "",
             data_code=f.code,
             class_=f"finding sev-{f.severity}",
@@ -186,9 +187,7 @@ def bullets(lines: Sequence[str], class_: str = "diagnosis") -> Html:
     return tag("ul", *(tag("li", line) for line in lines), class_=class_) if lines else Html("")
 
 
-def figure_with_table(
-    chart: Html, caption: str, numbers: Html, anchor: str | None = None, stacked: bool = False
-) -> Html:
+def figure_with_table(chart: Html, caption: str, numbers: Html, stacked: bool = False) -> Html:
     """A chart, its caption (the text alternative a reader sees), and beside it the table it
     summarises (below it where the page is narrow, or always with `stacked`: a wide table)."""
     return tag(
@@ -196,7 +195,6 @@ def figure_with_table(
         tag("figure", chart, tag("figcaption", caption)),
         tag("div", numbers, class_="numbers"),
         class_="pair stacked" if stacked else "pair",
-        id=anchor,
     )
 
 
@@ -251,7 +249,7 @@ main{max-width:1280px;margin:0 auto;padding:1.25rem 1.5rem 3rem}
 header.top{margin-bottom:.5rem}
 h1{font-size:1.45rem;margin:.2rem 0 .3rem;overflow-wrap:anywhere}
 h2{font-size:1.2rem;margin:2rem 0 .6rem;padding-top:.4rem;border-top:1px solid var(--line);overflow-wrap:anywhere}
-h3{font-size:1.02rem;margin:1.4rem 0 .5rem;overflow-wrap:anywhere}
+h3,h4{font-size:1.02rem;margin:1.4rem 0 .5rem;overflow-wrap:anywhere}
 p{margin:.4rem 0}
 a{color:#1a56b3}
 .quiet{color:var(--muted)}
@@ -289,10 +287,6 @@ color:#fff;white-space:nowrap}
 a.rule{font-weight:600;text-decoration:none}a.rule:hover{text-decoration:underline}
 ul.diagnosis{padding-left:1.2rem}ul.diagnosis li{margin:.3rem 0}
 ul.notes{padding-left:1.2rem;color:var(--muted);font-size:.9rem}
-details{margin:.4rem 0;border:1px solid var(--line);border-radius:4px;padding:.3rem .7rem}
-details>summary{cursor:pointer;font-weight:600;overflow-wrap:anywhere}
-details[open]>summary{margin-bottom:.4rem}
-nav.toc{font-size:.9rem}nav.toc ul{padding-left:1.2rem;margin:.3rem 0}
 footer{margin-top:3rem;color:var(--muted);font-size:.82rem;border-top:1px solid var(--line);padding-top:.6rem}
 @media (max-width:640px){main{padding:.8rem .7rem 2rem}body{font-size:14px}
 dl.facts{grid-template-columns:1fr}dl.facts dt{margin-top:.3rem}
@@ -301,8 +295,7 @@ dl.facts{grid-template-columns:1fr}dl.facts dt{margin-top:.3rem}
 @media print{body{font-size:10.5pt}main{max-width:none;padding:0}
 .table.scroll{max-height:none;overflow:visible;border:0}thead th{position:static}
 .pair{display:block}.pair figure{break-inside:avoid;margin-bottom:.6rem}
-section{break-before:auto}h2,h3{break-after:avoid}a{color:inherit;text-decoration:none}
-details{border:0;padding:0}}
+section{break-before:auto}h2,h3,h4{break-after:avoid}a{color:inherit;text-decoration:none}}
 """
 )
 

@@ -25,6 +25,7 @@ from bnaudit.output.html.markup import (
     Header,
     Html,
     bullets,
+    cell,
     counts_line,
     document,
     facts,
@@ -32,13 +33,12 @@ from bnaudit.output.html.markup import (
     findings_table,
     join,
     num,
-    percent,
     row,
     section,
     table,
     tag,
 )
-from bnaudit.output.table.common import batches_text, source_words
+from bnaudit.output.table.common import batches_text, percent, source_words
 from bnaudit.reports.gap import DRIFT_LARGE, PEAK_LARGE
 from bnaudit.text import plural
 
@@ -59,7 +59,9 @@ def _counts(findings: Sequence[Finding]) -> Html:
     return counts_line([(by["error"], "error"), (by["warning"], "warning"), (by["info"], "info")])
 
 
-def _header_facts(checkpoint: str, model: str, key: str | None, prefix: str | None, data: str, extra: Any) -> Html:
+def _header_facts(
+    checkpoint: str, model: str, key: str | None, prefix: str | None, data: str, extra: Sequence[tuple[str, object]]
+) -> Html:
     return facts([("checkpoint", f"{checkpoint} ({source_words(model, key, prefix)})"), ("data", data), *extra])
 
 
@@ -257,8 +259,8 @@ def _drift_table(ordered: list[LayerDrift]) -> Html:
         rows.append(
             row(
                 num(d.position + 1),
-                tag("td", d.name, class_="name"),
-                tag("td", d.kind),
+                cell(d.name, class_="name"),
+                cell(d.kind),
                 num(d.channels),
                 num(d.values),
                 num(d.mean_shift),
@@ -267,7 +269,7 @@ def _drift_table(ordered: list[LayerDrift]) -> Html:
                 num(d.drift),
                 num(d.peak),
                 num(None if worst is None else worst.index),
-                tag("td", d.note or state),
+                cell(d.note or state),
                 data_layer=d.name,
                 class_="layer origin" if d.origin else "layer",
             )
@@ -339,7 +341,7 @@ def recalibrate_to_html(report: RecalibrationReport) -> str:
             )
         )
     if report.skipped:
-        rows = [row(tag("td", s.name, class_="name"), s.reason) for s in report.skipped]
+        rows = [row(cell(s.name, class_="name"), s.reason) for s in report.skipped]
         body.append(section("Left as they were", table(["layer", "why"], rows)))
     before, after = report.eval_before, report.eval_after
     if before is not None and after is not None:
@@ -372,7 +374,7 @@ def _value(x: float | None) -> float:
 def _recalibrated_table(report: RecalibrationReport) -> Html:
     rows = [
         row(
-            tag("td", c.name, class_="name"),
+            cell(c.name, class_="name"),
             num(c.channels),
             num(c.values),
             num(c.batches),
@@ -457,7 +459,7 @@ def invariance_to_html(report: InvarianceReport) -> str:
     arrangements = report.arrangements
     rows = [
         row(
-            tag("td", a.name, class_="name"),
+            cell(a.name, class_="name"),
             num(a.batch_size),
             a.order,
             num(a.batches),
@@ -496,7 +498,7 @@ def invariance_to_html(report: InvarianceReport) -> str:
             )
         )
     if report.sites:
-        site_rows = [row(tag("td", s.module, class_="name"), s.kind, s.reason) for s in report.sites]
+        site_rows = [row(cell(s.module, class_="name"), s.kind, s.reason) for s in report.sites]
         body.append(section("Where samples meet", table(["module", "kind", "why"], site_rows)))
     body.append(section("Inspect findings for this checkpoint", findings_table(report.findings, caption="")))
     body.append(section("Diagnosis", bullets(report.diagnosis)))
