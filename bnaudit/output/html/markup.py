@@ -291,7 +291,10 @@ footer{margin-top:3rem;color:var(--muted);font-size:.82rem;border-top:1px solid 
 @media (max-width:640px){main{padding:.8rem .7rem 2rem}body{font-size:14px}
 dl.facts{grid-template-columns:1fr}dl.facts dt{margin-top:.3rem}
 .pair figure,.pair .numbers{flex-basis:100%}th,td{padding:.2rem .35rem}
-.pair figure{overflow-x:auto}figure svg{width:var(--natural);max-width:none}}
+.pair figure{overflow-x:auto}figure svg{width:var(--natural);max-width:none}
+table.findings thead{display:none}table.findings tr{display:block;border-bottom:1px solid var(--line);padding:.3rem 0}
+table.findings td{display:inline-block;border:0;padding:.1rem .35rem;min-width:0}
+table.findings td.message{display:block}}
 @media print{body{font-size:10.5pt}main{max-width:none;padding:0}
 .table.scroll{max-height:none;overflow:visible;border:0}thead th{position:static}
 .pair{display:block}.pair figure{break-inside:avoid;margin-bottom:.6rem}
