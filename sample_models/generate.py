@@ -34,6 +34,15 @@ time (`pip install "bnaudit[onnx]"`); `--onnx-only` rewrites just these from hea
 An InceptionV3-like channel: `inception_channel.safetensors` (see `write_inception_channel`;
 `--fold-only` rewrites just it from healthy.safetensors).
 
+A federated round (issue #36): `federated/` holds two clients (client1.safetensors trained on
+the digits 0-4 of the calibration split, client2.safetensors on 5-9, a few Adam steps each from
+the healthy weights; their data as client1_data.safetensors and client2_data.safetensors) and
+the server's global.safetensors, every state-dict entry averaged as floats (averaged BN
+statistics, float num_batches_tracked), and the clients' statistics files of the global
+weights on their data (client1.bnstats, client2.bnstats: `bnaudit recalibrate --stats-out`, so
+bnaudit must be importable). `--fed-only` rewrites just these from healthy.safetensors and the
+calibration data.
+
 torch.export archives (issue #23): `pt2/eval.pt2` (the healthy model exported with
 torch.export.export from model.eval() and saved with torch.export.save: aten.batch_norm nodes
 with training=False) and `pt2/training.pt2` (the same model exported in train mode, the
@@ -433,8 +442,16 @@ def main() -> None:
     parser.add_argument(
         "--fold-only", action="store_true", help="rewrite inception_channel.safetensors from healthy.safetensors"
     )
+    parser.add_argument("--fed-only", action="store_true", help="rewrite federated/ from healthy.safetensors")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.fed_only:
+        from safetensors.torch import load_file
+
+        calib = load_file(os.path.join(HERE, "data", "digits_calib.safetensors"))
+        healthy = load_file(os.path.join(HERE, "healthy.safetensors"))
+        write_federated_samples(healthy, calib["inputs"], calib["labels"], os.path.join(HERE, "federated"))
+        return
     if args.fold_only:
         from safetensors.torch import load_file
 
@@ -554,6 +571,7 @@ def main() -> None:
     write_onnx_folded_sample(healthy, os.path.join(HERE, "onnx"))
     write_pt2_samples(healthy, os.path.join(HERE, "pt2"))
     write_inception_channel(healthy)
+    write_federated_samples(healthy, xc, yc, os.path.join(HERE, "federated"))
 
 
 def fine_tune_frozen_backbone(pretrained, x, y, epochs: int = 2) -> dict[str, torch.Tensor]:
@@ -568,6 +586,65 @@ def fine_tune_frozen_backbone(pretrained, x, y, epochs: int = 2) -> dict[str, to
     g = torch.Generator().manual_seed(4)
     run_epochs(model, opt, x, y, epochs, g)
     return state(model)
+
+
+def train_client(global_state: dict[str, torch.Tensor], x, y, steps: int, seed: int) -> dict[str, torch.Tensor]:
+    """One federated client's round: the global weights trained `steps` Adam steps on its own
+    (class-skewed) data in train() mode, BatchNorm statistics updating as they do."""
+    torch.manual_seed(seed)
+    model = digits_net()
+    model.load_state_dict(global_state)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(steps):
+        idx = torch.randperm(len(y), generator=g)[:32]
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return state(model)
+
+
+def write_federated_samples(healthy: dict[str, torch.Tensor], x, y, folder: str) -> None:
+    """A federated round (issue #36): two clients, each with one half of the digits (0-4 and
+    5-9 of the calibration split: class-skewed, non-IID), train the healthy weights a few
+    steps; the server averages every state-dict entry as floats, as an aggregator that
+    treats buffers like weights does: averaged statistics and a float num_batches_tracked."""
+    os.makedirs(folder, exist_ok=True)
+    clients = []
+    for k, (classes, steps) in enumerate((((0, 1, 2, 3, 4), 8), ((5, 6, 7, 8, 9), 5)), start=1):
+        mask = torch.isin(y, torch.tensor(classes))
+        xk, yk = x[mask].contiguous(), y[mask].contiguous()
+        save_file({"inputs": xk, "labels": yk}, os.path.join(folder, f"client{k}_data.safetensors"))
+        clients.append(train_client(healthy, xk, yk, steps, seed=10 + k))
+        save_file(clients[-1], os.path.join(folder, f"client{k}.safetensors"))
+    averaged = {name: sum(c[name].double() for c in clients) / len(clients) for name in clients[0]}
+    save_file(
+        {name: value.float().contiguous() for name, value in averaged.items()},
+        os.path.join(folder, "global.safetensors"),
+    )
+    write_client_statistics(folder)
+
+
+def write_client_statistics(folder: str) -> None:
+    """The exact fix's first half, as each client runs it: `bnaudit recalibrate --stats-out` of
+    the global weights on the client's own data (client1.bnstats, client2.bnstats)."""
+    import subprocess
+
+    repo = os.path.dirname(HERE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
+    here = os.path.relpath(folder, repo)  # the files record the data's path: the same on every machine
+    for k in (1, 2):
+        subprocess.run(
+            [
+                sys.executable, "-m", "bnaudit", "recalibrate", os.path.join(here, "global.safetensors"),
+                "--arch", os.path.join(os.path.relpath(HERE, repo), "digits_net.py") + ":digits_net",
+                "--data", os.path.join(here, f"client{k}_data.safetensors"),
+                "--stats-out", os.path.join(here, f"client{k}.bnstats"), "--force", "-q",
+            ],
+            check=True, env=env, cwd=repo, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
 
 
 def write_image_folder(x, y, root: str, per_class: int) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
-import torch
 from hypothesis import settings as hypothesis_settings
 
 # The property tests (hypothesis) draw the same examples on every run, seeded from each
@@ -20,7 +20,33 @@ hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(REPO, "sample_models")
 
-torch.set_num_threads(1)
+try:
+    import torch
+except ModuleNotFoundError:  # the torch-free tier (below) runs where torch is not installed
+    torch = None
+else:
+    torch.set_num_threads(1)
+
+# The torch-free tier: the test modules that use the `torchfree` marker (pyproject.toml).
+# Without torch only they can run, since every other module imports torch: the others are
+# not collected, and a run that does not ask for the tier is refused, as a run of the whole
+# suite that silently ran a fraction of it would pass for what it is not.
+_TORCHFREE = re.compile(r"\bpytest\.mark\.torchfree\b")
+
+
+def pytest_configure(config):
+    if torch is None and "torchfree" not in config.getoption("markexpr"):
+        raise pytest.UsageError(
+            "torch is not installed: without it run the torch-free tier "
+            "(python -m pytest -q -m 'torchfree and not slow'), or install torch for the whole suite"
+        )
+
+
+def pytest_ignore_collect(collection_path, config):
+    module = collection_path.suffix == ".py" and collection_path.name.startswith("test_")
+    if torch is None and module and not _TORCHFREE.search(collection_path.read_text(encoding="utf-8")):
+        return True
+    return None
 
 
 def bn_entries(
@@ -32,9 +58,11 @@ def bn_entries(
     weight=None,
     bias=None,
     counter: int | None = 100,
-    dtype=torch.float32,
+    dtype=None,
 ) -> dict[str, torch.Tensor]:
-    """The state-dict entries of one BN layer; defaults are trained-looking values."""
+    """The state-dict entries of one BN layer (float32 unless `dtype`); defaults are
+    trained-looking values."""
+    dtype = torch.float32 if dtype is None else dtype
     g = torch.Generator().manual_seed(len(prefix) * 7 + channels)
     entries = {
         f"{prefix}.weight": weight if weight is not None else 0.5 + torch.rand(channels, generator=g),
@@ -201,3 +229,33 @@ def run_bounded(code: str, *argv: str, memory: int = 1 << 30, cpu: int = 10) -> 
     tag, kib, seconds = last.split()
     assert tag == "BOUNDED", proc.stdout
     return "\n".join(out), int(kib) / 1024, float(seconds)
+
+
+def package_copy(dest) -> str:
+    """What `pip install` of this checkout reads (pyproject.toml, README.md, LICENSE and the
+    package), copied into `dest`: an install builds there, never in the checkout, and
+    installs the working tree as it is, committed or not."""
+    import shutil
+
+    os.makedirs(dest, exist_ok=True)
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(os.path.join(REPO, name), dest)
+    shutil.copytree(
+        os.path.join(REPO, "bnaudit"), os.path.join(dest, "bnaudit"), ignore=shutil.ignore_patterns("__pycache__")
+    )
+    return str(dest)
+
+
+def pip_cannot_download(tmp_path) -> str | None:
+    """Why pip cannot fetch packages here (no index reachable, no local wheels), or None.
+    The tests that install bnaudit into a new environment skip with this reason."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(tmp_path), "setuptools>=64"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode == 0:
+        return None
+    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return f"pip cannot download packages here (pip download setuptools: {last})"

@@ -23,6 +23,8 @@ from bnaudit.config import Config, load_config
 from bnaudit.errors import BnauditError
 from bnaudit.severity import Severity
 
+pytestmark = pytest.mark.torchfree  # runs without torch (conftest.py)
+
 SAMPLES = Path(REPO) / "sample_models"
 TRAINING = str(SAMPLES / "onnx" / "digits_training.onnx")  # healthy.pt exported in training mode
 EVAL = SAMPLES / "onnx" / "digits.onnx"  # the same model exported in eval mode

@@ -21,6 +21,10 @@ def test_public_names_resolve():
 
     assert bnaudit.inspect is inspect and bnaudit.measure_gap is measure_gap
     assert bnaudit.recalibrate_checkpoint is recalibrate_checkpoint and bnaudit.recalibrate_module is recalibrate_module
+    from bnaudit.audit.fed.federation import audit_federation
+    from bnaudit.runtime.recalibrate.merge import merge_statistics
+
+    assert bnaudit.merge_statistics is merge_statistics and bnaudit.audit_federation is audit_federation
     with pytest.raises(AttributeError):
         bnaudit.no_such_name  # noqa: B018
 

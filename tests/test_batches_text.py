@@ -6,6 +6,8 @@ import pytest
 
 from bnaudit.output.table.common import batches_text
 
+pytestmark = pytest.mark.torchfree  # runs without torch (conftest.py)
+
 
 @pytest.mark.parametrize(
     ("samples", "batches", "size", "skipped", "expected"),

@@ -27,6 +27,8 @@ from conftest import REPO
 import bnaudit
 from bnaudit import cli, fastcli
 
+pytestmark = pytest.mark.torchfree  # runs without torch (conftest.py)
+
 # The in-process tests change the internals of the typer fastcli was written for; on any
 # other typer there is nothing of that shape to change (the subprocess comparisons still run).
 on_tested_typer = pytest.mark.skipif(

@@ -10,6 +10,8 @@ import pytest
 from bnaudit.audit.export.folded import best_implied_eps, fold_layer, recover_scales
 from bnaudit.audit.formulas import folded_conv
 
+pytestmark = pytest.mark.torchfree  # runs without torch (conftest.py)
+
 # One BN layer of 2 channels: gamma (2, 1), beta (0.5, -1), mean (1, 0), var (3, 0.01), eps 1e-5.
 GAMMA, BETA, MEAN, VAR, EPS = [2.0, 1.0], [0.5, -1.0], [1.0, 0.0], [3.0, 0.01], 1e-5
 W = [[1.0, -2.0, 0.5], [0.0, 4.0, -1.0]]  # conv weights per output channel

@@ -20,6 +20,8 @@ from bnaudit.audit.formulas import (
     retained_fraction,
 )
 
+pytestmark = pytest.mark.torchfree  # runs without torch (conftest.py)
+
 
 def test_eval_gain_of_a_dead_channel_at_the_default_eps_is_316():
     # 1 / sqrt(0 + 1e-5) = 1 / 0.0031622777 = 316.22777

@@ -18,6 +18,7 @@ The expected text depends on rich's table drawing (see tools/update_golden.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -75,12 +76,34 @@ CASES: dict[str, tuple[list[str], int]] = {
         ],
         0,
     ),
+    "merge": (
+        [
+            "merge",
+            "sample_models/federated/client1.bnstats",
+            "sample_models/federated/client2.bnstats",
+            "--checkpoint",
+            "sample_models/federated/global.safetensors",
+            "-o",
+            "merged.safetensors",
+        ],
+        0,
+    ),
+    "fed": (
+        [
+            "fed",
+            "sample_models/federated/global.safetensors",
+            "sample_models/federated/client1.safetensors",
+            "sample_models/federated/client2.safetensors",
+        ],
+        1,
+    ),
 }
+# The cases that run a model (torch, on one thread); the others are of the torch-free tier.
+MEASURED = ("gap", "invariance", "recalibrate")
 
 
 def render(name: str, workdir: Path) -> tuple[str, int]:
     """Run case `name` in `workdir` (created if needed): its stdout and exit code."""
-    import torch
     from typer.testing import CliRunner
 
     from bnaudit.cli import app
@@ -92,20 +115,34 @@ def render(name: str, workdir: Path) -> tuple[str, int]:
     # an empty configuration here ends the search for one: the defaults, whatever lies above
     (workdir / "bnaudit.toml").write_text("")
     args, _ = CASES[name]
-    previous, threads = os.getcwd(), torch.get_num_threads()
-    torch.set_num_threads(1)  # float sums in another order could move a last printed digit
-    os.chdir(workdir)
-    try:
+    with contextlib.ExitStack() as stack:
+        if args[0] in MEASURED:
+            stack.enter_context(one_thread())  # float sums in another order could move a last printed digit
+        previous = os.getcwd()
+        os.chdir(workdir)
+        stack.callback(os.chdir, previous)
         result = CliRunner().invoke(app, args, env={"COLUMNS": str(WIDTH), "NO_COLOR": "1", "TERM": "dumb"})
-    finally:
-        os.chdir(previous)
-        torch.set_num_threads(threads)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result.stdout, result.exit_code
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@contextlib.contextmanager
+def one_thread():
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=() if args[0] in MEASURED else pytest.mark.torchfree) for n, (args, _) in CASES.items()],
+)
 def test_table_output_matches_the_golden_file(name, tmp_path):
     printed, code = render(name, tmp_path)
     assert code == CASES[name][1], printed

@@ -343,7 +343,7 @@ def test_recalibrate_refuses_a_report_file_that_is_its_checkpoint_output(tmp_pat
     result = run(
         "recalibrate", f"{SAMPLES}/reset_stats.pt", "--arch", ARCH, "--data", CALIB, "-o", out, "--report", out, code=2
     )
-    assert "--report names the checkpoint --output" in result.output and not os.path.exists(out)
+    assert "--report names another output of this run" in result.output and not os.path.exists(out)
 
 
 def test_invariance_page_holds_each_arrangements_numbers():
@@ -470,6 +470,26 @@ def test_without_matplotlib_html_is_one_line_naming_the_extra_before_any_work(mo
         assert result.stderr == f"bnaudit: error: {MISSING}\n" and result.stdout == ""
         assert "bnaudit[html]" in MISSING
     assert os.listdir(tmp_path) == []
+
+
+def test_every_format_a_command_offers_has_an_emitter_for_its_report():
+    # a command's --format choices and bnaudit.output.EMITTERS agree: html is offered exactly
+    # where a page exists (merge and fed have none), never as an internal error after the work
+    import typing
+
+    from bnaudit import output
+
+    checked = []
+    for command in app.registered_commands:
+        name = command.name or command.callback.__name__
+        hint = typing.get_type_hints(command.callback, include_extras=True).get("output_format")
+        if hint is None:
+            continue
+        offered = {member.value for member in typing.get_args(hint)[0]}
+        emitters = set(output.EMITTERS[name]) - {"record"}  # each command's report kind is its name
+        assert offered == emitters, (name, offered ^ emitters)
+        checked.append(name)
+    assert {"inspect", "diff", "fold", "gap", "invariance", "recalibrate"} <= set(checked)
 
 
 # ----------------------------------------------------------------------------- large models

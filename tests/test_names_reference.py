@@ -20,6 +20,8 @@ import pytest
 
 from bnaudit.output.names import shorten_names
 
+pytestmark = pytest.mark.torchfree  # runs without torch (conftest.py)
+
 # ----------------------------------------------------------------------------- the reference, as it was
 
 ELLIPSIS = "…"

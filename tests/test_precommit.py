@@ -1,11 +1,13 @@
-"""The pre-commit hook for real: pre-commit clones a hook repository holding this repo's
+"""The pre-commit hooks for real: pre-commit clones a hook repository holding this repo's
 `.pre-commit-hooks.yaml`, `git commit` runs the hook on the staged checkpoints, a broken
 one blocks the commit with its findings printed, a healthy one goes through.
 
-The hook is `language: system`: it runs the `bnaudit` on PATH. Here that is a two-line
-shim running this checkout (`python -m bnaudit` with the repo on PYTHONPATH), the same
-code an installed bnaudit would be. pre-commit must build no environment and download
-nothing (no torch): the test checks that its cache holds no virtualenv.
+`bnaudit` is `language: python`: pre-commit pip-installs the hook repository (here a git
+repository of this working tree's package files) into an environment of its own, which must
+hold no torch. `bnaudit-system` is `language: system`: it runs the `bnaudit` on PATH, here a
+two-line shim running this checkout (`python -m bnaudit` with the repo on PYTHONPATH), the
+same code an installed bnaudit would be; pre-commit must then build no environment and
+download nothing: the tests check that its cache holds no virtualenv.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, bn_entries, save_safetensors, save_torch
+from conftest import REPO, bn_entries, package_copy, pip_cannot_download, save_safetensors, save_torch
 
 pytestmark = [
     pytest.mark.slow,  # git and the hook's bnaudit processes
@@ -38,18 +40,25 @@ def reset_state() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture
-def env(tmp_path):
+def env(tmp_path, bare_env):
     """An environment whose `bnaudit` is this checkout, with git and pre-commit isolated."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     shim = bin_dir / "bnaudit"
     shim.write_text(f'#!/bin/sh\nPYTHONPATH="{REPO}" exec "{sys.executable}" -m bnaudit "$@"\n')
     shim.chmod(0o755)
+    return {**bare_env, "PATH": f"{bin_dir}{os.pathsep}{bare_env['PATH']}"}
+
+
+@pytest.fixture
+def bare_env(tmp_path):
+    """git and pre-commit isolated, and no `bnaudit` of this checkout on PATH or PYTHONPATH."""
     (tmp_path / "gitconfig").write_text("")
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "PRE_COMMIT"))}
+    path = environ.get("PATH", "").split(os.pathsep)
     environ.update(
         {
-            "PATH": f"{bin_dir}{os.pathsep}{environ.get('PATH', '')}",
+            "PATH": os.pathsep.join(d for d in path if d and not os.path.exists(os.path.join(d, "bnaudit"))),
             "PRE_COMMIT_HOME": str(tmp_path / "pre-commit-cache"),
             "GIT_CONFIG_GLOBAL": str(tmp_path / "gitconfig"),
             "GIT_CONFIG_NOSYSTEM": "1",
@@ -78,28 +87,39 @@ def commit_count(project, env) -> int:
     return int(git(project, env, "rev-list", "--count", "HEAD").stdout)
 
 
+def hook_repository(path, env, package: bool = False) -> str:
+    """A git repository at `path` holding this repo's `.pre-commit-hooks.yaml` (and with
+    `package`, what pip installs bnaudit from): its commit, for `rev:`."""
+    path.mkdir()
+    if package:
+        package_copy(path)
+    shutil.copy(os.path.join(REPO, ".pre-commit-hooks.yaml"), path / ".pre-commit-hooks.yaml")
+    git(path, env, "init", "-q")
+    git(path, env, "add", "-A")
+    git(path, env, "commit", "-q", "-m", "hooks")
+    return git(path, env, "rev-parse", "HEAD").stdout.strip()
+
+
+def project_using(path, env, hooks, rev: str, hook_id: str):
+    """A git repository at `path` whose .pre-commit-config.yaml uses `hook_id` of `hooks`, installed."""
+    (path / "models").mkdir(parents=True)
+    git(path, env, "init", "-q")
+    (path / ".pre-commit-config.yaml").write_text(
+        f"repos:\n  - repo: {hooks}\n    rev: {rev}\n    hooks:\n      - id: {hook_id}\n"
+    )
+    installed = run([sys.executable, "-m", "pre_commit", "install"], path, env)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    git(path, env, "add", ".pre-commit-config.yaml")
+    git(path, env, "commit", "-q", "-m", "pre-commit config")  # no checkpoint: hook skipped
+    return path
+
+
 @pytest.fixture
 def project(tmp_path, env):
-    """A git repository whose .pre-commit-config.yaml uses this repo's hook, installed."""
+    """A git repository using this repo's `bnaudit-system` hook, installed."""
     hooks = tmp_path / "hook-repo"
-    hooks.mkdir()
-    shutil.copy(os.path.join(REPO, ".pre-commit-hooks.yaml"), hooks / ".pre-commit-hooks.yaml")
-    git(hooks, env, "init", "-q")
-    git(hooks, env, "add", ".pre-commit-hooks.yaml")
-    git(hooks, env, "commit", "-q", "-m", "hooks")
-    rev = git(hooks, env, "rev-parse", "HEAD").stdout.strip()
-
-    project = tmp_path / "project"
-    (project / "models").mkdir(parents=True)
-    git(project, env, "init", "-q")
-    (project / ".pre-commit-config.yaml").write_text(
-        f"repos:\n  - repo: {hooks}\n    rev: {rev}\n    hooks:\n      - id: bnaudit\n"
-    )
-    installed = run([sys.executable, "-m", "pre_commit", "install"], project, env)
-    assert installed.returncode == 0, installed.stdout + installed.stderr
-    git(project, env, "add", ".pre-commit-config.yaml")
-    git(project, env, "commit", "-q", "-m", "pre-commit config")  # no checkpoint: hook skipped
-    return project
+    rev = hook_repository(hooks, env)
+    return project_using(tmp_path / "project", env, hooks, rev, "bnaudit-system")
 
 
 def test_hook_blocks_a_broken_checkpoint_and_passes_healthy_ones(project, env, tmp_path):
@@ -214,3 +234,51 @@ def test_hook_commits_a_trainer_folder_with_a_sharded_model(project, env):
     assert blocked.returncode != 0 and "exit code: 2" in output
     assert "leaves the index's folder ('..')" in output
     assert commit_count(project, env) == 2
+
+
+def test_python_hook_builds_its_environment_without_torch_and_blocks_a_broken_checkpoint(tmp_path, bare_env):
+    """The default hook, `language: python`: pre-commit pip-installs bnaudit from the hook
+    repository into an environment of its own, without torch, and that bnaudit decides."""
+    reason = pip_cannot_download(tmp_path / "probe")
+    if reason is not None:
+        pytest.skip(reason)
+    env = bare_env
+    hooks = tmp_path / "hook-repo"
+    rev = hook_repository(hooks, env, package=True)
+    project = project_using(tmp_path / "project", env, hooks, rev, "bnaudit")
+
+    save_safetensors(healthy_state(), project / "models" / "healthy.safetensors")
+    git(project, env, "add", "-A")
+    ok = run(["git", "commit", "-m", "healthy"], project, env)  # builds the hook's environment
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "bnaudit (BatchNorm statistics of checkpoints)...." in ok.stderr and "Passed" in ok.stderr
+    assert commit_count(project, env) == 2
+
+    save_torch(reset_state(), project / "models" / "finetuned.pt")
+    git(project, env, "add", "-A")
+    blocked = run(["git", "commit", "-m", "broken"], project, env)
+    output = blocked.stdout + blocked.stderr
+    assert blocked.returncode != 0, output
+    assert "Failed" in output and "exit code: 1" in output and "BN002 initial-values" in output
+    assert commit_count(project, env) == 2  # the commit did not happen
+
+    # the same hook through `pre-commit try-repo`, on the staged file alone
+    tried = run([sys.executable, "-m", "pre_commit", "try-repo", str(hooks), "bnaudit", "--ref", rev], project, env)
+    output = tried.stdout + tried.stderr
+    assert tried.returncode == 1, output
+    assert "models/finetuned.pt" in output and "head.bn" in output and "BN002 initial-values" in output
+    assert "1 file, 2 BN layers: 1 error, 0 warnings, 0 infos" in output, output
+
+    # one environment, built from the hook repository: bnaudit in it, torch not
+    (python,) = (tmp_path / "pre-commit-cache").glob("repo*/py_env-*/bin/python")
+    probe = run(
+        [
+            str(python),
+            "-c",
+            "import importlib.util as u; print(u.find_spec('torch') is None, u.find_spec('bnaudit').origin)",
+        ],
+        tmp_path,
+        env,
+    )
+    no_torch, origin = probe.stdout.split()
+    assert no_torch == "True" and str(tmp_path / "pre-commit-cache") in origin, probe.stdout + probe.stderr

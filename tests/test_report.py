@@ -7,6 +7,9 @@ import io
 
 import pytest
 
+pytestmark = pytest.mark.torchfree  # runs without torch (conftest.py)
+
+
 # ----------------------------------------------------------------------------- the emitter
 
 EMIT_PROBE = """

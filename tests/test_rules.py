@@ -60,6 +60,11 @@ def test_registry_has_the_documented_codes_and_names():
         "BN205": "fp16-flush",
         "BN206": "half-cancellation",
         "BN207": "bn-not-paired",
+        "BN301": "fed-copied-statistics",
+        "BN302": "fed-averaged-variance",
+        "BN303": "fed-initial-statistics",
+        "BN304": "fed-unmatched-statistics",
+        "BN305": "fed-averaged-counter",
     }
 
 

@@ -16,6 +16,8 @@ from bnaudit.audit.ruledocs import generated_blocks
 from bnaudit.audit.rules import RULES
 from bnaudit.config import KEYS
 
+pytestmark = pytest.mark.torchfree  # runs without torch (conftest.py)
+
 DOCS = os.path.join(REPO, "docs")
 
 

@@ -24,6 +24,8 @@ from safetensors import SafetensorError, deserialize, safe_open
 from bnaudit.errors import BnauditError
 from bnaudit.formats.safetensors import SAFETENSORS_DTYPE_CODES, read_safetensors
 
+pytestmark = pytest.mark.torchfree  # runs without torch (conftest.py)
+
 # bits per element, as the safetensors format defines them (not bnaudit's table)
 BITS = {
     "BOOL": 8,

@@ -12,6 +12,8 @@ from bnaudit.config import Config, load_config, severity_rank
 from bnaudit.errors import BnauditError
 from bnaudit.severity import Severity
 
+pytestmark = pytest.mark.torchfree  # runs without torch (conftest.py)
+
 
 def test_severities_order_by_rank_not_by_name():
     # as strings "error" < "info" < "warning"; as severities info < warning < error

@@ -6,10 +6,14 @@ from __future__ import annotations
 import ast
 import itertools
 import os
+import re
 import tomllib
 from pathlib import Path
 
+import pytest
 from conftest import REPO
+
+pytestmark = pytest.mark.torchfree  # runs without torch (conftest.py)
 
 TESTS = Path(REPO) / "tests"
 
@@ -82,3 +86,50 @@ def test_the_scan_sees_a_test_that_starts_bnaudit():
     assert _starts_bnaudit(helper) and not _starts_bnaudit(test_a)
     assert "helper" in _calls(test_a)
     assert _marked_slow(test_b.decorator_list) and not _marked_slow(test_a.decorator_list)
+
+
+# What a module of the torch-free tier may not import at its top: it is collected where only
+# bnaudit's own requirements and the test extra are installed.
+NEEDS_TORCH = ("torch", "torchvision", "timm", "transformers", "lightning", "PIL", "safetensors.torch")
+
+
+def torchfree_modules() -> list[Path]:
+    return [p for p in sorted(TESTS.glob("test_*.py")) if "pytestmark = pytest.mark.torchfree" in p.read_text("utf-8")]
+
+
+def top_level_imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_modules_of_the_torchfree_tier_import_no_torch_when_collected():
+    tier = {p.stem for p in torchfree_modules()}
+    assert {"test_sample_commands", "test_report", "test_safetensors_reference", "test_formulas"} <= tier
+    wrong = {}
+    for path in torchfree_modules():
+        imported = top_level_imports(path)
+        bad = {m for m in imported if m.split(".")[0] in NEEDS_TORCH[:-1] or m in NEEDS_TORCH}
+        # a test module it imports is collected with it, so it must be of the tier too
+        bad |= {m for m in imported if m.startswith("test_") and m not in tier}
+        if bad:
+            wrong[path.name] = sorted(bad)
+    assert wrong == {}
+
+
+def test_the_scan_sees_a_torch_import():
+    assert "torch" in top_level_imports(TESTS / "test_torchfree.py")
+    assert "torch" not in top_level_imports(TESTS / "test_sample_commands.py")
+
+
+def test_the_pythons_the_readme_names_are_those_ci_runs():
+    ci = Path(REPO, ".ci", "run").read_text(encoding="utf-8")
+    others = re.search(r"^for version in ([0-9. ]+); do$", ci, re.MULTILINE).group(1).split()
+    assert '"$py" -m pytest -q -m "torchfree and not slow"' in ci
+    readme = Path(REPO, "README.md").read_text(encoding="utf-8")
+    claimed = re.search(r"CI tests Python 3\.11 with torch and ([0-9., and]+) without it", readme).group(1)
+    assert re.findall(r"3\.\d+", claimed) == others

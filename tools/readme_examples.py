@@ -24,7 +24,7 @@ differ between CPUs); a block that matches a run up to noise is kept as it is, s
 rewrite on another machine changes only what really changed.
 
 Examples that write files write them under SCRATCH (created before each run), e.g.
-`bnaudit recalibrate ... -o /tmp/bnaudit-readme/reset.recal.pt --force`; a later example may
+`bnaudit recalibrate ... -o /tmp/bnaudit-readme/reset.recal.pt --force` (or `--stats-out`); a later example may
 read what an earlier one wrote (`bnaudit inspect /tmp/bnaudit-readme/reset.recal.pt`), and
 `prerequisites()` names the earlier ones to run first when an example is run alone.
 """
@@ -90,12 +90,12 @@ def examples(text: str) -> list[tuple[str, str]]:
 
 
 def _written(command: str) -> set[str]:
-    """The SCRATCH files `command` writes (its -o/--output)."""
+    """The SCRATCH files `command` writes (its -o/--output, --stats-out)."""
     words = shlex.split(command)
     return {
         after
         for before, after in itertools.pairwise(words)
-        if before in ("-o", "--output") and after.startswith(SCRATCH + "/")
+        if before in ("-o", "--output", "--stats-out") and after.startswith(SCRATCH + "/")
     }
 
 

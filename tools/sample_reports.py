@@ -2,11 +2,14 @@
 
     python tools/sample_reports.py OUT_DIR              # one JSON file per example command
     python tools/sample_reports.py OUT_DIR --against DIR  # and exit 1 if any differs from DIR's
+    python tools/sample_reports.py OUT_DIR --torch-free   # only the commands that need no torch
 
 The commands are the examples of README.md and docs/ (tools/readme_examples.py finds them),
 each run with `--format json` (a `-q`, which JSON ignores, is dropped), plus `inspect` of
 the whole `sample_models/` folder. A refactoring that must not change behaviour is checked
 by running this before and after it on the same machine: every report must be identical.
+With --torch-free, the commands that read checkpoints only (inspect, diff, rules, fold without
+a model or data): CI compares their reports across Python versions, with and without torch.
 """
 
 from __future__ import annotations
@@ -21,12 +24,26 @@ import sys
 from readme_examples import BLOCK, REPO, SCRATCH, documents
 
 
-def commands() -> list[str]:
+def commands(torch_free: bool = False) -> list[str]:
     found = ["bnaudit inspect sample_models"]
     for path in documents():
         with open(path, encoding="utf-8") as fh:
             found += [m["command"] for m in BLOCK.finditer(fh.read())]
-    return list(dict.fromkeys(found))
+    found = list(dict.fromkeys(found))
+    return [c for c in found if needs_no_torch(c)] if torch_free else found
+
+
+def needs_no_torch(command: str) -> bool:
+    """Whether `command` reads checkpoints only: no model built, no data run, and no input that
+    an earlier example made with torch (recalibrate's outputs under SCRATCH)."""
+    words = shlex.split(command)
+    while "=" in words[0]:  # VAR=value settings before `bnaudit`
+        words.pop(0)
+    options = {w.partition("=")[0] for w in words}
+    runs_a_model = bool(options & {"--arch", "--data", "--dataset"})
+    return (
+        words[1] in ("inspect", "diff", "rules", "fold") and not runs_a_model and not any(SCRATCH in w for w in words)
+    )
 
 
 def run_json(command: str) -> bytes:
@@ -54,10 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--against", help="a folder this script wrote before")
+    parser.add_argument("--torch-free", action="store_true", help="only the commands that need no torch")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     differ = 0
-    for n, command in enumerate(commands()):
+    for n, command in enumerate(commands(args.torch_free)):
         name = f"{n:02d}.json"
         with open(os.path.join(args.out, name), "wb") as fh:
             fh.write(f"$ {command}\n".encode() + run_json(command))

@@ -52,6 +52,10 @@ RULE_EXAMPLES = {
     "BN101": "bnaudit diff -q sample_models/pretrained.safetensors sample_models/finetuned.pt --expect-frozen 'features.*'",
     "BN105": "bnaudit diff -q sample_models/pretrained.safetensors sample_models/finetuned.pt --expect-frozen 'head.*'",
     "BN108": "bnaudit diff -q sample_models/healthy.pt sample_models/onnx/digits_training.onnx --select BN108",
+    "BN302": "bnaudit fed -q sample_models/federated/global.safetensors sample_models/federated/client1.safetensors "
+    "sample_models/federated/client2.safetensors --select BN302",
+    "BN305": "bnaudit fed -q sample_models/federated/global.safetensors sample_models/federated/client1.safetensors "
+    "sample_models/federated/client2.safetensors --select BN305",
 }
 
 

@@ -10,13 +10,17 @@ from collections.abc import Iterator
 import typer
 
 from bnaudit import output
-from bnaudit.errors import BnauditError, OutputClosed
+from bnaudit.errors import BnauditError, OutputClosed, missing_dependency
 
 
 @contextlib.contextmanager
 def user_errors(debug: bool, json_output: bool = False) -> Iterator[None]:
     """The one boundary where errors become a line on stderr and exit code 2 (with
-    `json_output`, also an `{"error": ...}` document on stdout)."""
+    `json_output`, also an `{"error": ...}` document on stdout).
+
+    torch (and Pillow) are left out of the base install, so their absence is the user's
+    to fix, not a bug: wherever a command imports them, the same line says what to install.
+    A command enters this boundary before it imports anything of `bnaudit.runtime`."""
     try:
         yield
     except BnauditError as exc:
@@ -27,6 +31,9 @@ def user_errors(debug: bool, json_output: bool = False) -> Iterator[None]:
     except (typer.Exit, OutputClosed):
         raise  # OutputClosed: the reader left (`| head`); main() ends quietly
     except Exception as exc:  # a bug: one line unless the user asks for the traceback
+        missing = missing_dependency(exc)
+        if missing is not None:
+            fail(missing, json_output)
         if debug:
             raise
         fail(f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)", json_output)

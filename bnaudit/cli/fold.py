@@ -18,10 +18,10 @@ from bnaudit.cli.options import (
     DebugOpt,
     ExitZeroOpt,
     FailOnOpt,
-    FoldFormat,
     ForwardOpt,
     GrayscaleOpt,
     ImageSizeOpt,
+    InspectFormat,
     IsolatedOpt,
     KeyOpt,
     MeanOpt,
@@ -50,13 +50,13 @@ def fold_command(
         ),
     ],
     output_format: Annotated[
-        FoldFormat,
+        InspectFormat,
         typer.Option(
             "--format",
             "-f",
-            help="Report format. sarif: SARIF 2.1.0 for code scanning; github: workflow-command annotations; gitlab: Code Quality JSON; junit: JUnit XML; markdown: a job summary.",
+            help="Report format. sarif: SARIF 2.1.0 for code scanning; github: workflow-command annotations; gitlab: Code Quality JSON; junit: JUnit XML; markdown: a job summary; html: one self-contained page with charts (the html extra).",
         ),
-    ] = FoldFormat.table,
+    ] = InspectFormat.table,
     output_path: ReportOutputOpt = None,
     force: ReportForceOpt = False,
     fail_on: FailOnOpt = None,
@@ -101,12 +101,13 @@ def fold_command(
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
 
-    json_output = output_format in (FoldFormat.json, FoldFormat.gitlab)
+    json_output = output_format in (InspectFormat.json, InspectFormat.gitlab)
     measuring = data is not None or dataset is not None
     printing = True
     if measuring:  # under torchrun rank 0 alone prints (errors too): the runner says which
-        from bnaudit.runtime.distributed import prints
-
+        # runtime/ needs torch: its absence is said here, by any process (no torchrun without torch)
+        with user_errors(debug, json_output):
+            from bnaudit.runtime.distributed import prints
         printing = prints()
     with user_errors(debug, json_output and printing):
         overrides = {

@@ -20,8 +20,6 @@ from bnaudit.cli.options import (
     DatasetOpt,
     DebugOpt,
     DeviceOpt,
-    Format,
-    FormatOpt,
     ForwardOpt,
     GrayscaleOpt,
     ImageSizeOpt,
@@ -32,6 +30,8 @@ from bnaudit.cli.options import (
     MeasureFailOnOpt,
     NoShuffleOpt,
     NumSamplesOpt,
+    PageFormat,
+    PageFormatOpt,
     QuietOpt,
     SeedOpt,
     SkipBadOpt,
@@ -92,7 +92,7 @@ def gap(
     exit_zero: MeasureExitZeroOpt = False,
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
-    output_format: FormatOpt = Format.table,
+    output_format: PageFormatOpt = PageFormat.table,
     output_path: ReportOutputOpt = None,
     force: ReportForceOpt = False,
     quiet: QuietOpt = False,
@@ -146,7 +146,7 @@ def _measure_and_emit(
     data_args: dict[str, Any],
     settings: ConfigSettings,
     device: str,
-    output_format: Format,
+    output_format: PageFormat,
     quiet: bool,
     debug: bool,
 ) -> int:
@@ -163,10 +163,12 @@ def _measure_and_emit(
     """
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
-    from bnaudit.runtime.distributed import prints, torchrun
-    from bnaudit.runtime.models import resolve_device
 
-    json_output = output_format is Format.json
+    json_output = output_format is PageFormat.json
+    # runtime/ needs torch: its absence is said here, by any process (no torchrun without torch)
+    with user_errors(debug, json_output):
+        from bnaudit.runtime.distributed import prints, torchrun
+        from bnaudit.runtime.models import resolve_device
     printing = prints()
     with user_errors(debug, json_output and printing):
         inputs = [p for p in (settings.checkpoint, data_args.get("data")) if p]
@@ -232,7 +234,7 @@ def invariance(
     exit_zero: MeasureExitZeroOpt = False,
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
-    output_format: FormatOpt = Format.table,
+    output_format: PageFormatOpt = PageFormat.table,
     output_path: ReportOutputOpt = None,
     force: ReportForceOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no arrangement table.")] = False,

@@ -18,13 +18,21 @@ if TYPE_CHECKING:
 class Format(str, Enum):
     table = "table"
     json = "json"
+
+
+class PageFormat(str, Enum):
+    """The formats of the measurements that have a page too (gap, invariance, recalibrate):
+    the table, JSON and html (bnaudit.output.html)."""
+
+    table = "table"
+    json = "json"
     html = "html"
 
 
 class InspectFormat(str, Enum):
-    """The formats of the commands that report findings at locations (inspect, diff): the
-    table, JSON, SARIF, and what CI systems read (bnaudit.output: github, gitlab, junit,
-    markdown)."""
+    """The formats of the commands that report findings at locations (inspect, diff, fold):
+    the table, JSON, SARIF, what CI systems read (bnaudit.output: github, gitlab, junit,
+    markdown), and a page (html)."""
 
     table = "table"
     json = "json"
@@ -37,8 +45,8 @@ class InspectFormat(str, Enum):
 
 
 class FoldFormat(str, Enum):
-    """fold's formats: those of inspect and diff (its findings are at one file, the
-    checkpoint)."""
+    """fed's formats: those of inspect, diff and fold but the page (its findings are at one
+    file)."""
 
     table = "table"
     json = "json"
@@ -47,12 +55,12 @@ class FoldFormat(str, Enum):
     gitlab = "gitlab"
     junit = "junit"
     markdown = "markdown"
-    html = "html"
 
 
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")]
-FormatOpt = Annotated[
-    Format,
+FormatOpt = Annotated[Format, typer.Option("--format", "-f", help="Report format.")]
+PageFormatOpt = Annotated[
+    PageFormat,
     typer.Option("--format", "-f", help="Report format. html: one self-contained page with charts (the html extra)."),
 ]
 InspectFormatOpt = Annotated[

@@ -20,8 +20,6 @@ from bnaudit.cli.options import (
     DatasetOpt,
     DebugOpt,
     DeviceOpt,
-    Format,
-    FormatOpt,
     ForwardOpt,
     GrayscaleOpt,
     ImageSizeOpt,
@@ -30,6 +28,8 @@ from bnaudit.cli.options import (
     MeanOpt,
     NoShuffleOpt,
     NumSamplesOpt,
+    PageFormat,
+    PageFormatOpt,
     QuietOpt,
     SeedOpt,
     SkipBadOpt,
@@ -58,14 +58,30 @@ def recalibrate(
         ),
     ],
     output_path: Annotated[
-        str,
+        Optional[str],
         typer.Option(
             "--output",
             "-o",
             metavar="PATH",
             help="Where to write the recalibrated checkpoint: .safetensors writes safetensors, .pt/.pth/.ckpt/.bin a torch file, any other name the input's format; a sharded checkpoint is written as a folder of shards.",
         ),
-    ],
+    ] = None,
+    stats_out: Annotated[
+        Optional[str],
+        typer.Option(
+            "--stats-out",
+            metavar="PATH",
+            help="Also (or, without --output, instead) write the per-layer count, mean and sum of squared deviations (float64) as a statistics file for `bnaudit merge`.",
+        ),
+    ] = None,
+    shard: Annotated[
+        Optional[str],
+        typer.Option(
+            "--shard",
+            metavar="I/N",
+            help="Run only the whole batches rank I of N would run under torchrun (I from 0); with --stats-out: N such runs merge into the one-process result.",
+        ),
+    ] = None,
     data: DataOpt = None,
     dataset: DatasetOpt = None,
     arch: ArchOpt = None,
@@ -121,7 +137,7 @@ def recalibrate(
     skip_bad: SkipBadOpt = False,
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
-    output_format: FormatOpt = Format.table,
+    output_format: PageFormatOpt = PageFormat.table,
     report_path: Annotated[
         Optional[str],
         typer.Option(
@@ -133,17 +149,19 @@ def recalibrate(
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Re-estimate BatchNorm running statistics on data and write a new checkpoint safely."""
+    """Re-estimate BatchNorm running statistics on data and write a new checkpoint (or statistics to merge) safely."""
     data_args = data_parameters(locals())  # before any other local: the command's own arguments
     import dataclasses
 
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
-    from bnaudit.runtime.distributed import prints
-    from bnaudit.runtime.models import ModelSpec
-    from bnaudit.runtime.recalibrate.command import recalibrate_checkpoint
 
-    json_output = output_format is Format.json
+    json_output = output_format is PageFormat.json
+    # runtime/ needs torch: its absence is said here, by any process (no torchrun without torch)
+    with user_errors(debug, json_output):
+        from bnaudit.runtime.distributed import prints
+        from bnaudit.runtime.models import ModelSpec
+        from bnaudit.runtime.recalibrate.command import recalibrate_checkpoint
     # under torchrun every rank runs this; rank 0 alone reports, errors included in JSON
     printing = prints()
 
@@ -151,12 +169,20 @@ def recalibrate(
         output.emit_warning(message, sys.stderr)
 
     with user_errors(debug, json_output and printing):
-        if report_path is not None and os.path.abspath(report_path) == os.path.abspath(output_path):
-            raise BnauditError(
-                f"{report_path}: --report names the checkpoint --output; write the report to another file"
-            )
+        for written in (output_path, stats_out):  # the run's own outputs: the report must not replace one
+            if (
+                report_path is not None
+                and written is not None
+                and os.path.abspath(report_path) == os.path.abspath(written)
+            ):
+                raise BnauditError(
+                    f"{report_path}: --report names another output of this run; write it to another file"
+                )
         inputs = [p for p in (checkpoint, data, eval_data) if p]
         destination = Destination(output_format.value, report_path, force, inputs)
+        from bnaudit.formats.bnstats import parse_shard
+
+        share = None if shard is None else parse_shard(shard)
         options = data_options(**data_args)
         held_out = None if eval_data is None else dataclasses.replace(options, path=eval_data, dataset=None)
         # The inspect findings of the --eval-data gap reports follow the project's configuration.
@@ -175,6 +201,8 @@ def recalibrate(
                 ),
                 output_path,
                 options,
+                stats_out=stats_out,
+                shard=share,
                 method=method.value,
                 amp=amp,
                 include=layers or (),

@@ -32,8 +32,22 @@ _MAX_RECORD = 10_000_000  # characters: a record names each layer twice, far bel
 
 
 @dataclass(frozen=True)
+class StatisticsSource:
+    """One statistics file a merged recalibration was made of (`bnaudit merge`): its name as
+    given, its samples and batches, its `--shard` ("" for the whole data), the data it
+    describes and its checksum (`bnaudit.formats.bnstats`)."""
+
+    file: str
+    samples: int
+    batches: int
+    shard: str
+    data: str
+    checksum: str
+
+
+@dataclass(frozen=True)
 class RecalibrationRecord:
-    """One run of `bnaudit recalibrate`.
+    """One run of `bnaudit recalibrate`, or one `bnaudit merge` of statistics files.
 
     method               exact, sequential or cumulative (bnaudit.runtime.recalibrate)
     samples, batches     calibration samples and batches seen (all ranks together)
@@ -44,6 +58,10 @@ class RecalibrationRecord:
     digests              layer -> `statistics_digest` of the statistics written: binds the
                          record to them
     bnaudit_version, date  who wrote it and when (SOURCE_DATE_EPOCH when set)
+    statistics_files     a merge: every statistics file merged (empty for a recalibrate run);
+                         samples, batches and world_size are then the files' sums, and
+                         batch_size, seed and shuffle the files' common values (0, 0 and
+                         false where they differ)
     """
 
     method: str
@@ -58,6 +76,7 @@ class RecalibrationRecord:
     digests: Mapping[str, str]
     bnaudit_version: str
     date: str
+    statistics_files: tuple[StatisticsSource, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """The record as JSON data; `layers` (their count) is written for readers' convenience
@@ -70,6 +89,10 @@ class RecalibrationRecord:
                 value = list(value)
             elif field.name == "digests":
                 value = dict(value)
+            elif field.name == "statistics_files":
+                if not value:
+                    continue  # a recalibrate run's record stays as it was
+                value = [{f.name: getattr(source, f.name) for f in fields(source)} for source in value]
             data[field.name] = value
         return data
 
@@ -100,10 +123,35 @@ class RecalibrationRecord:
             elif field.name == "digests":  # absent or malformed: the record binds no layer
                 valid = isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
                 value = value if valid else {}
+            elif field.name == "statistics_files":
+                sources = _sources(value)
+                if sources is None:
+                    return None
+                value = sources
             elif not _is(value, field.type):
                 return None
             values[field.name] = value
         return cls(**values)
+
+
+def _sources(value: Any) -> tuple[StatisticsSource, ...] | None:
+    """A record's `statistics_files` (absent: none), or None when it is not a list of
+    objects whose every field has its type."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        return None
+    sources = []
+    for item in value:
+        if not isinstance(item, dict):
+            return None
+        kept = {}
+        for field in fields(StatisticsSource):
+            if not _is(item.get(field.name), field.type):
+                return None
+            kept[field.name] = item[field.name]
+        sources.append(StatisticsSource(**kept))
+    return tuple(sources)
 
 
 def _is(value: Any, annotation: object) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bnaudit.errors import BnauditError
+from bnaudit.formats.bnstats import FORMAT as STATISTICS_FORMAT
 from bnaudit.formats.classify import NotModelWeights, kind_from_object, kind_from_refusal
 from bnaudit.formats.containers import checkpoint_from_object, find_state_dicts, strip_wrapper_prefix
 from bnaudit.formats.model import Checkpoint
@@ -41,6 +42,8 @@ def read_checkpoint(path: str, key: str | None = None, trust_pickle: bool = Fals
             return _read_torch_save(path, fmt, key, trust_pickle, archive)
     if fmt == "safetensors":
         tensors, metadata = read_safetensors(path)
+        if metadata.get("format") == STATISTICS_FORMAT:  # recalibrate --stats-out's: statistics, no weights
+            raise NotModelWeights(path, "a bnaudit statistics file (for `bnaudit merge`)")
         if key is not None:
             raise BnauditError(f"{path}: --key does not apply to safetensors files")
         ckpt = Checkpoint(path, fmt, tensors, metadata=metadata, shard_of=shard_position(path))

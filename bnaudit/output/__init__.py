@@ -38,12 +38,23 @@ from bnaudit.text import printable, single_line
 if TYPE_CHECKING:
     from bnaudit.audit.checkpoint.report import InspectReport
     from bnaudit.audit.diff.checkpoints import DiffReport
+    from bnaudit.audit.fed.report import FedReport
     from bnaudit.audit.fold.report import FoldReport
     from bnaudit.reports.gap import GapReport
     from bnaudit.reports.invariance import InvarianceReport
+    from bnaudit.reports.merge import MergeReport
     from bnaudit.reports.recalibrate import RecalibrationReport
 
-    Report = InspectReport | DiffReport | GapReport | InvarianceReport | RecalibrationReport | FoldReport
+    Report = (
+        InspectReport
+        | DiffReport
+        | GapReport
+        | InvarianceReport
+        | RecalibrationReport
+        | FoldReport
+        | MergeReport
+        | FedReport
+    )
 
 
 # The formats every report of findings at locations has (inspect, diff, fold): its own table,
@@ -84,6 +95,13 @@ EMITTERS: dict[str, dict[str, str]] = {
         "html": "bnaudit.output.html.fold:fold_to_html",
         **_CI_FORMATS,
     },
+    "fed": {
+        "record": "bnaudit.audit.fed.report:FedReport",
+        "table": "bnaudit.output.table.fed:render_fed",
+        "json": "bnaudit.output.json:fed_to_json",
+        "sarif": "bnaudit.output.sarif:fed_to_sarif",
+        **_CI_FORMATS,
+    },
     "gap": {
         "record": "bnaudit.reports.gap:GapReport",
         "table": "bnaudit.output.table.gap:render_gap",
@@ -101,6 +119,11 @@ EMITTERS: dict[str, dict[str, str]] = {
         "table": "bnaudit.output.table.recalibrate:render_recalibrate",
         "json": "bnaudit.output.json:recalibrate_to_json",
         "html": "bnaudit.output.html.measure:recalibrate_to_html",
+    },
+    "merge": {
+        "record": "bnaudit.reports.merge:MergeReport",
+        "table": "bnaudit.output.table.recalibrate:render_merge",
+        "json": "bnaudit.output.json:merge_to_json",
     },
 }
 _DOCUMENTS = ("json", "sarif", "gitlab")  # written as JSON; the other non-table formats are text

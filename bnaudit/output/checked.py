@@ -1,4 +1,4 @@
-"""The checked files of an inspect, a diff or a fold report, in the one shape the CI formats
+"""The checked files of an inspect, a diff, a fold or a fed report, in the one shape the CI formats
 (github, gitlab, junit, markdown) render: each file with its location, its layers, its
 findings, or why it was not audited.
 
@@ -97,6 +97,9 @@ def checked_files(report: Report, base: str | None = None) -> list[CheckedFile]:
     if report.kind == "fold":  # one file: the checkpoint whose BN layers fold
         names = [p.bn for p in report.pairs] + [name for name, _ in report.unpaired]
         return [CheckedFile(report.path, location(report.path, base), _layers(names, report.findings), report.findings)]
+    if report.kind == "fed":  # one file: the global checkpoint whose layers were classified
+        names = [layer.name for layer in report.layers]
+        return [CheckedFile(report.path, location(report.path, base), _layers(names, report.findings), report.findings)]
     raise ValueError(f"no findings at locations in a {type(report).__name__} report")
 
 
@@ -104,7 +107,7 @@ def fail_on(report: Report) -> Severity:
     """The severity from which a finding fails the run (the configuration's fail-on)."""
     if report.kind in ("inspect", "diff"):
         return Severity.parse(report.config.fail_on)
-    if report.kind == "fold":
+    if report.kind in ("fold", "fed"):
         return report.fail_on
     raise ValueError(f"no findings at locations in a {type(report).__name__} report")
 

@@ -17,11 +17,13 @@ from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO, MEAN_SHI
 if TYPE_CHECKING:
     from bnaudit.audit.diff.checkpoints import DiffReport, Side
     from bnaudit.audit.export.diff import ExportCheck, FoldedLayer, KeptNode
+    from bnaudit.audit.fed.report import FedReport
     from bnaudit.audit.fold.report import FoldReport
     from bnaudit.formats.hfcache import HubSource
     from bnaudit.formats.model import Averaging
     from bnaudit.reports.gap import GapReport, LayerDrift
     from bnaudit.reports.invariance import InvarianceReport
+    from bnaudit.reports.merge import MergeReport
     from bnaudit.reports.recalibrate import RecalibrationReport
 
 
@@ -304,8 +306,88 @@ def recalibrate_to_json(report: RecalibrationReport) -> dict[str, Any]:
         ],
         "skipped": [{"name": s.name, "reason": s.reason} for s in report.skipped],
         "warnings": list(report.warnings),
-        "provenance": report.provenance.as_dict(),
+        "provenance": None if report.provenance is None else report.provenance.as_dict(),
         "eval": evaluation,
+        "stats_out": report.stats_out,
+        "shard": report.shard,
+    }
+
+
+def merge_to_json(report: MergeReport) -> dict[str, Any]:
+    """The `bnaudit merge --format json` document."""
+    return {
+        "version": __version__,
+        "checkpoint": report.checkpoint,
+        "output": report.output,
+        "format": report.format,
+        "key": report.key,
+        "prefix": report.prefix or None,
+        "method": report.method,
+        "samples": report.samples,
+        "batches": report.batches,
+        "files": [
+            {
+                "path": f.path,
+                "shard": f.shard,
+                "samples": f.samples,
+                "batches": f.batches,
+                "data": f.data,
+                "world_size": f.world_size,
+            }
+            for f in report.files
+        ],
+        "layers": [
+            {
+                "name": c.name,
+                "channels": c.channels,
+                "values": c.values,
+                "batches": c.batches,
+                "before": _drift_to_json(c.before),
+                "after": _drift_to_json(c.after),
+            }
+            for c in report.layers
+        ],
+        "warnings": list(report.warnings),
+        "provenance": report.provenance.as_dict(),
+    }
+
+
+def fed_to_json(report: FedReport) -> dict[str, Any]:
+    """The `bnaudit fed --format json` document (classes and tolerances in
+    bnaudit.audit.fed.classify); `client` indexes `clients` from 0."""
+    return {
+        "version": __version__,
+        "global": report.path,
+        "format": report.format,
+        "clients": list(report.clients),
+        "statistics": list(report.statistics),
+        "layers": [
+            {
+                "name": layer.name,
+                "channels": layer.channels,
+                "kind": layer.kind,
+                "client": layer.client,
+                "weighting": None
+                if layer.weighting is None
+                else {"source": layer.weighting.source, "weights": list(layer.weighting.weights)},
+                "understated_variance": [json_number(b) for b in layer.understated]
+                if layer.kind == "averaged"
+                else None,
+                "understated_fraction": json_number(layer.understated_fraction),
+                "reason": layer.reason or None,
+                "counter": None
+                if layer.counter is None
+                else {
+                    "dtype": layer.counter.dtype,
+                    "value": json_number(layer.counter.value),
+                    "clients": list(layer.counter.clients),
+                },
+            }
+            for layer in report.layers
+        ],
+        "findings": [finding_to_json(f) for f in report.findings],
+        "fix": list(report.fix),
+        "summary": report.summary(),
     }
 
 

@@ -36,6 +36,7 @@ from bnaudit.output.checked import location
 
 if TYPE_CHECKING:
     from bnaudit.audit.diff.checkpoints import DiffReport
+    from bnaudit.audit.fed.report import FedReport
     from bnaudit.audit.fold.report import FoldReport
 
 SCHEMA_URI = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
@@ -190,6 +191,14 @@ def fold_to_sarif(report: FoldReport, base: str | None = None) -> dict[str, Any]
     """The SARIF log of a fold report: as inspect's, with the checkpoint whose BN layers
     fold as every result's artifact."""
     return _one_file_log(report.path, report.findings, report.config or Config(), base, {})
+
+
+def fed_to_sarif(report: FedReport, base: str | None = None) -> dict[str, Any]:
+    """The SARIF log of a fed report: as inspect's, with the global checkpoint as every
+    result's artifact and the clients among the run's properties."""
+    return _one_file_log(
+        report.path, report.findings, report.config or Config(), base, {"clients": list(report.clients)}
+    )
 
 
 def _one_file_log(

@@ -40,12 +40,14 @@ class LayerChange:
 @dataclass
 class RecalibrationReport:
     """The result of `recalibrate_checkpoint`; `eval_before` / `eval_after`: the gap
-    reports of the input and of the written checkpoint on --eval-data (else None)."""
+    reports of the input and of the written checkpoint on --eval-data (else None).
+    `output` None: only the statistics file `stats_out` was written (then `provenance` is
+    None too); `shard`: "I/N" for a run of --shard I/N."""
 
     kind: ClassVar[Literal["recalibrate"]] = "recalibrate"  # bnaudit.output.EMITTERS
 
     input: str
-    output: str
+    output: str | None
     format: str
     key: str | None
     model: str
@@ -61,7 +63,9 @@ class RecalibrationReport:
     layers: list[LayerChange]
     skipped: list[SkippedLayer]
     warnings: list[str]
-    provenance: RecalibrationRecord
+    provenance: RecalibrationRecord | None
     eval_before: GapReport | None = None
     eval_after: GapReport | None = None
     prefix: str = ""  # the wrapper prefix stripped from the input's keys
+    stats_out: str | None = None
+    shard: str | None = None

@@ -209,6 +209,10 @@ class ImageFolderSource(Source):
             raise BnauditError(
                 f"{root}: no images ({' '.join(IMAGE_SUFFIXES)}) in its {plural(len(self.classes), 'class folder')}"
             )
+        # Pillow comes with the torch extra, not with bnaudit: without it the import fails here,
+        # once, and the CLI says what to install, rather than every image failing to decode
+        from PIL import Image  # noqa: F401
+
         channels = 1 if options.grayscale else 3
         for option, values in (("--mean", options.mean), ("--std", options.std)):
             if values is not None and len(values) not in (1, channels):

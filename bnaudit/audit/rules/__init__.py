@@ -4,11 +4,12 @@ Importing this package registers every rule: the inspect rules of a checkpoint's
 (`checkpoint`, BN001-BN011, and `immature`, BN003) and of an exported graph (`graph`, BN012-BN014), the diff
 rules between two checkpoints (`diff`, BN101-BN107) and between a checkpoint and its
 export (`export`, BN108-BN114), and what folding BN into its producer and then int8 or
-half precision do (`fold`, BN201-BN207, `bnaudit fold`). The order of the imports does not matter: `RULES` is
+half precision do (`fold`, BN201-BN207, `bnaudit fold`), and how a federated server combined its
+clients' statistics (`fed`, BN301-BN305, `bnaudit fed`). The order of the imports does not matter: `RULES` is
 kept in code order, the order of `bnaudit rules` and of every report's findings.
 """
 
-from bnaudit.audit.rules import checkpoint, diff, export, fold, graph, immature
+from bnaudit.audit.rules import checkpoint, diff, export, fed, fold, graph, immature
 from bnaudit.audit.rules.registry import (
     ALIASES,
     RULES,
@@ -19,6 +20,7 @@ from bnaudit.audit.rules.registry import (
     rule,
     rule_for,
     run_diff_rules,
+    run_fed_rules,
     run_fold_rules,
     run_rules,
 )
@@ -33,12 +35,14 @@ __all__ = [
     "checkpoint",
     "diff",
     "export",
+    "fed",
     "fold",
     "graph",
     "immature",
     "rule",
     "rule_for",
     "run_diff_rules",
+    "run_fed_rules",
     "run_fold_rules",
     "run_rules",
 ]

@@ -2,7 +2,7 @@
 
 Rules register themselves with the `rule` decorator when their module is imported; the
 package (`bnaudit.audit.rules`) imports every rule module, and `RULES` is kept in code
-order: BN001-BN014 (inspect), BN101-BN114 (diff), then BN201- (fold), whatever the import order. `run_rules` and
+order: BN001-BN014 (inspect), BN101-BN114 (diff), BN201- (fold), then BN301- (fed), whatever the import order. `run_rules` and
 `run_diff_rules` apply the configuration: `select`/`ignore`, per-layer ignores and the
 `severity` table.
 """
@@ -19,6 +19,7 @@ from bnaudit.severity import Severity
 
 if TYPE_CHECKING:
     from bnaudit.audit.diff.layers import DiffContext
+    from bnaudit.audit.fed.classify import FedContext
     from bnaudit.audit.fold.check import FoldContext
     from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
     from bnaudit.audit.producers import ProducerFilter
@@ -96,6 +97,7 @@ class Rule:
     fold_check: Callable[[FoldContext], Iterable[Finding]] | None = field(default=None, repr=False)
     settings: tuple[str, ...] = ()  # configuration keys (config.KEYS) that tune the rule
     aliases: tuple[str, ...] = ()
+    fed_check: Callable[[FedContext], Iterable[Finding]] | None = field(default=None, repr=False)
 
     @property
     def severity(self) -> str:
@@ -108,11 +110,12 @@ class Rule:
 
     @property
     def commands(self) -> tuple[str, ...]:
-        """The commands whose reports the rule speaks in: "inspect", "diff" (or both), "fold"."""
+        """The commands whose reports the rule speaks in: "inspect", "diff" (or both), "fold", "fed"."""
         return (
             ("inspect",) * (self.check is not None)
             + ("diff",) * (self.diff_check is not None)
             + ("fold",) * (self.fold_check is not None)
+            + ("fed",) * (self.fed_check is not None)
         )
 
     @property
@@ -154,15 +157,15 @@ def rule(
     command: str = "inspect",
     aliases: tuple[str, ...] = (),
 ) -> Callable[[_Check], _Check]:
-    """Register a rule whose check speaks in `command`'s reports ("inspect", "diff" or "fold")."""
+    """Register a rule whose check speaks in `command`'s reports ("inspect", "diff", "fold" or "fed")."""
     severities = severity if isinstance(severity, tuple) else (severity,)
 
     def register(check: _Check) -> _Check:
-        checks = {name: check if name == command else None for name in ("inspect", "diff", "fold")}
+        checks = {name: check if name == command else None for name in ("inspect", "diff", "fold", "fed")}
         _register(
             Rule(
                 code, name, severities, summary, explanation, fix,
-                checks["inspect"], checks["diff"], checks["fold"], settings, aliases,
+                checks["inspect"], checks["diff"], checks["fold"], settings, aliases, fed_check=checks["fed"],
             )
         )  # fmt: skip
         return check
@@ -282,6 +285,11 @@ def run_rules(ctx: RuleContext) -> list[Finding]:
 def run_fold_rules(ctx: FoldContext) -> list[Finding]:
     """Every selected fold rule's findings, in rule order, at the configured severity."""
     return _run("fold_check", ctx, ctx.config)
+
+
+def run_fed_rules(ctx: FedContext) -> list[Finding]:
+    """Every selected fed rule's findings, in rule order, at the configured severity."""
+    return _run("fed_check", ctx, ctx.config)
 
 
 def run_diff_rules(ctx: DiffContext) -> list[Finding]:

@@ -1,5 +1,6 @@
 """The recalibrate table: what was written, per-layer drift before -> after, the layers
-kept, and with --eval-data the gap of both checkpoints side by side."""
+kept, and with --eval-data the gap of both checkpoints side by side; and merge's table: the
+statistics files merged and the same per-layer drift against the merged statistics."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
     from rich.text import Text
 
     from bnaudit.reports.gap import GapReport
-    from bnaudit.reports.recalibrate import RecalibrationReport
+    from bnaudit.reports.merge import MergeReport
+    from bnaudit.reports.recalibrate import LayerChange, RecalibrationReport
 
 
 def _arrow(before: float | None, after: float | None) -> Text:
@@ -46,13 +48,16 @@ def render_recalibrate(report: RecalibrationReport, console: Console, quiet: boo
 
     title = cell(report.input, style="bold")
     title.append(" -> ", style="dim")
-    title.append(printable(report.output), style="bold green")
+    title.append(
+        printable(" + ".join(p for p in (report.output, report.stats_out) if p is not None)), style="bold green"
+    )
     title.append(printable(f"  ({source_words(report.format, report.key, report.prefix)})"), style="dim")
     console.print(title)
     console.print(cell(f"model: {report.model}", style="dim"))
     console.print(cell(f"data: {report.data}", style="dim"))
     order = f"shuffled with seed {report.seed}" if report.shuffle else "file order (--no-shuffle)"
     ranks = f" on {report.world_size} ranks" if report.world_size > 1 else ""
+    ranks += f", shard {report.shard}" if report.shard is not None else ""
     console.print(
         cell(
             f"method {report.method}: {batches_text(report.samples, report.batches, report.batch_size, None)} "
@@ -79,7 +84,16 @@ def render_recalibrate(report: RecalibrationReport, console: Console, quiet: boo
         console.print(cell(f"held-out data: {after.data}", style="dim"))
         console.print(fit_width(_held_out_table(before, after), console.width))
         console.print()
-    console.print(cell(f"wrote {report.output}: {plural(len(report.layers), 'layer')} recalibrated", style="green"))
+    if report.output is not None:
+        console.print(cell(f"wrote {report.output}: {plural(len(report.layers), 'layer')} recalibrated", style="green"))
+    if report.stats_out is not None:
+        console.print(
+            cell(
+                f"wrote {report.stats_out}: statistics of {plural(len(report.layers), 'layer')} "
+                f"(merge with `bnaudit merge`)",
+                style="green",
+            )
+        )
 
 
 # Least telling first: values per channel, the channel count, the largest channel shift
@@ -94,8 +108,13 @@ _LAYER_COLUMNS = (
 )
 
 
-def _layers_table(report: RecalibrationReport, console: Console) -> None:
+def _layers_table(
+    report: RecalibrationReport | MergeReport,
+    console: Console,
+    title: str = "per-layer drift against the calibration data: old -> new statistics",
+) -> None:
     """Per layer: the drift of the old and of the new statistics against the calibration data."""
+    layers: list[LayerChange] = report.layers
     rows = [
         Row(
             (
@@ -107,9 +126,9 @@ def _layers_table(report: RecalibrationReport, console: Console) -> None:
                 _arrow(c.before.var_log_ratio, c.after.var_log_ratio),
             )
         )
-        for c in report.layers
+        for c in layers
     ]
-    print_fitted(console, _LAYER_COLUMNS, rows, "per-layer drift against the calibration data: old -> new statistics")
+    print_fitted(console, _LAYER_COLUMNS, rows, title)
 
 
 def _held_out_table(before: GapReport, after: GapReport) -> Table:
@@ -155,3 +174,43 @@ def _held_out_table(before: GapReport, after: GapReport) -> Table:
         table.caption_justify = "left"
         table.caption_style = "dim"
     return table
+
+
+_FILE_COLUMNS = (
+    Column("statistics file", name=True),
+    Column("shard", "right"),
+    Column("samples", "right"),
+    Column("batches", "right", drop=2),
+    Column("ranks", "right", drop=1),
+)
+
+
+def render_merge(report: MergeReport, console: Console, quiet: bool = False) -> None:
+    """Rich rendering of `bnaudit merge`: the files merged and the per-layer drift of the old
+    and the new statistics against the merged ones (not with `quiet`), what was written."""
+    title = cell(f"{report.checkpoint} + {plural(len(report.files), 'statistics file')}", style="bold")
+    title.append(" -> ", style="dim")
+    title.append(printable(report.output), style="bold green")
+    title.append(printable(f"  ({source_words(report.format, report.key, report.prefix)})"), style="dim")
+    console.print(title)
+    for data in dict.fromkeys(f.data for f in report.files):
+        console.print(cell(f"data: {data}", style="dim"))
+    console.print(
+        cell(
+            f"method {report.method}: {plural(report.samples, 'sample')} in {plural(report.batches, 'batch', 'batches')}, "
+            "merged with Chan's formulas"
+        )
+    )
+    console.print()
+    if not quiet:
+        rows = [
+            Row((f.path, f.shard or "all", str(f.samples), str(f.batches), str(f.world_size))) for f in report.files
+        ]
+        print_fitted(console, _FILE_COLUMNS, rows, None)
+        console.print()
+        _layers_table(report, console, "per-layer drift against the merged statistics: old -> new statistics")
+        console.print()
+    files = plural(len(report.files), "statistics file")
+    console.print(
+        cell(f"wrote {report.output}: {plural(len(report.layers), 'layer')} recalibrated from {files}", style="green")
+    )

@@ -19,7 +19,7 @@ import datetime
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -27,6 +27,8 @@ import torch
 from bnaudit import __version__
 from bnaudit.config import Config
 from bnaudit.errors import BnauditError
+from bnaudit.formats.atomic import check_output
+from bnaudit.formats.bnstats import Shard, write_statistics
 from bnaudit.formats.provenance import RecalibrationRecord
 from bnaudit.formats.write import check_destination, check_writable, save_like, statistics_digests
 from bnaudit.reports.gap import GapReport, is_large
@@ -50,13 +52,16 @@ from bnaudit.runtime.norms import classify_layers, norm_modules
 from bnaudit.runtime.recalibrate.methods import (
     METHODS,
     Calibration,
+    LayerCalibration,
+    calibration_warnings,
     recalibrate_module,
     to_numpy,
 )
+from bnaudit.runtime.recalibrate.statsfiles import statistics_of
 from bnaudit.runtime.stats import drift
 
 
-def _record_date() -> str:
+def record_date() -> str:
     """The record's UTC date: now, or SOURCE_DATE_EPOCH where set (reproducible outputs,
     https://reproducible-builds.org/specs/source-date-epoch/; the README's examples use it)."""
     epoch = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
@@ -71,11 +76,20 @@ def _record_date() -> str:
 def layer_changes(calibration: Calibration, model: Any) -> list[LayerChange]:
     """Before/after drift of every recalibrated layer; `after` uses the statistics as
     stored (in the buffers' dtype), read back from `model`."""
-    changes = []
     modules = dict(model.named_modules())  # get_submodule does not work on TorchScript
-    for layer in calibration.layers:
-        module = modules[layer.name]
-        stored_mean, stored_var = to_numpy(module.running_mean), to_numpy(module.running_var)
+    stored = {
+        layer.name: (to_numpy(modules[layer.name].running_mean), to_numpy(modules[layer.name].running_var))
+        for layer in calibration.layers
+    }
+    return layer_changes_of(calibration.layers, stored)
+
+
+def layer_changes_of(layers: Iterable[LayerCalibration], stored: Mapping[str, tuple[Any, Any]]) -> list[LayerChange]:
+    """Before/after drift of each of `layers` against the data's statistics; `stored`: each
+    layer's new (mean, var) as written, in the buffers' dtype."""
+    changes = []
+    for layer in layers:
+        stored_mean, stored_var = stored[layer.name]
         changes.append(
             LayerChange(
                 name=layer.name,
@@ -110,9 +124,11 @@ def sigterm_unwinds() -> Iterator[None]:
 
 def recalibrate_checkpoint(
     spec: ModelSpec | str,
-    output: str,
+    output: str | None,
     options: Any,
     *,
+    stats_out: str | None = None,
+    shard: Shard | None = None,
     method: str = "exact",
     amp: bool = False,
     include: Iterable[str] = (),
@@ -131,6 +147,11 @@ def recalibrate_checkpoint(
     which inspect findings the --eval-data gap reports carry. Returns None on
     ranks other than 0 under torchrun (rank 0 writes and reports).
 
+    `stats_out`: also (or, with `output` None, instead) write the pass's statistics file
+    (`bnaudit.formats.bnstats`), for `bnaudit merge`. `shard`: run only the whole batches
+    rank `shard.index` of `shard.count` would run under torchrun (`BatchPlan.shard` of the
+    one seeded plan), so that independent runs of every shard cover the data once.
+
     Before anything is written, `input_mismatch` compares the calibration data at the
     first BN layer with its stored statistics; a mature checkpoint whose first layer
     disagrees is refused (wrong preprocessing is the likelier cause) unless
@@ -146,6 +167,7 @@ def recalibrate_checkpoint(
         spec = resolve_model(as_model_spec(spec), config)  # a folder: the model inspect finds in it
         checkpoint, trust_pickle, forward = spec.checkpoint, spec.trust_pickle, spec.forward
         _check_request(checkpoint, output, options, method, eval_data, force, (spec.arch, forward))
+        _check_statistics_request(checkpoint, output, stats_out, shard, method, options, force)
         target = resolve_device(spec.device)
         forward_fn = load_forward(forward)
         with torchrun(target) as ranks:
@@ -158,9 +180,13 @@ def recalibrate_checkpoint(
                     warn("--amp applies on CUDA only: ignored on the CPU")
             runnable = load_runnable(spec)
             ckpt = runnable.checkpoint
-            check_writable(ckpt, output, trust_pickle)  # before the calibration, not after it
+            if output is not None:
+                check_writable(ckpt, output, trust_pickle)  # before the calibration, not after it
             absent = _absent_buffers(runnable)
             stream = make_loader(dataclasses.replace(options, pin_memory=target.type == "cuda"))
+            plan_batches = len(stream.plan)
+            if shard is not None:
+                stream = _shard_of(stream, shard)
             local = stream.shard(ranks.rank, world)
             batches: Any = local if world == 1 or local.plan else []
             eval_before = None
@@ -188,16 +214,32 @@ def recalibrate_checkpoint(
                     raise BnauditError(suspicion)
             if not ranks.reports:
                 return None
-            updates = {name: value for name, value in calibration.buffers().items() if name in ckpt.tensors}
-            provenance = _provenance(calibration, options, stream.description, world, ckpt, updates)
-            save_like(ckpt, updates, output, force=force, provenance=provenance, trust_pickle=trust_pickle)
+            provenance = None
+            if output is not None:
+                updates = {name: value for name, value in calibration.buffers().items() if name in ckpt.tensors}
+                provenance = _provenance(calibration, options, stream.description, world, ckpt, updates)
+                save_like(ckpt, updates, output, force=force, provenance=provenance, trust_pickle=trust_pickle)
+            if stats_out is not None:
+                first = stream.plan.first
+                statistics = statistics_of(
+                    calibration,
+                    ckpt,
+                    options,
+                    stream.description,
+                    shard,
+                    (first, first + len(stream.plan)),
+                    plan_batches,
+                )
+                write_statistics(statistics, stats_out, force=force)
             eval_after = None
-            if eval_data is not None:
+            if eval_data is not None and output is not None:
                 written = load_runnable(resolve_model(dataclasses.replace(spec, checkpoint=output)))
                 eval_after = _measure(written, eval_data, target, forward_fn, config)
             return RecalibrationReport(
                 input=checkpoint,
                 output=output,
+                stats_out=stats_out,
+                shard=None if shard is None else str(shard),
                 format=ckpt.format,
                 key=ckpt.key,
                 model=runnable.describe(),
@@ -212,7 +254,10 @@ def recalibrate_checkpoint(
                 world_size=world,
                 layers=layer_changes(calibration, model),
                 skipped=skipped,
-                warnings=calibration.warnings,
+                # statistics alone are merged: the merge warns of few samples, not each part
+                warnings=calibration.warnings
+                if output is not None
+                else calibration_warnings(calibration.samples, calibration.layers, counts=False),
                 provenance=provenance,
                 eval_before=eval_before,
                 eval_after=eval_after,
@@ -220,9 +265,53 @@ def recalibrate_checkpoint(
             )
 
 
+def _check_statistics_request(
+    checkpoint: str,
+    output: str | None,
+    stats_out: str | None,
+    shard: Shard | None,
+    method: str,
+    options: Any,
+    force: bool,
+) -> None:
+    """The refusals of --stats-out and --shard, before any work."""
+    if output is None and stats_out is None:
+        raise BnauditError("nothing to write: give --output PATH, --stats-out PATH or both")
+    if shard is not None and stats_out is None:
+        raise BnauditError(
+            f"--shard {shard} runs one share of the data, whose statistics are merged later: give --stats-out PATH "
+            "(and merge the shards with `bnaudit merge`)"
+        )
+    if stats_out is None:
+        return
+    if method == "sequential":
+        raise BnauditError(
+            "--method sequential needs one pass per layer, each on the checkpoint with the layers before it already "
+            "fixed, so one statistics file cannot hold it: across jobs run one round per layer in forward order, "
+            "`recalibrate --method exact --layers LAYER --stats-out` in every job, then `bnaudit merge` into the "
+            "checkpoint the next round starts from (docs/distributed.md)"
+        )
+    check_output(stats_out, checkpoint, force)
+    if output is not None and os.path.abspath(output) == os.path.abspath(stats_out):
+        raise BnauditError(f"{stats_out}: is also --output; write the statistics and the checkpoint to two files")
+    protect_inputs(stats_out, [("--data", options.path), ("checkpoint", checkpoint)])
+
+
+def _shard_of(stream: Any, shard: Shard) -> Any:
+    """The whole batches rank `shard.index` of `shard.count` would run under torchrun."""
+    total = len(stream.plan)
+    part = stream.shard(shard.index, shard.count)
+    if not part.plan:
+        raise BnauditError(
+            f"--shard {shard}: the data makes {total} batches of {stream.options.batch_size}, none of them for shard "
+            f"{shard.index}: use at most {total} shards, or a smaller --batch-size"
+        )
+    return part
+
+
 def _check_request(
     checkpoint: str,
-    output: str,
+    output: str | None,
     options: Any,
     method: str,
     eval_data: Any,
@@ -234,20 +323,20 @@ def _check_request(
     data that is the calibration data. `specs`: the --arch and --forward specs."""
     if method not in METHODS:
         raise BnauditError(f"unknown --method {method!r} (choose from {', '.join(METHODS)})")
-    check_destination(output, checkpoint, force)  # a sharded input is written as a folder
+    if output is not None:
+        check_destination(output, checkpoint, force)  # a sharded input is written as a folder
     options.validate()
     arch, forward = specs
-    protect_inputs(
-        output,
-        [
-            ("--data", options.path),
-            ("--eval-data", eval_data.path if eval_data is not None else None),
-            *(
-                (option, _spec_file(spec))
-                for option, spec in (("--arch", arch), ("--dataset", options.dataset), ("--forward", forward))
-            ),
-        ],
-    )
+    inputs = [
+        ("--data", options.path),
+        ("--eval-data", eval_data.path if eval_data is not None else None),
+        *(
+            (option, _spec_file(spec))
+            for option, spec in (("--arch", arch), ("--dataset", options.dataset), ("--forward", forward))
+        ),
+    ]
+    if output is not None:
+        protect_inputs(output, inputs)
     if options.batch_size < 2 and method != "sequential":
         raise BnauditError(
             f"--batch-size {options.batch_size}: the {method} method normalises by batch statistics, which a batch of "
@@ -255,6 +344,11 @@ def _check_request(
             "or --method sequential"
         )
     if eval_data is not None:
+        if output is None:
+            raise BnauditError(
+                "--eval-data compares the written checkpoint with the input: give --output too (check a merged "
+                "checkpoint with `bnaudit gap`)"
+            )
         eval_data.validate()
         if _same_data(options, eval_data):
             raise BnauditError("--eval-data must be held-out data, not the calibration data (--data)")
@@ -323,7 +417,7 @@ def _provenance(
         recalibrated_layers=names,
         digests=statistics_digests(ckpt, updates, list(names)),
         bnaudit_version=__version__,
-        date=_record_date(),
+        date=record_date(),
     )
 
 

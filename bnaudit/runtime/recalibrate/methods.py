@@ -82,6 +82,12 @@ class LayerCalibration:
     new_mean: np.ndarray
     new_var: np.ndarray
     stats_dtype: str
+    # What a statistics file keeps (bnaudit.formats.bnstats): M2 itself (data_var = M2 / (n - 1)),
+    # the BN calls (cumulative's B) and, for cumulative, the sums its averages divide by B.
+    data_m2: np.ndarray | None = None
+    calls: int = 0
+    batch_mean_sum: np.ndarray | None = None
+    batch_var_sum: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -392,6 +398,15 @@ def _store(name: str, module: Any, mean: np.ndarray, var: np.ndarray, batches: i
             module.num_batches_tracked.fill_(batches)
 
 
+def stored_statistics(record: LayerRecord, method: str) -> tuple[np.ndarray, np.ndarray]:
+    """What `method` stores for a layer's merged record (module docstring), float64:
+    exact and sequential mu and M2 / (n - 1); cumulative the sums of the batch means and
+    of the unbiased batch variances divided by the B calls."""
+    if method == "cumulative":
+        return to_numpy(record.mean_sum) / record.calls, to_numpy(record.var_sum) / record.calls
+    return to_numpy(record.stats.mean), to_numpy(record.stats.var)
+
+
 def _finish_layer(name: str, module: Any, record: LayerRecord, method: str, eps: float) -> LayerCalibration:
     """Turn one layer's merged record into its new statistics (see module docstring)."""
     stats = record.stats
@@ -400,11 +415,8 @@ def _finish_layer(name: str, module: Any, record: LayerRecord, method: str, eps:
             f"layer {name}: only {plural(stats.count, 'value')} per channel reached it; the variance needs at least 2"
         )
     data_mean, data_var = to_numpy(stats.mean), to_numpy(stats.var)
-    if method == "cumulative":
-        new_mean = to_numpy(record.mean_sum) / record.calls
-        new_var = to_numpy(record.var_sum) / record.calls
-    else:
-        new_mean, new_var = data_mean, data_var
+    new_mean, new_var = stored_statistics(record, method)
+    cumulative = method == "cumulative"
     nbt = getattr(module, "num_batches_tracked", None)
     return LayerCalibration(
         name=name,
@@ -421,6 +433,10 @@ def _finish_layer(name: str, module: Any, record: LayerRecord, method: str, eps:
         new_mean=new_mean,
         new_var=new_var,
         stats_dtype=str(module.running_var.dtype).removeprefix("torch."),
+        data_m2=to_numpy(stats.m2),
+        calls=record.calls,
+        batch_mean_sum=to_numpy(record.mean_sum) if cumulative else None,
+        batch_var_sum=to_numpy(record.var_sum) if cumulative else None,
     )
 
 
@@ -518,7 +534,7 @@ def recalibrate_module(
     samples, n_batches, max_batch = counts
     if samples == 0:
         raise BnauditError("the calibration data yielded no samples")
-    warnings = _warnings(samples, calibrated)
+    warnings = calibration_warnings(samples, calibrated)
     return Calibration(method, samples, n_batches, max_batch or None, world, calibrated, skipped, warnings)
 
 
@@ -607,16 +623,17 @@ def _calibrate_in_order(
     return calibrated, (samples, n_batches, max_batch)
 
 
-def _warnings(samples: int, calibrated: list[LayerCalibration]) -> list[str]:
-    """What makes the new statistics doubtful: few samples, few values per channel, a
-    layer whose buffers pool several calls per forward."""
+def calibration_warnings(samples: int, calibrated: list[LayerCalibration], counts: bool = True) -> list[str]:
+    """What makes the new statistics doubtful: few samples, few values per channel (unless
+    not `counts`: a shard's statistics, whose merge is what counts), a layer whose buffers
+    pool several calls per forward."""
     warnings: list[str] = []
-    if samples < MIN_SAMPLES:
+    if counts and samples < MIN_SAMPLES:
         warnings.append(
             f"only {samples} calibration samples: Wu & Johnson (2021) report 10^3-10^4 as enough for "
             "population statistics"
         )
-    few = [layer.name for layer in calibrated if layer.count < MIN_VALUES_PER_CHANNEL]
+    few = [layer.name for layer in calibrated if counts and layer.count < MIN_VALUES_PER_CHANNEL]
     if few:
         warnings.append(
             f"fewer than {MIN_VALUES_PER_CHANNEL} values per channel reached {plural(len(few), 'layer')} "
