@@ -7,7 +7,8 @@
                                         # 9: invariance against a plain loop;
                                         # 10: .onnx with external data, needs the onnx extra;
                                         # 11: torch.save files without torch, one and a folder of 50
-                                        # 12: diff --data on a fixed-batch-2 ONNX export)
+                                        # 12: diff --data on a fixed-batch-2 ONNX export;
+                                        # 13: inspect --format html of 500 BN layers x 2048 channels)
 
 Every input is built here, in a temporary folder deleted at the end: a ResNet-50-shaped
 state dict (53 BN layers, 25.6 M parameters) with and without 1 GiB of other tensors,
@@ -514,6 +515,29 @@ def build_one_layer(path: str) -> str:
     return path
 
 
+def build_many_layers(path: str, layers: int = 500, channels: int = 2048) -> str:
+    """`layers` BN layers of `channels` each (float32, mature counters), one in fifty with three
+    dead channels (running_var 1e-7: BN004): a large model whose few flagged layers a page
+    expands channel by channel."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for i in range(layers):
+        prefix = f"blocks.{i // 3}.bn{i % 3}"
+        var = rng.lognormal(-1.0, 0.6, channels).astype(np.float32)
+        if i % 50 == 7:
+            var[rng.choice(channels, 3, replace=False)] = 1e-7
+        tensors[f"{prefix}.weight"] = rng.normal(1.0, 0.1, channels).astype(np.float32)
+        tensors[f"{prefix}.bias"] = rng.normal(0.0, 0.1, channels).astype(np.float32)
+        tensors[f"{prefix}.running_mean"] = rng.normal(0.0, 0.3, channels).astype(np.float32)
+        tensors[f"{prefix}.running_var"] = var
+        tensors[f"{prefix}.num_batches_tracked"] = np.array(20000, np.int64)
+    save_file(tensors, path)
+    return path
+
+
 def build_resnet50_shards(tmp: str, extra_bytes: int) -> dict:
     """The ResNet-50 state dict with and without `extra_bytes` of other tensors, unsharded
     and sharded the Hugging Face way (`model-0000k-of-0000N.safetensors` of at most ~1/4 of
@@ -660,6 +684,7 @@ BUILDERS = {
         build_image_folder,
         build_torch_save_files,
         build_fixed_batch_onnx,
+        build_many_layers,
     )
 }
 
@@ -966,6 +991,37 @@ def target_11_torch_save_without_torch(tmp: str, repeats: int, copies: int = 50)
     shutil.rmtree(built["folder"])
     shutil.rmtree(built["st_folder"])
     os.remove(built["one"])
+
+
+def target_13_html(tmp: str, repeats: int) -> None:
+    """--format html of a large model stays usable: inspect of 500 BN layers x 2048 channels
+    renders its page in at most 10 s, into at most 5 MiB (the summary strip, the flagged
+    layers expanded), and costs at most 12x the JSON report of the same file."""
+    from importlib.util import find_spec
+
+    if find_spec("matplotlib") is None:
+        skip("13", "inspect --format html, 500 BN layers x 2048 channels", "matplotlib not installed (the html extra)")
+        return
+    path = build("build_many_layers", os.path.join(tmp, "many_layers.safetensors"))
+    page = os.path.join(tmp, "many_layers.html")
+    bn = [PY, "-m", "bnaudit", "inspect", path, "--exit-zero"]
+    runs = compare(
+        {"json": bn + ["--format", "json"], "html": bn + ["--format", "html", "-o", page, "--force"]}, repeats
+    )
+    t = {k: median_wall(v) for k, v in runs.items()}
+    size = os.path.getsize(page)
+    what = "html page of 500 BN layers x 2048 channels"
+    line("13", f"{what}: wall vs 10 s", t["html"] / 10.0, 1.0, fmt_s(t["html"]))
+    line("13", f"{what}: page size vs 5 MiB", size / (5 * MiB), 1.0, f"{size / MiB:.2f} MiB")
+    line(
+        "13",
+        "inspect --format html vs --format json (same file)",
+        t["html"] / t["json"],
+        12.0,
+        f"{fmt_s(t['html'])} vs {fmt_s(t['json'])}",
+    )
+    os.remove(path)
+    os.remove(page)
 
 
 @dataclass(frozen=True)
@@ -1304,7 +1360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.build:  # a child started by build()
         print(json.dumps(BUILDERS[args.build[0]](*json.loads(args.build[1]))))
         return 0
-    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 13))
+    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 14))
     repeats = args.repeats or (3 if args.quick else 5)
     extra_bytes = 256 * MiB if args.quick else GiB
     samples = 512 if args.quick else 2048
@@ -1335,6 +1391,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             target_10_onnx_external_data(tmp, extra_bytes, repeats)
         if 11 in only:
             target_11_torch_save_without_torch(tmp, max(repeats * 2, 7))
+        if 13 in only:
+            target_13_html(tmp, repeats)
         if only & {3, 4, 5, 6, 9, 12}:
             folder = os.path.join(tmp, "model")
             os.makedirs(folder)

@@ -29,6 +29,7 @@ def inspect(
     all_revisions: bool = False,
     jobs: int | None = None,
     base: str | None = None,
+    channels: bool = False,
 ) -> InspectReport:
     """Audit checkpoints (files or directories) and return the report.
 
@@ -39,7 +40,9 @@ def inspect(
     than 16 files, or a process that already runs threads (torch imported), are audited in
     this process alone (bnaudit.audit.checkpoint.forked says why). `base`: the base
     checkpoint a PEFT adapter folder is composed with (default: its config's
-    base_model_name_or_path, locally or in the Hugging Face cache).
+    base_model_name_or_path, locally or in the Hugging Face cache). `channels`: each layer
+    summary keeps every channel's running_var, eval gain and near-eps indices
+    (`LayerSummary.channels`, which `--format html` draws); off, only the summaries are kept.
 
     >>> report = inspect("sample_models/")      # doctest: +SKIP
     >>> report.exit_code(), report.summary()    # doctest: +SKIP
@@ -61,4 +64,5 @@ def inspect(
         all_revisions=all_revisions,
         jobs=jobs,
         base=base,
+        channels=channels,
     )

@@ -96,7 +96,7 @@ def test_fast_path_answers_as_plain_typer(args):
         (["--eps", "abc"], "--eps: expected a number"),
         (
             ["--format", "JSON"],
-            "--format: 'JSON' is not one of 'table', 'json', 'sarif', 'github', 'gitlab', 'junit', 'markdown'",
+            "--format: 'JSON' is not one of 'table', 'json', 'sarif', 'github', 'gitlab', 'junit', 'markdown', 'html'",
         ),
     ],
 )

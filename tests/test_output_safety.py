@@ -9,6 +9,7 @@ and must still show the name (escaped in tables and messages, exact in JSON docu
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 
@@ -24,6 +25,10 @@ EVIL = "bn\x1b]0;owned\x07"
 SHOWN = "bn\\x1b]0;owned\\x07"  # as bnaudit.text.printable writes it
 CALIB = f"{SAMPLES}/data/digits_calib.safetensors"
 VAL = f"{SAMPLES}/data/digits_val.safetensors"
+# --format html where its extra (matplotlib) is installed
+HTML = pytest.param(
+    "html", marks=pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="no matplotlib")
+)
 # Bytes a terminal acts on: C0 but \t and \n, DEL, and C1 (U+0080-U+009F, two bytes in UTF-8).
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
@@ -55,22 +60,22 @@ def test_the_checker_sees_what_a_raw_name_would_write():
     assert CONTROL.findall("layer │ 0.5 -> 0.1\n\tok ·") == []
 
 
-@pytest.mark.parametrize("fmt", ["table", "json"])
+@pytest.mark.parametrize("fmt", ["table", "json", HTML])
 def test_inspect_writes_the_name_inert(evil_model, fmt):
     result = run("inspect", evil_model, "--format", fmt)
     assert result.exit_code == 1, result.output  # BN002
-    if fmt == "table":
+    if fmt in ("table", "html"):
         assert SHOWN in result.stdout
     else:
         names = [layer["name"] for layer in json.loads(result.stdout)["files"][0]["layers"]]
         assert names == [EVIL]
 
 
-@pytest.mark.parametrize("fmt", ["table", "json"])
+@pytest.mark.parametrize("fmt", ["table", "json", HTML])
 def test_gap_writes_the_name_inert(evil_model, fmt):
     result = run("gap", evil_model, "--data", VAL, "--num-samples", "128", "--format", fmt)
     assert result.exit_code == 0, result.output
-    if fmt == "table":
+    if fmt in ("table", "html"):
         # the drift table (folded at 100 columns, so the name's first part), the findings
         # and the diagnosis
         assert result.stdout.count("bn\\x1b]0;") >= 3 and SHOWN in result.stdout
@@ -80,7 +85,7 @@ def test_gap_writes_the_name_inert(evil_model, fmt):
         assert [f["layer"] for f in doc["findings"]] == [EVIL]
 
 
-@pytest.mark.parametrize("fmt", ["table", "json"])
+@pytest.mark.parametrize("fmt", ["table", "json", HTML])
 def test_recalibrate_writes_the_name_inert(evil_model, tmp_path, fmt):
     result = run(
         "recalibrate",
@@ -99,7 +104,7 @@ def test_recalibrate_writes_the_name_inert(evil_model, tmp_path, fmt):
     assert result.exit_code == 0, result.output
     # the warning about few values per channel names the layer, on stderr
     assert SHOWN in result.stderr
-    if fmt == "table":
+    if fmt in ("table", "html"):
         assert "bn\\x1b]0;" in result.stdout
     else:
         doc = json.loads(result.stdout)
@@ -151,7 +156,7 @@ def oddly_named(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["table", "json", "sarif", "github", "gitlab", "junit", "markdown"])
+@pytest.mark.parametrize("fmt", ["table", "json", "sarif", "github", "gitlab", "junit", "markdown", HTML])
 def test_every_format_survives_a_lone_surrogate_and_an_undecodable_file_name(oddly_named, fmt):
     # a real process writing to a real pipe (UTF-8, strict): was, for sarif, "internal error:
     # UnicodeEncodeError" and exit 2 with no document at all

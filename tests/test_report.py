@@ -111,7 +111,7 @@ class _NotAReport:
         (_recalibration_report, "sarif", "RecalibrationReport"),
         (_NotAReport, "table", "_NotAReport"),
         (_NotAReport, "json", "_NotAReport"),
-        (_inspect_report, "html", "InspectReport"),
+        (_inspect_report, "pdf", "InspectReport"),
     ],
 )
 def test_emit_refuses_a_format_the_report_type_does_not_have(make, fmt, name):

@@ -265,6 +265,8 @@ NOT_FOR_HELP = (
     "rich.console",
     "tomllib",
     "json",
+    "matplotlib",
+    "bnaudit.output.html",
 )
 # Not needed to inspect a safetensors file: the other readers, the diff and fold (the rules
 # of `diff` and `fold` are registered without them), the other commands' CLI modules, JSON
@@ -285,6 +287,9 @@ NOT_FOR_INSPECT = (
     "bnaudit.output.json",
     "statistics",  # (decimal, fractions and random come with rich.table, which inspect draws with)
     "zipfile",
+    "matplotlib",  # --format html's charts (the html extra), and its pages
+    "bnaudit.output.html",
+    "bnaudit.formats.atomic",  # no --output: nothing to check or write
 )
 # Not needed to list the rules: no checkpoint is read, nothing audited.
 NOT_FOR_RULES = (
@@ -334,6 +339,16 @@ def test_help_loads_none_of_the_modules_it_does_not_need(args):
 @pytest.mark.slow
 def test_inspect_of_a_safetensors_file_loads_none_of_the_modules_it_does_not_need(numpy_safetensors):
     assert loaded_modules(HEAVY + NOT_FOR_INSPECT, "inspect", numpy_safetensors) == set()
+
+
+@pytest.mark.slow
+def test_inspect_loads_matplotlib_and_the_html_pages_only_for_format_html(numpy_safetensors, tmp_path):
+    pytest.importorskip("matplotlib")
+    wanted = ("matplotlib", "bnaudit.output.html", "bnaudit.formats.atomic")
+    page = str(tmp_path / "page.html")
+    assert loaded_modules(wanted, "inspect", numpy_safetensors, "--format", "html", "-o", page) == set(wanted)
+    assert os.path.getsize(page) > 0
+    assert loaded_modules(wanted, "inspect", numpy_safetensors, "--format", "json") == set()
 
 
 @pytest.mark.slow

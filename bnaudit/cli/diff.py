@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated, Optional
 
 import typer
@@ -23,6 +22,7 @@ from bnaudit.cli.options import (
     code_list,
     data_options,
 )
+from bnaudit.cli.report import Destination, ReportForceOpt, ReportOutputOpt
 from bnaudit.errors import BnauditError
 from bnaudit.normkinds import DEFAULT_EPS, DEFAULT_MOMENTUM
 
@@ -56,6 +56,8 @@ def diff_command(
         ),
     ] = None,
     output_format: InspectFormatOpt = InspectFormat.table,
+    output_path: ReportOutputOpt = None,
+    force: ReportForceOpt = False,
     fail_on: FailOnOpt = None,
     exit_zero: ExitZeroOpt = False,
     select: Annotated[
@@ -134,6 +136,7 @@ def diff_command(
             "--expect-trained": expect_trained or None,
         }
         config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=accepted_codes())
+        destination = Destination(output_format.value, output_path, force, [path_a, path_b, *([data] if data else [])])
         if data is not None and arch is None:
             raise BnauditError("--data needs --arch (the model to run the checkpoint with)")
         if arch is not None or arch_kwargs is not None:
@@ -153,5 +156,6 @@ def diff_command(
             report = diff_export(spec, path_b, config, options)
         else:
             report = run_diff(path_a, path_b, config, key_a=key_a, key_b=key_b, trust_pickle=trust_pickle)
-        output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+        output.emit(report, output_format.value, destination.stream, quiet=quiet)
+        destination.finish()
     raise typer.Exit(report.exit_code(exit_zero=exit_zero))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated, Optional
 
 import typer
@@ -19,10 +18,10 @@ from bnaudit.cli.options import (
     DebugOpt,
     ExitZeroOpt,
     FailOnOpt,
-    FoldFormat,
     ForwardOpt,
     GrayscaleOpt,
     ImageSizeOpt,
+    InspectFormat,
     IsolatedOpt,
     KeyOpt,
     MeanOpt,
@@ -37,6 +36,7 @@ from bnaudit.cli.options import (
     data_options,
     data_parameters,
 )
+from bnaudit.cli.report import Destination, ReportForceOpt, ReportOutputOpt
 from bnaudit.errors import BnauditError
 from bnaudit.normkinds import DEFAULT_EPS
 
@@ -50,13 +50,15 @@ def fold_command(
         ),
     ],
     output_format: Annotated[
-        FoldFormat,
+        InspectFormat,
         typer.Option(
             "--format",
             "-f",
-            help="Report format. sarif: SARIF 2.1.0 for code scanning; github: workflow-command annotations; gitlab: Code Quality JSON; junit: JUnit XML; markdown: a job summary.",
+            help="Report format. sarif: SARIF 2.1.0 for code scanning; github: workflow-command annotations; gitlab: Code Quality JSON; junit: JUnit XML; markdown: a job summary; html: one self-contained page with charts (the html extra).",
         ),
-    ] = FoldFormat.table,
+    ] = InspectFormat.table,
+    output_path: ReportOutputOpt = None,
+    force: ReportForceOpt = False,
     fail_on: FailOnOpt = None,
     exit_zero: ExitZeroOpt = False,
     select: Annotated[
@@ -99,7 +101,7 @@ def fold_command(
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
 
-    json_output = output_format in (FoldFormat.json, FoldFormat.gitlab)
+    json_output = output_format in (InspectFormat.json, InspectFormat.gitlab)
     measuring = data is not None or dataset is not None
     printing = True
     if measuring:  # under torchrun rank 0 alone prints (errors too): the runner says which
@@ -115,11 +117,13 @@ def fold_command(
             "--ignore": code_list(ignore),
         }
         config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=accepted_codes())
+        destination = Destination(output_format.value, output_path, force, [path, *([data] if data else [])])
         if not measuring:
             if arch is not None or arch_kwargs is not None or forward is not None:
                 raise BnauditError("--arch, --arch-kwargs and --forward measure: give --data or --dataset too")
             report = predict_fold(path, config, key=key, trust_pickle=trust_pickle)
-            output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+            output.emit(report, output_format.value, destination.stream, quiet=quiet)
+            destination.finish()
         else:
             import torch
 
@@ -135,5 +139,6 @@ def fold_command(
             with frozen_imports(), torchrun(torch.device("cpu"), wait=True):
                 report = measure_fold(spec, options, config)
                 if printing:
-                    output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+                    output.emit(report, output_format.value, destination.stream, quiet=quiet)
+                    destination.finish()
     raise typer.Exit(report.exit_code(exit_zero=exit_zero))

@@ -11,6 +11,7 @@ import typer
 from bnaudit import output
 from bnaudit.cli.boundary import user_errors
 from bnaudit.cli.options import ConfigOpt, DebugOpt, FailOnOpt, InspectFormat, InspectFormatOpt, IsolatedOpt, code_list
+from bnaudit.cli.report import Destination, ReportForceOpt, ReportOutputOpt
 from bnaudit.normkinds import DEFAULT_EPS, DEFAULT_MOMENTUM
 
 
@@ -23,6 +24,8 @@ def inspect(
         ),
     ],
     output_format: InspectFormatOpt = InspectFormat.table,
+    output_path: ReportOutputOpt = None,
+    force: ReportForceOpt = False,
     fail_on: FailOnOpt = None,
     exit_zero: Annotated[
         bool,
@@ -130,6 +133,7 @@ def inspect(
             "--ignore": code_list(ignore),
         }
         config = load_config(overrides, config_file=config_file, isolated=isolated, rule_codes=accepted_codes())
+        destination = Destination(output_format.value, output_path, force, paths)
         report = run_inspect(
             paths,
             config,
@@ -141,9 +145,11 @@ def inspect(
             all_revisions=all_revisions,
             jobs=jobs,
             base=base,
+            channels=output_format is InspectFormat.html,  # the page draws every channel
         )
         # emitting stays inside the boundary: the values it prints come from the files
-        output.emit(report, output_format.value, sys.stdout, quiet=quiet, all_layers=all_layers)
+        output.emit(report, output_format.value, destination.stream, quiet=quiet, all_layers=all_layers)
+        destination.finish()
     output.emit_diagnostics(report, sys.stderr, output_format.value)
     raise typer.Exit(report.exit_code(exit_zero=exit_zero))
 

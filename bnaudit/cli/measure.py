@@ -20,8 +20,6 @@ from bnaudit.cli.options import (
     DatasetOpt,
     DebugOpt,
     DeviceOpt,
-    Format,
-    FormatOpt,
     ForwardOpt,
     GrayscaleOpt,
     ImageSizeOpt,
@@ -32,6 +30,8 @@ from bnaudit.cli.options import (
     MeasureFailOnOpt,
     NoShuffleOpt,
     NumSamplesOpt,
+    PageFormat,
+    PageFormatOpt,
     QuietOpt,
     SeedOpt,
     SkipBadOpt,
@@ -41,6 +41,7 @@ from bnaudit.cli.options import (
     data_options,
     data_parameters,
 )
+from bnaudit.cli.report import Destination, ReportForceOpt, ReportOutputOpt
 
 if TYPE_CHECKING:
     from bnaudit.runtime.data import DataOptions
@@ -91,7 +92,9 @@ def gap(
     exit_zero: MeasureExitZeroOpt = False,
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
-    output_format: FormatOpt = Format.table,
+    output_format: PageFormatOpt = PageFormat.table,
+    output_path: ReportOutputOpt = None,
+    force: ReportForceOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -121,17 +124,20 @@ def gap(
             fail_on=fail_on.value if fail_on else None,
         )
 
-    settings = ConfigSettings(config_file, isolated, exit_zero)
+    settings = ConfigSettings(config_file, isolated, exit_zero, output_path, force, checkpoint)
     raise typer.Exit(_measure_and_emit("gap", measure, data_args, settings, device, output_format, quiet, debug))
 
 
 @dataclass(frozen=True)
 class ConfigSettings:
-    """The configuration and exit-code options gap and invariance share."""
+    """The configuration, exit-code and report-file options gap and invariance share."""
 
     config_file: str | None
     isolated: bool
     exit_zero: bool
+    output_path: str | None = None  # --output: the report's file (None: stdout)
+    force: bool = False
+    checkpoint: str | None = None  # the input the report file must not replace
 
 
 def _measure_and_emit(
@@ -140,7 +146,7 @@ def _measure_and_emit(
     data_args: dict[str, Any],
     settings: ConfigSettings,
     device: str,
-    output_format: Format,
+    output_format: PageFormat,
     quiet: bool,
     debug: bool,
 ) -> int:
@@ -158,13 +164,15 @@ def _measure_and_emit(
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
 
-    json_output = output_format is Format.json
+    json_output = output_format is PageFormat.json
     # runtime/ needs torch: its absence is said here, by any process (no torchrun without torch)
     with user_errors(debug, json_output):
         from bnaudit.runtime.distributed import prints, torchrun
         from bnaudit.runtime.models import resolve_device
     printing = prints()
     with user_errors(debug, json_output and printing):
+        inputs = [p for p in (settings.checkpoint, data_args.get("data")) if p]
+        destination = Destination(output_format.value, settings.output_path, settings.force, inputs)
         options = data_options(**data_args)  # the data options, built once
         config = load_config(config_file=settings.config_file, isolated=settings.isolated, rule_codes=accepted_codes())
         quiet_bar = quiet or json_output or not printing
@@ -177,7 +185,8 @@ def _measure_and_emit(
                 report = measure(options, config, update)
             code: int = report.exit_code(exit_zero=settings.exit_zero)
             if printing:
-                output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+                output.emit(report, output_format.value, destination.stream, quiet=quiet)
+                destination.finish()
     return code
 
 
@@ -225,7 +234,9 @@ def invariance(
     exit_zero: MeasureExitZeroOpt = False,
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
-    output_format: FormatOpt = Format.table,
+    output_format: PageFormatOpt = PageFormat.table,
+    output_path: ReportOutputOpt = None,
+    force: ReportForceOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no arrangement table.")] = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -254,5 +265,5 @@ def invariance(
             fail_on=fail_on.value if fail_on else None,
         )
 
-    settings = ConfigSettings(config_file, isolated, exit_zero)
+    settings = ConfigSettings(config_file, isolated, exit_zero, output_path, force, checkpoint)
     raise typer.Exit(_measure_and_emit("invariance", measure, data_args, settings, device, output_format, quiet, debug))

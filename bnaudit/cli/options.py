@@ -20,10 +20,19 @@ class Format(str, Enum):
     json = "json"
 
 
+class PageFormat(str, Enum):
+    """The formats of the measurements that have a page too (gap, invariance, recalibrate):
+    the table, JSON and html (bnaudit.output.html)."""
+
+    table = "table"
+    json = "json"
+    html = "html"
+
+
 class InspectFormat(str, Enum):
-    """The formats of the commands that report findings at locations (inspect, diff): the
-    table, JSON, SARIF, and what CI systems read (bnaudit.output: github, gitlab, junit,
-    markdown)."""
+    """The formats of the commands that report findings at locations (inspect, diff, fold):
+    the table, JSON, SARIF, what CI systems read (bnaudit.output: github, gitlab, junit,
+    markdown), and a page (html)."""
 
     table = "table"
     json = "json"
@@ -32,11 +41,12 @@ class InspectFormat(str, Enum):
     gitlab = "gitlab"
     junit = "junit"
     markdown = "markdown"
+    html = "html"
 
 
 class FoldFormat(str, Enum):
-    """fold's formats: those of inspect and diff (its findings are at one file, the
-    checkpoint)."""
+    """fed's formats: those of inspect, diff and fold but the page (its findings are at one
+    file)."""
 
     table = "table"
     json = "json"
@@ -49,12 +59,16 @@ class FoldFormat(str, Enum):
 
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")]
 FormatOpt = Annotated[Format, typer.Option("--format", "-f", help="Report format.")]
+PageFormatOpt = Annotated[
+    PageFormat,
+    typer.Option("--format", "-f", help="Report format. html: one self-contained page with charts (the html extra)."),
+]
 InspectFormatOpt = Annotated[
     InspectFormat,
     typer.Option(
         "--format",
         "-f",
-        help="Report format. sarif: SARIF 2.1.0 for code scanning; github: workflow-command annotations; gitlab: Code Quality JSON; junit: JUnit XML; markdown: a job summary ($GITHUB_STEP_SUMMARY).",
+        help="Report format. sarif: SARIF 2.1.0 for code scanning; github: workflow-command annotations; gitlab: Code Quality JSON; junit: JUnit XML; markdown: a job summary ($GITHUB_STEP_SUMMARY); html: one self-contained page with charts (the html extra).",
     ),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no per-layer table.")]

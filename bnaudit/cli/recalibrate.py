@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from enum import Enum
 from typing import Annotated, Optional
@@ -19,8 +20,6 @@ from bnaudit.cli.options import (
     DatasetOpt,
     DebugOpt,
     DeviceOpt,
-    Format,
-    FormatOpt,
     ForwardOpt,
     GrayscaleOpt,
     ImageSizeOpt,
@@ -29,6 +28,8 @@ from bnaudit.cli.options import (
     MeanOpt,
     NoShuffleOpt,
     NumSamplesOpt,
+    PageFormat,
+    PageFormatOpt,
     QuietOpt,
     SeedOpt,
     SkipBadOpt,
@@ -38,6 +39,8 @@ from bnaudit.cli.options import (
     data_options,
     data_parameters,
 )
+from bnaudit.cli.report import Destination
+from bnaudit.errors import BnauditError
 
 
 class Method(str, Enum):
@@ -109,7 +112,7 @@ def recalibrate(
             help="Held-out data (same kinds as --data): the gap report of the old and the new checkpoint side by side.",
         ),
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite --output if it exists.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --output (and --report) if it exists.")] = False,
     allow_input_mismatch: Annotated[
         bool,
         typer.Option(
@@ -134,7 +137,15 @@ def recalibrate(
     skip_bad: SkipBadOpt = False,
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
-    output_format: FormatOpt = Format.table,
+    output_format: PageFormatOpt = PageFormat.table,
+    report_path: Annotated[
+        Optional[str],
+        typer.Option(
+            "--report",
+            metavar="FILE",
+            help="Write the report to FILE (all at once) instead of stdout, e.g. report.html with --format html.",
+        ),
+    ] = None,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -145,7 +156,7 @@ def recalibrate(
     from bnaudit.audit.rules import accepted_codes
     from bnaudit.config import load_config
 
-    json_output = output_format is Format.json
+    json_output = output_format is PageFormat.json
     # runtime/ needs torch: its absence is said here, by any process (no torchrun without torch)
     with user_errors(debug, json_output):
         from bnaudit.runtime.distributed import prints
@@ -158,6 +169,17 @@ def recalibrate(
         output.emit_warning(message, sys.stderr)
 
     with user_errors(debug, json_output and printing):
+        for written in (output_path, stats_out):  # the run's own outputs: the report must not replace one
+            if (
+                report_path is not None
+                and written is not None
+                and os.path.abspath(report_path) == os.path.abspath(written)
+            ):
+                raise BnauditError(
+                    f"{report_path}: --report names another output of this run; write it to another file"
+                )
+        inputs = [p for p in (checkpoint, data, eval_data) if p]
+        destination = Destination(output_format.value, report_path, force, inputs)
         from bnaudit.formats.bnstats import parse_shard
 
         share = None if shard is None else parse_shard(shard)
@@ -195,5 +217,6 @@ def recalibrate(
         if report is None:  # another rank than 0 under torchrun: rank 0 reports
             raise typer.Exit(0)
         output.emit_diagnostics(report, sys.stderr)
-        output.emit(report, output_format.value, sys.stdout, quiet=quiet)
+        output.emit(report, output_format.value, destination.stream, quiet=quiet)
+        destination.finish()
     raise typer.Exit(0)

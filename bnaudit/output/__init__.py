@@ -76,6 +76,7 @@ EMITTERS: dict[str, dict[str, str]] = {
         "table": "bnaudit.output.table.inspect:render_inspect",
         "json": "bnaudit.output.json:inspect_to_json",
         "sarif": "bnaudit.output.sarif:inspect_to_sarif",
+        "html": "bnaudit.output.html.inspect:inspect_to_html",
         **_CI_FORMATS,
     },
     "diff": {
@@ -83,6 +84,7 @@ EMITTERS: dict[str, dict[str, str]] = {
         "table": "bnaudit.output.table.diff:render_diff",
         "json": "bnaudit.output.json:diff_to_json",
         "sarif": "bnaudit.output.sarif:diff_to_sarif",
+        "html": "bnaudit.output.html.diff:diff_to_html",
         **_CI_FORMATS,
     },
     "fold": {
@@ -90,6 +92,7 @@ EMITTERS: dict[str, dict[str, str]] = {
         "table": "bnaudit.output.table.fold:render_fold",
         "json": "bnaudit.output.json:fold_to_json",
         "sarif": "bnaudit.output.sarif:fold_to_sarif",
+        "html": "bnaudit.output.html.fold:fold_to_html",
         **_CI_FORMATS,
     },
     "fed": {
@@ -103,16 +106,19 @@ EMITTERS: dict[str, dict[str, str]] = {
         "record": "bnaudit.reports.gap:GapReport",
         "table": "bnaudit.output.table.gap:render_gap",
         "json": "bnaudit.output.json:gap_to_json",
+        "html": "bnaudit.output.html.measure:gap_to_html",
     },
     "invariance": {
         "record": "bnaudit.reports.invariance:InvarianceReport",
         "table": "bnaudit.output.table.invariance:render_invariance",
         "json": "bnaudit.output.json:invariance_to_json",
+        "html": "bnaudit.output.html.measure:invariance_to_html",
     },
     "recalibrate": {
         "record": "bnaudit.reports.recalibrate:RecalibrationReport",
         "table": "bnaudit.output.table.recalibrate:render_recalibrate",
         "json": "bnaudit.output.json:recalibrate_to_json",
+        "html": "bnaudit.output.html.measure:recalibrate_to_html",
     },
     "merge": {
         "record": "bnaudit.reports.merge:MergeReport",

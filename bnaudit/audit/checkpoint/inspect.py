@@ -48,11 +48,13 @@ def audit_checkpoint(
     module: ModuleFacts | None = None,
     producers: Mapping[str, str] | None = None,
     transposed: frozenset[str] = frozenset(),
+    channels: bool = False,
 ) -> FileReport:
     """Audit an opened checkpoint; `module` (when the model is known) makes BN001 exact and
     enables the module-only rules; `producers` (BN layer -> the module feeding it, from the
     model's graph; `transposed` those that are ConvTranspose) tells BN004 which filters feed
-    which channel. Raises BnauditError for unreadable tensors."""
+    which channel; `channels`: the layer summaries keep every channel's values
+    (LayerSummary.channels). Raises BnauditError for unreadable tensors."""
     discovery = discover_layers(ckpt, settings_stated_by(config))
     live_layers = None
     if ckpt.live_tensors is not None:
@@ -116,7 +118,7 @@ def audit_checkpoint(
     report.format, report.key, report.other_keys = ckpt.format, ckpt.key, ckpt.other_keys
     report.prefix, report.is_ema, report.averaging = ckpt.prefix, ckpt.is_ema, averaging
     report.not_loaded = list(ckpt.not_loaded)
-    report.layers = [LayerSummary.of(layer, config.near_eps_factor) for layer in discovery.layers]
+    report.layers = [LayerSummary.of(layer, config.near_eps_factor, channels) for layer in discovery.layers]
     report.findings = findings
     missing_from = "not shown by the program" if ckpt.format == "pt2" else "not in a state dict"
     report.settings = statement(not_from_file(discovery.layers), missing_from)
@@ -160,16 +162,18 @@ def audit_file(
     reference: ModelReference | None = None,
     debug: bool = False,
     named: bool = True,
+    channels: bool = False,
 ) -> FileReport:
     """Audit one checkpoint; a user-caused problem becomes `FileReport.error`, a file that
-    is not model weights `FileReport.skipped`. `named`: the user named it (not a scan).
+    is not model weights `FileReport.skipped`. `named`: the user named it (not a scan);
+    `channels`: keep every channel's values (audit_checkpoint).
 
     `reference` (the model --arch builds) is compared with the checkpoint key by key; a
     file that holds its own modules (TorchScript, a pickled nn.Module) speaks for itself. An unexpected exception (a bug met on this
     file) is recorded the same way so the other files are still audited; `debug=True`
     lets it propagate instead.
     """
-    return audit_entries(path, config, key, trust_pickle, reference, debug, named, every=False)[0]
+    return audit_entries(path, config, key, trust_pickle, reference, debug, named, every=False, channels=channels)[0]
 
 
 def audit_entries(
@@ -182,6 +186,7 @@ def audit_entries(
     named: bool = True,
     every: bool = True,
     base: str | None = None,
+    channels: bool = False,
 ) -> list[FileReport]:
     """`audit_file` of every model state dict the file holds (`every`, without `key`): a
     container of several (timm's CheckpointSaver writes `state_dict` and `state_dict_ema`)
@@ -213,7 +218,7 @@ def audit_entries(
     reports = []
     for ckpt in ckpts:
         try:
-            report = _audit_read(ckpt, config, reference, named)
+            report = _audit_read(ckpt, config, reference, named, channels)
         except BnauditError as exc:
             report = FileReport(path, error=str(exc).removeprefix(f"{path}: "), named=named, key=ckpt.key)
         except Exception as exc:
@@ -235,7 +240,9 @@ def _internal_error(path: str, exc: Exception, named: bool) -> FileReport:
     )
 
 
-def _audit_read(ckpt: Checkpoint, config: Config, reference: ModelReference | None, named: bool) -> FileReport:
+def _audit_read(
+    ckpt: Checkpoint, config: Config, reference: ModelReference | None, named: bool, channels: bool = False
+) -> FileReport:
     """The audit of one state dict as read (module docstring of `audit_file`)."""
     path = ckpt.path
     data = data_tensors({name: ref.shape for name, ref in ckpt.tensors.items()})
@@ -256,6 +263,7 @@ def _audit_read(ckpt: Checkpoint, config: Config, reference: ModelReference | No
         module,
         graph.producers if graph is not None else None,
         graph.transposed if graph is not None else frozenset(),
+        channels,
     )
     if reference is not None and not arch_used:
         report.notes.append("--arch not used for an exported graph: its nodes carry their own settings")
@@ -275,6 +283,7 @@ def inspect_paths(
     all_revisions: bool = False,
     jobs: int | None = None,
     base: str | None = None,
+    channels: bool = False,
 ) -> InspectReport:
     """Audit checkpoints (files or directories) and return the report: `bnaudit.inspect`
     (bnaudit.api) without building a model. `reference`, the model `--arch` names, makes
@@ -309,6 +318,7 @@ def inspect_paths(
             debug=debug,
             named=target.named,
             base=base,
+            channels=channels,
         )
 
     to_audit = [target for target, report in plan if report is None]

@@ -22,8 +22,29 @@ from bnaudit.severity import Severity
 
 
 @dataclass(frozen=True)
+class LayerChannels:
+    """Every channel of one BN layer, for the renderers that draw them (`--format html`).
+
+    running_var  the stored running_var per channel (NaN and Inf as read)
+    eval_gain    |gamma_c| / sqrt(running_var_c + eps), bnaudit.audit.formulas.eval_gains
+                 (NaN where the variance is invalid)
+    near_eps     the near-eps channels (formulas.near_eps_channels at the report's factor)
+
+    Kept only when asked (`inspect_paths(..., channels=True)`): every other format prints the
+    summary alone, and a scan of many files should neither hold nor send between its worker
+    processes a list per channel that nothing reads. The lists are the layer's own, read
+    once (`BNLayer`), never copied or recomputed.
+    """
+
+    running_var: list[float]
+    eval_gain: list[float]
+    near_eps: list[int]
+
+
+@dataclass(frozen=True)
 class LayerSummary:
-    """What the reports print of one BN layer: its settings and its statistics summarised."""
+    """What the reports print of one BN layer: its settings and its statistics summarised;
+    `channels`, the per-channel values, only where the report was asked to keep them."""
 
     name: str
     kind: str
@@ -39,11 +60,15 @@ class LayerSummary:
     var_max: float | None
     near_eps_channels: int
     max_eval_gain: float | None
+    # not a summary: left out of equality and repr (a summary is the same with or without it)
+    channels: LayerChannels | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, layer: BNLayer, near_eps_factor: float) -> LayerSummary:
+    def of(cls, layer: BNLayer, near_eps_factor: float, channels: bool = False) -> LayerSummary:
+        """`layer` summarised; `channels`: keep its per-channel values too (LayerChannels)."""
         mean, gains = _numbers(layer.running_mean), _numbers(layer.gains)
         ordered = sorted(layer.running_var if layer.var_finite else _numbers(layer.running_var))
+        near_eps = layer.near_eps(near_eps_factor)
         return cls(
             name=layer.name,
             kind=layer.kind,
@@ -57,8 +82,9 @@ class LayerSummary:
             var_min=ordered[0] if ordered else None,
             var_median=_median(ordered) if ordered else None,
             var_max=ordered[-1] if ordered else None,
-            near_eps_channels=len(layer.near_eps(near_eps_factor)),
+            near_eps_channels=len(near_eps),
             max_eval_gain=max(gains, default=None),
+            channels=LayerChannels(layer.running_var, layer.gains, near_eps) if channels else None,
         )
 
 
