@@ -1154,7 +1154,7 @@ if {torch_too}:
 EXPORT_RUN = """
 import json, statistics, sys, time, numpy as np, onnxruntime
 from safetensors.numpy import load_file
-from bnaudit.runtime.exportparity import run_export
+from bnaudit.runtime.parity.onnx import run_export
 x = load_file({data!r})["inputs"].astype(np.float32)
 session = onnxruntime.InferenceSession({onnx!r}, providers=["CPUExecutionProvider"])
 def plain():
