@@ -41,9 +41,10 @@ if TYPE_CHECKING:
     from bnaudit.audit.fold.report import FoldReport
     from bnaudit.reports.gap import GapReport
     from bnaudit.reports.invariance import InvarianceReport
+    from bnaudit.reports.parity import ParityReport
     from bnaudit.reports.recalibrate import RecalibrationReport
 
-    Report = InspectReport | DiffReport | GapReport | InvarianceReport | RecalibrationReport | FoldReport
+    Report = InspectReport | DiffReport | GapReport | InvarianceReport | RecalibrationReport | FoldReport | ParityReport
 
 
 # The formats every report of findings at locations has (inspect, diff, fold): its own table,
@@ -79,6 +80,13 @@ EMITTERS: dict[str, dict[str, str]] = {
         "table": "bnaudit.output.table.fold:render_fold",
         "json": "bnaudit.output.json:fold_to_json",
         "sarif": "bnaudit.output.sarif:fold_to_sarif",
+        **_CI_FORMATS,
+    },
+    "parity": {
+        "record": "bnaudit.reports.parity:ParityReport",
+        "table": "bnaudit.output.table.parity:render_parity",
+        "json": "bnaudit.output.json:parity_to_json",
+        "sarif": "bnaudit.output.sarif:parity_to_sarif",
         **_CI_FORMATS,
     },
     "gap": {

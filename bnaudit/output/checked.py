@@ -1,4 +1,4 @@
-"""The checked files of an inspect, a diff or a fold report, in the one shape the CI formats
+"""The checked files of an inspect, a diff, a fold or a parity report, in the one shape the CI formats
 (github, gitlab, junit, markdown) render: each file with its location, its layers, its
 findings, or why it was not audited.
 
@@ -97,6 +97,17 @@ def checked_files(report: Report, base: str | None = None) -> list[CheckedFile]:
     if report.kind == "fold":  # one file: the checkpoint whose BN layers fold
         names = [p.bn for p in report.pairs] + [name for name, _ in report.unpaired]
         return [CheckedFile(report.path, location(report.path, base), _layers(names, report.findings), report.findings)]
+    if report.kind == "parity":  # one file: the artifact under review, compared with the checkpoint
+        names = [layer.name for layer in report.layers] + [u.name for u in report.unseen]
+        return [
+            CheckedFile(
+                report.path,
+                location(report.path, base),
+                _layers(names, report.findings),
+                report.findings,
+                compared=report.checkpoint if report.target.path else None,
+            )
+        ]
     raise ValueError(f"no findings at locations in a {type(report).__name__} report")
 
 
@@ -106,6 +117,8 @@ def fail_on(report: Report) -> Severity:
         return Severity.parse(report.config.fail_on)
     if report.kind == "fold":
         return report.fail_on
+    if report.kind == "parity":
+        return Severity.parse(report.config.fail_on)
     raise ValueError(f"no findings at locations in a {type(report).__name__} report")
 
 

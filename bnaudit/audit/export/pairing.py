@@ -274,4 +274,3 @@ def named_layers(check: ExportCheck) -> dict[str, str]:
     """Export layer name -> checkpoint layer name of every kept node `check` paired (a .pt2
     program's batch-norm nodes are named by their buffers: a runtime finds them by them)."""
     return {node.node: node.name for node in check.nodes}
-

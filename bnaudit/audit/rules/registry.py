@@ -2,8 +2,8 @@
 
 Rules register themselves with the `rule` decorator when their module is imported; the
 package (`bnaudit.audit.rules`) imports every rule module, and `RULES` is kept in code
-order: BN001-BN014 (inspect), BN101-BN114 (diff), then BN201- (fold), whatever the import order. `run_rules` and
-`run_diff_rules` apply the configuration: `select`/`ignore`, per-layer ignores and the
+order: BN001-BN014 (inspect), BN101-BN114 (diff), BN201- (fold), then BN301- (parity), whatever the import
+order. `run_rules`, `run_diff_rules`, `run_fold_rules` and `run_parity_rules` apply the configuration: `select`/`ignore`, per-layer ignores and the
 `severity` table.
 """
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from bnaudit.audit.diff.layers import DiffContext
     from bnaudit.audit.fold.check import FoldContext
     from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
+    from bnaudit.audit.parity import ParityContext
     from bnaudit.audit.producers import ProducerFilter
     from bnaudit.formats.model import Averaging, TensorRef
 
@@ -96,6 +97,7 @@ class Rule:
     fold_check: Callable[[FoldContext], Iterable[Finding]] | None = field(default=None, repr=False)
     settings: tuple[str, ...] = ()  # configuration keys (config.KEYS) that tune the rule
     aliases: tuple[str, ...] = ()
+    parity_check: Callable[[ParityContext], Iterable[Finding]] | None = field(default=None, repr=False)
 
     @property
     def severity(self) -> str:
@@ -108,11 +110,12 @@ class Rule:
 
     @property
     def commands(self) -> tuple[str, ...]:
-        """The commands whose reports the rule speaks in: "inspect", "diff" (or both), "fold"."""
+        """The commands whose reports the rule speaks in: "inspect", "diff" (or both), "fold", "parity"."""
         return (
             ("inspect",) * (self.check is not None)
             + ("diff",) * (self.diff_check is not None)
             + ("fold",) * (self.fold_check is not None)
+            + ("parity",) * (self.parity_check is not None)
         )
 
     @property
@@ -154,15 +157,16 @@ def rule(
     command: str = "inspect",
     aliases: tuple[str, ...] = (),
 ) -> Callable[[_Check], _Check]:
-    """Register a rule whose check speaks in `command`'s reports ("inspect", "diff" or "fold")."""
+    """Register a rule whose check speaks in `command`'s reports ("inspect", "diff", "fold" or "parity")."""
     severities = severity if isinstance(severity, tuple) else (severity,)
 
     def register(check: _Check) -> _Check:
-        checks = {name: check if name == command else None for name in ("inspect", "diff", "fold")}
+        checks = {name: check if name == command else None for name in ("inspect", "diff", "fold", "parity")}
         _register(
             Rule(
                 code, name, severities, summary, explanation, fix,
                 checks["inspect"], checks["diff"], checks["fold"], settings, aliases,
+                parity_check=checks["parity"],
             )
         )  # fmt: skip
         return check
@@ -287,3 +291,8 @@ def run_fold_rules(ctx: FoldContext) -> list[Finding]:
 def run_diff_rules(ctx: DiffContext) -> list[Finding]:
     """Every selected diff rule's findings, in rule order, at the configured severity."""
     return _run("diff_check", ctx, ctx.config)
+
+
+def run_parity_rules(ctx: ParityContext) -> list[Finding]:
+    """Every selected parity rule's findings, in rule order, at the configured severity."""
+    return _run("parity_check", ctx, ctx.config)
