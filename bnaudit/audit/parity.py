@@ -230,8 +230,8 @@ class ParityContext:
 
 
 def threshold_words(floor: float) -> str:
-    """`PARITY_FACTOR x floor` for messages."""
-    return f"{PARITY_FACTOR}x the noise floor {floor:.0e}"
+    """The threshold of a noise floor, for messages: "threshold 1e-05 (10x the noise floor 1e-06)"."""
+    return f"threshold {PARITY_FACTOR * floor:.0e}, {PARITY_FACTOR}x the noise floor {floor:.0e}"
 
 
 def export_evidence(check: ExportCheck) -> dict[str, tuple[str, ...]]:

@@ -47,17 +47,17 @@ values y_k, r_k):
                        y: train mode), averaged over the samples.
 
 Layer outputs (`bnaudit parity`). For one BN layer with channels c, the target's output of
-the layer y (what the deployed artifact computes there), eager PyTorch's float32 output r
-and its float64 output w (a float64 copy of the model), over every sample and position of
-the run:
+the layer y (what the deployed artifact computes there) and eager PyTorch's float32 output
+r, over every sample and position of the run, and eager's float64 output w (a float64 copy
+of the model) on the first samples:
 
-  channel_deviation_c  max |y_c - r_c| / max(max |w_c|, TINY)
+  channel_deviation_c  max |y_c - r_c| / max(max |r_c|, TINY)
                        the largest change of channel c relative to the channel's largest
-                       float64 value: a channel counts in full whatever its scale.
+                       value: a channel counts in full whatever its scale.
   channel_relative     max_c channel_deviation_c                     (JSON `relative`)
-  rounding             channel_relative with y = r and r = w: what float32 rounding alone
-                       does to the layer (for outputs: the largest relative_deviation of
-                       the float32 outputs from the float64 ones)
+  rounding             max_c max |r_c - w_c| / max(max |r_c|, TINY): what float32 rounding
+                       alone does to the layer (for outputs: the largest relative_deviation
+                       of the float32 outputs from the float64 ones)
   noise floor          10^ceil(log10(rounding)), at least NOISE_MIN = 1e-7 (about float32's
                        unit roundoff, 6e-8): rounded up to a power of ten, so that the floor
                        printed and every decision against it are the same on every CPU
@@ -98,7 +98,7 @@ VAR_LOG_RATIO = Statistic("var_log_ratio", "var log-ratio", "mean_c |ln((var_c +
 MAX_VAR_LOG_RATIO = Statistic("max_var_log_ratio", "max var log-ratio", "max_c |ln((var_c + eps) / (var_ref,c + eps))|")
 RELATIVE_DEVIATION = Statistic("relative_deviation", "relative deviation", "||y - y_ref||_inf / ||y_ref||_inf")
 RELATIVE_L2 = Statistic("relative_l2", "relative L2", "||y - y_ref||_2 / ||y_ref||_2")
-CHANNEL_RELATIVE = Statistic("channel_relative", "deviation", "max_c max|y_c - r_c| / max|w_c|")
+CHANNEL_RELATIVE = Statistic("channel_relative", "deviation", "max_c max|y_c - r_c| / max|r_c|")
 
 STATISTICS: dict[str, Statistic] = {
     s.name: s

@@ -98,9 +98,10 @@ class ParityReport:
             )
             lines.append(f"What differs there: {reading(first)}.")
             if after:
+                verb = "exceeds its floor" if len(after) == 1 else "exceed their floor"
                 lines.append(
-                    f"{plural(len(after), 'later layer')} exceed their floor too ({layer_list(after)}): they "
-                    "inherit the difference, or add their own."
+                    f"{plural(len(after), 'later layer')} {verb} too ({layer_list(after)}): inheriting the "
+                    "difference, or adding their own."
                 )
         if o.deviates:
             lines.append(

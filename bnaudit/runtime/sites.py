@@ -8,6 +8,9 @@ order one forward first calls them in (execution order).
                     submodules take no hooks, and the level at which a deployed artifact
                     computes BN (the operator's output, before any activation a module's
                     own forward adds: timm's BatchNormAct2d)
+  batchnorm_outputs on_output(name, value) with each call's output of each layer's
+                    batch-norm operator: a forward hook where the module's forward is
+                    PyTorch's own, `batchnorm_calls` otherwise
   observe_batchnorm callback(name, input) on each call of chosen layers: a forward pre-hook
                     on eager modules; `batchnorm_calls` on TorchScript
   forward_order     the chosen layers in the order an eval-mode forward of the first batch
@@ -30,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bnaudit.errors import BnauditError
 from bnaudit.normkinds import NormKind, op_kind
 from bnaudit.runtime.batching import merge_trailing_singleton
-from bnaudit.runtime.norms import batch_statistics, is_script
+from bnaudit.runtime.norms import batch_statistics, has_stock_forward, is_script
 from bnaudit.text import exception_line
 
 # every aten batch-norm operator takes (input, weight, bias, running_mean, running_var, ...)
@@ -72,6 +75,25 @@ def _layer_of(args: tuple[Any, ...], storages: Mapping[int, str]) -> str | None:
     return None
 
 
+class _BatchNormCalls(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch: TorchDispatchMode.__init_subclass__ is unannotated
+    """The dispatcher-level observer of `batchnorm_calls`. One class for every use: a class
+    made per call lives in reference cycles (as every class does) that would keep its
+    closure, and with it each batch's recorded outputs, until a full garbage collection."""
+
+    def __init__(self, storages: Mapping[int, str], around: Callable[..., Any]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch: TorchDispatchMode.__init__ is unannotated
+        self.storages = storages
+        self.around = around
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        name = _layer_of(args, self.storages) if op_kind(func.name()) is NormKind.BATCH_NORM else None
+        if name is None:
+            return func(*args, **(kwargs or {}))
+        return self.around(name, lambda: func(*args, **(kwargs or {})), func, args, kwargs or {})
+
+
 @contextlib.contextmanager
 def batchnorm_calls(
     storages: Mapping[int, str], around: Callable[[str, Callable[[], Any], Any, tuple[Any, ...], dict[str, Any]], Any]
@@ -80,17 +102,42 @@ def batchnorm_calls(
     (`layer_storages`) is run as `around(name, run, func, args, kwargs)`: `run()` runs the
     operator and returns its output (a tensor, or native_batch_norm's tuple, output first);
     `around` returns what the operator returns. Other operators run untouched."""
+    with _BatchNormCalls(storages, around):
+        yield
 
-    class BatchNormCalls(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch: TorchDispatchMode.__init_subclass__ is unannotated
-        def __torch_dispatch__(
-            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-        ) -> Any:
-            name = _layer_of(args, storages) if op_kind(func.name()) is NormKind.BATCH_NORM else None
-            if name is None:
-                return func(*args, **(kwargs or {}))
-            return around(name, lambda: func(*args, **(kwargs or {})), func, args, kwargs or {})
 
-    with BatchNormCalls():  # type: ignore[no-untyped-call]  # torch: TorchDispatchMode.__init__ is unannotated
+@contextlib.contextmanager
+def batchnorm_outputs(
+    model: Any, layers: Mapping[str, Any] | None, on_output: Callable[[str, Any], None]
+) -> Iterator[None]:
+    """`on_output(name, value)` with each call's output of each BN layer's batch-norm operator,
+    as the forward makes it. `layers` (name -> module): a forward hook on each when every one
+    is an eager module whose forward is PyTorch's own (its output is the operator's, and the
+    dispatcher, with the compiler machinery it imports on first use, is left alone);
+    otherwise, and for a TorchScript or torch.export module (`layers` None: the modules that
+    hold a running_mean), the dispatcher's operators (`batchnorm_calls`)."""
+    if layers is not None and not is_script(model) and all(has_stock_forward(model, m) for m in layers.values()):
+
+        def hook(name: str) -> Callable[[Any, Any, Any], None]:
+            def observe(_module: Any, _args: Any, output: Any) -> None:
+                on_output(name, output)
+
+            return observe
+
+        handles = [module.register_forward_hook(hook(name)) for name, module in layers.items()]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        return
+
+    def around(name: str, run: Callable[[], Any], _func: Any, _args: Any, _kwargs: Any) -> Any:
+        out = run()
+        on_output(name, out[0] if isinstance(out, (tuple, list)) else out)
+        return out
+
+    with batchnorm_calls(layer_storages(model, layers), around):
         yield
 
 

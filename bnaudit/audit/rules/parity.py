@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from bnaudit.audit.parity import first_divergent, reading, threshold_words
 from bnaudit.audit.rules.registry import RULES, Finding, rule, three_digits
+from bnaudit.audit.statistics import PARITY_FACTOR
 from bnaudit.severity import Severity
 from bnaudit.text import plural
 
@@ -45,13 +46,15 @@ def _check_divergent(ctx: ParityContext) -> Iterator[Finding]:
     if first is None:
         return
     after = [layer for layer in ctx.layers[ctx.layers.index(first) + 1 :] if layer.diverges]
-    later = f"; {plural(len(after), 'later layer')} exceed it too" if after else ""
+    later = (
+        f"; {plural(len(after), 'later layer')} {'exceeds' if len(after) == 1 else 'exceed'} it too" if after else ""
+    )
     yield RULES["BN301"].finding(
         Severity.ERROR,
         first.name,
         f"the {ctx.target.kind} target's output ({first.site}) deviates by {three_digits(first.relative)}, "
-        f"{three_digits(first.ratio)}x the noise floor {first.floor:.0e} (threshold {threshold_words(first.floor)}): "
-        f"the first layer in execution order to diverge{later}. What differs: {reading(first)}",
+        f"{three_digits(first.ratio)}x its noise floor {first.floor:.0e}: the first layer in execution order beyond "
+        f"{PARITY_FACTOR}x{later}. What differs: {reading(first)}",
         first.channels_over,
     )
 
@@ -83,7 +86,7 @@ def _check_outputs(ctx: ParityContext) -> Iterator[Finding]:
     yield RULES["BN302"].finding(
         Severity.ERROR,
         None,
-        f"largest relative output deviation {three_digits(o.relative)} (threshold {threshold_words(o.floor)}), "
+        f"largest relative output deviation {three_digits(o.relative)} ({threshold_words(o.floor)}), "
         f"max |change of an output| {three_digits(o.max_abs)}, top-1 agreement {o.top1_agreement:.1%} on "
         f"{plural(o.samples, 'sample')}{where}",
     )

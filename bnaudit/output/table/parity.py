@@ -1,5 +1,6 @@
 """The parity table: one row per BN layer in execution order (floor, deviation, ratio,
-verdict), the outputs' agreement, the findings and the diagnosis.
+verdict), the outputs' agreement, the findings (one line each: the diagnosis says what they
+say; JSON, SARIF and the CI formats carry their messages) and the diagnosis.
 
 A deviation within PARITY_FACTOR x its noise floor is float rounding, whose digits differ
 between CPUs: it prints as "<threshold" (`bnaudit.text.above_floor`), its ratio as "<10";
@@ -11,7 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 from bnaudit.audit.statistics import PARITY_FACTOR
-from bnaudit.output.table.common import bordered, cell, diagnosis_bullets, fit_width, print_findings
+from bnaudit.output.table.common import bordered, cell, diagnosis_bullets, fit_width
 from bnaudit.text import above_floor, plural
 
 if TYPE_CHECKING:
@@ -79,9 +80,9 @@ def render_parity(report: ParityReport, console: Console, quiet: bool = False) -
         console.print(fit_width(_layers_table(report), console.width))
         console.print(
             cell(
-                "floor: float32 rounding at the layer (eager float32 vs float64), rounded up to a power of ten; "
-                "deviation: max over channels of max|target - eager| / max|eager|; ratio: deviation / floor, "
-                f"diverges above {PARITY_FACTOR}",
+                "floor: float32 rounding at the layer (eager float32 vs float64), up to a power of ten; deviation: "
+                f"max over channels of max|target - eager| / max|eager|; ratio: deviation / floor, beyond {PARITY_FACTOR}: "
+                "diverges",
                 style="dim",
             )
         )
@@ -97,7 +98,11 @@ def render_parity(report: ParityReport, console: Console, quiet: bool = False) -
         names = ", ".join(u.name for u in report.unseen)
         console.print(cell(f"not shown by the target, not compared: {names} (BN303)", style="dim"))
     console.print()
-    if report.findings:
-        print_findings(console, list(report.findings))
+    if report.findings:  # the diagnosis says what they say: one line each here
+        for f in report.findings:
+            where = f" at {f.layer}" if f.layer else ""
+            console.print(
+                cell(f"{f.code} {f.name} ({f.severity}){where}", style="bold red" if f.severity == "error" else "")
+            )
         console.print()
     diagnosis_bullets(console, report.diagnosis())

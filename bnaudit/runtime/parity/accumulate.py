@@ -3,12 +3,12 @@ memory grows with the number of channels, never with the data (definitions in
 `bnaudit.audit.statistics`: channel_deviation, channel_relative, rounding, noise floor).
 
 Per channel c of a layer, over every call, sample and position seen (y the target's values,
-r eager's float32, w eager's float64):
+r eager's float32, w eager's float64 where a float64 pass ran):
 
   change_c     max |y_c - r_c|        (a NaN or infinite change only where y and r are not
                                        the same value: `bnaudit.runtime.deviation.changes`)
   rounding_c   max |r_c - w_c|        (float32 rounding, float64 arithmetic)
-  scale_c      max |w_c|
+  scale_c      max |r_c|
   fit sums     n, sum r, sum r^2, sum d, sum r d, sum d^2 with d = y - r, in float64, kept
                from the first batch in which a channel exceeds PARITY_FACTOR x the noise
                floor measured so far (a healthy layer never pays for them): the
@@ -83,24 +83,27 @@ class LayerDeviation:
         self.sums: Any = None  # (6, C): n, r, r^2, d, r d, d^2 per channel
         self.dtype = ""
 
-    def update(self, y: Any, r: Any, w: Any) -> None:
-        """Add one call's values: y the target's, r eager's float32, w eager's float64 (one shape)."""
+    def update(self, y: Any, r: Any, w: Any | None) -> None:
+        """Add one call's values: y the target's, r eager's float32, w eager's float64 (one
+        shape; None where no float64 pass ran)."""
         dims = _channel_dims(r)
         self.dtype = self.dtype or str(y.dtype).removeprefix("torch.")
         y = y.to(r.dtype)
-        diff = (y - r).abs()
+        diff = (y - r).abs_()
         change = diff.amax(dims) if dims else diff
         if not bool(torch.isfinite(change).all()):  # NaN or inf somewhere: equal values count 0
             change = changes(y, r).amax(dims) if dims else changes(y, r)
-        rounding = (w - r).abs_().amax(dims) if dims else (w - r).abs_()
-        scale = torch.maximum(w.amax(dims), -w.amin(dims)) if dims else w.abs()
-        change, rounding, scale = change.double(), rounding.double(), scale.double()
+        scale = (torch.maximum(r.amax(dims), -r.amin(dims)) if dims else r.abs()).double()
+        change = change.double()
         if self.change is None:
-            self.change, self.rounding, self.scale = change, rounding, scale
+            self.change, self.scale = change, scale
+            self.rounding = torch.zeros_like(change)
         else:
             self.change = torch.maximum(self.change, change)
-            self.rounding = torch.maximum(self.rounding, rounding)
             self.scale = torch.maximum(self.scale, scale)
+        if w is not None:
+            rounding = (w - r).abs_().amax(dims) if dims else (w - r).abs_()
+            self.rounding = torch.maximum(self.rounding, rounding.double())
         floor = noise_floor(float((self.rounding / self.scale.clamp_min(TINY)).max()))
         over = ~((self.change / self.scale.clamp_min(TINY)) <= PARITY_FACTOR * floor)
         if bool(over.any()):

@@ -4,12 +4,16 @@ Per batch, one process, no_grad:
 
   eager float32   the model as loaded (--arch, TorchScript, pickled module), eval mode; each
                   BN layer's output read at its batch-norm operator (`runtime.sites`)
-  eager float64   a float64 copy on the same batch, read the same way: what float32
-                  rounding alone does at each layer (the noise floor)
   target          `runtime.parity.targets`: its output of each layer, where it shows one
+  eager float64   a float64 copy on the same batch, read the same way: what float32
+                  rounding alone does at each layer (the noise floor); on the first batches
+                  until FLOOR_SAMPLES samples
 
-Each layer's values of each call are compared as they come (`runtime.parity.accumulate`) and
-dropped: memory holds one batch's activations three times, whatever the number of batches.
+The float64 forward runs last: each layer's float64 output is compared with the float32 and
+the target's values of that call as it is made (`runtime.parity.accumulate`), and all three
+are dropped (in later batches the target's values are compared with the float32 ones after
+both ran). Memory holds one batch's BN outputs of eager and of the target, whatever the
+number of batches; everything of a batch is gone before the next batch runs.
 Layers are reported in execution order: the order one eval-mode forward of the first batch
 first calls them (`runtime.sites.forward_order`, the order recalibrate calibrates in);
 layers it does not reach follow in registration order. Definitions of the numbers:
@@ -19,7 +23,7 @@ layers it does not reach follow in registration order. Definitions of the number
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -52,8 +56,13 @@ from bnaudit.runtime.models import (
 from bnaudit.runtime.norms import batchnorm_modules
 from bnaudit.runtime.parity.accumulate import LayerDeviation, LayerNumbers, OutputDeviation
 from bnaudit.runtime.parity.targets import OpenTarget, open_target, parse_against
-from bnaudit.runtime.sites import batchnorm_calls, forward_order, layer_storages, rejected
+from bnaudit.runtime.sites import batchnorm_outputs, forward_order, rejected
 from bnaudit.runtime.sources import DataOptions
+
+# The float64 copy runs on the first batches until this many samples: float64 convolutions run
+# several times slower than float32 ones on a CPU, and the floor, a power of ten, is the same
+# from them as from every batch (docs/commands/parity.md: The numbers).
+FLOOR_SAMPLES = 64
 
 
 def _wide(x: Any) -> Any:
@@ -68,19 +77,67 @@ def _wide(x: Any) -> Any:
 
 
 def _recorded(
-    model: Any, storages: dict[int, str], inputs: Any, run: Callable[[Any, Any], Any]
+    model: Any, layers: Mapping[str, Any] | None, inputs: Any, run: Callable[[Any, Any], Any]
 ) -> tuple[Any, dict[str, list[Any]]]:
-    """The model's output and each BN layer's output at every call (`batchnorm_calls`)."""
+    """The model's output and each BN layer's output at every call (`batchnorm_outputs`)."""
     values: dict[str, list[Any]] = {}
-
-    def around(name: str, call: Callable[[], Any], _func: Any, _args: Any, _kwargs: Any) -> Any:
-        out = call()
-        values.setdefault(name, []).append(out[0] if isinstance(out, (tuple, list)) else out)
-        return out
-
-    with batchnorm_calls(storages, around):
+    with batchnorm_outputs(model, layers, lambda name, value: values.setdefault(name, []).append(value)):
         out = run(model, inputs)
     return out, values
+
+
+def _compared(
+    model: Any,
+    layers: Mapping[str, Any],
+    inputs: Any,
+    run: Callable[[Any, Any], Any],
+    compare: Callable[[str, Any], None],
+) -> Any:
+    """The model's output, `compare(name, value)` called with each BN layer's output at each
+    call as the forward makes it."""
+    with batchnorm_outputs(model, layers, compare):
+        return run(model, inputs)
+
+
+class _Comparer:
+    """compare(name, w) for `_compared`: a layer's next call, its float64 value w against the
+    float32 and the target's values of that call, which are dropped once compared; `rest()`
+    compares the calls no float64 value reached (every call, in a batch without a float64
+    pass) against the float32 values alone."""
+
+    def __init__(
+        self, eager: dict[str, list[Any]], shown: dict[str, list[Any]], accumulators: dict[str, LayerDeviation]
+    ) -> None:
+        self.eager, self.shown, self.accumulators = eager, shown, accumulators
+        self.seen: dict[str, int] = {}
+
+    def _update(self, name: str, i: int, w: Any) -> None:
+        values, targets = self.eager.get(name, []), self.shown.get(name, [])
+        if i < len(values) and i < len(targets) and values[i] is not None and targets[i] is not None:
+            r = values[i]
+            self.accumulators.setdefault(name, LayerDeviation()).update(_paired(name, targets[i], r), r, w)
+            values[i] = targets[i] = None
+
+    def __call__(self, name: str, w: Any) -> None:
+        i = self.seen[name] = self.seen.get(name, -1) + 1
+        self._update(name, i, w)
+
+    def rest(self) -> None:
+        for name, values in self.eager.items():
+            for i in range(len(values)):
+                self._update(name, i, None)
+
+
+def _paired(name: str, y: Any, r: Any) -> Any:
+    """The target's value `y` in eager's shape and device (a flattened value of as many
+    elements is reshaped; another size is not the same layer)."""
+    if y.shape != r.shape:
+        if y.numel() != r.numel():
+            raise BnauditError(
+                f"layer {name}: the target's output has shape {list(y.shape)}, eager's {list(r.shape)}: not the same layer"
+            )
+        y = y.reshape(r.shape)
+    return y.to(r.device)
 
 
 def measure_parity(
@@ -107,7 +164,6 @@ def measure_parity(
         raise BnauditError(f"{spec.checkpoint}: the model has no BatchNorm layer to compare")
     wide = copy.deepcopy(model).double().eval()
     wide_layers = {name: wide.get_submodule(name) for name in layers}
-    storages, wide_storages = layer_storages(model, layers), layer_storages(wide, wide_layers)
     opened = open_target(target, runnable, spec.checkpoint, config, device)
     stream = make_loader(options)
 
@@ -118,31 +174,29 @@ def measure_parity(
     outputs = OutputDeviation()
     calls: dict[str, int] = {}
     order: list[str] = []
-    batches = 0
+    batches = floor_samples = 0
     with torch.no_grad():
         for batch in stream:
             x = to_device(batch.inputs, device)
             if not order:
                 order, calls = forward_order(model, [x], run, layers, None)
+            yt, shown = opened.run(x, run)
             try:
-                y32, eager = _recorded(model, storages, x, run)
-                y64, wide_values = _recorded(wide, wide_storages, _wide(x), run)
+                y32, eager = _recorded(model, layers, x, run)
+                compare = _Comparer(eager, shown, accumulators)
+                y64 = None
+                if floor_samples < FLOOR_SAMPLES:
+                    y64 = _compared(wide, wide_layers, _wide(x), run, compare)
+                    floor_samples += batch.size
             except BnauditError:
                 raise
             except Exception as exc:
                 raise rejected(batch.index, exc) from exc
-            yt, shown = opened.run(x, run)
-            outputs.update(output_tensor(yt).to(device), output_tensor(y32), output_tensor(y64))
-            for name, values in eager.items():
-                for y, r, w in zip(shown.get(name, ()), values, wide_values.get(name, ())):
-                    if y.shape != r.shape:
-                        if y.numel() != r.numel():
-                            raise BnauditError(
-                                f"layer {name}: the target's output has shape {list(y.shape)}, eager's "
-                                f"{list(r.shape)}: not the same layer"
-                            )
-                        y = y.reshape(r.shape)
-                    accumulators.setdefault(name, LayerDeviation()).update(y.to(r.device), r, w)
+            compare.rest()  # without a float64 pass: every call compared here
+            outputs.update(
+                output_tensor(yt).to(device), output_tensor(y32), None if y64 is None else output_tensor(y64)
+            )
+            del x, y32, y64, yt, eager, shown, compare  # gone before the next batch's forward passes
             batches += 1
             if progress is not None:
                 progress(batches, len(stream))

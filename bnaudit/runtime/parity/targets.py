@@ -38,7 +38,7 @@ from bnaudit.runtime.models import RunnableModel, graph_producers, output_tensor
 from bnaudit.runtime.norms import scripted_batch_stat_calls
 from bnaudit.runtime.parity.compiled import DEFAULT_BACKEND, CompiledTarget
 from bnaudit.runtime.parity.onnx import OnnxTarget
-from bnaudit.runtime.sites import batchnorm_calls, layer_storages
+from bnaudit.runtime.sites import batchnorm_outputs
 from bnaudit.text import exception_line
 
 # sniffed format -> target kind
@@ -99,7 +99,6 @@ class ProgramTarget:
             raise BnauditError(f"--against {path}: {loader} cannot load it: {exception_line(exc)}") from None
         self.module = module
         self.names = dict(names)
-        self.storages = layer_storages(module)
         self.path = path
         self.fixed = _fixed_batch(module) if target.kind == "pt2" else None
         self.padded = 0
@@ -129,14 +128,11 @@ class ProgramTarget:
     def _run(self, inputs: Any, forward: Callable[[Any, Any], Any]) -> tuple[Any, dict[str, list[Any]]]:
         values: dict[str, list[Any]] = {}
 
-        def around(name: str, run: Callable[[], Any], _func: Any, _args: Any, _kwargs: Any) -> Any:
-            out = run()
-            value = out[0] if isinstance(out, (tuple, list)) else out
+        def record(name: str, value: Any) -> None:
             values.setdefault(self.names.get(name, name), []).append(value)
-            return out
 
         try:
-            with batchnorm_calls(self.storages, around):
+            with batchnorm_outputs(self.module, None, record):
                 out = forward(self.module, inputs)
         except BnauditError:
             raise
