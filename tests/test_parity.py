@@ -19,6 +19,7 @@ import math
 import os
 import warnings
 
+import jsonschema
 import pytest
 import torch
 from conftest import REPO, SAMPLES, save_safetensors
@@ -381,6 +382,8 @@ def test_ci_formats_name_the_first_divergent_layer(cli):
         "--isolated",
     ]
     sarif = json.loads(cli(*args, "-f", "sarif").stdout)
+    with open(os.path.join(REPO, "tests", "data", "sarif-schema-2.1.0.json"), encoding="utf-8") as fh:
+        jsonschema.Draft4Validator(json.load(fh)).validate(sarif)
     results = sarif["runs"][0]["results"]
     assert [r["ruleId"] for r in results] == ["BN301", "BN302"]
     assert results[0]["locations"][0]["logicalLocations"][0]["name"] == "features.1"

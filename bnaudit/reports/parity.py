@@ -98,16 +98,12 @@ class ParityReport:
             )
             lines.append(f"What differs there: {reading(first)}.")
             if after:
-                verb = "exceeds its floor" if len(after) == 1 else "exceed their floor"
-                lines.append(
-                    f"{plural(len(after), 'later layer')} {verb} too ({layer_list(after)}): inheriting the "
-                    "difference, or adding their own."
-                )
-        if o.deviates:
+                verb, own = ("exceeds its floor", "its") if len(after) == 1 else ("exceed their floors", "their")
+                lines.append(f"Later, {layer_list(after)} {verb} too: inherited, or a difference of {own} own.")
+        if o.deviates and first is None:
             lines.append(
-                f"The outputs deviate: largest relative deviation {o.relative:.3g} against a threshold of "
-                f"{PARITY_FACTOR * o.floor:.0e}, top-1 agreement {o.top1_agreement:.1%}."
-                + ("" if first is not None else " No BN layer diverges: look after the last BN layer.")
+                f"The outputs deviate (largest relative deviation {o.relative:.3g}, threshold "
+                f"{PARITY_FACTOR * o.floor:.0e}) while no BN layer diverges: look after the last BN layer."
             )
         if self.unseen:
             lines.append(

@@ -1,5 +1,5 @@
 """The parity table: one row per BN layer in execution order (floor, deviation, ratio,
-verdict), the outputs' agreement, the findings (one line each: the diagnosis says what they
+verdict), the outputs' agreement, the findings (their codes: the diagnosis says what they
 say; JSON, SARIF and the CI formats carry their messages) and the diagnosis.
 
 A deviation within PARITY_FACTOR x its noise floor is float rounding, whose digits differ
@@ -98,11 +98,9 @@ def render_parity(report: ParityReport, console: Console, quiet: bool = False) -
         names = ", ".join(u.name for u in report.unseen)
         console.print(cell(f"not shown by the target, not compared: {names} (BN303)", style="dim"))
     console.print()
-    if report.findings:  # the diagnosis says what they say: one line each here
-        for f in report.findings:
-            where = f" at {f.layer}" if f.layer else ""
-            console.print(
-                cell(f"{f.code} {f.name} ({f.severity}){where}", style="bold red" if f.severity == "error" else "")
-            )
+    if report.findings:  # the diagnosis says what they say: their codes here (--ignore, the rules' pages)
+        codes = "; ".join(f"{f.code} ({f.severity})" + (f" at {f.layer}" if f.layer else "") for f in report.findings)
+        errors = any(f.severity == "error" for f in report.findings)
+        console.print(cell(f"findings: {codes}", style="bold red" if errors else ""))
         console.print()
     diagnosis_bullets(console, report.diagnosis())
