@@ -56,7 +56,15 @@ CASES: dict[str, tuple[list[str], int]] = {
     "rules": (["rules"], 0),
     "gap": (["gap", "sample_models/reset_stats.pt", *ARCH, "--data", VAL, "--batch-size", "32"], 0),
     "parity": (
-        ["parity", "sample_models/healthy.pt", *ARCH, "--data", VAL, "--against", "sample_models/onnx/digits_training.onnx"],
+        [
+            "parity",
+            "sample_models/healthy.pt",
+            *ARCH,
+            "--data",
+            VAL,
+            "--against",
+            "sample_models/onnx/digits_training.onnx",
+        ],
         1,
     ),
     "invariance": (
