@@ -51,6 +51,27 @@ class ResNet18(nn.Module):
         return self.fc(x.mean((2, 3)))
 
 
+class SharedBN(nn.Module):
+    """One BN called twice per forward (after two convs), and one never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.spare = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.conv1(x)))
+        x = torch.relu(self.bn(self.conv2(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+def shared_bn() -> SharedBN:
+    return SharedBN()
+
+
 def resnet18() -> ResNet18:
     return ResNet18()
 

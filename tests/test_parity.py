@@ -17,13 +17,14 @@ import io
 import json
 import math
 import os
+import sys
 import warnings
 
 import jsonschema
 import pytest
 import torch
 from conftest import REPO, SAMPLES, save_safetensors
-from parity_models import resnet18, trained_looking
+from parity_models import resnet18, shared_bn, trained_looking
 
 from bnaudit.audit.parity import implied_eps
 from bnaudit.audit.statistics import PARITY_FACTOR, TINY, noise_floor
@@ -344,6 +345,35 @@ def test_torchscript_healthy_and_with_one_buffer_changed(resnet):
     assert any("running_mean differ from the checkpoint's" in w for w in report.first_divergent.evidence.static)
     fit = report.first_divergent.evidence.fits[0]
     assert fit.scale == pytest.approx(1.0, abs=1e-4) and fit.shift != 0  # a shift: the mean
+
+
+def test_a_layer_called_twice_is_compared_at_both_calls_and_one_never_called_is_listed(tmp_path):
+    model = trained_looking(shared_bn(), shape=(3, 8, 8))
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    data = save_safetensors({"inputs": torch.randn(32, 3, 8, 8)}, tmp_path / "data.safetensors")
+    traced = torch.jit.trace(copy.deepcopy(model), torch.zeros(2, 3, 8, 8))
+    traced.save(str(tmp_path / "healthy.ts"))
+    spec = ModelSpec(str(tmp_path / "model.pt"), arch=f"{MODELS}:shared_bn")
+    options = DataOptions(path=data, batch_size=16)
+    report = measure_parity(spec, str(tmp_path / "healthy.ts"), options)
+    assert [(e.name, e.calls) for e in report.layers] == [("bn", 2)]
+    assert [u.name for u in report.unseen] == ["spare"] and "never calls it" in report.unseen[0].reason
+    assert [f.code for f in report.findings] == ["BN303"] and report.exit_code() == 0  # an info fails nothing
+    with torch.no_grad():
+        dict(traced.named_buffers())["bn.running_var"][1] *= 4
+    traced.save(str(tmp_path / "broken.ts"))
+    broken = measure_parity(spec, str(tmp_path / "broken.ts"), options)
+    # the first call differs in channel 1 alone; the second normalises conv2 of it: every channel
+    assert broken.first_divergent.name == "bn" and 1 in broken.first_divergent.channels_over
+
+
+def test_without_onnxruntime_an_onnx_target_is_one_line_naming_the_extra(cli, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime raises ImportError
+    against = os.path.join(SAMPLES, "onnx", "digits.onnx")
+    result = cli("parity", HEALTHY, "--arch", DIGITS, "--data", VAL, "--against", against, "--isolated")
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert 'pip install "bnaudit[onnx]"' in line
 
 
 # ----------------------------------------------------------------------------- the command

@@ -170,13 +170,13 @@ def reading(layer: LayerParity) -> str:
     outputs show (module docstring)."""
     e = layer.evidence
     parts = list(e.static)
-    if e.folded:
-        parts.append(f"BN is folded into {e.folded} there")
     if e.dtype in ("float16", "bfloat16"):
         parts.append(f"precision: the target computes the layer in {e.dtype}")
-    if parts:
-        return "; ".join(parts)
-    return _from_outputs(layer)
+    if not parts:
+        parts.append(_from_outputs(layer))
+    if e.folded:  # where the value was read, not a cause by itself
+        parts.append(f"(read at {e.folded}, which BN was folded into)")
+    return "; ".join(parts)
 
 
 def _from_outputs(layer: LayerParity) -> str:
