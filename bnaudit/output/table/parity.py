@@ -98,8 +98,10 @@ def render_parity(report: ParityReport, console: Console, quiet: bool = False) -
         names = ", ".join(u.name for u in report.unseen)
         console.print(cell(f"not shown by the target, not compared: {names} (BN303)", style="dim"))
     console.print()
-    if report.findings:  # the diagnosis says what they say: their codes here (--ignore, the rules' pages)
-        codes = "; ".join(f"{f.code} ({f.severity})" + (f" at {f.layer}" if f.layer else "") for f in report.findings)
+    if report.findings:  # the diagnosis says what they say: their codes and names here (--ignore, the rules' pages)
+        codes = "; ".join(
+            f"{f.code} {f.name} ({f.severity})" + (f" at {f.layer}" if f.layer else "") for f in report.findings
+        )
         errors = any(f.severity == "error" for f in report.findings)
         console.print(cell(f"findings: {codes}", style="bold red" if errors else ""))
         console.print()
