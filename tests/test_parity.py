@@ -33,6 +33,7 @@ from bnaudit.runtime.parity.accumulate import LayerDeviation
 from bnaudit.runtime.parity.measure import measure_parity
 from bnaudit.runtime.sources import DataOptions
 
+sys.path.insert(0, SAMPLES)  # digits_net, the samples' architecture
 MODELS = os.path.join(REPO, "tests", "parity_models.py")
 RESNET = f"{MODELS}:resnet18"
 DIGITS = os.path.join(SAMPLES, "digits_net.py") + ":digits_net"
@@ -365,6 +366,20 @@ def test_a_layer_called_twice_is_compared_at_both_calls_and_one_never_called_is_
     broken = measure_parity(spec, str(tmp_path / "broken.ts"), options)
     # the first call differs in channel 1 alone; the second normalises conv2 of it: every channel
     assert broken.first_divergent.name == "bn" and 1 in broken.first_divergent.channels_over
+
+
+def test_a_torchscript_checkpoint_runs_eagerly_against_its_targets(tmp_path, cli):
+    """The eager side may be a TorchScript archive (no --arch); torch.compile needs an eager model."""
+    from digits_net import digits_net
+
+    model = digits_net()
+    model.load_state_dict(torch.load(HEALTHY, weights_only=True))
+    traced = str(tmp_path / "digits.ts")
+    torch.jit.trace(model.eval(), torch.zeros(2, 1, 8, 8)).save(traced)
+    options = DataOptions(path=VAL, batch_size=64, num_samples=128)
+    assert_healthy(measure_parity(ModelSpec(traced), os.path.join(SAMPLES, "onnx", "digits.onnx"), options))
+    result = cli("parity", traced, "--data", VAL, "--num-samples", "64", "--against", "compile", "--isolated")
+    assert result.exit_code == 2 and "is a TorchScript module, which torch.compile does not compile" in result.stderr
 
 
 def test_without_onnxruntime_an_onnx_target_is_one_line_naming_the_extra(cli, monkeypatch):

@@ -36,7 +36,7 @@ import torch
 from bnaudit.errors import BnauditError
 from bnaudit.normkinds import NormKind, op_kind
 from bnaudit.runtime.models import import_callable
-from bnaudit.runtime.norms import batchnorm_modules, is_batchnorm
+from bnaudit.runtime.norms import batchnorm_modules, is_batchnorm, is_script
 from bnaudit.runtime.sites import layer_storages
 from bnaudit.text import exception_line, listing
 
@@ -110,6 +110,11 @@ class CompiledTarget:
         import torch._dynamo
 
         self.backend = backend
+        if is_script(model):
+            raise BnauditError(
+                f"--against compile:{backend}: the checkpoint is a TorchScript module, which torch.compile does not "
+                "compile: pass the state dict with --arch (the eager model)"
+            )
         self.inner = resolve_backend(backend)
         self.model = copy.deepcopy(model).to(device).eval()
         self.layers = batchnorm_modules(self.model)

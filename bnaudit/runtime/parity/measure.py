@@ -23,6 +23,7 @@ layers it does not reach follow in registration order. Definitions of the number
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -162,8 +163,11 @@ def measure_parity(
     layers = batchnorm_modules(model)
     if not layers:
         raise BnauditError(f"{spec.checkpoint}: the model has no BatchNorm layer to compare")
-    wide = copy.deepcopy(model).double().eval()
-    wide_layers = {name: wide.get_submodule(name) for name in layers}
+    with warnings.catch_warnings():  # a TorchScript module's .double() reads each parameter's .grad, and warns
+        warnings.simplefilter("ignore", UserWarning)
+        wide = copy.deepcopy(model).double().eval()
+    wide_modules = dict(wide.named_modules())  # a TorchScript module has no get_submodule
+    wide_layers = {name: wide_modules[name] for name in layers}
     opened = open_target(target, runnable, spec.checkpoint, config, device)
     stream = make_loader(options)
 
