@@ -8,8 +8,8 @@
                                         # 10: .onnx with external data, needs the onnx extra;
                                         # 11: torch.save files without torch, one and a folder of 50
                                         # 12: diff --data on a fixed-batch-2 ONNX export
-                                        # 13: parity against a plain eager+target loop
-                                        # 14: parity's peak RSS, 1000 vs 100 samples)
+                                        # 14: parity against a plain eager+target loop
+                                        # 15: parity's peak RSS, 1000 vs 100 samples)
 
 Every input is built here, in a temporary folder deleted at the end: a ResNet-50-shaped
 state dict (53 BN layers, 25.6 M parameters) with and without 1 GiB of other tensors,
@@ -1275,7 +1275,7 @@ def bnaudit_parity(w: Workload, against: str, samples: int, data: str | None = N
             "--num-samples", str(samples), "--batch-size", str(w.batch), "--format", "json", "--isolated"]  # fmt: skip
 
 
-def target_13_parity(w: Workload, repeats: int, samples: int) -> None:
+def target_14_parity(w: Workload, repeats: int, samples: int) -> None:
     """parity (eager float32 and float64, the target, every BN layer compared) against a plain
     loop of eager and the target comparing final outputs only: whole processes, same batches."""
     targets: list[tuple[str, str, str]] = [("compile:aot_eager", "", "aot_eager")]
@@ -1284,11 +1284,11 @@ def target_13_parity(w: Workload, repeats: int, samples: int) -> None:
 
         targets.insert(0, ("ONNX, BN folded", build("build_folded_onnx", w.folder, w.ckpt), ""))  # type: ignore[arg-type]
     except ImportError:
-        skip("13", "parity vs a plain loop, ONNX target", "onnxruntime is not installed (the onnx extra)")
+        skip("14", "parity vs a plain loop, ONNX target", "onnxruntime is not installed (the onnx extra)")
     for label, onnx, backend in targets:
         what = f"parity vs plain eager+target loop ({label})"
         if not command_exists("parity"):
-            skip("13", what, "no `bnaudit parity` command on this branch yet")
+            skip("14", what, "no `bnaudit parity` command on this branch yet")
             continue
         ref = os.path.join(w.folder, f"ref_parity_{backend or 'onnx'}.py")
         with open(ref, "w") as f:
@@ -1299,21 +1299,21 @@ def target_13_parity(w: Workload, repeats: int, samples: int) -> None:
                        env=child_env(ONE_THREAD))  # fmt: skip
         t_ref, t_par = median_wall(runs["loop"]), median_wall(runs["parity"])
         detail = f"{fmt_s(t_par)} vs {fmt_s(t_ref)}, {samples} samples, batch {w.batch}, 15 BN layers, whole processes"
-        line("13", what, t_par / t_ref, 3.0, detail)
+        line("14", what, t_par / t_ref, 3.0, detail)
 
 
-def target_14_parity_memory(w: Workload, repeats: int) -> None:
+def target_15_parity_memory(w: Workload, repeats: int) -> None:
     """parity's peak RSS does not grow with the data: 1,000 samples against 100, batches of 64."""
     what = "parity peak RSS: 1000 vs 100 samples (batch 64)"
     if not command_exists("parity"):
-        return skip("14", what, "no `bnaudit parity` command on this branch yet")
+        return skip("15", what, "no `bnaudit parity` command on this branch yet")
     small = build("build_tensor_data", os.path.join(w.folder, "parity_100.safetensors"), 100)
     large = build("build_tensor_data", os.path.join(w.folder, "parity_1000.safetensors"), 1000)
     against = "compile:aot_eager"
     runs = compare({"small": bnaudit_parity(w, against, 100, str(small)),
                     "large": bnaudit_parity(w, against, 1000, str(large))}, repeats, env=child_env(ONE_THREAD))  # fmt: skip
     m_small, m_large = median_rss(runs["small"]), median_rss(runs["large"])
-    line("14", what, m_large / m_small, 1.2, f"{fmt_mb(m_large)} vs {fmt_mb(m_small)}, target {against}")
+    line("15", what, m_large / m_small, 1.2, f"{fmt_mb(m_large)} vs {fmt_mb(m_small)}, target {against}")
 
 
 def target_5_memory(
@@ -1434,7 +1434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             target_10_onnx_external_data(tmp, extra_bytes, repeats)
         if 11 in only:
             target_11_torch_save_without_torch(tmp, max(repeats * 2, 7))
-        if only & {3, 4, 5, 6, 9, 12, 13, 14}:
+        if only & {3, 4, 5, 6, 9, 12, 14, 15}:
             folder = os.path.join(tmp, "model")
             os.makedirs(folder)
             ckpt = build("build_small_model", folder)
@@ -1448,10 +1448,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 target_9_invariance(w, build("build_wide_model", folder), repeats)
             if 12 in only:
                 target_12_export_parity(w, repeats, samples)
-            if 13 in only:
-                target_13_parity(w, repeats, samples)
             if 14 in only:
-                target_14_parity_memory(w, max(repeats - 2, 1))
+                target_14_parity(w, repeats, samples)
+            if 15 in only:
+                target_15_parity_memory(w, max(repeats - 2, 1))
             if only & {5, 6}:
                 small = build("build_image_folder", os.path.join(tmp, "images_small"), n_images)
                 large = build("build_image_folder", os.path.join(tmp, "images_large"), n_images * 10)

@@ -157,7 +157,7 @@ def test_an_eps_changed_by_the_backend_is_found_at_its_layer(resnet):
     assert "eps 0.01 in the compiled graph, 1e-05 in the model" in first.evidence.static
     # the outputs alone say the same: one eps explains every channel's scale
     assert first.evidence.implied_eps == pytest.approx(0.01, rel=1e-3)
-    assert [f.code for f in report.findings] == ["BN301", "BN302"]
+    assert [f.code for f in report.findings] == ["BN401", "BN402"]
 
 
 def test_a_one_percent_change_of_one_layer_exceeds_the_threshold(resnet):
@@ -359,7 +359,7 @@ def test_a_layer_called_twice_is_compared_at_both_calls_and_one_never_called_is_
     report = measure_parity(spec, str(tmp_path / "healthy.ts"), options)
     assert [(e.name, e.calls) for e in report.layers] == [("bn", 2)]
     assert [u.name for u in report.unseen] == ["spare"] and "never calls it" in report.unseen[0].reason
-    assert [f.code for f in report.findings] == ["BN303"] and report.exit_code() == 0  # an info fails nothing
+    assert [f.code for f in report.findings] == ["BN403"] and report.exit_code() == 0  # an info fails nothing
     with torch.no_grad():
         dict(traced.named_buffers())["bn.running_var"][1] *= 4
     traced.save(str(tmp_path / "broken.ts"))
@@ -430,11 +430,11 @@ def test_ci_formats_name_the_first_divergent_layer(cli):
     with open(os.path.join(REPO, "tests", "data", "sarif-schema-2.1.0.json"), encoding="utf-8") as fh:
         jsonschema.Draft4Validator(json.load(fh)).validate(sarif)
     results = sarif["runs"][0]["results"]
-    assert [r["ruleId"] for r in results] == ["BN301", "BN302"]
+    assert [r["ruleId"] for r in results] == ["BN401", "BN402"]
     assert results[0]["locations"][0]["logicalLocations"][0]["name"] == "features.1"
     assert "features.1" in cli(*args, "-f", "github").stdout
-    assert "BN301" in cli(*args, "-f", "junit").stdout and "bnaudit parity" in cli(*args, "-f", "markdown").stdout
-    assert json.loads(cli(*args, "-f", "gitlab").stdout)[0]["check_name"].startswith("BN301")
+    assert "BN401" in cli(*args, "-f", "junit").stdout and "bnaudit parity" in cli(*args, "-f", "markdown").stdout
+    assert json.loads(cli(*args, "-f", "gitlab").stdout)[0]["check_name"].startswith("BN401")
 
 
 @pytest.mark.parametrize(

@@ -60,9 +60,9 @@ def test_registry_has_the_documented_codes_and_names():
         "BN205": "fp16-flush",
         "BN206": "half-cancellation",
         "BN207": "bn-not-paired",
-        "BN301": "parity-layer-diverges",
-        "BN302": "parity-outputs-deviate",
-        "BN303": "parity-layer-unseen",
+        "BN401": "parity-layer-diverges",
+        "BN402": "parity-outputs-deviate",
+        "BN403": "parity-layer-unseen",
     }
 
 

@@ -52,7 +52,7 @@ RULE_EXAMPLES = {
     "BN101": "bnaudit diff -q sample_models/pretrained.safetensors sample_models/finetuned.pt --expect-frozen 'features.*'",
     "BN105": "bnaudit diff -q sample_models/pretrained.safetensors sample_models/finetuned.pt --expect-frozen 'head.*'",
     "BN108": "bnaudit diff -q sample_models/healthy.pt sample_models/onnx/digits_training.onnx --select BN108",
-    "BN301": "bnaudit parity -q sample_models/healthy.pt --arch sample_models/digits_net.py:digits_net "
+    "BN401": "bnaudit parity -q sample_models/healthy.pt --arch sample_models/digits_net.py:digits_net "
     "--data sample_models/data/digits_val.safetensors --against sample_models/onnx/digits_training.onnx",
 }
 

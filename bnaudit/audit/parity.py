@@ -220,7 +220,7 @@ def implied_eps(scales: Sequence[tuple[float, float]], eps: float) -> float | No
 
 @dataclass(frozen=True)
 class ParityContext:
-    """What the parity rules read (BN301-BN303)."""
+    """What the parity rules read (BN401-BN403)."""
 
     layers: tuple[LayerParity, ...]
     unseen: tuple[UnseenLayer, ...]

@@ -189,7 +189,7 @@ def rules_index_page() -> str:
             "Every finding bnaudit reports has a stable code. `inspect` runs BN001-BN099 on a",
             "checkpoint alone (some need `--arch`, a TorchScript archive or an ONNX export); `diff`",
             "runs BN101 and up on two checkpoints, or a checkpoint and its ONNX export; `fold` runs",
-            "BN201 and up, `parity` BN301 and up (a checkpoint against the artifact that ships). The severity",
+            "BN201 and up, `parity` BN401 and up (a checkpoint against the artifact that ships). The severity",
             'column is the default; "error / warning" means the case decides (see each page). Any',
             "rule can be re-rated, ignored or tuned in the [configuration](../configuration.md);",
             "`bnaudit rules CODE` prints a rule's page in the terminal.",

@@ -83,7 +83,7 @@ def parity_command(
     exit_zero: ExitZeroOpt = False,
     select: Annotated[
         Optional[list[str]],
-        typer.Option(metavar="CODES", help="Run only these rules (codes or prefixes, e.g. BN301)."),
+        typer.Option(metavar="CODES", help="Run only these rules (codes or prefixes, e.g. BN401)."),
     ] = None,
     ignore: Annotated[
         Optional[list[str]], typer.Option(metavar="CODES", help="Do not report these rules (codes or prefixes).")

@@ -5,7 +5,7 @@ Importing this package registers every rule: the inspect rules of a checkpoint's
 rules between two checkpoints (`diff`, BN101-BN107) and between a checkpoint and its
 export (`export`, BN108-BN114), what folding BN into its producer and then int8 or
 half precision do (`fold`, BN201-BN207, `bnaudit fold`), and where a deployed target stops
-computing what the checkpoint computes (`parity`, BN301-BN303, `bnaudit parity`). The order of the imports does not matter: `RULES` is
+computing what the checkpoint computes (`parity`, BN401-BN403, `bnaudit parity`). The order of the imports does not matter: `RULES` is
 kept in code order, the order of `bnaudit rules` and of every report's findings.
 """
 

@@ -1,4 +1,4 @@
-"""The rules of `bnaudit parity`: BN301-BN303, where a deployed target (torch.compile, an ONNX
+"""The rules of `bnaudit parity`: BN401-BN403, where a deployed target (torch.compile, an ONNX
 model in onnxruntime, a .pt2 program, a TorchScript file) stops computing what the
 checkpoint computes in eager PyTorch (definitions in bnaudit.audit.parity and
 bnaudit.audit.statistics)."""
@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # `bnaudit parity` builds it; registering the rules needs non
 
 
 @rule(
-    "BN301",
+    "BN401",
     "parity-layer-diverges",
     Severity.ERROR,
     "The deployed target's output of a BN layer deviates from eager PyTorch's beyond 10x float32 noise: the first such layer in execution order.",
@@ -49,7 +49,7 @@ def _check_divergent(ctx: ParityContext) -> Iterator[Finding]:
     later = (
         f"; {plural(len(after), 'later layer')} {'exceeds' if len(after) == 1 else 'exceed'} it too" if after else ""
     )
-    yield RULES["BN301"].finding(
+    yield RULES["BN401"].finding(
         Severity.ERROR,
         first.name,
         f"the {ctx.target.kind} target's output ({first.site}) deviates by {three_digits(first.relative)}, "
@@ -60,7 +60,7 @@ def _check_divergent(ctx: ParityContext) -> Iterator[Finding]:
 
 
 @rule(
-    "BN302",
+    "BN402",
     "parity-outputs-deviate",
     Severity.ERROR,
     "The deployed target's final outputs deviate from eager PyTorch's beyond 10x float32 noise.",
@@ -69,8 +69,8 @@ def _check_divergent(ctx: ParityContext) -> Iterator[Finding]:
     "float64 copy of the model, rounded up to a power of ten). Top-1 agreement is reported beside it but not "
     "judged alone: where two classes nearly tie, noise flips the argmax. Outputs that deviate while no BN "
     "layer diverges point after the last BN layer, or to a layer whose output the target does not show "
-    "(BN303).",
-    "Follow BN301's layer if there is one; otherwise compare the layers after the last BN.",
+    "(BN403).",
+    "Follow BN401's layer if there is one; otherwise compare the layers after the last BN.",
     command="parity",
 )
 def _check_outputs(ctx: ParityContext) -> Iterator[Finding]:
@@ -83,7 +83,7 @@ def _check_outputs(ctx: ParityContext) -> Iterator[Finding]:
         else "; no BN layer diverges: the difference starts after the last BN layer or in a layer the target "
         "does not show"
     )
-    yield RULES["BN302"].finding(
+    yield RULES["BN402"].finding(
         Severity.ERROR,
         None,
         f"largest relative output deviation {three_digits(o.relative)} ({threshold_words(o.floor)}), "
@@ -93,7 +93,7 @@ def _check_outputs(ctx: ParityContext) -> Iterator[Finding]:
 
 
 @rule(
-    "BN303",
+    "BN403",
     "parity-layer-unseen",
     Severity.INFO,
     "A BN layer of the checkpoint whose output the deployed target does not show: not compared.",
@@ -102,10 +102,10 @@ def _check_outputs(ctx: ParityContext) -> Iterator[Finding]:
     "compiled graph or of the program's operators, found by the layer's own statistics tensors. A layer the "
     "eager forward never calls, a node inside an ONNX subgraph or function, a fold that could not be paired "
     "with a node, or a target that fused the layer away out of sight leaves nothing to read: the layer is "
-    "listed, not judged. The outputs are still compared (BN302).",
+    "listed, not judged. The outputs are still compared (BN402).",
     "Pass --arch so folded layers are paired through the model graph, or export with the BN nodes kept.",
     command="parity",
 )
 def _check_unseen(ctx: ParityContext) -> Iterator[Finding]:
     for layer in ctx.unseen:
-        yield RULES["BN303"].finding(Severity.INFO, layer.name, f"not compared: {layer.reason}")
+        yield RULES["BN403"].finding(Severity.INFO, layer.name, f"not compared: {layer.reason}")

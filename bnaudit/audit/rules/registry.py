@@ -2,7 +2,7 @@
 
 Rules register themselves with the `rule` decorator when their module is imported; the
 package (`bnaudit.audit.rules`) imports every rule module, and `RULES` is kept in code
-order: BN001-BN014 (inspect), BN101-BN114 (diff), BN201- (fold), then BN301- (parity), whatever the import
+order: BN001-BN014 (inspect), BN101-BN114 (diff), BN201- (fold), then BN401- (parity), whatever the import
 order. `run_rules`, `run_diff_rules`, `run_fold_rules` and `run_parity_rules` apply the configuration: `select`/`ignore`, per-layer ignores and the
 `severity` table.
 """

@@ -96,7 +96,7 @@ def render_parity(report: ParityReport, console: Console, quiet: bool = False) -
     console.print(cell(words, style="bold red" if o.deviates else ""))
     if report.unseen:
         names = ", ".join(u.name for u in report.unseen)
-        console.print(cell(f"not shown by the target, not compared: {names} (BN303)", style="dim"))
+        console.print(cell(f"not shown by the target, not compared: {names} (BN403)", style="dim"))
     console.print()
     if report.findings:  # the diagnosis says what they say: their codes and names here (--ignore, the rules' pages)
         codes = "; ".join(
