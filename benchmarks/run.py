@@ -8,7 +8,9 @@
                                         # 10: .onnx with external data, needs the onnx extra;
                                         # 11: torch.save files without torch, one and a folder of 50
                                         # 12: diff --data on a fixed-batch-2 ONNX export;
-                                        # 13: inspect --format html of 500 BN layers x 2048 channels)
+                                        # 13: inspect --format html of 500 BN layers x 2048 channels;
+                                        # 14: parity against a plain eager+target loop
+                                        # 15: parity's peak RSS, 1000 vs 100 samples)
 
 Every input is built here, in a temporary folder deleted at the end: a ResNet-50-shaped
 state dict (53 BN layers, 25.6 M parameters) with and without 1 GiB of other tensors,
@@ -399,6 +401,28 @@ def build_fixed_batch_onnx(folder: str, ckpt: str) -> str:
     return path
 
 
+def build_folded_onnx(folder: str, ckpt: str) -> str:
+    """bench_model.net with `ckpt`'s weights exported as most deployments are: BN folded into the
+    convs (the legacy exporter's constant folding), a dynamic batch dimension."""
+    import contextlib
+    import io
+    import warnings
+
+    import torch
+
+    sys.path.insert(0, folder)
+    import bench_model  # type: ignore[import-not-found]
+
+    model = bench_model.net()
+    model.load_state_dict(torch.load(ckpt, map_location="cpu", weights_only=True))
+    path = os.path.join(folder, "folded.onnx")
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model.eval(), (torch.zeros(2, 3, 32, 32),), path, dynamo=False, input_names=["x"],
+                          dynamic_axes={"x": {0: "n"}})  # fmt: skip
+    return path
+
+
 def build_tensor_data(path: str, samples: int) -> str:
     import torch
     from safetensors.torch import save_file
@@ -685,6 +709,7 @@ BUILDERS = {
         build_torch_save_files,
         build_fixed_batch_onnx,
         build_many_layers,
+        build_folded_onnx,
     )
 }
 
@@ -1210,7 +1235,7 @@ if {torch_too}:
 EXPORT_RUN = """
 import json, statistics, sys, time, numpy as np, onnxruntime
 from safetensors.numpy import load_file
-from bnaudit.runtime.exportparity import run_export
+from bnaudit.runtime.parity.onnx import run_export
 x = load_file({data!r})["inputs"].astype(np.float32)
 session = onnxruntime.InferenceSession({onnx!r}, providers=["CPUExecutionProvider"])
 def plain():
@@ -1271,6 +1296,80 @@ def target_12_export_parity(w: Workload, repeats: int, samples: int) -> None:
         None,
         f"{fmt_s(t_diff)} vs {fmt_s(t_both)} (diff also runs a float64 copy for the noise floor)",
     )
+
+
+# parity's reference: the same model, data and batches of 64 through eager PyTorch and the
+# target, the final outputs compared (largest |difference|, argmax agreement), nothing else.
+REF_PARITY = """
+import sys, torch
+sys.path.insert(0, {folder!r})
+from bench_model import net
+from safetensors.torch import load_file
+model = net()
+model.load_state_dict(torch.load({ckpt!r}, map_location="cpu", weights_only=True))
+model.eval()
+x = load_file({data!r})["inputs"][:{samples}]
+if {onnx!r}:
+    import onnxruntime
+    session = onnxruntime.InferenceSession({onnx!r}, providers=["CPUExecutionProvider"])
+    target = lambda b: torch.from_numpy(session.run(None, {{"x": b.numpy()}})[0])
+else:
+    import copy
+    target = torch.compile(copy.deepcopy(model), backend={backend!r})
+worst, agree = 0.0, 0
+with torch.no_grad():
+    for b in x.split({batch}):
+        y, t = model(b), target(b)
+        worst = max(worst, float((y - t).abs().max()))
+        agree += int((y.argmax(1) == t.argmax(1)).sum())
+print(worst, agree)
+"""
+
+
+def bnaudit_parity(w: Workload, against: str, samples: int, data: str | None = None) -> list[str]:
+    return [PY, "-m", "bnaudit", "parity", w.ckpt, "--arch", w.arch, "--data", data or w.data, "--against", against,
+            "--num-samples", str(samples), "--batch-size", str(w.batch), "--format", "json", "--isolated"]  # fmt: skip
+
+
+def target_14_parity(w: Workload, repeats: int, samples: int) -> None:
+    """parity (eager float32 and float64, the target, every BN layer compared) against a plain
+    loop of eager and the target comparing final outputs only: whole processes, same batches."""
+    targets: list[tuple[str, str, str]] = [("compile:aot_eager", "", "aot_eager")]
+    try:
+        import onnxruntime  # type: ignore[import-untyped]  # noqa: F401
+
+        targets.insert(0, ("ONNX, BN folded", build("build_folded_onnx", w.folder, w.ckpt), ""))  # type: ignore[arg-type]
+    except ImportError:
+        skip("14", "parity vs a plain loop, ONNX target", "onnxruntime is not installed (the onnx extra)")
+    for label, onnx, backend in targets:
+        what = f"parity vs plain eager+target loop ({label})"
+        if not command_exists("parity"):
+            skip("14", what, "no `bnaudit parity` command on this branch yet")
+            continue
+        ref = os.path.join(w.folder, f"ref_parity_{backend or 'onnx'}.py")
+        with open(ref, "w") as f:
+            f.write(REF_PARITY.format(folder=w.folder, ckpt=w.ckpt, data=w.data, samples=samples, onnx=onnx,
+                                      backend=backend, batch=w.batch))  # fmt: skip
+        against = onnx or f"compile:{backend}"
+        runs = compare({"loop": [PY, ref], "parity": bnaudit_parity(w, against, samples)}, repeats,
+                       env=child_env(ONE_THREAD))  # fmt: skip
+        t_ref, t_par = median_wall(runs["loop"]), median_wall(runs["parity"])
+        detail = f"{fmt_s(t_par)} vs {fmt_s(t_ref)}, {samples} samples, batch {w.batch}, 15 BN layers, whole processes"
+        line("14", what, t_par / t_ref, 3.0, detail)
+
+
+def target_15_parity_memory(w: Workload, repeats: int) -> None:
+    """parity's peak RSS does not grow with the data: 1,000 samples against 100, batches of 64."""
+    what = "parity peak RSS: 1000 vs 100 samples (batch 64)"
+    if not command_exists("parity"):
+        return skip("15", what, "no `bnaudit parity` command on this branch yet")
+    small = build("build_tensor_data", os.path.join(w.folder, "parity_100.safetensors"), 100)
+    large = build("build_tensor_data", os.path.join(w.folder, "parity_1000.safetensors"), 1000)
+    against = "compile:aot_eager"
+    runs = compare({"small": bnaudit_parity(w, against, 100, str(small)),
+                    "large": bnaudit_parity(w, against, 1000, str(large))}, repeats, env=child_env(ONE_THREAD))  # fmt: skip
+    m_small, m_large = median_rss(runs["small"]), median_rss(runs["large"])
+    line("15", what, m_large / m_small, 1.2, f"{fmt_mb(m_large)} vs {fmt_mb(m_small)}, target {against}")
 
 
 def target_5_memory(
@@ -1360,7 +1459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.build:  # a child started by build()
         print(json.dumps(BUILDERS[args.build[0]](*json.loads(args.build[1]))))
         return 0
-    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 14))
+    only = {int(x) for x in args.only.split(",")} if args.only else set(range(1, 16))
     repeats = args.repeats or (3 if args.quick else 5)
     extra_bytes = 256 * MiB if args.quick else GiB
     samples = 512 if args.quick else 2048
@@ -1393,7 +1492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             target_11_torch_save_without_torch(tmp, max(repeats * 2, 7))
         if 13 in only:
             target_13_html(tmp, repeats)
-        if only & {3, 4, 5, 6, 9, 12}:
+        if only & {3, 4, 5, 6, 9, 12, 14, 15}:
             folder = os.path.join(tmp, "model")
             os.makedirs(folder)
             ckpt = build("build_small_model", folder)
@@ -1407,6 +1506,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 target_9_invariance(w, build("build_wide_model", folder), repeats)
             if 12 in only:
                 target_12_export_parity(w, repeats, samples)
+            if 14 in only:
+                target_14_parity(w, repeats, samples)
+            if 15 in only:
+                target_15_parity_memory(w, max(repeats - 2, 1))
             if only & {5, 6}:
                 small = build("build_image_folder", os.path.join(tmp, "images_small"), n_images)
                 large = build("build_image_folder", os.path.join(tmp, "images_large"), n_images * 10)

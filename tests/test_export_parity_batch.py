@@ -18,7 +18,7 @@ from conftest import SAMPLES, save_safetensors, train_classifier
 from safetensors.torch import load_file
 
 from bnaudit.runtime.deviation import relative_deviations
-from bnaudit.runtime.exportparity import measure_parity, open_session
+from bnaudit.runtime.parity.onnx import measure_output_parity, open_session
 from bnaudit.runtime.sources import DataOptions
 
 ort = pytest.importorskip("onnxruntime")
@@ -90,7 +90,9 @@ class Counting:
 
 @pytest.mark.parametrize("kind", ["fixed", "dynamic"])
 def test_same_result_as_every_sample_alone(model, data, exports, kind):
-    result = measure_parity(open_session(exports[kind]), model, DataOptions(path=data, batch_size=BATCH, shuffle=False))
+    result = measure_output_parity(
+        open_session(exports[kind]), model, DataOptions(path=data, batch_size=BATCH, shuffle=False)
+    )
     x = load_file(data)["inputs"].float()
     agreement, worst = per_sample(model, exports[kind], x)
     assert result.samples == SAMPLES_N and result.batches == 3
@@ -110,7 +112,7 @@ def test_each_batch_runs_once_in_torch_and_at_the_exports_size_in_onnxruntime(mo
     handle = model.register_forward_hook(hook)
     session = Counting(open_session(exports[kind]))
     try:
-        measure_parity(session, model, DataOptions(path=data, batch_size=BATCH, shuffle=False))
+        measure_output_parity(session, model, DataOptions(path=data, batch_size=BATCH, shuffle=False))
     finally:
         handle.remove()
     assert forwards == [32, 32, 31]  # once per data batch, not once per 2 samples

@@ -56,6 +56,18 @@ CASES: dict[str, tuple[list[str], int]] = {
     "inspect_shard_alone": (["inspect", "sample_models/sharded/model-00001-of-00003.safetensors"], 0),
     "rules": (["rules"], 0),
     "gap": (["gap", "sample_models/reset_stats.pt", *ARCH, "--data", VAL, "--batch-size", "32"], 0),
+    "parity": (
+        [
+            "parity",
+            "sample_models/healthy.pt",
+            *ARCH,
+            "--data",
+            VAL,
+            "--against",
+            "sample_models/onnx/digits_training.onnx",
+        ],
+        1,
+    ),
     "invariance": (
         ["invariance", "sample_models/traced_train.pt", "--data", VAL, "--batch-sizes", "1,8,64"],
         1,

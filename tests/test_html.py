@@ -492,6 +492,32 @@ def test_every_format_a_command_offers_has_an_emitter_for_its_report():
     assert {"inspect", "diff", "fold", "gap", "invariance", "recalibrate"} <= set(checked)
 
 
+# ----------------------------------------------------------------------------- parity
+
+
+@pytest.mark.slow  # two real parity runs (eager, a compiled target, the float64 floor)
+def test_parity_layer_table_holds_the_json_numbers_and_marks_the_first_divergent_layer():
+    backend = f"compile:{SAMPLES}/faulty_backend.py:faulty"  # changes one layer's eps
+    arch = f"{SAMPLES}/digits_net.py:digits_net"
+    data = f"{SAMPLES}/data/digits_val.safetensors"
+    root, page, document = both(
+        "parity", f"{SAMPLES}/healthy.pt", "--arch", arch, "--data", data, "--against", backend, "--exit-zero"
+    )
+    headers, rows = rows_by(root.find("table", cls="layers"))
+    assert list(rows) == [layer["name"] for layer in document["layers"]]  # execution order
+    for layer in document["layers"]:
+        cells = rows[layer["name"]]
+        for header in ("floor", "relative", "ratio"):
+            assert same_number(value(cells[column(headers, header)]), layer[header]), (layer["name"], header)
+        assert same_number(value(cells[column(headers, "max |Δ|")]), layer["max_abs"])
+        assert cells[column(headers, "verdict")].text() == ("diverges" if layer["diverges"] else "within")
+    first = document["first_divergent"]
+    assert first is not None and f"first divergent layer: {first}" in page
+    assert len(root.find_all("svg")) == 1 and all(u.startswith("#") for u in resource_urls(root, page))
+    shown = {(tr.attrs["data-code"], tr.attrs["data-layer"]) for tr in root.find_all("tr", cls="finding")}
+    assert shown == {(f["code"], f["layer"] or "") for f in document["findings"]}
+
+
 # ----------------------------------------------------------------------------- large models
 
 

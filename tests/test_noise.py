@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(REPO, "tools"))
 import noise_match
 import readme_examples
 
-from bnaudit.runtime.exportparity import parity_floor
+from bnaudit.audit.statistics import parity_floor
 from bnaudit.text import above_floor
 
 HEALTHY_INVARIANCE = (

@@ -13,12 +13,12 @@ from bnaudit.audit.rules import ALIASES, RULES
 
 pytestmark = pytest.mark.torchfree  # runs without torch (conftest.py)
 
-MODULES = ("checkpoint", "graph", "diff", "export")
+MODULES = ("checkpoint", "graph", "diff", "export", "parity")
 
 
 def test_rules_are_in_code_order():
     assert list(RULES) == sorted(RULES)
-    assert list(RULES)[:3] == ["BN001", "BN002", "BN003"] and list(RULES)[-1] == "BN305"
+    assert list(RULES)[:3] == ["BN001", "BN002", "BN003"] and list(RULES)[-1] == "BN403"
 
 
 def test_the_order_does_not_depend_on_which_rule_module_is_imported_first():

@@ -65,6 +65,9 @@ def test_registry_has_the_documented_codes_and_names():
         "BN303": "fed-initial-statistics",
         "BN304": "fed-unmatched-statistics",
         "BN305": "fed-averaged-counter",
+        "BN401": "parity-layer-diverges",
+        "BN402": "parity-outputs-deviate",
+        "BN403": "parity-layer-unseen",
     }
 
 

@@ -172,10 +172,10 @@ def test_export_parity_measures_the_relative_deviation_of_the_definition(tmp_pat
     # Row 0 has -inf and row 2 NaN on both sides: the old per-sample max |y - ref| / max |ref|
     # made them NaN, the batch's maximum NaN, and Python's max() then reported 0.
     from bnaudit.runtime.data import DataOptions
-    from bnaudit.runtime.exportparity import measure_parity
+    from bnaudit.runtime.parity.onnx import measure_output_parity
 
     data = save_safetensors({"inputs": torch.tensor([[0.0], [1.0], [2.0]])}, tmp_path / "data.safetensors")
-    result = measure_parity(_Session(), _Rows(), DataOptions(path=data, batch_size=3, shuffle=False))
+    result = measure_output_parity(_Session(), _Rows(), DataOptions(path=data, batch_size=3, shuffle=False))
     assert result.samples == 3
     assert result.max_deviation == max(expected_deviations())
     assert result.max_deviation == max(statistics.relative_deviation(y, r) for y, r in zip(COMPARED, REFERENCE))

@@ -56,6 +56,8 @@ RULE_EXAMPLES = {
     "sample_models/federated/client2.safetensors --select BN302",
     "BN305": "bnaudit fed -q sample_models/federated/global.safetensors sample_models/federated/client1.safetensors "
     "sample_models/federated/client2.safetensors --select BN305",
+    "BN401": "bnaudit parity -q sample_models/healthy.pt --arch sample_models/digits_net.py:digits_net "
+    "--data sample_models/data/digits_val.safetensors --against sample_models/onnx/digits_training.onnx",
 }
 
 

@@ -46,6 +46,26 @@ values y_k, r_k):
                        divergence for outputs that are not class scores (r: eval mode,
                        y: train mode), averaged over the samples.
 
+Layer outputs (`bnaudit parity`). For one BN layer with channels c, the target's output of
+the layer y (what the deployed artifact computes there) and eager PyTorch's float32 output
+r, over every sample and position of the run, and eager's float64 output w (a float64 copy
+of the model) on the first samples:
+
+  channel_deviation_c  max |y_c - r_c| / max(max |r_c|, TINY)
+                       the largest change of channel c relative to the channel's largest
+                       value: a channel counts in full whatever its scale.
+  channel_relative     max_c channel_deviation_c                     (JSON `relative`)
+  rounding             max_c max |r_c - w_c| / max(max |r_c|, TINY): what float32 rounding
+                       alone does to the layer (for outputs: the largest relative_deviation
+                       of the float32 outputs from the float64 ones)
+  noise floor          10^ceil(log10(rounding)), at least NOISE_MIN = 1e-7 (about float32's
+                       unit roundoff, 6e-8): rounded up to a power of ten, so that the floor
+                       printed and every decision against it are the same on every CPU
+  ratio                channel_relative / noise floor
+  diverges             ratio > PARITY_FACTOR = 10 (`exceeds_floor`): the same factor diff's
+                       output comparison (BN114) applies to its outputs (`parity_floor`
+                       = PARITY_FACTOR x the noise floor)
+
 TINY is the smallest normal float64 (2.2e-308): a reference of zeros leaves any change
 huge, not a division by zero.
 """
@@ -58,6 +78,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 TINY = sys.float_info.min
+NOISE_MIN = 1e-7
+PARITY_FACTOR = 10
 
 
 @dataclass(frozen=True)
@@ -76,9 +98,19 @@ VAR_LOG_RATIO = Statistic("var_log_ratio", "var log-ratio", "mean_c |ln((var_c +
 MAX_VAR_LOG_RATIO = Statistic("max_var_log_ratio", "max var log-ratio", "max_c |ln((var_c + eps) / (var_ref,c + eps))|")
 RELATIVE_DEVIATION = Statistic("relative_deviation", "relative deviation", "||y - y_ref||_inf / ||y_ref||_inf")
 RELATIVE_L2 = Statistic("relative_l2", "relative L2", "||y - y_ref||_2 / ||y_ref||_2")
+CHANNEL_RELATIVE = Statistic("channel_relative", "deviation", "max_c max|y_c - r_c| / max|r_c|")
 
 STATISTICS: dict[str, Statistic] = {
-    s.name: s for s in (MEAN_SHIFT, MAX_MEAN_SHIFT, VAR_LOG_RATIO, MAX_VAR_LOG_RATIO, RELATIVE_DEVIATION, RELATIVE_L2)
+    s.name: s
+    for s in (
+        MEAN_SHIFT,
+        MAX_MEAN_SHIFT,
+        VAR_LOG_RATIO,
+        MAX_VAR_LOG_RATIO,
+        RELATIVE_DEVIATION,
+        RELATIVE_L2,
+        CHANNEL_RELATIVE,
+    )
 }
 
 
@@ -134,3 +166,41 @@ def relative_l2(y: Sequence[float], reference: Sequence[float]) -> float:
         raise ValueError(f"{len(y)} values against {len(reference)}")
     change = math.sqrt(sum((a - b) ** 2 for a, b in zip(y, reference)))
     return change / max(math.sqrt(sum(b * b for b in reference)), TINY)
+
+
+def channel_relative(changes: Sequence[float], scales: Sequence[float]) -> float:
+    """channel_relative (module docstring) from each channel's max |y_c - r_c| and max |w_c|;
+    NaN where a change is NaN, 0 for a layer without channels."""
+    worst = 0.0
+    for change, scale in zip(changes, scales, strict=True):
+        value = change / max(scale, TINY)
+        if math.isnan(value):
+            return math.nan
+        worst = max(worst, value)
+    return worst
+
+
+def _power_of_ten_above(x: float, shift: int = 0) -> float:
+    """10^(ceil(log10 x) + shift), the double nearest it, as a user types it."""
+    return float(f"1e{math.ceil(math.log10(x)) + shift}")
+
+
+def noise_floor(rounding: float) -> float:
+    """The noise floor of a measured float32 `rounding` (module docstring): rounded up to a
+    power of ten, at least NOISE_MIN; NaN stays NaN (every deviation then exceeds it)."""
+    if not (math.isfinite(rounding) and rounding > NOISE_MIN):
+        return max(rounding, NOISE_MIN)
+    return _power_of_ten_above(rounding)
+
+
+def parity_floor(rounding: float) -> float:
+    """diff's output floor (BN114): PARITY_FACTOR x `noise_floor(rounding)`, between 10x and
+    100x the rounding, at least PARITY_FACTOR x NOISE_MIN = 1e-6."""
+    if not (math.isfinite(rounding) and rounding > NOISE_MIN):
+        return max(PARITY_FACTOR * rounding, PARITY_FACTOR * NOISE_MIN)
+    return _power_of_ten_above(rounding, 1)  # PARITY_FACTOR = 10: one more power of ten
+
+
+def exceeds_floor(relative: float, floor: float) -> bool:
+    """relative > PARITY_FACTOR x floor (a NaN on either side exceeds it)."""
+    return not relative <= PARITY_FACTOR * floor

@@ -40,7 +40,7 @@ _APP_SETTINGS: dict[str, Any] = dict(
     context_settings={"max_content_width": 10_000},
 )
 # The commands in the order of `bnaudit --help`.
-COMMANDS = ("inspect", "rules", "gap", "invariance", "recalibrate", "merge", "diff", "fold", "fed")
+COMMANDS = ("inspect", "rules", "gap", "invariance", "recalibrate", "merge", "diff", "fold", "parity", "fed")
 
 
 def _version(value: bool) -> None:
@@ -84,6 +84,10 @@ def _function(command: str) -> Callable[..., Any]:
         from bnaudit.cli import fed
 
         return fed.fed_command
+    if command == "parity":
+        from bnaudit.cli import parity
+
+        return parity.parity_command
     from bnaudit.cli import fold
 
     return fold.fold_command

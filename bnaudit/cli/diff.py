@@ -144,8 +144,8 @@ def diff_command(
                 raise BnauditError("--arch-kwargs needs --arch")
             from bnaudit.audit.resolve import model_checkpoint
             from bnaudit.formats.sniff import sniff_format
-            from bnaudit.runtime.exportparity import diff_export
             from bnaudit.runtime.models import ModelSpec
+            from bnaudit.runtime.parity.onnx import diff_export
 
             if sniff_format(model_checkpoint(path_b, trust_pickle=trust_pickle, config=config)) != "onnx":
                 raise BnauditError(f"--arch applies to a checkpoint against its ONNX export: {path_b} is not ONNX")

@@ -154,6 +154,9 @@ class ModuleInfo:
     # TorchScript: the saved module's training flag, which torch.jit.load restores (a
     # model saved in training mode is loaded in training mode until .eval()); None: unknown
     saved_training: bool | None = None
+    # exported graphs: the value the node writes (an ONNX node of the main graph: its first
+    # output), where a runtime reads the layer's output (`bnaudit parity`); None: none to read
+    output: str | None = None
 
 
 @dataclass(frozen=True)

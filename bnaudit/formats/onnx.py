@@ -558,6 +558,7 @@ def read_onnx(path: str) -> Checkpoint:
             source=source,
             training_reason=mode.why,
             calls=(op.name,),
+            output=node.output[0] if where == "main" and node.output else None,
         )
     ckpt = Checkpoint(
         path,

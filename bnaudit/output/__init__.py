@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from bnaudit.reports.gap import GapReport
     from bnaudit.reports.invariance import InvarianceReport
     from bnaudit.reports.merge import MergeReport
+    from bnaudit.reports.parity import ParityReport
     from bnaudit.reports.recalibrate import RecalibrationReport
 
     Report = (
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
         | FoldReport
         | MergeReport
         | FedReport
+        | ParityReport
     )
 
 
@@ -100,6 +102,14 @@ EMITTERS: dict[str, dict[str, str]] = {
         "table": "bnaudit.output.table.fed:render_fed",
         "json": "bnaudit.output.json:fed_to_json",
         "sarif": "bnaudit.output.sarif:fed_to_sarif",
+        **_CI_FORMATS,
+    },
+    "parity": {
+        "record": "bnaudit.reports.parity:ParityReport",
+        "table": "bnaudit.output.table.parity:render_parity",
+        "json": "bnaudit.output.json:parity_to_json",
+        "sarif": "bnaudit.output.sarif:parity_to_sarif",
+        "html": "bnaudit.output.html.parity:parity_to_html",
         **_CI_FORMATS,
     },
     "gap": {

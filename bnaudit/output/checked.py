@@ -1,4 +1,4 @@
-"""The checked files of an inspect, a diff, a fold or a fed report, in the one shape the CI formats
+"""The checked files of an inspect, a diff, a fold, a fed or a parity report, in the one shape the CI formats
 (github, gitlab, junit, markdown) render: each file with its location, its layers, its
 findings, or why it was not audited.
 
@@ -100,6 +100,17 @@ def checked_files(report: Report, base: str | None = None) -> list[CheckedFile]:
     if report.kind == "fed":  # one file: the global checkpoint whose layers were classified
         names = [layer.name for layer in report.layers]
         return [CheckedFile(report.path, location(report.path, base), _layers(names, report.findings), report.findings)]
+    if report.kind == "parity":  # one file: the artifact under review, compared with the checkpoint
+        names = [layer.name for layer in report.layers] + [u.name for u in report.unseen]
+        return [
+            CheckedFile(
+                report.path,
+                location(report.path, base),
+                _layers(names, report.findings),
+                report.findings,
+                compared=report.checkpoint if report.target.path else None,
+            )
+        ]
     raise ValueError(f"no findings at locations in a {type(report).__name__} report")
 
 
@@ -109,6 +120,8 @@ def fail_on(report: Report) -> Severity:
         return Severity.parse(report.config.fail_on)
     if report.kind in ("fold", "fed"):
         return report.fail_on
+    if report.kind == "parity":
+        return Severity.parse(report.config.fail_on)
     raise ValueError(f"no findings at locations in a {type(report).__name__} report")
 
 

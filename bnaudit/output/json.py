@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING, Any
 from bnaudit import __version__
 from bnaudit.audit.checkpoint.report import InspectReport
 from bnaudit.audit.rules import Finding
-from bnaudit.audit.statistics import MAX_MEAN_SHIFT, MAX_VAR_LOG_RATIO, MEAN_SHIFT, VAR_LOG_RATIO, Drift
+from bnaudit.audit.statistics import (
+    MAX_MEAN_SHIFT,
+    MAX_VAR_LOG_RATIO,
+    MEAN_SHIFT,
+    PARITY_FACTOR,
+    VAR_LOG_RATIO,
+    Drift,
+)
 
 if TYPE_CHECKING:
     from bnaudit.audit.diff.checkpoints import DiffReport, Side
@@ -24,6 +31,7 @@ if TYPE_CHECKING:
     from bnaudit.reports.gap import GapReport, LayerDrift
     from bnaudit.reports.invariance import InvarianceReport
     from bnaudit.reports.merge import MergeReport
+    from bnaudit.reports.parity import ParityReport
     from bnaudit.reports.recalibrate import RecalibrationReport
 
 
@@ -618,4 +626,55 @@ def _folded_to_json(f: FoldedLayer) -> dict[str, Any]:
         "zero_gamma": f.check.zero_gamma,
         "matches": f.check.matches,
         "cause": f.check.cause or None,
+    }
+
+
+def parity_to_json(report: ParityReport) -> dict[str, Any]:
+    """The `bnaudit parity --format json` document: per layer in execution order its noise
+    floor, max |target - eager| (`max_abs`), channel_relative (`relative`) and verdict
+    (definitions in bnaudit.audit.statistics and bnaudit.audit.parity); null where a value is
+    not finite."""
+    first = report.first_divergent
+    o = report.outputs
+    return {
+        "version": __version__,
+        "config": report.config.as_dict(),
+        "checkpoint": report.checkpoint,
+        "model": report.model,
+        "target": {"kind": report.target.kind, "path": report.target.path, "backend": report.target.backend},
+        "samples": report.samples,
+        "batches": report.batches,
+        "device": report.device,
+        "factor": PARITY_FACTOR,
+        "layers": [
+            {
+                "name": layer.name,
+                "site": layer.site,
+                "calls": layer.calls,
+                "channels": layer.channels,
+                "floor": json_number(layer.floor),
+                "max_abs": json_number(layer.max_abs),
+                "relative": json_number(layer.relative),
+                "ratio": json_number(layer.ratio),
+                "diverges": layer.diverges,
+                "worst_channel": layer.worst_channel,
+                "channels_over": list(layer.channels_over),
+                "dtype": layer.evidence.dtype,
+                "differs": list(layer.evidence.static),
+            }
+            for layer in report.layers
+        ],
+        "first_divergent": first.name if first is not None else None,
+        "outputs": {
+            "max_abs": json_number(o.max_abs),
+            "relative": json_number(o.relative),
+            "floor": json_number(o.floor),
+            "deviates": o.deviates,
+            "top1_agreement": json_number(o.top1_agreement),
+        },
+        "unseen": [{"name": u.name, "reason": u.reason} for u in report.unseen],
+        "notes": list(report.notes),
+        "findings": [finding_to_json(f) for f in report.findings],
+        "diagnosis": report.diagnosis(),
+        "summary": report.summary(),
     }

@@ -1,4 +1,4 @@
-"""SARIF 2.1.0 rendering of an inspect, a diff or a fold report, in the subset GitHub code scanning reads.
+"""SARIF 2.1.0 rendering of an inspect, a diff, a fold or a parity report, in the subset GitHub code scanning reads.
 
 One run; `tool.driver` describes bnaudit and every registered rule (text from
 `bnaudit.docs`, the source `bnaudit rules` prints). Each finding becomes a result:
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from bnaudit.audit.diff.checkpoints import DiffReport
     from bnaudit.audit.fed.report import FedReport
     from bnaudit.audit.fold.report import FoldReport
+    from bnaudit.reports.parity import ParityReport
 
 SCHEMA_URI = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
 
@@ -199,6 +200,14 @@ def fed_to_sarif(report: FedReport, base: str | None = None) -> dict[str, Any]:
     return _one_file_log(
         report.path, report.findings, report.config or Config(), base, {"clients": list(report.clients)}
     )
+
+
+def parity_to_sarif(report: ParityReport, base: str | None = None) -> dict[str, Any]:
+    """The SARIF log of a parity report: every result at the artifact under review (the
+    checkpoint for a compiled target), the checkpoint and the target in the run's properties."""
+    target = {"kind": report.target.kind, "path": report.target.path, "backend": report.target.backend}
+    extra = {"checkpoint": report.checkpoint, "target": target}
+    return _one_file_log(report.path, report.findings, report.config, base, extra)
 
 
 def _one_file_log(

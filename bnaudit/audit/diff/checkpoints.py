@@ -41,10 +41,8 @@ from bnaudit.audit.export.diff import (
     Unpaired,
     fold_checks,
     kept_node,
-    match_by_order,
-    match_layers,
-    program_conv_nodes,
 )
+from bnaudit.audit.export.pairing import match_by_order, match_layers, program_conv_nodes
 from bnaudit.audit.layers import BNLayer, discover_layers, not_from_file
 from bnaudit.audit.provenance import believed_averaging, recalibration_provenance
 from bnaudit.audit.resolve import read_model_checkpoint

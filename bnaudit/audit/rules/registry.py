@@ -2,8 +2,8 @@
 
 Rules register themselves with the `rule` decorator when their module is imported; the
 package (`bnaudit.audit.rules`) imports every rule module, and `RULES` is kept in code
-order: BN001-BN014 (inspect), BN101-BN114 (diff), BN201- (fold), then BN301- (fed), whatever the import order. `run_rules` and
-`run_diff_rules` apply the configuration: `select`/`ignore`, per-layer ignores and the
+order: BN001-BN014 (inspect), BN101-BN114 (diff), BN201- (fold), BN301- (fed), then BN401- (parity), whatever
+the import order. `run_rules`, `run_diff_rules`, `run_fold_rules`, `run_fed_rules` and `run_parity_rules` apply the configuration: `select`/`ignore`, per-layer ignores and the
 `severity` table.
 """
 
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from bnaudit.audit.fed.classify import FedContext
     from bnaudit.audit.fold.check import FoldContext
     from bnaudit.audit.layers import BNLayer, Discovery, ModuleFacts
+    from bnaudit.audit.parity import ParityContext
     from bnaudit.audit.producers import ProducerFilter
     from bnaudit.formats.ema import EmaSchedule
     from bnaudit.formats.model import Averaging, TensorRef
@@ -112,6 +113,7 @@ class Rule:
     settings: tuple[str, ...] = ()  # configuration keys (config.KEYS) that tune the rule
     aliases: tuple[str, ...] = ()
     fed_check: Callable[[FedContext], Iterable[Finding]] | None = field(default=None, repr=False)
+    parity_check: Callable[[ParityContext], Iterable[Finding]] | None = field(default=None, repr=False)
 
     @property
     def severity(self) -> str:
@@ -124,12 +126,13 @@ class Rule:
 
     @property
     def commands(self) -> tuple[str, ...]:
-        """The commands whose reports the rule speaks in: "inspect", "diff" (or both), "fold", "fed"."""
+        """The commands whose reports the rule speaks in: "inspect", "diff" (or both), "fold", "fed", "parity"."""
         return (
             ("inspect",) * (self.check is not None)
             + ("diff",) * (self.diff_check is not None)
             + ("fold",) * (self.fold_check is not None)
             + ("fed",) * (self.fed_check is not None)
+            + ("parity",) * (self.parity_check is not None)
         )
 
     @property
@@ -173,15 +176,16 @@ def rule(
     command: str = "inspect",
     aliases: tuple[str, ...] = (),
 ) -> Callable[[_Check], _Check]:
-    """Register a rule whose check speaks in `command`'s reports ("inspect", "diff", "fold" or "fed")."""
+    """Register a rule whose check speaks in `command`'s reports ("inspect", "diff", "fold", "fed" or "parity")."""
     severities = severity if isinstance(severity, tuple) else (severity,)
 
     def register(check: _Check) -> _Check:
-        checks = {name: check if name == command else None for name in ("inspect", "diff", "fold", "fed")}
+        checks = {name: check if name == command else None for name in ("inspect", "diff", "fold", "fed", "parity")}
         _register(
             Rule(
                 code, name, severities, summary, explanation, fix,
-                checks["inspect"], checks["diff"], checks["fold"], settings, aliases, fed_check=checks["fed"],
+                checks["inspect"], checks["diff"], checks["fold"], settings, aliases,
+                fed_check=checks["fed"], parity_check=checks["parity"],
             )
         )  # fmt: skip
         return check
@@ -311,3 +315,8 @@ def run_fed_rules(ctx: FedContext) -> list[Finding]:
 def run_diff_rules(ctx: DiffContext) -> list[Finding]:
     """Every selected diff rule's findings, in rule order, at the configured severity."""
     return _run("diff_check", ctx, ctx.config)
+
+
+def run_parity_rules(ctx: ParityContext) -> list[Finding]:
+    """Every selected parity rule's findings, in rule order, at the configured severity."""
+    return _run("parity_check", ctx, ctx.config)

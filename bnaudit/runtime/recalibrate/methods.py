@@ -30,10 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from bnaudit.errors import BnauditError
-from bnaudit.normkinds import DEFAULT_EPS, NormKind, op_kind
+from bnaudit.normkinds import DEFAULT_EPS
 from bnaudit.reports.recalibrate import SkippedLayer
 from bnaudit.runtime.batching import batch_len, merge_trailing_singleton
 from bnaudit.runtime.distributed import distributed, together
@@ -41,13 +40,13 @@ from bnaudit.runtime.norms import (
     batch_statistics,
     classify_layers,
     has_stock_forward,
-    is_script,
     num_features,
     plain_batchnorm_forward,
 )
 from bnaudit.runtime.recalibrate.distributed import LayerRecord, PassResult, reduce_pass
+from bnaudit.runtime.sites import forward_order, observe_batchnorm, rejected
 from bnaudit.runtime.stats import ChannelStats
-from bnaudit.text import exception_line, plural
+from bnaudit.text import plural
 
 METHODS = ("exact", "sequential", "cumulative")
 
@@ -152,57 +151,25 @@ class _StopForward(Exception):
 def _observe(
     model: Any, layers: dict[str, Any], callback: Callable[[str, Any], Any], fused: Collection[str] = ()
 ) -> Iterator[None]:
-    """Call `callback(name, input)` each time one of `layers` normalises an input.
+    """Call `callback(name, input)` each time one of `layers` normalises an input
+    (`bnaudit.runtime.sites.observe_batchnorm`).
 
     TorchScript layers named in `fused` (normalising by batch statistics) take the
     `ChannelStats` the callback returns as their batch statistics (`_normalise`)."""
-    if not layers:
-        yield
-        return
-    if not is_script(model):
 
-        def hook(name: str) -> Callable[[Any, tuple[Any, ...]], None]:
-            def observe(_module: Any, args: tuple[Any, ...]) -> None:
-                callback(name, args[0])  # returns None: a pre-hook's return value replaces the input
+    def replace(name: str, batch: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+        if (
+            name in fused
+            and func is torch.ops.aten.native_batch_norm.default
+            and len(args) == 8
+            and args[5] is True
+            and not kwargs
+        ):
+            return _normalise(args[0], batch, args[1], args[2], args[7], args[3].dtype)
+        return None
 
-            return observe
-
-        handles = [module.register_forward_pre_hook(hook(name)) for name, module in layers.items()]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-        return
-
-    by_buffer = {module.running_mean.data_ptr(): name for name, module in layers.items()}
-
-    class BatchNormCalls(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch: TorchDispatchMode.__init_subclass__ is unannotated
-        def __torch_dispatch__(
-            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-        ) -> Any:
-            if op_kind(func.name()) is NormKind.BATCH_NORM and len(args) > 3 and isinstance(args[3], torch.Tensor):
-                name = by_buffer.get(args[3].data_ptr())
-                if name is not None:
-                    batch = callback(name, args[0])
-                    # native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
-                    if (
-                        name in fused
-                        and func is torch.ops.aten.native_batch_norm.default
-                        and len(args) == 8
-                        and args[5] is True
-                        and not kwargs
-                    ):
-                        out = _normalise(args[0], batch, args[1], args[2], args[7], args[3].dtype)
-                        if out is not None:
-                            return out
-            return func(*args, **(kwargs or {}))
-
-    # The optimising executor may fuse BN into other kernels, out of the dispatcher's sight.
-    with (
-        torch.jit.optimized_execution(False),  # type: ignore[attr-defined]  # public torch.jit API missing from torch.jit.__all__
-        BatchNormCalls(),  # type: ignore[no-untyped-call]  # torch: TorchDispatchMode.__init__ is unannotated
-    ):
+    with observe_batchnorm(model, layers, callback, replace if fused else None):
         yield
 
 
@@ -328,7 +295,7 @@ def _run_pass(
                 elif isinstance(exc, BnauditError):
                     raise
                 else:
-                    raise _rejected(index, exc) from exc
+                    raise rejected(index, exc) from exc
             _count_batch(result, calls_now, n)
             if progress is not None:
                 progress()
@@ -366,11 +333,6 @@ def _one_value_per_channel(index: int, n: int) -> BnauditError:
         "layer cannot normalise in training mode; use --batch-size 2 or more "
         "(or --method sequential)"
     )
-
-
-def _rejected(index: int, exc: BaseException) -> BnauditError:
-    """The model (or --forward) fails on a batch: the user's to fix, in one line."""
-    return BnauditError(f"batch {index}: the model rejects the batch: {exception_line(exc)}")
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -444,35 +406,6 @@ def _eps(module: Any) -> float:
     """The module's own eps; PyTorch's default (bnaudit.audit.settings) for a norm class without one."""
     eps = getattr(module, "eps", None)
     return float(eps) if isinstance(eps, (int, float)) else DEFAULT_EPS
-
-
-def _forward_order(
-    model: Any, batches: Iterable[Any], forward: Callable[[Any, Any], Any], layers: dict[str, Any], autocast: Any
-) -> tuple[list[str], dict[str, int]]:
-    """`layers` in the order one eval-mode forward (first batch) first calls them, and
-    how often each is called in it. Layers that batch did not reach follow in
-    registration order."""
-    calls: dict[str, int] = {}
-
-    def count(name: str, _x: Any) -> None:
-        calls[name] = calls.get(name, 0) + 1
-
-    first = next(iter(merge_trailing_singleton(batches)), None)
-    if first is not None:
-        with (
-            batch_statistics(model, {}),
-            _observe(model, layers, count),
-            torch.no_grad(),
-            autocast if autocast is not None else contextlib.nullcontext(),
-        ):
-            try:
-                forward(model, first)
-            except BnauditError:
-                raise
-            except Exception as exc:
-                raise _rejected(0, exc) from exc
-    order = list(calls) + [name for name in layers if name not in calls]
-    return order, calls
 
 
 def _agree_order(order: list[str], calls: dict[str, int]) -> tuple[list[str], dict[str, int]]:
@@ -591,7 +524,7 @@ def _calibrate_in_order(
     samples = n_batches = max_batch = 0
     calibrated = []
     with together():
-        order, calls = _forward_order(model, batches, forward, chosen, autocast)
+        order, calls = forward_order(model, batches, forward, chosen, autocast)
     order, calls = _agree_order(order, calls)
     for step, name in enumerate(order):
         module = chosen[name]
