@@ -8,14 +8,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from bnaudit.audit.parity import first_divergent, reading, threshold_words
 from bnaudit.audit.rules.registry import RULES, Finding, rule, three_digits
-from bnaudit.audit.statistics import PARITY_FACTOR
 from bnaudit.severity import Severity
 from bnaudit.text import plural
 
 if TYPE_CHECKING:  # `bnaudit parity` builds it; registering the rules needs none of it
     from bnaudit.audit.parity import ParityContext
+
+# The checks import the parity records where they run: every command imports this module to
+# register the rules (inspect of one file among them), and none of them but parity reads them.
 
 
 @rule(
@@ -42,6 +43,9 @@ if TYPE_CHECKING:  # `bnaudit parity` builds it; registering the rules needs non
     command="parity",
 )
 def _check_divergent(ctx: ParityContext) -> Iterator[Finding]:
+    from bnaudit.audit.parity import first_divergent, reading
+    from bnaudit.audit.statistics import PARITY_FACTOR
+
     first = first_divergent(ctx.layers)
     if first is None:
         return
@@ -74,6 +78,8 @@ def _check_divergent(ctx: ParityContext) -> Iterator[Finding]:
     command="parity",
 )
 def _check_outputs(ctx: ParityContext) -> Iterator[Finding]:
+    from bnaudit.audit.parity import first_divergent, threshold_words
+
     o = ctx.outputs
     if not o.deviates:
         return
