@@ -53,8 +53,9 @@ from typing import Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.safetensors import read_safetensors_header
+from bnaudit.formats.sniff import STATISTICS_FORMAT
 
-FORMAT = "bnaudit statistics"
+FORMAT = STATISTICS_FORMAT
 FORMAT_VERSION = "1"
 SUFFIX = ".bnstats"
 METHODS = ("exact", "cumulative")

@@ -13,13 +13,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bnaudit.errors import BnauditError
-from bnaudit.formats.bnstats import FORMAT as STATISTICS_FORMAT
 from bnaudit.formats.classify import NotModelWeights, kind_from_object, kind_from_refusal
 from bnaudit.formats.containers import checkpoint_from_object, find_state_dicts, strip_wrapper_prefix
 from bnaudit.formats.model import Checkpoint
 from bnaudit.formats.safetensors import read_safetensors
 from bnaudit.formats.shards import is_index, read_sharded, shard_position
-from bnaudit.formats.sniff import sniff_opening
+from bnaudit.formats.sniff import STATISTICS_FORMAT, sniff_opening
 
 if TYPE_CHECKING:
     import zipfile

@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 # torch.distributed.checkpoint's metadata file: the folder holding it is one checkpoint.
 DCP_METADATA = ".metadata"
 
+# The `format` metadata entry of a statistics file (`recalibrate --stats-out`, formats/bnstats.py):
+# a safetensors file of statistics, no weights. Here, so that reading a safetensors file can
+# tell one without loading the statistics files' own module.
+STATISTICS_FORMAT = "bnaudit statistics"
+
 
 def is_dcp_folder(path: str) -> bool:
     """A folder that torch.distributed.checkpoint wrote (it holds `.metadata`)."""

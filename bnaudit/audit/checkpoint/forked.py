@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import pickle
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -168,6 +167,8 @@ def _child(func: Callable[[T], R], items: Sequence[T], share: range, write_end: 
         # the default SIGINT handler: Ctrl-C at the terminal reaches the whole process group,
         # and the parent, not each child, decides what happens next
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        import pickle  # here: only a forked scan pickles
+
         data = pickle.dumps([func(items[i]) for i in share], protocol=pickle.HIGHEST_PROTOCOL)
         with os.fdopen(write_end, "wb") as pipe:
             pipe.write(data)
@@ -189,6 +190,8 @@ def _collect(pid: int, read_end: int, count: int) -> list[R] | None:
     if os.waitstatus_to_exitcode(status) != 0:
         return None
     try:
+        import pickle
+
         results = pickle.loads(data)  # written by our own fork, never read from a file
     except Exception:  # truncated or corrupt: recompute
         return None
