@@ -15,7 +15,7 @@ import torch
 from conftest import run_ranks
 from safetensors.torch import save_file
 
-from bnaudit.output.json import gap_to_json
+from bnaudit.output.measured_json import gap_to_json
 from bnaudit.runtime.batching import BatchPlan
 from bnaudit.runtime.data import DataOptions
 from bnaudit.runtime.gap import measure_gap
@@ -46,7 +46,7 @@ WORKER = textwrap.dedent("""
     import os
 
     import torch
-    from bnaudit.output.json import gap_to_json
+    from bnaudit.output.measured_json import gap_to_json
     from bnaudit.runtime.data import DataOptions
     from bnaudit.runtime.gap import measure_gap
     from bnaudit.runtime.models import ModelSpec

@@ -14,7 +14,7 @@ import torch
 from conftest import run_ranks
 from safetensors.torch import save_file
 
-from bnaudit.output.json import invariance_to_json
+from bnaudit.output.measured_json import invariance_to_json
 from bnaudit.runtime.data import DataOptions
 from bnaudit.runtime.invariance import measure_invariance, plan_arrangements
 from bnaudit.runtime.models import ModelSpec
@@ -66,7 +66,7 @@ WORKER = textwrap.dedent("""
     import json
     import os
     import torch
-    from bnaudit.output.json import invariance_to_json
+    from bnaudit.output.measured_json import invariance_to_json
     from bnaudit.runtime.data import DataOptions
     from bnaudit.runtime.invariance import measure_invariance
     from bnaudit.runtime.models import ModelSpec

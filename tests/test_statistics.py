@@ -21,7 +21,8 @@ from torch import nn
 from bnaudit.audit import statistics
 from bnaudit.audit.checkpoint.report import FileReport
 from bnaudit.audit.diff.checkpoints import diff
-from bnaudit.output.json import diff_to_json, gap_to_json
+from bnaudit.output.json import diff_to_json
+from bnaudit.output.measured_json import gap_to_json
 from bnaudit.reports.gap import GapReport, LayerDrift
 from bnaudit.runtime.stats import drift
 

@@ -107,7 +107,7 @@ EMITTERS: dict[str, dict[str, str]] = {
     "parity": {
         "record": "bnaudit.reports.parity:ParityReport",
         "table": "bnaudit.output.table.parity:render_parity",
-        "json": "bnaudit.output.json:parity_to_json",
+        "json": "bnaudit.output.measured_json:parity_to_json",
         "sarif": "bnaudit.output.sarif:parity_to_sarif",
         "html": "bnaudit.output.html.parity:parity_to_html",
         **_CI_FORMATS,
@@ -115,25 +115,25 @@ EMITTERS: dict[str, dict[str, str]] = {
     "gap": {
         "record": "bnaudit.reports.gap:GapReport",
         "table": "bnaudit.output.table.gap:render_gap",
-        "json": "bnaudit.output.json:gap_to_json",
+        "json": "bnaudit.output.measured_json:gap_to_json",
         "html": "bnaudit.output.html.measure:gap_to_html",
     },
     "invariance": {
         "record": "bnaudit.reports.invariance:InvarianceReport",
         "table": "bnaudit.output.table.invariance:render_invariance",
-        "json": "bnaudit.output.json:invariance_to_json",
+        "json": "bnaudit.output.measured_json:invariance_to_json",
         "html": "bnaudit.output.html.measure:invariance_to_html",
     },
     "recalibrate": {
         "record": "bnaudit.reports.recalibrate:RecalibrationReport",
         "table": "bnaudit.output.table.recalibrate:render_recalibrate",
-        "json": "bnaudit.output.json:recalibrate_to_json",
+        "json": "bnaudit.output.measured_json:recalibrate_to_json",
         "html": "bnaudit.output.html.measure:recalibrate_to_html",
     },
     "merge": {
         "record": "bnaudit.reports.merge:MergeReport",
         "table": "bnaudit.output.table.recalibrate:render_merge",
-        "json": "bnaudit.output.json:merge_to_json",
+        "json": "bnaudit.output.measured_json:merge_to_json",
     },
 }
 _DOCUMENTS = ("json", "sarif", "gitlab")  # written as JSON; the other non-table formats are text
