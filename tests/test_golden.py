@@ -111,7 +111,7 @@ CASES: dict[str, tuple[list[str], int]] = {
     ),
 }
 # The cases that run a model (torch, on one thread); the others are of the torch-free tier.
-MEASURED = ("gap", "invariance", "recalibrate")
+MEASURED = ("gap", "invariance", "recalibrate", "merge", "parity")  # the cases that run a model: torch
 
 
 def render(name: str, workdir: Path) -> tuple[str, int]:
