@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import tarfile
 from typing import Any, Literal
 
 from bnaudit.errors import BnauditError
@@ -116,6 +115,8 @@ class _LegacyStorages(Storages):
 def read_legacy(path: str, mode: Mode) -> Unpickled:
     """The object of a legacy torch.save file, read in `mode` (module docstring); `Refused`
     for a pickle its mode refuses, `BnauditError` for a damaged or forged layout."""
+    import tarfile  # here, not at the top: a zip checkpoint never needs it
+
     if tarfile.is_tarfile(path):  # torch < 0.4 tar format: read by a loader that trusts its sizes
         raise BnauditError(f"{path}: tar-format torch.save file (PyTorch < 0.4) is not supported")
     size = os.path.getsize(path)

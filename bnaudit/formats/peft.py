@@ -32,21 +32,11 @@ from typing import Any
 
 from bnaudit.errors import BnauditError
 from bnaudit.formats.model import Checkpoint, TensorRef
+from bnaudit.formats.sniff import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _PEFT_PREFIX = "base_model.model."
 _LORA_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B", ".lora_magnitude_vector")
 _MAX_CONFIG_BYTES = 1 << 20  # a config names modules: far below this
-
-
-def is_adapter_folder(path: str) -> bool:
-    """A folder PEFT's save_pretrained wrote: adapter_config.json beside adapter_model.*."""
-    return (
-        os.path.isdir(path)
-        and os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
-        and any(os.path.isfile(os.path.join(path, w)) for w in ADAPTER_WEIGHTS)
-    )
 
 
 @dataclass(frozen=True)

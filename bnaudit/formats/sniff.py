@@ -46,6 +46,21 @@ def is_dcp_folder(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, DCP_METADATA))
 
 
+# A PEFT adapter folder (formats/peft.py), one checkpoint composed with its base: told here,
+# by its files, so that a scan knows it without loading the adapters' own module.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def is_adapter_folder(path: str) -> bool:
+    """A folder PEFT's save_pretrained wrote: adapter_config.json beside adapter_model.*."""
+    return (
+        os.path.isdir(path)
+        and os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+        and any(os.path.isfile(os.path.join(path, w)) for w in ADAPTER_WEIGHTS)
+    )
+
+
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar", ".safetensors", ".onnx", ".jit", ".pt2")
 
 NEITHER = "neither torch.save, TorchScript, safetensors nor ONNX"

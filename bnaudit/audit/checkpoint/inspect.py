@@ -34,10 +34,9 @@ from bnaudit.errors import BnauditError
 from bnaudit.formats.classify import NotModelWeights, data_tensors
 from bnaudit.formats.hfcache import HubSource
 from bnaudit.formats.model import Checkpoint
-from bnaudit.formats.peft import adapter_base, is_adapter_folder, read_adapter
 from bnaudit.formats.read import read_checkpoint, read_checkpoints
 from bnaudit.formats.shards import index_beside
-from bnaudit.formats.sniff import NotACheckpoint
+from bnaudit.formats.sniff import NotACheckpoint, is_adapter_folder
 from bnaudit.severity import Severity
 from bnaudit.text import plural
 
@@ -197,6 +196,8 @@ def audit_entries(
         if is_adapter_folder(path):
             if key is not None:
                 raise BnauditError(f"{path}: --key does not apply to a PEFT adapter folder")
+            from bnaudit.formats.peft import adapter_base, read_adapter
+
             ckpts = [read_adapter(path, adapter_base(path, base), trust_pickle=trust_pickle)]
         elif every and key is None:
             ckpts = read_checkpoints(path, trust_pickle=trust_pickle)

@@ -30,9 +30,8 @@ from bnaudit.formats.hfcache import (
     snapshot_of,
     snapshots,
 )
-from bnaudit.formats.peft import ADAPTER_WEIGHTS, is_adapter_folder
 from bnaudit.formats.shards import is_index, series_members
-from bnaudit.formats.sniff import CHECKPOINT_SUFFIXES, is_dcp_folder
+from bnaudit.formats.sniff import ADAPTER_WEIGHTS, CHECKPOINT_SUFFIXES, is_adapter_folder, is_dcp_folder
 
 
 @dataclass(frozen=True)
