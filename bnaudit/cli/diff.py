@@ -15,6 +15,7 @@ from bnaudit.cli.options import (
     DebugOpt,
     ExitZeroOpt,
     FailOnOpt,
+    IgnoreOpt,
     InspectFormat,
     InspectFormatOpt,
     IsolatedOpt,
@@ -64,9 +65,7 @@ def diff_command(
         Optional[list[str]],
         typer.Option(metavar="CODES", help="Run only these rules (codes or prefixes, e.g. BN101,BN104)."),
     ] = None,
-    ignore: Annotated[
-        Optional[list[str]], typer.Option(metavar="CODES", help="Do not report these rules (codes or prefixes).")
-    ] = None,
+    ignore: IgnoreOpt = None,
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
     eps: Annotated[

@@ -15,6 +15,7 @@ from bnaudit.cli.options import (
     ExitZeroOpt,
     FailOnOpt,
     FoldFormat,
+    IgnoreOpt,
     IsolatedOpt,
     KeyOpt,
     TrustPickleOpt,
@@ -54,9 +55,7 @@ def fed_command(
         Optional[list[str]],
         typer.Option(metavar="CODES", help="Run only these rules (codes or prefixes, e.g. BN301,BN302)."),
     ] = None,
-    ignore: Annotated[
-        Optional[list[str]], typer.Option(metavar="CODES", help="Do not report these rules (codes or prefixes).")
-    ] = None,
+    ignore: IgnoreOpt = None,
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
     key: KeyOpt = None,

@@ -20,6 +20,7 @@ from bnaudit.cli.options import (
     FailOnOpt,
     ForwardOpt,
     GrayscaleOpt,
+    IgnoreOpt,
     ImageSizeOpt,
     InspectFormat,
     IsolatedOpt,
@@ -65,9 +66,7 @@ def fold_command(
         Optional[list[str]],
         typer.Option(metavar="CODES", help="Run only these rules (codes or prefixes, e.g. BN201,BN204)."),
     ] = None,
-    ignore: Annotated[
-        Optional[list[str]], typer.Option(metavar="CODES", help="Do not report these rules (codes or prefixes).")
-    ] = None,
+    ignore: IgnoreOpt = None,
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
     key: KeyOpt = None,

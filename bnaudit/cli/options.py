@@ -83,6 +83,9 @@ ConfigOpt = Annotated[
     ),
 ]
 IsolatedOpt = Annotated[bool, typer.Option("--isolated", help="Read no configuration file.")]
+IgnoreOpt = Annotated[
+    Optional[list[str]], typer.Option(metavar="CODES", help="Do not report these rules (codes or prefixes).")
+]
 FailOnOpt = Annotated[
     Optional[Severity],
     typer.Option(

@@ -23,6 +23,7 @@ from bnaudit.cli.options import (
     FailOnOpt,
     ForwardOpt,
     GrayscaleOpt,
+    IgnoreOpt,
     ImageSizeOpt,
     InspectFormat,
     InspectFormatOpt,
@@ -89,9 +90,7 @@ def parity_command(
         Optional[list[str]],
         typer.Option(metavar="CODES", help="Run only these rules (codes or prefixes, e.g. BN401)."),
     ] = None,
-    ignore: Annotated[
-        Optional[list[str]], typer.Option(metavar="CODES", help="Do not report these rules (codes or prefixes).")
-    ] = None,
+    ignore: IgnoreOpt = None,
     config_file: ConfigOpt = None,
     isolated: IsolatedOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no per-layer table.")] = False,
