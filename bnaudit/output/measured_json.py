@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from bnaudit.reports.invariance import InvarianceReport
     from bnaudit.reports.merge import MergeReport
     from bnaudit.reports.parity import ParityReport
-    from bnaudit.reports.recalibrate import RecalibrationReport
+    from bnaudit.reports.recalibrate import LayerChange, RecalibrationReport
 
 
 def gap_to_json(report: GapReport) -> dict[str, Any]:
@@ -219,17 +219,7 @@ def recalibrate_to_json(report: RecalibrationReport) -> dict[str, Any]:
         "shuffle": report.shuffle,
         "device": report.device,
         "world_size": report.world_size,
-        "layers": [
-            {
-                "name": c.name,
-                "channels": c.channels,
-                "values": c.values,
-                "batches": c.batches,
-                "before": _drift_to_json(c.before),
-                "after": _drift_to_json(c.after),
-            }
-            for c in report.layers
-        ],
+        "layers": _changes_to_json(report.layers),
         "skipped": [{"name": s.name, "reason": s.reason} for s in report.skipped],
         "warnings": list(report.warnings),
         "provenance": None if report.provenance is None else report.provenance.as_dict(),
@@ -237,6 +227,21 @@ def recalibrate_to_json(report: RecalibrationReport) -> dict[str, Any]:
         "stats_out": report.stats_out,
         "shard": report.shard,
     }
+
+
+def _changes_to_json(layers: list[LayerChange]) -> list[dict[str, Any]]:
+    """The re-estimated layers of recalibrate's and merge's reports, with their drift before and after."""
+    return [
+        {
+            "name": c.name,
+            "channels": c.channels,
+            "values": c.values,
+            "batches": c.batches,
+            "before": _drift_to_json(c.before),
+            "after": _drift_to_json(c.after),
+        }
+        for c in layers
+    ]
 
 
 def merge_to_json(report: MergeReport) -> dict[str, Any]:
@@ -262,17 +267,7 @@ def merge_to_json(report: MergeReport) -> dict[str, Any]:
             }
             for f in report.files
         ],
-        "layers": [
-            {
-                "name": c.name,
-                "channels": c.channels,
-                "values": c.values,
-                "batches": c.batches,
-                "before": _drift_to_json(c.before),
-                "after": _drift_to_json(c.after),
-            }
-            for c in report.layers
-        ],
+        "layers": _changes_to_json(report.layers),
         "warnings": list(report.warnings),
         "provenance": report.provenance.as_dict(),
     }
