@@ -150,3 +150,47 @@ def test_user_docs_carry_no_internal_notes(path):
         r"\bwas lent\b",
     ):
         assert not re.search(pattern, text, re.IGNORECASE), (path, pattern)
+
+
+# Every bound a reader enforces on what a file claims (issue #32): the constant, its value,
+# and the words that state it in docs/security.md. A bound changed in the code, or in the
+# document, without the other fails here.
+SECURITY_BOUNDS = [
+    ("bnaudit.formats.allowed", "MAX_OBJECTS", 1 << 21, "at most 2^21 (2,097,152)"),
+    ("bnaudit.formats.allowed", "MAX_KEY_NODES", 4096, "tuples of at most 4,096 nodes"),
+    ("bnaudit.formats.model", "EXPANDED_LIMIT", 1 << 20, "at most 2^20 elements a tensor"),
+    ("bnaudit.formats.allowed", "MAX_EXPANDED", 1 << 22, "and 2^22 a pickle"),
+    ("bnaudit.formats.pickled", "_MAX_VISITS", 100_000, "at most 100,000 modules visited"),
+    ("bnaudit.formats.torchscript", "_MAX_SCRIPT_VISITS", 100_000, "at most 100,000 modules visited"),
+    ("bnaudit.formats.safetensors", "_MAX_HEADER", 100_000_000, "at most 100,000,000 bytes"),
+    ("bnaudit.formats.safetensors", "_MAX_DEPTH", 127, "127 levels of JSON nesting"),
+    ("bnaudit.formats.shards", "_MAX_INDEX_BYTES", 64 << 20, "at most 64 MiB"),
+    ("bnaudit.formats.bnstats", "MAX_FILE_BYTES", 512 << 20, "size bounded (512 MiB)"),
+    ("bnaudit.formats.onnx", "PROTOBUF_LIMIT", (2 << 30) - 1, "protobuf's 2 GiB"),
+    ("bnaudit.formats.dcp", "_MAX_METADATA_BYTES", 1 << 30, "`.metadata` at most 1 GiB (2^30 bytes)"),
+    ("bnaudit.formats.pt2archive", "_JSON_LIMIT", 512 << 20, "JSON record at most 512 MiB"),
+    ("bnaudit.formats.peft", "_MAX_CONFIG_BYTES", 1 << 20, "`adapter_config.json` at most 1 MiB (2^20 bytes)"),
+    ("bnaudit.formats.dcp", "_MAX_RECORD_BYTES", 10_000_000, "archive) at most 10,000,000 bytes"),
+    ("bnaudit.formats.torchscript", "_MAX_RECORD_BYTES", 10_000_000, "archive) at most 10,000,000 bytes"),
+    ("bnaudit.formats.provenance", "_MAX_RECORD", 10_000_000, "record at most 10,000,000 characters"),
+    ("bnaudit.formats.hfcache", "_MAX_REF_BYTES", 256, "`refs/` file: its first 256 bytes"),
+    ("bnaudit.normkinds", "_MAX_CALL_CHARS", 10_000, "scanned over at most 10,000 characters"),
+]
+
+
+@pytest.mark.parametrize(("module", "name", "value", "stated"), SECURITY_BOUNDS, ids=lambda x: str(x)[:40])
+def test_security_doc_states_each_bound_the_readers_enforce(module, name, value, stated):
+    import importlib
+
+    assert getattr(importlib.import_module(module), name) == value
+    assert stated in " ".join(read("docs/security.md").split())
+
+
+def test_security_doc_states_the_bound_on_values_shown_in_messages():
+    import inspect
+
+    from bnaudit.text import shown_value
+
+    defaults = {k: p.default for k, p in inspect.signature(shown_value).parameters.items() if k != "value"}
+    assert defaults == {"limit": 80, "depth": 3}
+    assert "| a value shown in a message | at most 80 characters, 3 levels deep |" in read("docs/security.md")
