@@ -146,3 +146,16 @@ def test_a_folded_timm_resnet_is_verified_fold_by_fold(timm_resnet, export):
     assert all(f.check.matches for f in check.folded)
     assert {f.name for f in check.folded if f.check.zero_gamma} == timm_resnet["zero"]
     assert report.exit_code() == 0, report.findings
+
+
+@pytest.mark.slow
+def test_a_folded_program_with_a_linear_head_does_not_call_it_a_convolution(timm_resnet):
+    """resnet18's fc is an aten.linear node with a stored bias: counted with the convolutions
+    (the export alone cannot tell what had BN), but not called a convolution."""
+    program = torch.export.load(timm_resnet["program"])
+    targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    convs, linears = targets.count("aten.conv2d.default"), targets.count("aten.linear.default")
+    assert (convs, linears) == (20, 1)  # the premise, from the program's own graph
+    (file,) = inspect(timm_resnet["program"]).files
+    (f,) = [f for f in file.findings if f.code == "BN014"]
+    assert f"no batch-norm node; {convs + linears} convolution or linear nodes" in f.message

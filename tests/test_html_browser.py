@@ -52,6 +52,19 @@ COMMANDS = {
         "--num-samples",
         "64",
     ],
+    # a compiled target whose second BN call runs with another eps: a first divergent layer to mark
+    "parity": [
+        "parity",
+        f"{SAMPLES}/healthy.pt",
+        "--arch",
+        ARCH,
+        "--data",
+        VAL,
+        "--num-samples",
+        "64",
+        "--against",
+        f"compile:{SAMPLES}/faulty_backend.py:faulty",
+    ],
 }
 
 

@@ -458,3 +458,13 @@ def test_a_target_that_cannot_run_is_one_line_and_exit_2(cli, tmp_path, against,
     assert result.exit_code == 2, result.output
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("bnaudit: error: ") and words in line and "Traceback" not in result.output
+
+
+def test_a_missing_backend_function_is_named_once(cli):
+    """The line names the --against value as given, once, then what is wrong with it."""
+    target = f"compile:{MODELS}:no_such_function"
+    result = cli("parity", HEALTHY, "--arch", DIGITS, "--data", VAL, "--num-samples", "64", "--against", target)
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        f"bnaudit: error: --against {target}: '{MODELS}' has no attribute 'no_such_function'"
+    )

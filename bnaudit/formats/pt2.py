@@ -211,9 +211,12 @@ def read_pt2(path: str) -> Checkpoint:
         )
     with_bias = [c.node for c in convs if c.bias is not None]
     if found.bn_nodes == 0 and not found.tensors and with_bias:
+        # a linear node (a classifier head) is counted with the convolutions, but not called one
+        kind = (
+            "convolution or linear node" if any(c.linear for c in convs if c.bias is not None) else "convolution node"
+        )
         ckpt.folded = (
-            f"no batch-norm node; {plural(len(with_bias), 'convolution node')} ({listing(with_bias)}) with stored "
-            "weights and bias"
+            f"no batch-norm node; {plural(len(with_bias), kind)} ({listing(with_bias)}) with stored weights and bias"
         )
         ckpt.folded_ambiguous = True
     if not archive.programs:
@@ -232,6 +235,7 @@ class StoredConv:
     weight: TensorRef
     bias: TensorRef | None
     feeds_batchnorm: bool
+    linear: bool = False  # an aten.linear node, not a convolution
 
 
 def stored_convolutions(path: str) -> list[StoredConv]:
@@ -273,7 +277,7 @@ def _stored_convolutions(archive: Pt2Archive, model: str, program: dict[str, Any
         read_by = [t for out in outputs if out is not None for t in readers.get(out, [])]
         feeds_bn = any((op := norm_op(t)) is not None and op.kind is NormKind.BATCH_NORM for t in read_by)
         label = node.get("name") if isinstance(node.get("name"), str) else f"node_{index}"
-        found.append(StoredConv(prefix + str(label), prefix + fqn, weight, bias, feeds_bn))
+        found.append(StoredConv(prefix + str(label), prefix + fqn, weight, bias, feeds_bn, "aten.linear." in target))
     return found
 
 

@@ -89,13 +89,15 @@ class RunnableModel:
 _FILE_MODULES: dict[str, Any] = {}
 
 
-def import_callable(spec: str, option: str = "--arch") -> Callable[..., Any]:
+def import_callable(spec: str, option: str = "--arch", shown: str | None = None) -> Callable[..., Any]:
     """`MODULE:CALLABLE` or `path/to/file.py:CALLABLE` -> the callable.
 
     The current directory is put on sys.path first (as uvicorn and gunicorn do), so a
     package in the working tree imports without installing it. CALLABLE may be dotted
-    (`pkg.mod:Class.factory`).
+    (`pkg.mod:Class.factory`). `shown`: how the option and its value read in an error
+    (default `OPTION SPEC`).
     """
+    given = shown or f"{option} {spec}"
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr:
         raise BnauditError(f"{option} must be MODULE:CALLABLE or path/to/file.py:CALLABLE, got {spec!r}")
@@ -113,23 +115,23 @@ def import_callable(spec: str, option: str = "--arch") -> Callable[..., Any]:
         except ModuleNotFoundError as exc:
             if exc.name and where.split(".")[0] == exc.name.split(".")[0]:
                 raise BnauditError(
-                    f"{option} {spec}: no module named '{exc.name}' (run from the folder that holds it, "
+                    f"{given}: no module named '{exc.name}' (run from the folder that holds it, "
                     "or give path/to/file.py:CALLABLE)"
                 ) from None
-            raise BnauditError(f"{option} {spec}: importing '{where}' failed: {exception_line(exc)}") from None
+            raise BnauditError(f"{given}: importing '{where}' failed: {exception_line(exc)}") from None
         except Exception as exc:  # user code: any error while importing it is the user's
-            raise BnauditError(f"{option} {spec}: importing '{where}' failed: {exception_line(exc)}") from None
+            raise BnauditError(f"{given}: importing '{where}' failed: {exception_line(exc)}") from None
         except SystemExit as exc:
             printed = held.getvalue() if held is not None else ""
-            raise BnauditError(f"{option} {spec}: {exit_message(exc, f'importing {where!r}', printed)}") from None
+            raise BnauditError(f"{given}: {exit_message(exc, f'importing {where!r}', printed)}") from None
     target: object = module
     for part in attr.split("."):
         try:
             target = getattr(target, part)
         except AttributeError:
-            raise BnauditError(f"{option} {spec}: '{where}' has no attribute '{attr}'") from None
+            raise BnauditError(f"{given}: '{where}' has no attribute '{attr}'") from None
     if not callable(target):
-        raise BnauditError(f"{option} {spec}: '{attr}' is not callable")
+        raise BnauditError(f"{given}: '{attr}' is not callable")
     return target
 
 
