@@ -43,6 +43,19 @@ def test_the_findings_table_keeps_the_severity_at_80_columns(cli, args):
     assert all(len(line) <= 80 for line in result.output.splitlines() if "│" in line or "┃" in line)
 
 
+def test_the_fed_table_keeps_each_layers_severity_at_80_columns(cli):
+    fed = os.path.join(SAMPLES, "federated")
+    clients = [os.path.join(fed, f"client{k}.safetensors") for k in (1, 2)]
+    result = cli("fed", os.path.join(fed, "global.safetensors"), *clients, width=80)
+    (layers,) = _headers(result.output, "layer")
+    assert "severity" in layers, result.output
+    column = layers.index("severity")
+    rows = [line.split("│") for line in result.output.splitlines() if "│" in line and line.split("│")[0].strip()]
+    assert [r[column].strip() for r in rows] == ["warning"] * 3, result.output  # BN302 and BN305 are warnings
+    assert "0 errors, 6 warnings" in result.output
+    assert all(len(line) <= 80 for line in result.output.splitlines() if "│" in line or "┃" in line)
+
+
 def test_the_layer_table_keeps_the_counter_bn003_cites(cli):
     result = cli("inspect", os.path.join(SAMPLES, "immature.pt"), width=80)
     (layers,) = _headers(result.output, "layer")

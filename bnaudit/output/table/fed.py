@@ -1,5 +1,5 @@
 """The fed table: the global checkpoint and its clients, one row per BN layer with its class,
-the codes of its findings and what they mean (the layer table is the findings' table; -q
+the worst severity and the codes of its findings and what they mean (the layer table is the findings' table; -q
 prints the findings table instead), then the commands of the exact fix."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from bnaudit.output.table.common import (
     print_findings,
     print_fitted,
 )
+from bnaudit.severity import Severity
 from bnaudit.text import plural
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ _COLUMNS = (
     Column("layer", name=True),
     Column("C", "right", drop=1),
     Column("statistics", "left"),
+    Column("severity", "left"),  # never dropped: it decides the exit code
     Column("finding", "left"),
     Column("how", "left", wrap=True),
 )
@@ -96,15 +98,18 @@ def render_fed(report: FedReport, console: Console, quiet: bool = False) -> None
             console.print()
     else:
         codes: dict[str, list[str]] = {}
+        worst: dict[str, Severity] = {}
         for finding in report.findings:
             if finding.layer is not None:
                 codes.setdefault(finding.layer, []).append(finding.code)
+                worst[finding.layer] = max(worst.get(finding.layer, finding.severity), finding.severity)
         rows = [
             Row(
                 (
                     layer.name,
                     str(layer.channels),
                     cell(layer.kind, style=_STYLE[layer.kind]),
+                    cell(worst[layer.name], style=SEVERITY_STYLE[worst[layer.name]]) if layer.name in worst else "-",
                     cell(", ".join(codes.get(layer.name, [])) or "-"),
                     cell(_how(layer, report.clients)),
                 )
