@@ -165,3 +165,51 @@ def test_a_quantized_onnx_graph_says_its_convolutions_were_not_examined(tmp_path
     assert result.exit_code == 0 and "a quantized graph (BN014)" in result.output
     with pytest.raises(BnauditError, match="a quantized graph, its convolutions are not examined"):
         predict_fold(path, Config())
+
+
+def _flush_truth(state: dict[str, torch.Tensor]) -> tuple[list[int], list[int]]:
+    """(channels whose folded weights a real fp16 cast turns all to 0 while they were not 0,
+    those of them silent in float), by the test's own float64 fold."""
+    gamma, var = state["bn.weight"].double(), state["bn.running_var"].double()
+    folded = state["conv.weight"].double() * (gamma / torch.sqrt(var + EPS)).reshape(-1, 1, 1, 1)
+    half = folded.half()
+    flushed = [c for c in range(C) if bool((half[c] == 0).all()) and bool((folded[c] != 0).any())]
+    sigma = gamma.abs() * torch.sqrt(var / (var + EPS))
+    maxima = folded.abs().flatten(1).amax(1)
+    silent = [
+        c
+        for c in flushed
+        if float(sigma[c]) <= 1e-6 * float(sigma.max()) or float(maxima[c]) <= 1e-6 * float(maxima.max())
+    ]
+    return flushed, silent
+
+
+def test_a_slimmed_layer_whose_fp16_flush_is_only_near_silent_channels_is_info(tmp_path):
+    state = _slimmed_state()
+    state["bn.running_var"][SETTER] = 1.0  # no fp16 overflow beside it: the flush alone is looked at
+    flushed, silent = _flush_truth(state)
+    assert flushed == silent == SLIMMED  # the premise: the pruned channels, and only they, flush
+    report = predict_fold(save_safetensors(state, tmp_path / "m.safetensors"), Config())
+    (pair,) = report.pairs
+    assert list(pair.fp16_flush) == flushed and list(pair.silent_flush) == silent and pair.live_flush == ()
+    (f,) = [f for f in report.findings if f.code == "BN205"]
+    assert f.severity == "info" and "all near-silent" in f.message
+    assert dict(report.verdicts())["fp16"] == "ok"
+
+
+def test_a_layer_whose_live_channels_flush_in_fp16_stays_a_warning(tmp_path):
+    """Weights ~1e-8 in every channel (nothing near-silent against the rest), plus the pruned
+    channels: the live ones are the warning, the pruned ones counted apart."""
+    state = _slimmed_state()
+    state["bn.running_var"][SETTER] = 1.0
+    state["conv.weight"] = state["conv.weight"] * 4e-9
+    flushed, silent = _flush_truth(state)
+    live = [c for c in flushed if c not in silent]
+    assert live and silent == SLIMMED  # the premise: both kinds flush
+    report = predict_fold(save_safetensors(state, tmp_path / "m.safetensors"), Config())
+    (pair,) = report.pairs
+    assert list(pair.live_flush) == live and list(pair.silent_flush) == silent
+    (f,) = [f for f in report.findings if f.code == "BN205"]
+    assert f.severity == "warning" and f"{len(live)} live channels" in f.message
+    assert f"{len(silent)} near-silent channels left out" in f.message
+    assert dict(report.verdicts())["fp16"].startswith("degraded: flush in 1 pair")

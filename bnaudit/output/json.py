@@ -285,6 +285,7 @@ def fold_to_json(report: FoldReport) -> dict[str, Any]:
                 "fp16": {
                     "overflow_channels": list(p.fp16_overflow),
                     "flush_channels": list(p.fp16_flush),
+                    "silent_flush_channels": list(p.silent_flush),
                     "cancellation_channels": list(p.fp16_cancellation),
                 },
                 "bf16": {"cancellation_channels": list(p.bf16_cancellation)},

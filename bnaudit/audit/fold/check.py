@@ -34,6 +34,8 @@ fp16              largest finite value 65504; round-to-nearest sends |x| >= 6552
                   *overflow*: var_c, M'_c, |b'_c| or the gain |s_c| is >= 65520.
                   *flush*: 0 < M'_c <= 2^-25: every weight of the channel rounds to 0
                   (the smallest subnormal is 2^-24; half of it rounds to even, 0).
+                  A flushed channel that was *silent* in float (above) loses nothing:
+                  counted apart, as for int8.
 cancellation      a half-precision BN forward (or the folded bias b' = beta - mu s added to
                   W'x) computes x - mu with x ~ N(mu_c, var_c) and mu_c rounded to the
                   format: an absolute error up to |mu_c| u, i.e. in the channel's standard
@@ -118,9 +120,15 @@ class PairPrediction:
     fp16_overflow: tuple[int, ...]
     fp16_overflow_what: tuple[str, ...]  # which quantity overflows, one per overflow channel
     fp16_flush: tuple[int, ...]
+    silent_flush: tuple[int, ...]  # the flushed channels that carried nothing in float already
     fp16_cancellation: tuple[int, ...]
     bf16_cancellation: tuple[int, ...]
     worst_cancellation: tuple[float, int] | None  # (e_c at bf16, c) of the worst channel
+
+    @property
+    def live_flush(self) -> tuple[int, ...]:
+        """The flushed channels that carried a signal in float."""
+        return tuple(c for c in self.fp16_flush if c not in self.silent_flush)
 
 
 @dataclass(frozen=True)
@@ -298,6 +306,7 @@ def predict_folded(
     limit = config.max_cancellation
     silent = _silent_channels(folded_max, stats)
     nonzero = [c for c in collapsed if folded_max[c] > 0]
+    flush = [c for c, m in enumerate(folded_max) if 0 < m <= FP16_FLUSH]
     return PairPrediction(
         bn=bn,
         producer=producer,
@@ -314,7 +323,8 @@ def predict_folded(
         per_channel_collapsed=tuple(c for c, m in enumerate(folded_max) if m == 0),
         fp16_overflow=tuple(overflow),
         fp16_overflow_what=tuple(what),
-        fp16_flush=tuple(c for c, m in enumerate(folded_max) if 0 < m <= FP16_FLUSH),
+        fp16_flush=tuple(flush),
+        silent_flush=tuple(c for c in flush if c in silent),
         fp16_cancellation=tuple(c for c, e in enumerate(bounds["fp16"]) if e > limit),
         bf16_cancellation=tuple(c for c, e in enumerate(bounds["bf16"]) if e > limit),
         worst_cancellation=max(((e, c) for c, e in enumerate(bounds["bf16"]) if not math.isnan(e)), default=None),

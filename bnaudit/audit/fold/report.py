@@ -114,7 +114,7 @@ class FoldReport:
         live = [p for p in self.pairs if p.live_collapsed]
         coarse = [p for p in self.pairs if p.coarse]
         overflow = [p for p in self.pairs if p.fp16_overflow]
-        flush = [p for p in self.pairs if p.fp16_flush]
+        flush = [p for p in self.pairs if p.live_flush]
         fp16_c = [p for p in self.pairs if p.fp16_cancellation]
         bf16_c = [p for p in self.pairs if p.bf16_cancellation]
         lines = [

@@ -149,24 +149,37 @@ def _check_overflow(ctx: FoldContext) -> Iterator[Finding]:
 @rule(
     "BN205",
     "fp16-flush",
-    Severity.WARNING,
+    (Severity.WARNING, Severity.INFO),
     "After folding, every weight of an output channel rounds to zero in fp16.",
     "float16's smallest subnormal is 2^-24 and every magnitude up to 2^-25 rounds to 0: a channel whose "
     "folded weights are all that small (a near-zero gamma over a large running_var) outputs its bias "
-    "alone in fp16.",
+    "alone in fp16. A warning when such a channel carried signal in float; info when every flushed channel "
+    "was near-silent already (as for BN201: output variation or folded weights <= 1e-6 of the layer's "
+    "largest, a slimmed network's gamma ~1e-9), which the finding counts apart.",
     "Keep the layer in float32 or bf16, or remove the channel if it is dead.",
     command="fold",
 )
 def _check_flush(ctx: FoldContext) -> Iterator[Finding]:
     r = RULES["BN205"]
     for p in ctx.pairs:
-        if p.fp16_flush:
-            yield r.finding(
-                Severity.WARNING,
-                p.bn,
-                f"{_channels(p.fp16_flush)} of {p.channels}: every folded weight rounds to 0 in fp16",
-                p.fp16_flush,
-            )
+        if not p.fp16_flush:
+            continue
+        live, silent = p.live_flush, p.silent_flush
+        what = f"{plural(len(live), 'live channel')} ({_channels(live)})" if live else _channels(p.fp16_flush)
+        left_out = (
+            f"; {plural(len(silent), 'near-silent channel')} left out ({_channels(silent)}: output variation or "
+            "folded weights <= 1e-6 of the layer's largest, nothing to lose in float already)"
+            if live and silent
+            else ", all near-silent: nothing to lose in float already"
+            if not live
+            else ""
+        )
+        yield r.finding(
+            Severity.WARNING if live else Severity.INFO,
+            p.bn,
+            f"{what} of {p.channels}: every folded weight rounds to 0 in fp16{left_out}",
+            p.fp16_flush,
+        )
 
 
 @rule(
