@@ -306,7 +306,12 @@ def test_cli_exit_codes_and_json_shape(tmp_path, trained, cli):
     }  # fmt: skip
     assert set(pair["int8_per_tensor"]) == {"scale", "collapsed_channels", "coarse_channels", "scale_set_by"}
     assert set(pair["int8_per_channel"]) == {"collapsed_channels"}
-    assert set(pair["fp16"]) == {"overflow_channels", "flush_channels", "silent_flush_channels", "cancellation_channels"}
+    assert set(pair["fp16"]) == {
+        "overflow_channels",
+        "flush_channels",
+        "silent_flush_channels",
+        "cancellation_channels",
+    }
     assert set(pair["bf16"]) == {"cancellation_channels"}
     w, _ = _folded(_with_inception_channel(trained, "block.bn2", 5), "block.bn2", "block.conv2")
     assert pair["int8_per_tensor"]["collapsed_channels"] == _fake_quant_zero_channels(w, per_channel=False)
