@@ -19,6 +19,16 @@ def _channels(channels: tuple[int, ...]) -> str:
     return f"{'channel' if len(channels) == 1 else 'channels'} {listing(channels, 8)}"
 
 
+def _left_out(silent: tuple[int, ...]) -> str:
+    """BN201's and BN205's count of the near-silent channels they leave out (fold.check: SILENT_FLOOR)."""
+    if not silent:
+        return ""
+    return (
+        f"; {plural(len(silent), 'near-silent channel')} left out ({_channels(silent)}: output variation or "
+        "folded weights <= 1e-6 of the layer's largest, nothing to lose in float already)"
+    )
+
+
 def _setter(p: PairPrediction) -> str:
     s = p.scale_set_by
     if s is None:
@@ -64,13 +74,9 @@ def _check_collapse(ctx: FoldContext) -> Iterator[Finding]:
             what = f"{_channels(p.collapsed)} of {p.channels} round to all zeros in int8 per-tensor"
         else:
             what = f"{_channels(p.collapsed)} of {p.channels} hold zero folded weights already"
-        left_out = (
-            f"; {plural(len(silent), 'near-silent channel')} left out ({_channels(silent)}: output variation or "
-            "folded weights <= 1e-6 of the layer's largest, nothing to lose in float already)"
-            if silent
-            else ""
+        yield r.finding(
+            severity, p.bn, f"{what} after folding into {p.producer}: {_setter(p)}{_left_out(silent)}", p.collapsed
         )
-        yield r.finding(severity, p.bn, f"{what} after folding into {p.producer}: {_setter(p)}{left_out}", p.collapsed)
 
 
 @rule(
@@ -164,22 +170,18 @@ def _check_flush(ctx: FoldContext) -> Iterator[Finding]:
     for p in ctx.pairs:
         if not p.fp16_flush:
             continue
-        live, silent = p.live_flush, p.silent_flush
-        what = f"{plural(len(live), 'live channel')} ({_channels(live)})" if live else _channels(p.fp16_flush)
-        left_out = (
-            f"; {plural(len(silent), 'near-silent channel')} left out ({_channels(silent)}: output variation or "
-            "folded weights <= 1e-6 of the layer's largest, nothing to lose in float already)"
-            if live and silent
-            else ", all near-silent: nothing to lose in float already"
-            if not live
-            else ""
-        )
-        yield r.finding(
-            Severity.WARNING if live else Severity.INFO,
-            p.bn,
-            f"{what} of {p.channels}: every folded weight rounds to 0 in fp16{left_out}",
-            p.fp16_flush,
-        )
+        live = p.live_flush
+        if live:
+            severity, what = Severity.WARNING, f"{plural(len(live), 'live channel')} ({_channels(live)})"
+            tail = _left_out(p.silent_flush)
+        else:
+            severity, what, tail = (
+                Severity.INFO,
+                _channels(p.fp16_flush),
+                ", all near-silent: nothing to lose in float already",
+            )
+        message = f"{what} of {p.channels}: every folded weight rounds to 0 in fp16{tail}"
+        yield r.finding(severity, p.bn, message, p.fp16_flush)
 
 
 @rule(

@@ -49,7 +49,7 @@ def resolve_backend(backend: str) -> Callable[..., Any]:
     import torch._dynamo
 
     if ":" in backend:
-        return import_callable(backend, f"--against compile:{backend}", shown=f"--against compile:{backend}")
+        return import_callable(backend, "--against", shown=f"--against compile:{backend}")
     known = torch._dynamo.list_backends(exclude_tags=())
     if backend not in known:
         raise BnauditError(
